@@ -1,0 +1,63 @@
+"""Transport interface: moves whole Ethernet frames between the guest and the stack.
+
+A transport does I/O only, no protocol work. The stack calls :meth:`Transport.open`
+with a callback that receives *batches* of frames (each a ``bytes`` object holding one
+Ethernet frame, no preamble/FCS), and calls :meth:`Transport.send_frames` from its
+single writer task with batches of frames for the guest.
+
+When the transport ends (peer closed, fd error, :meth:`close`), :attr:`closed`
+completes; ``Stack.serve()`` returns then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Sequence
+
+log = logging.getLogger("aioslirp.transport")
+
+#: Largest frame any transport accepts or sends: 65,535-byte IP packet + Ethernet header + slack.
+MAX_FRAME = 65535 + 14 + 64
+
+FrameSink = Callable[[list], None]
+
+
+class Transport:
+    """Base class. Subclasses implement :meth:`_start_reading`, :meth:`send_frames`, :meth:`_close_io`."""
+
+    def __init__(self) -> None:
+        self._on_frames: FrameSink | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.closed: asyncio.Future | None = None
+        #: Frames and bytes moved, for counters.
+        self.frames_in = 0
+        self.frames_out = 0
+        self.send_errors = 0
+
+    async def open(self, on_frames: FrameSink) -> None:
+        """Start delivering guest frames to ``on_frames(list_of_bytes)``. Called once by the stack."""
+        self._loop = asyncio.get_running_loop()
+        self.closed = self._loop.create_future()
+        self._on_frames = on_frames
+        await self._start_reading()
+
+    async def _start_reading(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def send_frames(self, frames: Sequence[bytes]) -> None:  # pragma: no cover - abstract
+        """Write ``frames`` to the guest, in order. Never raises for I/O errors: counts and logs them."""
+        raise NotImplementedError
+
+    def _close_io(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Stop I/O and release the fd/socket. Idempotent."""
+        if self.closed is not None and self.closed.done():
+            return
+        try:
+            self._close_io()
+        finally:
+            if self.closed is not None and not self.closed.done():
+                self.closed.set_result(exc)
