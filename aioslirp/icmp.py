@@ -1,0 +1,202 @@
+"""ICMP echo proxying (RFC 792).
+
+Echo requests to the gateway and DNS addresses are answered by the stack itself. Other
+destinations are proxied, by the first mechanism that works on this host:
+
+1. ping sockets (``SOCK_DGRAM``/``IPPROTO_ICMP``), allowed by ``net.ipv4.ping_group_range``;
+   the kernel picks the identifier, which is rewritten back to the guest's;
+2. one raw ICMP socket (needs CAP_NET_RAW), replies matched by (remote, identifier);
+3. neither: the request is dropped and counted, and the log says so once.
+
+Each (guest, remote, identifier) is a flow that ends after ``icmp_idle_timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import struct
+import time
+
+from .wire.checksum import checksum
+from .wire.ipv4 import ICMP, PROTO_ICMP, build_icmp_packet
+
+log = logging.getLogger("aioslirp.icmp")
+
+ICMP_ECHO_REPLY, ICMP_ECHO = 0, 8
+_ECHO = struct.Struct("!BBHHH")
+
+
+class IcmpFlow:
+    """One proxied echo conversation; owned by :class:`IcmpEcho`."""
+
+    proto = PROTO_ICMP
+    proto_name = "icmp"
+    state = "OPEN"
+
+    def __init__(self, echo: "IcmpEcho", key, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, sock):
+        self.echo = echo
+        self.key = key
+        self.guest_ip, self.dst_ip, self.remote, self.ident = guest_ip, dst_ip, remote, ident
+        self.sock = sock  # per-flow ping socket, or None with the shared raw socket
+        self.last_active = time.monotonic()
+        stack = echo.stack
+        stack.add_flow(self)
+        if sock is not None:
+            stack._loop.add_reader(sock.fileno(), self._readable)
+        self.task = stack._loop.create_task(self._run(), name="aioslirp-icmp")
+        stack.tasks.add(self.task)
+        self.task.add_done_callback(stack.tasks.discard)
+
+    async def _run(self) -> None:
+        timeout = self.echo.stack.config.icmp_idle_timeout
+        try:
+            while True:
+                left = self.last_active + timeout - time.monotonic()
+                if left <= 0:
+                    break
+                await asyncio.sleep(left)
+        finally:
+            self._close()
+
+    def send(self, seq: int, payload: bytes) -> None:
+        self.last_active = time.monotonic()
+        msg = bytearray(_ECHO.pack(ICMP_ECHO, 0, 0, self.ident, seq) + payload)
+        struct.pack_into("!H", msg, 2, checksum(msg))
+        try:
+            if self.sock is not None:
+                self.sock.sendto(msg, (self.remote, 0))
+            else:
+                self.echo.raw.sendto(msg, (self.remote, 0))
+        except OSError as exc:
+            self.echo.stack.counters["drop.icmp_send_error"] += 1
+            log.debug("ICMP echo to %s: %s", self.remote, exc)
+
+    def _readable(self) -> None:
+        for _ in range(16):
+            try:
+                data = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if len(data) < 8 or data[0] != ICMP_ECHO_REPLY:
+                continue
+            self.deliver(data[6:8], data[8:])
+
+    def deliver(self, seq_bytes: bytes, payload) -> None:
+        """Send an echo reply from the remote to the guest."""
+        self.last_active = time.monotonic()
+        seq = int.from_bytes(seq_bytes, "big")
+        stack = self.echo.stack
+        stack.counters["icmp_echo_replies"] += 1
+        stack.inject_ip(build_icmp_packet(self.dst_ip, self.guest_ip, ICMP_ECHO_REPLY, 0,
+                                          (self.ident << 16) | seq, payload), self.guest_ip)
+
+    def flush(self) -> None:
+        pass
+
+    def fail(self) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self._close()
+        if not self.task.done():
+            self.task.cancel()
+
+    def _close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.echo.stack._loop.remove_reader(self.sock.fileno())
+            except Exception:
+                pass
+            self.sock.close()
+            self.sock = None
+        self.echo.stack.remove_flow(self)
+        self.echo.by_remote.pop((self.dst_ip, self.ident), None)
+
+
+class IcmpEcho:
+    """Chooses the echo mechanism once and creates :class:`IcmpFlow` objects."""
+
+    def __init__(self, stack) -> None:
+        self.stack = stack
+        self.mode: str | None = None
+        self.raw: socket.socket | None = None
+        self.by_remote: dict = {}
+        self._warned = False
+
+    def _probe(self) -> None:
+        try:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
+            s.close()
+            self.mode = "ping"
+            return
+        except OSError:
+            pass
+        try:
+            self.raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+            self.raw.setblocking(False)
+            self.stack._loop.add_reader(self.raw.fileno(), self._raw_readable)
+            self.mode = "raw"
+        except OSError:
+            self.mode = "none"
+            log.warning("ICMP echo: no ping sockets (net.ipv4.ping_group_range) and no raw sockets "
+                        "(CAP_NET_RAW); only the gateway and DNS answer pings")
+        log.info("ICMP echo proxy mode: %s", self.mode)
+
+    def echo(self, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, seq: int, payload: bytes, header) -> None:
+        """Proxy one echo request from ``guest_ip`` to ``dst_ip`` (``remote`` on the host)."""
+        if self.mode is None:
+            self._probe()
+        if self.mode == "none":
+            self.stack.drop("icmp_unsupported")
+            return
+        key = (PROTO_ICMP, guest_ip, ident, dst_ip, 0)
+        flow = self.stack.flows.get(key)
+        if flow is None:
+            if not self.stack._make_room(PROTO_ICMP):
+                return self.stack.drop("flow_table_full")
+            sock = None
+            if self.mode == "ping":
+                try:
+                    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
+                    sock.setblocking(False)
+                except OSError as exc:
+                    self.stack.counters["drop.icmp_socket_error"] += 1
+                    log.debug("ping socket: %s", exc)
+                    return
+            flow = IcmpFlow(self, key, guest_ip, dst_ip, remote, ident, sock)
+            if sock is None:
+                self.by_remote[(dst_ip, ident)] = flow
+        flow.send(seq, payload)
+
+    def _raw_readable(self) -> None:
+        for _ in range(64):
+            try:
+                data = self.raw.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno != errno.EAGAIN:
+                    log.debug("raw ICMP: %s", exc)
+                return
+            ihl = (data[0] & 0x0F) * 4
+            if len(data) < ihl + 8 or data[ihl] != ICMP_ECHO_REPLY:
+                continue
+            src = data[12:16]
+            ident = int.from_bytes(data[ihl + 4:ihl + 6], "big")
+            flow = self.by_remote.get((src, ident))
+            if flow is not None:
+                flow.deliver(data[ihl + 6:ihl + 8], data[ihl + 8:])
+
+    def close(self) -> None:
+        if self.raw is not None:
+            try:
+                self.stack._loop.remove_reader(self.raw.fileno())
+            except Exception:
+                pass
+            self.raw.close()
+            self.raw = None

@@ -1,0 +1,550 @@
+"""The :class:`Stack` facade: guest frames in, NAT flows and local services, frames out.
+
+Theory of operation
+-------------------
+A transport hands batches of guest Ethernet frames to :meth:`Stack._on_frames`. Each
+frame goes through :meth:`Stack.process_guest_frame`, which parses the headers with
+precompiled structs and dispatches:
+
+* ARP requests for the gateway / DNS addresses are answered at once;
+* UDP to port 67 goes to the DHCP server, UDP/TCP to DNS:53 to the DNS forwarder;
+* ICMP echo to the gateway / DNS is answered locally, elsewhere proxied by an echo flow;
+* every other TCP/UDP packet belongs to a NAT flow, looked up in the flow table by
+  ``(proto, guest addr, guest port, remote addr, remote port)``; a TCP SYN or a first
+  UDP datagram creates one. Each flow owns one task and one host socket.
+
+Frames for the guest go into the inject queue (a bounded :class:`asyncio.Queue`); a
+single writer task drains it in batches into ``Transport.send_frames``. TCP flows touched
+by a batch of guest frames are flushed once at the end of the batch, so many guest
+segments produce one ACK and one socket write.
+
+Malformed or hostile input never raises out of :meth:`process_guest_frame`: it is
+dropped and counted under ``drop.<reason>`` in :attr:`Stack.counters`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import time
+from collections import Counter
+
+from .config import NetworkConfig
+from .wire.arp import ARP_REPLY, ARP_REQUEST, build_arp, parse_arp
+from .wire.checksum import finish, partial
+from .wire.ethernet import BROADCAST, ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6
+from .wire.ipv4 import (ICMP, IP_MF, IP_OFFMASK, IPV4, PROTO_ICMP, PROTO_TCP, PROTO_UDP, TCP, UDP,
+                        build_icmp_packet, build_udp_packet, fragment, pseudo_sum)
+from .wire.reassembly import Reassembler
+from . import tracing
+
+log = logging.getLogger("aioslirp.stack")
+
+__all__ = ["Stack"]
+
+_LOOPBACK4 = "127.0.0.1"
+ICMP_ECHO_REPLY, ICMP_UNREACH, ICMP_ECHO = 0, 3, 8
+UNREACH_NET, UNREACH_HOST, UNREACH_PORT, UNREACH_ADMIN = 0, 1, 3, 13
+
+
+class Stack:
+    """A user-mode network stack serving one guest link.
+
+    Usage::
+
+        async with Stack(NetworkConfig()) as stack:
+            await stack.serve(transport)   # returns when the transport closes
+
+    Attributes:
+        config: the validated :class:`NetworkConfig`.
+        counters: ``collections.Counter`` of events: ``frames_in``, ``frames_out``,
+            ``bytes_in``, ``bytes_out``, ``drop.<reason>``, ``flows.<proto>.opened``...
+        flows: the flow table, ``dict`` key -> flow object.
+
+    Raises:
+        ConfigError: from the constructor when ``config`` is invalid.
+    """
+
+    def __init__(self, config: NetworkConfig | None = None) -> None:
+        self.config = (config if config is not None else NetworkConfig()).validate()
+        cfg = self.config
+        self.counters: Counter = Counter()
+        self.flows: dict = {}
+        self.gw_mac = cfg.gateway_mac_bytes
+        self.gw_ip = cfg.gateway.packed
+        self.dns_ip = cfg.dns.packed
+        self.guest_ip = cfg.guest.packed
+        self.net_int = int(cfg.cidr.network_address)
+        self.mask_int = int(cfg.cidr.netmask)
+        self.bcast_ip = cfg.cidr.broadcast_address.packed
+        self.mtu = cfg.mtu
+        #: IPv4 (4 bytes) -> guest MAC, learned from the guest's frames.
+        self.neighbors: dict[bytes, bytes] = {}
+        self.reassembler = Reassembler()
+        self._transport = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inject: asyncio.Queue | None = None
+        self._writer_task: asyncio.Task | None = None
+        self._aux_tasks: set[asyncio.Task] = set()
+        self._dirty: set = set()
+        self._closed = False
+        self._stopped: asyncio.Future | None = None
+        self.dhcp = None
+        self.dns = None
+        self.icmp = None
+        self.tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> "Stack":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Start the writer task and the services. Called by ``async with``."""
+        from .services.dhcp import DhcpServer
+        from .services.dns import DnsForwarder
+        from .icmp import IcmpEcho
+
+        self._loop = asyncio.get_running_loop()
+        self._inject = asyncio.Queue(self.config.inject_queue_size)
+        self._stopped = self._loop.create_future()
+        self._writer_task = self._loop.create_task(self._writer(), name="aioslirp-writer")
+        self.dhcp = DhcpServer(self.config)
+        self.dns = DnsForwarder(self.config)
+        self.icmp = IcmpEcho(self)
+
+    def close(self) -> None:
+        """Ask :meth:`serve` to return; flows are torn down by :meth:`aclose`."""
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(None)
+
+    async def aclose(self) -> None:
+        """Reset every flow towards the guest, close all host sockets, stop all tasks."""
+        if self._closed:
+            return
+        self._closed = True
+        self.close()
+        for flow in list(self.flows.values()):
+            try:
+                flow.shutdown()
+            except Exception:  # pragma: no cover - defensive
+                log.exception("flow shutdown failed")
+        tasks = [t for t in self.tasks if not t.done()]
+        for t in tasks:
+            t.cancel()
+        for t in list(self._aux_tasks):
+            t.cancel()
+        await asyncio.gather(*tasks, *self._aux_tasks, return_exceptions=True)
+        # let the writer drain the final RSTs
+        if self._inject is not None and self._transport is not None and not self._transport.closed.done():
+            await self._drain_inject()
+        if self._writer_task is not None:
+            self._writer_task.cancel()
+            await asyncio.gather(self._writer_task, return_exceptions=True)
+        if self.icmp is not None:
+            self.icmp.close()
+        if self.dns is not None:
+            await self.dns.close()
+        if self._transport is not None:
+            self._transport.close()
+        self.flows.clear()
+
+    async def _drain_inject(self) -> None:
+        for _ in range(100):
+            if self._inject.empty():
+                return
+            await asyncio.sleep(0.001)
+
+    async def serve(self, transport) -> None:
+        """Serve ``transport`` until it closes or :meth:`close` is called.
+
+        The transport is closed on return. One transport at a time.
+        """
+        if self._loop is None:
+            await self.start()
+        self._transport = transport
+        await transport.open(self._on_frames)
+        try:
+            await asyncio.wait([transport.closed, self._stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            transport.close()
+
+    def spawn(self, coro, name: str | None = None) -> asyncio.Task:
+        """Run an auxiliary coroutine owned by the stack (cancelled by :meth:`aclose`)."""
+        t = self._loop.create_task(coro, name=name)
+        self._aux_tasks.add(t)
+        t.add_done_callback(self._aux_done)
+        return t
+
+    def _aux_done(self, t: asyncio.Task) -> None:
+        self._aux_tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.error("auxiliary task %s failed", t.get_name(), exc_info=t.exception())
+
+    # ------------------------------------------------------------------ output
+    def inject(self, frame) -> bool:
+        """Queue one Ethernet frame for the guest. Returns False (and counts) when the queue is full."""
+        try:
+            self._inject.put_nowait(frame)
+        except asyncio.QueueFull:
+            self.counters["drop.inject_full"] += 1
+            return False
+        return True
+
+    def inject_room(self) -> int:
+        """Free slots in the inject queue."""
+        return self._inject.maxsize - self._inject.qsize()
+
+    def eth_to(self, ip4: bytes) -> bytes:
+        """Ethernet header from the gateway to the guest owning ``ip4``."""
+        return ETH.pack(self.neighbors.get(ip4, BROADCAST), self.gw_mac, ETHERTYPE_IPV4)
+
+    def inject_ip(self, packet, dst_ip: bytes) -> None:
+        """Queue an IPv4 packet (bytes-like, no Ethernet header) for the guest, fragmenting to the MTU."""
+        eth = self.eth_to(dst_ip)
+        for p in fragment(packet, self.mtu):
+            self.inject(eth + p)
+
+    async def _writer(self) -> None:
+        q = self._inject
+        counters = self.counters
+        trace = tracing.enabled
+        while True:
+            frame = await q.get()
+            batch = [frame]
+            while len(batch) < 128 and not q.empty():
+                batch.append(q.get_nowait())
+            tr = self._transport
+            if tr is None or tr.closed is None or tr.closed.done():
+                counters["drop.no_transport"] += len(batch)
+                continue
+            if trace:
+                with tracing.span("drain_to_guest", {"aioslirp.frames": len(batch), "aioslirp.queue_depth": len(batch) + q.qsize()}):
+                    tr.send_frames(batch)
+            else:
+                tr.send_frames(batch)
+            counters["frames_out"] += len(batch)
+
+    def send_icmp_error(self, icmp_type: int, code: int, orig_ip_packet) -> None:
+        """Send ICMP ``icmp_type``/``code`` to the guest about ``orig_ip_packet`` (its header + 8 bytes, RFC 792)."""
+        orig = bytes(orig_ip_packet)
+        if len(orig) < 28:
+            return
+        ihl = (orig[0] & 0x0F) * 4
+        quoted = orig[: ihl + 8]
+        src = orig[12:16]
+        dst = orig[16:20]
+        self.counters["icmp_errors_sent"] += 1
+        self.inject_ip(build_icmp_packet(dst, src, icmp_type, code, 0, quoted), src)
+
+    # ------------------------------------------------------------------ input
+    def _on_frames(self, frames) -> None:
+        process = self.process_guest_frame
+        for f in frames:
+            process(f)
+        self.flush()
+
+    def flush(self) -> None:
+        """Let every flow touched since the last flush send what is due (one ACK, one socket write)."""
+        dirty = self._dirty
+        while dirty:
+            flow = dirty.pop()
+            try:
+                flow.flush()
+            except Exception:
+                log.exception("flow %s failed in flush", getattr(flow, "key", flow))
+                self.counters["flow_errors"] += 1
+                flow.fail()
+
+    def mark_dirty(self, flow) -> None:
+        self._dirty.add(flow)
+
+    def drop(self, reason: str) -> None:
+        """Count a dropped guest frame."""
+        self.counters["drop." + reason] += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("dropped guest frame: %s", reason)
+
+    def process_guest_frame(self, frame) -> None:
+        """Process one guest Ethernet frame (bytes-like). Never raises: bad input is dropped and counted."""
+        self.counters["frames_in"] += 1
+        self.counters["bytes_in"] += len(frame)
+        try:
+            if tracing.enabled:
+                with tracing.span("process_guest_frame", {"aioslirp.frame_len": len(frame)}):
+                    self._dispatch(frame)
+            else:
+                self._dispatch(frame)
+        except Exception:
+            self.counters["drop.internal_error"] += 1
+            log.exception("internal error processing a guest frame")
+
+    def _dispatch(self, frame) -> None:
+        if len(frame) < 14:
+            return self.drop("truncated_eth")
+        dst_mac, src_mac, ethertype = ETH.unpack_from(frame, 0)
+        if src_mac[0] & 1:
+            return self.drop("bad_src_mac")
+        if ethertype == ETHERTYPE_IPV4:
+            self._ipv4(frame, src_mac)
+        elif ethertype == ETHERTYPE_ARP:
+            self._arp(frame, src_mac)
+        elif ethertype == ETHERTYPE_IPV6:
+            self.drop("ipv6_unsupported")
+        else:
+            self.drop("unknown_ethertype")
+
+    def _arp(self, frame, src_mac: bytes) -> None:
+        arp = parse_arp(frame)
+        if arp is None:
+            return self.drop("bad_arp")
+        oper, sha, spa, tha, tpa = arp
+        if self._in_subnet(spa) and spa not in (self.gw_ip, self.dns_ip):
+            self.neighbors[spa] = sha
+        if oper != ARP_REQUEST:
+            return
+        if tpa == spa:  # gratuitous ARP / DAD probe announcements
+            return
+        if tpa in (self.gw_ip, self.dns_ip):
+            self.counters["arp_replies"] += 1
+            self.inject(build_arp(ARP_REPLY, self.gw_mac, tpa, sha, spa))
+
+    def _in_subnet(self, ip4: bytes) -> bool:
+        return (int.from_bytes(ip4, "big") & self.mask_int) == self.net_int
+
+    def _ipv4(self, frame, src_mac: bytes) -> None:
+        flen = len(frame)
+        if flen < 34:
+            return self.drop("truncated_ip")
+        ver_ihl, _tos, total, ident, flags_frag, _ttl, proto, _csum, src, dst = IPV4.unpack_from(frame, 14)
+        ihl = (ver_ihl & 0x0F) << 2
+        if ver_ihl >> 4 != 4 or ihl < 20:
+            return self.drop("bad_ip_header")
+        if total < ihl or 14 + total > flen:
+            return self.drop("bad_ip_length")
+        mv = memoryview(frame)
+        if partial(mv[14:14 + ihl]) != 0:
+            return self.drop("bad_ip_checksum")
+        if src != b"\x00\x00\x00\x00":
+            if not self._in_subnet(src) or src in (self.gw_ip, self.dns_ip, self.bcast_ip):
+                return self.drop("bad_src_ip")
+            self.neighbors[src] = src_mac
+        l4 = mv[14 + ihl:14 + total]
+        if flags_frag & (IP_MF | IP_OFFMASK):
+            data = self.reassembler.add((src, dst, proto, ident), (flags_frag & IP_OFFMASK) << 3,
+                                        bool(flags_frag & IP_MF), l4, time.monotonic())
+            if self.reassembler.drops:
+                for k, v in self.reassembler.drops.items():
+                    self.counters["drop." + k] += v
+                self.reassembler.drops.clear()
+            if data is None:
+                self.counters["ip_fragments"] += 1
+                return
+            self.counters["ip_reassembled"] += 1
+            l4 = memoryview(data)
+            header = bytes(mv[14:14 + ihl])
+        else:
+            header = None
+        if proto == PROTO_TCP:
+            self._tcp(mv, ihl, l4, src, dst, src_mac)
+        elif proto == PROTO_UDP:
+            self._udp(mv, ihl, l4, src, dst, src_mac, header)
+        elif proto == PROTO_ICMP:
+            self._icmp(mv, ihl, l4, src, dst)
+        else:
+            self.drop("unknown_ip_proto")
+
+    def _remote_for(self, dst: bytes) -> str | None:
+        """Host address a guest destination maps to, or None when it must not be reached."""
+        if dst == self.gw_ip:
+            return None if self.config.disable_host_loopback else _LOOPBACK4
+        if self._in_subnet(dst) or dst == b"\xff\xff\xff\xff":
+            return None
+        first = dst[0]
+        if first == 127 or first == 0 or first >= 224:
+            return None
+        return socket.inet_ntoa(dst)
+
+    # -------------------------------------------------------------- UDP
+    def _udp(self, mv, ihl: int, l4, src: bytes, dst: bytes, src_mac: bytes, frag_header) -> None:
+        if len(l4) < 8:
+            return self.drop("truncated_udp")
+        sport, dport, ulen, csum = UDP.unpack_from(l4, 0)
+        if ulen < 8 or ulen > len(l4):
+            return self.drop("bad_udp_length")
+        if csum and (partial(l4[:ulen]) + pseudo_sum(src, dst, PROTO_UDP, ulen)) % 0xFFFF != 0:
+            return self.drop("bad_udp_checksum")
+        payload = l4[8:ulen]
+        if dport == 67 and sport == 68:
+            return self._dhcp(payload, src_mac)
+        if dst == self.dns_ip:
+            if dport == 53:
+                return self._dns_udp(bytes(payload), src, sport)
+            return self._port_unreachable(mv, ihl, l4, frag_header)
+        if src == b"\x00\x00\x00\x00":
+            return self.drop("udp_from_unspecified")
+        remote = self._remote_for(dst)
+        if remote is None:
+            if dst == self.gw_ip:
+                self.counters["drop.host_loopback_disabled"] += 1
+                return self._port_unreachable(mv, ihl, l4, frag_header, UNREACH_ADMIN)
+            return self.drop("udp_unroutable_dst")
+        key = (PROTO_UDP, src, sport, dst, dport)
+        flow = self.flows.get(key)
+        if flow is None:
+            from .udp import UdpFlow
+            if not self._make_room(PROTO_UDP):
+                return self.drop("flow_table_full")
+            flow = UdpFlow(self, key, remote)
+            if flow.sock is None:
+                if flow.connect_error is not None:
+                    self._port_unreachable(mv, ihl, l4, frag_header, flow.connect_error)
+                return
+        flow.send(payload, mv[14:14 + ihl + 8] if frag_header is None else frag_header + bytes(l4[:8]))
+
+    def _port_unreachable(self, mv, ihl, l4, frag_header, code: int = UNREACH_PORT) -> None:
+        orig = bytes(mv[14:14 + ihl]) + bytes(l4[:8]) if frag_header is None else frag_header + bytes(l4[:8])
+        self.send_icmp_error(ICMP_UNREACH, code, orig)
+
+    def _dhcp(self, payload, src_mac: bytes) -> None:
+        res = self.dhcp.handle(bytes(payload), src_mac, time.monotonic())
+        if res is None:
+            self.counters["dhcp_ignored"] += 1
+            return
+        reply, broadcast = res
+        self.counters["dhcp_replies"] += 1
+        # yiaddr is at offset 16 of the BOOTP message
+        yiaddr = reply[16:20]
+        dst_ip = b"\xff\xff\xff\xff" if broadcast or yiaddr == b"\x00\x00\x00\x00" else yiaddr
+        pkt = build_udp_packet(self.gw_ip, dst_ip, 67, 68, reply)
+        dst_mac = BROADCAST if broadcast else src_mac
+        for p in fragment(pkt, self.mtu):
+            self.inject(ETH.pack(dst_mac, self.gw_mac, ETHERTYPE_IPV4) + p)
+
+    def _dns_udp(self, query: bytes, src: bytes, sport: int) -> None:
+        if len(self._aux_tasks) > 1024:
+            return self.drop("dns_too_many_queries")
+        self.counters["dns_queries_udp"] += 1
+        self.spawn(self._dns_answer(query, src, sport), name="aioslirp-dns")
+
+    async def _dns_answer(self, query: bytes, src: bytes, sport: int) -> None:
+        reply = await self.dns.resolve(query)
+        if reply:
+            self.inject_ip(build_udp_packet(self.dns_ip, src, 53, sport, reply), src)
+
+    # -------------------------------------------------------------- ICMP
+    def _icmp(self, mv, ihl: int, l4, src: bytes, dst: bytes) -> None:
+        if len(l4) < 8:
+            return self.drop("truncated_icmp")
+        if partial(l4) != 0:
+            return self.drop("bad_icmp_checksum")
+        icmp_type, code, _csum, rest = ICMP.unpack_from(l4, 0)
+        if icmp_type != ICMP_ECHO:
+            self.counters["icmp_ignored"] += 1
+            return
+        if dst in (self.gw_ip, self.dns_ip):
+            self.counters["icmp_echo_local"] += 1
+            self.inject_ip(build_icmp_packet(dst, src, ICMP_ECHO_REPLY, 0, rest, l4[8:]), src)
+            return
+        remote = self._remote_for(dst)
+        if remote is None:
+            return self.drop("icmp_unroutable_dst")
+        self.icmp.echo(src, dst, remote, rest >> 16, rest & 0xFFFF, bytes(l4[8:]), bytes(mv[14:14 + ihl]) + bytes(l4[:8]))
+
+    # -------------------------------------------------------------- TCP
+    def _tcp(self, mv, ihl: int, l4, src: bytes, dst: bytes, src_mac: bytes) -> None:
+        from .tcp.flow import TcpFlow, parse_segment
+        n = len(l4)
+        if n < 20:
+            return self.drop("truncated_tcp")
+        if (partial(l4) + pseudo_sum(src, dst, PROTO_TCP, n)) % 0xFFFF != 0:
+            return self.drop("bad_tcp_checksum")
+        sport, dport = TCP.unpack_from(l4, 0)[:2]
+        key = (PROTO_TCP, src, sport, dst, dport)
+        seg = parse_segment(l4)
+        if seg is None:
+            return self.drop("bad_tcp_header")
+        flow = self.flows.get(key)
+        if flow is not None:
+            if flow.on_segment(seg):
+                return
+            # flow was finished (TIME-WAIT) and this is a new SYN: replace it
+            flow.shutdown()
+        if not (seg.flags & 0x02) or seg.flags & 0x14:  # need SYN without RST/ACK
+            if not seg.flags & 0x04:
+                self._tcp_reset_unknown(src, dst, sport, dport, seg, len(seg.payload))
+            self.counters["drop.tcp_no_flow"] += 1
+            return
+        if src == b"\x00\x00\x00\x00":
+            return self.drop("tcp_from_unspecified")
+        orig = bytes(mv[14:14 + ihl]) + bytes(l4[:8])
+        if dst == self.dns_ip:
+            if dport != 53:
+                self._tcp_reset_unknown(src, dst, sport, dport, seg, 0)
+                return
+            remote = None
+        else:
+            remote = self._remote_for(dst)
+            if remote is None:
+                if dst == self.gw_ip:
+                    self.counters["drop.host_loopback_disabled"] += 1
+                    self._tcp_reset_unknown(src, dst, sport, dport, seg, 0)
+                    return
+                self.send_icmp_error(ICMP_UNREACH, UNREACH_HOST, orig)
+                return self.drop("tcp_unroutable_dst")
+        if not self._make_room(PROTO_TCP):
+            self._tcp_reset_unknown(src, dst, sport, dport, seg, 0)
+            return self.drop("flow_table_full")
+        TcpFlow(self, key, remote, seg, orig)
+
+    def _tcp_reset_unknown(self, src, dst, sport, dport, seg, paylen: int) -> None:
+        """RST for a segment that belongs to no flow (RFC 9293 3.10.7.1)."""
+        from .wire.ipv4 import build_tcp
+        if seg.flags & 0x10:
+            frame = build_tcp(self.eth_to(src), dst, src, dport, sport, seg.ack, 0, 0x04, 0)
+        else:
+            seglen = paylen + (1 if seg.flags & 0x02 else 0) + (1 if seg.flags & 0x01 else 0)
+            frame = build_tcp(self.eth_to(src), dst, src, dport, sport, 0, seg.seq + seglen, 0x14, 0)
+        self.counters["tcp_rst_sent"] += 1
+        self.inject(frame)
+
+    # -------------------------------------------------------------- flow table
+    def _make_room(self, proto: int) -> bool:
+        """Ensure a free flow-table slot; evicts the longest-idle UDP/ICMP flow if needed."""
+        if len(self.flows) < self.config.max_flows:
+            return True
+        victim = None
+        for f in self.flows.values():
+            if f.proto != PROTO_TCP and (victim is None or f.last_active < victim.last_active):
+                victim = f
+        if victim is None:
+            return False
+        self.counters["flows_evicted"] += 1
+        victim.shutdown()
+        return True
+
+    def add_flow(self, flow) -> None:
+        self.flows[flow.key] = flow
+        self.counters[f"flows.{flow.proto_name}.opened"] += 1
+
+    def remove_flow(self, flow) -> None:
+        if self.flows.get(flow.key) is flow:
+            del self.flows[flow.key]
+            self.counters[f"flows.{flow.proto_name}.closed"] += 1
+        self._dirty.discard(flow)
+
+    def flow_stats(self) -> dict:
+        """Active flows by ``proto`` and TCP state: ``{"tcp": {"ESTABLISHED": 3}, "udp": 1, ...}``."""
+        out: dict = {}
+        for f in self.flows.values():
+            if f.proto == PROTO_TCP:
+                d = out.setdefault("tcp", {})
+                d[f.state] = d.get(f.state, 0) + 1
+            else:
+                out[f.proto_name] = out.get(f.proto_name, 0) + 1
+        return out

@@ -1,0 +1,349 @@
+"""TCP NAT flow: the asyncio glue between a sans-IO :class:`TcpConnection` and a host socket.
+
+One :class:`TcpFlow` per guest connection, owned by the stack's flow table. Its task
+connects the host socket first and only then lets the connection answer the guest's SYN
+(SYN-ACK after the host connect; RST when refused; ICMP unreachable when the host or
+network is unreachable or the connect times out). Data then moves through asyncio
+protocol callbacks:
+
+* guest -> host: segments are fed to the connection; at the end of each batch of guest
+  frames :meth:`TcpFlow.flush` writes the in-order bytes to the host socket. When the
+  socket's write buffer passes its high-water mark (``pause_writing``) the flow stops
+  taking bytes out of the connection, so its receive window closes instead of data
+  being dropped; ``resume_writing`` takes them again and a window update goes out.
+* host -> guest: ``data_received`` appends to the connection's send buffer; when that
+  buffer is full (``send_space <= 0``) reading from the host socket pauses until the
+  guest's ACKs make room.
+* a FIN from either side becomes ``shutdown(SHUT_WR)`` / a FIN towards the other side;
+  the reverse direction stays open. A RST either way tears the flow down.
+
+Once both directions are closed the host socket is closed at once; TIME-WAIT towards the
+guest keeps only the flow-table entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import random
+import socket
+import struct
+
+from ..wire.ipv4 import PROTO_TCP, TCP, build_tcp
+from .. import tracing
+from .conn import Segment, TcpConnection
+
+log = logging.getLogger("aioslirp.tcp")
+
+FIN, SYN, RST, PSH, ACK = 0x01, 0x02, 0x04, 0x08, 0x10
+ICMP_UNREACH, UNREACH_NET, UNREACH_HOST = 3, 0, 1
+_H = struct.Struct("!H")
+_CLOSED_BOTH = ("TIME-WAIT", "CLOSED", "LAST-ACK", "CLOSING")
+
+
+def parse_segment(l4) -> Segment | None:
+    """Parse a TCP header + payload (``memoryview``) into a :class:`Segment`.
+
+    Options MSS (kind 2), window scale (3) and SACK-permitted (4) are read; others are
+    skipped. Returns ``None`` for a bad data offset or a malformed option list
+    (e.g. a zero option length).
+    """
+    n = len(l4)
+    _sport, _dport, seq, ack, off_flags, wnd, _csum, _urg = TCP.unpack_from(l4, 0)
+    doff = (off_flags >> 12) << 2
+    if doff < 20 or doff > n:
+        return None
+    mss = wscale = None
+    sack = False
+    i = 20
+    while i < doff:
+        kind = l4[i]
+        if kind == 0:
+            break
+        if kind == 1:
+            i += 1
+            continue
+        if i + 1 >= doff:
+            return None
+        olen = l4[i + 1]
+        if olen < 2 or i + olen > doff:
+            return None
+        if kind == 2 and olen == 4:
+            mss = (l4[i + 2] << 8) | l4[i + 3]
+        elif kind == 3 and olen == 3:
+            wscale = l4[i + 2]
+        elif kind == 4 and olen == 2:
+            sack = True
+        i += olen
+    return Segment(seq, ack, off_flags & 0x3F, wnd, l4[doff:], mss, wscale, sack)
+
+
+def _syn_options(seg: Segment) -> bytes:
+    opts = b""
+    if seg.mss is not None:
+        opts += b"\x02\x04" + _H.pack(seg.mss)
+    if seg.wscale is not None:
+        opts += b"\x01\x03\x03" + bytes((seg.wscale,))
+    return opts
+
+
+class TcpFlow(asyncio.Protocol):
+    """One NAT'ed guest TCP connection. ``remote`` is the host address (``None``: the DNS service)."""
+
+    proto = PROTO_TCP
+    proto_name = "tcp"
+
+    def __init__(self, stack, key: tuple, remote: str | None, syn: Segment, orig_header: bytes) -> None:
+        self.stack = stack
+        self.key = key
+        _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
+        self.remote = remote
+        self.orig_header = orig_header
+        self.loop = loop = stack._loop
+        cfg = stack.config
+        now = loop.time()
+        self.last_active = now
+        self.eth = stack.eth_to(self.guest_ip)
+        self.conn = TcpConnection(iss=random.getrandbits(32), mss=cfg.mtu - 40, rcv_buf=cfg.tcp_buffer,
+                                  snd_buf=cfg.tcp_buffer, now=now, linger=cfg.tcp_linger)
+        self.conn.on_syn(syn, now)
+        self.transport = None
+        self.host_paused = False
+        self.reading_paused = False
+        self.eof_sent = False
+        self.host_closed = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._finished = False
+        self.done = loop.create_future()
+        stack.add_flow(self)
+        self.task = loop.create_task(self._run(), name=f"aioslirp-tcp-{self.guest_port}")
+        stack.tasks.add(self.task)
+        self.task.add_done_callback(stack.tasks.discard)
+
+    @property
+    def state(self) -> str:
+        """RFC 9293 state of the guest-facing connection."""
+        return self.conn.state
+
+    # ----------------------------------------------------------------- task
+    async def _run(self) -> None:
+        try:
+            if self.remote is None:
+                from ..services.dns_tcp import DnsTcpHost
+                self.transport = DnsTcpHost(self, self.stack.dns)
+                self._accept(0.0, True)
+            else:
+                await self._connect()
+            if not self._finished:
+                await self.done
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("TCP flow %s failed", self.key)
+            self.stack.counters["flow_errors"] += 1
+            self.conn.abort()
+            self._emit()
+        finally:
+            self._teardown()
+
+    async def _connect(self) -> None:
+        stack = self.stack
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = self.loop.time()
+        try:
+            await asyncio.wait_for(self.loop.sock_connect(sock, (self.remote, self.dst_port)),
+                                   stack.config.tcp_connect_timeout)
+        except ConnectionRefusedError:
+            sock.close()
+            stack.counters["tcp_connect_refused"] += 1
+            self.conn.refuse()
+            self._emit()
+            self._finish()
+            return
+        except (asyncio.TimeoutError, OSError) as exc:
+            sock.close()
+            code = UNREACH_NET if getattr(exc, "errno", None) == errno.ENETUNREACH else UNREACH_HOST
+            stack.counters["tcp_connect_unreachable"] += 1
+            log.debug("connect %s:%d failed: %r", self.remote, self.dst_port, exc)
+            stack.send_icmp_error(ICMP_UNREACH, code, self.orig_header)
+            self._finish()
+            return
+        except BaseException:
+            sock.close()
+            raise
+        if self.conn.state == "CLOSED" or self._finished:
+            sock.close()
+            self._finish()
+            return
+        await self.loop.create_connection(lambda: self, sock=sock)
+        self._accept(self.loop.time() - t0, False)
+
+    def _accept(self, connect_time: float, immediate: bool) -> None:
+        if tracing.enabled:
+            with tracing.span("tcp.syn_ack", {"network.local.port": self.guest_port,
+                                              "network.peer.port": self.dst_port,
+                                              "aioslirp.connect_immediate": immediate,
+                                              "aioslirp.connect_us": int(connect_time * 1e6)}):
+                self.conn.accept(self.loop.time())
+        else:
+            self.conn.accept(self.loop.time())
+        self.flush()
+
+    # ----------------------------------------------------------------- asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=512 * 1024)
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        conn.send(data)
+        if conn.send_space <= 0 and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
+        self.flush()
+
+    def eof_received(self) -> bool:
+        self.conn.shutdown_write()
+        self.flush()
+        return True
+
+    def connection_lost(self, exc) -> None:
+        self.host_closed = True
+        if not self._finished:
+            if exc is not None:
+                self.conn.abort()
+            elif self.conn.state in ("ESTABLISHED", "CLOSE-WAIT", "SYN-RECEIVED"):
+                self.conn.shutdown_write()
+            self.flush()
+
+    def pause_writing(self) -> None:
+        self.host_paused = True
+
+    def resume_writing(self) -> None:
+        self.host_paused = False
+        self.flush()
+
+    # ----------------------------------------------------------------- guest side
+    def on_segment(self, seg: Segment) -> bool:
+        """Feed one guest segment. Returns False when the flow is over and ``seg`` opens a new one."""
+        conn = self.conn
+        if seg.flags & SYN and not seg.flags & ACK and conn.state in ("TIME-WAIT", "CLOSED"):
+            return False
+        now = self.loop.time()
+        self.last_active = now
+        conn.receive_segment(seg, now)
+        self.stack.mark_dirty(self)
+        return True
+
+    def flush(self) -> None:
+        """Move bytes between the connection and the host socket, send due segments, re-arm the timer."""
+        conn = self.conn
+        tr = self.transport
+        if tr is not None and not self.host_closed:
+            while not self.host_paused:
+                data = conn.peek()
+                if not data:
+                    break
+                n = len(data)
+                tr.write(bytes(data))
+                conn.consume(n)
+            if conn.fin_received and not self.eof_sent and not conn.peek():
+                self.eof_sent = True
+                if tr.can_write_eof():
+                    tr.write_eof()
+            if self.reading_paused and conn.send_space > 0:
+                self.reading_paused = False
+                tr.resume_reading()
+        self._emit()
+        ev = conn.next_event()
+        while ev is not None:
+            name = ev[0]
+            if name == "reset":
+                self.stack.counters["tcp_resets"] += 1
+                self._close_host(abort=True)
+            ev = conn.next_event()
+        state = conn.state
+        if state == "CLOSED":
+            self._finish()
+            return
+        if state == "TIME-WAIT" or (self.eof_sent and state in _CLOSED_BOTH):
+            self._close_host(abort=False)
+        self._arm_timer()
+
+    def _emit(self) -> None:
+        segs = self.conn.segments_to_send(self.loop.time())
+        if not segs:
+            return
+        inject = self.stack.inject
+        eth, src, dst, sport, dport = self.eth, self.dst_ip, self.guest_ip, self.dst_port, self.guest_port
+        for s in segs:
+            opts = _syn_options(s) if s.flags & SYN else b""
+            inject(build_tcp(eth, src, dst, sport, dport, s.seq, s.ack, s.flags, s.wnd, opts, s.payload))
+
+    def _arm_timer(self) -> None:
+        at = self.conn.get_timer()
+        if at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = at
+        if at is not None:
+            self._timer = self.loop.call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        try:
+            self.conn.handle_timer(self.loop.time())
+            self.flush()
+        except Exception:
+            log.exception("TCP flow %s timer failed", self.key)
+            self.fail()
+
+    # ----------------------------------------------------------------- teardown
+    def _close_host(self, abort: bool) -> None:
+        tr = self.transport
+        if tr is None or self.host_closed:
+            return
+        self.host_closed = True
+        if abort:
+            tr.abort()
+        else:
+            tr.close()
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            if not self.done.done():
+                self.done.set_result(None)
+
+    def _teardown(self) -> None:
+        self._finished = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._close_host(abort=self.conn.reset)
+        self.stack.remove_flow(self)
+
+    def fail(self) -> None:
+        """End this flow after an internal error: RST to the guest, abort the host socket."""
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Tear down now (stack exit, eviction): RST towards the guest, host socket closed."""
+        if self.conn.state not in ("CLOSED", "TIME-WAIT"):
+            self.conn.abort()
+            try:
+                self._emit()
+            except Exception:  # pragma: no cover
+                pass
+        self._close_host(abort=True)
+        self._finish()
+        if not self.task.done():
+            self.task.cancel()
+        self.stack.remove_flow(self)

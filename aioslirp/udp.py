@@ -1,0 +1,137 @@
+"""UDP NAT flows: one connected host socket per (guest addr, guest port, remote addr, remote port).
+
+Each flow owns one task that waits out the idle timeout (``NetworkConfig.udp_idle_timeout``
+seconds without a datagram either way) and then closes the socket. Datagrams from the
+remote are sent to the guest as IPv4/UDP, fragmented to the link MTU (up to 65,507 bytes
+of payload). ``ECONNREFUSED`` from the host becomes ICMP port unreachable towards the
+guest (RFC 792 / RFC 1122 3.2.2.1), quoting the guest's last datagram.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import time
+
+from .wire.ipv4 import PROTO_UDP, build_udp_packet
+
+log = logging.getLogger("aioslirp.udp")
+
+ICMP_UNREACH, UNREACH_NET, UNREACH_HOST, UNREACH_PORT = 3, 0, 1, 3
+_ERR_CODES = {errno.ECONNREFUSED: UNREACH_PORT, errno.EHOSTUNREACH: UNREACH_HOST, errno.ENETUNREACH: UNREACH_NET}
+
+
+class UdpFlow:
+    """One guest UDP flow. Created by the stack on the guest's first datagram."""
+
+    proto = PROTO_UDP
+    proto_name = "udp"
+    state = "OPEN"
+
+    def __init__(self, stack, key: tuple, remote: str) -> None:
+        self.stack = stack
+        self.key = key
+        _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
+        self.last_active = time.monotonic()
+        self.last_header = b""
+        self.bytes_up = self.bytes_down = 0
+        self.sock = None
+        self.connect_error: int | None = None
+        self._done = False
+        loop = stack._loop
+        try:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        except OSError as exc:
+            stack.counters["drop.udp_socket_error"] += 1
+            log.warning("UDP socket: %s", exc)
+            return
+        try:
+            sock.setblocking(False)
+            sock.connect((remote, self.dst_port))
+        except OSError as exc:
+            sock.close()
+            code = _ERR_CODES.get(exc.errno, UNREACH_HOST)
+            self.connect_error = code
+            stack.counters["drop.udp_connect_error"] += 1
+            self.sock = None
+            return
+        self.sock = sock
+        loop.add_reader(sock.fileno(), self._readable)
+        stack.add_flow(self)
+        self._wake = loop.create_future()
+        self.task = loop.create_task(self._run(), name=f"aioslirp-udp-{self.guest_port}")
+        stack.tasks.add(self.task)
+        self.task.add_done_callback(stack.tasks.discard)
+
+    async def _run(self) -> None:
+        """Owning coroutine: closes the flow after ``udp_idle_timeout`` seconds of silence."""
+        timeout = self.stack.config.udp_idle_timeout
+        try:
+            while not self._done:
+                left = self.last_active + timeout - time.monotonic()
+                if left <= 0:
+                    self.stack.counters["udp_idle_closed"] += 1
+                    break
+                await asyncio.sleep(left)
+        finally:
+            self._close()
+
+    def send(self, payload, header) -> None:
+        """Send a guest datagram to the remote. ``header``: the guest's IP header + 8 bytes, for ICMP errors."""
+        self.last_active = time.monotonic()
+        self.last_header = bytes(header)
+        try:
+            self.sock.send(payload)
+            self.bytes_up += len(payload)
+        except BlockingIOError:
+            self.stack.counters["drop.udp_send_blocked"] += 1
+        except OSError as exc:
+            self._error(exc)
+
+    def _readable(self) -> None:
+        stack = self.stack
+        for _ in range(64):
+            try:
+                data = self.sock.recv(65536)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._error(exc)
+                return
+            self.last_active = time.monotonic()
+            self.bytes_down += len(data)
+            stack.counters["udp_datagrams_down"] += 1
+            stack.inject_ip(build_udp_packet(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, data),
+                            self.guest_ip)
+
+    def _error(self, exc: OSError) -> None:
+        code = _ERR_CODES.get(exc.errno)
+        if code is not None and self.last_header:
+            self.stack.send_icmp_error(ICMP_UNREACH, code, self.last_header)
+        else:
+            log.debug("UDP flow %s: %s", self.key, exc)
+
+    def flush(self) -> None:
+        pass
+
+    def fail(self) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Close the host socket and leave the flow table now."""
+        self._done = True
+        self._close()
+        if hasattr(self, "task") and not self.task.done():
+            self.task.cancel()
+
+    def _close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.stack._loop.remove_reader(self.sock.fileno())
+            except Exception:
+                pass
+            self.sock.close()
+            self.sock = None
+        self.stack.remove_flow(self)
