@@ -39,6 +39,7 @@ from .wire.ipv4 import (ICMP, IP_MF, IP_OFFMASK, IPV4, PROTO_ICMP, PROTO_TCP, PR
                         build_icmp_packet, build_udp_packet, fragment, pseudo_sum)
 from .wire.reassembly import Reassembler
 from . import tracing
+from .services.dhcp import reply_destination
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -418,9 +419,9 @@ class Stack:
             return
         reply, broadcast = res
         self.counters["dhcp_replies"] += 1
-        # yiaddr is at offset 16 of the BOOTP message
-        yiaddr = reply[16:20]
-        dst_ip = b"\xff\xff\xff\xff" if broadcast or yiaddr == b"\x00\x00\x00\x00" else yiaddr
+        dst_ip = socket.inet_aton(reply_destination(reply, broadcast))
+        if dst_ip == b"\x00\x00\x00\x00":
+            dst_ip = b"\xff\xff\xff\xff"
         pkt = build_udp_packet(self.gw_ip, dst_ip, 67, 68, reply)
         dst_mac = BROADCAST if broadcast else src_mac
         for p in fragment(pkt, self.mtu):

@@ -1,0 +1,441 @@
+"""DNS forwarder behind the virtual DNS address (``config.dns``, 10.0.2.3 by default).
+
+* :func:`read_resolv_conf` — the host's upstreams from ``resolv.conf``.
+* :class:`DnsForwarder` — forwards one DNS message (RFC 1035) to the upstreams over UDP,
+  failing over on timeout or error, retrying over TCP (RFC 7766) when the answer is
+  truncated and the guest asked over TCP, answering SERVFAIL when every upstream failed.
+* :class:`DnsTcpSession` — splits a DNS-over-TCP byte stream into messages (RFC 1035
+  section 4.2.2: each message is preceded by a two-byte big-endian length).
+
+Spoofing resistance: every upstream attempt uses a new UDP socket (a fresh kernel-chosen,
+randomised source port) and a fresh random message ID; replies are accepted only when
+ID and question (qname case-insensitively, qtype, qclass) match. The guest's ID is
+restored in the reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import secrets
+import struct
+import time
+
+from ..config import NetworkConfig
+
+__all__ = ["DnsForwarder", "DnsTcpSession", "read_resolv_conf"]
+
+log = logging.getLogger(__name__)
+
+_HDR = struct.Struct("!HHHHHH")  # id, flags, qdcount, ancount, nscount, arcount (RFC 1035 4.1.1)
+_LEN = struct.Struct("!H")
+HEADER_LEN = 12
+FLAG_QR = 0x8000
+FLAG_OPCODE = 0x7800
+FLAG_TC = 0x0200
+FLAG_RD = 0x0100
+FLAG_RA = 0x0080
+RCODE_FORMERR = 1
+RCODE_SERVFAIL = 2
+TYPE_OPT = 41  # EDNS(0), RFC 6891
+#: Fallback when resolv.conf names no server (glibc does the same).
+DEFAULT_UPSTREAMS = [("127.0.0.1", 53)]
+
+
+def read_resolv_conf(path: str = "/etc/resolv.conf") -> list[tuple[str, int]]:
+    """Return the ``nameserver`` entries of a resolv.conf as ``[(address, 53), ...]``.
+
+    IPv4 and IPv6 addresses are accepted (an IPv6 scope, ``fe80::1%eth0``, is kept);
+    comments (``#``, ``;``), other keywords, invalid addresses and duplicates are
+    skipped. A missing or unreadable file gives ``[]``.
+    """
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError:
+        return []
+    out: list[tuple[str, int]] = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].split(";", 1)[0].strip()
+        fields = line.split()
+        if len(fields) < 2 or fields[0] != "nameserver":
+            continue
+        addr = fields[1]
+        try:
+            ip = ipaddress.ip_address(addr)
+        except ValueError:
+            continue
+        entry = (str(ip), 53)
+        if entry not in out:
+            out.append(entry)
+    return out
+
+
+def _skip_name(msg: bytes, off: int) -> int:
+    """Offset just past the (possibly compressed) name at ``off``; raises ``ValueError``."""
+    while True:
+        if off >= len(msg):
+            raise ValueError("name runs past the message")
+        n = msg[off]
+        if n == 0:
+            return off + 1
+        if n & 0xC0 == 0xC0:
+            if off + 2 > len(msg):
+                raise ValueError("truncated pointer")
+            return off + 2
+        if n & 0xC0:
+            raise ValueError("bad label type")
+        off += 1 + n
+
+
+def _read_name(msg: bytes, off: int) -> tuple[bytes, int]:
+    """The name at ``off`` lower-cased in wire form (pointers followed) and the offset past it."""
+    labels: list[bytes] = []
+    end = None
+    hops = 0
+    total = 0
+    while True:
+        if off >= len(msg):
+            raise ValueError("name runs past the message")
+        n = msg[off]
+        if n == 0:
+            if end is None:
+                end = off + 1
+            break
+        if n & 0xC0 == 0xC0:
+            if off + 2 > len(msg):
+                raise ValueError("truncated pointer")
+            if end is None:
+                end = off + 2
+            hops += 1
+            if hops > 64:
+                raise ValueError("pointer loop")
+            off = ((n & 0x3F) << 8) | msg[off + 1]
+            continue
+        if n & 0xC0:
+            raise ValueError("bad label type")
+        label = msg[off + 1 : off + 1 + n]
+        if len(label) != n:
+            raise ValueError("label runs past the message")
+        total += n + 1
+        if total > 255:
+            raise ValueError("name too long")
+        labels.append(label.lower())
+        off += 1 + n
+    return b"".join(bytes([len(lab)]) + lab for lab in labels) + b"\0", end
+
+
+def _question(msg: bytes) -> tuple[tuple[bytes, int, int], int]:
+    """The first question ``(qname_lower, qtype, qclass)`` and the offset past it."""
+    name, off = _read_name(msg, HEADER_LEN)
+    if off + 4 > len(msg):
+        raise ValueError("truncated question")
+    qtype, qclass = struct.unpack_from("!HH", msg, off)
+    return (name, qtype, qclass), off + 4
+
+
+def _error_response(query: bytes, rcode: int, question: bytes = b"") -> bytes:
+    """A response header (QR=1, opcode and RD copied, RA=1) plus ``question`` (raw, 0 or 1)."""
+    qid, flags = struct.unpack_from("!HH", query, 0)
+    flags = FLAG_QR | (flags & (FLAG_OPCODE | FLAG_RD)) | FLAG_RA | rcode
+    return _HDR.pack(qid, flags, 1 if question else 0, 0, 0, 0) + question
+
+
+def _clamp_edns(msg: bytes, limit: int) -> bytes:
+    """Lower the UDP payload size of an OPT RR (RFC 6891 6.1.2) to ``limit`` if larger.
+
+    Best effort: returns ``msg`` unchanged when it cannot be walked.
+    """
+    try:
+        _, _, qd, an, ns, ar = _HDR.unpack_from(msg, 0)
+        off = HEADER_LEN
+        for _ in range(qd):
+            off = _skip_name(msg, off) + 4
+        for i in range(an + ns + ar):
+            off = _skip_name(msg, off)
+            rtype, rclass, _ttl, rdlen = struct.unpack_from("!HHIH", msg, off)
+            if rtype == TYPE_OPT and i >= an + ns and rclass > limit:
+                return msg[: off + 2] + struct.pack("!H", limit) + msg[off + 4 :]
+            off += 10 + rdlen
+    except (ValueError, struct.error):
+        pass
+    return msg
+
+
+class _UdpQuery(asyncio.DatagramProtocol):
+    """One outstanding query on its own connected UDP socket."""
+
+    def __init__(self, forwarder: "DnsForwarder", qid: int, question: tuple[bytes, int, int]) -> None:
+        self.forwarder = forwarder
+        self.qid = qid
+        self.question = question
+        self.done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    def datagram_received(self, data: bytes, addr) -> None:  # noqa: ARG002 (connected socket)
+        if self.done.done():
+            return
+        if self.forwarder._matches(data, self.qid, self.question):
+            self.done.set_result(data)
+        else:
+            self.forwarder._count("mismatched")
+
+    def error_received(self, exc: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc or ConnectionAbortedError("socket closed"))
+
+
+class DnsForwarder:
+    """Forwards guest DNS messages to the host's resolvers.
+
+    ``config.dns_upstreams`` (a list of ``(address, port)``) wins when non-empty; else the
+    ``nameserver`` lines of ``resolv_conf`` (re-read when its mtime, size or inode change,
+    checked at most once per ``resolv_check_interval`` seconds), else 127.0.0.1:53.
+    ``max_inflight`` bounds concurrent upstream queries (beyond it a query gets no answer,
+    counted as ``overload``; the guest retries). ``stats`` counts ``queries``, ``answered``,
+    ``timeouts``, ``failovers``, ``servfail``, ``malformed``, ``refused``, ``errors``,
+    ``mismatched``, ``tcp_retries``, ``overload``.
+    """
+
+    def __init__(
+        self,
+        config: NetworkConfig,
+        *,
+        resolv_conf: str = "/etc/resolv.conf",
+        resolv_check_interval: float = 1.0,
+        max_inflight: int = 512,
+    ) -> None:
+        self.config = config
+        self.resolv_conf = resolv_conf
+        self.resolv_check_interval = resolv_check_interval
+        self.max_inflight = max_inflight
+        self.timeout = float(config.dns_timeout)
+        # Largest UDP answer the guest link carries without IP fragmentation.
+        self.max_udp_payload = max(512, int(config.mtu) - 28)
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("queries", "answered", "timeouts", "failovers", "servfail", "malformed",
+             "refused", "errors", "mismatched", "tcp_retries", "overload"), 0)
+        self._resolv_sig: tuple | None = None
+        self._resolv_checked = float("-inf")
+        self._resolv_upstreams: list[tuple[str, int]] = []
+        self._inflight = 0
+        self._transports: set[asyncio.BaseTransport] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------------ upstreams
+
+    def allow_upstream(self, addr: tuple[str, int]) -> bool:
+        """Egress-policy hook: may ``addr`` (``(address, port)``) be queried? Always True here.
+
+        ``disable_host_loopback`` deliberately does not apply: a loopback resolver such as
+        127.0.0.53 is reached from the host side, which is correct.
+        """
+        return True
+
+    @property
+    def upstreams(self) -> list[tuple[str, int]]:
+        """Current upstream list (re-reads resolv.conf when it changed)."""
+        if self.config.dns_upstreams:
+            return list(self.config.dns_upstreams)
+        now = time.monotonic()
+        if now - self._resolv_checked >= self.resolv_check_interval:
+            self._resolv_checked = now
+            try:
+                st = os.stat(self.resolv_conf)
+                sig = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
+            except OSError:
+                sig = None
+            if sig != self._resolv_sig or self._resolv_sig is None:
+                self._resolv_sig = sig
+                ups = read_resolv_conf(self.resolv_conf) if sig is not None else []
+                if ups != self._resolv_upstreams:
+                    log.info("DNS upstreams from %s: %s", self.resolv_conf, ups or DEFAULT_UPSTREAMS)
+                self._resolv_upstreams = ups
+        return list(self._resolv_upstreams or DEFAULT_UPSTREAMS)
+
+    # ------------------------------------------------------------------ forwarding
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + n
+
+    @staticmethod
+    def _matches(resp: bytes, qid: int, question: tuple[bytes, int, int]) -> bool:
+        """RFC 5452 section 9.1: accept only a response whose ID and question match the query."""
+        try:
+            rid, flags, qd, _, _, _ = _HDR.unpack_from(resp, 0)
+            if rid != qid or not flags & FLAG_QR or qd != 1:
+                return False
+            return _question(resp)[0] == question
+        except (ValueError, struct.error):
+            return False
+
+    async def resolve(self, query: bytes, *, tcp: bool = False) -> bytes | None:
+        """Forward one DNS message; return the response to send back to the guest, or ``None``.
+
+        ``tcp``: the guest asked over TCP (a truncated UDP answer is then retried over TCP;
+        the EDNS payload size is left alone). Returns FORMERR for a query with a readable
+        header but no parsable single question, ``None`` for input shorter than a header,
+        for messages that are responses (QR=1), after :meth:`close` and under overload, and
+        SERVFAIL (same ID and question) when every upstream failed.
+        """
+        query = bytes(query)
+        self._count("queries")
+        if len(query) < HEADER_LEN:
+            self._count("malformed")
+            return None
+        qid, flags, qdcount = struct.unpack_from("!HHH", query, 0)
+        if flags & FLAG_QR:
+            self._count("malformed")
+            return None  # never answer a response (reflection loops)
+        try:
+            if qdcount != 1:
+                raise ValueError("QDCOUNT must be 1")
+            question, qend = _question(query)
+        except (ValueError, struct.error):
+            self._count("malformed")
+            return _error_response(query, RCODE_FORMERR)
+        if self._closed:
+            return None
+        if self._inflight >= self.max_inflight:
+            self._count("overload")
+            return None
+        self._inflight += 1
+        try:
+            reply = await self._forward(query, question, tcp)
+        finally:
+            self._inflight -= 1
+        if reply is None:
+            if self._closed:
+                return None
+            self._count("servfail")
+            return _error_response(query, RCODE_SERVFAIL, query[HEADER_LEN:qend])
+        self._count("answered")
+        return _HDR.pack(qid, *_HDR.unpack_from(reply, 0)[1:]) + reply[HEADER_LEN:]
+
+    async def _forward(self, query: bytes, question, tcp: bool) -> bytes | None:
+        upstreams = [u for u in self.upstreams if self.allow_upstream(u)]
+        if not tcp:
+            query = _clamp_edns(query, self.max_udp_payload)
+        for i, upstream in enumerate(upstreams):
+            if self._closed:
+                return None
+            if i:
+                self._count("failovers")
+            qid = secrets.randbits(16)
+            wire = _LEN.pack(qid) + query[2:]
+            try:
+                reply = await self._udp(upstream, wire, qid, question)
+            except asyncio.TimeoutError:
+                self._count("timeouts")
+                log.debug("DNS: upstream %s timed out", upstream)
+                continue
+            except ConnectionRefusedError:
+                self._count("refused")
+                log.debug("DNS: upstream %s refused", upstream)
+                continue
+            except (OSError, ValueError) as exc:  # unreachable, bad address, closed socket, ...
+                self._count("errors")
+                log.debug("DNS: upstream %s failed: %s", upstream, exc)
+                continue
+            if tcp and _HDR.unpack_from(reply, 0)[1] & FLAG_TC:
+                self._count("tcp_retries")
+                qid = secrets.randbits(16)
+                try:
+                    return await self._tcp(upstream, _LEN.pack(qid) + query[2:], qid, question)
+                except (asyncio.TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
+                    self._count("errors")
+                    log.debug("DNS: TCP retry to %s failed: %s; returning truncated answer", upstream, exc)
+            return reply
+        return None
+
+    async def _udp(self, upstream: tuple[str, int], wire: bytes, qid: int, question) -> bytes:
+        loop = asyncio.get_running_loop()
+        transport, proto = await loop.create_datagram_endpoint(
+            lambda: _UdpQuery(self, qid, question), remote_addr=upstream
+        )
+        self._transports.add(transport)
+        try:
+            transport.sendto(wire)
+            return await asyncio.wait_for(proto.done, self.timeout)
+        finally:
+            self._transports.discard(transport)
+            transport.close()
+
+    async def _tcp(self, upstream: tuple[str, int], wire: bytes, qid: int, question) -> bytes:
+        async def exchange() -> bytes:
+            reader, writer = await asyncio.open_connection(upstream[0], upstream[1])
+            self._transports.add(writer.transport)
+            try:
+                writer.write(DnsTcpSession.frame(wire))
+                await writer.drain()
+                while True:  # skip anything that does not answer our question
+                    (length,) = _LEN.unpack(await reader.readexactly(2))
+                    resp = await reader.readexactly(length)
+                    if self._matches(resp, qid, question):
+                        return resp
+                    self._count("mismatched")
+            finally:
+                self._transports.discard(writer.transport)
+                writer.close()
+
+        return await asyncio.wait_for(exchange(), self.timeout)
+
+    async def close(self) -> None:
+        """Abort outstanding upstream queries (their ``resolve`` returns ``None``); idempotent."""
+        self._closed = True
+        for transport in list(self._transports):
+            transport.abort() if hasattr(transport, "abort") else transport.close()
+        self._transports.clear()
+        await asyncio.sleep(0)
+
+
+class DnsTcpSession:
+    """Framing of DNS over TCP (RFC 1035 section 4.2.2, RFC 7766 section 8).
+
+    :meth:`feed` takes stream bytes and returns the complete messages in order; a partial
+    message stays buffered (at most 65,536 bytes, so the buffer is bounded). Zero-length
+    frames carry no message and are skipped (counted in ``empty_frames``).
+    """
+
+    MAX_MESSAGE = 0xFFFF
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self.empty_frames = 0
+
+    @staticmethod
+    def frame(msg: bytes) -> bytes:
+        """``msg`` with its two-byte big-endian length prefix; raises ``ValueError`` above 65,535 bytes."""
+        if len(msg) > DnsTcpSession.MAX_MESSAGE:
+            raise ValueError(f"DNS message of {len(msg)} bytes does not fit a TCP frame")
+        return _LEN.pack(len(msg)) + bytes(msg)
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete message buffered."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Append stream bytes; return the complete messages now available, in order."""
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        off = 0
+        n = len(buf)
+        while n - off >= 2:
+            (length,) = _LEN.unpack_from(buf, off)
+            if n - off - 2 < length:
+                break
+            if length == 0:
+                self.empty_frames += 1
+            else:
+                out.append(bytes(buf[off + 2 : off + 2 + length]))
+            off += 2 + length
+        if off:
+            del buf[:off]
+        return out
