@@ -1,0 +1,267 @@
+"""End to end: `aioslirp run` puts a real process (Linux kernel TCP/IP) in a new namespace
+behind our TAP; real servers listen on host loopback; results are asserted by value.
+
+pytest itself runs in a loopback-only namespace (conftest.py), so nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from hostservers import DataServer, DnsUpstream, UdpEcho, pattern
+
+pytestmark = pytest.mark.netns
+
+GUEST_PY = sys.executable
+
+
+@pytest.fixture(scope="module")
+def servers():
+    data = DataServer()
+    udp = UdpEcho()
+    dns = DnsUpstream()
+    yield {"data": data, "udp": udp, "dns": dns}
+    data.close()
+    udp.close()
+    dns.close()
+
+
+def run_guest(servers, script: str, *opts: str, timeout: float = 120, cmd: list | None = None):
+    """Run ``script`` (python) — or ``cmd`` — inside `aioslirp run`; returns CompletedProcess."""
+    argv = [sys.executable, "-m", "aioslirp", "run", "--dns", f"127.0.0.1:{servers['dns'].port}", *opts, "--"]
+    argv += cmd if cmd is not None else [GUEST_PY, "-c", textwrap.dedent(script)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def guest_json(servers, script: str, *opts: str, timeout: float = 120) -> dict:
+    p = run_guest(servers, script, *opts, timeout=timeout)
+    assert p.returncode == 0, f"rc={p.returncode}\nstdout={p.stdout}\nstderr={p.stderr[-3000:]}"
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_http_get_with_curl(servers):
+    if not shutil.which("curl"):
+        pytest.fail("curl is required (apt-get install curl)")
+    port = servers["data"].port
+    p = run_guest(servers, "", cmd=["sh", "-c", f"curl -sS --max-time 20 http://10.0.2.2:{port}/100000 | sha256sum"])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split()[0] == hashlib.sha256(pattern(100000, 1)).hexdigest()
+
+
+def test_download_and_upload_50mb(servers):
+    port = servers["data"].port
+    n = 50 * 1024 * 1024
+    script = f"""
+    import socket, hashlib, json, time
+    s = socket.create_connection(("10.0.2.2", {port}), timeout=60)
+    s.sendall(b"DOWN {n} 7\\n")
+    h = hashlib.sha256(); got = 0; t0 = time.monotonic()
+    while True:
+        d = s.recv(1 << 20)
+        if not d: break
+        h.update(d); got += len(d)
+    down_s = time.monotonic() - t0
+    s.close()
+    import random
+    data = random.Random(9).randbytes({n})
+    s = socket.create_connection(("10.0.2.2", {port}), timeout=60)
+    t0 = time.monotonic()
+    s.sendall(b"UP\\n" + data)
+    s.shutdown(socket.SHUT_WR)
+    reply = b""
+    while True:
+        d = s.recv(4096)
+        if not d: break
+        reply += d
+    up_s = time.monotonic() - t0
+    print(json.dumps({{"got": got, "sha": h.hexdigest(), "reply": reply.decode(), "down_s": down_s, "up_s": up_s}}))
+    """
+    r = guest_json(servers, script)
+    assert r["got"] == n
+    assert r["sha"] == hashlib.sha256(pattern(n, 7)).hexdigest()
+    count, sha = r["reply"].split()
+    assert int(count) == n
+    assert sha == hashlib.sha256(pattern(n, 9)).hexdigest()
+    print(f"download {n / r['down_s'] / 1e6:.1f} MB/s, upload {n / r['up_s'] / 1e6:.1f} MB/s")
+
+
+def test_upload_to_slow_reader_loses_nothing(servers):
+    port = servers["data"].port
+    n = 4 * 1024 * 1024
+    script = f"""
+    import socket, json, random
+    data = random.Random(3).randbytes({n})
+    s = socket.create_connection(("10.0.2.2", {port}), timeout=60)
+    s.sendall(b"SLOWUP\\n" + data)
+    s.shutdown(socket.SHUT_WR)
+    reply = b""
+    while True:
+        d = s.recv(4096)
+        if not d: break
+        reply += d
+    print(json.dumps({{"reply": reply.decode()}}))
+    """
+    r = guest_json(servers, script)
+    count, sha = r["reply"].split()
+    assert int(count) == n and sha == hashlib.sha256(pattern(n, 3)).hexdigest()
+
+
+def test_half_close_guest_then_read_and_host_closes_first(servers):
+    port = servers["data"].port
+    script = f"""
+    import socket, json, hashlib
+    # guest half-closes, then reads the full response
+    s = socket.create_connection(("10.0.2.2", {port}), timeout=30)
+    s.sendall(b"UP\\nhello")
+    s.shutdown(socket.SHUT_WR)
+    reply = b""
+    while True:
+        d = s.recv(4096)
+        if not d: break
+        reply += d
+    s.close()
+    # host sends 3 MB and closes at once, before the guest has read anything
+    s = socket.create_connection(("10.0.2.2", {port}), timeout=30)
+    s.sendall(b"DOWN 3000000 5\\n")
+    import time; time.sleep(0.5)
+    h = hashlib.sha256(); got = 0
+    while True:
+        d = s.recv(65536)
+        if not d: break
+        h.update(d); got += len(d)
+    print(json.dumps({{"reply": reply.decode(), "got": got, "sha": h.hexdigest()}}))
+    """
+    r = guest_json(servers, script)
+    assert r["reply"] == f"5 {hashlib.sha256(b'hello').hexdigest()}\n"
+    assert r["got"] == 3000000 and r["sha"] == hashlib.sha256(pattern(3000000, 5)).hexdigest()
+
+
+def test_sequential_and_concurrent_connections(servers):
+    port = servers["data"].port
+    script = f"""
+    import socket, json, threading, hashlib
+    ok = 0
+    for i in range(200):
+        s = socket.create_connection(("10.0.2.2", {port}), timeout=30)
+        s.sendall(b"DOWN 1000 %d\\n" % i)
+        buf = b""
+        while True:
+            d = s.recv(4096)
+            if not d: break
+            buf += d
+        s.close()
+        ok += len(buf) == 1000
+    results = []
+    def worker(i):
+        s = socket.create_connection(("10.0.2.2", {port}), timeout=30)
+        s.sendall(b"DOWN 200000 %d\\n" % i)
+        h = hashlib.sha256()
+        while True:
+            d = s.recv(65536)
+            if not d: break
+            h.update(d)
+        s.close()
+        results.append((i, h.hexdigest()))
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(50)]
+    [t.start() for t in ts]; [t.join() for t in ts]
+    print(json.dumps({{"seq_ok": ok, "conc": results}}))
+    """
+    r = guest_json(servers, script)
+    assert r["seq_ok"] == 200
+    assert len(r["conc"]) == 50
+    for i, sha in r["conc"]:
+        assert sha == hashlib.sha256(pattern(200000, i)).hexdigest()
+
+
+def test_closed_port_refused_fast(servers):
+    import socket as _s
+    probe = _s.socket()
+    probe.bind(("127.0.0.1", 0))
+    closed_port = probe.getsockname()[1]
+    probe.close()
+    script = f"""
+    import socket, json, time
+    t0 = time.monotonic()
+    try:
+        socket.create_connection(("10.0.2.2", {closed_port}), timeout=10)
+        err = "connected"
+    except ConnectionRefusedError:
+        err = "ECONNREFUSED"
+    except Exception as e:
+        err = repr(e)
+    print(json.dumps({{"err": err, "t": time.monotonic() - t0}}))
+    """
+    r = guest_json(servers, script)
+    assert r["err"] == "ECONNREFUSED"
+    assert r["t"] < 1.0
+
+
+def test_dns_udp_and_tcp_via_dig(servers):
+    if not shutil.which("dig"):
+        pytest.fail("dig is required (apt-get install dnsutils)")
+    before_udp, before_tcp = servers["dns"].udp_queries, servers["dns"].tcp_queries
+    p = run_guest(servers, "", cmd=["sh", "-c",
+                                    "dig +short +time=3 +tries=1 @10.0.2.3 example.test A && "
+                                    "dig +short +tcp +time=3 +tries=1 @10.0.2.3 other.test A && "
+                                    "cat /etc/resolv.conf"])
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.split("\n")
+    assert lines[0] == "10.0.2.99" and lines[1] == "10.0.2.99"
+    assert "nameserver 10.0.2.3" in p.stdout
+    assert servers["dns"].udp_queries >= before_udp + 2  # UDP query + TCP query forwarded over UDP
+    assert servers["dns"].tcp_queries >= before_tcp or servers["dns"].udp_queries >= before_udp + 2
+
+
+def test_udp_echo_small_and_fragmented(servers):
+    port = servers["udp"].port
+    script = f"""
+    import socket, json, random
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(5)
+    s.connect(("10.0.2.2", {port}))
+    out = {{}}
+    for n in (1, 60000):
+        data = random.Random(n).randbytes(n)
+        s.send(data)
+        got = s.recv(65535)
+        out[str(n)] = got == data
+    print(json.dumps(out))
+    """
+    r = guest_json(servers, script)
+    assert r == {"1": True, "60000": True}
+
+
+def test_ping_gateway(servers):
+    if not shutil.which("ping"):
+        pytest.fail("ping is required (apt-get install iputils-ping)")
+    p = run_guest(servers, "", cmd=["ping", "-c", "2", "-W", "2", "10.0.2.2"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "2 received" in p.stdout
+
+
+def test_disable_host_loopback_blocks_gateway(servers):
+    port = servers["data"].port
+    script = f"""
+    import socket, json
+    try:
+        socket.create_connection(("10.0.2.2", {port}), timeout=5)
+        r = "connected"
+    except ConnectionRefusedError:
+        r = "refused"
+    except Exception as e:
+        r = repr(e)
+    print(json.dumps({{"r": r}}))
+    """
+    before = len(servers["data"].commands)
+    r = guest_json(servers, script, "--disable-host-loopback")
+    assert r["r"] == "refused"
+    assert len(servers["data"].commands) == before
