@@ -1,0 +1,343 @@
+"""TAP transport: Ethernet frames through a Linux ``/dev/net/tun`` device.
+
+A TAP fd carries one whole Ethernet frame (destination MAC first, no preamble, no FCS)
+per ``read``/``write``. The device is opened with ``IFF_TAP | IFF_NO_PI``, so there is no
+packet-information prefix.
+
+Facts this module is built on (see DESIGN section 6):
+
+* when the last process of the guest's network namespace exits, the TAP fd gives
+  neither EOF nor an error (reads say EAGAIN, writes succeed), so the transport can
+  :meth:`~TapTransport.watch_pid` the guest process and close itself when it exits;
+* interface down: writes fail with ``EIO`` (the frame is dropped and counted);
+* interface deleted: ``EBADFD`` plus ``EPOLLERR``, which ends the transport.
+
+Rootless use needs ``/dev/net/tun`` to be world read-writable (mode 0666) and
+``CAP_NET_ADMIN`` in the user namespace that owns the network namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import socket
+import struct
+from typing import Sequence
+
+from .base import MAX_FRAME, Transport
+
+__all__ = [
+    "TapError",
+    "TapTransport",
+    "open_tap",
+    "create_tap",
+    "set_interface_mtu",
+    "TUN_PATH",
+]
+
+log = logging.getLogger("aioslirp.transport.tap")
+
+#: The clone device every TUN/TAP fd is opened from.
+TUN_PATH = "/dev/net/tun"
+
+TUNSETIFF = 0x400454CA
+IFF_TAP = 0x0002
+IFF_NO_PI = 0x1000
+IFF_VNET_HDR = 0x4000
+SIOCSIFMTU = 0x8922
+IFNAMSIZ = 16
+
+# struct ifreq: char ifr_name[16]; union { short flags; int mtu; ... } padded to 40 bytes.
+_IFREQ_FLAGS = struct.Struct("16sH22x")
+_IFREQ_INT = struct.Struct("16si20x")
+
+#: Write errors after which the frame is dropped but the device is still usable.
+_TRANSIENT_WRITE_ERRORS = {
+    errno.EAGAIN: "eagain",  # queue full (non-blocking fd): never block the writer
+    errno.EIO: "eio",  # interface is down
+    errno.EINVAL: "invalid",  # frame the kernel refuses (too short / malformed)
+    errno.EMSGSIZE: "too_big",
+    errno.ENOBUFS: "nobufs",
+    errno.ENOMEM: "nomem",
+}
+
+
+class TapError(OSError):
+    """Opening or creating a TAP device failed. ``str(err)`` is one line saying what to do.
+
+    ``err.errno`` is the underlying errno (``EACCES``, ``ENOENT``, ``EPERM``, ``EBUSY``...).
+    """
+
+    def __init__(self, err: int, message: str) -> None:
+        super().__init__(err, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _check_ifname(name: str) -> bytes:
+    raw = name.encode()
+    if not raw or len(raw) >= IFNAMSIZ or any(c in name for c in "/ \t\n:") or name in (".", ".."):
+        raise TapError(errno.EINVAL, f"invalid interface name {name!r} (1-15 characters, no '/', ':' or spaces)")
+    return raw
+
+
+def open_tap(name: str = "tap0", *, vnet_hdr: bool = False) -> tuple[int, str]:
+    """Open (and create if missing) TAP device ``name`` in the *current* network namespace.
+
+    ``name`` may contain ``%d`` to let the kernel pick a free number. Returns
+    ``(fd, actual_name)``; the fd is blocking, close-on-exec, and owned by the caller.
+    The namespace is the one the calling thread is in when ``/dev/net/tun`` is opened.
+
+    With ``vnet_hdr=True`` every frame carries a 10/12-byte ``virtio_net_hdr`` prefix
+    (``IFF_VNET_HDR``); the plain :class:`TapTransport` does not expect that.
+
+    Raises :class:`TapError` with a one-line explanation: ``ENOENT`` (no tun driver),
+    ``EACCES`` (``/dev/net/tun`` not mode 0666 for rootless use), ``EPERM`` (no
+    ``CAP_NET_ADMIN``), ``EBUSY`` (device in use), ``EINVAL`` (bad name / not a TAP).
+    """
+    raw = _check_ifname(name)
+    try:
+        fd = os.open(TUN_PATH, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise TapError(
+            errno.ENOENT,
+            f"{TUN_PATH} does not exist: load the tun driver (modprobe tun) or create it (mknod {TUN_PATH} c 10 200)",
+        ) from None
+    except PermissionError:
+        raise TapError(
+            errno.EACCES,
+            f"permission denied opening {TUN_PATH}: for rootless use it must be mode 0666 "
+            f"(as root: chmod 0666 {TUN_PATH})",
+        ) from None
+    except OSError as exc:
+        raise TapError(exc.errno or errno.EIO, f"cannot open {TUN_PATH}: {exc.strerror}") from None
+    flags = IFF_TAP | IFF_NO_PI | (IFF_VNET_HDR if vnet_hdr else 0)
+    try:
+        res = fcntl.ioctl(fd, TUNSETIFF, _IFREQ_FLAGS.pack(raw, flags))
+    except OSError as exc:
+        os.close(fd)
+        e = exc.errno or errno.EIO
+        if e == errno.EPERM:
+            msg = (
+                f"creating TAP device {name!r} needs CAP_NET_ADMIN: run as root, inside a user namespace "
+                f"(aioslirp run does this), or use a TAP made for your user (ip tuntap add dev {name} mode tap user $USER)"
+            )
+        elif e == errno.EBUSY:
+            msg = f"TAP device {name!r} is already in use by another process"
+        elif e == errno.EINVAL:
+            msg = f"cannot attach to {name!r}: it exists but is not a TAP device with these flags"
+        else:
+            msg = f"TUNSETIFF on {name!r} failed: {os.strerror(e)}"
+        raise TapError(e, msg) from None
+    actual = _IFREQ_FLAGS.unpack(res)[0].rstrip(b"\0").decode()
+    return fd, actual
+
+
+def set_interface_mtu(name: str, mtu: int) -> None:
+    """Set the MTU (bytes) of interface ``name`` in the current network namespace (``SIOCSIFMTU``).
+
+    Raises :class:`TapError` (``EINVAL`` for an MTU the device refuses, ``EPERM`` without CAP_NET_ADMIN).
+    """
+    raw = _check_ifname(name)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            fcntl.ioctl(s, SIOCSIFMTU, _IFREQ_INT.pack(raw, int(mtu)))
+        except OSError as exc:
+            raise TapError(exc.errno or errno.EIO, f"cannot set MTU {mtu} on {name!r}: {exc.strerror}") from None
+
+
+def create_tap(name: str = "tap0", mtu: int | None = 1500, *, vnet_hdr: bool = False) -> tuple[int, str]:
+    """Create TAP device ``name`` in the current network namespace and set its MTU.
+
+    Meant to run inside the guest's namespace (``aioslirp run`` / ``attach`` helpers), with
+    ``CAP_NET_ADMIN`` there. Returns ``(fd, actual_name)`` like :func:`open_tap`; the
+    link is left down and unaddressed (see :func:`aioslirp.netns.configure_interface`).
+    ``mtu=None`` keeps the kernel default (1500). Raises :class:`TapError`.
+    """
+    fd, actual = open_tap(name, vnet_hdr=vnet_hdr)
+    if mtu is not None:
+        try:
+            set_interface_mtu(actual, mtu)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd, actual
+
+
+class TapTransport(Transport):
+    """Frames to and from an open TAP fd (``IFF_TAP|IFF_NO_PI``, no vnet header).
+
+    ``TapTransport(fd)`` takes ownership of ``fd`` (it is made non-blocking and closed by
+    :meth:`close`). Reading uses ``loop.add_reader`` and reads until ``EAGAIN``, handing
+    batches of at most ``batch`` frames (``list[bytes]``) to the stack. ``read_size`` is
+    the largest frame accepted, in bytes (default :data:`~aioslirp.transport.base.MAX_FRAME`).
+
+    Counters: ``frames_in``, ``frames_out``, ``send_errors`` (all dropped writes) and
+    ``send_drops`` (dict reason -> count: ``eagain``, ``eio``, ``invalid``, ...).
+    """
+
+    def __init__(self, fd: int, *, ifname: str | None = None, batch: int = 64, read_size: int = MAX_FRAME) -> None:
+        super().__init__()
+        if batch < 1:
+            raise ValueError("batch must be >= 1")
+        self._fd = fd
+        self.ifname = ifname
+        self._batch = batch
+        self._read_size = read_size
+        self._reading = False
+        self._pidfds: list[tuple[int, bool]] = []  # (pidfd, owned)
+        self.send_drops: dict[str, int] = {}
+        os.set_blocking(fd, False)
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def open_by_name(cls, name: str = "tap0", **kwargs) -> "TapTransport":
+        """Attach to TAP interface ``name`` in the current network namespace (create it if missing).
+
+        Typical use: an interface made beforehand with ``ip tuntap add dev tap0 mode tap
+        [user USER]``. Raises :class:`TapError` (one line: missing driver, ``/dev/net/tun``
+        not 0666 for rootless use, no permission, device busy).
+        """
+        fd, actual = open_tap(name)
+        return cls(fd, ifname=actual, **kwargs)
+
+    @property
+    def fd(self) -> int:
+        """The TAP fd, or -1 once closed."""
+        return self._fd
+
+    # -- Transport interface --------------------------------------------------------------
+
+    async def _start_reading(self) -> None:
+        if self._fd < 0:  # closed before the stack opened us (e.g. watched process already gone)
+            if self.closed is not None and not self.closed.done():
+                self.closed.set_result(None)
+            return
+        assert self._loop is not None
+        self._loop.add_reader(self._fd, self._on_readable)
+        self._reading = True
+
+    def _on_readable(self) -> None:
+        fd = self._fd
+        if fd < 0:
+            return
+        read = os.read
+        size = self._read_size
+        frames: list[bytes] = []
+        error: OSError | None = None
+        try:
+            for _ in range(self._batch):
+                data = read(fd, size)
+                if not data:
+                    error = EOFError("TAP fd reached end of file")  # type: ignore[assignment]
+                    break
+                frames.append(data)
+        except BlockingIOError:
+            pass
+        except InterruptedError:
+            pass
+        except OSError as exc:
+            error = exc
+        if frames:
+            self.frames_in += len(frames)
+            sink = self._on_frames
+            if sink is not None:
+                sink(frames)
+        if error is not None:
+            log.info("TAP %s: read failed (%s); closing", self.ifname or fd, error)
+            self.close(error)
+
+    def send_frames(self, frames: Sequence[bytes]) -> None:
+        """Write each frame (one Ethernet frame per ``write``); never blocks, never raises for I/O.
+
+        ``EAGAIN``/``EIO`` (interface down)/``EINVAL`` and similar drop the frame and count it
+        in ``send_errors`` and ``send_drops``; ``EBADFD``/``EBADF`` and other fatal errors
+        (interface deleted) close the transport with that error.
+        """
+        fd = self._fd
+        if fd < 0:
+            self._drop("closed", len(frames))
+            return
+        write = os.write
+        sent = 0
+        for i, frame in enumerate(frames):
+            try:
+                write(fd, frame)
+                sent += 1
+            except OSError as exc:
+                reason = _TRANSIENT_WRITE_ERRORS.get(exc.errno or 0)
+                if reason is None:
+                    self.frames_out += sent
+                    self._drop("fatal", len(frames) - i)
+                    log.warning("TAP %s: write failed (%s); closing", self.ifname or fd, exc)
+                    self.close(exc)
+                    return
+                self._drop(reason)
+        self.frames_out += sent
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.send_errors += n
+        first = reason not in self.send_drops
+        self.send_drops[reason] = self.send_drops.get(reason, 0) + n
+        if first and reason != "closed":
+            log.warning("TAP %s: dropping frames written to the guest (%s); counted in send_drops", self.ifname or self._fd, reason)
+
+    def _close_io(self) -> None:
+        loop = self._loop
+        for pidfd, owned in self._pidfds:
+            if loop is not None:
+                loop.remove_reader(pidfd)
+            if owned:
+                os.close(pidfd)
+        self._pidfds.clear()
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            if self._reading and loop is not None:
+                loop.remove_reader(fd)
+            self._reading = False
+            os.close(fd)
+
+    # -- guest process watching -----------------------------------------------------------
+
+    def watch_pid(self, pid: int) -> None:
+        """Close this transport when process ``pid`` exits (``os.pidfd_open`` + a reader).
+
+        Needed because a TAP fd gives no EOF when the guest namespace's last process exits.
+        Must be called from the event loop thread (a running loop is required). If the
+        process is already gone the transport closes at once.
+        """
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            log.info("TAP %s: watched pid %d is already gone; closing", self.ifname or self._fd, pid)
+            self._loop = self._loop or asyncio.get_running_loop()
+            self._loop.call_soon(self.close)
+            return
+        self._watch(pidfd, owned=True)
+
+    def watch_pidfd(self, pidfd: int) -> None:
+        """Close this transport when the process behind ``pidfd`` exits.
+
+        ``pidfd`` stays owned by the caller (it must stay open while watched). Must be
+        called with a running event loop.
+        """
+        self._watch(pidfd, owned=False)
+
+    def _watch(self, pidfd: int, owned: bool) -> None:
+        if self._fd < 0:
+            if owned:
+                os.close(pidfd)
+            return
+        loop = self._loop or asyncio.get_running_loop()
+        self._loop = loop
+        self._pidfds.append((pidfd, owned))
+        loop.add_reader(pidfd, self._on_pid_exit, pidfd)
+
+    def _on_pid_exit(self, pidfd: int) -> None:
+        log.info("TAP %s: watched guest process exited; closing", self.ifname or self._fd)
+        self.close()
