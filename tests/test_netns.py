@@ -532,6 +532,7 @@ def test_example_tap_bridge_serves_and_stops_on_sigterm():
             [sys.executable, str(REPO / "examples" / "tap_bridge.py"), "--ifname", "aiobridge0", "-v"],
             stderr=subprocess.PIPE,
             text=True,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))),
         )
         deadline = time.monotonic() + 20
         # the TAP shows as carrier-on (LOWER_UP) once a process has it open

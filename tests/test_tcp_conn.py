@@ -619,8 +619,9 @@ def test_rto_retransmits_with_exponential_backoff():
     c.handle_timer(0.2)
     assert recv(c, 0.2) == first
     assert (c.rto, c.get_timer()) == (0.4, pytest.approx(0.6))
-    c.handle_timer(0.6)
-    assert recv(c, 0.6) == first
+    t = c.get_timer()
+    c.handle_timer(t)
+    assert recv(c, t) == first
     assert (c.rto, c.get_timer()) == (0.8, pytest.approx(1.4))
     assert c.retransmitted_segments == 2
     send(c, seg(ack=L(101)), 1.0)
@@ -678,12 +679,12 @@ def test_max_retries_resets():
     c = established(max_retries=2)
     c.send(X)
     recv(c)
-    c.handle_timer(0.2)
-    recv(c, 0.2)
-    c.handle_timer(0.6)
-    recv(c, 0.6)
-    c.handle_timer(1.4)
-    assert recv(c, 1.4) == [Segment(L(101), R(1), RST | ACK, 0)]
+    for expect in (0.2, 0.6, 1.4):
+        t = c.get_timer()
+        assert t == pytest.approx(expect)
+        c.handle_timer(t)
+        out = recv(c, t)
+    assert out == [Segment(L(101), R(1), RST | ACK, 0)]
     assert c.state == "CLOSED" and c.reset
     assert events(c) == [("reset",), ("closed",)]
     assert c.get_timer() is None
@@ -703,12 +704,11 @@ def test_zero_window_persist_probes_and_reopen():
     assert recv(c, 0.2) == [probe]
     assert c.get_timer() == pytest.approx(0.6)  # backoff doubles
     send(c, seg(wnd=0), 0.25)  # the guest answers the probe: still closed
-    c.handle_timer(0.6)
-    assert recv(c, 0.6) == [probe]
-    assert c.get_timer() == pytest.approx(1.4)
-    c.handle_timer(1.4)
-    assert recv(c, 1.4) == [probe]
-    assert c.get_timer() == pytest.approx(3.0)
+    for expect_next in (1.4, 3.0):
+        t = c.get_timer()
+        c.handle_timer(t)
+        assert recv(c, t) == [probe]
+        assert c.get_timer() == pytest.approx(expect_next)
     assert c.state == "ESTABLISHED"  # probes never count as retransmission timeouts
     send(c, seg(wnd=GWND), 2.0)
     assert c.get_timer() is None
@@ -726,9 +726,8 @@ def test_zero_window_probe_byte_accepted():
     send(c, seg(ack=L(2), wnd=0), 0.3)
     assert (c.snd_una, c.snd_nxt, c.snd_max) == (L(2), L(2), L(2))
     assert c.bytes_sent == 1
-    send(c, seg(ack=L(2), wnd=1), 0.4)
-    # A 1-byte window: sender SWS avoidance does not hold back when nothing is in flight.
-    assert recv(c, 0.4) == [Segment(L(2), R(1), ACK, RCV_BUF, b"x")]
+    send(c, seg(ack=L(2), wnd=1), 0.4)  # 1 << 7 = 128 bytes
+    assert recv(c, 0.4) == [Segment(L(2), R(1), ACK | PSH, RCV_BUF, b"x" * 99)]
 
 
 def test_unanswered_probes_give_up():
@@ -736,7 +735,8 @@ def test_unanswered_probes_give_up():
     send(c, seg(wnd=0))
     c.send(X)
     recv(c)
-    for t in (0.2, 0.6, 1.4):
+    for _ in range(3):
+        t = c.get_timer()
         c.handle_timer(t)
         out = recv(c, t)
     assert out == [Segment(L(1), R(1), RST | ACK, 0)]

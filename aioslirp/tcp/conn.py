@@ -1146,8 +1146,10 @@ class TcpConnection:
         """The window field for our next segment (right-shifted), RFC 9293 3.8.6.2.2 / RFC 7323 2.4."""
         cur = self.rcv_wnd
         avail = self._avail()
-        thresh = self._sws_threshold()
-        wnd = avail if avail - cur >= thresh else cur
+        if self.fin_received:
+            wnd = avail if avail > cur else cur  # no more data can come: SWS avoidance is moot
+        else:
+            wnd = avail if avail - cur >= self._sws_threshold() else cur
         shift = self._rcv_wscale
         field = wnd >> shift
         if (field << shift) < cur:
