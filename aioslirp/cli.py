@@ -153,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="command and arguments (default: $SHELL)")
 
+    sub.add_parser(
+        "demo",
+        parents=[common],
+        help="offline demo: a guest in a new namespace fetches a page from a host server through the stack",
+        description="Start an HTTP server and a DNS upstream on 127.0.0.1, run a Python client in a new "
+        "network namespace behind aioslirp, and show what happened. Nothing leaves the machine.",
+    )
+
     att = sub.add_parser(
         "attach",
         parents=[common],
@@ -265,7 +273,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _apply_extras(args)
         config = config_from_args(args)
-        if args.command_name == "run":
+        if args.command_name == "demo":
+            ifname = "tap0"
+        elif args.command_name == "run":
             cmd = list(args.cmd)
             if cmd and cmd[0] == "--":
                 cmd = cmd[1:]
@@ -284,7 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .netns import NamespaceError, attach, run_in_namespace
     from .transport.tap import TapError
 
-    if args.command_name == "run":
+    if args.command_name == "demo":
+        from .demo import demo
+
+        coro = demo(config)
+    elif args.command_name == "run":
         coro = run_in_namespace(config, cmd, ifname=ifname, forward_signals=True)
     else:
         coro = attach(config, netns_path=netns_path, pid=pid, ifname=ifname, handle_signals=True)

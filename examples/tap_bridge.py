@@ -29,11 +29,11 @@ from aioslirp.transport.tap import TapError, TapTransport
 
 
 async def serve(ifname: str, config: NetworkConfig) -> None:
-    transport = TapTransport.open_by_name(ifname)
     async with Stack(config) as stack:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stack.close)
+        transport = TapTransport.open_by_name(ifname)
         logging.info("serving %s on %s", config.cidr, transport.ifname)
         await stack.serve(transport)  # until a signal, or the interface goes away
         logging.info("stopped; counters: %s", dict(stack.counters))

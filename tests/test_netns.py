@@ -10,7 +10,9 @@ handling written with dpkt) so they check the plumbing, not the real stack; the
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -23,8 +25,6 @@ import tempfile
 import textwrap
 import time
 import zipfile
-import base64
-import hashlib
 from pathlib import Path
 
 import dpkt
@@ -279,6 +279,67 @@ async def test_forward_signals_passes_sigterm_to_command(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+def test_command_dies_with_aioslirp():
+    """PR_SET_PDEATHSIG: if aioslirp is killed, the command gets SIGKILL."""
+    proc = subprocess.Popen([sys.executable, "-m", "aioslirp", "run", "--", "sleep", "60"], cwd=REPO)
+    try:
+        child = None
+        for _ in range(200):
+            kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            if kids and Path(f"/proc/{kids[0]}/cmdline").read_bytes().startswith(b"sleep"):
+                child = int(kids[0])
+                break
+            time.sleep(0.05)
+        assert child is not None, "the command did not start"
+        proc.kill()
+        proc.wait()
+        for _ in range(100):
+            try:
+                state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                break
+            if state in ("Z", "X"):
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError("the command outlived aioslirp")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_RESOLV_SCRIPT = """
+import json, os, sys
+from aioslirp import _nschild
+from aioslirp._isolate import CLONE_NEWNS, unshare
+link, target = sys.argv[1], sys.argv[2]
+_nschild.RESOLV_CONF = link
+unshare(CLONE_NEWNS)
+warnings = []
+_nschild._install_resolv_conf("nameserver 10.0.2.3\\n", warnings)
+print(json.dumps({"seen": open(link).read() if os.path.exists(link) else None, "warnings": warnings}))
+"""
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_resolv_conf_symlink_handling(tmp_path, dangling):
+    """/etc/resolv.conf as a symlink: the generated file goes over its target; a dangling one warns."""
+    target = tmp_path / "real-resolv.conf"
+    if not dangling:
+        target.write_text("nameserver 192.0.2.1\n")
+    link = tmp_path / "resolv.conf"
+    link.symlink_to(target)
+    p = subprocess.run([sys.executable, "-c", _RESOLV_SCRIPT, str(link), str(target)], capture_output=True, text=True, cwd=REPO, timeout=30)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    if dangling:
+        assert len(out["warnings"]) == 1 and "missing" in out["warnings"][0]
+    else:
+        assert out == {"seen": "nameserver 10.0.2.3\n", "warnings": []}
+        assert target.read_text() == "nameserver 192.0.2.1\n"  # only that private mount namespace saw it
+
+
 # ----------------------------------------------------------------------------------------
 # TapTransport units (TAP devices made in pytest's own isolated namespace)
 
@@ -525,6 +586,42 @@ def test_cli_run_real_stack_answers_arp_for_gateway():
     assert neigh["lladdr"] == "52:55:0a:00:02:02"
 
 
+@pytest.mark.parametrize("how", ["sigterm", "sigint", "target-exits"])
+def test_cli_attach_by_pid(how):
+    target = _start_target_namespace()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aioslirp", "attach", "--mtu", "1400", str(target.pid), "eth7"],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        link = None
+        for _ in range(200):
+            r = subprocess.run(["nsenter", "-t", str(target.pid), "-n", "ip", "-j", "addr", "show", "dev", "eth7"], capture_output=True, text=True)
+            if r.returncode == 0 and '"10.0.2.15"' in r.stdout:
+                (link,) = json.loads(r.stdout)
+                break
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        assert link is not None and link["mtu"] == 1400
+        time.sleep(0.2)  # let it reach serve()
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        elif how == "sigint":
+            proc.send_signal(signal.SIGINT)
+        else:
+            target.kill()
+        assert proc.wait(15) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        target.kill()
+        target.wait()
+
+
 def test_example_tap_bridge_serves_and_stops_on_sigterm():
     subprocess.run(["ip", "tuntap", "add", "dev", "aiobridge0", "mode", "tap"], check=True)
     try:
@@ -586,10 +683,19 @@ def _build_wheel(dest: Path) -> Path:
 
 
 _CLOSURE_SCRIPT = """
-import json, site, sys
-import aioslirp, aioslirp.cli, aioslirp.netns, aioslirp._nschild, aioslirp.stack, uvloop, dpkt
+import asyncio, importlib, json, pkgutil, site, sys
+import aioslirp, uvloop, dpkt
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
+for info in pkgutil.walk_packages(aioslirp.__path__, "aioslirp."):
+    try:
+        importlib.import_module(info.name)
+    except Exception:
+        pass
+async def start_stack():
+    async with aioslirp.Stack(aioslirp.NetworkConfig()):
+        pass
+asyncio.run(start_stack())
 roots = [p for p in site.getsitepackages() + [site.getusersitepackages()] if p]
 tops = set()
 for mod in list(sys.modules.values()):

@@ -35,7 +35,9 @@ the guest sees the real outcome (or an RST from :meth:`~TcpConnection.refuse`). 
 ``LISTEN`` and moves to ``SYN-SENT``. Closing follows RFC 9293 3.6: the host's EOF
 (:meth:`~TcpConnection.shutdown_write`) queues our FIN behind the data; the guest's FIN sets
 :attr:`~TcpConnection.fin_received`. FIN-WAIT-2, CLOSING and LAST-ACK are bounded by
-``linger`` seconds (FIN-WAIT-2: of guest silence), TIME-WAIT lasts ``time_wait`` seconds.
+``linger`` seconds (FIN-WAIT-2: of guest silence) and then end with an RST; TIME-WAIT lasts
+``time_wait`` seconds after the guest's last segment (an RST in TIME-WAIT just ends it).
+Once CLOSED, the object answers further guest segments with RSTs (RFC 9293 3.10.7.1).
 
 Sequence space
 --------------
@@ -55,9 +57,10 @@ MSS. We do not model congestion on the virtual link: the guest's window is the o
 except that after a retransmission timeout we slow-start from one segment up to half the
 flight (RFC 5681 3.1) so that a stalled guest is not flooded, then drop the limit again.
 Retransmission follows RFC 6298 (SRTT/RTTVAR, Karn's rule, exponential backoff, at most
-``max_retries`` timeouts in a row, then RST). Three duplicate ACKs trigger a fast
-retransmit of the first unacknowledged segment (RFC 5681 3.2); further partial ACKs in
-that recovery episode retransmit the next hole at once (the RFC 6582 idea). A zero guest
+``max_retries`` timeouts in a row, then RST; as in BSD, an ACK of new data clears the
+backoff). Three duplicate ACKs trigger a fast retransmit of the first unacknowledged
+segment (RFC 5681 3.2); further partial ACKs in that recovery episode retransmit the
+next hole at once (the RFC 6582 idea). A zero guest
 window with data waiting starts the persist timer (RFC 9293 3.8.6.1): one-byte probes with
 exponential backoff; the connection is never closed while the guest answers them.
 Sender silly-window avoidance (RFC 9293 3.8.6.2.1): with data in flight, a segment shorter
@@ -76,9 +79,10 @@ the field is rounded *up* when rounding down would shrink it, so we may hold up 
 only advances by at least ``min(rcv_buf / 2, MSS)``; :meth:`~TcpConnection.consume`
 schedules a window update when that lets the advertised window at least double.
 Out-of-order segments inside the window are kept (bounded by the window) and merged when
-the hole is filled; each one draws an immediate duplicate ACK. ACKs are coalesced: any
-number of segments received between two ``segments_to_send`` calls produce one ACK, and
-ACKs ride on data when there is data.
+the hole is filled; each one draws its own immediate (pure) duplicate ACK so that the
+guest can fast-retransmit (RFC 5681 4.2). Otherwise ACKs are coalesced: any number of
+segments received between two ``segments_to_send`` calls produce one ACK, and ACKs ride
+on data when there is data.
 
 Hostile input
 -------------
@@ -151,6 +155,8 @@ CLOCK_GRANULARITY = 0.001
 DUPACK_THRESHOLD = 3
 #: Most out-of-order segments kept at once.
 MAX_OOO_SEGMENTS = 256
+#: Most duplicate ACKs emitted by one segments_to_send() call.
+MAX_DUPACKS_OUT = 16
 
 
 class Segment:
@@ -352,7 +358,7 @@ class TcpConnection:
         "state", "iss", "irs", "snd_una", "snd_nxt", "snd_max", "snd_wnd", "rcv_nxt",
         "fin_received", "reset", "established_at", "created_at",
         "bytes_received", "bytes_sent", "dropped_segments", "retransmitted_segments",
-        "srtt", "rttvar", "rto",
+        "srtt", "rttvar", "rto", "_rto_base",
         # send side
         "_sq", "_smss", "_snd_wscale", "_rcv_wscale", "_wscale_ok", "_snd_wl1", "_snd_wl2",
         "_max_snd_wnd", "_ack_limit", "_fin_queued", "_fin_acked", "_syn_pending", "_syn_rexmit",
@@ -360,7 +366,7 @@ class TcpConnection:
         "_cwnd", "_ssthresh", "_rtt_seq", "_rtt_time", "_retries",
         "_persist_backoff", "_probes_unanswered", "_probe_pending",
         # receive side
-        "_rq", "_rcv_adv", "_ack_pending", "_ooo", "_ooo_bytes", "_ooo_fin",
+        "_rq", "_rcv_adv", "_ack_pending", "_dupacks_out", "_ooo", "_ooo_bytes", "_ooo_fin",
         # timers (absolute times or None)
         "_rto_at", "_persist_at", "_linger_at",
         # output and events
@@ -427,7 +433,7 @@ class TcpConnection:
         self.srtt: float | None = None
         self.rttvar = 0.0
         #: Current retransmission timeout, seconds.
-        self.rto = min(max(INITIAL_RTO, rto_min), rto_max)
+        self.rto = self._rto_base = min(max(INITIAL_RTO, rto_min), rto_max)
 
         self._sq = _ByteQueue()
         self._smss = min(mss, DEFAULT_MSS)
@@ -460,6 +466,7 @@ class TcpConnection:
         self._rq = _ByteQueue()
         self._rcv_adv = 0
         self._ack_pending = False
+        self._dupacks_out = 0
         self._ooo: list[tuple[int, bytes]] = []
         self._ooo_bytes = 0
         self._ooo_fin: int | None = None
@@ -597,7 +604,7 @@ class TcpConnection:
         self._events.append(("established",))
         if self._syn_rexmit:
             # RFC 6298 5.7: the SYN (or SYN-ACK) timed out and no RTT sample exists.
-            self.rto = min(max(SYN_TIMEOUT_RTO, self.rto_min), self.rto_max)
+            self.rto = self._rto_base = min(max(SYN_TIMEOUT_RTO, self.rto_min), self.rto_max)
 
     # ------------------------------------------------------------------ host side
 
@@ -797,18 +804,20 @@ class TcpConnection:
             ok = off < w and off + seglen > 0
         else:
             ok = 0 <= off < w
+        if state is TIME_WAIT and not flags & RST:
+            # The guest is still talking (it lost our last ACK): restart TIME-WAIT.
+            self._linger_at = now + self.time_wait
         if not ok:
             self.dropped_segments += 1
             if not flags & RST:
                 self._ack_pending = True
-                if state is TIME_WAIT and flags & FIN:
-                    self._linger_at = now + self.time_wait  # retransmitted FIN: restart 2MSL
             return
 
         # Second: RST (RFC 5961 3.2: exact match resets, otherwise challenge ACK).
         if flags & RST:
             if off == 0:
-                self._teardown(notify=True)
+                # In TIME-WAIT both directions were complete: close, but it is no reset.
+                self._teardown(notify=state is not TIME_WAIT, graceful=state is TIME_WAIT)
             else:
                 self.dropped_segments += 1
                 if self._accepted or state is not SYN_RECEIVED:
@@ -868,10 +877,13 @@ class TcpConnection:
             end = limit
             fin = 0  # the FIN lies beyond data we cut off
         if off > 0:
+            # RFC 5681 4.2: one immediate duplicate ACK per out-of-order segment.
+            self._dupacks_out += 1
             self._ooo_store(self.bytes_received + off, payload, start, end, fin)
             return
         n = end - start
         if n > 0:
+            self._dupacks_out = 0
             self._rq.append(payload if n == plen else payload[start:end])
             self.rcv_nxt = (rcv_nxt + n) & _MASK
             self.bytes_received += n
@@ -931,7 +943,10 @@ class TcpConnection:
     def _new_ack(self, ack: int, acked: int, now: float) -> None:
         """SND.UNA < ack <= what we sent: free data, time RTT, restart/stop the RTO timer."""
         self._dupacks = 0
-        self._retries = 0
+        if self._retries:
+            # Progress: forget the backoff, as BSD does (RTO returns to the SRTT-based value).
+            self._retries = 0
+            self.rto = self._rto_base
         sq = self._sq
         n = acked
         sqlen = len(sq)
@@ -992,7 +1007,7 @@ class TcpConnection:
             rto = self.rto_min
         elif rto > self.rto_max:
             rto = self.rto_max
-        self.rto = rto
+        self.rto = self._rto_base = rto
 
     def _fin_input(self, now: float) -> None:
         """The guest's FIN is next in sequence: consume it (RFC 9293 3.10.7.4 eighth check)."""
@@ -1113,7 +1128,15 @@ class TcpConnection:
                 end = (seq + 1) & _MASK
                 if 0 < ((end - self._ack_limit) & _MASK) < _HALF:
                     self._ack_limit = end
-        if len(out) > n0:
+        k = self._dupacks_out
+        if k:
+            # Duplicate ACKs must be pure ACKs to count as such at the guest (RFC 5681 2).
+            self._dupacks_out = 0
+            self._ack_pending = False
+            una = self.snd_max
+            for _ in range(k if k < MAX_DUPACKS_OUT else MAX_DUPACKS_OUT):
+                out.append(Segment(una, ack, ACK, wnd))
+        elif len(out) > n0:
             self._ack_pending = False
         elif self._ack_pending:
             self._ack_pending = False
@@ -1342,6 +1365,7 @@ class TcpConnection:
         self._rto_at = self._persist_at = self._linger_at = None
         self._syn_pending = self._rexmit_one = self._force_one = self._probe_pending = False
         self._ack_pending = False
+        self._dupacks_out = 0
         self._ooo.clear()
         self._ooo_bytes = 0
         self._events.append(("closed",))
