@@ -856,6 +856,16 @@ def test_rootless_run_and_attach(rootless_env):
         result = json.loads(p.stdout.strip().splitlines()[-1])
         # the console script and the real Stack, rootless: exit status and resolv.conf
         q = as_nobody([str(vbin / "aioslirp"), "run", "--", "sh", "-c", "cat /etc/resolv.conf; exit 7"], work)
+        # rootless data path: a real HTTP GET from a host server on loopback through the stack
+        from hostservers import DataServer, pattern
+        srv = DataServer()
+        try:
+            g = as_nobody([str(vbin / "aioslirp"), "run", "--", "sh", "-c",
+                           f"curl -sS --max-time 20 http://10.0.2.2:{srv.port}/300000 | sha256sum"], work, timeout=60)
+        finally:
+            srv.close()
+    assert g.returncode == 0, g.stderr
+    assert g.stdout.split()[0] == hashlib.sha256(pattern(300000, 1)).hexdigest()
     assert q.returncode == 7, q.stderr
     assert "nameserver 10.0.2.3" in q.stdout.splitlines()
 

@@ -267,10 +267,14 @@ class TcpFlow(asyncio.Protocol):
                 self._close_host(abort=True)
             ev = conn.next_event()
         state = conn.state
+        # Guest bytes we ACKed but the host socket has not taken yet (write side paused) keep
+        # the host socket open until resume_writing() drains them: nothing ACKed is dropped.
+        undrained = tr is not None and not self.host_closed and not conn.reset and bool(conn.peek())
         if state == "CLOSED":
-            self._finish()
+            if not undrained:
+                self._finish()
             return
-        if state == "TIME-WAIT" or (self.eof_sent and state in _CLOSED_BOTH):
+        if not undrained and (state == "TIME-WAIT" or (self.eof_sent and state in _CLOSED_BOTH)):
             self._close_host(abort=False)
         self._arm_timer()
 
