@@ -4,7 +4,8 @@
   ``DOWN <nbytes> <seed>``: the server sends that many deterministic bytes, then closes
   at once (data may still be in flight); ``UP``: reads to EOF, answers the SHA-256 hex of
   what it read, closes; ``SLOWUP``: the same, reading 4 KiB every 2 ms (a slow reader);
-  ``HTTP`` requests (``GET /<nbytes>``) get a minimal HTTP/1.0 response.
+  ``RSTME``: resets the connection (SO_LINGER 0); ``WAIT``: reads until EOF or reset and
+  records which in :attr:`DataServer.events`; ``HTTP`` requests (``GET /<nbytes>``) get a minimal HTTP/1.0 response.
 * :class:`UdpEcho` — echoes every datagram.
 * :class:`DnsUpstream` — answers every A query with 10.0.2.99 over UDP and TCP (dpkt).
 """
@@ -53,6 +54,15 @@ class _Handler(socketserver.BaseRequestHandler):
                 if slow:
                     time.sleep(0.002)
             sock.sendall(f"{n} {h.hexdigest()}\n".encode())
+        elif parts[:1] == ["RSTME"]:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        elif parts[:1] == ["WAIT"]:
+            try:
+                while sock.recv(4096):
+                    pass
+                self.server.events.append("eof")
+            except ConnectionResetError:
+                self.server.events.append("reset")
         elif parts[:1] == ["GET"]:
             size = int(parts[1].strip("/") or 0)
             body = pattern(size, 1)
@@ -72,6 +82,7 @@ class DataServer:
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.server = _Server((host, 0), _Handler)
         self.server.commands = []
+        self.server.events = []
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -79,6 +90,11 @@ class DataServer:
     @property
     def commands(self) -> list:
         return self.server.commands
+
+    @property
+    def events(self) -> list:
+        """Outcomes of ``WAIT`` connections: ``"eof"`` or ``"reset"``."""
+        return self.server.events
 
     def close(self) -> None:
         self.server.shutdown()

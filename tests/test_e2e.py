@@ -265,3 +265,95 @@ def test_disable_host_loopback_blocks_gateway(servers):
     r = guest_json(servers, script, "--disable-host-loopback")
     assert r["r"] == "refused"
     assert len(servers["data"].commands) == before
+
+
+def test_rst_both_ways(servers):
+    port = servers["data"].port
+    before = len(servers["data"].events)
+    script = f"""
+    import socket, json, struct, time
+    out = {{}}
+    s = socket.create_connection(("10.0.2.2", {port}), timeout=10)
+    s.sendall(b"RSTME\\n")
+    try:
+        d = s.recv(100)
+        out["host_rst"] = "eof" if d == b"" else "data"
+    except ConnectionResetError:
+        out["host_rst"] = "reset"
+    s = socket.create_connection(("10.0.2.2", {port}), timeout=10)
+    s.sendall(b"WAIT\\n")
+    time.sleep(0.2)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+    time.sleep(0.3)
+    print(json.dumps(out))
+    """
+    r = guest_json(servers, script)
+    assert r["host_rst"] == "reset"
+    deadline = time.monotonic() + 5
+    while len(servers["data"].events) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert servers["data"].events[before:] == ["reset"]
+
+
+def test_udp_to_closed_port_gets_port_unreachable(servers):
+    import socket as _s
+    probe = _s.socket(_s.AF_INET, _s.SOCK_DGRAM)
+    probe.bind(("127.0.0.1", 0))
+    closed = probe.getsockname()[1]
+    probe.close()
+    script = f"""
+    import socket, json
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(3)
+    s.connect(("10.0.2.2", {closed}))
+    s.send(b"hello")
+    try:
+        s.recv(100)
+        r = "data"
+    except ConnectionRefusedError:
+        r = "refused"
+    except socket.timeout:
+        r = "timeout"
+    print(json.dumps({{"r": r}}))
+    """
+    assert guest_json(servers, script)["r"] == "refused"
+
+
+def test_unreachable_network_fails_fast(servers):
+    # pytest's namespace has only loopback: the host connect() fails at once with
+    # ENETUNREACH and nothing is sent anywhere. The guest must get ICMP unreachable.
+    routes = subprocess.run(["ip", "-4", "route", "show", "default"], capture_output=True, text=True).stdout
+    assert routes.strip() == "", "test must run in the loopback-only namespace"
+    script = """
+    import socket, json, time, errno
+    t0 = time.monotonic()
+    try:
+        socket.create_connection(("192.0.2.1", 80), timeout=10)
+        r = "connected"
+    except OSError as e:
+        r = errno.errorcode.get(e.errno, repr(e))
+    print(json.dumps({"r": r, "t": time.monotonic() - t0}))
+    """
+    r = guest_json(servers, script)
+    assert r["r"] in ("ENETUNREACH", "EHOSTUNREACH")
+    assert r["t"] < 2.0
+
+
+def test_mtu_65520_transfer(servers):
+    port = servers["data"].port
+    n = 20 * 1024 * 1024
+    script = f"""
+    import socket, hashlib, json
+    s = socket.create_connection(("10.0.2.2", {port}), timeout=30)
+    s.sendall(b"DOWN {n} 11\\n")
+    h = hashlib.sha256(); got = 0
+    while True:
+        d = s.recv(1 << 20)
+        if not d: break
+        h.update(d); got += len(d)
+    mss = 0
+    print(json.dumps({{"got": got, "sha": h.hexdigest()}}))
+    """
+    r = guest_json(servers, script, "--mtu", "65520")
+    assert r["got"] == n and r["sha"] == hashlib.sha256(pattern(n, 11)).hexdigest()

@@ -54,6 +54,9 @@ class DnsTcpHost:
         for m in msgs:
             self.queue.put_nowait(m)
 
+    def get_extra_info(self, name, default=None):
+        return default
+
     def can_write_eof(self) -> bool:
         return True
 

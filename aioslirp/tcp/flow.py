@@ -39,6 +39,7 @@ log = logging.getLogger("aioslirp.tcp")
 FIN, SYN, RST, PSH, ACK = 0x01, 0x02, 0x04, 0x08, 0x10
 ICMP_UNREACH, UNREACH_NET, UNREACH_HOST = 3, 0, 1
 _H = struct.Struct("!H")
+_LINGER0 = struct.pack("ii", 1, 0)
 _CLOSED_BOTH = ("TIME-WAIT", "CLOSED", "LAST-ACK", "CLOSING")
 
 
@@ -316,6 +317,13 @@ class TcpFlow(asyncio.Protocol):
             return
         self.host_closed = True
         if abort:
+            # SO_LINGER 0: close() sends a RST to the host peer (a guest RST stays a RST)
+            sock = tr.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER0)
+                except OSError:
+                    pass
             tr.abort()
         else:
             tr.close()
