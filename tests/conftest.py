@@ -18,3 +18,28 @@ def pytest_configure(config):
         os.environ["AIOSLIRP_TEST_ISOLATED"] = "1"
     config.addinivalue_line("markers", "slow: real-VM or long tests (still run in CI, bounded)")
     config.addinivalue_line("markers", "netns: needs namespaces and /dev/net/tun (root or rootless)")
+
+
+def _open_io_fds() -> dict:
+    """fd -> target for this process's sockets, TAP devices and pidfds."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:") or target == "/dev/net/tun" or "pidfd" in target:
+            out[int(fd)] = target
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_fds_after_suite():
+    """After the whole suite: no socket, TAP or pidfd opened by the tests is left open."""
+    import gc
+
+    before = _open_io_fds()
+    yield
+    gc.collect()
+    leaked = {fd: t for fd, t in _open_io_fds().items() if before.get(fd) != t}
+    assert not leaked, f"leaked fds after the suite: {leaked}"
