@@ -1,19 +1,43 @@
 """aioslirp: an asyncio user-mode network stack (slirp) for VM and namespace guests.
 
 Public names: :class:`Stack`, :class:`NetworkConfig`, :class:`ConfigError`, and the
-transports :class:`TapTransport`, :class:`SocketPairTransport`.
+transports :class:`TapTransport`, :class:`SocketPairTransport`, :class:`StreamTransport`
+(QEMU ``-netdev stream``), :class:`DgramTransport` (QEMU ``-netdev dgram``); :class:`QemuServer`; port forwards
+:class:`PortForward` and :class:`ForwardError`.
 """
 
 from .config import ConfigError, NetworkConfig
-from .stack import Stack
-from .transport.socketpair import SocketPairTransport
 
-__all__ = ["ConfigError", "NetworkConfig", "Stack", "SocketPairTransport", "TapTransport"]
+__all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack", "SocketPairTransport", "TapTransport",
+           "StreamTransport", "DgramTransport", "QemuServer"]
 __version__ = "0.1.0"
 
 
+# The heavier names are imported on first use (PEP 562), so that entry points that do not
+# need the stack (``aioslirp-slirp4netns --help``, which RootlessKit and Podman run before
+# every start) stay fast.
+_LAZY = {
+    "ForwardError": ".forward",
+    "PortForward": ".forward",
+    "Stack": ".stack",
+    "SocketPairTransport": ".transport.socketpair",
+    "TapTransport": ".transport.tap",
+    "StreamTransport": ".transport.stream",
+    "DgramTransport": ".transport.dgram",
+    "QemuServer": ".qemu",
+}
+
+
 def __getattr__(name):
-    if name == "TapTransport":
-        from .transport.tap import TapTransport
-        return TapTransport
-    raise AttributeError(name)
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aioslirp' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,4 +1,4 @@
-"""Command line: ``aioslirp run`` and ``aioslirp attach``.
+"""Command line: ``aioslirp run``, ``aioslirp attach`` and ``aioslirp qemu``.
 
 ``main(argv=None) -> int`` is the console-script entry point. Exit status: the command's
 status for ``run`` (``128 + N`` when it died of signal N), 0 for a clean ``attach`` end,
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from typing import Sequence
 
@@ -22,13 +23,7 @@ PROG = "aioslirp"
 
 #: Options accepted now but whose feature has not landed yet: dest -> flag shown to the user.
 #: Remove an entry when the feature is wired in (see ``_apply_extras``).
-NOT_YET_SUPPORTED = {
-    "publish": "--publish",
-    "pcap": "--pcap",
-    "api_socket": "--api-socket",
-    "trace": "--trace",
-    "otlp_endpoint": "--otlp-endpoint",
-}
+NOT_YET_SUPPORTED: dict = {}
 
 #: NetworkConfig field -> the option that sets it, for error messages.
 _FIELD_OPTION = {
@@ -58,11 +53,32 @@ examples:
   aioslirp run --mtu 65520 -- iperf3 -c 10.0.2.2
                                                 10.0.2.2 is the host's loopback
   aioslirp run --dns 9.9.9.9 --dns-search corp.example -- sh
+  aioslirp run -p 8080:80 -p 5353:53/udp -- python3 -m http.server 80
+                                                host 127.0.0.1:8080 -> the command's port 80
+  aioslirp run --api-socket /tmp/ns.sock -- sh  add/list/remove forwards at run time
 
 Rootless use needs unprivileged user namespaces and /dev/net/tun readable and writable
 by you (mode 0666, the usual distribution default). Inside, you appear as root (uid 0)
 in a new user namespace; /etc/resolv.conf shows the virtual DNS server, the host's file
 is untouched.
+"""
+
+_QEMU_EPILOG = """\
+examples:
+  aioslirp qemu --socket /tmp/vm1.sock &
+  qemu-system-x86_64 ... -netdev stream,id=n0,server=off,addr.type=unix,addr.path=/tmp/vm1.sock \\
+                         -device virtio-net-pci,netdev=n0
+
+  aioslirp qemu --dgram --socket /tmp/vm1.sock &
+  qemu-system-x86_64 ... -netdev dgram,id=n0,local.type=unix,local.path=/tmp/vm1-qemu.sock,\\
+                         remote.type=unix,remote.path=/tmp/vm1.sock -device virtio-net-pci,netdev=n0
+
+The guest sees QEMU's user-networking layout: DHCP gives 10.0.2.15/24, the gateway
+10.0.2.2 reaches the host's 127.0.0.1, the DNS server is 10.0.2.3. One guest at a time: a
+second stream connection is closed at once (logged), datagrams from a second sender are
+dropped (logged). After a guest leaves, its flows are torn down and the next one is
+served. SIGINT/SIGTERM stop it (exit 0) and remove the socket. With --fd (stream or
+datagram socket, detected), serving ends when that guest leaves.
 """
 
 _ATTACH_EPILOG = """\
@@ -83,6 +99,35 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _fd_number(text: str) -> int:
+    try:
+        fd = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file descriptor number") from None
+    if fd < 0:
+        raise argparse.ArgumentTypeError(f"{fd} is not a file descriptor number")
+    return fd
+
+
+_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _byte_count(text: str) -> int:
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = value[-1:] if value[-1:] in ("K", "M", "G") else ""
+    try:
+        n = int(float(value[: len(value) - len(unit)]) * _BYTE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 1000000, 100M, 2G)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return n
+
+
+def _terminate(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _log_level(text: str) -> str:
@@ -120,13 +165,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--publish",
         action="append",
         metavar="[HOST_IP:]HOST_PORT:GUEST_PORT[/tcp|udp]",
-        help="forward a host port into the guest (repeatable)",
+        help="forward a host port into the guest (repeatable; HOST_IP defaults to 127.0.0.1, "
+        "IPv6 in brackets: [::1]:8080:80; protocol tcp by default)",
     )
     obs = common.add_argument_group("observability")
-    obs.add_argument("--pcap", metavar="FILE", help="write all guest traffic to a pcap file")
-    obs.add_argument("--api-socket", metavar="PATH", help="serve the control API (counters, port forwards) on a Unix socket")
-    obs.add_argument("--trace", action="store_true", help="record OpenTelemetry spans")
-    obs.add_argument("--otlp-endpoint", metavar="URL", help="export spans over OTLP/HTTP to URL")
+    obs.add_argument("--pcap", metavar="FILE", help="write every frame both ways to a pcap file (tshark, tcpdump, dpkt)")
+    obs.add_argument(
+        "--pcap-max-bytes", type=_byte_count, metavar="BYTES", help="stop capturing when the pcap file reaches BYTES (e.g. 100M)"
+    )
+    obs.add_argument(
+        "--api-socket",
+        metavar="PATH",
+        help="serve the slirp4netns-compatible control API on a Unix socket (add_hostfwd, list_hostfwd, "
+        "remove_hostfwd, get_stats, list_flows)",
+    )
+    obs.add_argument(
+        "--trace", metavar="FILE", help="record OpenTelemetry spans as JSON lines in FILE (see 'aioslirp trace-report')"
+    )
+    obs.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="export spans and metrics over OTLP/HTTP to URL, e.g. http://127.0.0.1:4318 (Jaeger, OpenTelemetry "
+        "Collector, Tempo; OTEL_* variables apply; needs the otlp extra)",
+    )
     obs.add_argument(
         "--log-level", type=_log_level, default="warning", metavar="LEVEL", help="debug, info, warning (default) or error"
     )
@@ -135,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="run 'aioslirp run --help' or 'aioslirp attach --help' for examples.",
+        epilog="run 'aioslirp run --help', 'aioslirp attach --help' or 'aioslirp qemu --help' for examples.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=_Parser)
@@ -172,6 +233,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     att.add_argument("--netns", metavar="PATH", help="network namespace file, e.g. /run/netns/NAME or /proc/PID/ns/net")
     att.add_argument("target", nargs="*", metavar="PID [IFNAME]", help="process whose namespace to serve, and the TAP name")
+
+    rep = sub.add_parser(
+        "trace-report",
+        help="per-connection timeline and per-stage percentiles from a --trace file",
+        description="Read the spans of a --trace FILE and print, per TCP connection, the timeline of its "
+        "events with the gap between consecutive events; per stage (pair of consecutive events) the "
+        "p50/p90/p99 over all connections; the trace points' own durations; and a verdict naming the "
+        "largest stage.",
+        epilog="example:\n  aioslirp run --trace crr.jsonl -- python3 client.py\n  aioslirp trace-report crr.jsonl --png crr.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    rep.add_argument("file", metavar="FILE", help="span file written by --trace")
+    rep.add_argument("--png", metavar="OUT", help="also draw the stages as a PNG (needs the plot extra: matplotlib)")
+    rep.add_argument(
+        "--connections", type=int, default=10, metavar="N", help="timelines to print (default 10; 0: all)"
+    )
+
+    qemu = sub.add_parser(
+        "qemu",
+        parents=[common],
+        help="serve QEMU guests over a UNIX socket (-netdev stream / -netdev dgram)",
+        description="Serve QEMU virtual machines: listen on a UNIX socket for QEMU's -netdev stream "
+        "(or -netdev dgram with --dgram), or serve an already connected socket inherited as fd N. "
+        "One guest at a time; the next guest is served after one disconnects.",
+        usage="%(prog)s [OPTIONS] (--socket PATH [--dgram] | --fd N)",
+        epilog=_QEMU_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    # Listed here for --help only: main() hands "aioslirp slirp4netns ..." to aioslirp.slirp4netns as is.
+    sub.add_parser(
+        "slirp4netns",
+        add_help=False,
+        help="drop-in for the slirp4netns binary (RootlessKit, Podman); see 'aioslirp slirp4netns --help'",
+    ).add_argument("slirp4netns_args", nargs=argparse.REMAINDER)
+
+    where = qemu.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket", metavar="PATH", help="UNIX socket path to listen on (created; removed on exit)")
+    where.add_argument("--fd", type=_fd_number, metavar="N", help="serve the connected socket inherited as fd N (e.g. a socketpair end)")
+    qemu.add_argument("--dgram", action="store_true", help="-netdev dgram: one frame per datagram (default: -netdev stream)")
     return parser
 
 
@@ -216,6 +316,53 @@ def _apply_extras(args: argparse.Namespace) -> None:
 
 class _Unsupported(Exception):
     pass
+
+
+def _stack_factory(args: argparse.Namespace, base=None):
+    """``stack_factory`` for the entry points when ``--publish``/``--api-socket`` are given, else None.
+
+    Parses every ``--publish`` (``ConfigError`` naming ``--publish``); the forwards are bound
+    and the API socket listens before the guest starts (a port in use: ``ForwardError``).
+    """
+    from .forward import parse_publish
+
+    forwards = [parse_publish(v, "--publish") for v in args.publish or ()]
+    api_socket = getattr(args, "api_socket", None)
+    if not forwards and not api_socket:
+        return base
+    if args.command_name == "demo":
+        raise ConfigError("--publish" if forwards else "--api-socket", "not used by 'aioslirp demo'")
+    if api_socket is not None and not api_socket.strip():
+        raise ConfigError("--api-socket", "empty path")
+
+    def factory(config):
+        from .api import serving_stack
+
+        return serving_stack(config, forwards=forwards, api_socket=api_socket, stack_factory=base)
+
+    return factory
+
+
+def _check_qemu_args(args: argparse.Namespace) -> None:
+    """Validate ``aioslirp qemu`` options; raises ConfigError naming the option."""
+    from .qemu import check_socket_path
+
+    if args.ifname:
+        raise ConfigError("--ifname", "not used by 'aioslirp qemu' (the guest's NIC is QEMU's)")
+    if args.socket is not None:
+        problem = check_socket_path(args.socket)
+        if problem:
+            raise ConfigError("--socket", problem)
+    if args.fd is not None:
+        import os
+        import stat
+
+        try:
+            mode = os.fstat(args.fd).st_mode
+        except OSError:
+            raise ConfigError("--fd", f"{args.fd} is not an open file descriptor") from None
+        if not stat.S_ISSOCK(mode):
+            raise ConfigError("--fd", f"{args.fd} is not a socket")
 
 
 def _ifname(args: argparse.Namespace, positional: str | None) -> str:
@@ -268,13 +415,31 @@ def _setup_logging(level: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``aioslirp`` command. Returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["slirp4netns"]:  # slirp4netns's own command line, parsed by its module
+        from .slirp4netns import main as slirp4netns_main
+
+        return slirp4netns_main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(argv)
+    if args.command_name == "trace-report":
+        from .trace_report import cli_main
+
+        return cli_main(args)
+    from .observe import Observability
+
+    obs = Observability.from_args(args)
     try:
         _apply_extras(args)
         config = config_from_args(args)
+        obs.check()
+        if args.command_name == "demo" and args.pcap:
+            raise ConfigError("--pcap", "not used by 'aioslirp demo'")
+        stack_factory = _stack_factory(args, obs.stack_factory() if obs.active else None)
         if args.command_name == "demo":
             ifname = "tap0"
+        elif args.command_name == "qemu":
+            _check_qemu_args(args)
         elif args.command_name == "run":
             cmd = list(args.cmd)
             if cmd and cmd[0] == "--":
@@ -291,6 +456,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     _setup_logging(args.log_level)
+    try:
+        obs.start()
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    from .api import ApiSocketError
+    from .forward import ForwardError
     from .netns import NamespaceError, attach, run_in_namespace
     from .transport.tap import TapError
 
@@ -298,18 +470,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import demo
 
         coro = demo(config)
+    elif args.command_name == "qemu":
+        from .qemu import serve_qemu
+
+        coro = serve_qemu(config, path=args.socket, fd=args.fd, dgram=args.dgram, handle_signals=True,
+                          stack_factory=stack_factory)
     elif args.command_name == "run":
-        coro = run_in_namespace(config, cmd, ifname=ifname, forward_signals=True)
+        coro = run_in_namespace(config, cmd, ifname=ifname, forward_signals=True, stack_factory=stack_factory)
     else:
-        coro = attach(config, netns_path=netns_path, pid=pid, ifname=ifname, handle_signals=True)
+        coro = attach(config, netns_path=netns_path, pid=pid, ifname=ifname, handle_signals=True,
+                      stack_factory=stack_factory)
     try:
+        if obs.active:
+            # SIGTERM outside the entry points' own handlers: unwind (stack closed, spans flushed).
+            signal.signal(signal.SIGTERM, _terminate)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             return int(runner.run(coro))
     except (NamespaceError, TapError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
+    except (ForwardError, ApiSocketError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        if args.command_name != "qemu":
+            raise
+        where = f"--socket {args.socket}" if args.socket else f"--fd {args.fd}"
+        print(f"{PROG}: error: {where}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:
+        if args.command_name != "qemu":
+            raise
+        print(f"{PROG}: error: --fd: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        obs.shutdown()

@@ -96,6 +96,10 @@ class Stack:
         self.dns = None
         self.icmp = None
         self.tasks: set[asyncio.Task] = set()
+        #: Callables ``wrap(transport) -> transport`` applied in order by :meth:`serve`
+        #: (e.g. :class:`~aioslirp.transport.pcap.PcapTransport` for ``--pcap``).
+        self.transport_wrappers: list = []
+        self._forwarder = None
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Stack":
@@ -130,6 +134,8 @@ class Stack:
             return
         self._closed = True
         self.close()
+        if self._forwarder is not None:
+            self._forwarder.close()
         for flow in list(self.flows.values()):
             try:
                 flow.shutdown()
@@ -154,6 +160,8 @@ class Stack:
         if self._transport is not None:
             self._transport.close()
         self.flows.clear()
+        if tracing.enabled:
+            tracing.stack_closed(self)
 
     async def _drain_inject(self) -> None:
         for _ in range(100):
@@ -161,13 +169,54 @@ class Stack:
                 return
             await asyncio.sleep(0.001)
 
+    def reset_flows(self) -> int:
+        """Forget the guest: tear down every flow and the per-guest state. Returns flows torn down.
+
+        For a guest that went away (QEMU exited) before the next one is served by this same
+        stack: every flow is shut down (RST towards the old guest, host socket closed, task
+        cancelled; the tasks finish on the next loop iterations), pending DNS answers are
+        cancelled, and learned neighbours, DHCP leases and fragment reassembly state are
+        cleared, so the next guest starts from a clean table and gets the first address
+        again. When the transport is already closed, frames still queued for the old guest
+        are discarded (counted as ``drop.no_transport``). Port forwards and counters stay.
+        """
+        from .services.dhcp import DhcpServer
+
+        n = 0
+        for flow in list(self.flows.values()):
+            n += 1
+            try:
+                flow.shutdown()
+            except Exception:  # pragma: no cover - defensive
+                log.exception("flow shutdown failed")
+        self.flows.clear()
+        self._dirty.clear()
+        for t in list(self._aux_tasks):
+            if t.get_name() == "aioslirp-dns":
+                t.cancel()
+        self.neighbors.clear()
+        self.reassembler = Reassembler()
+        if self.dhcp is not None:
+            self.dhcp = DhcpServer(self.config)
+        tr = self._transport
+        if self._inject is not None and (tr is None or tr.closed is None or tr.closed.done()):
+            while not self._inject.empty():
+                self._inject.get_nowait()
+                self.counters["drop.no_transport"] += 1
+        self.counters["flows_reset"] += n
+        return n
+
     async def serve(self, transport) -> None:
         """Serve ``transport`` until it closes or :meth:`close` is called.
 
-        The transport is closed on return. One transport at a time.
+        The transport is closed on return. One transport at a time; ``serve`` may be
+        called again with a new transport once it returned (call :meth:`reset_flows`
+        in between when the new transport is a different guest).
         """
         if self._loop is None:
             await self.start()
+        for wrap in self.transport_wrappers:
+            transport = wrap(transport)
         self._transport = transport
         await transport.open(self._on_frames)
         try:
@@ -195,6 +244,8 @@ class Stack:
         except asyncio.QueueFull:
             self.counters["drop.inject_full"] += 1
             return False
+        if tracing.enabled:
+            tracing.frame_queued(self, frame)
         return True
 
     def inject_room(self) -> int:
@@ -214,7 +265,6 @@ class Stack:
     async def _writer(self) -> None:
         q = self._inject
         counters = self.counters
-        trace = tracing.enabled
         while True:
             frame = await q.get()
             batch = [frame]
@@ -223,13 +273,15 @@ class Stack:
             tr = self._transport
             if tr is None or tr.closed is None or tr.closed.done():
                 counters["drop.no_transport"] += len(batch)
+                if tracing.enabled:
+                    tracing.discard(batch)
                 continue
-            if trace:
-                with tracing.span("drain_to_guest", {"aioslirp.frames": len(batch), "aioslirp.queue_depth": len(batch) + q.qsize()}):
-                    tr.send_frames(batch)
+            if tracing.enabled:
+                tracing.drain(self, tr, batch, len(batch) + q.qsize())
             else:
                 tr.send_frames(batch)
             counters["frames_out"] += len(batch)
+            counters["bytes_out"] += sum(map(len, batch))
 
     def send_icmp_error(self, icmp_type: int, code: int, orig_ip_packet) -> None:
         """Send ICMP ``icmp_type``/``code`` to the guest about ``orig_ip_packet`` (its header + 8 bytes, RFC 792)."""
@@ -277,8 +329,7 @@ class Stack:
         self.counters["bytes_in"] += len(frame)
         try:
             if tracing.enabled:
-                with tracing.span("process_guest_frame", {"aioslirp.frame_len": len(frame)}):
-                    self._dispatch(frame)
+                tracing.guest_frame(self, frame)
             else:
                 self._dispatch(frame)
         except Exception:
@@ -389,15 +440,15 @@ class Stack:
             return self._port_unreachable(mv, ihl, l4, frag_header)
         if src == b"\x00\x00\x00\x00":
             return self.drop("udp_from_unspecified")
-        remote = self._remote_for(dst)
-        if remote is None:
-            if dst == self.gw_ip:
-                self.counters["drop.host_loopback_disabled"] += 1
-                return self._port_unreachable(mv, ihl, l4, frag_header, UNREACH_ADMIN)
-            return self.drop("udp_unroutable_dst")
         key = (PROTO_UDP, src, sport, dst, dport)
         flow = self.flows.get(key)
-        if flow is None:
+        if flow is None:  # an existing flow (e.g. a port forward's, from the gateway) routes as is
+            remote = self._remote_for(dst)
+            if remote is None:
+                if dst == self.gw_ip:
+                    self.counters["drop.host_loopback_disabled"] += 1
+                    return self._port_unreachable(mv, ihl, l4, frag_header, UNREACH_ADMIN)
+                return self.drop("udp_unroutable_dst")
             from .udp import UdpFlow
             if not self._make_room(PROTO_UDP):
                 return self.drop("flow_table_full")
@@ -532,12 +583,53 @@ class Stack:
     def add_flow(self, flow) -> None:
         self.flows[flow.key] = flow
         self.counters[f"flows.{flow.proto_name}.opened"] += 1
+        if tracing.enabled:
+            tracing.flow_opened(self, flow)
 
     def remove_flow(self, flow) -> None:
         if self.flows.get(flow.key) is flow:
             del self.flows[flow.key]
             self.counters[f"flows.{flow.proto_name}.closed"] += 1
         self._dirty.discard(flow)
+        if tracing.enabled:
+            tracing.flow_closed(flow)
+
+    # -------------------------------------------------------------- port forwards
+    @property
+    def forwarder(self):
+        """The :class:`~aioslirp.forward.Forwarder` holding this stack's port forwards."""
+        if self._forwarder is None:
+            from .forward import Forwarder
+            self._forwarder = Forwarder(self)
+        return self._forwarder
+
+    async def add_forward(self, fwd):
+        """Forward a host port into the guest; see :class:`~aioslirp.forward.PortForward`.
+
+        Needs a started stack (inside ``async with``); may be called before or while
+        :meth:`serve` runs. Returns the :class:`PortForward` as added, with its ``id``
+        (1, 2, ... per stack) and the bound ``host_port`` (when 0 was asked). Raises
+        :class:`~aioslirp.config.ConfigError` for a bad field (proto, ports, a guest address
+        outside the network) and :class:`~aioslirp.forward.ForwardError` (an ``OSError``)
+        when the host address/port cannot be bound, e.g. already in use.
+        """
+        if self._loop is None or self._closed:
+            raise RuntimeError("add_forward() needs a started, open Stack")
+        return await self.forwarder.add(fwd)
+
+    def remove_forward(self, fwd):
+        """Stop a forward, given its ``id`` or the :class:`PortForward` returned by
+        :meth:`add_forward`: its host socket closes at once (new connections are
+        refused); forwarded TCP connections already open carry on. Returns the removed
+        :class:`PortForward`; raises ``KeyError`` when there is no such forward."""
+        fid = fwd if isinstance(fwd, int) else getattr(fwd, "id", None)
+        if fid is None or self._forwarder is None:
+            raise KeyError(fwd)
+        return self._forwarder.remove(fid)
+
+    def forwards(self) -> list:
+        """The active :class:`PortForward` objects, in the order they were added."""
+        return [] if self._forwarder is None else self._forwarder.list()
 
     def flow_stats(self) -> dict:
         """Active flows by ``proto`` and TCP state: ``{"tcp": {"ESTABLISHED": 3}, "udp": 1, ...}``."""
@@ -549,3 +641,19 @@ class Stack:
             else:
                 out[f.proto_name] = out.get(f.proto_name, 0) + 1
         return out
+
+    def stats(self) -> dict:
+        """A JSON-ready snapshot of the stack's state, for the API socket's ``get_stats``.
+
+        Shape: ``{"counters": {name: int}, "flows": flow_stats(), "inject_queue": {"depth": int,
+        "size": int}}``. ``counters`` holds every :attr:`counters` entry (``frames_in``,
+        ``frames_out``, ``bytes_in``, ``bytes_out``, ``drop.<reason>``, ``flows.<proto>.opened``
+        / ``.closed``...); the same values are exported as OpenTelemetry metrics by
+        :func:`aioslirp.metrics.register`.
+        """
+        q = self._inject
+        return {
+            "counters": {k: int(v) for k, v in sorted(self.counters.items())},
+            "flows": self.flow_stats(),
+            "inject_queue": {"depth": q.qsize() if q is not None else 0, "size": self.config.inject_queue_size},
+        }

@@ -29,6 +29,7 @@ import logging
 import random
 import socket
 import struct
+import time
 
 from ..wire.ipv4 import PROTO_TCP, TCP, build_tcp
 from .. import tracing
@@ -95,7 +96,7 @@ class TcpFlow(asyncio.Protocol):
     proto = PROTO_TCP
     proto_name = "tcp"
 
-    def __init__(self, stack, key: tuple, remote: str | None, syn: Segment, orig_header: bytes) -> None:
+    def __init__(self, stack, key: tuple, remote: str | None, syn: Segment | None, orig_header: bytes) -> None:
         self.stack = stack
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
@@ -108,7 +109,8 @@ class TcpFlow(asyncio.Protocol):
         self.eth = stack.eth_to(self.guest_ip)
         self.conn = TcpConnection(iss=random.getrandbits(32), mss=cfg.mtu - 40, rcv_buf=cfg.tcp_buffer,
                                   snd_buf=cfg.tcp_buffer, now=now, linger=cfg.tcp_linger)
-        self.conn.on_syn(syn, now)
+        if syn is not None:  # None: active open towards the guest (ForwardedTcpFlow)
+            self.conn.on_syn(syn, now)
         self.transport = None
         self.host_paused = False
         self.reading_paused = False
@@ -154,13 +156,15 @@ class TcpFlow(asyncio.Protocol):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        t0 = self.loop.time()
+        t0 = time.perf_counter()  # for the tcp.syn_ack trace point (uvloop's loop.time() ticks in ms)
         try:
             await asyncio.wait_for(self.loop.sock_connect(sock, (self.remote, self.dst_port)),
                                    stack.config.tcp_connect_timeout)
         except ConnectionRefusedError:
             sock.close()
             stack.counters["tcp_connect_refused"] += 1
+            if tracing.enabled:
+                tracing.connect_failed(self, "refused")
             self.conn.refuse()
             self._emit()
             self._finish()
@@ -169,6 +173,8 @@ class TcpFlow(asyncio.Protocol):
             sock.close()
             code = UNREACH_NET if getattr(exc, "errno", None) == errno.ENETUNREACH else UNREACH_HOST
             stack.counters["tcp_connect_unreachable"] += 1
+            if tracing.enabled:
+                tracing.connect_failed(self, "unreachable")
             log.debug("connect %s:%d failed: %r", self.remote, self.dst_port, exc)
             stack.send_icmp_error(ICMP_UNREACH, code, self.orig_header)
             self._finish()
@@ -181,15 +187,11 @@ class TcpFlow(asyncio.Protocol):
             self._finish()
             return
         await self.loop.create_connection(lambda: self, sock=sock)
-        self._accept(self.loop.time() - t0, False)
+        self._accept(time.perf_counter() - t0, False)
 
     def _accept(self, connect_time: float, immediate: bool) -> None:
         if tracing.enabled:
-            with tracing.span("tcp.syn_ack", {"network.local.port": self.guest_port,
-                                              "network.peer.port": self.dst_port,
-                                              "aioslirp.connect_immediate": immediate,
-                                              "aioslirp.connect_us": int(connect_time * 1e6)}):
-                self.conn.accept(self.loop.time())
+            tracing.syn_ack(self, connect_time, immediate)
         else:
             self.conn.accept(self.loop.time())
         self.flush()
@@ -200,6 +202,8 @@ class TcpFlow(asyncio.Protocol):
         transport.set_write_buffer_limits(high=512 * 1024)
 
     def data_received(self, data: bytes) -> None:
+        if tracing.enabled:
+            tracing.host_data(self, len(data))
         conn = self.conn
         conn.send(data)
         if conn.send_space <= 0 and not self.reading_paused:
@@ -208,6 +212,8 @@ class TcpFlow(asyncio.Protocol):
         self.flush()
 
     def eof_received(self) -> bool:
+        if tracing.enabled:
+            tracing.flow_event(self, "fin.host")
         self.conn.shutdown_write()
         self.flush()
         return True
@@ -236,7 +242,10 @@ class TcpFlow(asyncio.Protocol):
             return False
         now = self.loop.time()
         self.last_active = now
-        conn.receive_segment(seg, now)
+        if tracing.enabled:
+            tracing.guest_segment(self, seg, now)
+        else:
+            conn.receive_segment(seg, now)
         self.stack.mark_dirty(self)
         return True
 
@@ -263,6 +272,8 @@ class TcpFlow(asyncio.Protocol):
         ev = conn.next_event()
         while ev is not None:
             name = ev[0]
+            if tracing.enabled:
+                tracing.tcp_event(self, name)
             if name == "reset":
                 self.stack.counters["tcp_resets"] += 1
                 self._close_host(abort=True)
@@ -359,3 +370,108 @@ class TcpFlow(asyncio.Protocol):
         if not self.task.done():
             self.task.cancel()
         self.stack.remove_flow(self)
+
+
+class ForwardedTcpFlow(TcpFlow):
+    """A host -> guest connection of a TCP port forward (active open towards the guest).
+
+    ``sock`` is the accepted host socket, ``peer`` its remote address; ``key`` is
+    ``(tcp, guest addr, guest port, gateway addr, source port)``. The task attaches the
+    host socket, makes sure the guest's MAC is known (``resolve(guest_ip) -> bool``, an
+    awaitable), sends our SYN (:meth:`TcpConnection.connect`: MSS ``mtu - 40`` and window
+    scaling offered as for outbound flows) and from then on relays like any flow. The
+    guest's SYN-ACK arrives through the stack's normal dispatch. Host bytes that arrive
+    before the handshake completes are queued and sent after it; a host EOF then becomes
+    our FIN behind them. A guest RST, no guest MAC, or no SYN-ACK within
+    ``tcp_connect_timeout`` seconds closes the host socket with a RST at once.
+    """
+
+    direction = "inbound"
+
+    def __init__(self, stack, key: tuple, sock: socket.socket, peer, resolve, forward_id: int | None = None) -> None:
+        self.host_sock = sock
+        self.peer = peer
+        self.forward_id = forward_id
+        self._resolve = resolve
+        self._attaching = False
+        self._connect_timer: asyncio.TimerHandle | None = None
+        super().__init__(stack, key, f"{peer[0]}:{peer[1]}", None, b"")
+
+    async def _run(self) -> None:
+        try:
+            await self._open()
+            if not self._finished:
+                await self.done
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("forwarded TCP flow %s failed", self.key)
+            self.stack.counters["flow_errors"] += 1
+            self.conn.abort()
+            self._emit()
+        finally:
+            if self._connect_timer is not None:
+                self._connect_timer.cancel()
+            self._teardown()
+
+    async def _open(self) -> None:
+        stack, loop, sock = self.stack, self.loop, self.host_sock
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        self._attaching = True
+        try:
+            await loop.create_connection(lambda: self, sock=sock)
+        finally:
+            self._attaching = False
+        if self.host_closed or self._finished:  # closed while attaching
+            self.host_closed = False
+            self._close_host(abort=True)
+            self._finish()
+            return
+        if not await self._resolve(self.guest_ip):
+            stack.counters["forward_guest_unresolved"] += 1
+            log.info("forward to %s:%d: the guest does not answer ARP", socket.inet_ntoa(self.guest_ip),
+                     self.guest_port)
+            self.conn.abort()
+            self._close_host(abort=True)
+            self._finish()
+            return
+        if self._finished or self.conn.state != "LISTEN":
+            self._finish()
+            return
+        self.eth = stack.eth_to(self.guest_ip)
+        self._connect_timer = loop.call_later(stack.config.tcp_connect_timeout, self._connect_timeout)
+        self.conn.connect(loop.time())
+        self.flush()
+
+    def _connect_timeout(self) -> None:
+        self._connect_timer = None
+        if self.conn.state == "SYN-SENT":
+            self.stack.counters["forward_connect_timeout"] += 1
+            self.conn.abort()
+            self._emit()
+            self._close_host(abort=True)
+            self._finish()
+
+    def _close_host(self, abort: bool) -> None:
+        if self.transport is None:
+            # Not attached to an asyncio transport (yet): close the raw socket, with a RST.
+            if self.host_closed:
+                return
+            self.host_closed = True
+            if not self._attaching:
+                _reset_close(self.host_sock)
+            return
+        super()._close_host(abort)
+
+
+def _reset_close(sock: socket.socket) -> None:
+    """Close ``sock`` so that the peer sees a RST (SO_LINGER on, 0 seconds)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER0)
+    except OSError:
+        pass
+    sock.close()

@@ -1,0 +1,384 @@
+"""The control API socket (``--api-socket PATH``), compatible with slirp4netns.
+
+Protocol
+--------
+A UNIX stream socket. One request per connection: the client writes one JSON object
+(optionally followed by a newline) and, as slirp4netns clients do, shuts down its write
+side; the server answers with one JSON object in a single write (no trailing newline,
+well under the 2,048 bytes Podman reads in one go for the port-forward commands) and
+closes. A request is processed as soon as it parses, so clients that do not half-close
+work too. Requests are at most :data:`MAX_REQUEST` bytes; a client that sends nothing
+parseable within :data:`REQUEST_TIMEOUT` seconds gets the parse error.
+
+Commands (``{"execute": NAME, "arguments": {...}}``) and replies:
+
+``add_hostfwd``
+    ``arguments``: ``proto`` (``"tcp"``/``"udp"``), ``host_addr`` (default ``127.0.0.1``;
+    IPv6 accepted), ``host_port`` (1-65535), ``guest_addr`` (``""`` or absent: the
+    configured guest address), ``guest_port``. Reply ``{"return":{"id":N}}``, ids 1, 2, ...
+``list_hostfwd``
+    Reply ``{"return":{"entries":[E...]},"entries":[E...]}`` with
+    ``E = {"id","proto","host_addr","host_port","guest_addr","guest_port"}``. slirp4netns
+    documents the ``return`` envelope but its binary (1.2.0) sends the bare ``entries``
+    object; both are given so that clients written against either work.
+``remove_hostfwd``
+    ``arguments``: ``id``. Reply ``{"return":{}}``.
+``get_stats``
+    Reply ``{"return":{"frames":{"in","out"},"bytes":{"in","out"},"drops":{REASON:N},
+    "flows":{PROTO:{STATE:N}},"flows_total":{PROTO:{"opened","closed"}},"forwards":N,
+    "counters":{NAME:N}}}``: frames and bytes moved to/from the guest, guest frames
+    dropped by reason, active flows by protocol and state, every counter.
+``list_flows``
+    Reply ``{"return":{"flows":[{"proto","direction","state","guest_addr","guest_port",
+    "remote_addr","remote_port","host","idle_s"}...]}}``; ``direction`` is ``outbound``
+    (the guest connected out) or ``inbound`` (a port forward); ``host`` is the host side
+    (the remote for outbound flows, the host client for inbound ones); ``idle_s`` seconds
+    since the flow's last activity.
+
+Errors are ``{"error":{"desc":"..."}}`` with slirp4netns's texts (``bad request: cannot
+parse JSON``, ``bad request: json_object() failed``, ``bad request: no execute found``,
+``bad request: unknown execute``, ``bad request: add_hostfwd: bad arguments.proto``, ...).
+A host port already in use gives ``bad request: add_hostfwd: cannot listen on ADDR:PORT/PROTO:
+Address already in use``. No request can make the server raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import socket
+import stat
+import time
+
+from .config import ConfigError
+from .forward import ForwardError, PortForward
+
+__all__ = ["ApiServer", "ApiSocketError", "MAX_REQUEST", "REQUEST_TIMEOUT"]
+
+log = logging.getLogger("aioslirp.api")
+
+#: Largest request in bytes (slirp4netns: 4,096).
+MAX_REQUEST = 65536
+#: Seconds a client has to send a complete request.
+REQUEST_TIMEOUT = 10.0
+#: ``sun_path`` holds 108 bytes including the terminating NUL.
+_SUN_PATH_MAX = 107
+
+
+class ApiSocketError(RuntimeError):
+    """The API socket cannot be created. ``str(err)`` is one line naming the path."""
+
+
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _error(desc: str) -> dict:
+    return {"error": {"desc": desc}}
+
+
+def _port(value) -> int | None:
+    """A JSON port number (int, or an integral float as parson gives) in 1-65535, else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and 1 <= value <= 65535:
+        return value
+    return None
+
+
+def _ip(key: bytes) -> str:
+    return socket.inet_ntoa(key) if isinstance(key, bytes) and len(key) == 4 else str(key)
+
+
+class ApiServer:
+    """Serves the control API for ``stack`` on the UNIX socket ``path``.
+
+    ``await start()`` binds and listens (a stale socket file at ``path`` is replaced;
+    any other file there is an error); ``await close()`` stops and removes the socket
+    file. :meth:`handle` answers one raw request (bytes) without any socket, for tests
+    and embedding. Raises :class:`ApiSocketError` from ``start``.
+    """
+
+    def __init__(self, stack, path: str) -> None:
+        self.stack = stack
+        self.path = os.fspath(path)
+        self._server: asyncio.AbstractServer | None = None
+        self._ino: tuple[int, int] | None = None
+        self._clients: set[asyncio.Task] = set()
+        self.requests = 0
+
+    async def __aenter__(self) -> "ApiServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        path = self.path
+        if len(os.fsencode(path)) > _SUN_PATH_MAX:
+            raise ApiSocketError(f"--api-socket {path}: path is longer than {_SUN_PATH_MAX} bytes")
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise ApiSocketError(f"--api-socket {path}: {exc.strerror}") from None
+        else:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise ApiSocketError(f"--api-socket {path}: exists and is not a socket")
+            try:
+                os.unlink(path)  # a stale socket of an earlier run (as slirp4netns does)
+            except OSError as exc:
+                raise ApiSocketError(f"--api-socket {path}: cannot remove the old socket: {exc.strerror}") from None
+        try:
+            self._server = await asyncio.start_unix_server(self._client, path=path)
+        except OSError as exc:
+            raise ApiSocketError(f"--api-socket {path}: {exc.strerror}") from None
+        st = os.stat(path)
+        self._ino = (st.st_dev, st.st_ino)
+        log.info("API socket listening on %s", path)
+
+    async def close(self) -> None:
+        """Stop listening, end open requests, remove the socket file (if it is still ours)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for t in list(self._clients):
+            t.cancel()
+        if self._clients:
+            await asyncio.gather(*self._clients, return_exceptions=True)
+        if self._ino is not None:
+            try:
+                st = os.stat(self.path)
+                if (st.st_dev, st.st_ino) == self._ino:
+                    os.unlink(self.path)
+            except OSError:
+                pass
+            self._ino = None
+
+    # ------------------------------------------------------------------ connection
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._clients.add(task)
+        try:
+            buf = b""
+            too_large = False
+            try:
+                async with asyncio.timeout(REQUEST_TIMEOUT):
+                    while True:
+                        chunk = await reader.read(MAX_REQUEST)
+                        buf += chunk
+                        if len(buf) >= MAX_REQUEST:
+                            too_large = True
+                            break
+                        if not chunk or _parses(buf):
+                            break
+            except TimeoutError:
+                if not buf.strip():
+                    return
+            self.requests += 1
+            if too_large:
+                reply = _dumps(_error("bad request: too large message"))
+            else:
+                reply = await self.handle(buf)
+            writer.write(reply)
+            await writer.drain()
+        except (ConnectionError, OSError) as exc:
+            log.debug("API client: %s", exc)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._clients.discard(task)
+            writer.close()
+
+    # ------------------------------------------------------------------ requests
+    async def handle(self, raw: bytes) -> bytes:
+        """Answer one request (raw JSON bytes) with the reply bytes. Never raises."""
+        try:
+            reply = await self._handle(raw)
+        except Exception as exc:  # a bug of ours: still one error reply
+            log.exception("API request failed")
+            reply = _error(f"internal error: {type(exc).__name__}: {exc}")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("API %r -> %r", raw[:200], reply)
+        return _dumps(reply)
+
+    async def _handle(self, raw: bytes) -> dict:
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return _error("bad request: cannot parse JSON")
+        if not isinstance(obj, dict):
+            return _error("bad request: json_object() failed")
+        execute = obj.get("execute")
+        if not isinstance(execute, str):
+            return _error("bad request: no execute found")
+        args = obj.get("arguments")
+        if not isinstance(args, dict):
+            args = {}
+        handler = {
+            "add_hostfwd": self._add_hostfwd,
+            "list_hostfwd": self._list_hostfwd,
+            "remove_hostfwd": self._remove_hostfwd,
+            "get_stats": self._get_stats,
+            "list_flows": self._list_flows,
+        }.get(execute)
+        if handler is None:
+            return _error("bad request: unknown execute")
+        return await handler(args)
+
+    async def _add_hostfwd(self, args: dict) -> dict:
+        pre = "bad request: add_hostfwd: "
+        proto = args.get("proto")
+        if proto not in ("tcp", "udp"):
+            return _error(pre + "bad arguments.proto")
+        host_addr = args.get("host_addr")
+        if host_addr is None or host_addr == "":
+            host_addr = "127.0.0.1"
+        if not isinstance(host_addr, str):
+            return _error(pre + "bad arguments.host_addr")
+        try:
+            host_addr = str(ipaddress.ip_address(host_addr))
+        except ValueError:
+            return _error(pre + "bad arguments.host_addr")
+        host_port = _port(args.get("host_port"))
+        if host_port is None:
+            return _error(pre + "bad arguments.host_port")
+        guest_addr = args.get("guest_addr")
+        if guest_addr == "":
+            guest_addr = None
+        if guest_addr is not None:
+            if not isinstance(guest_addr, str):
+                return _error(pre + "bad arguments.guest_addr")
+            try:
+                guest_addr = str(ipaddress.IPv4Address(guest_addr))
+            except ValueError:
+                return _error(pre + "bad arguments.guest_addr")
+        guest_port = _port(args.get("guest_port"))
+        if guest_port is None:
+            return _error(pre + "bad arguments.guest_port")
+        fwd = PortForward(proto=proto, host_addr=host_addr, host_port=host_port,
+                          guest_addr=guest_addr, guest_port=guest_port)
+        try:
+            added = await self.stack.add_forward(fwd)
+        except ConfigError as exc:
+            return _error(pre + f"bad arguments.{exc.field}: {str(exc).split(': ', 1)[-1]}")
+        except ForwardError as exc:
+            return _error(pre + str(exc))
+        except RuntimeError as exc:
+            return _error(pre + str(exc))
+        return {"return": {"id": added.id}}
+
+    async def _list_hostfwd(self, args: dict) -> dict:
+        entries = [{"id": f.id, "proto": f.proto, "host_addr": f.host_addr, "host_port": f.host_port,
+                    "guest_addr": f.guest_addr, "guest_port": f.guest_port} for f in self.stack.forwards()]
+        return {"return": {"entries": entries}, "entries": entries}
+
+    async def _remove_hostfwd(self, args: dict) -> dict:
+        fid = args.get("id")
+        if isinstance(fid, float) and fid.is_integer():
+            fid = int(fid)
+        if isinstance(fid, bool) or not isinstance(fid, int):
+            return _error("bad request: remove_hostfwd: bad arguments.id")
+        try:
+            self.stack.remove_forward(fid)
+        except KeyError:
+            return _error("bad request: remove_hostfwd: bad arguments.id")
+        return {"return": {}}
+
+    async def _get_stats(self, args: dict) -> dict:
+        stack = self.stack
+        c = stack.counters
+        drops = {k[5:]: v for k, v in sorted(c.items()) if k.startswith("drop.")}
+        active: dict = {}
+        for f in list(stack.flows.values()):
+            d = active.setdefault(getattr(f, "proto_name", "?"), {})
+            st = str(getattr(f, "state", "OPEN"))
+            d[st] = d.get(st, 0) + 1
+        totals: dict = {}
+        for k, v in c.items():
+            parts = k.split(".")
+            if len(parts) == 3 and parts[0] == "flows" and parts[2] in ("opened", "closed"):
+                totals.setdefault(parts[1], {"opened": 0, "closed": 0})[parts[2]] = v
+        return {"return": {
+            "frames": {"in": c.get("frames_in", 0), "out": c.get("frames_out", 0)},
+            "bytes": {"in": c.get("bytes_in", 0), "out": c.get("bytes_out", 0)},
+            "drops": drops,
+            "flows": active,
+            "flows_total": totals,
+            "forwards": len(stack.forwards()),
+            "counters": dict(sorted(c.items())),
+        }}
+
+    async def _list_flows(self, args: dict) -> dict:
+        now = time.monotonic()
+        loop_now = self.stack._loop.time() if self.stack._loop is not None else now
+        out = []
+        for f in list(self.stack.flows.values()):
+            key = f.key
+            entry = {
+                "proto": getattr(f, "proto_name", "?"),
+                "direction": getattr(f, "direction", "outbound"),
+                "state": str(getattr(f, "state", "OPEN")),
+                "guest_addr": _ip(getattr(f, "guest_ip", key[1] if len(key) > 1 else b"")),
+                "guest_port": getattr(f, "guest_port", None),
+                "remote_addr": _ip(getattr(f, "dst_ip", b"")),
+                "remote_port": getattr(f, "dst_port", None),
+                "host": f.remote if isinstance(getattr(f, "remote", None), str) else None,
+            }
+            last = getattr(f, "last_active", None)
+            if isinstance(last, (int, float)):
+                # TCP flows keep loop time, the others time.monotonic()
+                ref = loop_now if getattr(f, "proto_name", "") == "tcp" else now
+                entry["idle_s"] = round(max(0.0, ref - last), 3)
+            fid = getattr(f, "forward_id", None)
+            if fid is not None:
+                entry["forward_id"] = fid
+            out.append(entry)
+        return {"return": {"flows": out}}
+
+
+def _parses(buf: bytes) -> bool:
+    try:
+        json.loads(buf.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return True
+
+
+def serving_stack(config, *, forwards=(), api_socket: str | None = None, stack_factory=None):
+    """A stack factory result for the entry points: ``async with serving_stack(cfg, ...) as stack``.
+
+    Creates the stack (``stack_factory(config)``, default :class:`~aioslirp.Stack`), adds
+    ``forwards`` (:class:`PortForward` objects) and starts the API socket at
+    ``api_socket`` before the body runs, so both are ready before the guest starts; on
+    exit the API socket file is removed and the stack closed. Raises
+    :class:`~aioslirp.forward.ForwardError` (a host port cannot be bound) or
+    :class:`ApiSocketError` during setup.
+    """
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def cm():
+        from .stack import Stack
+
+        factory = stack_factory or Stack
+        async with factory(config) as stack:
+            for fwd in forwards:
+                await stack.add_forward(fwd)
+            api = ApiServer(stack, api_socket) if api_socket else None
+            if api is not None:
+                await api.start()
+            try:
+                yield stack
+            finally:
+                if api is not None:
+                    await api.close()
+
+    return cm()

@@ -1,0 +1,535 @@
+"""Port forwards host -> guest (``-p/--publish``, ``add_hostfwd``).
+
+Theory of operation
+-------------------
+A :class:`PortForward` names a host address and port to listen on, a protocol and a
+guest address and port. :class:`Forwarder` (one per :class:`~aioslirp.Stack`, reached
+through ``Stack.add_forward()``/``remove_forward()``/``forwards()``) opens the host
+listener and turns what arrives there into flows in the stack's ordinary flow table:
+
+* **TCP**: a reader callback on the listening socket accepts host connections. Each accepted socket becomes a
+  :class:`~aioslirp.tcp.flow.ForwardedTcpFlow`: the stack makes sure it knows the guest's
+  MAC (an ARP request from the gateway when it does not, RFC 826), then *sends the SYN
+  itself* (active open, :meth:`TcpConnection.connect`) from the gateway address
+  (``10.0.2.2``) and a source port of its own, so the guest sees a connection from the
+  gateway. The guest's SYN-ACK comes back through the normal dispatch (the flow key
+  ``(tcp, guest addr, guest port, gateway, source port)`` matches) and from then on the
+  flow relays both ways exactly like a guest-initiated flow: MSS and window scaling,
+  flow control, half-close both ways, RST both ways.
+  A guest that answers with RST (nothing listening) or does not answer within
+  ``tcp_connect_timeout`` makes the host client see a reset at once (``SO_LINGER`` 0).
+* **UDP**: one host socket per forward. Each host client ``(address, port)`` becomes a
+  :class:`UdpForwardFlow` with its own source port towards the guest; the guest's
+  replies to that port go back to that client through the listening socket. The flow is
+  tracked in the flow table (idle timeout ``udp_idle_timeout``, evictable), so replies
+  are routed even with ``disable_host_loopback``.
+
+Source ports towards the guest are taken round-robin from 49152-65535 (RFC 6335's
+dynamic range), skipping any that would give a flow key already in use, so a 4-tuple is
+not reused while the guest may still hold it in TIME-WAIT.
+
+Removing a forward closes its listener at once (new connections are refused); TCP
+connections already forwarded carry on until they close, UDP flows of that forward end
+with it (they answer through its socket). Stack exit closes everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, replace
+
+from .config import ConfigError
+from .wire.arp import ARP_REQUEST, build_arp
+from .wire.ipv4 import PROTO_TCP, PROTO_UDP, build_udp_packet
+
+__all__ = ["PortForward", "ForwardError", "Forwarder", "UdpForwardFlow", "parse_publish"]
+
+log = logging.getLogger("aioslirp.forward")
+
+#: Source ports the stack uses towards the guest for forwarded flows (RFC 6335 dynamic range).
+SOURCE_PORTS = (49152, 65535)
+#: Seconds to wait for the guest's ARP reply before giving up on a forwarded connection.
+ARP_TIMEOUT = 1.0
+#: Seconds between ARP requests while waiting.
+ARP_RETRY = 0.2
+#: Listen backlog of forwarded TCP ports.
+BACKLOG = 1024
+#: Datagrams held per UDP flow while the guest's MAC is being resolved.
+UDP_PENDING_MAX = 32
+
+PROTOS = ("tcp", "udp")
+
+
+class ForwardError(OSError):
+    """A forward could not be set up (host port in use, no permission, bad address...).
+
+    ``str(err)`` is one line naming the forward; ``err.errno`` is the OS error number
+    when there is one.
+    """
+
+    def __init__(self, message: str, errno_: int | None = None) -> None:
+        super().__init__(errno_ or 0, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class PortForward:
+    """One port forward from the host into the guest.
+
+    Fields (slirp4netns ``add_hostfwd`` names):
+
+    ``proto``
+        ``"tcp"`` or ``"udp"``.
+    ``host_addr``
+        IPv4 or IPv6 address to listen on (default ``127.0.0.1``; ``0.0.0.0`` / ``::``
+        for all addresses).
+    ``host_port``
+        Host port, 1-65535; ``0`` asks the kernel for a free port (library only) and
+        :meth:`Stack.add_forward` returns the port it got.
+    ``guest_addr``
+        Guest IPv4 address (within the stack's network); ``None`` means the configured
+        guest address (``NetworkConfig.guest``, what ``aioslirp run`` gives the namespace).
+    ``guest_port``
+        Guest port, 1-65535.
+    ``id``
+        Assigned by the stack when added (1, 2, ... per stack), ``None`` before.
+    """
+
+    proto: str = "tcp"
+    host_addr: str = "127.0.0.1"
+    host_port: int = 0
+    guest_addr: str | None = None
+    guest_port: int = 0
+    id: int | None = None
+
+    def spec(self) -> str:
+        """The forward as ``HOST_IP:HOST_PORT:GUEST_PORT/PROTO`` (``[v6]`` in brackets)."""
+        host = f"[{self.host_addr}]" if ":" in self.host_addr else self.host_addr
+        guest = f" -> {self.guest_addr}" if self.guest_addr else ""
+        return f"{host}:{self.host_port}:{self.guest_port}/{self.proto}{guest}"
+
+    def to_dict(self) -> dict:
+        """A dict with the slirp4netns ``list_hostfwd`` entry fields (and ``id``)."""
+        return asdict(self)
+
+
+def parse_publish(text: str, option: str = "--publish") -> PortForward:
+    """Parse ``[HOST_IP:]HOST_PORT:GUEST_PORT[/tcp|/udp]`` into a :class:`PortForward`.
+
+    ``HOST_IP`` defaults to ``127.0.0.1``; an IPv6 address goes in brackets
+    (``[::1]:8080:80``). Raises :class:`~aioslirp.config.ConfigError` naming ``option``.
+    """
+    spec = text.strip()
+    proto = "tcp"
+    if "/" in spec:
+        spec, proto = spec.rsplit("/", 1)
+        proto = proto.lower()
+        if proto not in PROTOS:
+            raise ConfigError(option, f"{text!r}: protocol must be tcp or udp, not {proto!r}")
+    host = "127.0.0.1"
+    if spec.startswith("["):
+        end = spec.find("]")
+        if end < 0 or spec[end + 1:end + 2] != ":":
+            raise ConfigError(option, f"{text!r}: expected [IPV6]:HOST_PORT:GUEST_PORT")
+        host = spec[1:end]
+        spec = spec[end + 2:]
+        parts = spec.split(":")
+        if len(parts) != 2:
+            raise ConfigError(option, f"{text!r}: expected [IPV6]:HOST_PORT:GUEST_PORT")
+    else:
+        parts = spec.split(":")
+        if len(parts) == 3:
+            host = parts.pop(0)
+        elif len(parts) != 2:
+            raise ConfigError(option, f"{text!r}: expected [HOST_IP:]HOST_PORT:GUEST_PORT[/tcp|/udp]"
+                                      " (IPv6 addresses in brackets)")
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        raise ConfigError(option, f"{text!r}: {host!r} is not an IP address") from None
+    hport, gport = (_port(p, option, text) for p in parts)
+    return PortForward(proto=proto, host_addr=host, host_port=hport, guest_port=gport)
+
+
+def _port(p: str, option: str, text: str) -> int:
+    p = p.strip()
+    if not p.isdigit() or not 1 <= int(p) <= 65535:
+        raise ConfigError(option, f"{text!r}: port {p!r} is not a number in 1-65535")
+    return int(p)
+
+
+def _reset_close(sock) -> None:
+    """Close ``sock`` with an RST (``SO_LINGER`` on, 0 s) so the peer sees a reset at once."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    except OSError:
+        pass
+    sock.close()
+
+
+class _Listener:
+    """One active forward: its host socket and what serves it."""
+
+    def __init__(self, fwd: PortForward, sock: socket.socket, guest_ip: bytes) -> None:
+        self.fwd = fwd
+        self.sock = sock
+        self.guest_ip = guest_ip
+        #: UDP: host client (addr, port) -> UdpForwardFlow.
+        self.clients: dict = {}
+        self.closed = False
+
+
+class Forwarder:
+    """The port forwards of one stack. Use it through :class:`~aioslirp.Stack`."""
+
+    def __init__(self, stack) -> None:
+        self.stack = stack
+        self._listeners: dict[int, _Listener] = {}
+        self._next_id = 1
+        self._next_port = SOURCE_PORTS[0]
+        self._resolving: dict[bytes, asyncio.Future] = {}
+
+    # ------------------------------------------------------------------ management
+    def _check(self, fwd: PortForward) -> tuple[PortForward, bytes]:
+        cfg = self.stack.config
+        if fwd.proto not in PROTOS:
+            raise ConfigError("proto", f"{fwd.proto!r} is not tcp or udp")
+        try:
+            host = str(ipaddress.ip_address(fwd.host_addr))
+        except ValueError:
+            raise ConfigError("host_addr", f"{fwd.host_addr!r} is not an IP address") from None
+        if not isinstance(fwd.host_port, int) or not 0 <= fwd.host_port <= 65535:
+            raise ConfigError("host_port", f"{fwd.host_port!r} is not a port number")
+        if not isinstance(fwd.guest_port, int) or not 1 <= fwd.guest_port <= 65535:
+            raise ConfigError("guest_port", f"{fwd.guest_port!r} is not a port number in 1-65535")
+        guest = cfg.guest if fwd.guest_addr in (None, "") else fwd.guest_addr
+        try:
+            gaddr = ipaddress.IPv4Address(str(guest))
+        except ValueError:
+            raise ConfigError("guest_addr", f"{guest!r} is not an IPv4 address") from None
+        net = cfg.cidr
+        if (gaddr not in net or gaddr in (net.network_address, net.broadcast_address)
+                or gaddr in (cfg.gateway, cfg.dns)):
+            raise ConfigError("guest_addr", f"{gaddr} is not a guest address in {net}")
+        return replace(fwd, host_addr=host, guest_addr=str(gaddr)), gaddr.packed
+
+    async def add(self, fwd: PortForward) -> PortForward:
+        """Start listening for ``fwd``. Returns it with ``id`` (and a kernel-chosen
+        ``host_port`` when 0). Raises ``ConfigError`` for bad fields and
+        :class:`ForwardError` when the host socket cannot listen."""
+        fwd, guest_ip = self._check(fwd)
+        family = socket.AF_INET6 if ":" in fwd.host_addr else socket.AF_INET
+        stype = socket.SOCK_STREAM if fwd.proto == "tcp" else socket.SOCK_DGRAM
+        sock = socket.socket(family, stype)
+        try:
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if stype == socket.SOCK_STREAM:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((fwd.host_addr, fwd.host_port))
+            if stype == socket.SOCK_STREAM:
+                sock.listen(BACKLOG)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            what = f"{fwd.host_addr}:{fwd.host_port}/{fwd.proto}"
+            if ":" in fwd.host_addr:
+                what = f"[{fwd.host_addr}]:{fwd.host_port}/{fwd.proto}"
+            hint = ""
+            if exc.errno == errno.EACCES and fwd.host_port < 1024:
+                hint = " (ports below 1024 need CAP_NET_BIND_SERVICE or net.ipv4.ip_unprivileged_port_start)"
+            raise ForwardError(f"cannot listen on {what}: {os.strerror(exc.errno or 0)}{hint}", exc.errno) from None
+        fwd = replace(fwd, host_port=sock.getsockname()[1], id=self._next_id)
+        self._next_id += 1
+        lst = _Listener(fwd, sock, guest_ip)
+        self._listeners[fwd.id] = lst
+        stack = self.stack
+        if fwd.proto == "tcp":
+            stack._loop.add_reader(sock.fileno(), self._tcp_acceptable, lst)
+        else:
+            stack._loop.add_reader(sock.fileno(), self._udp_readable, lst)
+        stack.counters[f"forwards.{fwd.proto}.added"] += 1
+        log.info("forwarding %s", fwd.spec())
+        return fwd
+
+    def remove(self, fwd_id: int) -> PortForward:
+        """Stop forward ``fwd_id``: close its listener. Raises ``KeyError`` when unknown."""
+        lst = self._listeners.pop(fwd_id)
+        self._close_listener(lst)
+        self.stack.counters[f"forwards.{lst.fwd.proto}.removed"] += 1
+        log.info("removed forward %s", lst.fwd.spec())
+        return lst.fwd
+
+    def list(self) -> list[PortForward]:
+        """Active forwards in the order they were added."""
+        return [lst.fwd for lst in self._listeners.values()]
+
+    def close(self) -> None:
+        """Close every listener (stack exit)."""
+        for lst in list(self._listeners.values()):
+            self._close_listener(lst)
+        self._listeners.clear()
+        for fut in self._resolving.values():
+            if not fut.done():
+                fut.cancel()
+        self._resolving.clear()
+
+    def _close_listener(self, lst: _Listener) -> None:
+        if lst.closed:
+            return
+        lst.closed = True
+        if lst.sock.fileno() >= 0:
+            try:
+                self.stack._loop.remove_reader(lst.sock.fileno())
+            except Exception:  # pragma: no cover - loop closed
+                pass
+        for flow in list(lst.clients.values()):
+            flow.shutdown()
+        lst.clients.clear()
+        lst.sock.close()
+
+    # ------------------------------------------------------------------ helpers
+    def source_port(self, proto: int, guest_ip: bytes, guest_port: int) -> int | None:
+        """A gateway-side source port giving a flow key not in use, round-robin; None if none is free."""
+        lo, hi = SOURCE_PORTS
+        flows = self.stack.flows
+        gw = self.stack.gw_ip
+        port = self._next_port
+        for _ in range(hi - lo + 1):
+            candidate = port
+            port = lo if port >= hi else port + 1
+            if (proto, guest_ip, guest_port, gw, candidate) not in flows:
+                self._next_port = port
+                return candidate
+        return None
+
+    async def resolve_guest(self, ip4: bytes, timeout: float = ARP_TIMEOUT) -> bool:
+        """Make sure the guest's MAC for ``ip4`` is known: ARP requests from the gateway
+        every ``ARP_RETRY`` s until it answers or ``timeout`` s pass. Concurrent callers
+        share one resolution. Returns True when the MAC is known."""
+        stack = self.stack
+        if ip4 in stack.neighbors:
+            return True
+        fut = self._resolving.get(ip4)
+        if fut is None:
+            fut = stack._loop.create_future()
+            self._resolving[ip4] = fut
+            stack.spawn(self._arp(ip4, timeout, fut), name="aioslirp-fwd-arp")
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled():
+                return False
+            raise
+
+    async def _arp(self, ip4: bytes, timeout: float, fut: asyncio.Future) -> None:
+        stack = self.stack
+        loop = stack._loop
+        deadline = loop.time() + timeout
+        next_request = 0.0
+        try:
+            while ip4 not in stack.neighbors:
+                now = loop.time()
+                if now >= deadline:
+                    stack.counters["forward_arp_failed"] += 1
+                    break
+                if now >= next_request:
+                    stack.counters["arp_requests"] += 1
+                    stack.inject(build_arp(ARP_REQUEST, stack.gw_mac, stack.gw_ip, b"\x00" * 6, ip4))
+                    next_request = now + ARP_RETRY
+                await asyncio.sleep(0.005)
+        finally:
+            if self._resolving.get(ip4) is fut:
+                del self._resolving[ip4]
+            if not fut.done():
+                fut.set_result(ip4 in stack.neighbors)
+
+    # ------------------------------------------------------------------ TCP
+    def _tcp_acceptable(self, lst: _Listener) -> None:
+        """The listening socket is readable: accept what is queued (up to 64 at a time)."""
+        for _ in range(64):
+            if lst.closed:
+                return
+            try:
+                csock, peer = lst.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # EMFILE/ENFILE/ENOBUFS...: stop accepting for a moment instead of spinning.
+                self.stack.counters["forward_accept_errors"] += 1
+                log.warning("forward %s: accept failed: %s", lst.fwd.spec(), exc.strerror)
+                loop = self.stack._loop
+                loop.remove_reader(lst.sock.fileno())
+                loop.call_later(0.1, self._resume_accept, lst)
+                return
+            try:
+                self._tcp_accepted(lst, csock, peer)
+            except Exception:
+                log.exception("forward %s: cannot start a flow", lst.fwd.spec())
+                self.stack.counters["flow_errors"] += 1
+                _reset_close(csock)
+
+    def _resume_accept(self, lst: _Listener) -> None:
+        if not lst.closed:
+            self.stack._loop.add_reader(lst.sock.fileno(), self._tcp_acceptable, lst)
+
+    def _tcp_accepted(self, lst: _Listener, csock: socket.socket, peer) -> None:
+        from .tcp.flow import ForwardedTcpFlow
+
+        stack = self.stack
+        counters = stack.counters
+        counters["forward_tcp_accepted"] += 1
+        if stack._closed or not stack._make_room(PROTO_TCP):
+            counters["drop.forward_flow_table_full"] += 1
+            _reset_close(csock)
+            return
+        gport = lst.fwd.guest_port
+        sport = self.source_port(PROTO_TCP, lst.guest_ip, gport)
+        if sport is None:
+            counters["drop.forward_no_source_port"] += 1
+            _reset_close(csock)
+            return
+        key = (PROTO_TCP, lst.guest_ip, gport, stack.gw_ip, sport)
+        ForwardedTcpFlow(stack, key, csock, peer, self.resolve_guest, lst.fwd.id)
+
+    # ------------------------------------------------------------------ UDP
+    def _udp_readable(self, lst: _Listener) -> None:
+        stack = self.stack
+        for _ in range(64):
+            try:
+                data, peer = lst.sock.recvfrom(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.debug("forward %s: recvfrom: %s", lst.fwd.spec(), exc)
+                return
+            if lst.closed:
+                return
+            flow = lst.clients.get(peer)
+            if flow is None or flow.closed:
+                if not stack._make_room(PROTO_UDP):
+                    stack.counters["drop.forward_flow_table_full"] += 1
+                    continue
+                sport = self.source_port(PROTO_UDP, lst.guest_ip, lst.fwd.guest_port)
+                if sport is None:
+                    stack.counters["drop.forward_no_source_port"] += 1
+                    continue
+                flow = UdpForwardFlow(self, lst, peer, sport)
+            flow.to_guest(data)
+
+
+class UdpForwardFlow:
+    """One host client of a UDP forward, as a flow in the stack's table.
+
+    Key ``(udp, guest addr, guest port, gateway, source port)``. Host datagrams go to
+    the guest from ``gateway:source port``; the guest's datagrams to that port go back to
+    the client through the forward's socket. Closed after ``udp_idle_timeout`` seconds
+    without traffic either way, when evicted, or when its forward is removed.
+    """
+
+    proto = PROTO_UDP
+    proto_name = "udp"
+    state = "OPEN"
+    direction = "inbound"
+
+    def __init__(self, forwarder: Forwarder, lst: _Listener, peer, sport: int) -> None:
+        stack = forwarder.stack
+        self.stack = stack
+        self.forwarder = forwarder
+        self.listener = lst
+        self.peer = peer
+        self.forward_id = lst.fwd.id
+        self.guest_ip = lst.guest_ip
+        self.guest_port = lst.fwd.guest_port
+        self.dst_ip = stack.gw_ip
+        self.dst_port = sport
+        self.key = (PROTO_UDP, self.guest_ip, self.guest_port, self.dst_ip, sport)
+        self.remote = f"{peer[0]}:{peer[1]}"
+        self.last_active = time.monotonic()
+        self.bytes_up = self.bytes_down = 0
+        self.closed = False
+        self._pending: list = []
+        self._timeout = stack.config.udp_idle_timeout
+        self._timer = stack._loop.call_later(self._timeout, self._on_timer)
+        lst.clients[peer] = self
+        stack.add_flow(self)
+
+    def to_guest(self, data: bytes) -> None:
+        """A datagram from the host client: send it to the guest (after ARP if needed)."""
+        stack = self.stack
+        self.last_active = time.monotonic()
+        self.bytes_down += len(data)
+        stack.counters["udp_datagrams_down"] += 1
+        if self.guest_ip in stack.neighbors and not self._pending:
+            self._inject(data)
+            return
+        if len(self._pending) >= UDP_PENDING_MAX:
+            stack.counters["drop.forward_udp_unresolved"] += 1
+            return
+        self._pending.append(data)
+        if len(self._pending) == 1:
+            stack.spawn(self._resolve(), name="aioslirp-fwd-udp-arp")
+
+    async def _resolve(self) -> None:
+        ok = await self.forwarder.resolve_guest(self.guest_ip)
+        pending, self._pending = self._pending, []
+        if self.closed:
+            return
+        if not ok:
+            self.stack.counters["drop.forward_udp_unresolved"] += len(pending)
+            return
+        for data in pending:
+            self._inject(data)
+
+    def _inject(self, data: bytes) -> None:
+        self.stack.inject_ip(build_udp_packet(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, data),
+                             self.guest_ip)
+
+    def send(self, payload, header) -> None:
+        """A guest datagram to our source port: pass it to the host client."""
+        self.last_active = time.monotonic()
+        sock = self.listener.sock
+        if self.closed or sock.fileno() < 0:
+            return
+        try:
+            sock.sendto(payload, self.peer)
+            self.bytes_up += len(payload)
+            self.stack.counters["udp_datagrams_up"] += 1
+        except BlockingIOError:
+            self.stack.counters["drop.udp_send_blocked"] += 1
+        except OSError as exc:
+            log.debug("UDP forward flow %s: %s", self.key, exc)
+
+    def _on_timer(self) -> None:
+        left = self.last_active + self._timeout - time.monotonic()
+        if left > 0:
+            self._timer = self.stack._loop.call_later(left, self._on_timer)
+            return
+        self.stack.counters["udp_idle_closed"] += 1
+        self.shutdown()
+
+    def flush(self) -> None:
+        pass
+
+    def fail(self) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Leave the flow table now (the forward's socket stays with the forward)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._timer.cancel()
+        self._pending = []
+        if self.listener.clients.get(self.peer) is self:
+            del self.listener.clients[self.peer]
+        self.stack.remove_flow(self)

@@ -1,0 +1,327 @@
+"""Observability set-up for the command line: ``--trace FILE``, ``--otlp-endpoint URL``, ``--pcap FILE``.
+
+:class:`Observability` turns those options into an OpenTelemetry SDK tracer provider (a
+:class:`JsonLinesSpanExporter` for the file, an OTLP/HTTP exporter for the endpoint, both
+behind a ``BatchSpanProcessor`` so spans are serialized and written on the SDK's worker
+thread, off the event loop), a meter provider exporting :mod:`aioslirp.metrics` over OTLP,
+and a stack factory that wraps the transport in a
+:class:`~aioslirp.transport.pcap.PcapTransport`. :meth:`Observability.shutdown` ends open
+flow spans and flushes every exporter; the CLI calls it on exit, SIGTERM included.
+
+Trace file format: one JSON object per line, one line per finished span::
+
+    {"name": "tcp.flow", "trace_id": "<32 hex>", "span_id": "<16 hex>",
+     "parent_span_id": "<16 hex>" | null, "kind": "INTERNAL",
+     "start_ns": <unix ns>, "end_ns": <unix ns>, "attributes": {...},
+     "events": [{"name": ..., "time_ns": ..., "attributes": {...}}],
+     "links": [{"trace_id": ..., "span_id": ...}], "status": "UNSET"}
+
+``aioslirp trace-report FILE`` reads it (:mod:`aioslirp.trace_report`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import urllib.parse
+
+from .config import ConfigError
+
+log = logging.getLogger("aioslirp.observe")
+
+__all__ = ["Observability", "JsonLinesSpanExporter", "NoopSpanExporter", "span_to_dict", "otlp_urls", "SERVICE_NAME"]
+
+#: ``service.name`` of the exported resource unless ``OTEL_SERVICE_NAME`` /
+#: ``OTEL_RESOURCE_ATTRIBUTES`` set one.
+SERVICE_NAME = "aioslirp"
+
+_OTLP_HINT = "pip install 'aioslirp[otlp]' (opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
+
+
+def span_to_dict(span) -> dict:
+    """One finished SDK span (``ReadableSpan``) as the trace file's JSON object."""
+    ctx = span.context
+    parent = span.parent
+    return {
+        "name": span.name,
+        "trace_id": format(ctx.trace_id, "032x"),
+        "span_id": format(ctx.span_id, "016x"),
+        "parent_span_id": format(parent.span_id, "016x") if parent is not None else None,
+        "kind": span.kind.name,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "attributes": _plain(span.attributes),
+        "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": _plain(e.attributes)} for e in span.events],
+        "links": [{"trace_id": format(l.context.trace_id, "032x"), "span_id": format(l.context.span_id, "016x")}
+                  for l in span.links],
+        "status": span.status.status_code.name,
+    }
+
+
+def _plain(attrs) -> dict:
+    if not attrs:
+        return {}
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.items()}
+
+
+try:  # the SDK is optional (the ``otlp`` extra); without it only the classes below are unusable
+    from opentelemetry.sdk.trace.export import SpanExporter as _SpanExporter
+    from opentelemetry.sdk.trace.export import SpanExportResult as _Result
+except ImportError:  # pragma: no cover - exercised only without the SDK
+    _SpanExporter = object
+    _Result = None
+
+
+class JsonLinesSpanExporter(_SpanExporter):
+    """SDK span exporter writing one JSON line per span (see the module docstring) to ``path``.
+
+    The file is opened (truncated) at once, so a bad path fails early with ``OSError``.
+    ``export`` runs on the batch processor's worker thread; each batch is flushed to the
+    file before it returns. Use with ``BatchSpanProcessor`` to stay off the event loop.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "w", encoding="utf-8")
+        self._lock = threading.Lock()
+        self.exported = 0
+
+    def export(self, spans):
+        lines = "".join(json.dumps(span_to_dict(s), separators=(",", ":")) + "\n" for s in spans)
+        with self._lock:
+            if self._file is None:
+                return _Result.FAILURE
+            self._file.write(lines)
+            self._file.flush()
+            self.exported += len(spans)
+        return _Result.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+class NoopSpanExporter(_SpanExporter):
+    """Span exporter that drops everything (benchmarks: the SDK's cost without any I/O)."""
+
+    def export(self, spans):
+        return _Result.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def otlp_urls(endpoint: str) -> tuple[str, str]:
+    """``(traces_url, metrics_url)`` for ``--otlp-endpoint``.
+
+    A base URL (``http://localhost:4318`` or ``.../``) gets the OTLP/HTTP paths
+    ``/v1/traces`` and ``/v1/metrics`` appended; a URL ending in ``/v1/traces`` is used as
+    is for traces (and its ``/v1/metrics`` sibling for metrics). Raises
+    :class:`ConfigError` (``--otlp-endpoint``) for anything but an ``http``/``https`` URL
+    with a host.
+    """
+    u = urllib.parse.urlsplit(endpoint)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ConfigError("--otlp-endpoint", f"{endpoint!r} is not an http:// or https:// URL (e.g. http://127.0.0.1:4318)")
+    try:
+        u.port
+    except ValueError:
+        raise ConfigError("--otlp-endpoint", f"{endpoint!r} has an invalid port") from None
+    path = u.path.rstrip("/")
+    if path.endswith("/v1/traces"):
+        base = path[: -len("/v1/traces")]
+    else:
+        base = path
+    traces = urllib.parse.urlunsplit((u.scheme, u.netloc, base + "/v1/traces", u.query, ""))
+    metrics = urllib.parse.urlunsplit((u.scheme, u.netloc, base + "/v1/metrics", u.query, ""))
+    return traces, metrics
+
+
+def _resource():
+    from opentelemetry.sdk.resources import Resource
+
+    res = Resource.create({})
+    name = res.attributes.get("service.name")
+    if not name or str(name).startswith("unknown_service"):
+        res = res.merge(Resource({"service.name": SERVICE_NAME}))
+    return res
+
+
+def _bsp(exporter):
+    """A BatchSpanProcessor sized for bursts of short flows, unless ``OTEL_BSP_*`` says otherwise."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    kw = {}
+    if "OTEL_BSP_MAX_QUEUE_SIZE" not in os.environ:
+        kw["max_queue_size"] = 1 << 16
+    if "OTEL_BSP_MAX_EXPORT_BATCH_SIZE" not in os.environ:
+        kw["max_export_batch_size"] = 2048
+    if "OTEL_BSP_SCHEDULE_DELAY" not in os.environ:
+        kw["schedule_delay_millis"] = 500
+    return BatchSpanProcessor(exporter, **kw)
+
+
+class Observability:
+    """The observability options of one ``aioslirp`` run.
+
+    ``trace_file``: path of the JSON-lines span file; ``otlp_endpoint``: OTLP/HTTP base URL
+    (spans and metrics); ``pcap``: capture file; ``pcap_max_bytes``: bound of the capture
+    file in bytes (``None``: unbounded). :meth:`check` validates them (raises
+    :class:`ConfigError` naming the option); :meth:`start` sets the exporters up;
+    :meth:`stack_factory` makes stacks with the capture and metrics attached;
+    :meth:`shutdown` flushes everything (idempotent).
+    """
+
+    def __init__(self, *, trace_file: str | None = None, otlp_endpoint: str | None = None,
+                 pcap: str | None = None, pcap_max_bytes: int | None = None) -> None:
+        self.trace_file = trace_file
+        self.otlp_endpoint = otlp_endpoint
+        self.pcap = pcap
+        self.pcap_max_bytes = pcap_max_bytes
+        self.tracer_provider = None
+        self.meter_provider = None
+        self.file_exporter = None
+        self.stacks: list = []
+        self.pcap_writer = None
+        self._started = False
+        self._shut = False
+
+    @classmethod
+    def from_args(cls, args) -> "Observability":
+        """From the parsed CLI options (``trace``, ``otlp_endpoint``, ``pcap``, ``pcap_max_bytes``)."""
+        return cls(trace_file=getattr(args, "trace", None), otlp_endpoint=getattr(args, "otlp_endpoint", None),
+                   pcap=getattr(args, "pcap", None), pcap_max_bytes=getattr(args, "pcap_max_bytes", None))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.trace_file or self.otlp_endpoint or self.pcap)
+
+    def check(self) -> None:
+        """Validate the options without side effects beyond probing imports. Raises :class:`ConfigError`."""
+        if self.pcap_max_bytes is not None and self.pcap_max_bytes < 24 + 16:
+            raise ConfigError("--pcap-max-bytes", f"{self.pcap_max_bytes} is too small (at least 40 bytes)")
+        if self.pcap_max_bytes is not None and not self.pcap:
+            raise ConfigError("--pcap-max-bytes", "needs --pcap FILE")
+        for option, path in (("--trace", self.trace_file), ("--pcap", self.pcap)):
+            if path is None:
+                continue
+            parent = os.path.dirname(os.path.abspath(path)) or "."
+            if os.path.isdir(path):
+                raise ConfigError(option, f"{path!r} is a directory")
+            if not os.path.isdir(parent):
+                raise ConfigError(option, f"directory {parent!r} does not exist")
+            if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+                raise ConfigError(option, f"cannot write {path!r}: permission denied")
+        if self.trace_file or self.otlp_endpoint:
+            option = "--otlp-endpoint" if self.otlp_endpoint else "--trace"
+            try:
+                import opentelemetry.sdk.trace  # noqa: F401
+            except ImportError:
+                raise ConfigError(option, f"needs the OpenTelemetry SDK: {_OTLP_HINT}") from None
+        if self.otlp_endpoint:
+            otlp_urls(self.otlp_endpoint)
+            try:
+                import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+            except ImportError:
+                raise ConfigError("--otlp-endpoint", f"needs the otlp extra: {_OTLP_HINT}") from None
+
+    def start(self) -> None:
+        """Create the providers and exporters and turn the trace points on. Raises :class:`ConfigError`."""
+        if self._started:
+            return
+        self.check()
+        self._started = True
+        if self.pcap:
+            from .transport.pcap import PcapWriter
+
+            try:
+                self.pcap_writer = PcapWriter(self.pcap, max_bytes=self.pcap_max_bytes)
+            except OSError as exc:
+                raise ConfigError("--pcap", f"cannot write {self.pcap!r}: {exc.strerror}") from None
+        if not (self.trace_file or self.otlp_endpoint):
+            return
+        from opentelemetry.sdk.trace import TracerProvider
+
+        from . import tracing
+
+        resource = _resource()
+        tp = TracerProvider(resource=resource)
+        if self.trace_file:
+            try:
+                self.file_exporter = JsonLinesSpanExporter(self.trace_file)
+            except OSError as exc:
+                raise ConfigError("--trace", f"cannot write {self.trace_file!r}: {exc.strerror}") from None
+            tp.add_span_processor(_bsp(self.file_exporter))
+        if self.otlp_endpoint:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.metrics import MeterProvider
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+            traces_url, metrics_url = otlp_urls(self.otlp_endpoint)
+            tp.add_span_processor(_bsp(OTLPSpanExporter(endpoint=traces_url)))
+            reader = PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=metrics_url))
+            self.meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+        self.tracer_provider = tp
+        tracing.enable(tp)
+
+    def stack_factory(self, base=None):
+        """A ``stack_factory(config)`` for :func:`aioslirp.netns.run_in_namespace` / ``attach``:
+        builds the stack with ``base`` (default :class:`~aioslirp.stack.Stack`), then adds the
+        pcap wrapper and registers the metrics."""
+
+        def factory(config):
+            if base is None:
+                from .stack import Stack
+
+                stack = Stack(config)
+            else:
+                stack = base(config)
+            self.stacks.append(stack)
+            if self.pcap_writer is not None:
+                from .transport.pcap import PcapTransport
+
+                writer = self.pcap_writer
+                stack.transport_wrappers.append(lambda transport: PcapTransport(transport, writer=writer))
+            if self.meter_provider is not None:
+                from .metrics import register
+
+                register(stack, self.meter_provider)
+            return stack
+
+        return factory
+
+    def shutdown(self) -> None:
+        """End open flow spans, flush and close the exporters and captures. Idempotent; never raises."""
+        if self._shut:
+            return
+        self._shut = True
+        if self.pcap_writer is not None:
+            try:
+                self.pcap_writer.close()
+            except Exception:  # pragma: no cover - defensive
+                log.exception("closing the pcap capture failed")
+        if self.tracer_provider is not None:
+            from . import tracing
+
+            try:
+                tracing.end_all()
+                tracing.disable()
+                self.tracer_provider.shutdown()
+            except Exception:  # pragma: no cover - defensive
+                log.exception("flushing spans failed")
+        if self.meter_provider is not None:
+            try:
+                self.meter_provider.shutdown()
+            except Exception:  # pragma: no cover - defensive
+                log.exception("flushing metrics failed")

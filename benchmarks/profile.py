@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Profile aioslirp on one benchmark path (CRR, RR, TCP up/down) with py-spy or cProfile.
+
+Run as root, like run.py (same isolation: a loopback-only namespace of its own)::
+
+    sudo .venv/bin/python benchmarks/profile.py crr --tool py-spy --seconds 8
+    sudo .venv/bin/python benchmarks/profile.py tcp_up --tool cprofile --mtu 65520
+
+The stack is started with ``aioslirp attach`` on a fresh namespace; the workload runs from
+inside it (the C client of bench.c, or iperf3) for ``--seconds``; meanwhile
+
+* ``py-spy``: ``py-spy record --format raw`` samples the aioslirp process (``pip install
+  py-spy``); the report lists the functions with the most samples on top of the stack
+  (self) and anywhere in it (inclusive);
+* ``cprofile``: aioslirp runs under ``python -m cProfile -o FILE`` and the report lists
+  the top functions by own time and by cumulative time.
+
+Output goes to ``benchmarks/results/profiles/`` (raw file + a ``.txt`` report), and the
+report is printed. ``--pinned`` puts client, servers and stack on one CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import os
+import pstats
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import backends as B  # noqa: E402
+import run as R  # noqa: E402
+
+
+def workload(sess: "R.Session", mode: str, seconds: float) -> dict:
+    if mode in ("tcp_up", "tcp_down"):
+        return sess.test_iperf(mode == "tcp_down", seconds)
+    parallel = 0
+    if mode.startswith("ccrr"):
+        parallel, mode = int(mode[4:]), "ccrr"
+    return sess.test_client(mode, seconds, 0.2, parallel)
+
+
+def report_raw(path: Path, top: int) -> str:
+    """Self and inclusive sample counts per function from py-spy's raw (collapsed) output."""
+    self_c: collections.Counter = collections.Counter()
+    incl: collections.Counter = collections.Counter()
+    total = 0
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            n = int(count)
+            total += n
+            frames = stack.split(";")
+            self_c[_short(frames[-1])] += n
+            for fr in set(_short(x) for x in frames):
+                incl[fr] += n
+    out = io.StringIO()
+    print(f"{total} samples", file=out)
+    print(f"\nTop {top} by self samples (function on top of the stack):", file=out)
+    for fr, n in self_c.most_common(top):
+        print(f"  {100.0 * n / total:5.1f}%  {fr}", file=out)
+    print(f"\nTop {top} by inclusive samples:", file=out)
+    for fr, n in incl.most_common(top):
+        print(f"  {100.0 * n / total:5.1f}%  {fr}", file=out)
+    return out.getvalue()
+
+
+def _short(frame: str) -> str:
+    # "func (path/to/file.py:123)" -> "func (file.py)" so that lines of one function add up
+    name, _, where = frame.partition(" (")
+    if not where:
+        return frame
+    fname = where.rstrip(")").rsplit(":", 1)[0]
+    return f"{name} ({'/'.join(fname.split('/')[-2:])})"
+
+
+def report_pstats(path: Path, top: int) -> str:
+    out = io.StringIO()
+    st = pstats.Stats(str(path), stream=out)
+    st.strip_dirs()
+    print("By own time (tottime):", file=out)
+    st.sort_stats("tottime").print_stats(top)
+    print("By cumulative time:", file=out)
+    st.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=("crr", "rr", "udprr", "ccrr8", "ccrr64", "tcp_up", "tcp_down"))
+    ap.add_argument("--tool", choices=("py-spy", "cprofile"), default="py-spy")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--mtu", type=int, help="aioslirp --mtu (default: its default)")
+    ap.add_argument("--pinned", action="store_true", help="client, servers and aioslirp on one CPU")
+    ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--native", action="store_true", help="py-spy --native: show C frames (uvloop, syscalls)")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--out", default=str(HERE / "results" / "profiles"))
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("profile.py: error: run as root", file=sys.stderr)
+        return 2
+    pyspy = shutil.which("py-spy") or str(Path(args.python).parent / "py-spy")
+    if args.tool == "py-spy" and not os.path.exists(pyspy):
+        print("profile.py: error: py-spy not found (pip install py-spy)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    tag = f"{args.mode}-{args.tool}{'-native' if args.native else ''}-mtu{args.mtu or 'default'}{'-pinned' if args.pinned else ''}-{stamp}"
+    prof_file = out / f"{tag}.{'raw' if args.tool == 'py-spy' else 'prof'}"
+    cbench = R.build_c_tools(HERE / "results" / ".bin")
+
+    R.enter_sandbox(need_default_route=False)
+    workdir = tempfile.mkdtemp(prefix="aioslirp-prof-")
+    os.chmod(workdir, 0o755)
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = {allowed[-1]} if args.pinned else set(allowed)
+    py_args = ["-m", "cProfile", "-o", str(prof_file)] if args.tool == "cprofile" else []
+    backend = B.Aioslirp(args.mtu, args.python, python_args=py_args)
+    result = None
+    try:
+        with R.Session(backend, "pinned" if args.pinned else "unpinned", cpus, workdir, workdir, args.python, 1,
+                       cbench) as sess:
+            spy = None
+            if args.tool == "py-spy":
+                spy = subprocess.Popen([pyspy, "record", "-p", str(backend.pid), "-f", "raw", "-r", str(args.rate),
+                                        "-o", str(prof_file), "-d", str(int(args.seconds + 2)),
+                                        *([] if args.native else ["--nonblocking"]),
+                                        *(["--native"] if args.native else [])],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                time.sleep(0.5)
+            result = workload(sess, args.mode, args.seconds)
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                try:
+                    spy.wait(20)
+                except subprocess.TimeoutExpired:
+                    spy.kill()
+                if not prof_file.exists():
+                    print("py-spy failed: " + spy.stderr.read().decode(errors="replace")[-800:], file=sys.stderr)
+                    return 1
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    text = (report_raw(prof_file, args.top) if args.tool == "py-spy" else report_pstats(prof_file, args.top))
+    head = f"aioslirp profile: {args.mode}, {args.tool}, MTU {args.mtu or 'default'}, " \
+           f"{'pinned' if args.pinned else 'unpinned'}, load {os.getloadavg()[0]:.2f}\nworkload: " \
+           f"{R.report.one_line(dict(result or {}, ok=True, test=args.mode))}\n\n"
+    (out / f"{tag}.txt").write_text(head + text)
+    print(head + text)
+    print(f"profile: {prof_file}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""What the trace points cost: CRR p50 with tracing off, with the OpenTelemetry API only, and
+with the SDK and a no-op exporter (plus, for reference, the SDK writing a --trace file).
+
+Each run is ``aioslirp run`` (started through a small wrapper that sets the tracing mode up
+in the aioslirp process, then calls ``aioslirp.cli.main``) whose command is one Python
+process doing N connect / 1-byte request / 1-byte response / close iterations against an
+echo server on the host's 127.0.0.1 (through the gateway 10.0.2.2). The client times each
+iteration with ``perf_counter_ns``; the first ``--warmup`` iterations are dropped. Modes
+are interleaved over ``--rounds`` rounds so drift hits them all alike.
+
+The cost of tracing *off* is below the noise of a CRR run, so it is also measured
+directly: a ``count`` mode replaces ``tracing.enabled`` by an object whose truthiness test
+counts itself, giving the number of call-site checks per CRR cycle, and ``timeit`` gives
+the cost of one ``if tracing.enabled:``; their product over the CRR p50 is the overhead.
+
+Usage (root or rootless with user namespaces, from the repository root)::
+
+    python benchmarks/tracing_overhead.py [--iterations 2000] [--rounds 5] [--pin CPU]
+        [--json benchmarks/results/tracing_overhead.json]
+
+Prints a markdown table. Figures measured on the project machine are in
+``docs/crr-latency.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import timeit
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: Runs in the aioslirp process: set the tracing mode up, then behave as ``aioslirp``.
+WRAPPER = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from aioslirp import tracing
+    mode = sys.argv[2]
+    counter = None
+    if mode == "api":
+        tracing.enable()  # no SDK installed as global provider: non-recording spans
+    elif mode in ("sdk", "file"):
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from aioslirp.observe import JsonLinesSpanExporter, NoopSpanExporter
+        tp = TracerProvider()
+        exp = NoopSpanExporter() if mode == "sdk" else JsonLinesSpanExporter(sys.argv[3])
+        tp.add_span_processor(BatchSpanProcessor(exp, max_queue_size=1 << 16, max_export_batch_size=2048))
+        tracing.enable(tp)
+    elif mode == "count":
+        class Counting:
+            n = 0
+            def __bool__(self):
+                Counting.n += 1
+                return False
+        counter = Counting
+        tracing.enabled = Counting()
+    from aioslirp.cli import main
+    rc = main(sys.argv[4:])
+    if mode in ("sdk", "file"):
+        tracing.end_all(); tp.shutdown()
+    if counter is not None:
+        print(json.dumps({"checks": counter.n}), file=sys.stderr)
+    sys.exit(rc)
+""")
+
+#: Runs in the guest: N CRR iterations, one JSON line of latencies (us).
+CLIENT = textwrap.dedent("""
+    import json, socket, sys, time
+    port, n, warmup = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    lat = []
+    ns = time.perf_counter_ns
+    for i in range(n + warmup):
+        t = ns()
+        s = socket.create_connection(("10.0.2.2", port))
+        s.sendall(b"x")
+        if s.recv(1) != b"x":
+            raise SystemExit("bad echo")
+        s.close()
+        if i >= warmup:
+            lat.append(ns() - t)
+    lat.sort()
+    pct = lambda p: lat[min(len(lat) - 1, int(p / 100 * len(lat)))] / 1000
+    print(json.dumps({"n": len(lat), "p50": pct(50), "p90": pct(90), "p99": pct(99),
+                      "mean": sum(lat) / len(lat) / 1000}))
+""")
+
+
+class EchoServer:
+    """1-byte echo on 127.0.0.1: reads one byte, echoes it, waits for EOF, closes. One thread."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(1024)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            with c:
+                try:
+                    d = c.recv(1)
+                    if d:
+                        c.sendall(d)
+                    while c.recv(64):
+                        pass
+                except OSError:
+                    pass
+
+
+def run_mode(mode: str, port: int, n: int, warmup: int, pin: str | None, trace_file: str = "") -> dict:
+    argv = [sys.executable, "-c", WRAPPER, REPO, mode, trace_file or "-",
+            "run", "--", sys.executable, "-c", CLIENT, str(port), str(n), str(warmup)]
+    if pin is not None:
+        argv = ["taskset", "-c", pin] + argv
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"{mode}: rc={p.returncode}\n{p.stderr[-2000:]}")
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    for line in p.stderr.splitlines():
+        if line.startswith('{"checks"'):
+            out.update(json.loads(line))
+    return out
+
+
+_CHECK_CODE = """
+from aioslirp import tracing
+
+def checked(n):
+    for _ in range(n):
+        if tracing.enabled:
+            pass
+
+def empty(n):
+    for _ in range(n):
+        pass
+"""
+
+
+def check_cost_ns(n: int = 1_000_000, repeat: int = 25) -> float:
+    """Nanoseconds of one ``if tracing.enabled:`` as the stack runs it (a module global, then its
+    attribute, then the branch), over the same loop without it; best of ``repeat``."""
+    ns: dict = {}
+    exec(compile(_CHECK_CODE, "<check>", "exec"), ns)
+    best = {}
+    for name in ("checked", "empty"):
+        fn = ns[name]
+        fn(1000)  # let the interpreter specialise the bytecode
+        best[name] = min(timeit.repeat(lambda: fn(n), number=1, repeat=repeat))
+    return max(best["checked"] - best["empty"], 0.0) / n * 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iterations", type=int, default=2000, help="CRR iterations per run (default 2000)")
+    ap.add_argument("--warmup", type=int, default=200, help="iterations dropped at the start of each run")
+    ap.add_argument("--rounds", type=int, default=5, help="runs per mode, interleaved (default 5)")
+    ap.add_argument("--pin", metavar="CPU", help="taskset -c CPU for aioslirp and the client (the path cost)")
+    ap.add_argument("--no-file", action="store_true", help="skip the --trace file mode")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = ap.parse_args()
+    sys.path.insert(0, REPO)
+    if args.pin is not None:
+        os.sched_setaffinity(0, {int(c) for c in args.pin.split(",")})  # the echo server thread too
+    server = EchoServer()
+    modes = ["off", "api", "sdk"] + ([] if args.no_file else ["file"])
+    results: dict = {m: [] for m in modes}
+    trace_path = os.path.join("/tmp", f"aioslirp-overhead-{os.getpid()}.jsonl")
+    try:
+        for r in range(args.rounds):
+            for m in modes:
+                res = run_mode(m, server.port, args.iterations, args.warmup, args.pin, trace_path)
+                results[m].append(res)
+                print(f"round {r + 1} {m:>4}: p50 {res['p50']:.1f} us p90 {res['p90']:.1f} us", file=sys.stderr)
+        small = run_mode("count", server.port, 100, 0, args.pin)
+        big = run_mode("count", server.port, 100 + args.iterations, 0, args.pin)
+    finally:
+        if os.path.exists(trace_path):
+            os.unlink(trace_path)
+    checks_per_cycle = (big["checks"] - small["checks"]) / args.iterations
+    per_check = check_cost_ns()
+    summary = {}
+    for m in modes:
+        p50s = [x["p50"] for x in results[m]]
+        summary[m] = {"p50_median": statistics.median(p50s), "p50_min": min(p50s), "p50_max": max(p50s),
+                      "p90_median": statistics.median(x["p90"] for x in results[m]), "runs": results[m]}
+    base = summary["off"]["p50_median"]
+    off_cost_us = checks_per_cycle * per_check / 1000.0
+    report = {
+        "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds, "pin": args.pin,
+        "cpus": os.cpu_count(), "python": sys.version.split()[0], "modes": summary,
+        "checks_per_crr_cycle": checks_per_cycle, "ns_per_check": per_check,
+        "tracing_off_cost_us_per_cycle": off_cost_us, "tracing_off_overhead_pct": 100.0 * off_cost_us / base,
+    }
+    print(f"\nCRR through `aioslirp run`, {args.iterations} iterations x {args.rounds} rounds per mode"
+          f"{', pinned to CPU ' + args.pin if args.pin else ', unpinned'} (us)\n")
+    print("| mode | p50 (median of runs) | p50 min-max | p90 | vs off |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    labels = {"off": "tracing off", "api": "API only (no SDK)", "sdk": "SDK + no-op exporter", "file": "SDK + --trace file"}
+    for m in modes:
+        s = summary[m]
+        print(f"| {labels[m]} | {s['p50_median']:.1f} | {s['p50_min']:.1f}-{s['p50_max']:.1f} | {s['p90_median']:.1f} | "
+              f"{100.0 * (s['p50_median'] - base) / base:+.1f}% |")
+    print(f"\ntracing off: {checks_per_cycle:.1f} `if tracing.enabled:` checks per CRR cycle x {per_check:.1f} ns "
+          f"= {off_cost_us * 1000:.0f} ns per cycle = {report['tracing_off_overhead_pct']:.3f}% of the off p50")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

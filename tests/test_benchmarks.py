@@ -1,0 +1,167 @@
+"""The benchmark harness's own tools (benchmarks/): the C and Python clients and servers
+speak the same protocol over real loopback sockets, and the report computes medians,
+ratios to pasta and the issue-7 target verdicts from records.
+
+No timing is asserted: only counts, protocol results and arithmetic on given numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import report  # noqa: E402
+
+
+def _free_ports() -> tuple[int, int]:
+    with socket.socket() as t, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+        t.bind(("127.0.0.1", 0))
+        u.bind(("127.0.0.1", 0))
+        return t.getsockname()[1], u.getsockname()[1]
+
+
+def _start_server(argv: list[str]) -> subprocess.Popen:
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert json.loads(line)["ready"] is True
+    return p
+
+
+def _stop_server(p: subprocess.Popen) -> dict:
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=10)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cbench(tmp_path_factory) -> str:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler: the harness falls back to the Python client (apt-get install gcc)")
+    exe = tmp_path_factory.mktemp("bench") / "bench"
+    subprocess.run([cc, "-O2", "-Wall", "-Werror", "-o", str(exe), str(BENCH / "bench.c")], check=True)
+    return str(exe)
+
+
+def _check_latency(res: dict, mode: str) -> None:
+    assert res["mode"] == mode
+    assert res["n"] > 0
+    assert 0 < res["p50"] <= res["p90"] <= res["p99"] <= res["max"]
+    assert res["total"] >= res["n"]
+
+
+def test_c_client_and_server_over_loopback(cbench):
+    tcp, udp = _free_ports()
+    srv = _start_server([cbench, "server", "127.0.0.1", str(tcp), str(udp)])
+    try:
+        results = {}
+        for mode, port, extra in (("crr", tcp, []), ("rr", tcp, []), ("udprr", udp, []), ("ccrr", tcp, ["8"])):
+            p = subprocess.run([cbench, mode, "127.0.0.1", str(port), "0.3", "0.05", *extra],
+                               capture_output=True, text=True, timeout=30)
+            assert p.returncode == 0, p.stderr
+            res = json.loads(p.stdout)
+            _check_latency(res, mode)
+            assert res.get("errors", res.get("lost")) == 0
+            results[mode] = res
+        assert results["ccrr"]["parallel"] == 8
+    finally:
+        stats = _stop_server(srv)
+    # every CRR and concurrent CRR connection, plus the RR connection, reached the server
+    assert stats["accepted"] >= results["crr"]["total"] + results["ccrr"]["total"] + 1
+    assert stats["open"] == 0
+
+
+def test_python_client_and_server_over_loopback():
+    tcp, udp = _free_ports()
+    srv = _start_server([sys.executable, str(BENCH / "hostserver.py"), "127.0.0.1", str(tcp), str(udp)])
+    client = [sys.executable, str(BENCH / "client.py")]
+    try:
+        p = subprocess.run([*client, "probe", "127.0.0.1", str(tcp), "--udp-port", str(udp), "--timeout", "5"],
+                           capture_output=True, text=True, timeout=30)
+        assert json.loads(p.stdout)["ok"] is True
+        for mode, port, extra in (("crr", tcp, []), ("rr", tcp, []), ("udprr", udp, []),
+                                  ("ccrr", tcp, ["--parallel", "4"])):
+            p = subprocess.run([*client, mode, "127.0.0.1", str(port), "--duration", "0.3", "--warmup", "0.05",
+                                *extra], capture_output=True, text=True, timeout=30)
+            assert p.returncode == 0, p.stderr
+            res = json.loads(p.stdout.strip().splitlines()[-1])
+            _check_latency(res, mode)
+        idle = subprocess.Popen([*client, "idle", "127.0.0.1", str(tcp), "--count", "200", "--timeout", "20"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = json.loads(idle.stdout.readline())
+        assert ready == {"ready": True, "open": 200, "failed": 0, "setup_s": ready["setup_s"]}
+        idle.stdin.write("\n")
+        idle.stdin.flush()
+        assert json.loads(idle.stdout.readline())["open"] == 200
+        assert idle.wait(10) == 0
+    finally:
+        stats = _stop_server(srv)
+    assert stats["accepted"] >= 200
+
+
+def _rec(backend, test, rnd=0, placement="pinned", **kw):
+    return dict({"round": rnd, "placement": placement, "backend": backend, "test": test, "ok": True}, **kw)
+
+
+def test_report_medians_ratios_and_targets(tmp_path):
+    records = []
+    for rnd, (a, p, s) in enumerate(((300.0, 100.0, 90.0), (500.0, 100.0, 90.0), (400.0, 200.0, 90.0))):
+        records.append(_rec("aioslirp", "crr", rnd, result={"p50": a, "p90": a, "p99": a, "rate": 1.0, "total": 10},
+                            cpu_ms_per_1k_conn=50.0))
+        records.append(_rec("pasta", "crr", rnd, result={"p50": p, "p90": p, "p99": p, "rate": 1.0}))
+        records.append(_rec("slirp4netns-65520", "crr", rnd, result={"p50": s, "p90": s, "p99": s, "rate": 1.0}))
+    records += [
+        _rec("aioslirp", "tcp_up", result={"gbps": 5.0, "retransmits": 0}, cpu_s_per_gb=2.0),
+        _rec("pasta", "tcp_up", result={"gbps": 10.0, "retransmits": 0}, cpu_s_per_gb=0.5),
+        _rec("slirp4netns-65520", "tcp_up", result={"gbps": 4.0, "retransmits": 3}, cpu_s_per_gb=1.0),
+        _rec("aioslirp", "idle", result={"client": {"open": 10000, "setup_s": 3.0}},
+             backend_before={"VmRSS_mb": 30.0}, backend_loaded={"VmRSS_mb": 120.0, "fds": 10016}),
+        dict(_rec("pasta", "rr"), ok=False, error="boom"),
+    ]
+    summary = report.summarize(records)
+    a, p = summary["pinned"]["aioslirp"], summary["pinned"]["pasta"]
+    assert a["crr_p50"] == 400.0 and a["crr_p50_n"] == 3
+    assert p["crr_p50"] == 100.0
+    assert a["up_gbps"] == 5.0 and a["up_cpu_s_per_gb"] == 2.0
+    assert a["idle_rss_mb"] == 120.0 and a["idle_fds"] == 10016
+    assert "rr_p50" not in p  # failed records contribute nothing
+
+    rows = {name: met for _b, name, _v, _l, met in report.targets(summary["pinned"])}
+    assert rows["CRR p50 <= 2.0x pasta"] is False  # 400 > 2 x 100
+    assert rows["TCP ns->host >= slirp4netns-65520"] is True  # 5 >= 4
+    assert rows["CPU/GB ns->host <= 3x pasta"] is False  # 2.0 > 3 x 0.5
+    assert rows["RR p50 <= 2.0x pasta"] is None  # no pasta RR figure: no verdict
+
+    meta = {"backends": {"aioslirp": {"version": "0"}, "pasta": {"version": "1"},
+                         "slirp4netns-65520": {"version": "2"}},
+            "profile": {"rounds": 3, "placements": ["pinned"], "idle_flows": 10000, "idle_budget_s": 20},
+            "loadavg_start": [0.1, 0.1, 0.1], "loadavg_end": [0.2, 0.1, 0.1], "ncpu": 2, "pinned_cpu": 1}
+    md = report.markdown({"meta": meta, "summary": summary, "records": records})
+    assert "| aioslirp | 400 / 400 / 400 (4.00x)" in md
+    assert "| aioslirp | 5.00 (0.50x) | 2.00 (4.00x) | 0 |" in md
+    assert "| aioslirp | 10000 idle flows < 300 MB RSS | 120 MB (10000 open) | 300 MB | yes |" in md
+    assert "pinned pasta rr: boom" in md
+
+    page = tmp_path / "performance.md"
+    page.write_text(f"# P\n\nintro\n\n{report.START}\nold\n{report.END}\n\ntail\n")
+    report.update_docs(page, md, with_plot=True)
+    text = page.read_text()
+    assert text.startswith("# P\n\nintro\n\n") and text.endswith(f"{report.END}\n\ntail\n")
+    assert "old" not in text and "(4.00x)" in text and "![Benchmark results](performance.png)" in text
+
+
+def test_run_py_rejects_bad_options_with_one_line():
+    p = subprocess.run([sys.executable, str(BENCH / "run.py"), "--backends", "nosuch"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == ["run.py: error: --backends: unknown nosuch"]
