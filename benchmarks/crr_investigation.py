@@ -6,7 +6,7 @@
   own CRR (connect to close).
 * ``one-process``: one client process runs all N iterations in a loop.
 
-Both run under ``aioslirp run --trace FILE`` against a 1-byte echo server on the host's
+Both are first run without tracing (the client-side gap), then under ``aioslirp run --trace FILE`` against a 1-byte echo server on the host's
 127.0.0.1, and each trace file is summarised with ``aioslirp trace-report``. Usage, from
 the repository root (root, or rootless with user namespaces)::
 
@@ -72,8 +72,9 @@ ONE_PROCESS = textwrap.dedent("""
 """)
 
 
-def traced_run(trace: str, guest_argv: list, pin: str | None) -> dict:
-    argv = [sys.executable, "-m", "aioslirp", "run", "--trace", trace, "--", *guest_argv]
+def traced_run(trace: str | None, guest_argv: list, pin: str | None) -> dict:
+    """Run ``guest_argv`` under ``aioslirp run`` (``--trace trace`` unless None); its JSON line."""
+    argv = [sys.executable, "-m", "aioslirp", "run", *(["--trace", trace] if trace else []), "--", *guest_argv]
     if pin is not None:
         argv = ["taskset", "-c", pin] + argv
     p = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO,
@@ -108,9 +109,15 @@ def main() -> int:
     os.makedirs(workdir, exist_ok=True)
     a_trace = os.path.join(workdir, "per-process.jsonl")
     b_trace = os.path.join(workdir, "one-process.jsonl")
-    a = traced_run(a_trace, [sys.executable, "-c", PER_PROCESS_DRIVER, str(server.port), str(args.per_process), ONE_CRR],
-                   args.pin)
-    b = traced_run(b_trace, [sys.executable, "-c", ONE_PROCESS, str(server.port), str(args.one_process)], args.pin)
+    a_argv = [sys.executable, "-c", PER_PROCESS_DRIVER, str(server.port), str(args.per_process), ONE_CRR]
+    b_argv = [sys.executable, "-c", ONE_PROCESS, str(server.port), str(args.one_process)]
+    a0 = traced_run(None, a_argv, args.pin)
+    b0 = traced_run(None, b_argv, args.pin)
+    print(f"== without tracing: iteration p50 {a0['iteration_p50_us']:.0f} us with a new client process per "
+          f"iteration, {b0['iteration_p50_us']:.0f} us in one process: "
+          f"{a0['iteration_p50_us'] / b0['iteration_p50_us']:.0f}x\n")
+    a = traced_run(a_trace, a_argv, args.pin)
+    b = traced_run(b_trace, b_argv, args.pin)
     print(f"== per-process: {a['n']} iterations, a new client process each "
           f"({'pinned to CPU ' + args.pin if args.pin else 'unpinned'})")
     print(f"client view: iteration (spawn to exit) p50 {a['iteration_p50_us']:.0f} us, p90 {a['iteration_p90_us']:.0f} us; "
@@ -119,7 +126,7 @@ def main() -> int:
     print(f"== one-process: {b['n']} iterations in one client process")
     print(f"client view: iteration p50 {b['iteration_p50_us']:.0f} us, p90 {b['iteration_p90_us']:.0f} us\n")
     print(report(b_trace, args.png))
-    print(f"== per-process / one-process iteration p50: {a['iteration_p50_us'] / b['iteration_p50_us']:.0f}x")
+    print(f"== traced, per-process / one-process iteration p50: {a['iteration_p50_us'] / b['iteration_p50_us']:.0f}x")
     if not args.keep:
         for f in os.listdir(workdir):
             os.unlink(os.path.join(workdir, f))

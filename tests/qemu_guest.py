@@ -151,8 +151,8 @@ class Vm:
         self.proc = proc
         self.t0 = t0
         self.result = VmResult(None, None, 0.0, False)
-        self._reader = asyncio.ensure_future(self._read())
         self.seen: dict[str, asyncio.Event] = {}
+        self._reader = asyncio.ensure_future(self._read())
 
     @classmethod
     async def start(cls, argv: list[str], pass_fds=()) -> "Vm":
@@ -175,8 +175,6 @@ class Vm:
                 key, value = m.group(1), m.group(2)
                 res.values[key] = value
                 res.at.setdefault(key, now)
-                if key == "GUESTVM-EXIT":
-                    pass
                 ev = self.seen.get(key)
                 if ev is not None:
                     ev.set()

@@ -95,6 +95,7 @@ def crr_script(port: int, n: int, *, refused_port: int | None = None, idle: floa
                 raise SystemExit("connected to a closed port")
             except ConnectionRefusedError:
                 pass
+        time.sleep(0.3)  # let the last connection's FIN exchange with the host finish before exiting
     """)
 
 
@@ -387,7 +388,9 @@ def test_trace_file_and_report_show_the_real_gaps(tmp_path):
     resp = rep.stages["guest.data → host.data"]
     assert 40_000 <= percentile(resp, 50) < 90_000
     idle = rep.stages[IDLE_STAGE]
-    assert len(idle) == 5 and all(100_000 <= v < 200_000 for v in idle), idle
+    # seen by the stack: from processing the guest's FIN (a little after the guest sent it,
+    # when the loop is busy) to the next SYN (the guest slept 100 ms in between)
+    assert len(idle) == 5 and all(95_000 <= v < 200_000 for v in idle), idle
     assert rep.largest == IDLE_STAGE
     assert 140_000 <= percentile(rep.cycles, 50) < 300_000  # 40 ms answer + 100 ms idle + the rest
 

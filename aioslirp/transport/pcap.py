@@ -2,19 +2,21 @@
 
 :class:`PcapTransport` wraps another :class:`~aioslirp.transport.base.Transport` (TAP,
 QEMU stream/dgram, socket pair...): frames the guest sends are recorded before the stack
-sees them, frames for the guest after the inner transport took them. Records are
-appended to an in-memory buffer on the event loop (one ``struct.pack`` and a list append
-per frame); a writer thread does the file I/O, so a slow disk never stalls the loop. The
-buffer is handed to the thread when it holds :data:`FLUSH_BYTES` or every
-:data:`FLUSH_INTERVAL` seconds; :meth:`PcapTransport.close` hands over the rest and waits
-for the thread, so the file is complete when ``close`` returns.
+sees them, frames for the guest once the inner transport took them. Records go to a
+:class:`PcapWriter`: appended to an in-memory buffer on the event loop (one ``struct.pack``
+and two list appends per frame) and written by a writer thread, so a slow disk never
+stalls the loop. The buffer is handed to the thread when it holds :data:`FLUSH_BYTES` or
+every :data:`FLUSH_INTERVAL` seconds; :meth:`PcapWriter.close` hands over the rest and
+waits for the thread, so the file is complete when it returns. (aiofiles would run the
+same writes on a thread pool; one dedicated thread keeps them in order and lets ``close``
+flush synchronously from a transport's ``close``.)
 
 File format: classic libpcap (magic ``0xa1b2c3d4``, version 2.4, microsecond timestamps,
 link type 1 = Ethernet, snap length 262144), readable by tcpdump, tshark/Wireshark and
 ``dpkt.pcap.Reader``. ``max_bytes`` bounds the file: once the next record would pass it,
-capturing stops (counted in :attr:`PcapTransport.not_captured`, logged once). If the
-writer falls behind by more than :data:`MAX_BACKLOG` bytes, frames are left out of the
-capture (counted the same way) rather than growing memory without bound.
+capturing stops (counted in :attr:`PcapWriter.not_captured`, logged once). If the writer
+falls behind by more than :data:`MAX_BACKLOG` bytes, frames are left out of the capture
+(counted the same way) rather than growing memory without bound.
 """
 
 from __future__ import annotations
