@@ -6,7 +6,8 @@ an ``AF_UNIX``/``SOCK_SEQPACKET`` socket pair inherited (its fd number is in the
 ``run`` mode: new network + mount namespace (plus a user namespace mapping our uid/gid to
 0 when not root), ``/`` made rprivate, a generated resolv.conf bind-mounted over
 ``/etc/resolv.conf``, ``lo`` up, the TAP created and configured; the TAP fd is sent to the
-parent, then the helper waits for one ``b"g"`` ("go") byte and execs the command.
+parent, then the helper waits for ``b"g"`` ("go") and execs the command; ``b"g6"`` means "go
+once the TAP has its SLAAC address in ``prefix6``" (bounded wait).
 
 ``attach`` mode: enter an existing network namespace (and its owning user namespace when
 not root), create and configure the TAP, send the fd, exit 0.
@@ -237,11 +238,13 @@ def main(args: list[str] | None = None) -> int:
         else:
             raise SetupError(f"unknown helper mode {mode!r}")
 
-        from .netns import configure_interface
+        from .netns import configure_interface, configure_ipv6_sysctls
         from .transport.tap import create_tap
 
         fd, ifname = create_tap(spec["ifname"], spec["mtu"])
         try:
+            if "ipv6" in spec:  # before the link goes up: SLAAC without DAD, or no IPv6 at all
+                warnings += configure_ipv6_sysctls(ifname, bool(spec["ipv6"]))
             configure_interface(
                 ifname,
                 address=spec["address"],
@@ -274,12 +277,18 @@ def main(args: list[str] | None = None) -> int:
     if mode == "attach":
         return 0
     try:
-        go = sock.recv(1)
+        go = sock.recv(2)
     except OSError:
         go = b""
     sock.close()
-    if go != b"g":
+    if go not in (b"g", b"g6"):
         return 1  # parent went away or aborted: do not run the command
+    if go == b"g6" and spec.get("prefix6") and os.path.isdir(f"/proc/sys/net/ipv6/conf/{ifname}"):
+        from .netns import IPV6_ADDRESS_TIMEOUT, wait_ipv6_address
+
+        if wait_ipv6_address(ifname, spec["prefix6"]) is None:
+            print(f"aioslirp: warning: {ifname} got no IPv6 address in {spec['prefix6']} within "
+                  f"{IPV6_ADDRESS_TIMEOUT:g} s; starting the command anyway", file=sys.stderr)
     argv = spec.get("argv") or [os.environ.get("SHELL") or "/bin/sh"]
     return _exec(list(argv))
 

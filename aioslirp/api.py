@@ -92,7 +92,11 @@ def _port(value) -> int | None:
 
 
 def _ip(key: bytes) -> str:
-    return socket.inet_ntoa(key) if isinstance(key, bytes) and len(key) == 4 else str(key)
+    if isinstance(key, bytes) and len(key) == 4:
+        return socket.inet_ntoa(key)
+    if isinstance(key, bytes) and len(key) == 16:
+        return socket.inet_ntop(socket.AF_INET6, key)
+    return str(key)
 
 
 class ApiServer:

@@ -28,6 +28,9 @@ NOT_YET_SUPPORTED: dict = {}
 #: NetworkConfig field -> the option that sets it, for error messages.
 _FIELD_OPTION = {
     "cidr": "--cidr",
+    "cidr6": "--cidr6",
+    "gateway6": "--cidr6",
+    "dns6": "--cidr6",
     "mtu": "--mtu",
     "dns_upstreams": "--dns",
     "dns_search": "--dns-search",
@@ -43,7 +46,8 @@ ordinary host sockets (the job of slirp4netns and pasta).
 Inside, the network looks like QEMU's user networking: the namespace has 10.0.2.15/24,
 the gateway 10.0.2.2 (which also reaches the host's 127.0.0.1 unless
 --disable-host-loopback), and the DNS server 10.0.2.3 (forwarding to the host's resolvers
-or to --dns).
+or to --dns). IPv6 likewise: an fd00::/64 address by SLAAC, gateway fd00::2 (the host's
+::1), DNS fd00::3 (--no-ipv6 turns IPv6 off).
 """
 
 _RUN_EPILOG = """\
@@ -74,7 +78,8 @@ examples:
                          remote.type=unix,remote.path=/tmp/vm1.sock -device virtio-net-pci,netdev=n0
 
 The guest sees QEMU's user-networking layout: DHCP gives 10.0.2.15/24, the gateway
-10.0.2.2 reaches the host's 127.0.0.1, the DNS server is 10.0.2.3. One guest at a time: a
+10.0.2.2 reaches the host's 127.0.0.1, the DNS server is 10.0.2.3; IPv6 by SLAAC in
+fd00::/64, gateway fd00::2 (the host's ::1), DNS fd00::3. One guest at a time: a
 second stream connection is closed at once (logged), datagrams from a second sender are
 dropped (logged). After a guest leaves, its flows are torn down and the next one is
 served. SIGINT/SIGTERM stop it (exit 0) and remove the socket. With --fd (stream or
@@ -145,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     net = common.add_argument_group("network options")
     net.add_argument("--mtu", type=int, metavar="BYTES", help="MTU of the guest link, 576-65520 (default 1500)")
     net.add_argument("--cidr", metavar="CIDR", help="IPv4 network of the guest link (default 10.0.2.0/24)")
+    net.add_argument(
+        "--ipv6",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve IPv6 (default on): the guest configures itself by SLAAC in --cidr6, gateway PREFIX::2 "
+        "(reaches the host's ::1), DNS PREFIX::3; --no-ipv6 turns it off (needed for --mtu below 1280)",
+    )
+    net.add_argument("--cidr6", metavar="PREFIX", help="IPv6 /64 prefix of the guest link (default fd00::/64)")
     net.add_argument(
         "--disable-host-loopback",
         action="store_true",
@@ -286,6 +299,12 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     if args.mtu is not None:
         kwargs["mtu"] = args.mtu
     kwargs["disable_host_loopback"] = bool(args.disable_host_loopback)
+    if args.ipv6 is not None:
+        kwargs["ipv6"] = args.ipv6
+    if args.cidr6 is not None:
+        if args.ipv6 is False:
+            raise ConfigError("--cidr6", "not used with --no-ipv6")
+        kwargs["cidr6"] = args.cidr6
     if args.dns:
         kwargs["dns_upstreams"] = [parse_hostport(v, 53, "--dns") for v in args.dns]
     if args.dns_search:

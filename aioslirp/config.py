@@ -108,6 +108,15 @@ class NetworkConfig:
     inject_queue_size: int = 4096
     #: Seconds a DNS query waits for one upstream before trying the next.
     dns_timeout: float = 2.0
+    #: Serve IPv6 too (``--ipv6/--no-ipv6``): RAs for SLAAC, NDP, DHCPv6, ICMPv6, TCP/UDP NAT over IPv6.
+    #: Needs ``mtu >= 1280`` (RFC 8200 section 5). When False the stack drops IPv6 frames.
+    ipv6: bool = True
+    #: IPv6 prefix of the virtual LAN, advertised for SLAAC; must be a /64 (RFC 4862 5.5.3).
+    cidr6: str | ipaddress.IPv6Network = "fd00::/64"
+    #: IPv6 gateway; reaches the host's ``::1`` unless ``disable_host_loopback``. Default: prefix + 2.
+    gateway6: str | ipaddress.IPv6Address | None = None
+    #: IPv6 virtual DNS server (RA RDNSS option, DHCPv6). Default: prefix + 3.
+    dns6: str | ipaddress.IPv6Address | None = None
 
     def validate(self) -> "NetworkConfig":
         """Check every field and normalise addresses. Returns ``self``; raises :class:`ConfigError`."""
@@ -159,6 +168,12 @@ class NetworkConfig:
                 raise ConfigError(name, "must be positive")
         if float(self.tcp_idle_timeout) < 0:
             raise ConfigError("tcp_idle_timeout", "must not be negative")
+        self.ipv6 = bool(self.ipv6)
+        if self.ipv6:
+            from .config6 import Ipv6Config
+
+            c6 = Ipv6Config.from_network(self)
+            self.cidr6, self.gateway6, self.dns6 = c6.cidr6, c6.gateway6, c6.dns6
         return self
 
     @property

@@ -4,10 +4,10 @@ Defaults follow slirp/QEMU: prefix ``fd00::/64``, gateway ``fd00::2`` (also reac
 ``::1``), DNS ``fd00::3``. The guest configures itself by SLAAC from our Router Advertisements
 (prefix with the A flag, M=0) and asks stateless DHCPv6 for DNS (O=1).
 
-:class:`Ipv6Config` is a separate dataclass for now; its first fields carry the names proposed
-for :class:`~aioslirp.config.NetworkConfig` (``ipv6``, ``cidr6``, ``gateway6``, ``dns6``) so that
-merging is a move. :meth:`Ipv6Config.from_network` copies the shared values (MTU, search domains)
-from a :class:`~aioslirp.config.NetworkConfig`.
+The user-facing fields (``ipv6``, ``cidr6``, ``gateway6``, ``dns6``) live in
+:class:`~aioslirp.config.NetworkConfig`; :meth:`Ipv6Config.from_network` builds the validated
+:class:`Ipv6Config` the stack's IPv6 services use from them (plus the MTU and search domains),
+and carries the router variables (lifetimes, RA interval) that have no option of their own.
 """
 
 from __future__ import annotations
@@ -104,8 +104,12 @@ class Ipv6Config:
 
     @classmethod
     def from_network(cls, cfg, **overrides) -> "Ipv6Config":
-        """A validated :class:`Ipv6Config` taking ``mtu`` and ``dns_search`` from ``cfg`` (a NetworkConfig)."""
+        """A validated :class:`Ipv6Config` taking ``ipv6``, ``cidr6``, ``gateway6``, ``dns6``, ``mtu``
+        and ``dns_search`` from ``cfg`` (a NetworkConfig), then ``overrides``. Raises :class:`ConfigError`."""
         kw = {"mtu": cfg.mtu, "dns_search": list(cfg.dns_search)}
+        for name in ("ipv6", "cidr6", "gateway6", "dns6"):
+            if hasattr(cfg, name):
+                kw[name] = getattr(cfg, name)
         kw.update(overrides)
         return cls(**kw).validate()
 

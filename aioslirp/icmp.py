@@ -1,14 +1,19 @@
-"""ICMP echo proxying (RFC 792).
+"""ICMP and ICMPv6 echo proxying (RFC 792, RFC 4443 4.1-4.2).
 
 Echo requests to the gateway and DNS addresses are answered by the stack itself. Other
-destinations are proxied, by the first mechanism that works on this host:
+destinations are proxied, by the first mechanism that works on this host (chosen once for
+IPv4 and once for IPv6):
 
-1. ping sockets (``SOCK_DGRAM``/``IPPROTO_ICMP``), allowed by ``net.ipv4.ping_group_range``;
-   the kernel picks the identifier, which is rewritten back to the guest's;
-2. one raw ICMP socket (needs CAP_NET_RAW), replies matched by (remote, identifier);
+1. ping sockets (``SOCK_DGRAM`` with ``IPPROTO_ICMP`` / ``IPPROTO_ICMPV6``), allowed by
+   ``net.ipv4.ping_group_range`` (it governs both families); the kernel picks the
+   identifier, which is rewritten back to the guest's;
+2. one raw ICMP (ICMPv6) socket (needs CAP_NET_RAW), replies matched by (remote,
+   identifier); the ICMPv6 one filters everything but Echo Reply (``ICMP6_FILTER``,
+   RFC 3542 3.2) and the kernel fills its checksums;
 3. neither: the request is dropped and counted, and the log says so once.
 
-Each (guest, remote, identifier) is a flow that ends after ``icmp_idle_timeout`` seconds.
+Each (guest, remote, identifier) is a flow that ends after ``icmp_idle_timeout`` seconds;
+IPv6 flows have protocol 58 in their key and 16-byte addresses.
 """
 
 from __future__ import annotations
@@ -22,10 +27,14 @@ import time
 
 from .wire.checksum import checksum
 from .wire.ipv4 import ICMP, PROTO_ICMP, build_icmp_packet
+from .wire.ipv6 import build_icmp6_packet
 
 log = logging.getLogger("aioslirp.icmp")
 
 ICMP_ECHO_REPLY, ICMP_ECHO = 0, 8
+ICMP6_ECHO_REQUEST, ICMP6_ECHO_REPLY = 128, 129
+PROTO_ICMPV6 = 58
+ICMP6_FILTER = 1  # <netinet/icmp6.h>, level IPPROTO_ICMPV6
 _ECHO = struct.Struct("!BBHHH")
 
 
@@ -41,6 +50,9 @@ class IcmpFlow:
         self.key = key
         self.guest_ip, self.dst_ip, self.remote, self.ident = guest_ip, dst_ip, remote, ident
         self.sock = sock  # per-flow ping socket, or None with the shared raw socket
+        self.v6 = len(guest_ip) == 16
+        if self.v6:
+            self.proto = PROTO_ICMPV6
         self.last_active = time.monotonic()
         stack = echo.stack
         stack.add_flow(self)
@@ -63,13 +75,16 @@ class IcmpFlow:
 
     def send(self, seq: int, payload: bytes) -> None:
         self.last_active = time.monotonic()
-        msg = bytearray(_ECHO.pack(ICMP_ECHO, 0, 0, self.ident, seq) + payload)
-        struct.pack_into("!H", msg, 2, checksum(msg))
+        if self.v6:  # the kernel fills ICMPv6 checksums (ping and raw sockets, RFC 3542 3.1)
+            msg = _ECHO.pack(ICMP6_ECHO_REQUEST, 0, 0, self.ident, seq) + payload
+        else:
+            msg = bytearray(_ECHO.pack(ICMP_ECHO, 0, 0, self.ident, seq) + payload)
+            struct.pack_into("!H", msg, 2, checksum(msg))
         try:
             if self.sock is not None:
                 self.sock.sendto(msg, (self.remote, 0))
             else:
-                self.echo.raw.sendto(msg, (self.remote, 0))
+                (self.echo.raw6 if self.v6 else self.echo.raw).sendto(msg, (self.remote, 0))
         except OSError as exc:
             self.echo.stack.counters["drop.icmp_send_error"] += 1
             log.debug("ICMP echo to %s: %s", self.remote, exc)
@@ -82,7 +97,7 @@ class IcmpFlow:
                 return
             except OSError:
                 return
-            if len(data) < 8 or data[0] != ICMP_ECHO_REPLY:
+            if len(data) < 8 or data[0] != (ICMP6_ECHO_REPLY if self.v6 else ICMP_ECHO_REPLY):
                 continue
             self.deliver(data[6:8], data[8:])
 
@@ -92,6 +107,10 @@ class IcmpFlow:
         seq = int.from_bytes(seq_bytes, "big")
         stack = self.echo.stack
         stack.counters["icmp_echo_replies"] += 1
+        if self.v6:
+            stack.inject_ip6(build_icmp6_packet(self.dst_ip, self.guest_ip, ICMP6_ECHO_REPLY, 0,
+                                                struct.pack("!HH", self.ident, seq) + bytes(payload)), self.guest_ip)
+            return
         stack.inject_ip(build_icmp_packet(self.dst_ip, self.guest_ip, ICMP_ECHO_REPLY, 0,
                                           (self.ident << 16) | seq, payload), self.guest_ip)
 
@@ -123,8 +142,12 @@ class IcmpEcho:
 
     def __init__(self, stack) -> None:
         self.stack = stack
+        #: IPv4 mechanism: ``None`` (not probed yet), ``"ping"``, ``"raw"`` or ``"none"``.
         self.mode: str | None = None
+        #: IPv6 mechanism, probed on the first IPv6 echo to proxy; same values.
+        self.mode6: str | None = None
         self.raw: socket.socket | None = None
+        self.raw6: socket.socket | None = None
         self.by_remote: dict = {}
         self._warned = False
 
@@ -173,6 +196,78 @@ class IcmpEcho:
                 self.by_remote[(dst_ip, ident)] = flow
         flow.send(seq, payload)
 
+    def _probe6(self) -> None:
+        try:
+            s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM, socket.IPPROTO_ICMPV6)
+            s.close()
+            self.mode6 = "ping"
+        except OSError:
+            try:
+                raw = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+            except OSError:
+                self.mode6 = "none"
+                log.warning("ICMPv6 echo: no ping sockets (net.ipv4.ping_group_range) and no raw sockets "
+                            "(CAP_NET_RAW); only the gateway and DNS answer pings")
+            else:
+                # block every type but Echo Reply (a set bit blocks, RFC 3542 3.2)
+                words = [0xFFFFFFFF] * 8
+                words[ICMP6_ECHO_REPLY >> 5] &= ~(1 << (ICMP6_ECHO_REPLY & 31)) & 0xFFFFFFFF
+                try:
+                    raw.setsockopt(socket.IPPROTO_ICMPV6, ICMP6_FILTER, struct.pack("8I", *words))
+                except OSError:
+                    pass
+                raw.setblocking(False)
+                self.raw6 = raw
+                self.stack._loop.add_reader(raw.fileno(), self._raw6_readable)
+                self.mode6 = "raw"
+        log.info("ICMPv6 echo proxy mode: %s", self.mode6)
+
+    def echo6(self, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, seq: int, payload: bytes) -> None:
+        """Proxy one ICMPv6 echo request from ``guest_ip`` to ``dst_ip`` (``remote`` on the host)."""
+        if self.mode6 is None:
+            self._probe6()
+        if self.mode6 == "none":
+            self.stack.drop("icmp6_unsupported")
+            return
+        key = (PROTO_ICMPV6, guest_ip, ident, dst_ip, 0)
+        flow = self.stack.flows.get(key)
+        if flow is None:
+            if not self.stack._make_room(PROTO_ICMPV6):
+                return self.stack.drop("flow_table_full")
+            sock = None
+            if self.mode6 == "ping":
+                try:
+                    sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM, socket.IPPROTO_ICMPV6)
+                    sock.setblocking(False)
+                except OSError as exc:
+                    self.stack.counters["drop.icmp_socket_error"] += 1
+                    log.debug("ICMPv6 ping socket: %s", exc)
+                    return
+            flow = IcmpFlow(self, key, guest_ip, dst_ip, remote, ident, sock)
+            if sock is None:
+                self.by_remote[(dst_ip, ident)] = flow
+        flow.send(seq, payload)
+
+    def _raw6_readable(self) -> None:
+        for _ in range(64):
+            try:
+                data, addr = self.raw6.recvfrom(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno != errno.EAGAIN:
+                    log.debug("raw ICMPv6: %s", exc)
+                return
+            if len(data) < 8 or data[0] != ICMP6_ECHO_REPLY:
+                continue
+            try:
+                src = socket.inet_pton(socket.AF_INET6, addr[0].split("%", 1)[0])
+            except (OSError, IndexError):
+                continue
+            flow = self.by_remote.get((src, int.from_bytes(data[4:6], "big")))
+            if flow is not None:
+                flow.deliver(data[6:8], data[8:])
+
     def _raw_readable(self) -> None:
         for _ in range(64):
             try:
@@ -193,10 +288,12 @@ class IcmpEcho:
                 flow.deliver(data[ihl + 6:ihl + 8], data[ihl + 8:])
 
     def close(self) -> None:
-        if self.raw is not None:
-            try:
-                self.stack._loop.remove_reader(self.raw.fileno())
-            except Exception:
-                pass
-            self.raw.close()
-            self.raw = None
+        for name in ("raw", "raw6"):
+            sock = getattr(self, name)
+            if sock is not None:
+                try:
+                    self.stack._loop.remove_reader(sock.fileno())
+                except Exception:
+                    pass
+                sock.close()
+                setattr(self, name, None)

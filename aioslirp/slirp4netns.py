@@ -84,7 +84,9 @@ host sockets, no root needed.
 -r, --ready-fd=FD        write "1" to FD and close it once the TAP is attached (and
                          configured) and the API socket listens
 -m, --mtu=MTU            MTU of the link (default 1500, {MTU_RANGE[0]}-{MTU_RANGE[1]})
--6, --enable-ipv6        accepted; aioslirp serves IPv4 only for now (a warning is logged)
+-6, --enable-ipv6        serve IPv6 too: prefix fd00::/64 (router advertisements for
+                         SLAAC), gateway and host loopback fd00::2, DNS fd00::3; with
+                         -c the TAP accepts the advertisements (no DAD delay)
 -a, --api-socket=PATH    serve the JSON API on this UNIX socket (add_hostfwd,
                          list_hostfwd, remove_hostfwd, get_stats, list_flows)
 --cidr=CIDR              IPv4 network (default 10.0.2.0/24, prefix /1-/25); gateway and
@@ -414,6 +416,7 @@ def build_config(opts: Options):
         guest=str(base + GUEST_OFFSET),
         mtu=opts.mtu,
         disable_host_loopback=opts.disable_host_loopback,
+        ipv6=opts.enable_ipv6,  # slirp4netns's IPv6 defaults: fd00::/64, gateway ::2, DNS ::3
     )
     try:
         return config.validate()
@@ -500,10 +503,11 @@ def _set_mac(ifname: str, mac: str) -> None:
         raise OSError(code, f"cannot set MAC address {mac} on {ifname}: {os.strerror(code) if code else exc}") from None
 
 
-def _configure(ifname: str, config, mac: str | None) -> None:
-    """``-c``: lo up, MAC, MTU, CIDR+100/prefix, link up, default route via CIDR+2."""
+def _configure(ifname: str, config, mac: str | None) -> list[str]:
+    """``-c``: lo up, MAC, MTU, CIDR+100/prefix, link up, default route via CIDR+2; with ``-6`` the
+    TAP first accepts router advertisements without DAD (SLAAC in fd00::/64). Returns warnings."""
     from ._isolate import set_loopback_up
-    from .netns import configure_interface
+    from .netns import configure_interface, configure_ipv6_sysctls
 
     try:
         set_loopback_up()
@@ -511,6 +515,7 @@ def _configure(ifname: str, config, mac: str | None) -> None:
         raise OSError(exc.errno, f"cannot bring lo up: {exc.strerror}") from None
     if mac is not None:
         _set_mac(ifname, mac)
+    warnings = configure_ipv6_sysctls(ifname, True) if config.ipv6 else []
     configure_interface(
         ifname,
         address=str(config.guest),
@@ -518,6 +523,7 @@ def _configure(ifname: str, config, mac: str | None) -> None:
         gateway=str(config.gateway),
         mtu=config.mtu,
     )
+    return warnings
 
 
 def _one_line(exc: BaseException) -> str:
@@ -549,7 +555,7 @@ def _child_setup(sock: socket.socket, opts: Options, config, ppid: int) -> int:
         fd, ifname = open_tap(opts.tapname)
         try:
             if opts.configure:
-                _configure(ifname, config, opts.macaddress)
+                warnings += _configure(ifname, config, opts.macaddress)
             send({"ok": True, "ifname": ifname, "warnings": warnings}, [fd])
         finally:
             os.close(fd)
@@ -841,6 +847,12 @@ def _banner(opts: Options, config) -> str:
         f"* DNS:             {config.dns}" + (" (disabled)" if opts.disable_dns else ""),
         f"* Recommended IP:  {config.guest}",
     ]
+    if config.ipv6:
+        lines += [
+            f"* IPv6 prefix:     {config.cidr6} (SLAAC)",
+            f"* IPv6 gateway:    {config.gateway6}",
+            f"* IPv6 DNS:        {config.dns6}" + (" (disabled)" if opts.disable_dns else ""),
+        ]
     if opts.api_socket:
         lines.append(f"* API Socket:      {opts.api_socket}")
     if opts.macaddress:
@@ -887,8 +899,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if opts.extra_args:
         log.warning("ignoring extra arguments: %s", " ".join(opts.extra_args))
-    if opts.enable_ipv6:
-        log.warning("--enable-ipv6: IPv6 is not served by aioslirp yet; the namespace gets IPv4 only")
 
     # 1. the TAP, from a child in the target namespaces (the parent stays in the host's)
     child = None

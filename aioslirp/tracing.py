@@ -194,9 +194,10 @@ def flow_opened(stack, flow) -> None:
 def flow_closed(flow) -> None:
     """A flow left the flow table (``Stack.remove_flow``): set the end attributes; the span
     ends once the flow's last queued frame has been written."""
-    rec = flow.__dict__.pop("_trace", None)
+    rec = getattr(flow, "_trace", None)
     if rec is None:
         return
+    flow._trace = None
     sp = rec.span
     conn = getattr(flow, "conn", None)
     if conn is not None:
@@ -228,7 +229,7 @@ def _end(rec: _FlowTrace, end_time: int | None = None) -> None:
 @_safe
 def flow_event(flow, name: str, attributes: dict | None = None) -> None:
     """Add event ``name`` to ``flow``'s span (no-op when the flow has no span)."""
-    rec = flow.__dict__.get("_trace")
+    rec = getattr(flow, "_trace", None)
     if rec is not None:
         rec.span.add_event(name, attributes)
 
@@ -243,7 +244,7 @@ def connect_failed(flow, outcome: str) -> None:
 @_safe
 def tcp_event(flow, name: str) -> None:
     """An event from the sans-IO connection (``established``, ``fin``, ``reset``, ``closed``)."""
-    rec = flow.__dict__.get("_trace")
+    rec = getattr(flow, "_trace", None)
     if rec is not None and name in _CONN_EVENTS:
         rec.span.add_event(_CONN_EVENTS[name])
 
@@ -261,7 +262,7 @@ def guest_segment(flow, seg, now: float) -> None:
 
 @_safe
 def _segment_events(flow, nbytes: int, est0, fin0: bool) -> None:
-    rec = flow.__dict__.get("_trace")
+    rec = getattr(flow, "_trace", None)
     if rec is None:
         return
     conn = flow.conn
@@ -278,7 +279,7 @@ def _segment_events(flow, nbytes: int, est0, fin0: bool) -> None:
 @_safe
 def host_data(flow, nbytes: int) -> None:
     """The host socket delivered ``nbytes`` for the guest."""
-    rec = flow.__dict__.get("_trace")
+    rec = getattr(flow, "_trace", None)
     if rec is not None:
         rec.to_guest += nbytes
         if rec.n_host < MAX_DATA_EVENTS:
@@ -300,7 +301,7 @@ def syn_ack(flow, connect_time: float, immediate: bool) -> None:
 
 @_safe
 def _syn_ack_span(flow, connect_time: float, immediate: bool, t0: int, t1: int) -> None:
-    rec = flow.__dict__.get("_trace")
+    rec = getattr(flow, "_trace", None)
     connect_us = int(connect_time * 1e6)
     if rec is not None and not immediate:
         rec.span.add_event("host.connect", timestamp=t0 - int(connect_time * 1e9))
@@ -376,7 +377,7 @@ def _frame_span(stack, frame, t0: int, t1: int, depth0: int) -> None:
     queued = (q.qsize() if q is not None else 0) - depth0
     key, transport, flags, _plen = _frame_key(frame, False)
     flow = stack.flows.get(key) if key is not None else None
-    rec = flow.__dict__.get("_trace") if flow is not None else None
+    rec = getattr(flow, "_trace", None) if flow is not None else None
     attrs = {"aioslirp.frame.bytes": len(frame), "aioslirp.frames_queued": max(queued, 0),
              "aioslirp.processing_us": (t1 - t0) / 1000.0}
     if len(frame) >= 14:
@@ -404,7 +405,7 @@ def frame_queued(stack, frame) -> None:
     if key is not None:
         flow = stack.flows.get(key)
         if flow is not None:
-            rec = flow.__dict__.get("_trace")
+            rec = getattr(flow, "_trace", None)
     if rec is not None:
         if flags & _TCP_RST:
             kind = "rst.sent"

@@ -2,9 +2,10 @@
 
 Each flow owns one task that waits out the idle timeout (``NetworkConfig.udp_idle_timeout``
 seconds without a datagram either way) and then closes the socket. Datagrams from the
-remote are sent to the guest as IPv4/UDP, fragmented to the link MTU (up to 65,507 bytes
-of payload). ``ECONNREFUSED`` from the host becomes ICMP port unreachable towards the
-guest (RFC 792 / RFC 1122 3.2.2.1), quoting the guest's last datagram.
+remote are sent to the guest as IPv4/UDP or IPv6/UDP (chosen once per flow by the length
+of the key's addresses), fragmented to the link MTU (up to 65,507 bytes of payload).
+``ECONNREFUSED`` from the host becomes ICMP (ICMPv6) port unreachable towards the guest
+(RFC 792 / RFC 1122 3.2.2.1, RFC 4443 3.1), quoting the guest's last datagram.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import time
 
 from .wire.ipv4 import PROTO_UDP, build_udp_packet
+from .wire.ipv6 import build_udp6_packet
 
 log = logging.getLogger("aioslirp.udp")
 
@@ -40,9 +42,12 @@ class UdpFlow:
         self.sock = None
         self.connect_error: int | None = None
         self._done = False
+        v6 = len(self.guest_ip) == 16
+        self._build = build_udp6_packet if v6 else build_udp_packet
+        self._inject = stack.inject_ip6 if v6 else stack.inject_ip
         loop = stack._loop
         try:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
         except OSError as exc:
             stack.counters["drop.udp_socket_error"] += 1
             log.warning("UDP socket: %s", exc)
@@ -103,8 +108,8 @@ class UdpFlow:
             self.last_active = time.monotonic()
             self.bytes_down += len(data)
             stack.counters["udp_datagrams_down"] += 1
-            stack.inject_ip(build_udp_packet(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, data),
-                            self.guest_ip)
+            self._inject(self._build(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, data),
+                         self.guest_ip)
 
     def _error(self, exc: OSError) -> None:
         code = _ERR_CODES.get(exc.errno)

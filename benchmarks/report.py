@@ -163,6 +163,10 @@ def _fmt(v, unit: str = "") -> str:
     return str(v)
 
 
+def _count(v) -> str:
+    return "–" if v is None else str(int(round(v)))
+
+
 def _ratio(val, ref) -> str:
     if val is None or ref in (None, 0):
         return ""
@@ -254,8 +258,8 @@ def markdown(doc: dict) -> str:
         for b in bs:
             s = S[b]
             lines.append(f"| {b} | {_cell(s, ref, 'up_gbps')} | {_cell(s, ref, 'up_cpu_s_per_gb')} | "
-                         f"{_fmt(s.get('up_retrans'))} | {_cell(s, ref, 'down_gbps')} | "
-                         f"{_cell(s, ref, 'down_cpu_s_per_gb')} | {_fmt(s.get('down_retrans'))} |")
+                         f"{_count(s.get('up_retrans'))} | {_cell(s, ref, 'down_gbps')} | "
+                         f"{_cell(s, ref, 'down_cpu_s_per_gb')} | {_count(s.get('down_retrans'))} |")
         lines += ["", "Concurrent CRR: connections per second (p50 latency us) with 1, 8 and 64 connections in flight "
                   "from one client process; backend CPU per 1,000 connections at 64.", "",
                   "| backend | x1 conn/s (p50) | x8 conn/s (p50) | x64 conn/s (p50) | x64 CPU ms/1000 |",
@@ -274,8 +278,8 @@ def markdown(doc: dict) -> str:
         for b in [b for b in order if b in S] + [b for b in S if b not in order]:
             s = S[b]
             if s.get("idle_open") is not None:
-                idle_rows.append(f"| {b} | {_fmt(s.get('idle_open'))} | {_fmt(s.get('idle_base_rss_mb'))} | "
-                                 f"{_fmt(s.get('idle_rss_mb'))} | {_fmt(s.get('idle_fds'))} | "
+                idle_rows.append(f"| {b} | {_count(s.get('idle_open'))} | {_fmt(s.get('idle_base_rss_mb'))} | "
+                                 f"{_fmt(s.get('idle_rss_mb'))} | {_count(s.get('idle_fds'))} | "
                                  f"{_fmt(s.get('idle_setup_s'))} |")
     if idle_rows:
         n = meta["profile"].get("idle_flows")

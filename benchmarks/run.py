@@ -428,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="client/server implementation: c (bench.c, compiled with cc; default, falls back to "
                          "python without a compiler) or python (client.py/hostserver.py)")
     ap.add_argument("--no-latest", action="store_true",
-                    help="do not update latest.* and docs/performance.md (quick runs never do)")
+                    help="do not update latest.* and docs/performance.md (only a full default run does: not "
+                         "--quick, nor one narrowed by --backends/--tests/--rounds/--placements/--idle-flows)")
     args = ap.parse_args(argv)
 
     prof = profile(args.quick)
@@ -530,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     md = report.markdown(doc)
     (out / f"run-{stamp}{'-quick' if args.quick else ''}.md").write_text(md)
     log(f"wrote {run_path} ({meta['duration_s']} s, load average at the end {meta['loadavg_end']})")
-    if not args.quick and not args.no_latest:
+    complete = not (args.quick or args.backends or args.tests or args.rounds or args.placements or args.idle_flows)
+    if complete and not args.no_latest:
         (out / "latest.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
         (out / "latest.md").write_text(md)
         png = report.plot(doc, out / "latest.png")

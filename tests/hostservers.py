@@ -7,7 +7,10 @@
   ``RSTME``: resets the connection (SO_LINGER 0); ``WAIT``: reads until EOF or reset and
   records which in :attr:`DataServer.events`; ``HTTP`` requests (``GET /<nbytes>``) get a minimal HTTP/1.0 response.
 * :class:`UdpEcho` — echoes every datagram.
-* :class:`DnsUpstream` — answers every A query with 10.0.2.99 over UDP and TCP (dpkt).
+* :class:`DnsUpstream` — answers every A query with 10.0.2.99 over UDP and TCP (dpkt); AAAA
+  queries with ``aaaa`` when given (else no answer records, as before).
+
+Servers bind 127.0.0.1 by default; pass ``host="::1"`` for IPv6 loopback.
 """
 
 from __future__ import annotations
@@ -76,11 +79,15 @@ class _Server(socketserver.ThreadingTCPServer):
     request_queue_size = 256
 
 
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
 class DataServer:
-    """Threaded TCP server on 127.0.0.1:<ephemeral>; ``.port``, ``.close()``."""
+    """Threaded TCP server on ``host`` (default 127.0.0.1; ``"::1"`` for IPv6):<ephemeral>; ``.port``, ``.close()``."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
-        self.server = _Server((host, 0), _Handler)
+        self.server = (_Server6 if ":" in host else _Server)((host, 0), _Handler)
         self.server.commands = []
         self.server.events = []
         self.port = self.server.server_address[1]
@@ -102,10 +109,10 @@ class DataServer:
 
 
 class UdpEcho:
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind((host, 0))
         self.port = self.sock.getsockname()[1]
         self.count = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -124,7 +131,7 @@ class UdpEcho:
         self.sock.close()
 
 
-def _dns_answer(query: bytes) -> bytes:
+def _dns_answer(query: bytes, aaaa: str | None = None) -> bytes:
     q = dpkt.dns.DNS(query)
     r = dpkt.dns.DNS(id=q.id, qr=dpkt.dns.DNS_R, opcode=q.opcode, rd=q.rd, ra=1, qd=q.qd)
     an = []
@@ -132,20 +139,34 @@ def _dns_answer(query: bytes) -> bytes:
         if qd.type == dpkt.dns.DNS_A:
             an.append(dpkt.dns.DNS.RR(name=qd.name, type=dpkt.dns.DNS_A, cls=dpkt.dns.DNS_IN, ttl=60,
                                       ip=socket.inet_aton("10.0.2.99")))
+        elif qd.type == dpkt.dns.DNS_AAAA and aaaa is not None:
+            an.append(dpkt.dns.DNS.RR(name=qd.name, type=dpkt.dns.DNS_AAAA, cls=dpkt.dns.DNS_IN, ttl=60,
+                                      ip6=socket.inet_pton(socket.AF_INET6, aaaa)))
     r.an = an
     return bytes(r)
 
 
 class DnsUpstream:
-    """A DNS server on 127.0.0.1:<port> (UDP and TCP, same port) answering A with 10.0.2.99."""
+    """A DNS server on 127.0.0.1:<port> (UDP and TCP, same port) answering A with 10.0.2.99,
+    and AAAA with ``aaaa`` when given (``None``: AAAA queries get no answer records)."""
 
-    def __init__(self) -> None:
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.udp.bind(("127.0.0.1", 0))
-        self.port = self.udp.getsockname()[1]
-        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.tcp.bind(("127.0.0.1", self.port))
+    def __init__(self, aaaa: str | None = None) -> None:
+        self.aaaa = aaaa
+        # one port for both: take an ephemeral UDP port, retry while its TCP twin is taken
+        for _ in range(50):
+            self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.udp.bind(("127.0.0.1", 0))
+            self.port = self.udp.getsockname()[1]
+            self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                self.tcp.bind(("127.0.0.1", self.port))
+                break
+            except OSError:
+                self.tcp.close()
+                self.udp.close()
+        else:
+            raise RuntimeError("no free UDP+TCP port pair on 127.0.0.1")
         self.tcp.listen(16)
         self.udp_queries = 0
         self.tcp_queries = 0
@@ -157,7 +178,7 @@ class DnsUpstream:
             try:
                 data, addr = self.udp.recvfrom(4096)
                 self.udp_queries += 1
-                self.udp.sendto(_dns_answer(data), addr)
+                self.udp.sendto(_dns_answer(data, self.aaaa), addr)
             except OSError:
                 return
             except Exception:
@@ -183,7 +204,7 @@ class DnsUpstream:
                     n = struct.unpack("!H", buf[:2])[0]
                     msg, buf = buf[2:2 + n], buf[2 + n:]
                     self.tcp_queries += 1
-                    ans = _dns_answer(msg)
+                    ans = _dns_answer(msg, self.aaaa)
                     c.sendall(struct.pack("!H", len(ans)) + ans)
 
     def close(self) -> None:

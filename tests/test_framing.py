@@ -271,15 +271,16 @@ def arp_request() -> bytes:
 
 
 async def _arp_roundtrip(sock: socket.socket) -> bytes:
+    """Send an ARP request for the gateway; return the ARP reply (other frames, e.g. IPv6 RAs, skipped)."""
     loop = asyncio.get_running_loop()
     await loop.sock_sendall(sock, wire([arp_request()]))
     d = StreamDecoder()
     while True:
         data = await asyncio.wait_for(loop.sock_recv(sock, 65536), 5)
         assert data, "server closed the connection"
-        frames = d.feed(data)
-        if frames:
-            return frames[0]
+        for frame in d.feed(data):
+            if frame[12:14] == b"\x08\x06":
+                return frame
 
 
 async def _connect(path: str) -> socket.socket:
@@ -297,7 +298,7 @@ async def test_qemu_server_one_guest_at_a_time_then_next(tmp_path):
         task = asyncio.ensure_future(server.serve())
         g1 = await _connect(path)
         reply = await _arp_roundtrip(g1)
-        assert reply[12:14] == b"\x08\x06" and reply[0:6] == GUEST_MAC  # ARP reply to guest 1
+        assert reply[0:6] == GUEST_MAC and reply[20:22] == b"\x00\x02"  # ARP reply to guest 1
         g2 = await _connect(path)
         assert await asyncio.wait_for(asyncio.get_running_loop().sock_recv(g2, 100), 5) == b""  # refused at once
         assert server.refused == 1
@@ -309,7 +310,7 @@ async def test_qemu_server_one_guest_at_a_time_then_next(tmp_path):
             await asyncio.sleep(0.02)
         g3 = await _connect(path)  # the next guest is served by the same stack
         reply = await _arp_roundtrip(g3)
-        assert reply[12:14] == b"\x08\x06"
+        assert reply[20:22] == b"\x00\x02"
         assert server.guests == 2
         server.close()
         await asyncio.wait_for(task, 5)
@@ -350,19 +351,23 @@ def _wait_path(path, timeout=10.0):
 def test_cli_qemu_stops_on_signal_and_removes_socket(tmp_path, sig):
     path = str(tmp_path / "cli.sock")
     p = _cli("--socket", path, "--log-level", "info")
+    served = b""
     try:
         _wait_path(path)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(path)
-        s.sendall(wire([arp_request()]))
-        s.settimeout(5)
-        assert s.recv(4)  # served
-        p.send_signal(sig)
-        assert p.wait(10) == 0
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+            s.sendall(wire([arp_request()]))
+            s.settimeout(20)
+            served = s.recv(4)
+            p.send_signal(sig)
+            rc = p.wait(20)
     finally:
         if p.poll() is None:
             p.kill()
-    err = p.stderr.read()
+            p.wait()
+        err = p.stderr.read()
+    assert served, err  # the ARP request was answered
+    assert rc == 0, err
     assert not os.path.exists(path), err
     assert "stopping" in err
 
@@ -376,7 +381,10 @@ def test_cli_qemu_dgram_socket_and_fd(tmp_path):
         g.bind(str(tmp_path / "guest.sock"))
         g.settimeout(5)
         g.sendto(arp_request(), path)
-        assert g.recv(2000)[12:14] == b"\x08\x06"
+        while (frame := g.recv(2000))[12:14] != b"\x08\x06":  # skip e.g. IPv6 router advertisements
+            pass
+        assert frame[20:22] == b"\x00\x02"
+        g.close()
         p.terminate()
         assert p.wait(10) == 0
     finally:

@@ -3,9 +3,9 @@
 Valid frames of every protocol the stack speaks are built with dpkt, then mutated (bytes
 flipped, truncated, extended, fields set to extremes) and fed in random order. Properties:
 nothing escapes ``process_guest_frame`` (no ``drop.internal_error``), every frame is counted,
-and closing the stack leaves no flow and no task. Destinations stay inside 10.0.2.0/24 or
-are the gateway (host loopback, where nothing listens on the fuzzed ports); pytest runs in
-a loopback-only namespace.
+and closing the stack leaves no flow and no task. Destinations stay inside 10.0.2.0/24 and
+fd00::/64, are link-local or multicast, or are the gateway (host loopback, where nothing
+listens on the fuzzed ports); pytest runs in a loopback-only namespace.
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ GW_MAC = bytes.fromhex("52550a000202")
 GUEST = socket.inet_aton("10.0.2.15")
 DESTS = [socket.inet_aton(a) for a in ("10.0.2.2", "10.0.2.3", "10.0.2.15", "10.0.2.77", "10.0.2.255",
                                        "255.255.255.255", "127.0.0.1", "0.0.0.0")]
+# IPv6: the gateway (host ::1), DNS, other addresses of the prefix, multicast, link-local, loopback.
+GUEST6 = [socket.inet_pton(socket.AF_INET6, a) for a in ("fd00::5054:ff:fe12:3456", "fe80::5054:ff:fe12:3456", "::")]
+DESTS6 = [socket.inet_pton(socket.AF_INET6, a) for a in ("fd00::2", "fd00::3", "fd00::77", "ff02::1", "ff02::2",
+                                                          "ff02::1:2", "ff02::1:ff00:2", "fe80::5055:aff:fe00:202",
+                                                          "::1")]
 
 
 def eth(payload: bytes, ethertype: int = 0x0800, dst: bytes = GW_MAC) -> bytes:
@@ -41,7 +46,9 @@ def ip(l4, proto: int, dst: bytes) -> bytes:
 @st.composite
 def valid_frame(draw) -> bytes:
     dst = draw(st.sampled_from(DESTS))
-    kind = draw(st.sampled_from(["tcp", "udp", "icmp", "arp", "dhcp", "dns", "frag", "ipv6"]))
+    kind = draw(st.sampled_from(["tcp", "udp", "icmp", "arp", "dhcp", "dns", "frag", "ipv6", "ipv6_valid"]))
+    if kind == "ipv6_valid":
+        return draw(valid_frame6())
     port = draw(st.sampled_from([1, 9, 53, 67, 80, 65535]))
     if kind == "tcp":
         flags = draw(st.integers(0, 0x3F))
@@ -90,6 +97,49 @@ def valid_frame(draw) -> bytes:
         return eth(bytes(hdr) + payload)
     # ipv6: header + random payload
     return eth(b"\x60" + draw(st.binary(min_size=39, max_size=80)), 0x86DD)
+
+
+@st.composite
+def valid_frame6(draw) -> bytes:
+    """A well-formed IPv6 frame: TCP, UDP (DNS, DHCPv6, others), ICMPv6 (echo, NDP, MLD), a fragment,
+    or extension headers in front; checksums computed by dpkt."""
+    src = draw(st.sampled_from(GUEST6))
+    dst = draw(st.sampled_from(DESTS6))
+    kind = draw(st.sampled_from(["tcp", "udp", "icmp6", "ndp", "frag", "ext"]))
+    port = draw(st.sampled_from([1, 9, 53, 547, 65535]))
+    nxt, hlim = 17, 64
+    if kind == "tcp":
+        nxt = 6
+        l4 = dpkt.tcp.TCP(sport=draw(st.integers(1024, 1040)), dport=port, seq=draw(st.integers(0, 2**32 - 1)),
+                          flags=draw(st.integers(0, 0x3F)), win=1000, data=draw(st.binary(max_size=64)))
+    elif kind in ("udp", "frag", "ext"):
+        l4 = dpkt.udp.UDP(sport=draw(st.sampled_from([546, 1024, 1025])), dport=port, data=draw(st.binary(max_size=200)))
+        l4.ulen = len(bytes(l4))
+    else:
+        nxt = 58
+        if kind == "ndp":
+            t, hlim = draw(st.sampled_from([133, 134, 135, 136, 137])), 255
+            body = bytes(4) + draw(st.sampled_from(DESTS6)) + draw(st.sampled_from([b"", b"\x01\x01" + GUEST_MAC,
+                                                                                     b"\x02\x01" + GUEST_MAC, b"\x01\x00"]))
+        else:
+            t = draw(st.sampled_from([128, 129, 1, 2, 130, 131, 143]))
+            body = struct.pack("!HH", draw(st.integers(0, 65535)), 1) + draw(st.binary(max_size=64))
+        l4 = dpkt.icmp6.ICMP6(type=t, code=draw(st.sampled_from([0, 0, 1])), data=body)
+    ip6 = dpkt.ip6.IP6(src=src, dst=dst, nxt=nxt, hlim=hlim, plen=len(bytes(l4)), data=l4)
+    packet = bytes(ip6)
+    if kind == "frag":  # one fragment of the datagram (offset 0 or not, more or not)
+        off = draw(st.sampled_from([0, 8, 1448]))
+        more = draw(st.booleans())
+        body = packet[40:][:draw(st.sampled_from([8, 16, 64]))]
+        packet = packet[:6] + bytes((44,)) + packet[7:40] + struct.pack("!BBHI", nxt, 0, off | more, 9) + body
+        packet = packet[:4] + struct.pack("!H", len(packet) - 40) + packet[6:]
+    elif kind == "ext":  # Hop-by-Hop / Destination Options / Routing (Segments Left 0) in front
+        ext = draw(st.sampled_from([(0, bytes(6)), (60, b"\x01\x04" + bytes(4)), (43, bytes((0, 0)) + bytes(4))]))
+        hdr = bytes((nxt, 0)) + ext[1]
+        packet = packet[:6] + bytes((ext[0],)) + packet[7:40] + hdr + packet[40:]
+        packet = packet[:4] + struct.pack("!H", len(packet) - 40) + packet[6:]
+    dst_mac = b"\x33\x33" + dst[12:] if dst[0] == 0xFF else GW_MAC
+    return eth(packet, 0x86DD, dst_mac)
 
 
 @st.composite

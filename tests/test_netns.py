@@ -208,7 +208,8 @@ async def test_interface_and_resolv_conf_inside(tmp_path, cfg, expect):
     assert "UP" in lo["flags"]
     resolv = (tmp_path / "resolv").read_text()
     assert f"nameserver {expect['dns']}" in resolv.splitlines()
-    assert [line for line in resolv.splitlines() if line.startswith("nameserver")] == [f"nameserver {expect['dns']}"]
+    assert [line for line in resolv.splitlines() if line.startswith("nameserver")] == [f"nameserver {expect['dns']}",
+                                                                                    "nameserver fd00::3"]
     if cfg.get("dns_search"):
         assert "search example.test corp.test" in resolv.splitlines()
     if host_resolv is not None:
@@ -217,7 +218,9 @@ async def test_interface_and_resolv_conf_inside(tmp_path, cfg, expect):
 
 def test_resolv_conf_text():
     cfg = NetworkConfig(dns_search=["a.test"]).validate()
-    assert resolv_conf_text(cfg).splitlines()[1:] == ["nameserver 10.0.2.3", "search a.test"]
+    assert resolv_conf_text(cfg).splitlines()[1:] == ["nameserver 10.0.2.3", "nameserver fd00::3", "search a.test"]
+    cfg = NetworkConfig(ipv6=False).validate()
+    assert resolv_conf_text(cfg).splitlines()[1:] == ["nameserver 10.0.2.3"]
 
 
 @pytest.mark.parametrize(
@@ -855,19 +858,25 @@ def test_rootless_run_and_attach(rootless_env):
         assert p.returncode == 0, p.stderr
         result = json.loads(p.stdout.strip().splitlines()[-1])
         # the console script and the real Stack, rootless: exit status and resolv.conf
-        q = as_nobody([str(vbin / "aioslirp"), "run", "--", "sh", "-c", "cat /etc/resolv.conf; exit 7"], work)
-        # rootless data path: a real HTTP GET from a host server on loopback through the stack
+        q = as_nobody([str(vbin / "aioslirp"), "run", "--", "sh", "-c",
+                       "cat /etc/resolv.conf; ip -6 -o addr show dev tap0 scope global; exit 7"], work)
+        # rootless data path: a real HTTP GET from a host server on loopback through the stack (IPv4, IPv6)
         from hostservers import DataServer, pattern
         srv = DataServer()
+        srv6 = DataServer(host="::1")
         try:
             g = as_nobody([str(vbin / "aioslirp"), "run", "--", "sh", "-c",
-                           f"curl -sS --max-time 20 http://10.0.2.2:{srv.port}/300000 | sha256sum"], work, timeout=60)
+                           f"curl -sS --max-time 20 http://10.0.2.2:{srv.port}/300000 | sha256sum; "
+                           f"curl -sS -g --max-time 20 'http://[fd00::2]:{srv6.port}/300000' | sha256sum"],
+                          work, timeout=60)
         finally:
             srv.close()
+            srv6.close()
     assert g.returncode == 0, g.stderr
-    assert g.stdout.split()[0] == hashlib.sha256(pattern(300000, 1)).hexdigest()
+    assert g.stdout.split()[0::2] == [hashlib.sha256(pattern(300000, 1)).hexdigest()] * 2, g.stdout + g.stderr
     assert q.returncode == 7, q.stderr
-    assert "nameserver 10.0.2.3" in q.stdout.splitlines()
+    assert "nameserver 10.0.2.3" in q.stdout.splitlines() and "nameserver fd00::3" in q.stdout.splitlines()
+    assert " inet6 fd00::" in q.stdout and "warning" not in q.stderr, q.stdout + q.stderr  # SLAAC, rootless
 
     assert result["uid"] == NOBODY and result["run_rc"] == 0
     assert (out / "uid").read_text().strip() == "0"  # mapped to root inside its user namespace

