@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import http.server
 import socket
-import struct
 import sys
 import threading
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -208,7 +207,7 @@ def test_closed_port_refused_fast(servers):
 def test_dns_udp_and_tcp_via_dig(servers):
     if not shutil.which("dig"):
         pytest.fail("dig is required (apt-get install dnsutils)")
-    before_udp, before_tcp = servers["dns"].udp_queries, servers["dns"].tcp_queries
+    before_udp = servers["dns"].udp_queries
     p = run_guest(servers, "", cmd=["sh", "-c",
                                     "dig +short +time=3 +tries=1 @10.0.2.3 example.test A && "
                                     "dig +short +tcp +time=3 +tries=1 @10.0.2.3 other.test A && "

@@ -10,7 +10,6 @@ handling written with dpkt) so they check the plumbing, not the real stack; the
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hashlib
 import json
@@ -24,7 +23,6 @@ import sys
 import tempfile
 import textwrap
 import time
-import zipfile
 from pathlib import Path
 
 import dpkt
@@ -659,103 +657,22 @@ def test_example_tap_bridge_serves_and_stops_on_sigterm():
 # rootless: as an unprivileged user, with a world-readable virtualenv
 
 
-def _build_wheel(dest: Path) -> Path:
-    """A minimal py3-none-any wheel of the aioslirp package in this checkout (no build tools needed)."""
-    from aioslirp import __version__
-
-    name = f"aioslirp-{__version__}"
-    whl = dest / f"{name}-py3-none-any.whl"
-    records = []
-
-    def add(zf: zipfile.ZipFile, arcname: str, data: bytes) -> None:
-        zf.writestr(arcname, data)
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        records.append(f"{arcname},sha256={digest},{len(data)}")
-
-    with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as zf:
-        for path in sorted((REPO / "aioslirp").rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".typed", ".json"):
-                add(zf, str(path.relative_to(REPO)), path.read_bytes())
-        info = f"{name}.dist-info"
-        add(zf, f"{info}/METADATA", f"Metadata-Version: 2.1\nName: aioslirp\nVersion: {__version__}\n".encode())
-        add(zf, f"{info}/WHEEL", b"Wheel-Version: 1.0\nGenerator: aioslirp-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        add(zf, f"{info}/entry_points.txt", b"[console_scripts]\naioslirp = aioslirp.cli:main\n")
-        records.append(f"{info}/RECORD,,")
-        zf.writestr(f"{info}/RECORD", "\n".join(records) + "\n")
-    return whl
-
-
-_CLOSURE_SCRIPT = """
-import asyncio, importlib, json, pkgutil, site, sys
-import aioslirp, uvloop, dpkt
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
-for info in pkgutil.walk_packages(aioslirp.__path__, "aioslirp."):
-    try:
-        importlib.import_module(info.name)
-    except Exception:
-        pass
-async def start_stack():
-    async with aioslirp.Stack(aioslirp.NetworkConfig()):
-        pass
-asyncio.run(start_stack())
-roots = [p for p in site.getsitepackages() + [site.getusersitepackages()] if p]
-tops = set()
-for mod in list(sys.modules.values()):
-    f = getattr(mod, '__file__', None) or ''
-    for root in roots:
-        if f.startswith(root.rstrip('/') + '/'):
-            top = f[len(root.rstrip('/')) + 1:].split('/')[0]
-            tops.add((root, top))
-print(json.dumps(sorted(tops)))
-"""
-
-
 @pytest.fixture(scope="module")
 def rootless_env():
     """(python, bin_dir, workdir) of a venv from /usr/bin/python3 readable by everyone, aioslirp installed."""
+    from worldvenv import Unavailable, build_world_venv
+
     if not SETPRIV:
         pytest.skip("setpriv (util-linux) is missing")
-    base_python = "/usr/bin/python3"
-    if not os.path.exists(base_python):
-        pytest.skip("/usr/bin/python3 is missing: cannot make a virtualenv an unprivileged user can read")
     work = Path(tempfile.mkdtemp(prefix="aioslirp-rootless-"))
     try:
-        work.chmod(0o755)
-        venv = work / "venv"
-        subprocess.run([base_python, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
-        vpy = venv / "bin" / "python"
-        vver = subprocess.run([str(vpy), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True, check=True).stdout.strip()
-        if vver != "%d.%d" % sys.version_info[:2]:
-            pytest.skip(f"/usr/bin/python3 is {vver}, tests run {sys.version_info[0]}.{sys.version_info[1]}: cannot share dependencies")
-        # the package itself: pip install of a wheel of this checkout
-        whl = _build_wheel(work)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "--python", str(vpy), "install", "-q", "--no-deps", "--no-index", str(whl)],
-            check=True,
-            timeout=120,
-        )
-        # its dependencies: copied from the environment running the tests (same Python version)
-        site_dir = Path(subprocess.run([str(vpy), "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True, text=True, check=True).stdout.strip())
-        closure = json.loads(subprocess.run([sys.executable, "-c", _CLOSURE_SCRIPT], capture_output=True, text=True, check=True, cwd=REPO).stdout)
-        for root, top in closure:
-            if top.startswith(("aioslirp", "__editable__", "_distutils_hack")) or (site_dir / top).exists():
-                continue
-            src = Path(root) / top
-            if src.is_dir():
-                shutil.copytree(src, site_dir / top, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy2(src, site_dir / top)
-        for dirpath, dirnames, filenames in os.walk(work):
-            for d in dirnames:
-                os.chmod(os.path.join(dirpath, d), 0o755)
-            for f in filenames:
-                p = os.path.join(dirpath, f)
-                if not os.path.islink(p):
-                    os.chmod(p, os.stat(p).st_mode | 0o444)
+        try:
+            vpy, vbin = build_world_venv(work)
+        except Unavailable as exc:
+            pytest.skip(str(exc))
         (work / "out").mkdir(mode=0o777)
         (work / "out").chmod(0o777)
-        yield vpy, venv / "bin", work
+        yield vpy, vbin, work
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -6,7 +6,6 @@ import os
 import socket
 
 import dpkt
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from aioslirp.wire.checksum import checksum, partial
