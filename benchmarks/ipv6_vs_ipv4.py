@@ -62,10 +62,10 @@ print(json.dumps(out))
 """
 
 
-def run_family(family: str, port: int, mb: int, repeat: int, pin: str | None) -> list[dict]:
+def run_family(family: str, port: int, mb: int, repeat: int, pin: str | None, run_opts=()) -> list[dict]:
     host = "10.0.2.2" if family == "ipv4" else "fd00::2"
     n = mb << 20
-    argv = [sys.executable, "-m", "aioslirp", "run", "--", sys.executable, "-c", textwrap.dedent(GUEST),
+    argv = [sys.executable, "-m", "aioslirp", "run", *run_opts, "--", sys.executable, "-c", textwrap.dedent(GUEST),
             host, str(port), str(n), str(repeat)]
     if pin is not None:
         argv = ["taskset", "-c", pin, *argv]
@@ -88,6 +88,8 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=50, help="MiB per transfer (default 50)")
     ap.add_argument("--repeat", type=int, default=5, help="transfers each way per run (default 5)")
     ap.add_argument("--pin", metavar="CPU", help="also run pinned to this CPU (taskset -c)")
+    ap.add_argument("--run-opt", action="append", default=[], metavar="OPT",
+                    help="extra option for 'aioslirp run' (repeatable), e.g. --run-opt=--no-offload")
     args = ap.parse_args()
 
     from aioslirp._isolate import isolate_network
@@ -95,12 +97,14 @@ def main() -> int:
 
     isolate_network()
     srv4, srv6 = DataServer(), DataServer(host="::1")
-    results: dict = {"mb": args.mb, "repeat": args.repeat, "cpus": os.cpu_count(), "runs": {}}
+    results: dict = {"mb": args.mb, "repeat": args.repeat, "cpus": os.cpu_count(), "run_opts": args.run_opt,
+                     "runs": {}}
     try:
         for placement in ["unpinned"] + ([f"pin{args.pin}"] if args.pin is not None else []):
             pin = args.pin if placement != "unpinned" else None
             for family, srv in (("ipv4", srv4), ("ipv6", srv6)):
-                results["runs"][f"{family}/{placement}"] = run_family(family, srv.port, args.mb, args.repeat, pin)
+                results["runs"][f"{family}/{placement}"] = run_family(family, srv.port, args.mb, args.repeat, pin,
+                                                                      args.run_opt)
     finally:
         srv4.close()
         srv6.close()

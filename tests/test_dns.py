@@ -179,8 +179,6 @@ async def test_truncated_answer_retried_over_tcp():
     def script(req):
         return [answer(req, tc=True)]
 
-    transport, proto, port = await udp_upstream(script)
-
     async def handle(reader, writer):
         (n,) = struct.unpack("!H", await reader.readexactly(2))
         req = await reader.readexactly(n)
@@ -191,7 +189,11 @@ async def test_truncated_answer_retried_over_tcp():
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    # TCP listener first (an ephemeral TCP port may sit in TIME-WAIT; UDP ports do not),
+    # then the UDP upstream on the same number
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport, proto, _ = await udp_upstream(script, port)
     try:
         fwd = forwarder(port)
         # Guest asked over UDP: the truncated answer goes back as is (the guest retries over TCP).
