@@ -99,6 +99,21 @@ def _ip(key: bytes) -> str:
     return str(key)
 
 
+def _socket_alive(path: str) -> bool:
+    """True when something accepts connections on the UNIX socket ``path`` (a live server)."""
+    import socket as _socket
+
+    probe = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
 class ApiServer:
     """Serves the control API for ``stack`` on the UNIX socket ``path``.
 
@@ -136,6 +151,8 @@ class ApiServer:
         else:
             if not stat.S_ISSOCK(st.st_mode):
                 raise ApiSocketError(f"--api-socket {path}: exists and is not a socket")
+            if _socket_alive(path):
+                raise ApiSocketError(f"--api-socket {path}: is in use by another running server")
             try:
                 os.unlink(path)  # a stale socket of an earlier run (as slirp4netns does)
             except OSError as exc:

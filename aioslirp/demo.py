@@ -22,14 +22,14 @@ PAGE = bytes(range(256)) * 4096  # 1 MiB
 
 GUEST = r"""
 import hashlib, socket, subprocess, sys, time, urllib.request
-port = int(sys.argv[1])
+port, dns_addr = int(sys.argv[1]), sys.argv[2]
 def say(msg): print("  guest | " + msg, flush=True)
 addr = subprocess.run(["ip", "-4", "-o", "addr", "show", "tap0"], capture_output=True, text=True).stdout.split()
 say("tap0 address " + (addr[3] if len(addr) > 3 else "?"))
 say("resolv.conf: " + " ".join(l.strip() for l in open("/etc/resolv.conf") if l.strip()))
 t0 = time.monotonic()
 ip = socket.gethostbyname("host.aioslirp.test")
-say(f"host.aioslirp.test -> {ip} (via DNS 10.0.2.3, {1000 * (time.monotonic() - t0):.1f} ms)")
+say(f"host.aioslirp.test -> {ip} (via DNS {dns_addr}, {1000 * (time.monotonic() - t0):.1f} ms)")
 t0 = time.monotonic()
 with urllib.request.urlopen(f"http://host.aioslirp.test:{port}/", timeout=20) as r:
     body = r.read()
@@ -51,8 +51,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _dns_stub() -> tuple[socket.socket, int]:
-    """A tiny DNS upstream on 127.0.0.1: every A query is answered with 10.0.2.2."""
+def _dns_stub(answer: str) -> tuple[socket.socket, int]:
+    """A tiny DNS upstream on 127.0.0.1: every A query is answered with ``answer`` (the gateway)."""
     import dpkt
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -67,7 +67,7 @@ def _dns_stub() -> tuple[socket.socket, int]:
             try:
                 q = dpkt.dns.DNS(data)
                 r = dpkt.dns.DNS(id=q.id, qr=1, rd=q.rd, ra=1, qd=q.qd)
-                r.an = [dpkt.dns.DNS.RR(name=qd.name, type=1, cls=1, ttl=60, ip=socket.inet_aton("10.0.2.2"))
+                r.an = [dpkt.dns.DNS.RR(name=qd.name, type=1, cls=1, ttl=60, ip=socket.inet_aton(answer))
                         for qd in q.qd if qd.type == 1]
                 sock.sendto(bytes(r), addr)
             except Exception:
@@ -82,11 +82,18 @@ async def demo(config: NetworkConfig | None = None) -> int:
     from .netns import run_in_namespace
     from .stack import Stack
 
+    cfg = (config or NetworkConfig()).validate()
+    if cfg.disable_host_loopback:
+        print("aioslirp: error: --disable-host-loopback: the demo fetches from host loopback via the gateway",
+              file=sys.stderr)
+        return 2
+    if config is not None and config.dns_upstreams:
+        print("aioslirp: error: --dns: the demo uses its own DNS upstream on 127.0.0.1", file=sys.stderr)
+        return 2
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    dns_sock, dns_port = _dns_stub()
+    dns_sock, dns_port = _dns_stub(str(cfg.gateway))
     port = httpd.server_address[1]
-    cfg = config or NetworkConfig()
     cfg.dns_upstreams = [("127.0.0.1", dns_port)]
     stacks = []
 
@@ -96,9 +103,9 @@ async def demo(config: NetworkConfig | None = None) -> int:
         return s
 
     print(f"host  | HTTP server on 127.0.0.1:{port}, DNS upstream on 127.0.0.1:{dns_port}")
-    print("host  | starting a guest in a new network namespace behind aioslirp (gateway 10.0.2.2 -> host loopback)")
+    print(f"host  | starting a guest in a new network namespace behind aioslirp (gateway {cfg.gateway} -> host loopback)")
     sys.stdout.flush()
-    rc = await run_in_namespace(cfg, [sys.executable, "-c", GUEST, str(port)], stack_factory=factory)
+    rc = await run_in_namespace(cfg, [sys.executable, "-c", GUEST, str(port), str(cfg.dns)], stack_factory=factory)
     httpd.shutdown()
     dns_sock.close()
     want = hashlib.sha256(PAGE).hexdigest()

@@ -429,3 +429,32 @@ async def test_api_handler_replies(stack_guest):
     assert set(stats) >= {"frames", "bytes", "drops", "flows", "flows_total", "forwards", "counters"}
     assert stats["forwards"] == 0 and stats["frames"]["in"] == stack.counters["frames_in"]
     assert (await call({"execute": "list_flows"})) == {"return": {"flows": []}}
+
+
+async def test_api_socket_of_a_live_server_is_not_taken_over(tmp_path):
+    from aioslirp.api import ApiSocketError
+
+    path = str(tmp_path / "api.sock")
+    async with Stack(NetworkConfig()) as stack:
+        first = ApiServer(stack, path)
+        await first.start()
+        try:
+            second = ApiServer(stack, path)
+            with pytest.raises(ApiSocketError, match="in use by another running server"):
+                await second.start()
+            # the first server still answers
+            reader, writer = await asyncio.open_unix_connection(path)
+            writer.write(b'{"execute": "list_hostfwd"}')
+            await writer.drain()
+            reply = json.loads(await reader.read(2048))
+            writer.close()
+            assert reply["entries"] == [] or reply["return"]["entries"] == []
+        finally:
+            await first.close()
+        # a stale socket file (no server behind it) is replaced
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(path)
+        stale.close()
+        third = ApiServer(stack, path)
+        await third.start()
+        await third.close()
