@@ -241,7 +241,7 @@ def main(args: list[str] | None = None) -> int:
         from .netns import configure_interface, configure_ipv6_sysctls
         from .transport.tap import create_tap
 
-        fd, ifname = create_tap(spec["ifname"], spec["mtu"])
+        fd, ifname = create_tap(spec["ifname"], spec["mtu"], vnet_hdr=bool(spec.get("vnet_hdr")))
         try:
             if "ipv6" in spec:  # before the link goes up: SLAAC without DAD, or no IPv6 at all
                 warnings += configure_ipv6_sysctls(ifname, bool(spec["ipv6"]))

@@ -16,6 +16,7 @@ import sys
 from typing import Sequence
 
 from .config import ConfigError, NetworkConfig, parse_hostport
+from .limits import LIMIT_FIELDS
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -34,7 +35,10 @@ _FIELD_OPTION = {
     "mtu": "--mtu",
     "dns_upstreams": "--dns",
     "dns_search": "--dns-search",
+    "egress_allow": "--allow",
+    "egress_deny": "--deny",
 }
+_FIELD_OPTION.update({name: f"--limit {name}" for name in LIMIT_FIELDS})
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -181,6 +185,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="forward a host port into the guest (repeatable; HOST_IP defaults to 127.0.0.1, "
         "IPv6 in brackets: [::1]:8080:80; protocol tcp by default)",
     )
+    sec = common.add_argument_group("egress policy and limits (see docs/security.md)")
+    sec.add_argument(
+        "--deny",
+        action="append",
+        metavar="CIDR",
+        help="refuse guest traffic to these host-side addresses (repeatable; ICMP 'administratively "
+        "prohibited'); 169.254.0.0/16, fe80::/10 and fd00:ec2::254 (cloud metadata) are denied by default. "
+        "The gateway's host side is 127.0.0.1 / ::1",
+    )
+    sec.add_argument(
+        "--allow",
+        action="append",
+        metavar="CIDR",
+        help="allow these host-side addresses (repeatable); the longest matching prefix wins, e.g. "
+        "--deny 0.0.0.0/0 --allow 192.0.2.0/24, or --allow 169.254.169.254/32 to reach a metadata service",
+    )
+    sec.add_argument(
+        "--limit",
+        action="append",
+        metavar="NAME=VALUE",
+        help="set a resource bound (repeatable): max_flows, max_tcp_flows, max_udp_flows, max_icmp_flows, "
+        "max_pending_connects, new_flow_rate (per second, 0: off), new_flow_burst, dns_max_inflight, "
+        "tcp_idle_timeout (s, 0: off), udp_idle_timeout, icmp_idle_timeout, tcp_connect_timeout, tcp_linger, "
+        "inject_queue_size, tcp_buffer",
+    )
     obs = common.add_argument_group("observability")
     obs.add_argument("--pcap", metavar="FILE", help="write every frame both ways to a pcap file (tshark, tcpdump, dpkt)")
     obs.add_argument(
@@ -225,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    run.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="after forwarding SIGTERM to CMD, wait this long (default 10) before resetting its connections, "
+        "stopping the network and killing CMD (a second SIGTERM: at once)",
+    )
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="command and arguments (default: $SHELL)")
 
     sub.add_parser(
@@ -246,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     att.add_argument("--netns", metavar="PATH", help="network namespace file, e.g. /run/netns/NAME or /proc/PID/ns/net")
     att.add_argument("target", nargs="*", metavar="PID [IFNAME]", help="process whose namespace to serve, and the TAP name")
+    for p in (run, att):
+        p.add_argument(
+            "--no-offload",
+            dest="offload",
+            action="store_false",
+            help="plain TAP frames: no virtio-net header, no checksum/segmentation offload (by default the guest's "
+            "TCP arrives in up to 64 KB segments whose checksums the kernel vouches for, and ours go out the same way)",
+        )
 
     rep = sub.add_parser(
         "trace-report",
@@ -315,6 +360,15 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
                 raise ConfigError("--dns-search", f"{d!r} is not a domain name")
             domains.append(name)
         kwargs["dns_search"] = domains
+    if getattr(args, "allow", None):
+        kwargs["egress_allow"] = list(args.allow)
+    if getattr(args, "deny", None):
+        kwargs["egress_deny"] = list(args.deny)
+    from .limits import parse_limits
+
+    kwargs.update(parse_limits(getattr(args, "limit", None)))
+    if getattr(args, "stop_timeout", None) is not None and not args.stop_timeout >= 0:
+        raise ConfigError("--stop-timeout", f"{args.stop_timeout!r} must be a number of seconds >= 0")
     config = NetworkConfig(**kwargs)
     try:
         config.validate()
@@ -495,10 +549,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         coro = serve_qemu(config, path=args.socket, fd=args.fd, dgram=args.dgram, handle_signals=True,
                           stack_factory=stack_factory)
     elif args.command_name == "run":
-        coro = run_in_namespace(config, cmd, ifname=ifname, forward_signals=True, stack_factory=stack_factory)
+        stop_kw = {} if args.stop_timeout is None else {"stop_timeout": args.stop_timeout}
+        coro = run_in_namespace(config, cmd, ifname=ifname, forward_signals=True, stack_factory=stack_factory,
+                                offload=args.offload, **stop_kw)
     else:
         coro = attach(config, netns_path=netns_path, pid=pid, ifname=ifname, handle_signals=True,
-                      stack_factory=stack_factory)
+                      stack_factory=stack_factory, offload=args.offload)
     try:
         if obs.active:
             # SIGTERM outside the entry points' own handlers: unwind (stack closed, spans flushed).

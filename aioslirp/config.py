@@ -102,10 +102,33 @@ class NetworkConfig:
     icmp_idle_timeout: float = 10.0
     #: Upper bound on simultaneously tracked flows (all protocols).
     max_flows: int = 16384
+    #: Open flows per protocol (both address families); a new guest flow beyond is refused
+    #: (TCP: RST; UDP/ICMP: dropped), see docs/security.md.
+    max_tcp_flows: int = 12288
+    max_udp_flows: int = 4096
+    max_icmp_flows: int = 1024
+    #: Guest TCP SYNs whose host connect() is still in progress; at most a quarter of it towards
+    #: one (address, port). Beyond: RST.
+    max_pending_connects: int = 1024
+    #: New guest flows per second (token bucket refill; 0 disables) and the bucket's size.
+    new_flow_rate: float = 5000.0
+    new_flow_burst: int = 10000
+    #: DNS queries being forwarded at once (UDP and TCP); beyond, a query gets no answer.
+    dns_max_inflight: int = 512
+    #: Egress policy (``--allow`` / ``--deny``): CIDRs guest flows may / may not reach, matched
+    #: against the host-side address (the gateway is 127.0.0.1 / ::1); longest prefix wins.
+    egress_allow: list[str] = field(default_factory=list)
+    egress_deny: list[str] = field(default_factory=list)
+    #: Denied unless an ``egress_allow`` rule overrides: link-local (cloud metadata) ranges.
+    egress_default_deny: list[str] = field(default_factory=lambda: ["169.254.0.0/16", "fe80::/10",
+                                                                    "fd00:ec2::254/128"])
     #: Bytes buffered from the host socket per TCP flow towards the guest (and our receive window).
     tcp_buffer: int = 1 << 20
     #: Frames the inject queue holds before producers wait.
     inject_queue_size: int = 4096
+    #: Longest delay of a pure ACK for guest data, seconds (0-0.5, RFC 1122 4.2.3.2; 0: ACK at
+    #: once). A host answer within the delay carries the ACK: one frame per request/response.
+    tcp_ack_delay: float = 0.001
     #: Seconds a DNS query waits for one upstream before trying the next.
     dns_timeout: float = 2.0
     #: Serve IPv6 too (``--ipv6/--no-ipv6``): RAs for SLAAC, NDP, DHCPv6, ICMPv6, TCP/UDP NAT over IPv6.
@@ -126,6 +149,9 @@ class NetworkConfig:
             raise ConfigError("cidr", str(exc)) from None
         if net.prefixlen > 29:
             raise ConfigError("cidr", f"prefix /{net.prefixlen} is too small (at most /29)")
+        first = net.network_address.packed[0]
+        if net.is_multicast or net.is_loopback or first == 0 or first >= 240:
+            raise ConfigError("cidr", f"{net} is not a usable unicast network")
         self.cidr = net
 
         def addr(name: str, value, offset: int) -> ipaddress.IPv4Address:
@@ -142,16 +168,26 @@ class NetworkConfig:
         self.gateway = addr("gateway", self.gateway, 2)
         self.dns = addr("dns", self.dns, 3)
         self.guest = addr("guest", self.guest, 15 if net.num_addresses > 16 else 4)
-        if len({self.gateway, self.dns, self.guest}) != 3:
-            raise ConfigError("guest", "gateway, dns and guest addresses must differ")
+        if self.dns == self.gateway:
+            raise ConfigError("dns", f"{self.dns} is the gateway address; they must differ")
+        if self.guest in (self.gateway, self.dns):
+            raise ConfigError("guest", f"{self.guest} is the gateway or DNS address; they must differ")
         if not isinstance(self.mtu, int) or not 576 <= self.mtu <= 65520:
             raise ConfigError("mtu", f"{self.mtu!r} is out of range 576-65520")
         if self.dns_upstreams is not None:
             ups = []
             for item in self.dns_upstreams:
                 if isinstance(item, str):
-                    item = parse_hostport(item, 53, "dns")
-                ups.append((str(ipaddress.ip_address(item[0])), int(item[1])))
+                    item = parse_hostport(item, 53, "dns_upstreams")
+                try:
+                    host, port = item
+                    host = str(ipaddress.ip_address(str(host)))
+                    port = int(port)
+                except (TypeError, ValueError):
+                    raise ConfigError("dns_upstreams", f"{item!r} is not an (address, port) pair") from None
+                if not 1 <= port <= 65535:
+                    raise ConfigError("dns_upstreams", f"port {port} is out of range 1-65535")
+                ups.append((host, port))
             self.dns_upstreams = ups
         parts = self.gateway_mac.split(":")
         if len(parts) != 6 or not all(len(p) == 2 for p in parts):
@@ -160,14 +196,38 @@ class NetworkConfig:
             bytes.fromhex("".join(parts))
         except ValueError:
             raise ConfigError("gateway_mac", f"{self.gateway_mac!r} is not a MAC address") from None
-        for name in ("lease_time", "max_flows", "tcp_buffer", "inject_queue_size"):
-            if int(getattr(self, name)) <= 0:
+        for name in ("lease_time", "max_flows", "tcp_buffer", "inject_queue_size", "max_tcp_flows",
+                     "max_udp_flows", "max_icmp_flows", "max_pending_connects", "new_flow_burst",
+                     "dns_max_inflight"):
+            try:
+                value = int(getattr(self, name))
+            except (TypeError, ValueError):
+                raise ConfigError(name, f"{getattr(self, name)!r} is not a whole number") from None
+            if value <= 0:
                 raise ConfigError(name, "must be positive")
         for name in ("tcp_connect_timeout", "tcp_linger", "udp_idle_timeout", "icmp_idle_timeout", "dns_timeout"):
-            if float(getattr(self, name)) <= 0:
+            try:
+                value = float(getattr(self, name))
+            except (TypeError, ValueError):
+                raise ConfigError(name, f"{getattr(self, name)!r} is not a number of seconds") from None
+            if value <= 0:
                 raise ConfigError(name, "must be positive")
+        for domain in self.dns_search:
+            labels = str(domain).rstrip(".").split(".")
+            if not domain or len(str(domain)) > 253 or not all(
+                    0 < len(lb) <= 63 and all(c.isalnum() or c in "-_" for c in lb) for lb in labels):
+                raise ConfigError("dns_search", f"{domain!r} is not a domain name")
         if float(self.tcp_idle_timeout) < 0:
             raise ConfigError("tcp_idle_timeout", "must not be negative")
+        if float(self.new_flow_rate) < 0:
+            raise ConfigError("new_flow_rate", "must not be negative (0 disables the limit)")
+        from .policy import parse_rules
+
+        self.egress_allow = parse_rules(self.egress_allow, "egress_allow")
+        self.egress_deny = parse_rules(self.egress_deny, "egress_deny")
+        self.egress_default_deny = parse_rules(self.egress_default_deny, "egress_default_deny")
+        if not 0.0 <= float(self.tcp_ack_delay) <= 0.5:
+            raise ConfigError("tcp_ack_delay", f"{self.tcp_ack_delay!r} is out of range 0-0.5 seconds")
         self.ipv6 = bool(self.ipv6)
         if self.ipv6:
             from .config6 import Ipv6Config

@@ -36,6 +36,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from .config import NetworkConfig
+from .lifecycle import DEFAULT_STOP_TIMEOUT, GracefulStop
 from .transport.tap import TapTransport
 
 __all__ = [
@@ -323,8 +324,7 @@ def _iface_spec(config: NetworkConfig, ifname: str) -> dict:
 
 async def _stop_serving(stack, serve_task: asyncio.Task, transport: TapTransport) -> None:
     with contextlib.suppress(Exception):
-        stack.close()
-    transport.close()
+        stack.close()  # serve() resets the guest's flows while its link is up, then closes it
     try:
         await asyncio.wait_for(asyncio.shield(serve_task), 5.0)
     except asyncio.TimeoutError:
@@ -334,6 +334,7 @@ async def _stop_serving(stack, serve_task: asyncio.Task, transport: TapTransport
             await serve_task
     except Exception as exc:  # already logged by the done callback
         log.debug("serve() ended with %r", exc)
+    transport.close()
 
 
 def _log_serve_end(task: asyncio.Task) -> None:
@@ -354,20 +355,28 @@ async def run_in_namespace(
     stack_factory: StackFactory | None = None,
     forward_signals: bool = False,
     setup_timeout: float = DEFAULT_SETUP_TIMEOUT,
+    offload: bool = True,
+    stop_timeout: float = DEFAULT_STOP_TIMEOUT,
 ) -> int:
     """Run ``argv`` in a new network namespace whose only uplink is the user-mode stack.
 
     ``argv`` empty or ``None`` runs ``$SHELL`` (or ``/bin/sh``). ``stack_factory(config)``
     must return an async context manager with ``serve(transport)`` and ``close()``
     (default :class:`aioslirp.stack.Stack`). The command starts only once the stack serves
-    the TAP fd. With ``forward_signals`` (the CLI sets it), SIGTERM/SIGHUP/SIGUSR1/SIGUSR2
+    the TAP fd. With ``offload`` (the default) the TAP has a virtio-net header and checksum
+    and TCP segmentation offload (:class:`~aioslirp.transport.tap.TapTransport`; falls back
+    to computed checksums, with a warning, where the kernel refuses offload).
+    With ``forward_signals`` (the CLI sets it), SIGTERM/SIGHUP/SIGUSR1/SIGUSR2
     are passed to the command and SIGINT/SIGQUIT are left to it (a terminal sends them to
     the whole process group); this needs the main thread.
 
     Returns the command's exit status (``128 + N`` when killed by signal N; 127 when not
     found). Raises :class:`aioslirp.config.ConfigError` for a bad ``config`` and
     :class:`NamespaceError` (one line) when the namespace or TAP cannot be set up. If this
-    process dies the command gets SIGKILL (``PR_SET_PDEATHSIG``).
+    process dies the command gets SIGKILL (``PR_SET_PDEATHSIG``). With ``forward_signals``, a
+    command still running ``stop_timeout`` seconds after SIGTERM (at once after a second
+    SIGTERM) has its network stopped, every connection reset, and is killed one second later
+    (:class:`~aioslirp.lifecycle.GracefulStop`).
     """
     config.validate()
     factory = stack_factory or _default_stack_factory
@@ -379,20 +388,28 @@ async def run_in_namespace(
     )
     loop = asyncio.get_running_loop()
     async with factory(config) as stack:
+        # Offload changes what the transport hands its sink (frames plus checksum flags): only
+        # for stacks that say they take it (aioslirp.Stack does).
+        offload = offload and bool(getattr(stack, "supports_offload", False))
+        spec["vnet_hdr"] = offload
         helper = _Helper(spec)
         installed: list[int] = []
         serve_task: asyncio.Task | None = None
         transport: TapTransport | None = None
+        graceful = GracefulStop(stack, helper.send_signal, stop_timeout)
         try:
             if forward_signals:
                 for sig in FORWARDED_SIGNALS:
-                    loop.add_signal_handler(sig, helper.send_signal, sig)
+                    if sig == signal.SIGTERM:
+                        loop.add_signal_handler(sig, graceful)
+                    else:
+                        loop.add_signal_handler(sig, helper.send_signal, sig)
                     installed.append(sig)
                 for sig in (signal.SIGINT, signal.SIGQUIT):
                     loop.add_signal_handler(sig, lambda: None)
                     installed.append(sig)
             info, fd = await helper.receive(setup_timeout)
-            transport = TapTransport(fd, ifname=info["ifname"])
+            transport = TapTransport(fd, ifname=info["ifname"], offload=offload)
             transport.watch_pid(helper.pid)
             serve_task = asyncio.create_task(stack.serve(transport))
             serve_task.add_done_callback(_log_serve_end)
@@ -401,6 +418,7 @@ async def run_in_namespace(
             helper.go(wait_ipv6=bool(config.ipv6) and getattr(stack, "v6", None) is not None)
             returncode = await helper.wait_exit()
         finally:
+            graceful.cancel()
             for sig in installed:
                 loop.remove_signal_handler(sig)
             helper.cleanup()
@@ -420,6 +438,7 @@ async def attach(
     stack_factory: StackFactory | None = None,
     handle_signals: bool = False,
     setup_timeout: float = DEFAULT_SETUP_TIMEOUT,
+    offload: bool = True,
 ) -> int:
     """Serve an existing network namespace, like ``slirp4netns --configure``.
 
@@ -429,6 +448,7 @@ async def attach(
     a default route via ``config.gateway``; then the stack serves it until cancelled, until
     SIGINT/SIGTERM (with ``handle_signals``), or until process ``pid`` exits. A namespace
     given only by path stays alive while we hold its TAP fd, so it never "goes away".
+    ``offload``: as for :func:`run_in_namespace`.
 
     Returns 0 on those clean ends. Raises :class:`NamespaceError` (one line) when the
     namespace cannot be entered or the TAP cannot be made, ``ValueError`` for bad arguments.
@@ -442,6 +462,10 @@ async def attach(
     spec = dict(_iface_spec(config, ifname), mode="attach", netns_path=netns_path, pid=pid)
     loop = asyncio.get_running_loop()
     async with factory(config) as stack:
+        # Offload changes what the transport hands its sink (frames plus checksum flags): only
+        # for stacks that say they take it (aioslirp.Stack does).
+        offload = offload and bool(getattr(stack, "supports_offload", False))
+        spec["vnet_hdr"] = offload
         helper = _Helper(spec)
         try:
             info, fd = await helper.receive(setup_timeout)
@@ -449,7 +473,7 @@ async def attach(
                 await helper.wait_exit(5.0)
         finally:
             helper.cleanup()
-        transport = TapTransport(fd, ifname=info["ifname"])
+        transport = TapTransport(fd, ifname=info["ifname"], offload=offload)
         installed: list[int] = []
         try:
             if pid is not None:
@@ -458,8 +482,8 @@ async def attach(
             def stop() -> None:
                 log.info("signal received; stopping")
                 with contextlib.suppress(Exception):
-                    stack.close()
-                transport.close()
+                    stack.close()  # serve() resets the guest's flows, then closes the transport
+                loop.call_later(2.0, transport.close)  # in any case
 
             if handle_signals:
                 for sig in (signal.SIGINT, signal.SIGTERM):

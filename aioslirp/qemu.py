@@ -218,6 +218,10 @@ class QemuServer:
             await asyncio.wait([serve, self._stopping], return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not serve.done():
+                if self._stopping.done():  # stopping (SIGINT/SIGTERM): the guest is told first
+                    stack.close()  # serve() resets the guest's flows, then closes the transport
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(serve), 2.0)
                 transport.close()
                 await asyncio.gather(serve, return_exceptions=True)
             self._busy = False

@@ -42,6 +42,8 @@ from .wire.ipv4 import (ICMP, IP_MF, IP_OFFMASK, IPV4, PROTO_ICMP, PROTO_TCP, PR
 from .wire.reassembly import Reassembler
 from . import tracing
 from .services.dhcp import reply_destination
+from .limits import DENIED, Guard
+from .lifecycle import farewell
 # At module level: an import statement inside _tcp ran for every guest TCP frame (~1-2 us each;
 # benchmarks showed -12% CPU per GB guest->host). aioslirp.tcp.flow does not import this module.
 from .tcp.flow import TcpFlow, parse_segment
@@ -53,6 +55,22 @@ __all__ = ["Stack"]
 _LOOPBACK4 = "127.0.0.1"
 ICMP_ECHO_REPLY, ICMP_UNREACH, ICMP_ECHO = 0, 3, 8
 UNREACH_NET, UNREACH_HOST, UNREACH_PORT, UNREACH_ADMIN = 0, 1, 3, 13
+
+
+class _InjectQueue(asyncio.Queue):
+    """The inject queue: an :class:`asyncio.Queue` bound to the stack's loop when created.
+
+    ``Queue.get()`` looks the running loop up each time it has to wait, which in CPython 3.11
+    costs a ``getpid()`` system call (2% of the CPU of connect/request/response traffic, where
+    the writer waits once per frame); the loop here is known.
+    """
+
+    def __init__(self, maxsize: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(maxsize)
+        self._loop = loop
+
+    def _get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
 
 
 class Stack:
@@ -72,6 +90,10 @@ class Stack:
     Raises:
         ConfigError: from the constructor when ``config`` is invalid.
     """
+
+    #: Takes ``on_frames(frames, csum_ok)`` from a TAP with a virtio-net header and sends
+    #: offload frames when the transport offers it (:mod:`aioslirp.wire.offload`).
+    supports_offload = True
 
     def __init__(self, config: NetworkConfig | None = None) -> None:
         self.config = (config if config is not None else NetworkConfig()).validate()
@@ -102,6 +124,13 @@ class Stack:
         self._writer_task: asyncio.Task | None = None
         self._aux_tasks: set[asyncio.Task] = set()
         self._dirty: set = set()
+        #: The transport being served offers checksum/TCP segmentation offload (a TAP with
+        #: ``IFF_VNET_HDR``): TCP flows opened while it is served send ~64 KB segments with
+        #: partial checksums (:mod:`aioslirp.wire.offload`). Set by :meth:`serve`.
+        self.offload = False
+        #: True while the frame being processed was flagged by the guest's kernel as having a
+        #: partial/valid L4 checksum (offload TAP): its TCP/UDP/ICMP checksum is not verified.
+        self._l4_trusted = False
         self._closed = False
         self._stopped: asyncio.Future | None = None
         self.dhcp = None
@@ -112,6 +141,8 @@ class Stack:
         #: (e.g. :class:`~aioslirp.transport.pcap.PcapTransport` for ``--pcap``).
         self.transport_wrappers: list = []
         self._forwarder = None
+        #: Admission control for new guest flows: egress policy and bounds (:mod:`aioslirp.limits`).
+        self.guard = Guard(self)
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Stack":
@@ -128,12 +159,13 @@ class Stack:
         from .icmp import IcmpEcho
 
         self._loop = asyncio.get_running_loop()
-        self._inject = asyncio.Queue(self.config.inject_queue_size)
+        self._inject = _InjectQueue(self.config.inject_queue_size, self._loop)
         self._stopped = self._loop.create_future()
         self._writer_task = self._loop.create_task(self._writer(), name="aioslirp-writer")
         self.dhcp = DhcpServer(self.config)
         self.dns = DnsForwarder(self.config)
         self.icmp = IcmpEcho(self)
+        self.guard.start()
 
     def close(self) -> None:
         """Ask :meth:`serve` to return; flows are torn down by :meth:`aclose`."""
@@ -234,6 +266,7 @@ class Stack:
         for wrap in self.transport_wrappers:
             transport = wrap(transport)
         self._transport = transport
+        self.offload = bool(getattr(transport, "offload", False))
         await transport.open(self._on_frames)
         if self.v6 is not None:
             self.v6.start_ra()  # an RA at once, then periodically (RFC 4861 6.2.4)
@@ -242,7 +275,11 @@ class Stack:
         finally:
             if self.v6 is not None:
                 self.v6.stop_ra()
-            transport.close()
+            try:
+                if self._stopped.done() and transport.closed is not None and not transport.closed.done():
+                    await farewell(self)  # asked to stop, the guest still there: RST its flows first
+            finally:
+                transport.close()
 
     def spawn(self, coro, name: str | None = None) -> asyncio.Task:
         """Run an auxiliary coroutine owned by the stack (cancelled by :meth:`aclose`)."""
@@ -332,10 +369,21 @@ class Stack:
         self.inject_ip(build_icmp_packet(dst, src, icmp_type, code, 0, quoted), src)
 
     # ------------------------------------------------------------------ input
-    def _on_frames(self, frames) -> None:
+    def _on_frames(self, frames, csum_ok=None) -> None:
+        """A batch of guest frames from the transport. ``csum_ok`` (offload TAP only): per frame,
+        True when the guest's kernel flagged its L4 checksum partial or valid (``NEEDS_CSUM`` /
+        ``DATA_VALID``): such frames are trusted, as passt does, instead of verified."""
         process = self.process_guest_frame
-        for f in frames:
-            process(f)
+        if csum_ok is None:
+            for f in frames:
+                process(f)
+        else:
+            try:
+                for f, ok in zip(frames, csum_ok):
+                    self._l4_trusted = ok
+                    process(f)
+            finally:
+                self._l4_trusted = False
         self.flush()
 
     def flush(self) -> None:
@@ -468,7 +516,7 @@ class Stack:
         sport, dport, ulen, csum = UDP.unpack_from(l4, 0)
         if ulen < 8 or ulen > len(l4):
             return self.drop("bad_udp_length")
-        if csum and (partial(l4[:ulen]) + pseudo_sum(src, dst, PROTO_UDP, ulen)) % 0xFFFF != 0:
+        if csum and not self._l4_trusted and (partial(l4[:ulen]) + pseudo_sum(src, dst, PROTO_UDP, ulen)) % 0xFFFF != 0:
             return self.drop("bad_udp_checksum")
         payload = l4[8:ulen]
         if dport == 67 and sport == 68:
@@ -488,6 +536,11 @@ class Stack:
                     self.counters["drop.host_loopback_disabled"] += 1
                     return self._port_unreachable(mv, ihl, l4, frag_header, UNREACH_ADMIN)
                 return self.drop("udp_unroutable_dst")
+            verdict = self.guard.admit(PROTO_UDP, remote, dport)  # egress policy and bounds (aioslirp/limits.py)
+            if verdict is not None:
+                if verdict == DENIED:
+                    self._port_unreachable(mv, ihl, l4, frag_header, UNREACH_ADMIN)
+                return
             from .udp import UdpFlow
             if not self._make_room(PROTO_UDP):
                 return self.drop("flow_table_full")
@@ -518,10 +571,10 @@ class Stack:
             self.inject(ETH.pack(dst_mac, self.gw_mac, ETHERTYPE_IPV4) + p)
 
     def _dns_udp(self, query: bytes, src: bytes, sport: int) -> None:
-        if len(self._aux_tasks) > 1024:
+        if self.guard.dns_inflight >= self.config.dns_max_inflight:
             return self.drop("dns_too_many_queries")
         self.counters["dns_queries_udp"] += 1
-        self.spawn(self._dns_answer(query, src, sport), name="aioslirp-dns")
+        self.guard.dns_track(self.spawn(self._dns_answer(query, src, sport), name="aioslirp-dns"))
 
     async def _dns_answer(self, query: bytes, src: bytes, sport: int) -> None:
         reply = await self.dns.resolve(query)
@@ -532,7 +585,7 @@ class Stack:
     def _icmp(self, mv, ihl: int, l4, src: bytes, dst: bytes) -> None:
         if len(l4) < 8:
             return self.drop("truncated_icmp")
-        if partial(l4) != 0:
+        if not self._l4_trusted and partial(l4) != 0:
             return self.drop("bad_icmp_checksum")
         icmp_type, code, _csum, rest = ICMP.unpack_from(l4, 0)
         if icmp_type != ICMP_ECHO:
@@ -545,6 +598,12 @@ class Stack:
         remote = self._remote_for(dst)
         if remote is None:
             return self.drop("icmp_unroutable_dst")
+        if (PROTO_ICMP, src, rest >> 16, dst, 0) not in self.flows:  # a new echo flow (key of aioslirp/icmp.py)
+            verdict = self.guard.admit(PROTO_ICMP, remote)
+            if verdict is not None:
+                if verdict == DENIED:
+                    self.send_icmp_error(ICMP_UNREACH, UNREACH_ADMIN, bytes(mv[14:14 + ihl]) + bytes(l4[:8]))
+                return
         self.icmp.echo(src, dst, remote, rest >> 16, rest & 0xFFFF, bytes(l4[8:]), bytes(mv[14:14 + ihl]) + bytes(l4[:8]))
 
     # -------------------------------------------------------------- TCP
@@ -552,7 +611,7 @@ class Stack:
         n = len(l4)
         if n < 20:
             return self.drop("truncated_tcp")
-        if (partial(l4) + pseudo_sum(src, dst, PROTO_TCP, n)) % 0xFFFF != 0:
+        if not self._l4_trusted and (partial(l4) + pseudo_sum(src, dst, PROTO_TCP, n)) % 0xFFFF != 0:
             return self.drop("bad_tcp_checksum")
         sport, dport = TCP.unpack_from(l4, 0)[:2]
         key = (PROTO_TCP, src, sport, dst, dport)
@@ -587,6 +646,13 @@ class Stack:
                     return
                 self.send_icmp_error(ICMP_UNREACH, UNREACH_HOST, orig)
                 return self.drop("tcp_unroutable_dst")
+        verdict = self.guard.admit(PROTO_TCP, remote, dport)  # egress policy and bounds (aioslirp/limits.py)
+        if verdict is not None:
+            if verdict == DENIED:
+                self.send_icmp_error(ICMP_UNREACH, UNREACH_ADMIN, orig)
+            else:
+                self._tcp_reset_unknown(src, dst, sport, dport, seg, 0)
+            return
         if not self._make_room(PROTO_TCP):
             self._tcp_reset_unknown(src, dst, sport, dport, seg, 0)
             return self.drop("flow_table_full")
@@ -621,6 +687,7 @@ class Stack:
     def add_flow(self, flow) -> None:
         self.flows[flow.key] = flow
         self.counters[f"flows.{flow.proto_name}.opened"] += 1
+        self.guard.opened(flow)
         if tracing.enabled:
             tracing.flow_opened(self, flow)
 
@@ -628,6 +695,7 @@ class Stack:
         if self.flows.get(flow.key) is flow:
             del self.flows[flow.key]
             self.counters[f"flows.{flow.proto_name}.closed"] += 1
+            self.guard.closed(flow)
         self._dirty.discard(flow)
         if tracing.enabled:
             tracing.flow_closed(flow)

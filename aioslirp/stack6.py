@@ -47,6 +47,9 @@ import time
 from .config6 import Ipv6Config
 from .services.dhcpv6 import Dhcpv6Server
 from .services.ndp import NdpResponder
+from .tcp.flow import TcpFlow, parse_segment  # module level: this runs for every guest TCP frame
+from .udp import UdpFlow
+from .limits import DENIED
 from .wire.ethernet import ETH, ETHERTYPE_IPV6
 from .wire.ipv6 import (ICMP6_DST_UNREACH, ICMP6_ECHO_REQUEST, ICMP6_PACKET_TOO_BIG, ND_REDIRECT,
                         ND_ROUTER_SOLICIT, NH_ICMPV6, NH_NONE, NH_TCP, NH_UDP, UNSPECIFIED, Ipv6Reassembler,
@@ -312,6 +315,12 @@ class Ipv6Path:
         if remote is None:
             return stack.drop("icmp6_unroutable_dst")
         ident, seq = _ECHO_ID_SEQ.unpack_from(msg, 4)
+        if (NH_ICMPV6, ip.src, ident, ip.dst, 0) not in stack.flows:  # a new echo flow (key of aioslirp/icmp.py)
+            verdict = stack.guard.admit(NH_ICMPV6, remote)
+            if verdict is not None:
+                if verdict == DENIED:
+                    self.send_icmp6_error(ICMP6_DST_UNREACH, 1, memoryview(buf)[ip.off:ip.end])
+                return
         stack.icmp.echo6(ip.src, ip.dst, remote, ident, seq, bytes(msg[8:]))
 
     # -------------------------------------------------------------- UDP
@@ -325,7 +334,7 @@ class Ipv6Path:
             return stack.drop("udp6_bad_length")
         mv = memoryview(buf)
         src, dst = ip.src, ip.dst
-        if not l4_checksum_ok(src, dst, NH_UDP, mv[l4:l4 + ulen]):  # a zero checksum fails too (RFC 8200 8.1)
+        if not stack._l4_trusted and not l4_checksum_ok(src, dst, NH_UDP, mv[l4:l4 + ulen]):  # a zero checksum fails too (RFC 8200 8.1)
             return stack.drop("udp6_bad_checksum")
         payload = mv[l4 + 8:l4 + ulen]
         if dport == 547 and (dst == ALL_DHCP or dst in self.ours):
@@ -345,7 +354,11 @@ class Ipv6Path:
                     stack.counters["drop.host_loopback_disabled"] += 1
                     return self.send_icmp6_error(ICMP6_DST_UNREACH, 1, mv[ip.off:ip.end])
                 return stack.drop("udp6_unroutable_dst")
-            from .udp import UdpFlow
+            verdict = stack.guard.admit(NH_UDP, remote, dport)  # egress policy and bounds (aioslirp/limits.py)
+            if verdict is not None:
+                if verdict == DENIED:
+                    self.send_icmp6_error(ICMP6_DST_UNREACH, 1, mv[ip.off:ip.end])
+                return
             if not stack._make_room(NH_UDP):
                 return stack.drop("flow_table_full")
             flow = UdpFlow(stack, key, remote)
@@ -370,10 +383,10 @@ class Ipv6Path:
 
     def _dns_udp6(self, query: bytes, src: bytes, sport: int) -> None:
         stack = self.stack
-        if len(stack._aux_tasks) > 1024:
+        if stack.guard.dns_inflight >= stack.config.dns_max_inflight:
             return stack.drop("dns_too_many_queries")
         stack.counters["dns_queries_udp"] += 1
-        stack.spawn(self._dns_answer6(query, src, sport), name="aioslirp-dns")
+        stack.guard.dns_track(stack.spawn(self._dns_answer6(query, src, sport), name="aioslirp-dns"))
 
     async def _dns_answer6(self, query: bytes, src: bytes, sport: int) -> None:
         reply = await self.stack.dns.resolve(query)
@@ -382,15 +395,13 @@ class Ipv6Path:
 
     # -------------------------------------------------------------- TCP
     def _tcp(self, buf, ip) -> None:
-        from .tcp.flow import TcpFlow, parse_segment
-
         stack = self.stack
         mv = memoryview(buf)
         l4 = mv[ip.l4:ip.end]
         if len(l4) < 20:
             return stack.drop("tcp6_truncated")
         src, dst = ip.src, ip.dst
-        if not l4_checksum_ok(src, dst, NH_TCP, l4):
+        if not stack._l4_trusted and not l4_checksum_ok(src, dst, NH_TCP, l4):
             return stack.drop("tcp6_bad_checksum")
         sport, dport = _PORTS.unpack_from(l4, 0)
         seg = parse_segment(l4)
@@ -424,6 +435,13 @@ class Ipv6Path:
                     return self._reset_unknown(src, dst, sport, dport, seg, 0)
                 self.send_icmp6_error(ICMP6_DST_UNREACH, 3, orig)
                 return stack.drop("tcp6_unroutable_dst")
+        verdict = stack.guard.admit(NH_TCP, remote, dport)  # egress policy and bounds (aioslirp/limits.py)
+        if verdict is not None:
+            if verdict == DENIED:
+                self.send_icmp6_error(ICMP6_DST_UNREACH, 1, orig)
+            else:
+                self._reset_unknown(src, dst, sport, dport, seg, 0)
+            return
         if not stack._make_room(NH_TCP):
             self._reset_unknown(src, dst, sport, dport, seg, 0)
             return stack.drop("flow_table_full")

@@ -99,14 +99,39 @@ def _dpkg_version(pkg: str) -> str:
 
 class Aioslirp(Backend):
     def __init__(self, mtu: int | None = None, python: str | None = None, extra: Sequence[str] = (),
-                 python_args: Sequence[str] = ()) -> None:
+                 python_args: Sequence[str] = (), name: str | None = None, tree: str | None = None) -> None:
         super().__init__()
         self.mtu = mtu
         self.python = python or sys.executable
         self.extra = list(extra)
         self.python_args = list(python_args)  # e.g. ["-m", "cProfile", "-o", FILE] for profiling
-        self.name = "aioslirp" if mtu is None else f"aioslirp-{mtu}"
+        #: Directory holding another ``aioslirp`` package to run instead (A/B of code changes).
+        self.tree = tree
+        self.name = name or ("aioslirp" if mtu is None else f"aioslirp-{mtu}")
         self.description = "aioslirp attach, default options" if mtu is None else f"aioslirp attach --mtu {mtu}"
+        if extra:
+            self.description += " " + " ".join(extra)
+        if tree:
+            self.description += f" (package from {tree})"
+
+    def start(self, ns: str, preexec: Callable[[], None], log_path: str) -> None:
+        if not self.tree:
+            return super().start(ns, preexec, log_path)
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = self.tree + (os.pathsep + old if old else "")
+        try:
+            # cwd "/" so that "-m" does not import a package from the current directory first
+            self._log = open(log_path, "ab")
+            self.proc = subprocess.Popen(self.argv(ns), stdout=self._log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, preexec_fn=preexec, cwd="/")
+        finally:
+            if old is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = old
+        time.sleep(0.05)
+        if self.proc.poll() is not None:
+            raise BackendError(f"{self.name} exited at once with status {self.proc.returncode} (see {log_path})")
 
     def argv(self, ns: str) -> list[str]:
         mtu = ["--mtu", str(self.mtu)] if self.mtu else []

@@ -35,6 +35,7 @@ import os
 import platform
 import resource
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -430,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-latest", action="store_true",
                     help="do not update latest.* and docs/performance.md (only a full default run does: not "
                          "--quick, nor one narrowed by --backends/--tests/--rounds/--placements/--idle-flows)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME[:TREE][=ARGS]",
+                    help="add an aioslirp backend named aioslirp-NAME for A/B runs: TREE is a directory holding "
+                         "another aioslirp package to run (e.g. a copy of the code before a change), ARGS extra "
+                         "'aioslirp attach' options (e.g. 'x=--mtu 65520'); repeatable")
     args = ap.parse_args(argv)
 
     prof = profile(args.quick)
@@ -444,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.idle_flows is not None:
         prof["idle_flows"] = args.idle_flows
     lineup = B.all_backends(args.python)
+    for spec in args.variant:
+        head, _, extra = spec.partition("=")
+        vname, _, tree = head.partition(":")
+        lineup.insert(0, B.Aioslirp(None, args.python, shlex.split(extra), name=f"aioslirp-{vname}",
+                                    tree=os.path.abspath(tree) if tree else None))
     if args.backends:
         wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
         unknown = set(wanted) - {b.name for b in lineup}

@@ -165,8 +165,17 @@ async def test_pcap_wrapper_records_both_directions_and_flushes_on_close(tmp_pat
                     received.append(await asyncio.wait_for(loop.sock_recv(a, 70000), 5))
                     if received[-1][12:14] == b"\x08\x06":
                         break
+            reply = received[-1]
             stack.close()
             await task
+            while True:  # what the stack sent while stopping: the final RA (RFC 4861 6.2.5)
+                try:
+                    last = a.recv(70000)
+                except BlockingIOError:
+                    break
+                if not last:
+                    break
+                received.append(last)
     finally:
         a.close()
     (w,) = wrapped
@@ -174,7 +183,7 @@ async def test_pcap_wrapper_records_both_directions_and_flushes_on_close(tmp_pat
     frames = [buf for _ts, buf in read_pcap(cap)]
     assert sorted(frames) == sorted([arp] * 3 + received)
     arps = [f for f in frames if f[12:14] == b"\x08\x06"]
-    assert arps == [arp, received[-1]] * 3  # each request, then its reply, in order
+    assert arps == [arp, reply] * 3  # each request, then its reply, in order
     assert "aioslirp-pcap" not in {t.name for t in threading.enumerate()} - threads_before
     with open(cap, "rb") as f:
         magic, major, minor, _z, _s, snap, link = __import__("struct").unpack("<IHHiIII", f.read(24))

@@ -319,7 +319,8 @@ def test_otlp_export_of_20_guest_connections():
                     for dp in m.sum.data_points:
                         points[(m.name, tuple(sorted(_attrs(dp.attributes).items())))] = dp.as_int
     assert points[("aioslirp.frames", (("network.io.direction", "receive"),))] > 20 * 5
-    assert points[("aioslirp.frames", (("network.io.direction", "transmit"),))] > 20 * 5
+    # at least SYN-ACK, the answer (carrying the delayed ACK of the request), the ACK of the FIN, our FIN
+    assert points[("aioslirp.frames", (("network.io.direction", "transmit"),))] >= 20 * 4
     assert points[("aioslirp.flows.opened", (("network.transport", "tcp"),))] == 20
 
 

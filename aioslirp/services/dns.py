@@ -196,10 +196,10 @@ class DnsForwarder:
     ``config.dns_upstreams`` (a list of ``(address, port)``) wins when non-empty; else the
     ``nameserver`` lines of ``resolv_conf`` (re-read when its mtime, size or inode change,
     checked at most once per ``resolv_check_interval`` seconds), else 127.0.0.1:53.
-    ``max_inflight`` bounds concurrent upstream queries (beyond it a query gets no answer,
-    counted as ``overload``; the guest retries). ``stats`` counts ``queries``, ``answered``,
+    ``max_inflight`` (default ``config.dns_max_inflight``) bounds concurrent upstream queries
+    (beyond it a query gets no answer, counted as ``overload``; the guest retries). ``stats`` counts ``queries``, ``answered``,
     ``timeouts``, ``failovers``, ``servfail``, ``malformed``, ``refused``, ``errors``,
-    ``mismatched``, ``tcp_retries``, ``overload``.
+    ``mismatched``, ``tcp_retries``, ``overload``, ``upstream_denied``.
     """
 
     def __init__(
@@ -208,18 +208,20 @@ class DnsForwarder:
         *,
         resolv_conf: str = "/etc/resolv.conf",
         resolv_check_interval: float = 1.0,
-        max_inflight: int = 512,
+        max_inflight: int | None = None,
     ) -> None:
         self.config = config
         self.resolv_conf = resolv_conf
         self.resolv_check_interval = resolv_check_interval
-        self.max_inflight = max_inflight
+        self.max_inflight = int(max_inflight if max_inflight is not None else getattr(config, "dns_max_inflight", 512))
+        #: The stack's :class:`~aioslirp.policy.EgressPolicy` (set by its Guard), or None.
+        self.policy = None
         self.timeout = float(config.dns_timeout)
         # Largest UDP answer the guest link carries without IP fragmentation.
         self.max_udp_payload = max(512, int(config.mtu) - 28)
         self.stats: dict[str, int] = dict.fromkeys(
             ("queries", "answered", "timeouts", "failovers", "servfail", "malformed",
-             "refused", "errors", "mismatched", "tcp_retries", "overload"), 0)
+             "refused", "errors", "mismatched", "tcp_retries", "overload", "upstream_denied"), 0)
         self._resolv_sig: tuple | None = None
         self._resolv_checked = float("-inf")
         self._resolv_upstreams: list[tuple[str, int]] = []
@@ -230,12 +232,20 @@ class DnsForwarder:
     # ------------------------------------------------------------------ upstreams
 
     def allow_upstream(self, addr: tuple[str, int]) -> bool:
-        """Egress-policy hook: may ``addr`` (``(address, port)``) be queried? Always True here.
+        """Egress-policy hook: may ``addr`` (``(address, port)``) be queried?
 
-        ``disable_host_loopback`` deliberately does not apply: a loopback resolver such as
-        127.0.0.53 is reached from the host side, which is correct.
+        The user's ``--allow`` / ``--deny`` rules of :attr:`policy` apply (a denied upstream is
+        skipped, counted in ``upstream_denied``); the built-in link-local defaults do not (an
+        upstream from resolv.conf is the operator's choice, e.g. a cloud resolver at
+        169.254.169.254). ``disable_host_loopback`` deliberately does not apply either: a
+        loopback resolver such as 127.0.0.53 is reached from the host side, which is correct,
+        and it only ever receives questions the forwarder parsed.
         """
-        return True
+        policy = self.policy
+        if policy is None or policy.allows(addr[0], user_only=True):
+            return True
+        self._count("upstream_denied")
+        return False
 
     @property
     def upstreams(self) -> list[tuple[str, int]]:

@@ -84,6 +84,16 @@ guest can fast-retransmit (RFC 5681 4.2). Otherwise ACKs are coalesced: any numb
 segments received between two ``segments_to_send`` calls produce one ACK, and ACKs ride
 on data when there is data.
 
+Delayed ACK (RFC 1122 4.2.3.2, RFC 9293 3.8.6.3): with ``ack_delay > 0`` the pure ACK for
+in-order data may wait up to ``ack_delay`` seconds (the timer in :meth:`~TcpConnection.get_timer`),
+so that a host answer arriving meanwhile carries it (request/response traffic then costs
+one frame per message instead of two). The ACK still goes out at once when at least two
+full-sized segments (``2 * (mss - 40)`` bytes) are unacknowledged, for a segment that is
+out of order, fills a hole or repeats old data, for the guest's FIN, for a window update
+the guest may be waiting for (its remaining window below that threshold; otherwise the
+update rides the delayed ACK) and for every challenge ACK. ``ack_delay = 0`` (the default)
+ACKs at once.
+
 Hostile input
 -------------
 The guest is untrusted. :meth:`~TcpConnection.receive_segment` never raises for any field
@@ -101,7 +111,7 @@ Copy them (the frame builder does) if they must live longer.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
 
 __all__ = [
@@ -227,91 +237,172 @@ class Segment:
     __hash__ = None  # type: ignore[assignment]
 
 
-class _ByteQueue:
-    """A FIFO of bytes: append at the tail, drop from the head, zero-copy views.
+class _SendQueue:
+    """The send buffer: a FIFO of immutable chunks (the ``bytes`` objects the host socket
+    produced, kept as they are) with views at any offset.
 
-    A ``bytearray`` plus a head offset; the consumed prefix is cut off only when it is
-    large (amortised O(1) per byte, no memmove per ACK). Views handed out are recorded
-    and released before the bytearray is resized (a bytearray with live exports cannot
-    be resized); if someone still holds a derived view we leave the old bytearray to
-    them and continue in a fresh copy.
+    Appending copies nothing for ``bytes`` (anything else is copied once); dropping the
+    acknowledged head frees whole chunks without moving bytes. :meth:`view` returns a zero-copy
+    ``memoryview`` when the range lies in one chunk, else a view of the joined pieces. Views
+    handed out are released (``ValueError`` on use) by :meth:`release_views`, which the
+    connection calls on its next output: payloads are valid until the next call, as documented.
     """
 
-    __slots__ = ("_buf", "_head", "_base", "_views")
-
-    #: Consumed prefix (bytes) that triggers compaction once it is also half the buffer.
-    COMPACT_AT = 65536
+    __slots__ = ("_chunks", "_ends", "_i0", "_base", "_total", "_views")
 
     def __init__(self) -> None:
-        self._buf = bytearray()
-        self._head = 0
-        self._base: memoryview | None = None
+        self._chunks: list = []
+        self._ends: list[int] = []  # absolute stream offset just past each chunk
+        self._i0 = 0  # first live chunk
+        self._base = 0  # absolute offset of the head (bytes dropped so far)
+        self._total = 0  # absolute offset of the tail
         self._views: list[memoryview] = []
 
     def __len__(self) -> int:
-        return len(self._buf) - self._head
+        return self._total - self._base
 
     def release_views(self) -> None:
-        """Release every view handed out so far (they become unusable)."""
         for v in self._views:
             try:
                 v.release()
             except BufferError:  # pragma: no cover - someone holds a raw buffer of it
                 pass
         self._views.clear()
-        base = self._base
-        if base is not None:
-            self._base = None
-            try:
-                base.release()
-            except BufferError:  # pragma: no cover
-                pass
 
     def append(self, data) -> None:
-        if self._base is not None:
-            self.release_views()
-        try:
-            self._buf += data
-        except BufferError:
-            # A derived view still pins the buffer: leave it to its holder.
-            self._buf = self._buf[self._head:] + data
-            self._head = 0
+        n = len(data)
+        if not n:
+            return
+        if self._views:
+            self.release_views()  # "valid until the next call into the connection"
+        if data.__class__ is not bytes:
+            data = bytes(data)
+        self._chunks.append(data)
+        self._total += n
+        self._ends.append(self._total)
 
     def view(self, start: int, end: int) -> memoryview:
-        """Bytes ``[start, end)`` counted from the head, as a memoryview."""
-        base = self._base
-        if base is None:
-            base = self._base = memoryview(self._buf)
-        head = self._head
-        v = base[head + start:head + end]
+        """Bytes ``[start, end)`` counted from the head (``0 <= start < end <= len``)."""
+        a = self._base + start
+        b = self._base + end
+        ends = self._ends
+        k = bisect_right(ends, a, self._i0)
+        chunk = self._chunks[k]
+        cend = ends[k]
+        cstart = cend - len(chunk)
+        if b <= cend:
+            v = memoryview(chunk)[a - cstart:b - cstart]
+        else:
+            parts = [memoryview(chunk)[a - cstart:]]
+            while cend < b:
+                k += 1
+                chunk = self._chunks[k]
+                cstart, cend = cend, ends[k]
+                parts.append(memoryview(chunk)[:b - cstart] if b < cend else chunk)
+            v = memoryview(b"".join(parts))
         self._views.append(v)
         return v
 
     def drop(self, n: int) -> None:
         """Forget the first ``n`` bytes."""
-        head = self._head + n
-        size = len(self._buf)
-        if head >= size:
-            if self._base is not None:
-                self.release_views()
-            try:
-                self._buf.clear()
-            except BufferError:
-                self._buf = bytearray()
-            self._head = 0
-        elif head >= self.COMPACT_AT and head * 2 >= size:
-            if self._base is not None:
-                self.release_views()
-            try:
-                del self._buf[:head]
-            except BufferError:
-                self._buf = self._buf[head:]
-            self._head = 0
-        else:
-            self._head = head
+        base = self._base = self._base + n
+        ends = self._ends
+        chunks = self._chunks
+        i = self._i0
+        last = len(ends)
+        while i < last and ends[i] <= base:
+            chunks[i] = None
+            i += 1
+        if i >= 64 and i * 2 >= last:
+            del chunks[:i]
+            del ends[:i]
+            i = 0
+        self._i0 = i
 
     def clear(self) -> None:
-        self.drop(len(self))
+        self.release_views()
+        self._chunks.clear()
+        self._ends.clear()
+        self._i0 = 0
+        self._base = self._total = 0
+
+
+class _ChunkQueue:
+    """A FIFO of bytes kept as a list of immutable chunks (the receive queue).
+
+    Appending keeps a read-only ``memoryview`` of a ``bytes`` object as it is (what a TAP
+    read produces: the bytes cannot change under us) and copies anything else once into its
+    own ``bytes`` (the caller's buffer may be reused); nothing is ever re-copied to grow a
+    buffer, and :meth:`first` hands the oldest chunk out as is, so a consumer that writes
+    chunk by chunk (the flow, to the host socket) copies nothing more. :meth:`joined` merges
+    everything into one chunk when asked. Chunks are immutable: views of them stay valid.
+    A list with a start index rather than a deque: an idle flow's empty queue stays small.
+    """
+
+    __slots__ = ("_chunks", "_i0", "_head", "_len")
+
+    def __init__(self) -> None:
+        self._chunks: list = []
+        self._i0 = 0  # first live chunk
+        self._head = 0  # bytes of the first live chunk already consumed
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, data) -> None:
+        n = len(data)
+        if n:
+            if data.__class__ is not bytes and not (
+                    data.__class__ is memoryview and data.readonly and data.obj.__class__ is bytes):
+                data = bytes(data)
+            self._chunks.append(data)
+            self._len += n
+
+    def first(self) -> memoryview | bytes:
+        """The oldest unconsumed piece (``b""`` when empty)."""
+        if not self._len:
+            return b""
+        c = self._chunks[self._i0]
+        h = self._head
+        return memoryview(c)[h:] if h else c
+
+    def joined(self) -> bytes:
+        """Everything held, as one ``bytes`` (merging the chunks into one)."""
+        if not self._len:
+            return b""
+        chunks = self._chunks
+        i0 = self._i0
+        if len(chunks) - i0 > 1 or self._head or chunks[i0].__class__ is not bytes:
+            whole = b"".join(chunks[i0:])[self._head:]
+            chunks.clear()
+            chunks.append(whole)
+            self._i0 = self._head = 0
+        return chunks[self._i0]
+
+    def drop(self, n: int) -> None:
+        """Forget the first ``n`` bytes (``0 <= n <= len``)."""
+        left = self._len = self._len - n
+        chunks = self._chunks
+        if not left:
+            chunks.clear()
+            self._i0 = self._head = 0
+            return
+        i = self._i0
+        h = self._head + n
+        while h >= len(chunks[i]):
+            h -= len(chunks[i])
+            chunks[i] = None
+            i += 1
+        if i >= 64 and i * 2 >= len(chunks):
+            del chunks[:i]
+            i = 0
+        self._i0 = i
+        self._head = h
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self._i0 = self._head = self._len = 0
 
 
 def _wscale_for(rcv_buf: int) -> int:
@@ -349,11 +440,20 @@ class TcpConnection:
         with an RST.
     ``rto_min``, ``rto_max``
         Bounds on the retransmission timeout, seconds (RFC 6298 2.4, 2.5).
+    ``ack_delay``
+        Longest wait for a delayed ACK of in-order data, seconds (0: ACK at once; at most
+        0.5, RFC 1122 4.2.3.2). See "Delayed ACK" in the module docstring.
+    ``max_segment``
+        Largest payload of one segment we emit, bytes (default: the effective MSS). A
+        transport with TCP segmentation offload passes up to ~64 KB here: such a segment
+        is cut into MSS-sized ones by the kernel (``gso_size`` = :attr:`effective_mss`).
+        Segments are then multiples of the effective MSS except the last of a burst.
     """
 
     __slots__ = (
         # configuration
         "mss", "rcv_buf", "snd_buf", "linger", "time_wait", "max_retries", "rto_min", "rto_max",
+        "ack_delay", "max_segment", "_seg_max",
         # public state
         "state", "iss", "irs", "snd_una", "snd_nxt", "snd_max", "snd_wnd", "rcv_nxt",
         "fin_received", "reset", "established_at", "created_at",
@@ -367,8 +467,9 @@ class TcpConnection:
         "_persist_backoff", "_probes_unanswered", "_probe_pending",
         # receive side
         "_rq", "_rcv_adv", "_ack_pending", "_dupacks_out", "_ooo", "_ooo_bytes", "_ooo_fin",
+        "_rcv_unacked", "_ack_now_at",
         # timers (absolute times or None)
-        "_rto_at", "_persist_at", "_linger_at",
+        "_rto_at", "_persist_at", "_linger_at", "_ack_due",
         # output and events
         "_rst", "_events",
     )
@@ -386,9 +487,17 @@ class TcpConnection:
         max_retries: int = 12,
         rto_min: float = 0.2,
         rto_max: float = 60.0,
+        ack_delay: float = 0.0,
+        max_segment: int | None = None,
     ) -> None:
         if not MIN_MSS <= mss <= 0xFFFF:
             raise ValueError(f"mss must be {MIN_MSS}..65535, got {mss}")
+        if not 0.0 <= ack_delay <= 0.5:
+            raise ValueError(f"ack_delay must be 0..0.5 seconds, got {ack_delay}")
+        if max_segment is not None and not MIN_MSS <= max_segment <= 0xFFFF:
+            raise ValueError(f"max_segment must be {MIN_MSS}..65535, got {max_segment}")
+        self.ack_delay = ack_delay
+        self.max_segment = max_segment
         if rcv_buf < 1 or snd_buf < 0:
             raise ValueError("rcv_buf must be >= 1 and snd_buf >= 0")
         if not 0 < rto_min <= rto_max:
@@ -435,7 +544,7 @@ class TcpConnection:
         #: Current retransmission timeout, seconds.
         self.rto = self._rto_base = min(max(INITIAL_RTO, rto_min), rto_max)
 
-        self._sq = _ByteQueue()
+        self._sq = _SendQueue()
         self._smss = min(mss, DEFAULT_MSS)
         self._snd_wscale = 0
         self._rcv_wscale = 0
@@ -463,13 +572,19 @@ class TcpConnection:
         self._probes_unanswered = 0
         self._probe_pending = False
 
-        self._rq = _ByteQueue()
+        self._rq = _ChunkQueue()
         self._rcv_adv = 0
         self._ack_pending = False
         self._dupacks_out = 0
         self._ooo: list[tuple[int, bytes]] = []
         self._ooo_bytes = 0
         self._ooo_fin: int | None = None
+        self._rcv_unacked = 0
+        #: Unacknowledged in-order bytes that force an ACK at once: two full-sized segments
+        #: (RFC 1122 4.2.3.2), at most 16 KB so that a large MSS (MTU 65520) still gets ACKs often.
+        self._ack_now_at = max(1, min(2 * (mss - 40), 16384))
+        self._ack_due: float | None = None
+        self._seg_max = self._smss
 
         self._rto_at: float | None = None
         self._persist_at: float | None = None
@@ -596,7 +711,10 @@ class TcpConnection:
     def _set_peer_mss(self, mss: int | None) -> None:
         if mss is None:
             mss = DEFAULT_MSS
-        self._smss = min(self.mss, max(MIN_MSS, mss))
+        smss = self._smss = min(self.mss, max(MIN_MSS, mss))
+        mx = self.max_segment
+        # With segmentation offload: the largest multiple of the MSS that fits max_segment.
+        self._seg_max = (mx // smss) * smss if mx is not None and mx > smss else smss
 
     def _established(self, now: float) -> None:
         self.state = FIN_WAIT_1 if self._fin_queued else ESTABLISHED
@@ -650,10 +768,17 @@ class TcpConnection:
     def peek(self) -> memoryview | bytes:
         """Guest bytes received in order and not yet consumed (``b""`` when none).
 
-        A view valid until the next call into the connection.
+        Valid until the next call into the connection.
         """
-        n = len(self._rq)
-        return self._rq.view(0, n) if n else b""
+        return self._rq.joined()
+
+    def peek_chunk(self) -> memoryview | bytes:
+        """The oldest piece of what :meth:`peek` returns (``b""`` when none): a glue that writes
+        piece by piece (``consume(len(piece))`` after each) avoids joining them into one buffer.
+
+        Valid until the next call into the connection.
+        """
+        return self._rq.first()
 
     def consume(self, n: int) -> None:
         """The host socket took ``n`` bytes from the front of :meth:`peek`.
@@ -671,7 +796,10 @@ class TcpConnection:
             avail = self._avail()
             cur = self.rcv_wnd
             if avail - cur >= self._sws_threshold() and cur * 2 <= avail:
-                self._ack_pending = True
+                # A delayed ACK already due (within ack_delay) carries the new window, unless the
+                # guest is nearly out of window and might be waiting for it.
+                if self._ack_due is None or cur < self._ack_now_at:
+                    self._ack_pending = True
 
     def _avail(self) -> int:
         """Receive space we could offer now (bytes), capped by what the window field can carry."""
@@ -868,7 +996,6 @@ class TcpConnection:
             self.dropped_segments += 1
             self._ack_pending = True
             return
-        self._ack_pending = True
         fin = flags & FIN
         start = -off if off < 0 else 0
         end = plen
@@ -878,6 +1005,7 @@ class TcpConnection:
             fin = 0  # the FIN lies beyond data we cut off
         if off > 0:
             # RFC 5681 4.2: one immediate duplicate ACK per out-of-order segment.
+            self._ack_pending = True
             self._dupacks_out += 1
             self._ooo_store(self.bytes_received + off, payload, start, end, fin)
             return
@@ -888,9 +1016,20 @@ class TcpConnection:
             self.rcv_nxt = (rcv_nxt + n) & _MASK
             self.bytes_received += n
         if fin:
-            self._fin_input(now)  # also forgets any out-of-order data (it lay past the FIN)
+            self._fin_input(now)  # ACKed at once; also forgets out-of-order data (it lay past the FIN)
         elif n > 0 and (self._ooo or self._ooo_fin is not None):
+            self._ack_pending = True  # fills (part of) a hole: ACK at once (RFC 5681 4.2)
             self._ooo_pull(now)
+        elif n <= 0 or not self.ack_delay or start:
+            self._ack_pending = True  # old data again (our ACK was lost), or no delayed ACKs
+        else:
+            # Delayed ACK (RFC 1122 4.2.3.2): at once for every second full-sized segment.
+            unacked = self._rcv_unacked + n
+            self._rcv_unacked = unacked
+            if unacked >= self._ack_now_at:
+                self._ack_pending = True
+            elif self._ack_due is None:
+                self._ack_due = now + self.ack_delay
 
     def _ack_input(self, seg: Segment, seq: int, ack: int, plen: int, flags: int, now: float) -> bool:
         """ACK field processing in synchronized states; False means drop the segment."""
@@ -1143,6 +1282,9 @@ class TcpConnection:
             out.append(Segment(self.snd_max, ack, ACK, wnd))
         else:
             return out
+        # Every segment above carries RCV.NXT: no delayed ACK is owed any more.
+        self._ack_due = None
+        self._rcv_unacked = 0
         # A window was advertised: commit its right edge (it never moves left).
         edge = (ack + (wnd << self._rcv_wscale)) & _MASK
         if 0 < ((edge - self._rcv_adv) & _MASK) < _HALF:
@@ -1187,6 +1329,7 @@ class TcpConnection:
         off = (self.snd_nxt - una) & _MASK
         off_max = (self.snd_max - una) & _MASK
         smss = self._smss
+        seg_max = self._seg_max
         fin_q = self._fin_queued
         sent = False
 
@@ -1216,8 +1359,8 @@ class TcpConnection:
         while True:
             if off < sqlen:
                 n = sqlen - off
-                if n > smss:
-                    n = smss
+                if n > seg_max:
+                    n = seg_max
                 room = limit - off
                 if n > room and not force:
                     if room <= 0:
@@ -1225,6 +1368,10 @@ class TcpConnection:
                     if off and room < smss and room < (self._max_snd_wnd >> 1):
                         break  # sender SWS avoidance: wait for ACKs to open more
                     n = room
+                    if n > smss:
+                        n -= n % smss  # whole segments only; the rest waits for the window
+                elif force and n > smss:
+                    n = smss  # after a timeout: one segment (the guest may be stalled)
                 end = off + n
                 flags = ACK
                 if end == sqlen:
@@ -1283,10 +1430,17 @@ class TcpConnection:
         p = self._linger_at
         if p is not None and (t is None or p < t):
             t = p
+        p = self._ack_due
+        if p is not None and (t is None or p < t):
+            t = p
         return t
 
     def handle_timer(self, now: float) -> None:
-        """Fire every timer due at ``now``: retransmission, persist, linger, TIME-WAIT."""
+        """Fire every timer due at ``now``: delayed ACK, retransmission, persist, linger, TIME-WAIT."""
+        t = self._ack_due
+        if t is not None and now >= t:
+            self._ack_due = None
+            self._ack_pending = True
         t = self._rto_at
         if t is not None and now >= t:
             self._rto_at = None
@@ -1365,6 +1519,7 @@ class TcpConnection:
         self._rto_at = self._persist_at = self._linger_at = None
         self._syn_pending = self._rexmit_one = self._force_one = self._probe_pending = False
         self._ack_pending = False
+        self._ack_due = None
         self._dupacks_out = 0
         self._ooo.clear()
         self._ooo_bytes = 0

@@ -190,9 +190,14 @@ class PcapTransport(Transport):
         self._loop = self.inner._loop
         self.closed = self.inner.closed
 
-    def _from_guest(self, frames) -> None:
+    def _from_guest(self, frames, *extra) -> None:
         self.writer.record(frames, self._loop)
-        self._on_frames(frames)
+        self._on_frames(frames, *extra)  # extra: the per-frame checksum flags of an offload TAP
+
+    @property
+    def offload(self) -> bool:
+        """The inner transport's checksum/segmentation offload (see :class:`~aioslirp.transport.tap.TapTransport`)."""
+        return bool(getattr(self.inner, "offload", False))
 
     def send_frames(self, frames: Sequence[bytes]) -> None:
         """Hand ``frames`` to the inner transport, then record them."""

@@ -12,6 +12,17 @@ Facts this module is built on (see DESIGN section 6):
 * interface down: writes fail with ``EIO`` (the frame is dropped and counted);
 * interface deleted: ``EBADFD`` plus ``EPOLLERR``, which ends the transport.
 
+Offload (``IFF_VNET_HDR``): a TAP created with ``vnet_hdr=True`` carries a 12-byte
+``virtio_net_hdr_v1`` before every frame (:mod:`aioslirp.wire.offload`). :class:`TapTransport`
+notices that flag on the fd (``TUNGETIFF``) and then strips the header from guest frames,
+writes one before ours, and with ``offload=True`` enables checksum and TCP segmentation
+offload (``TUNSETOFFLOAD`` ``CSUM|TSO4|TSO6``; :attr:`TapTransport.offload` says whether that
+worked). The guest's TCP and UDP then arrive with partial checksums (``NEEDS_CSUM``) and TCP
+as up to ~64 KB segments; the stack trusts the L4 checksum of frames flagged ``NEEDS_CSUM``
+or ``DATA_VALID`` (they come from the guest's kernel over memory, never a wire) instead of
+verifying it, and TCP flows send ~64 KB segments with partial checksums that the kernel
+segments and completes. Measured gains are in ``docs/performance.md``.
+
 Rootless use needs ``/dev/net/tun`` to be world read-writable (mode 0666) and
 ``CAP_NET_ADMIN`` in the user namespace that owns the network namespace.
 """
@@ -27,6 +38,7 @@ import socket
 import struct
 from typing import Sequence
 
+from ..wire.offload import VNET_HDR_LEN, VNET_NONE, OffloadFrame
 from .base import MAX_FRAME, Transport
 
 __all__ = [
@@ -35,6 +47,8 @@ __all__ = [
     "open_tap",
     "create_tap",
     "set_interface_mtu",
+    "enable_offload",
+    "tap_flags",
     "TUN_PATH",
 ]
 
@@ -44,9 +58,14 @@ log = logging.getLogger("aioslirp.transport.tap")
 TUN_PATH = "/dev/net/tun"
 
 TUNSETIFF = 0x400454CA
+TUNGETIFF = 0x800454D2
+TUNSETOFFLOAD = 0x400454D0
+TUNSETVNETHDRSZ = 0x400454D8
 IFF_TAP = 0x0002
 IFF_NO_PI = 0x1000
 IFF_VNET_HDR = 0x4000
+#: TUNSETOFFLOAD bits: checksum offload, TCP segmentation offload for IPv4 and IPv6.
+TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6 = 0x01, 0x02, 0x04
 SIOCSIFMTU = 0x8922
 IFNAMSIZ = 16
 
@@ -92,8 +111,8 @@ def open_tap(name: str = "tap0", *, vnet_hdr: bool = False) -> tuple[int, str]:
     ``(fd, actual_name)``; the fd is blocking, close-on-exec, and owned by the caller.
     The namespace is the one the calling thread is in when ``/dev/net/tun`` is opened.
 
-    With ``vnet_hdr=True`` every frame carries a 10/12-byte ``virtio_net_hdr`` prefix
-    (``IFF_VNET_HDR``); the plain :class:`TapTransport` does not expect that.
+    With ``vnet_hdr=True`` every frame carries a ``virtio_net_hdr`` prefix (``IFF_VNET_HDR``),
+    which :class:`TapTransport` detects and handles (and uses for checksum/TSO offload).
 
     Raises :class:`TapError` with a one-line explanation: ``ENOENT`` (no tun driver),
     ``EACCES`` (``/dev/net/tun`` not mode 0666 for rootless use), ``EPERM`` (no
@@ -168,19 +187,45 @@ def create_tap(name: str = "tap0", mtu: int | None = 1500, *, vnet_hdr: bool = F
     return fd, actual
 
 
+def tap_flags(fd: int) -> int:
+    """The ``IFF_*`` flags of the TAP behind ``fd`` (``TUNGETIFF``); raises ``OSError``."""
+    return _IFREQ_FLAGS.unpack(fcntl.ioctl(fd, TUNGETIFF, bytes(_IFREQ_FLAGS.size)))[1]
+
+
+def enable_offload(fd: int) -> None:
+    """On a TAP fd opened with ``IFF_VNET_HDR``: use the 12-byte header (``TUNSETVNETHDRSZ``) and
+    turn on checksum and TCP segmentation offload (``TUNSETOFFLOAD`` ``CSUM|TSO4|TSO6``).
+
+    Works rootless (the kernel checks no capability for these two). Raises ``OSError``
+    (e.g. ``EINVAL`` from a kernel or device without these features).
+    """
+    fcntl.ioctl(fd, TUNSETVNETHDRSZ, struct.pack("i", VNET_HDR_LEN))
+    fcntl.ioctl(fd, TUNSETOFFLOAD, TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6)
+
+
 class TapTransport(Transport):
-    """Frames to and from an open TAP fd (``IFF_TAP|IFF_NO_PI``, no vnet header).
+    """Frames to and from an open TAP fd (``IFF_TAP|IFF_NO_PI``, with or without ``IFF_VNET_HDR``).
 
     ``TapTransport(fd)`` takes ownership of ``fd`` (it is made non-blocking and closed by
     :meth:`close`). Reading uses ``loop.add_reader`` and reads until ``EAGAIN``, handing
     batches of at most ``batch`` frames (``list[bytes]``) to the stack. ``read_size`` is
     the largest frame accepted, in bytes (default :data:`~aioslirp.transport.base.MAX_FRAME`).
 
+    When the device was opened with ``IFF_VNET_HDR`` (``open_tap(..., vnet_hdr=True)``) the
+    transport handles the virtio-net header (:mod:`aioslirp.wire.offload`): guest frames are
+    handed over as ``memoryview`` slices past it, with a second list of booleans, true where
+    the guest's kernel flagged the L4 checksum as partial or valid (``sink(frames, csum_ok)``).
+    With ``offload=True`` (the default) it also enables checksum/TSO offload
+    (:func:`enable_offload`); :attr:`offload` is True when that succeeded, and then frames
+    written may be :class:`~aioslirp.wire.offload.OffloadFrame` objects (partial checksum,
+    up to ~64 KB). Without the flag on the fd, ``offload`` is ignored and stays False.
+
     Counters: ``frames_in``, ``frames_out``, ``send_errors`` (all dropped writes) and
     ``send_drops`` (dict reason -> count: ``eagain``, ``eio``, ``invalid``, ...).
     """
 
-    def __init__(self, fd: int, *, ifname: str | None = None, batch: int = 64, read_size: int = MAX_FRAME) -> None:
+    def __init__(self, fd: int, *, ifname: str | None = None, batch: int = 64, read_size: int = MAX_FRAME,
+                 offload: bool = True) -> None:
         super().__init__()
         if batch < 1:
             raise ValueError("batch must be >= 1")
@@ -191,6 +236,28 @@ class TapTransport(Transport):
         self._reading = False
         self._pidfds: list[tuple[int, bool]] = []  # (pidfd, owned)
         self.send_drops: dict[str, int] = {}
+        #: The fd carries a virtio-net header before every frame (``IFF_VNET_HDR``).
+        self.vnet_hdr = False
+        #: Checksum and TCP segmentation offload are on: the stack may write OffloadFrames.
+        self.offload = False
+        try:
+            self.vnet_hdr = bool(tap_flags(fd) & IFF_VNET_HDR)
+        except OSError:  # not a TAP fd (tests pass other fds): plain frames
+            pass
+        if self.vnet_hdr:
+            try:
+                fcntl.ioctl(fd, TUNSETVNETHDRSZ, struct.pack("i", VNET_HDR_LEN))
+            except OSError as exc:
+                raise TapError(exc.errno or errno.EINVAL,
+                               f"TAP {ifname or fd}: cannot set the vnet header size: {exc.strerror}") from None
+            self._read_size = read_size + VNET_HDR_LEN
+            if offload:
+                try:
+                    fcntl.ioctl(fd, TUNSETOFFLOAD, TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6)
+                    self.offload = True
+                except OSError as exc:
+                    log.warning("TAP %s: checksum/segmentation offload unavailable (%s); computing checksums",
+                                ifname or fd, exc.strerror or exc)
         os.set_blocking(fd, False)
 
     # -- construction ---------------------------------------------------------------------
@@ -219,7 +286,7 @@ class TapTransport(Transport):
                 self.closed.set_result(None)
             return
         assert self._loop is not None
-        self._loop.add_reader(self._fd, self._on_readable)
+        self._loop.add_reader(self._fd, self._on_readable_vnet if self.vnet_hdr else self._on_readable)
         self._reading = True
 
     def _on_readable(self) -> None:
@@ -252,8 +319,46 @@ class TapTransport(Transport):
             log.info("TAP %s: read failed (%s); closing", self.ifname or fd, error)
             self.close(error)
 
+    def _on_readable_vnet(self) -> None:
+        """Like :meth:`_on_readable` for an ``IFF_VNET_HDR`` fd: strip the header, note the checksum flags."""
+        fd = self._fd
+        if fd < 0:
+            return
+        read = os.read
+        size = self._read_size
+        frames: list = []
+        csum_ok: list[bool] = []
+        error: OSError | None = None
+        try:
+            for _ in range(self._batch):
+                data = read(fd, size)
+                if len(data) <= VNET_HDR_LEN:
+                    if not data:
+                        error = EOFError("TAP fd reached end of file")  # type: ignore[assignment]
+                        break
+                    continue  # a header without a frame: nothing to deliver
+                frames.append(memoryview(data)[VNET_HDR_LEN:])
+                csum_ok.append(bool(data[0] & 3))  # NEEDS_CSUM or DATA_VALID
+        except BlockingIOError:
+            pass
+        except InterruptedError:
+            pass
+        except OSError as exc:
+            error = exc
+        if frames:
+            self.frames_in += len(frames)
+            sink = self._on_frames
+            if sink is not None:
+                sink(frames, csum_ok)
+        if error is not None:
+            log.info("TAP %s: read failed (%s); closing", self.ifname or fd, error)
+            self.close(error)
+
     def send_frames(self, frames: Sequence[bytes]) -> None:
         """Write each frame (one Ethernet frame per ``write``); never blocks, never raises for I/O.
+
+        With a vnet header, each frame goes out with ``writev`` behind its header: ``frame.vnet``
+        for an :class:`~aioslirp.wire.offload.OffloadFrame`, all zeroes otherwise.
 
         ``EAGAIN``/``EIO`` (interface down)/``EINVAL`` and similar drop the frame and count it
         in ``send_errors`` and ``send_drops``; ``EBADFD``/``EBADF`` and other fatal errors
@@ -264,10 +369,15 @@ class TapTransport(Transport):
             self._drop("closed", len(frames))
             return
         write = os.write
+        writev = os.writev
+        vnet = self.vnet_hdr
         sent = 0
         for i, frame in enumerate(frames):
             try:
-                write(fd, frame)
+                if vnet:
+                    writev(fd, (frame.vnet if frame.__class__ is OffloadFrame else VNET_NONE, frame))
+                else:
+                    write(fd, frame)
                 sent += 1
             except OSError as exc:
                 reason = _TRANSIENT_WRITE_ERRORS.get(exc.errno or 0)

@@ -1,0 +1,308 @@
+"""Admission control for guest-initiated flows, and the TCP idle reaper.
+
+Theory of operation
+-------------------
+The guest is untrusted: whatever it sends, the stack must stay bounded in host fds, memory
+and CPU, and must never open more of the host than configured. Per-packet work is already
+bounded (fixed-size parsing, the bounded inject queue, per-flow TCP buffers, the fragment
+reassemblers); what a hostile guest can multiply is *flows*, each holding a host socket and
+a task. So every guest-initiated flow passes :meth:`Guard.admit` once, at creation (a TCP SYN,
+a UDP flow's first datagram, an ICMP echo flow's first request), and never afterwards: the
+cost on the packet path of an existing flow is zero.
+
+:meth:`Guard.admit` checks, in this order, and the first that fails refuses the new flow:
+
+1. the egress policy (:mod:`aioslirp.policy`): a denied destination is answered with ICMP
+   destination unreachable, *communication administratively prohibited* (ICMP type 3 code
+   13; ICMPv6 type 1 code 1), counted as ``drop.egress_denied``;
+2. the per-protocol flow caps ``max_tcp_flows`` / ``max_udp_flows`` / ``max_icmp_flows``
+   (``drop.limit_tcp_flows``...), and the open-file limit: each flow may hold one host socket,
+   so the process's soft ``RLIMIT_NOFILE`` is raised towards ``max_flows`` + :data:`FD_RESERVE`
+   (up to the hard limit) and flows beyond what it allows are refused (``drop.limit_fds``);
+3. for TCP towards the host: the pending host connects, i.e. SYNs whose host ``connect()`` has
+   not completed yet, at most ``max_pending_connects`` in all and a quarter of that towards
+   any one ``(address, port)`` (``drop.limit_pending_connects``), so that a SYN flood against
+   a black hole cannot block connections to other destinations;
+4. the new-flow rate, a token bucket of ``new_flow_burst`` tokens refilled at
+   ``new_flow_rate`` per second (``drop.limit_new_flow_rate``).
+
+A refused TCP SYN gets a RST (the guest's connect fails at once with ECONNREFUSED), a refused
+UDP datagram or ICMP echo is dropped; flows that exist keep working. The total flow-table
+bound (``max_flows``, with eviction of the longest-idle UDP/ICMP flow) stays in
+:meth:`Stack._make_room <aioslirp.stack.Stack._make_room>`, which also covers port forwards.
+
+The guard learns about flows from :meth:`Stack.add_flow` / :meth:`Stack.remove_flow`
+(:meth:`Guard.opened` / :meth:`Guard.closed`), so its per-protocol counts are exact. A pending
+connect leaves the pending set when its host socket is connected or the flow ends; the set is
+swept lazily (at most every :data:`PRUNE_INTERVAL` seconds), only when a bound is reached.
+
+The reaper (a loop timer armed by :meth:`Guard.start`, every min(5 s, timeout / 4)) resets
+TCP flows that carried no guest segment for ``tcp_idle_timeout`` seconds (RST to the guest and
+to the host peer, ``tcp_idle_closed``).
+aioslirp sends no keepalives towards the guest; the guest's own keepalives count as activity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from .policy import EgressPolicy
+
+__all__ = ["DENIED", "Guard", "LIMIT_FIELDS", "TokenBucket", "parse_limits"]
+
+log = logging.getLogger("aioslirp.limits")
+
+#: Verdict of :meth:`Guard.admit` for a destination the egress policy denies.
+DENIED = "egress_denied"
+#: Seconds between two sweeps of the pending-connect set while a bound is reached.
+PRUNE_INTERVAL = 0.005
+_NAMES = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmp"}
+_LOGGED_MAX = 64
+_FIELD_OF = {"limit_fds": "open-file limit (ulimit -n)", "limit_tcp_flows": "max_tcp_flows", "limit_udp_flows": "max_udp_flows",
+             "limit_icmp_flows": "max_icmp_flows", "limit_pending_connects": "max_pending_connects",
+             "limit_new_flow_rate": "new_flow_rate"}
+
+
+#: File descriptors kept out of the flow budget (see :func:`raise_fd_limit`).
+FD_RESERVE = 256
+
+
+def raise_fd_limit(want: int) -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` towards ``want`` (never above the hard limit,
+    never lowering it), as the Go runtime and systemd services do. Returns the soft limit now
+    in force (a very large number for "unlimited")."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    inf = resource.RLIM_INFINITY
+    if soft == inf:
+        return 1 << 30
+    target = want if hard == inf else min(want, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # pragma: no cover - a sandbox that forbids it
+            pass
+    return soft
+
+
+class TokenBucket:
+    """``rate`` tokens per second, at most ``burst`` saved; :meth:`take` spends one (False: empty)."""
+
+    __slots__ = ("rate", "burst", "tokens", "stamp")
+
+    def __init__(self, rate: float, burst: float, now: float | None = None) -> None:
+        self.rate = float(rate)
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.stamp = time.monotonic() if now is None else now
+
+    def take(self, now: float) -> bool:
+        tokens = self.tokens + (now - self.stamp) * self.rate
+        self.stamp = now
+        if tokens > self.burst:
+            tokens = self.burst
+        if tokens < 1.0:
+            self.tokens = tokens
+            return False
+        self.tokens = tokens - 1.0
+        return True
+
+
+class Guard:
+    """Admission control and the TCP idle reaper of one :class:`~aioslirp.stack.Stack`.
+
+    Attributes:
+        policy: the :class:`~aioslirp.policy.EgressPolicy` built from the config.
+        active: open flows by protocol name (``"tcp"``, ``"udp"``, ``"icmp"``), both families.
+        caps: the per-protocol caps from the config.
+    """
+
+    def __init__(self, stack) -> None:
+        cfg = stack.config
+        self.stack = stack
+        self.policy = EgressPolicy.from_config(cfg)
+        self.caps = {"tcp": int(cfg.max_tcp_flows), "udp": int(cfg.max_udp_flows), "icmp": int(cfg.max_icmp_flows)}
+        self.active = {"tcp": 0, "udp": 0, "icmp": 0}
+        self.max_pending = int(cfg.max_pending_connects)
+        #: At most this many pending connects towards one (address, port).
+        self.max_pending_dest = max(1, self.max_pending // 4)
+        self._pending: dict = {}  # flow -> (remote, port)
+        self._pending_dest: dict = {}  # (remote, port) -> count
+        self._pruned_at = float("-inf")
+        rate = float(cfg.new_flow_rate)
+        self.bucket = TokenBucket(rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
+        self._reaper: asyncio.TimerHandle | None = None
+        self._reap_interval = 5.0
+        #: Flows allowed by the process's open-file limit (each may hold one host socket), less
+        #: :data:`FD_RESERVE` for listeners, the API socket, captures and DNS queries.
+        self.fd_budget = raise_fd_limit(int(cfg.max_flows) + FD_RESERVE) - FD_RESERVE
+        if self.fd_budget < int(cfg.max_flows):
+            log.warning("the open-file limit (ulimit -n) allows about %d flows, below max_flows=%d: "
+                        "more are refused (drop.limit_fds)", self.fd_budget, int(cfg.max_flows))
+        #: DNS-over-UDP queries being answered (the stack drops more than ``dns_max_inflight``;
+        #: DNS over TCP is bounded by the forwarder itself, ``DnsForwarder.max_inflight``).
+        self.dns_inflight = 0
+        self._logged: set = set()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Hook the DNS forwarder's upstream check to the policy and start the reaper (``Stack.start``)."""
+        stack = self.stack
+        if stack.dns is not None:
+            stack.dns.policy = self.policy
+        timeout = float(stack.config.tcp_idle_timeout)
+        if timeout > 0:
+            self._reap_interval = min(5.0, max(0.05, timeout / 4))
+            self._reaper = stack._loop.call_later(self._reap_interval, self._reap)
+
+    def dns_track(self, task: asyncio.Task) -> None:
+        """Count a DNS-over-UDP query task in :attr:`dns_inflight` until it ends."""
+        self.dns_inflight += 1
+        task.add_done_callback(self._dns_done)
+
+    def _dns_done(self, _task) -> None:
+        self.dns_inflight -= 1
+
+    @property
+    def pending(self) -> int:
+        """TCP flows whose host connect may still be in progress (swept lazily)."""
+        return len(self._pending)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, proto: int, remote: str | None, port: int = 0) -> str | None:
+        """May the guest open a new flow of ``proto`` (6, 17, 1 or 58) to host address ``remote``
+        (text; ``None`` for a local service such as DNS over TCP) and ``port``?
+
+        Returns ``None`` to admit, :data:`DENIED` when the egress policy denies ``remote`` (answer
+        ICMP administratively prohibited), or the name of the bound that was hit (answer a TCP SYN
+        with a RST, drop anything else). Each refusal is counted as ``drop.<verdict>``.
+        """
+        counters = self.stack.counters
+        if remote is not None and not self.policy.empty and not self.policy.allows(remote):
+            counters["drop." + DENIED] += 1
+            if remote not in self._logged and len(self._logged) < _LOGGED_MAX:
+                self._logged.add(remote)
+                log.info("egress policy: guest traffic to %s denied", remote)
+            return DENIED
+        name = _NAMES.get(proto, "tcp")
+        active = self.active
+        if active[name] >= self.caps[name]:
+            return self._refuse("limit_" + name + "_flows")
+        if active["tcp"] + active["udp"] + active["icmp"] >= self.fd_budget:
+            return self._refuse("limit_fds")
+        now = time.monotonic()
+        if name == "tcp" and remote is not None:
+            dest = (remote, port)
+            if len(self._pending) >= self.max_pending or self._pending_dest.get(dest, 0) >= self.max_pending_dest:
+                self._prune(now)
+                if len(self._pending) >= self.max_pending or self._pending_dest.get(dest, 0) >= self.max_pending_dest:
+                    return self._refuse("limit_pending_connects")
+        bucket = self.bucket
+        if bucket is not None and not bucket.take(now):
+            return self._refuse("limit_new_flow_rate")
+        return None
+
+    def _refuse(self, reason: str) -> str:
+        self.stack.counters["drop." + reason] += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning("refusing new guest flows: the %s bound is reached (counted as drop.%s; logged once; "
+                        "see --limit)", _FIELD_OF.get(reason, reason), reason)
+        return reason
+
+    def _prune(self, now: float) -> None:
+        """Forget pending connects that completed or ended (at most every PRUNE_INTERVAL seconds)."""
+        if now - self._pruned_at < PRUNE_INTERVAL:
+            return
+        self._pruned_at = now
+        done = [f for f in self._pending if f.transport is not None or f.done.done()]
+        for f in done:
+            self._forget(f)
+
+    def _forget(self, flow) -> None:
+        dest = self._pending.pop(flow, None)
+        if dest is not None:
+            n = self._pending_dest[dest] - 1
+            if n:
+                self._pending_dest[dest] = n
+            else:
+                del self._pending_dest[dest]
+
+    # ------------------------------------------------------------------ flow table hooks
+    def opened(self, flow) -> None:
+        """``Stack.add_flow`` calls this for every flow entering the table."""
+        name = flow.proto_name
+        if name in self.active:
+            self.active[name] += 1
+        if (name == "tcp" and flow.remote is not None and getattr(flow, "direction", "outbound") != "inbound"
+                and flow.transport is None):
+            dest = (flow.remote, flow.dst_port)
+            self._pending[flow] = dest
+            self._pending_dest[dest] = self._pending_dest.get(dest, 0) + 1
+
+    def closed(self, flow) -> None:
+        """``Stack.remove_flow`` calls this once for every flow leaving the table."""
+        name = flow.proto_name
+        if name in self.active and self.active[name] > 0:
+            self.active[name] -= 1
+        if self._pending:
+            self._forget(flow)
+
+    # ------------------------------------------------------------------ reaper
+    def _reap(self) -> None:
+        """Timer callback: reset TCP flows idle (no guest segment) for ``tcp_idle_timeout`` seconds,
+        then re-arm (a loop timer, not a task: nothing is left running once the stack is closed)."""
+        stack = self.stack
+        self._reaper = None
+        if stack._closed:
+            return
+        timeout = float(stack.config.tcp_idle_timeout)
+        now = stack._loop.time()
+        idle = [f for f in stack.flows.values() if f.proto_name == "tcp" and now - f.last_active > timeout]
+        for f in idle:
+            stack.counters["tcp_idle_closed"] += 1
+            try:
+                f.shutdown()
+            except Exception:  # pragma: no cover - defensive
+                log.exception("idle TCP flow %s: shutdown failed", f.key)
+        # Re-count from the table itself: a flow that left it without remove_flow (a failed
+        # shutdown, a wholesale clear) must not hold a slot for ever.
+        counts = dict.fromkeys(self.active, 0)
+        for f in stack.flows.values():
+            if f.proto_name in counts:
+                counts[f.proto_name] += 1
+        self.active = counts
+        self._reaper = stack._loop.call_later(self._reap_interval, self._reap)
+
+
+#: ``NetworkConfig`` fields that ``--limit NAME=VALUE`` may set, with their types.
+LIMIT_FIELDS = {
+    "max_flows": int, "max_tcp_flows": int, "max_udp_flows": int, "max_icmp_flows": int,
+    "max_pending_connects": int, "new_flow_rate": float, "new_flow_burst": int, "dns_max_inflight": int,
+    "inject_queue_size": int, "tcp_buffer": int, "tcp_connect_timeout": float, "tcp_idle_timeout": float,
+    "tcp_linger": float, "udp_idle_timeout": float, "icmp_idle_timeout": float,
+}
+
+
+def parse_limits(values) -> dict:
+    """``["max_flows=4096", "new_flow_rate=0"]`` -> ``{"max_flows": 4096, "new_flow_rate": 0.0}``.
+
+    Raises :class:`~aioslirp.config.ConfigError` naming ``--limit`` for an unknown name or a bad number.
+    """
+    from .config import ConfigError
+
+    out: dict = {}
+    for text in values or ():
+        name, sep, value = str(text).partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in LIMIT_FIELDS:
+            raise ConfigError("--limit", f"{text!r}: expected NAME=VALUE with NAME one of {', '.join(LIMIT_FIELDS)}")
+        try:
+            out[name] = LIMIT_FIELDS[name](value.strip())
+        except ValueError:
+            raise ConfigError("--limit", f"{text!r}: {value.strip()!r} is not a number") from None
+    return out

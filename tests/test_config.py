@@ -1,0 +1,41 @@
+"""NetworkConfig validation: every bad value raises ConfigError naming its field, in one line."""
+
+import pytest
+
+from aioslirp import ConfigError, NetworkConfig
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(cidr="not-a-net"), "cidr"),
+    (dict(cidr="10.0.0.0/30"), "cidr"),
+    (dict(cidr="224.0.0.0/24"), "cidr"),
+    (dict(cidr="127.0.0.0/24"), "cidr"),
+    (dict(cidr="0.0.0.0/24"), "cidr"),
+    (dict(gateway="10.0.3.2"), "gateway"),
+    (dict(dns="10.0.2.2"), "dns"),
+    (dict(guest="10.0.2.3"), "guest"),
+    (dict(mtu=575), "mtu"),
+    (dict(mtu=65521), "mtu"),
+    (dict(dns_upstreams=[("nope", 53)]), "dns_upstreams"),
+    (dict(dns_upstreams=[("127.0.0.1", 99999)]), "dns_upstreams"),
+    (dict(dns_upstreams=["127.0.0.1:0"]), "dns_upstreams"),
+    (dict(dns_search=["bad domain!"]), "dns_search"),
+    (dict(udp_idle_timeout="x"), "udp_idle_timeout"),
+    (dict(dns_timeout=0), "dns_timeout"),
+    (dict(max_flows="many"), "max_flows"),
+    (dict(gateway_mac="52:55:0a:00:02"), "gateway_mac"),
+])
+def test_bad_values_name_their_field(kw, field):
+    with pytest.raises(ConfigError) as err:
+        NetworkConfig(**kw).validate()
+    assert err.value.field == field
+    assert str(err.value).startswith(field + ": ") and "\n" not in str(err.value)
+
+
+def test_defaults_and_normalisation():
+    c = NetworkConfig(cidr="10.0.3.77/24", dns_upstreams=["127.0.0.53", "[::1]:5353", ("127.0.0.1", "5300")],
+                      dns_search=["corp.example", "lab"]).validate()
+    assert str(c.cidr) == "10.0.3.0/24"
+    assert (str(c.gateway), str(c.dns), str(c.guest)) == ("10.0.3.2", "10.0.3.3", "10.0.3.15")
+    assert c.dns_upstreams == [("127.0.0.53", 53), ("::1", 5353), ("127.0.0.1", 5300)]
+    assert c.gateway_mac_bytes == bytes.fromhex("52550a000202")
