@@ -22,9 +22,6 @@ __all__ = ["main", "build_parser", "config_from_args"]
 
 PROG = "aioslirp"
 
-#: Options accepted now but whose feature has not landed yet: dest -> flag shown to the user.
-#: Remove an entry when the feature is wired in (see ``_apply_extras``).
-NOT_YET_SUPPORTED: dict = {}
 
 #: NetworkConfig field -> the option that sets it, for error messages.
 _FIELD_OPTION = {
@@ -380,17 +377,6 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     return config
 
 
-def _apply_extras(args: argparse.Namespace) -> None:
-    """Refuse options whose feature is not implemented yet (exit 2 via ConfigError-like line)."""
-    for dest, flag in NOT_YET_SUPPORTED.items():
-        if getattr(args, dest, None):
-            raise _Unsupported(flag)
-
-
-class _Unsupported(Exception):
-    pass
-
-
 def _stack_factory(args: argparse.Namespace, base=None):
     """``stack_factory`` for the entry points when ``--publish``/``--api-socket`` are given, else None.
 
@@ -503,7 +489,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     obs = Observability.from_args(args)
     try:
-        _apply_extras(args)
         config = config_from_args(args)
         obs.check()
         if args.command_name == "demo" and args.pcap:
@@ -521,9 +506,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             netns_path, pid, positional_ifname = _attach_target(args)
             ifname = _ifname(args, positional_ifname)
-    except _Unsupported as exc:
-        print(f"{PROG}: {exc} is not supported yet", file=sys.stderr)
-        return 2
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -541,20 +541,6 @@ def test_cli_argument_errors(args, option):
     assert option in lines[0] and "Traceback" not in p.stderr
 
 
-def _not_yet_options():
-    from aioslirp.cli import NOT_YET_SUPPORTED
-
-    values = {"--publish": "8080:80", "--pcap": "x.pcap", "--api-socket": "api.sock", "--otlp-endpoint": "http://127.0.0.1:4318"}
-    return [([flag] if flag == "--trace" else [flag, values[flag]], flag) for flag in NOT_YET_SUPPORTED.values()]
-
-
-@pytest.mark.parametrize("opt, flag", _not_yet_options() or [pytest.param(None, None, marks=pytest.mark.skip("all implemented"))])
-def test_cli_not_yet_supported_options(opt, flag):
-    p = cli("run", *opt, "--", "true")
-    assert p.returncode == 2
-    assert p.stderr.strip() == f"aioslirp: {flag} is not supported yet"
-
-
 def test_cli_help_has_examples():
     p = cli("run", "--help")
     assert p.returncode == 0 and "examples:" in p.stdout and "aioslirp run --" in p.stdout
