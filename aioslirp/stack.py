@@ -27,7 +27,6 @@ dropped and counted under ``drop.<reason>`` in :attr:`Stack.counters`.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 import time
@@ -35,10 +34,10 @@ from collections import Counter
 
 from .config import NetworkConfig
 from .wire.arp import ARP_REPLY, ARP_REQUEST, build_arp, parse_arp
-from .wire.checksum import finish, partial
+from .wire.checksum import partial
 from .wire.ethernet import BROADCAST, ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6
 from .wire.ipv4 import (ICMP, IP_MF, IP_OFFMASK, IPV4, PROTO_ICMP, PROTO_TCP, PROTO_UDP, TCP, UDP,
-                        build_icmp_packet, build_udp_packet, fragment, pseudo_sum)
+                        build_icmp_packet, build_tcp, build_udp_packet, fragment, pseudo_sum)
 from .wire.reassembly import Reassembler
 from . import tracing
 from .services.dhcp import reply_destination
@@ -46,7 +45,7 @@ from .limits import DENIED, Guard
 from .lifecycle import farewell
 # At module level: an import statement inside _tcp ran for every guest TCP frame (~1-2 us each;
 # benchmarks showed -12% CPU per GB guest->host). aioslirp.tcp.flow does not import this module.
-from .tcp.flow import TcpFlow, parse_segment
+from .tcp.flow import TcpFlow, parse_segment, reset_for
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -626,7 +625,7 @@ class Stack:
             flow.shutdown()
         if not (seg.flags & 0x02) or seg.flags & 0x14:  # need SYN without RST/ACK
             if not seg.flags & 0x04:
-                self._tcp_reset_unknown(src, dst, sport, dport, seg, len(seg.payload))
+                self._tcp_reset_unknown(src, dst, sport, dport, seg)
             self.counters["drop.tcp_no_flow"] += 1
             return
         if src == b"\x00\x00\x00\x00":
@@ -634,7 +633,7 @@ class Stack:
         orig = bytes(mv[14:14 + ihl]) + bytes(l4[:8])
         if dst == self.dns_ip:
             if dport != 53:
-                self._tcp_reset_unknown(src, dst, sport, dport, seg, 0)
+                self._tcp_reset_unknown(src, dst, sport, dport, seg)
                 return
             remote = None
         else:
@@ -642,7 +641,7 @@ class Stack:
             if remote is None:
                 if dst == self.gw_ip:
                     self.counters["drop.host_loopback_disabled"] += 1
-                    self._tcp_reset_unknown(src, dst, sport, dport, seg, 0)
+                    self._tcp_reset_unknown(src, dst, sport, dport, seg)
                     return
                 self.send_icmp_error(ICMP_UNREACH, UNREACH_HOST, orig)
                 return self.drop("tcp_unroutable_dst")
@@ -651,23 +650,18 @@ class Stack:
             if verdict == DENIED:
                 self.send_icmp_error(ICMP_UNREACH, UNREACH_ADMIN, orig)
             else:
-                self._tcp_reset_unknown(src, dst, sport, dport, seg, 0)
+                self._tcp_reset_unknown(src, dst, sport, dport, seg)
             return
         if not self._make_room(PROTO_TCP):
-            self._tcp_reset_unknown(src, dst, sport, dport, seg, 0)
+            self._tcp_reset_unknown(src, dst, sport, dport, seg)
             return self.drop("flow_table_full")
         TcpFlow(self, key, remote, seg, orig)
 
-    def _tcp_reset_unknown(self, src, dst, sport, dport, seg, paylen: int) -> None:
-        """RST for a segment that belongs to no flow (RFC 9293 3.10.7.1)."""
-        from .wire.ipv4 import build_tcp
-        if seg.flags & 0x10:
-            frame = build_tcp(self.eth_to(src), dst, src, dport, sport, seg.ack, 0, 0x04, 0)
-        else:
-            seglen = paylen + (1 if seg.flags & 0x02 else 0) + (1 if seg.flags & 0x01 else 0)
-            frame = build_tcp(self.eth_to(src), dst, src, dport, sport, 0, seg.seq + seglen, 0x14, 0)
+    def _tcp_reset_unknown(self, src, dst, sport, dport, seg) -> None:
+        """RST for a segment that belongs to no flow (RFC 9293 3.10.7.1; see :func:`reset_for`)."""
+        seq, ack, flags = reset_for(seg)
         self.counters["tcp_rst_sent"] += 1
-        self.inject(frame)
+        self.inject(build_tcp(self.eth_to(src), dst, src, dport, sport, seq, ack, flags, 0))
 
     # -------------------------------------------------------------- flow table
     def _make_room(self, proto: int) -> bool:

@@ -47,7 +47,7 @@ import time
 from .config6 import Ipv6Config
 from .services.dhcpv6 import Dhcpv6Server
 from .services.ndp import NdpResponder
-from .tcp.flow import TcpFlow, parse_segment  # module level: this runs for every guest TCP frame
+from .tcp.flow import TcpFlow, parse_segment, reset_for  # module level: this runs for every guest TCP frame
 from .udp import UdpFlow
 from .limits import DENIED
 from .wire.ethernet import ETH, ETHERTYPE_IPV6
@@ -415,7 +415,7 @@ class Ipv6Path:
             flow.shutdown()  # finished (TIME-WAIT) and this is a new SYN: replace it
         if not (seg.flags & 0x02) or seg.flags & 0x14:  # need SYN without RST/ACK
             if not seg.flags & 0x04:
-                self._reset_unknown(src, dst, sport, dport, seg, len(seg.payload))
+                self._reset_unknown(src, dst, sport, dport, seg)
             stack.counters["drop.tcp_no_flow"] += 1
             return
         if src == UNSPECIFIED:
@@ -425,14 +425,14 @@ class Ipv6Path:
         orig = bytes(mv[ip.off:min(ip.end, ip.off + _QUOTE)])
         if dst == self.dns6:
             if dport != 53:
-                return self._reset_unknown(src, dst, sport, dport, seg, 0)
+                return self._reset_unknown(src, dst, sport, dport, seg)
             remote = None
         else:
             remote = self.config6.remote_for(dst, self.host_loopback)
             if remote is None:
                 if dst == self.gw6:
                     stack.counters["drop.host_loopback_disabled"] += 1
-                    return self._reset_unknown(src, dst, sport, dport, seg, 0)
+                    return self._reset_unknown(src, dst, sport, dport, seg)
                 self.send_icmp6_error(ICMP6_DST_UNREACH, 3, orig)
                 return stack.drop("tcp6_unroutable_dst")
         verdict = stack.guard.admit(NH_TCP, remote, dport)  # egress policy and bounds (aioslirp/limits.py)
@@ -440,19 +440,15 @@ class Ipv6Path:
             if verdict == DENIED:
                 self.send_icmp6_error(ICMP6_DST_UNREACH, 1, orig)
             else:
-                self._reset_unknown(src, dst, sport, dport, seg, 0)
+                self._reset_unknown(src, dst, sport, dport, seg)
             return
         if not stack._make_room(NH_TCP):
-            self._reset_unknown(src, dst, sport, dport, seg, 0)
+            self._reset_unknown(src, dst, sport, dport, seg)
             return stack.drop("flow_table_full")
         TcpFlow(stack, key, remote, seg, orig)
 
-    def _reset_unknown(self, src, dst, sport, dport, seg, paylen: int) -> None:
-        """RST for a segment that belongs to no flow (RFC 9293 3.10.7.1)."""
-        if seg.flags & 0x10:
-            frame = build_tcp6(self.eth_to(src), dst, src, dport, sport, seg.ack, 0, 0x04, 0)
-        else:
-            seglen = paylen + (1 if seg.flags & 0x02 else 0) + (1 if seg.flags & 0x01 else 0)
-            frame = build_tcp6(self.eth_to(src), dst, src, dport, sport, 0, seg.seq + seglen, 0x14, 0)
+    def _reset_unknown(self, src, dst, sport, dport, seg) -> None:
+        """RST for a segment that belongs to no flow (RFC 9293 3.10.7.1; see :func:`reset_for`)."""
+        seq, ack, flags = reset_for(seg)
         self.stack.counters["tcp_rst_sent"] += 1
-        self.stack.inject(frame)
+        self.stack.inject(build_tcp6(self.eth_to(src), dst, src, dport, sport, seq, ack, flags, 0))

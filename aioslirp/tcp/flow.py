@@ -47,6 +47,18 @@ _LINGER0 = struct.pack("ii", 1, 0)
 _CLOSED_BOTH = ("TIME-WAIT", "CLOSED", "LAST-ACK", "CLOSING")
 
 
+def reset_for(seg: Segment) -> tuple[int, int, int]:
+    """``(seq, ack, flags)`` of the RST answering ``seg``, a segment no flow owns (RFC 9293 3.10.7.1).
+
+    With ACK set the RST takes its sequence number from ``seg.ack``; otherwise it is
+    sent with sequence 0 and acknowledges everything ``seg`` occupied (payload, SYN, FIN).
+    """
+    if seg.flags & ACK:
+        return seg.ack, 0, RST
+    seglen = len(seg.payload) + (1 if seg.flags & SYN else 0) + (1 if seg.flags & FIN else 0)
+    return 0, (seg.seq + seglen) & 0xFFFFFFFF, RST | ACK
+
+
 def parse_segment(l4) -> Segment | None:
     """Parse a TCP header + payload (``memoryview``) into a :class:`Segment`.
 
