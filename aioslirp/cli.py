@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="set a resource bound (repeatable): max_flows, max_tcp_flows, max_udp_flows, max_icmp_flows, "
         "max_pending_connects, new_flow_rate (per second, 0: off), new_flow_burst, dns_max_inflight, "
         "tcp_idle_timeout (s, 0: off), udp_idle_timeout, icmp_idle_timeout, tcp_connect_timeout, tcp_linger, "
-        "inject_queue_size, tcp_buffer",
+        "inject_queue_size, tcp_buffer, reassembly_max_datagrams, reassembly_max_fragments, "
+        "reassembly_max_bytes, reassembly_timeout (s; IPv4 and IPv6 fragment reassembly, each family)",
     )
     obs = common.add_argument_group("observability")
     obs.add_argument("--pcap", metavar="FILE", help="write every frame both ways to a pcap file (tshark, tcpdump, dpkt)")

@@ -126,6 +126,15 @@ class NetworkConfig:
     tcp_buffer: int = 1 << 20
     #: Frames the inject queue holds before producers wait.
     inject_queue_size: int = 4096
+    #: Fragment reassembly bounds, applied to IPv4 and to IPv6 alike (one reassembler each):
+    #: datagrams in progress (a new one evicts the oldest, ``drop.frag_evicted``), fragments per
+    #: datagram (``drop.frag_too_many``), bytes held across all datagrams in progress (a fragment
+    #: over it is dropped, ``drop.frag_memory_full``) and seconds from a datagram's first fragment
+    #: to its completion (``drop.frag_timeout``). See docs/security.md.
+    reassembly_max_datagrams: int = 64
+    reassembly_max_fragments: int = 64
+    reassembly_max_bytes: int = 4 << 20
+    reassembly_timeout: float = 15.0
     #: Longest delay of a pure ACK for guest data, seconds (0-0.5, RFC 1122 4.2.3.2; 0: ACK at
     #: once). A host answer within the delay carries the ACK: one frame per request/response.
     tcp_ack_delay: float = 0.001
@@ -198,14 +207,16 @@ class NetworkConfig:
             raise ConfigError("gateway_mac", f"{self.gateway_mac!r} is not a MAC address") from None
         for name in ("lease_time", "max_flows", "tcp_buffer", "inject_queue_size", "max_tcp_flows",
                      "max_udp_flows", "max_icmp_flows", "max_pending_connects", "new_flow_burst",
-                     "dns_max_inflight"):
+                     "dns_max_inflight", "reassembly_max_datagrams", "reassembly_max_fragments",
+                     "reassembly_max_bytes"):
             try:
                 value = int(getattr(self, name))
             except (TypeError, ValueError):
                 raise ConfigError(name, f"{getattr(self, name)!r} is not a whole number") from None
             if value <= 0:
                 raise ConfigError(name, "must be positive")
-        for name in ("tcp_connect_timeout", "tcp_linger", "udp_idle_timeout", "icmp_idle_timeout", "dns_timeout"):
+        for name in ("tcp_connect_timeout", "tcp_linger", "udp_idle_timeout", "icmp_idle_timeout", "dns_timeout",
+                     "reassembly_timeout"):
             try:
                 value = float(getattr(self, name))
             except (TypeError, ValueError):

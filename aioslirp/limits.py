@@ -285,6 +285,8 @@ LIMIT_FIELDS = {
     "max_pending_connects": int, "new_flow_rate": float, "new_flow_burst": int, "dns_max_inflight": int,
     "inject_queue_size": int, "tcp_buffer": int, "tcp_connect_timeout": float, "tcp_idle_timeout": float,
     "tcp_linger": float, "udp_idle_timeout": float, "icmp_idle_timeout": float,
+    "reassembly_max_datagrams": int, "reassembly_max_fragments": int, "reassembly_max_bytes": int,
+    "reassembly_timeout": float,
 }
 
 

@@ -96,7 +96,7 @@ class Ipv6Path:
         self.gw_mac = cfg.gateway_mac_bytes
         self.ndp = NdpResponder(c6, self.gw_mac)
         self.dhcp6 = Dhcpv6Server(c6, self.gw_mac)
-        self.reassembler = Ipv6Reassembler()
+        self.reassembler = Ipv6Reassembler.from_config(self.stack.config)
         self.err_bucket = TokenBucket()
         self.gw6 = c6.gateway6_bytes
         self.dns6 = c6.dns6_bytes
@@ -134,7 +134,7 @@ class Ipv6Path:
     def reset(self) -> None:
         """Forget the guest (``Stack.reset_flows``): neighbours, reassembly, learned sources."""
         self.ndp.neighbors.clear()
-        self.reassembler = Ipv6Reassembler()
+        self.reassembler = Ipv6Reassembler.from_config(self.stack.config)
         self.guest_mac = None
         self._good_src.clear()
         self._solicited.clear()

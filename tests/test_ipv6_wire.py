@@ -287,7 +287,7 @@ def test_reassembly_bounded_datagrams():
         f = raw6(REMOTE, GUEST6, 44, struct.pack("!BxHI", 17, 1, ident) + bytes(8))
         assert r.add(f, parse_ipv6(f, 0), 1.0) is None
     assert len(r) == 4 and r.drops["frag_evicted"] == 6
-    assert len(r._first) <= 8
+    assert r.held == 4 * (8 + 40)  # the first fragments' headers live with their datagrams, bounded with them
 
 
 # ------------------------------------------------------------------ ICMPv6 errors and echo

@@ -36,11 +36,10 @@ from __future__ import annotations
 import itertools
 import struct
 import time
-from collections import OrderedDict
 
 from .checksum import finish, partial
 from .ethernet import ETH, ETH_HLEN, ETHERTYPE_IPV6
-from .reassembly import Reassembler
+from .reassembly import DEFAULT_MAX_BYTES, Reassembler
 
 __all__ = [
     "IPV6", "Ipv6", "Ipv6Reassembler", "TokenBucket", "parse_ipv6", "walk_ext", "pseudo_sum6",
@@ -476,12 +475,14 @@ def fragment6(packet, mtu: int) -> list:
 class Ipv6Reassembler:
     """Bounded IPv6 reassembly (RFC 8200 4.5, RFC 5722) on top of :class:`Reassembler`.
 
-    Keyed by ``(src, dst, ident)``. Limits are those of the IPv4 reassembler (datagrams in
-    progress, fragments each, ``timeout`` seconds); overlapping fragments discard the whole
-    datagram, exact duplicates are ignored. The reassembled fragmentable part is limited to
-    65,515 bytes by the shared reassembler (RFC 8200 allows 65,535 minus the unfragmentable
-    part; UDP payloads up to 65,507 bytes reassemble). NDP messages (ICMPv6 133-137) that
-    arrive fragmented are dropped (RFC 6980).
+    Keyed by ``(src, dst, ident)``. The bounds are those of :class:`Reassembler` (datagrams
+    in progress, fragments each, bytes held, ``timeout`` seconds), with the same drop reasons;
+    the first fragment's headers (IPv6 header and unfragmentable extension headers), kept
+    with its datagram until it completes, count against ``max_bytes`` too. Overlapping
+    fragments discard the whole datagram, exact duplicates are ignored. The reassembled
+    fragmentable part is limited to 65,515 bytes by the shared reassembler (RFC 8200 allows
+    65,535 minus the unfragmentable part; UDP payloads up to 65,507 bytes reassemble). NDP
+    messages (ICMPv6 133-137) that arrive fragmented are dropped (RFC 6980).
 
     :meth:`add` returns the whole datagram as an unfragmented IPv6 packet (``bytes``: the
     first fragment's header and unfragmentable extension headers, Next Header patched, payload
@@ -490,17 +491,27 @@ class Ipv6Reassembler:
     :class:`Reassembler`).
     """
 
-    def __init__(self, *, max_datagrams: int = 64, max_fragments: int = 64, timeout: float = 15.0) -> None:
-        self._r = Reassembler(max_datagrams=max_datagrams, max_fragments=max_fragments, timeout=timeout)
+    def __init__(self, *, max_datagrams: int = 64, max_fragments: int = 64, max_bytes: int = DEFAULT_MAX_BYTES,
+                 timeout: float = 15.0) -> None:
+        self._r = Reassembler(max_datagrams=max_datagrams, max_fragments=max_fragments, max_bytes=max_bytes,
+                              timeout=timeout)
         self.drops = self._r.drops
         self.timeout = timeout
-        self._max_first = 2 * max_datagrams
-        # key -> (first_seen, header bytes up to the Fragment header, offset of the Next Header
-        # byte that names the Fragment header, Next Header of the fragmentable part)
-        self._first: OrderedDict[tuple, tuple] = OrderedDict()
+
+    @classmethod
+    def from_config(cls, config) -> "Ipv6Reassembler":
+        """One built with the ``reassembly_*`` bounds of a :class:`~aioslirp.config.NetworkConfig`."""
+        return cls(max_datagrams=int(config.reassembly_max_datagrams),
+                   max_fragments=int(config.reassembly_max_fragments),
+                   max_bytes=int(config.reassembly_max_bytes), timeout=float(config.reassembly_timeout))
 
     def __len__(self) -> int:
         return len(self._r)
+
+    @property
+    def held(self) -> int:
+        """Bytes held now (fragment payloads and first-fragment headers), at most ``max_bytes``."""
+        return self._r.held
 
     def _drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
@@ -513,23 +524,19 @@ class Ipv6Reassembler:
         mv = memoryview(buf)
         if foff == 0 and not more:  # atomic fragment (RFC 6946): process in isolation
             return self._rebuild(bytes(mv[ip.off:ip.l4 - 8]), self._nh_pos(buf, ip), ip.proto, mv[ip.l4:ip.end])
-        key = (ip.src, ip.dst, ident)
-        first = self._first
-        while first:
-            k, v = next(iter(first.items()))
-            if now - v[0] < self.timeout and len(first) < self._max_first:
-                break
-            del first[k]
         if foff == 0:
-            first[key] = (now, bytes(mv[ip.off:ip.l4 - 8]), self._nh_pos(buf, ip), ip.proto)
-        data = self._r.add(key, foff, more, mv[ip.l4:ip.end], now)
-        if data is None:
+            head = bytes(mv[ip.off:ip.l4 - 8])
+            done = self._r.add_fragment((ip.src, ip.dst, ident), 0, more, mv[ip.l4:ip.end], now,
+                                        (head, self._nh_pos(buf, ip), ip.proto), len(head))
+        else:
+            done = self._r.add_fragment((ip.src, ip.dst, ident), foff, more, mv[ip.l4:ip.end], now)
+        if done is None:
             return None
-        info = first.pop(key, None)
+        data, info = done
         if info is None:  # cannot happen: completion needs the offset-0 fragment
             self._drop("frag_no_first")
             return None
-        return self._rebuild(info[1], info[2], info[3], data)
+        return self._rebuild(info[0], info[1], info[2], data)
 
     @staticmethod
     def _nh_pos(buf, ip: Ipv6) -> int:
