@@ -87,6 +87,27 @@ def _short(frame: str) -> str:
     return f"{name} ({'/'.join(fname.split('/')[-2:])})"
 
 
+def report_strace(path: Path, top: int, iterations: int) -> str:
+    """``strace -c`` summary with calls per workload iteration (connection for CRR, round trip for RR)."""
+    out = io.StringIO()
+    rows = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[0][0].isdigit() and not line.lstrip().startswith("100.00"):
+            name = parts[-1]
+            calls = int(parts[3])
+            rows.append((calls, name, line))
+    rows.sort(reverse=True)
+    total = sum(c for c, _, _ in rows)
+    print(f"{iterations} iterations; {total} system calls"
+          f" ({total / iterations:.1f} per iteration)" if iterations else "", file=out)
+    print("calls/iter  syscall", file=out)
+    for calls, name, _ in rows[:top]:
+        print(f"{calls / max(iterations, 1):10.2f}  {name}", file=out)
+    print("\nstrace -c:\n" + path.read_text(), file=out)
+    return out.getvalue()
+
+
 def report_pstats(path: Path, top: int) -> str:
     out = io.StringIO()
     st = pstats.Stats(str(path), stream=out)
@@ -101,7 +122,10 @@ def report_pstats(path: Path, top: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=("crr", "rr", "udprr", "ccrr8", "ccrr64", "tcp_up", "tcp_down"))
-    ap.add_argument("--tool", choices=("py-spy", "cprofile"), default="py-spy")
+    ap.add_argument("--tool", choices=("py-spy", "cprofile", "strace"), default="py-spy",
+                    help="strace: system calls per connection/iteration (strace -c), any --backend")
+    ap.add_argument("--backend", choices=("aioslirp", "pasta"), default="aioslirp",
+                    help="backend to attach to (py-spy and cprofile: aioslirp only)")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--mtu", type=int, help="aioslirp --mtu (default: its default)")
     ap.add_argument("--pinned", action="store_true", help="client, servers and aioslirp on one CPU")
@@ -114,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("profile.py: error: run as root", file=sys.stderr)
         return 2
+    if args.backend != "aioslirp" and args.tool != "strace":
+        print("profile.py: error: --backend pasta needs --tool strace", file=sys.stderr)
+        return 2
     pyspy = shutil.which("py-spy") or str(Path(args.python).parent / "py-spy")
     if args.tool == "py-spy" and not os.path.exists(pyspy):
         print("profile.py: error: py-spy not found (pip install py-spy)", file=sys.stderr)
@@ -121,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    tag = f"{args.mode}-{args.tool}{'-native' if args.native else ''}-mtu{args.mtu or 'default'}{'-pinned' if args.pinned else ''}-{stamp}"
-    prof_file = out / f"{tag}.{'raw' if args.tool == 'py-spy' else 'prof'}"
+    tag = f"{args.mode}-{'' if args.backend == 'aioslirp' else args.backend + '-'}{args.tool}{'-native' if args.native else ''}-mtu{args.mtu or 'default'}{'-pinned' if args.pinned else ''}-{stamp}"
+    prof_file = out / f"{tag}.{ {'py-spy': 'raw', 'cprofile': 'prof', 'strace': 'strace'}[args.tool]}"
     cbench = R.build_c_tools(HERE / "results" / ".bin")
 
     R.enter_sandbox(need_default_route=False)
@@ -131,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     allowed = sorted(os.sched_getaffinity(0))
     cpus = {allowed[-1]} if args.pinned else set(allowed)
     py_args = ["-m", "cProfile", "-o", str(prof_file)] if args.tool == "cprofile" else []
-    backend = B.Aioslirp(args.mtu, args.python, python_args=py_args)
+    backend = (B.Aioslirp(args.mtu, args.python, python_args=py_args) if args.backend == "aioslirp"
+               else B.Pasta(args.mtu or 65520))
     result = None
     try:
         with R.Session(backend, "pinned" if args.pinned else "unpinned", cpus, workdir, workdir, args.python, 1,
@@ -142,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                                         "-o", str(prof_file), "-d", str(int(args.seconds + 2)),
                                         *([] if args.native else ["--nonblocking"]),
                                         *(["--native"] if args.native else [])],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                time.sleep(0.5)
+            elif args.tool == "strace":
+                spy = subprocess.Popen(["strace", "-c", "-f", "-o", str(prof_file), "-p", str(backend.pid)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 time.sleep(0.5)
             result = workload(sess, args.mode, args.seconds)
@@ -156,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    text = (report_raw(prof_file, args.top) if args.tool == "py-spy" else report_pstats(prof_file, args.top))
+    if args.tool == "strace":
+        text = report_strace(prof_file, args.top, (result or {}).get("n") or 0)
+    else:
+        text = (report_raw(prof_file, args.top) if args.tool == "py-spy" else report_pstats(prof_file, args.top))
     head = f"aioslirp profile: {args.mode}, {args.tool}, MTU {args.mtu or 'default'}, " \
            f"{'pinned' if args.pinned else 'unpinned'}, load {os.getloadavg()[0]:.2f}\nworkload: " \
            f"{R.report.one_line(dict(result or {}, ok=True, test=args.mode))}\n\n"

@@ -6,7 +6,8 @@ real handshake, guest segments from templates, a fake clock.
 * ``ack_delay`` (RFC 1122 4.2.3.2, RFC 9293 3.8.6.3): the pure ACK for in-order guest data
   waits up to ``ack_delay`` seconds so that host data can carry it; it goes at once for two
   full-sized segments, out-of-order data, a filled hole, old data, a window update the guest
-  may be waiting for, and the FIN.
+  may be waiting for, and a FIN in FIN-WAIT-1/2; a FIN in ESTABLISHED waits like data so
+  that our FIN can carry its ACK.
 * ``max_segment`` (TCP segmentation offload): segments up to ``max_segment`` bytes, whole
   multiples of the effective MSS except the tail of the send buffer.
 """
@@ -88,13 +89,36 @@ def test_out_of_order_and_hole_fill_are_acked_at_once():
     assert [(s.flags, s.ack) for s in out] == [(ACK, R(201))]
 
 
-def test_fin_is_acked_at_once():
+def test_fin_in_established_ack_waits_and_rides_on_our_fin():
     c = established()
     send(c, seg(payload=X), 1.0)
     assert recv(c, 1.0) == []
     send(c, seg(seq=R(101), flags=ACK | FIN), 1.0)
-    assert [(s.flags, s.ack) for s in recv(c, 1.0)] == [(ACK, R(102))]
+    assert c.state == "CLOSE-WAIT" and ("fin",) in events(c)
+    assert recv(c, 1.0) == []  # delayed: the host's EOF usually follows at once
+    assert c.get_timer() == pytest.approx(1.0 + DELAY)
+    c.shutdown_write()  # host EOF within the delay: one FIN|ACK acknowledges data and FIN
+    assert [(s.flags, s.ack) for s in recv(c, 1.001)] == [(ACK | FIN, R(102))]
+    assert c.state == "LAST-ACK"
+
+
+def test_fin_in_established_ack_goes_alone_at_the_deadline():
+    c = established()
+    send(c, seg(seq=R(1), flags=ACK | FIN), 1.0)
+    assert recv(c, 1.0) == []
+    c.handle_timer(1.0 + DELAY)
+    assert [(s.flags, s.ack) for s in recv(c, 1.0 + DELAY)] == [(ACK, R(2))]
     assert c.state == "CLOSE-WAIT" and c.get_timer() is None
+
+
+def test_fin_after_hole_is_acked_at_once():
+    c = established()
+    send(c, seg(seq=R(101), payload=X), 1.0)  # out of order: a hole at R(1)
+    assert [s.ack for s in recv(c, 1.0)] == [R(1)]
+    send(c, seg(seq=R(1), payload=X), 1.0)  # fills the hole
+    send(c, seg(seq=R(201), flags=ACK | FIN), 1.0)
+    out = recv(c, 1.0)
+    assert out and out[-1].ack == R(202) and c.state == "CLOSE-WAIT"
 
 
 def test_fin_after_our_fin_is_acked_at_once():

@@ -172,7 +172,8 @@ async def test_spans_for_one_crr_cycle_and_a_refused_connection(memory_tracing):
     for s in frames:
         assert s.attributes["aioslirp.ethertype"] == 0x0800 and s.attributes["network.transport"] == "tcp"
         assert s.attributes["aioslirp.processing_us"] >= 0 and s.end_time >= s.start_time
-    assert names.count("drain_to_guest") >= 3 and names.count("writer_wake") >= 3
+    # the SYN-ACK, then the answer and our FIN (which carries the ACK of the guest's FIN): 2-3 batches
+    assert names.count("drain_to_guest") >= 2 and names.count("writer_wake") >= 2
     for s in children:
         if s.name in ("drain_to_guest", "writer_wake"):
             assert s.attributes["aioslirp.frames"] >= 1
@@ -319,8 +320,9 @@ def test_otlp_export_of_20_guest_connections():
                     for dp in m.sum.data_points:
                         points[(m.name, tuple(sorted(_attrs(dp.attributes).items())))] = dp.as_int
     assert points[("aioslirp.frames", (("network.io.direction", "receive"),))] > 20 * 5
-    # at least SYN-ACK, the answer (carrying the delayed ACK of the request), the ACK of the FIN, our FIN
-    assert points[("aioslirp.frames", (("network.io.direction", "transmit"),))] >= 20 * 4
+    # at least SYN-ACK, the answer (carrying the delayed ACK of the request), our FIN (carrying the
+    # delayed ACK of the guest's FIN)
+    assert points[("aioslirp.frames", (("network.io.direction", "transmit"),))] >= 20 * 3
     assert points[("aioslirp.flows.opened", (("network.transport", "tcp"),))] == 20
 
 

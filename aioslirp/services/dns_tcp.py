@@ -54,6 +54,11 @@ class DnsTcpHost:
         for m in msgs:
             self.queue.put_nowait(m)
 
+    def send(self, data) -> int:
+        """Take all of ``data`` (the :class:`~aioslirp.tcp.hostsock.HostSocket` interface)."""
+        self.write(data)
+        return len(data)
+
     def get_extra_info(self, name, default=None):
         return default
 

@@ -89,7 +89,8 @@ in-order data may wait up to ``ack_delay`` seconds (the timer in :meth:`~TcpConn
 so that a host answer arriving meanwhile carries it (request/response traffic then costs
 one frame per message instead of two). The ACK still goes out at once when at least two
 full-sized segments (``2 * (mss - 40)`` bytes) are unacknowledged, for a segment that is
-out of order, fills a hole or repeats old data, for the guest's FIN, for a window update
+out of order, fills a hole or repeats old data, for the guest's FIN in FIN-WAIT-1/2 (in
+ESTABLISHED the FIN's ACK waits like data: our FIN usually follows and carries it), for a window update
 the guest may be waiting for (its remaining window below that threshold; otherwise the
 update rides the delayed ACK) and for every challenge ACK. ``ack_delay = 0`` (the default)
 ACKs at once.
@@ -1016,7 +1017,10 @@ class TcpConnection:
             self.rcv_nxt = (rcv_nxt + n) & _MASK
             self.bytes_received += n
         if fin:
-            self._fin_input(now)  # ACKed at once; also forgets out-of-order data (it lay past the FIN)
+            # Also forgets out-of-order data (it lay past the FIN). ACKed at once, except an in-order
+            # FIN in ESTABLISHED with delayed ACKs on: see _fin_input.
+            self._fin_input(now, delay_ack=bool(self.ack_delay) and start == 0 and not self._ooo
+                            and self._ooo_fin is None)
         elif n > 0 and (self._ooo or self._ooo_fin is not None):
             self._ack_pending = True  # fills (part of) a hole: ACK at once (RFC 5681 4.2)
             self._ooo_pull(now)
@@ -1148,11 +1152,22 @@ class TcpConnection:
             rto = self.rto_max
         self.rto = self._rto_base = rto
 
-    def _fin_input(self, now: float) -> None:
-        """The guest's FIN is next in sequence: consume it (RFC 9293 3.10.7.4 eighth check)."""
+    def _fin_input(self, now: float, delay_ack: bool = False) -> None:
+        """The guest's FIN is next in sequence: consume it (RFC 9293 3.10.7.4 eighth check).
+
+        ``delay_ack``: in ESTABLISHED (-> CLOSE-WAIT) the ACK may wait ``ack_delay`` seconds, so
+        that our own FIN, which usually follows at once (the host peer closes when it reads
+        EOF), carries it: one frame instead of two, as Linux does for a FIN received in
+        ESTABLISHED (it enters delayed-ACK "pingpong" mode). The guest's close() does not wait
+        for this ACK. In FIN-WAIT-1/2 the ACK goes at once (the guest's close completes on it).
+        """
         self.rcv_nxt = (self.rcv_nxt + 1) & _MASK
         self.fin_received = True
-        self._ack_pending = True
+        if delay_ack and self.state is ESTABLISHED and not self._ack_pending:
+            if self._ack_due is None:
+                self._ack_due = now + self.ack_delay
+        else:
+            self._ack_pending = True
         self._events.append(("fin",))
         self._ooo.clear()
         self._ooo_bytes = 0

@@ -3,14 +3,15 @@
 One :class:`TcpFlow` per guest connection, owned by the stack's flow table. Its task
 connects the host socket first and only then lets the connection answer the guest's SYN
 (SYN-ACK after the host connect; RST when refused; ICMP unreachable when the host or
-network is unreachable or the connect times out). Data then moves through asyncio
-protocol callbacks:
+network is unreachable or the connect times out). Data then moves through the callbacks of
+a :class:`~aioslirp.tcp.hostsock.HostSocket` (``add_reader``/``add_writer`` on the socket,
+named like asyncio protocol callbacks):
 
 * guest -> host: segments are fed to the connection; at the end of each batch of guest
-  frames :meth:`TcpFlow.flush` writes the in-order bytes to the host socket. When the
-  socket's write buffer passes its high-water mark (``pause_writing``) the flow stops
-  taking bytes out of the connection, so its receive window closes instead of data
-  being dropped; ``resume_writing`` takes them again and a window update goes out.
+  frames :meth:`TcpFlow.flush` writes the in-order bytes to the host socket. What the
+  kernel does not take stays in the connection (``pause_writing``), so its receive window
+  closes instead of data being dropped; ``resume_writing`` (the socket is writable again)
+  takes them again and a window update goes out.
 * host -> guest: ``data_received`` appends to the connection's send buffer; when that
   buffer is full (``send_space <= 0``) reading from the host socket pauses until the
   guest's ACKs make room.
@@ -37,13 +38,13 @@ from ..wire.ipv6 import build_tcp6
 from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6, TcpOffloadBuilder
 from .. import tracing
 from .conn import Segment, TcpConnection
+from .hostsock import HostSocket
 
 log = logging.getLogger("aioslirp.tcp")
 
 FIN, SYN, RST, PSH, ACK = 0x01, 0x02, 0x04, 0x08, 0x10
 ICMP_UNREACH, UNREACH_NET, UNREACH_HOST = 3, 0, 1
 _H = struct.Struct("!H")
-_LINGER0 = struct.pack("ii", 1, 0)
 _CLOSED_BOTH = ("TIME-WAIT", "CLOSED", "LAST-ACK", "CLOSING")
 
 
@@ -132,6 +133,12 @@ async def connect_numeric(loop: asyncio.AbstractEventLoop, sock: socket.socket, 
         return
     if err != errno.EINPROGRESS:
         raise OSError(err, os.strerror(err))
+    await wait_connected(loop, sock, timeout)
+
+
+async def wait_connected(loop: asyncio.AbstractEventLoop, sock: socket.socket, timeout: float | None = None) -> None:
+    """Wait until the connect in progress on non-blocking ``sock`` ends (writable), then raise its
+    error (``SO_ERROR``) as ``OSError``, or ``TimeoutError`` after ``timeout`` seconds."""
     fut = loop.create_future()
     fd = sock.fileno()
 
@@ -200,10 +207,15 @@ class TcpFlow(asyncio.Protocol):
         self._timer_at: float | None = None
         self._finished = False
         self.done = loop.create_future()
+        self._pending_sock: socket.socket | None = None  # a connect in progress, for the task
+        self._connect_waiting = False  # the task waits for that connect
+        self._t0 = 0.0
         stack.add_flow(self)
         self.task = loop.create_task(self._run(), name=f"aioslirp-tcp-{self.guest_port}")
         stack.tasks.add(self.task)
         self.task.add_done_callback(stack.tasks.discard)
+        if syn is not None and remote is not None:
+            self._start_connect()
 
     @property
     def state(self) -> str:
@@ -217,8 +229,8 @@ class TcpFlow(asyncio.Protocol):
                 from ..services.dns_tcp import DnsTcpHost
                 self.transport = DnsTcpHost(self, self.stack.dns)
                 self._accept(0.0, True)
-            else:
-                await self._connect()
+            elif self._pending_sock is not None:
+                await self._connect_wait()
             if not self._finished:
                 await self.done
         except asyncio.CancelledError:
@@ -231,16 +243,70 @@ class TcpFlow(asyncio.Protocol):
         finally:
             self._teardown()
 
-    async def _connect(self) -> None:
-        stack = self.stack
+    def _start_connect(self) -> None:
+        """Start the host connect while the guest's SYN is being dispatched.
+
+        Towards host loopback the kernel usually completes the handshake inside ``connect()``
+        (asking again says so, or gives the refusal), so the SYN-ACK leaves in the same batch
+        as the SYN arrived, with no event-loop round trip; otherwise (``EINPROGRESS``) the
+        flow's task waits for the socket to become writable (:meth:`_connect_wait`).
+        """
         # Non-blocking from socket() on: no separate ioctl per connection.
         sock = socket.socket(socket.AF_INET6 if self.v6 else socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        t0 = time.perf_counter()  # for the tcp.syn_ack trace point (uvloop's loop.time() ticks in ms)
         try:
-            await connect_numeric(self.loop, sock, (self.remote, self.dst_port), stack.config.tcp_connect_timeout)
-        except ConnectionRefusedError:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._t0 = time.perf_counter()  # for the tcp.syn_ack trace point (loop.time() ticks in ms)
+            addr = (self.remote, self.dst_port)
+            err = sock.connect_ex(addr)
+            if err == errno.EINPROGRESS:
+                err = sock.connect_ex(addr)
+                if err == errno.EISCONN:
+                    err = 0
+                elif err == errno.EALREADY:
+                    err = errno.EINPROGRESS
+        except BaseException:
             sock.close()
+            raise
+        if err == 0:
+            self._connected(sock)
+        elif err == errno.EINPROGRESS:
+            self._pending_sock = sock
+        else:
+            self._connect_failed(sock, OSError(err, os.strerror(err)))
+
+    async def _connect_wait(self) -> None:
+        """The task's part of a connect that did not complete at once (timeout ``tcp_connect_timeout``)."""
+        sock = self._pending_sock
+        self._pending_sock = None
+        if self._finished:
+            sock.close()
+            return
+        self._connect_waiting = True
+        try:
+            await wait_connected(self.loop, sock, self.stack.config.tcp_connect_timeout)
+        except (asyncio.TimeoutError, OSError) as exc:
+            self._connect_failed(sock, exc)
+            return
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            self._connect_waiting = False
+        self._connected(sock)
+
+    def _connected(self, sock: socket.socket) -> None:
+        if self.conn.state == "CLOSED" or self._finished:
+            sock.close()
+            self._finish()
+            return
+        self.transport = HostSocket(self.loop, sock, self)
+        self._accept(time.perf_counter() - self._t0, False)
+
+    def _connect_failed(self, sock: socket.socket, exc: BaseException) -> None:
+        """Refused: RST to the guest. Unreachable or timed out: ICMP destination unreachable."""
+        sock.close()
+        stack = self.stack
+        if isinstance(exc, ConnectionRefusedError) or getattr(exc, "errno", None) == errno.ECONNREFUSED:
             stack.counters["tcp_connect_refused"] += 1
             if tracing.enabled:
                 tracing.connect_failed(self, "refused")
@@ -248,25 +314,13 @@ class TcpFlow(asyncio.Protocol):
             self._emit()
             self._finish()
             return
-        except (asyncio.TimeoutError, OSError) as exc:
-            sock.close()
-            code = UNREACH_NET if getattr(exc, "errno", None) == errno.ENETUNREACH else UNREACH_HOST
-            stack.counters["tcp_connect_unreachable"] += 1
-            if tracing.enabled:
-                tracing.connect_failed(self, "unreachable")
-            log.debug("connect %s:%d failed: %r", self.remote, self.dst_port, exc)
-            stack.send_icmp_error(ICMP_UNREACH, code, self.orig_header)
-            self._finish()
-            return
-        except BaseException:
-            sock.close()
-            raise
-        if self.conn.state == "CLOSED" or self._finished:
-            sock.close()
-            self._finish()
-            return
-        await self.loop.create_connection(lambda: self, sock=sock)
-        self._accept(time.perf_counter() - t0, False)
+        code = UNREACH_NET if getattr(exc, "errno", None) == errno.ENETUNREACH else UNREACH_HOST
+        stack.counters["tcp_connect_unreachable"] += 1
+        if tracing.enabled:
+            tracing.connect_failed(self, "unreachable")
+        log.debug("connect %s:%d failed: %r", self.remote, self.dst_port, exc)
+        stack.send_icmp_error(ICMP_UNREACH, code, self.orig_header)
+        self._finish()
 
     def _accept(self, connect_time: float, immediate: bool) -> None:
         if tracing.enabled:
@@ -275,11 +329,7 @@ class TcpFlow(asyncio.Protocol):
             self.conn.accept(self.loop.time())
         self.flush()
 
-    # ----------------------------------------------------------------- asyncio.Protocol
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        transport.set_write_buffer_limits(high=512 * 1024)
-
+    # ----------------------------------------------------------------- host socket callbacks (HostSocket)
     def data_received(self, data: bytes) -> None:
         if tracing.enabled:
             tracing.host_data(self, len(data))
@@ -287,6 +337,7 @@ class TcpFlow(asyncio.Protocol):
         conn.send(data)
         if conn.send_space <= 0 and not self.reading_paused:
             self.reading_paused = True
+            self.stack.counters["tcp_host_read_paused"] += 1  # tcp_buffer towards the guest is full
             self.transport.pause_reading()
         self.flush()
 
@@ -308,6 +359,7 @@ class TcpFlow(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.host_paused = True
+        self.stack.counters["tcp_host_write_paused"] += 1  # guest data now waits in tcp_buffer
 
     def resume_writing(self) -> None:
         self.host_paused = False
@@ -337,9 +389,11 @@ class TcpFlow(asyncio.Protocol):
                 data = conn.peek_chunk()
                 if not data:
                     break
-                n = len(data)
-                tr.write(data)  # bytes, or a view of immutable bytes: no copy needed
-                conn.consume(n)
+                n = tr.send(data)  # what the kernel took; the rest stays queued (window closes)
+                if n:
+                    conn.consume(n)
+                if n < len(data):
+                    break
             if conn.fin_received and not self.eof_sent and not conn.peek_chunk():
                 self.eof_sent = True
                 if tr.can_write_eof():
@@ -419,14 +473,7 @@ class TcpFlow(asyncio.Protocol):
             return
         self.host_closed = True
         if abort:
-            # SO_LINGER 0: close() sends a RST to the host peer (a guest RST stays a RST)
-            sock = tr.get_extra_info("socket")
-            if sock is not None:
-                try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER0)
-                except OSError:
-                    pass
-            tr.abort()
+            tr.abort()  # HostSocket: SO_LINGER 0, so the host peer sees a RST (a guest RST stays a RST)
         else:
             tr.close()
 
@@ -435,14 +482,16 @@ class TcpFlow(asyncio.Protocol):
             self._finished = True
             if not self.done.done():
                 self.done.set_result(None)
-            if (self.transport is None and self.remote is not None and getattr(self, "direction", "") != "inbound"
-                    and not self.task.done() and asyncio.current_task(self.loop) is not self.task):
+            if self._connect_waiting and asyncio.current_task(self.loop) is not self.task:
                 # Over (the guest reset its SYN) while the host connect is still pending: stop
                 # waiting for it, so the flow and its socket go now, not at the connect timeout.
                 self.task.cancel()
 
     def _teardown(self) -> None:
         self._finished = True
+        if self._pending_sock is not None:  # the task ended before it waited for the connect
+            self._pending_sock.close()
+            self._pending_sock = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -464,8 +513,8 @@ class TcpFlow(asyncio.Protocol):
         self._close_host(abort=True)
         self._finish()
         if not self.task.done():
-            self.task.cancel()
-        self.stack.remove_flow(self)
+            self.task.cancel()  # a task cancelled before its first step never runs its finally:
+        self._teardown()  # so tear down here (idempotent)
 
 
 class ForwardedTcpFlow(TcpFlow):
@@ -489,9 +538,14 @@ class ForwardedTcpFlow(TcpFlow):
         self.peer = peer
         self.forward_id = forward_id
         self._resolve = resolve
-        self._attaching = False
         self._connect_timer: asyncio.TimerHandle | None = None
         super().__init__(stack, key, f"{peer[0]}:{peer[1]}", None, b"")
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        self.transport = HostSocket(self.loop, sock, self)  # host bytes are queued until the handshake
 
     async def _run(self) -> None:
         try:
@@ -511,19 +565,8 @@ class ForwardedTcpFlow(TcpFlow):
             self._teardown()
 
     async def _open(self) -> None:
-        stack, loop, sock = self.stack, self.loop, self.host_sock
-        sock.setblocking(False)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-        self._attaching = True
-        try:
-            await loop.create_connection(lambda: self, sock=sock)
-        finally:
-            self._attaching = False
-        if self.host_closed or self._finished:  # closed while attaching
-            self.host_closed = False
+        stack, loop = self.stack, self.loop
+        if self.host_closed or self._finished:  # closed before the task ran
             self._close_host(abort=True)
             self._finish()
             return
@@ -552,22 +595,3 @@ class ForwardedTcpFlow(TcpFlow):
             self._close_host(abort=True)
             self._finish()
 
-    def _close_host(self, abort: bool) -> None:
-        if self.transport is None:
-            # Not attached to an asyncio transport (yet): close the raw socket, with a RST.
-            if self.host_closed:
-                return
-            self.host_closed = True
-            if not self._attaching:
-                _reset_close(self.host_sock)
-            return
-        super()._close_host(abort)
-
-
-def _reset_close(sock: socket.socket) -> None:
-    """Close ``sock`` so that the peer sees a RST (SO_LINGER on, 0 seconds)."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER0)
-    except OSError:
-        pass
-    sock.close()
