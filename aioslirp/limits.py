@@ -244,6 +244,11 @@ class Guard:
             self._pending[flow] = dest
             self._pending_dest[dest] = self._pending_dest.get(dest, 0) + 1
 
+    def connected(self, flow) -> None:
+        """A TCP flow's host connect completed: it no longer counts as a pending connect."""
+        if self._pending:
+            self._forget(flow)
+
     def closed(self, flow) -> None:
         """``Stack.remove_flow`` calls this once for every flow leaving the table."""
         name = flow.proto_name

@@ -61,6 +61,10 @@ def parse_rules(values, field_name: str) -> list[str]:
     return out
 
 
+#: Host addresses whose verdict :meth:`EgressPolicy.allows` remembers.
+_VERDICT_CACHE = 4096
+
+
 class EgressPolicy:
     """Compiled allow/deny rules (see the module documentation for the precedence).
 
@@ -85,6 +89,9 @@ class EgressPolicy:
         self._v6 = [r for r in rules if r[0] == 6]
         #: True when no rule exists at all (every check is then one attribute test).
         self.empty = not rules
+        # addr -> allows(addr): a guest reaches few distinct host addresses (the gateway is one),
+        # and the rules never change, so each is matched once (bounded: cleared when full).
+        self._verdicts: dict[str, bool] = {}
 
     @classmethod
     def from_config(cls, cfg) -> "EgressPolicy":
@@ -114,8 +121,17 @@ class EgressPolicy:
         """True when guest traffic may reach host-side address ``addr`` (text)."""
         if self.empty:
             return True
+        if not user_only:
+            v = self._verdicts.get(addr)
+            if v is not None:
+                return v
         m = self.match(addr, user_only=user_only)
-        return m is None or m[0]
+        v = m is None or m[0]
+        if not user_only:
+            if len(self._verdicts) >= _VERDICT_CACHE:
+                self._verdicts.clear()
+            self._verdicts[addr] = v
+        return v
 
     def describe(self) -> list[str]:
         """The rules in the order they are tried, e.g. ``["deny 169.254.0.0/16 (default)", ...]``."""

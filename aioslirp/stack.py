@@ -27,8 +27,10 @@ dropped and counted under ``drop.<reason>`` in :attr:`Stack.counters`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import socket
+import struct
 import time
 from collections import Counter
 
@@ -36,7 +38,7 @@ from .config import NetworkConfig
 from .wire.arp import ARP_REPLY, ARP_REQUEST, build_arp, parse_arp
 from .wire.checksum import partial
 from .wire.ethernet import BROADCAST, ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6
-from .wire.ipv4 import (ICMP, IP_MF, IP_OFFMASK, IPV4, PROTO_ICMP, PROTO_TCP, PROTO_UDP, TCP, UDP,
+from .wire.ipv4 import (ICMP, IP_MF, IP_OFFMASK, IPV4, PROTO_ICMP, PROTO_TCP, PROTO_UDP, UDP,
                         build_icmp_packet, build_tcp, build_udp_packet, fragment, pseudo_sum)
 from .wire.reassembly import Reassembler
 from . import tracing
@@ -52,6 +54,8 @@ log = logging.getLogger("aioslirp.stack")
 __all__ = ["Stack"]
 
 _LOOPBACK4 = "127.0.0.1"
+_PORTS = struct.Struct("!HH")  # source and destination port of a TCP/UDP header
+_UNTRUSTED = itertools.repeat(False)  # csum_ok of a transport without checksum flags
 ICMP_ECHO_REPLY, ICMP_UNREACH, ICMP_ECHO = 0, 3, 8
 UNREACH_NET, UNREACH_HOST, UNREACH_PORT, UNREACH_ADMIN = 0, 1, 3, 13
 
@@ -403,18 +407,31 @@ class Stack:
         """A batch of guest frames from the transport. ``csum_ok`` (offload TAP only): per frame,
         True when the guest's kernel flagged its L4 checksum partial or valid (``NEEDS_CSUM`` /
         ``DATA_VALID``): such frames are trusted, as passt does, instead of verified."""
-        process = self.process_guest_frame
         q = self._inject
         q.hold = True
         try:
-            if csum_ok is None:
-                for f in frames:
-                    process(f)
-            else:
+            if tracing.enabled:
+                process = self.process_guest_frame
                 try:
-                    for f, ok in zip(frames, csum_ok):
+                    for f, ok in zip(frames, _UNTRUSTED if csum_ok is None else csum_ok):
                         self._l4_trusted = ok
                         process(f)
+                finally:
+                    self._l4_trusted = False
+            else:
+                # process_guest_frame inlined (one call less per frame; counters per batch)
+                counters = self.counters
+                counters["frames_in"] += len(frames)
+                counters["bytes_in"] += sum(map(len, frames))
+                dispatch = self._dispatch
+                try:
+                    for f, ok in zip(frames, _UNTRUSTED if csum_ok is None else csum_ok):
+                        self._l4_trusted = ok
+                        try:
+                            dispatch(f)
+                        except Exception:
+                            counters["drop.internal_error"] += 1
+                            log.exception("internal error processing a guest frame")
                 finally:
                     self._l4_trusted = False
             self.flush()
@@ -506,7 +523,8 @@ class Stack:
         if partial(mv[14:14 + ihl]) != 0:
             return self.drop("bad_ip_checksum")
         if src != b"\x00\x00\x00\x00":
-            if not self._in_subnet(src) or src in (self.gw_ip, self.dns_ip, self.bcast_ip):
+            if ((int.from_bytes(src, "big") & self.mask_int) != self.net_int  # _in_subnet, inlined
+                    or src in (self.gw_ip, self.dns_ip, self.bcast_ip)):
                 return self.drop("bad_src_ip")
             self.neighbors[src] = src_mac
         l4 = mv[14 + ihl:14 + total]
@@ -649,7 +667,7 @@ class Stack:
             return self.drop("truncated_tcp")
         if not self._l4_trusted and (partial(l4) + pseudo_sum(src, dst, PROTO_TCP, n)) % 0xFFFF != 0:
             return self.drop("bad_tcp_checksum")
-        sport, dport = TCP.unpack_from(l4, 0)[:2]
+        sport, dport = _PORTS.unpack_from(l4, 0)
         key = (PROTO_TCP, src, sport, dst, dport)
         seg = parse_segment(l4)
         if seg is None:

@@ -87,6 +87,19 @@ def _short(frame: str) -> str:
     return f"{name} ({'/'.join(fname.split('/')[-2:])})"
 
 
+def report_perf(path: Path, top: int) -> str:
+    """On-CPU share by shared object (interpreter, uvloop, kernel...) and by symbol, from ``perf report``."""
+    out = io.StringIO()
+    for sort in ("dso", "dso,sym"):
+        rep = subprocess.run(["perf", "report", "-i", str(path), "--no-children", "--sort", sort, "--stdio",
+                              "-g", "none", "--percent-limit", "0.5"], capture_output=True, text=True)
+        lines = [ln for ln in rep.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
+        print(f"By {sort}:", file=out)
+        print("\n".join(lines[:top]), file=out)
+        print(file=out)
+    return out.getvalue()
+
+
 def report_strace(path: Path, top: int, iterations: int) -> str:
     """``strace -c`` summary with calls per workload iteration (connection for CRR, round trip for RR)."""
     out = io.StringIO()
@@ -122,8 +135,9 @@ def report_pstats(path: Path, top: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=("crr", "rr", "udprr", "ccrr8", "ccrr64", "tcp_up", "tcp_down"))
-    ap.add_argument("--tool", choices=("py-spy", "cprofile", "strace"), default="py-spy",
-                    help="strace: system calls per connection/iteration (strace -c), any --backend")
+    ap.add_argument("--tool", choices=("py-spy", "cprofile", "strace", "perf"), default="py-spy",
+                    help="strace: system calls per connection/iteration (strace -c), any --backend; "
+                    "perf: on-CPU samples (perf record -e cpu-clock) by shared object and symbol, any --backend")
     ap.add_argument("--backend", choices=("aioslirp", "pasta"), default="aioslirp",
                     help="backend to attach to (py-spy and cprofile: aioslirp only)")
     ap.add_argument("--seconds", type=float, default=8.0)
@@ -138,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("profile.py: error: run as root", file=sys.stderr)
         return 2
-    if args.backend != "aioslirp" and args.tool != "strace":
-        print("profile.py: error: --backend pasta needs --tool strace", file=sys.stderr)
+    if args.backend != "aioslirp" and args.tool not in ("strace", "perf"):
+        print("profile.py: error: --backend pasta needs --tool strace or perf", file=sys.stderr)
         return 2
     pyspy = shutil.which("py-spy") or str(Path(args.python).parent / "py-spy")
     if args.tool == "py-spy" and not os.path.exists(pyspy):
@@ -149,10 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     tag = f"{args.mode}-{'' if args.backend == 'aioslirp' else args.backend + '-'}{args.tool}{'-native' if args.native else ''}-mtu{args.mtu or 'default'}{'-pinned' if args.pinned else ''}-{stamp}"
-    prof_file = out / f"{tag}.{ {'py-spy': 'raw', 'cprofile': 'prof', 'strace': 'strace'}[args.tool]}"
+    prof_file = out / f"{tag}.{ {'py-spy': 'raw', 'cprofile': 'prof', 'strace': 'strace', 'perf': 'perf'}[args.tool]}"
     cbench = R.build_c_tools(HERE / "results" / ".bin")
 
-    R.enter_sandbox(need_default_route=False)
+    R.enter_sandbox(need_default_route=args.backend == "pasta")
     workdir = tempfile.mkdtemp(prefix="aioslirp-prof-")
     os.chmod(workdir, 0o755)
     allowed = sorted(os.sched_getaffinity(0))
@@ -172,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
                                         *(["--native"] if args.native else [])],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 time.sleep(0.5)
+            elif args.tool == "perf":
+                spy = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", str(args.rate * 4), "-g",
+                                        "-o", str(prof_file), "-p", str(backend.pid)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                time.sleep(0.5)
             elif args.tool == "strace":
                 spy = subprocess.Popen(["strace", "-c", "-f", "-o", str(prof_file), "-p", str(backend.pid)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -189,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.tool == "strace":
-        text = report_strace(prof_file, args.top, (result or {}).get("n") or 0)
+        text = report_strace(prof_file, args.top, ((result or {}).get("result") or {}).get("total") or 0)
+    elif args.tool == "perf":
+        text = report_perf(prof_file, args.top)
     else:
         text = (report_raw(prof_file, args.top) if args.tool == "py-spy" else report_pstats(prof_file, args.top))
     head = f"aioslirp profile: {args.mode}, {args.tool}, MTU {args.mtu or 'default'}, " \

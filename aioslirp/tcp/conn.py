@@ -1267,6 +1267,15 @@ class TcpConnection:
         if state is SYN_RECEIVED:
             self._ack_pending = False  # nothing may be sent before our SYN-ACK
             return out
+        if not (self._ack_pending or self._dupacks_out or self._probe_pending or self._rexmit_one):
+            # Quick exit (most calls: after a pure ACK from the guest): no ACK owed, and no new
+            # data or FIN to send (all of the send queue is out, FIN too if queued).
+            if state not in _SENDING:
+                return out
+            off = (self.snd_nxt - self.snd_una) & _MASK
+            sqlen = len(sq)
+            if off > sqlen or (off == sqlen and not self._fin_queued):
+                return out
 
         wnd = self._window_field()
         ack = self.rcv_nxt

@@ -67,10 +67,11 @@ def parse_segment(l4) -> Segment | None:
     skipped. Returns ``None`` for a bad data offset or a malformed option list
     (e.g. a zero option length).
     """
-    n = len(l4)
     _sport, _dport, seq, ack, off_flags, wnd, _csum, _urg = TCP.unpack_from(l4, 0)
     doff = (off_flags >> 12) << 2
-    if doff < 20 or doff > n:
+    if doff == 20:  # no options: most segments after the handshake
+        return Segment(seq, ack, off_flags & 0x3F, wnd, l4[20:], None, None, False)
+    if doff < 20 or doff > len(l4):
         return None
     mss = wscale = None
     sack = False
@@ -300,6 +301,7 @@ class TcpFlow(asyncio.Protocol):
             self._finish()
             return
         self.transport = HostSocket(self.loop, sock, self)
+        self.stack.guard.connected(self)
         self._accept(time.perf_counter() - self._t0, False)
 
     def _connect_failed(self, sock: socket.socket, exc: BaseException) -> None:
@@ -383,18 +385,17 @@ class TcpFlow(asyncio.Protocol):
     def flush(self) -> None:
         """Move bytes between the connection and the host socket, send due segments, re-arm the timer."""
         conn = self.conn
+        rq = conn._rq  # in-order guest bytes not yet written to the host (what peek_chunk() serves)
         tr = self.transport
         if tr is not None and not self.host_closed:
-            while not self.host_paused:
-                data = conn.peek_chunk()
-                if not data:
-                    break
+            while rq._len and not self.host_paused:
+                data = rq.first()
                 n = tr.send(data)  # what the kernel took; the rest stays queued (window closes)
                 if n:
                     conn.consume(n)
                 if n < len(data):
                     break
-            if conn.fin_received and not self.eof_sent and not conn.peek_chunk():
+            if conn.fin_received and not self.eof_sent and not rq._len:
                 self.eof_sent = True
                 if tr.can_write_eof():
                     tr.write_eof()
@@ -402,19 +403,20 @@ class TcpFlow(asyncio.Protocol):
                 self.reading_paused = False
                 tr.resume_reading()
         self._emit()
-        ev = conn.next_event()
-        while ev is not None:
-            name = ev[0]
-            if tracing.enabled:
-                tracing.tcp_event(self, name)
-            if name == "reset":
-                self.stack.counters["tcp_resets"] += 1
-                self._close_host(abort=True)
+        if conn._events:
             ev = conn.next_event()
+            while ev is not None:
+                name = ev[0]
+                if tracing.enabled:
+                    tracing.tcp_event(self, name)
+                if name == "reset":
+                    self.stack.counters["tcp_resets"] += 1
+                    self._close_host(abort=True)
+                ev = conn.next_event()
         state = conn.state
         # Guest bytes we ACKed but the host socket has not taken yet (write side paused) keep
         # the host socket open until resume_writing() drains them: nothing ACKed is dropped.
-        undrained = tr is not None and not self.host_closed and not conn.reset and bool(conn.peek_chunk())
+        undrained = rq._len and tr is not None and not self.host_closed and not conn.reset
         if state == "CLOSED":
             if not undrained:
                 self._finish()
@@ -446,15 +448,24 @@ class TcpFlow(asyncio.Protocol):
             inject(build(eth, src, dst, sport, dport, s.seq, s.ack, s.flags, s.wnd, opts, s.payload))
 
     def _arm_timer(self) -> None:
+        """Make sure a loop timer fires by the connection's next deadline.
+
+        Lazy: a timer already armed for an earlier (or the same) time is left alone, and one
+        no longer needed is not cancelled (firing early is harmless: ``handle_timer`` fires
+        only what is due, and :meth:`_on_timer` re-arms for what is left). A connection's
+        deadlines move several times per round trip (delayed ACK, RTO, linger); cancelling
+        and creating a loop timer for each move cost more than the rare idle wake-up.
+        """
         at = self.conn.get_timer()
-        if at == self._timer_at:
+        if at is None:
+            return
+        cur = self._timer_at
+        if cur is not None and cur <= at:
             return
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
         self._timer_at = at
-        if at is not None:
-            self._timer = self.loop.call_at(at, self._on_timer)
+        self._timer = self.loop.call_at(at, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
