@@ -29,6 +29,9 @@ __all__ = ["HostSocket", "READ_SIZE"]
 READ_SIZE = 256 * 1024
 #: Smallest ``recv`` size, bytes (used when the flow's send buffer is nearly full).
 MIN_READ = 4096
+#: Reads up to this size (bytes) have their frames written to the guest before the callback
+#: returns (no writer task wake-up: request/response latency); larger ones leave it to the writer.
+SYNC_WRITE_MAX = 16384
 _LINGER0 = struct.pack("ii", 1, 0)
 # One receive buffer for all host sockets (one thread): each read is copied out at its exact size.
 # recv(READ_SIZE) instead would malloc 256 KiB and shrink it for every read; for small reads that
@@ -80,9 +83,14 @@ class HostSocket:
         except OSError as exc:
             self._fail(exc)
             return
+        if n > SYNC_WRITE_MAX:
+            # Bulk: the writer task sends these frames (writing them here, before the next read,
+            # measured 10-25% less host -> guest throughput).
+            flow.data_received(bytes(_RVIEW[:n]))
+            return
         stack = flow.stack
         q = stack._inject
-        q.hold = True  # the frames this produces are written below, not by a writer wake-up
+        q.hold = True  # a small read (request/response): its frames are written below, at once
         try:
             if n:
                 flow.data_received(bytes(_RVIEW[:n]))
