@@ -16,8 +16,10 @@ noise than the end-to-end benchmark: use it to compare two versions of the code
     python benchmarks/micro_crr.py --connections 20000
     python benchmarks/micro_crr.py --tree /tmp/old-aioslirp     # DIR holds an aioslirp package
 
-Prints microseconds per connection (median of ``--repeat`` runs) and the frames per
-connection both ways. Needs no privileges; traffic stays on 127.0.0.1.
+``--mode rr`` runs request/response round trips on one connection instead (1-byte request,
+1-byte answer, the guest's ACK). Prints microseconds per connection or round trip (median and
+best of ``--repeat`` runs) and the frames per cycle both ways. Needs no privileges; traffic
+stays on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--tree", help="directory holding the aioslirp package to measure")
     ap.add_argument("--no-uvloop", action="store_true")
+    ap.add_argument("--mode", choices=("crr", "rr"), default="crr",
+                    help="rr: request/response round trips on one connection (--connections of them)")
     args = ap.parse_args()
     if args.tree:
         sys.path.insert(0, args.tree)
@@ -88,7 +92,37 @@ def main() -> int:
                 return seq_ack.unpack_from(out[-1], 38)[0]
 
             frames_in = frames_out = 0
-            for i in range(n):
+            if args.mode == "rr":
+                sport = 19999
+                on_frames(frame(sport, 1000, 0, SYN), ok)
+                iss = last_seq()
+                c, _ = srv.accept()
+                on_frames(frame(sport, 1001, iss + 1, ACK), ok)
+                flow = stack.flows[(6, guest, sport, gw, port)]
+                s, a = 1001, iss + 1
+                for i in range(n):
+                    out.clear()
+                    t = perf()
+                    on_frames(frame(sport, s, a, ACK | PSH, b"q"), ok)
+                    inside += perf() - t
+                    c.recv(1)
+                    c.send(b"a")
+                    s += 1
+                    t = perf()
+                    flow.transport._on_readable()
+                    a += 1
+                    on_frames(frame(sport, s, a, ACK), ok)
+                    await asyncio.sleep(0)  # due timers, if any
+                    inside += perf() - t
+                    frames_in += 2
+                    frames_out += len(out)
+                c.close()
+                flow.shutdown()
+                await asyncio.sleep(0)
+                n_done = n
+            else:
+                n_done = 0
+            for i in range(n - n_done):
                 sport = 20000 + i % 40000
                 out.clear()
                 s = 1000
@@ -130,8 +164,9 @@ def main() -> int:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     results = [asyncio.run(run(args.connections)) for _ in range(args.repeat)]
     us = [r[0] for r in results]
-    print(f"{statistics.median(us):.1f} us per connection, best {min(us):.1f} (runs: {', '.join(f'{u:.1f}' for u in us)}); "
-          f"frames per connection: {results[0][1]:.0f} in, {results[0][2]:.1f} out")
+    print(f"{statistics.median(us):.1f} us per {'round trip' if args.mode == 'rr' else 'connection'}, best {min(us):.1f} (runs: {', '.join(f'{u:.1f}' for u in us)}); "
+          f"frames per {'round trip' if args.mode == 'rr' else 'connection'}: {results[0][1]:.0f} in, "
+          f"{results[0][2]:.1f} out")
     return 0
 
 
