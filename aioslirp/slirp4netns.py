@@ -552,7 +552,15 @@ def _child_setup(sock: socket.socket, opts: Options, config, ppid: int) -> int:
         warnings = _enter_namespaces(opts)
         from .transport.tap import open_tap
 
-        fd, ifname = open_tap(opts.tapname)
+        # A virtio-net header on the TAP we create: checksum and TCP segmentation offload, as for
+        # `aioslirp run`/`attach` (TapTransport detects it; AIOSLIRP_NO_OFFLOAD=1 for plain frames).
+        offload = os.environ.get("AIOSLIRP_NO_OFFLOAD", "") in ("", "0")
+        try:
+            fd, ifname = open_tap(opts.tapname, vnet_hdr=offload)
+        except OSError as exc:
+            if not offload or exc.errno != errno.EINVAL:
+                raise
+            fd, ifname = open_tap(opts.tapname)  # a TAP that refuses the header: plain frames
         try:
             if opts.configure:
                 warnings += _configure(ifname, config, opts.macaddress)

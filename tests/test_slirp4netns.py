@@ -522,6 +522,9 @@ def test_binary_configures_serves_forwards_and_exits_on_hangup(tmp_path):
                 assert "UP" in link["flags"] and "LOWER_UP" in link["flags"] and "NO-CARRIER" not in link["flags"]
                 assert link["mtu"] == 65520
                 assert [(a["local"], a["prefixlen"]) for a in link["addr_info"] if a["family"] == "inet"] == [("10.0.2.100", 24)]
+                # the TAP carries a virtio-net header: checksum/segmentation offload (docs/slirp4netns.md)
+                info = json.loads(in_ns(target.pid, "ip", "-d", "-j", "link", "show", "tap0").stdout)[0]["linkinfo"]
+                assert info["info_data"]["vnet_hdr"] is True
                 route = json.loads(in_ns(target.pid, "ip", "-j", "route", "show", "default").stdout)
                 assert [(r["gateway"], r["dev"]) for r in route] == [("10.0.2.2", "tap0")]
                 assert "UP" in _link(target.pid, "lo")["flags"]
