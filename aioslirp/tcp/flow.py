@@ -107,6 +107,24 @@ def _syn_options(seg: Segment) -> bytes:
     return opts
 
 
+def connect_start(sock: socket.socket, addr: tuple) -> int:
+    """Start connecting non-blocking ``sock`` to numeric ``addr``: 0 (connected), ``EINPROGRESS``
+    (still going: wait for writability) or the errno of the failure (``ECONNREFUSED``...).
+
+    To a local address (the gateway maps to the host's loopback) the kernel usually finishes
+    the handshake inside ``connect()`` itself: asking again at once says so (``EISCONN``), or
+    gives the refusal, without a trip through the event loop (``EALREADY``: still going).
+    """
+    err = sock.connect_ex(addr)
+    if err == errno.EINPROGRESS:
+        err = sock.connect_ex(addr)
+        if err == errno.EISCONN:
+            err = 0
+        elif err == errno.EALREADY:
+            err = errno.EINPROGRESS
+    return err
+
+
 async def connect_numeric(loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: tuple,
                           timeout: float | None = None) -> None:
     """Connect non-blocking ``sock`` to ``addr``, a *numeric* (host, port) pair, without a resolver.
@@ -120,16 +138,7 @@ async def connect_numeric(loop: asyncio.AbstractEventLoop, sock: socket.socket, 
     The timeout is a ``loop.call_later`` handle, not ``asyncio.wait_for``, which in Python 3.11
     wraps the coroutine in a task of its own: one task less per guest connection.
     """
-    err = sock.connect_ex(addr)
-    if err == errno.EINPROGRESS:
-        # To a local address (the gateway maps to the host's loopback) the kernel usually
-        # finishes the handshake inside connect() itself: asking again says so (0/EISCONN),
-        # or gives the refusal, without a trip through the event loop (EALREADY: still going).
-        err = sock.connect_ex(addr)
-        if err == errno.EISCONN:
-            err = 0
-        elif err == errno.EALREADY:
-            err = errno.EINPROGRESS
+    err = connect_start(sock, addr)
     if err == 0:
         return
     if err != errno.EINPROGRESS:
@@ -257,14 +266,7 @@ class TcpFlow(asyncio.Protocol):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._t0 = time.perf_counter()  # for the tcp.syn_ack trace point (loop.time() ticks in ms)
-            addr = (self.remote, self.dst_port)
-            err = sock.connect_ex(addr)
-            if err == errno.EINPROGRESS:
-                err = sock.connect_ex(addr)
-                if err == errno.EISCONN:
-                    err = 0
-                elif err == errno.EALREADY:
-                    err = errno.EINPROGRESS
+            err = connect_start(sock, (self.remote, self.dst_port))
         except BaseException:
             sock.close()
             raise
