@@ -41,6 +41,7 @@ from aioslirp.wire.reassembly import Reassembler
 
 from hostservers import DataServer, UdpEcho, pattern
 from ipv6_helpers import GUEST6, GW6, raw6, ref_checksum6
+from test_hardening import Guest  # the guest end of the socketpair
 
 GUEST_MAC = bytes.fromhex("525400123456")
 GW_MAC = bytes.fromhex("52550a000202")
@@ -239,31 +240,6 @@ def test_bad_limit_value_is_one_line_naming_the_option_exit_2(value, words):
 
 
 # ---------------------------------------------------------------------------------- a whole Stack
-class Guest:
-    """The guest end of a SOCK_SEQPACKET socketpair."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        sock.setblocking(False)
-
-    def send(self, *frames: bytes) -> None:
-        for f in frames:
-            self.sock.send(f)
-
-    async def recv(self, timeout: float = 1.0, settle: float = 0.1) -> list[dpkt.ethernet.Ethernet]:
-        loop = asyncio.get_running_loop()
-        out, wait = [], timeout
-        while True:
-            try:
-                data = await asyncio.wait_for(loop.sock_recv(self.sock, 70000), wait)
-            except asyncio.TimeoutError:
-                return out
-            if not data:
-                return out
-            out.append(dpkt.ethernet.Ethernet(data))
-            wait = settle
-
-
 def frags4(l4: bytes, proto: int, ident: int, dst: bytes = GW, size: int = 1480) -> list[bytes]:
     """IPv4 fragments (Ethernet frames) of the upper-layer bytes ``l4``, ``size`` bytes each."""
     out = []
