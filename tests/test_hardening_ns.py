@@ -12,6 +12,7 @@ of docs/security.md, never as timings.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -312,3 +313,175 @@ def test_egress_policy_in_namespace(servers, tmp_path):
     assert r["udp_gw4_allowed"]["ok"] == "ping"
     assert r["counters"]["drop.egress_denied"] == 5
     assert data6.commands == [] and udp6.count == 0  # nothing reached the denied host side
+
+
+# ---------------------------------------------------------------------- `aioslirp attach` + SIGTERM
+#: The client inside the attached namespace: a slow download from the host's DataServer; one JSON
+#: line once 1 MiB arrived, one when the connection ended (how, and when, by CLOCK_MONOTONIC).
+ATTACH_CLIENT = r"""
+import errno, json, socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
+s.settimeout(20)
+s.connect(("10.0.2.2", int(sys.argv[1])))
+s.sendall(b"DOWN %d 1\n" % int(sys.argv[2]))
+got, ended, announced = 0, "eof", False
+try:
+    while True:
+        d = s.recv(65536)
+        if not d:
+            break
+        got += len(d)
+        if not announced and got >= 1 << 20:
+            announced = True
+            print(json.dumps({"phase": "started", "got": got}), flush=True)
+        if announced:
+            time.sleep(0.01)  # a slow reader: the transfer is still running when SIGTERM comes
+except ConnectionResetError:
+    ended = "reset"
+except socket.timeout:
+    ended = "timeout"
+except OSError as exc:
+    ended = errno.errorcode.get(exc.errno, str(exc.errno))
+print(json.dumps({"phase": "ended", "got": got, "ended": ended, "at": time.monotonic()}), flush=True)
+"""
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _set_child_subreaper(on: bool) -> None:
+    """prctl(PR_SET_CHILD_SUBREAPER): orphans of our descendants become our children."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def children_of(pid: int) -> set[int]:
+    """PIDs whose parent is ``pid`` (from /proc/PID/stat)."""
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.add(int(d))
+    return out
+
+
+def ns_ip(holder: int, *args: str):
+    out = subprocess.run(["nsenter", "-t", str(holder), "-n", "ip", "-j", *args],
+                         capture_output=True, text=True, timeout=10, check=True)
+    return json.loads(out.stdout)
+
+
+def ns_links(holder: int) -> list[str]:
+    return [link["ifname"] for link in ns_ip(holder, "link", "show")]
+
+
+def ns_configured(holder: int) -> bool:
+    """tap0 has 10.0.2.15 and the default route goes through it."""
+    addrs = [a["local"] for link in ns_ip(holder, "addr", "show") if link["ifname"] == "tap0"
+             for a in link["addr_info"] if a["family"] == "inet"]
+    routes = [r.get("dev") for r in ns_ip(holder, "route", "show", "default")]
+    return addrs == ["10.0.2.15"] and routes == ["tap0"]
+
+
+def fd_table() -> dict:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("how", ["netns-path", "pid"])
+def test_attach_sigterm_during_transfer(servers, tmp_path, how):
+    """SIGTERM to `aioslirp attach` while a client in the attached namespace downloads 64 MiB
+    from a host server on 127.0.0.1 (through 10.0.2.2). Documented (docs/security.md, Shutdown):
+    the guest's connection is reset while its link is still up, attach exits 0, the API socket
+    is removed. Also checked: the client's recv ends with ECONNRESET within seconds (no hang),
+    attach leaves no process behind (this test is the child subreaper, so an orphan of attach
+    would become its child), the TAP is gone from the namespace, this process's fds are as
+    before, and the namespace is gone once the test ends its holder."""
+    if not os.path.exists("/dev/net/tun"):
+        pytest.skip("/dev/net/tun is missing (load the tun module)")
+    n = 64 << 20
+    api = str(tmp_path / "api.sock")
+    client_py = tmp_path / "client.py"
+    client_py.write_text(ATTACH_CLIENT)
+    time.sleep(0.1)
+    fds0 = fd_table()
+    holder = subprocess.Popen(["unshare", "-n", "sleep", "120"])  # holds the namespace until we kill it
+    attach = client = None
+    own_children0 = children_of(os.getpid())
+    _set_child_subreaper(True)
+    try:
+        own = os.stat("/proc/self/ns/net").st_ino
+        for _ in range(200):
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(f"/proc/{holder.pid}/ns/net").st_ino != own:
+                    break
+            time.sleep(0.01)
+        ns_ino = os.stat(f"/proc/{holder.pid}/ns/net").st_ino
+        assert ns_ino != own
+        target = ["--netns", f"/proc/{holder.pid}/ns/net"] if how == "netns-path" else [str(holder.pid)]
+        attach = subprocess.Popen([sys.executable, "-m", "aioslirp", "attach", "--api-socket", api, *target],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 20
+        while not (ns_configured(holder.pid) and os.path.exists(api)):
+            assert attach.poll() is None, attach.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "attach did not configure tap0"
+            time.sleep(0.05)
+        client = subprocess.Popen(["nsenter", "-t", str(holder.pid), "-n", sys.executable, str(client_py),
+                                   str(servers["data"].port), str(n)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started = read_json(client, 30)
+        assert started["phase"] == "started"
+        stats = api_call(api, "get_stats")
+        assert stats["flows"].get("tcp") == {"ESTABLISHED": 1}, stats["flows"]
+        attach_children = children_of(attach.pid)  # the namespace helper is done by now: expect none
+        t0 = time.monotonic()
+        attach.send_signal(signal.SIGTERM)
+        ended = read_json(client, 15)  # the client's recv ends, it does not hang until its 20 s timeout
+        client.communicate(timeout=10)
+        _, err = attach.communicate(timeout=15)
+        took = time.monotonic() - t0
+        client_rc, rc = client.returncode, attach.returncode
+        print(f"\nattach ({how}): client saw {ended['ended']} {ended['at'] - t0:.3f} s after SIGTERM "
+              f"(got {ended['got'] >> 20} of {n >> 20} MiB); attach exited {rc} after {took:.2f} s")
+        assert ended["ended"] == "reset", ended
+        assert ended["at"] - t0 < 5
+        assert ended["got"] < n
+        assert client_rc == 0
+        assert rc == 0, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        assert not os.path.exists(api), "API socket left behind"
+        assert attach_children == set(), attach_children
+        orphans = children_of(os.getpid()) - own_children0 - {holder.pid}
+        assert orphans == set(), f"processes left by attach: {orphans}"
+        assert ns_links(holder.pid) == ["lo"], "the TAP should go with attach"
+        # this process: the DataServer's connection closes once it has seen the RST
+        deadline = time.monotonic() + 10
+        while fd_table() != fds0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fd_table() == fds0
+    finally:
+        _set_child_subreaper(False)
+        for p in (client, attach):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        for pid in children_of(os.getpid()) - own_children0 - {holder.pid}:  # orphans we became parent of
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        holder.kill()
+        holder.wait()
+    assert netns_holders(ns_ino) == [], "the namespace should be gone with its holder"

@@ -27,13 +27,21 @@ def partial(data) -> int:
 def finish(total: int) -> int:
     """Turn a sum of :func:`partial` values into the 16-bit checksum field value."""
     total %= 0xFFFF
-    # total == 0 means the folded sum is 0xFFFF (inputs here are never all zero): checksum 0.
+    # total == 0 is taken as a folded sum of 0xFFFF: checksum 0. Right whenever some word is not
+    # zero (always so with a pseudo-header); all-zero data needs 0xFFFF, see checksum().
     return (0xFFFF - total) if total else 0
 
 
 def checksum(data) -> int:
-    """RFC 1071 checksum of ``data``: the value to store in a checksum field."""
-    return finish(partial(data))
+    """RFC 1071 checksum of ``data``: the value to store in a checksum field.
+
+    All-zero data (an ICMP echo reply with identifier, sequence and payload all zero) sums to
+    +0, whose complement is 0xFFFF; 0 there would fail the receiver's check.
+    """
+    total = partial(data)
+    if total == 0 and not any(data):
+        return 0xFFFF
+    return finish(total)
 
 
 def verify(total: int) -> bool:

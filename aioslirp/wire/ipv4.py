@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import struct
 
-from .checksum import finish, partial
+from .checksum import checksum, finish, partial
 from .ethernet import ETH_HLEN
 
 PROTO_ICMP = 1
@@ -94,7 +94,7 @@ def build_icmp_packet(src: bytes, dst: bytes, icmp_type: int, code: int, rest: i
     buf = bytearray(20 + ilen)
     ICMP.pack_into(buf, 20, icmp_type, code, 0, rest)
     buf[28:] = payload
-    _H.pack_into(buf, 22, finish(partial(memoryview(buf)[20:])))
+    _H.pack_into(buf, 22, checksum(memoryview(buf)[20:]))  # no pseudo-header: may be all zero
     ip_header(buf, 0, src, dst, PROTO_ICMP, 20 + ilen, next_ident(), 0)
     return buf
 
