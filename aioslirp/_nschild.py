@@ -10,7 +10,8 @@ parent, then the helper waits for ``b"g"`` ("go") and execs the command; ``b"g6"
 once the TAP has its SLAAC address in ``prefix6``" (bounded wait).
 
 ``attach`` mode: enter an existing network namespace (and its owning user namespace when
-not root), create and configure the TAP, send the fd, exit 0.
+not root), bring ``lo`` up (as ``slirp4netns --configure`` does; a failure is a warning),
+create and configure the TAP, send the fd, exit 0.
 
 Messages to the parent are single JSON objects, one per datagram:
 ``{"ok": true, "ifname": NAME, "warnings": [...]}`` with the TAP fd attached (SCM_RIGHTS), or
@@ -235,6 +236,10 @@ def main(args: list[str] | None = None) -> int:
             set_loopback_up()
         elif mode == "attach":
             _enter_existing_namespace(spec.get("netns_path"), spec.get("pid"))
+            try:
+                set_loopback_up()
+            except OSError as exc:
+                warnings.append(f"cannot bring lo up in the namespace ({exc.strerror or exc})")
         else:
             raise SetupError(f"unknown helper mode {mode!r}")
 

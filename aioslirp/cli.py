@@ -94,8 +94,8 @@ examples:
   sudo ip netns add ns1
   sudo aioslirp attach --netns /run/netns/ns1 eth0
 
-Like slirp4netns --configure: the TAP gets 10.0.2.15/24 (see --cidr), the MTU and a
-default route via 10.0.2.2. aioslirp serves until SIGINT/SIGTERM or until process PID
+Like slirp4netns --configure: lo is brought up, the TAP gets 10.0.2.15/24 (see --cidr),
+the MTU and a default route via 10.0.2.2. aioslirp serves until SIGINT/SIGTERM or until process PID
 exits. Use a namespace's /etc/resolv.conf with nameserver 10.0.2.3 for DNS.
 """
 
@@ -338,6 +338,7 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     """
     kwargs: dict = {}
     if args.cidr is not None:
+        _check_family("--cidr", args.cidr, 4)
         kwargs["cidr"] = args.cidr
     if args.mtu is not None:
         kwargs["mtu"] = args.mtu
@@ -347,6 +348,7 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     if args.cidr6 is not None:
         if args.ipv6 is False:
             raise ConfigError("--cidr6", "not used with --no-ipv6")
+        _check_family("--cidr6", args.cidr6, 6)
         kwargs["cidr6"] = args.cidr6
     if args.dns:
         kwargs["dns_upstreams"] = [parse_hostport(v, 53, "--dns") for v in args.dns]
@@ -378,6 +380,58 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     return config
 
 
+def _check_family(option: str, text: str, version: int) -> None:
+    """``--cidr`` takes an IPv4 network, ``--cidr6`` an IPv6 prefix: a network of the other
+    family raises :class:`ConfigError` pointing to the right option (other bad values are
+    left to :meth:`NetworkConfig.validate`)."""
+    import ipaddress
+
+    try:
+        net = ipaddress.ip_network(text.strip(), strict=False)
+    except ValueError:
+        return
+    if net.version != version:
+        if version == 4:
+            raise ConfigError(option, f"{text!r} is an IPv6 network; --cidr takes the IPv4 network "
+                                      "(like 10.0.2.0/24), --cidr6 the IPv6 /64 prefix")
+        raise ConfigError(option, f"{text!r} is an IPv4 network; --cidr6 takes the IPv6 /64 prefix "
+                                  "(like fd00::/64), --cidr the IPv4 network")
+
+
+def _check_publish_clashes(forwards) -> None:
+    """Two ``-p`` giving the same host port (and protocol) on the same address, or on an address
+    and the wildcard of its family, could not both listen: :class:`ConfigError` naming -p/--publish."""
+    import ipaddress
+
+    seen: dict = {}
+    for fwd in forwards:
+        addr = ipaddress.ip_address(fwd.host_addr)
+        key = (fwd.proto, fwd.host_port, addr.version)
+        for other in seen.get(key, ()):
+            port = f"host port {fwd.host_port}/{fwd.proto}"
+            if other == addr:
+                raise ConfigError("-p/--publish", f"{port} on {addr} given twice")
+            if other.is_unspecified or addr.is_unspecified:
+                raise ConfigError("-p/--publish", f"{port} given on {other} and on {addr}; "
+                                                  f"{other if other.is_unspecified else addr} already means every address")
+        seen.setdefault(key, []).append(addr)
+
+
+def _api_socket_problem(path: str) -> str | None:
+    """Why ``--api-socket PATH`` cannot be created (one line), or None: the checks of a UNIX
+    socket path, plus a writable directory."""
+    import os
+
+    from .qemu import check_socket_path
+
+    problem = check_socket_path(path)
+    if problem is None:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.access(parent, os.W_OK | os.X_OK):
+            problem = f"cannot create a socket in {parent}: permission denied"
+    return problem
+
+
 def _stack_factory(args: argparse.Namespace, base=None):
     """``stack_factory`` for the entry points when ``--publish``/``--api-socket`` are given, else None.
 
@@ -387,6 +441,7 @@ def _stack_factory(args: argparse.Namespace, base=None):
     from .forward import parse_publish
 
     forwards = [parse_publish(v, "--publish") for v in args.publish or ()]
+    _check_publish_clashes(forwards)
     api_socket = getattr(args, "api_socket", None)
     if not forwards and not api_socket:
         return base
@@ -394,6 +449,10 @@ def _stack_factory(args: argparse.Namespace, base=None):
         raise ConfigError("--publish" if forwards else "--api-socket", "not used by 'aioslirp demo'")
     if api_socket is not None and not api_socket.strip():
         raise ConfigError("--api-socket", "empty path")
+    if api_socket is not None:
+        problem = _api_socket_problem(api_socket)
+        if problem:
+            raise ConfigError("--api-socket", problem)
 
     def factory(config):
         from .api import serving_stack

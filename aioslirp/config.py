@@ -51,6 +51,32 @@ def parse_hostport(text: str, default_port: int, field_name: str) -> tuple[str, 
     return host, port
 
 
+def not_a_network(value, version: int) -> str:
+    """One line saying why ``value`` is not an IPv4 (``version`` 4) or IPv6 network, without
+    :mod:`ipaddress`'s wording: names the other family when ``value`` is one of its networks."""
+    text = str(value).strip()
+    example = "10.0.2.0/24" if version == 4 else "fd00::/64"
+    try:
+        other = ipaddress.ip_network(text, strict=False).version
+    except ValueError:
+        other = version
+    if other != version:
+        return f"{text!r} is an IPv{other} network; an IPv{version} network is needed (like {example})"
+    return f"{text!r} is not an IPv{version} network (like {example})"
+
+
+def not_an_address(value, version: int) -> str:
+    """One line saying why ``value`` is not an IPv4 / IPv6 address (no :mod:`ipaddress` wording)."""
+    text = str(value).strip()
+    try:
+        other = ipaddress.ip_address(text).version
+    except ValueError:
+        other = version
+    if other != version:
+        return f"{text!r} is an IPv{other} address; an IPv{version} address is needed"
+    return f"{text!r} is not an IPv{version} address"
+
+
 def _port(text: str, field_name: str) -> int:
     try:
         port = int(text)
@@ -153,9 +179,9 @@ class NetworkConfig:
     def validate(self) -> "NetworkConfig":
         """Check every field and normalise addresses. Returns ``self``; raises :class:`ConfigError`."""
         try:
-            net = ipaddress.IPv4Network(str(self.cidr), strict=False)
-        except ValueError as exc:
-            raise ConfigError("cidr", str(exc)) from None
+            net = ipaddress.IPv4Network(str(self.cidr).strip(), strict=False)
+        except ValueError:
+            raise ConfigError("cidr", not_a_network(self.cidr, 4)) from None
         if net.prefixlen > 29:
             raise ConfigError("cidr", f"prefix /{net.prefixlen} is too small (at most /29)")
         first = net.network_address.packed[0]
@@ -167,9 +193,9 @@ class NetworkConfig:
             if value is None:
                 return net.network_address + offset
             try:
-                a = ipaddress.IPv4Address(str(value))
-            except ValueError as exc:
-                raise ConfigError(name, str(exc)) from None
+                a = ipaddress.IPv4Address(str(value).strip())
+            except ValueError:
+                raise ConfigError(name, not_an_address(value, 4)) from None
             if a not in net or a in (net.network_address, net.broadcast_address):
                 raise ConfigError(name, f"{a} is not a host address in {net}")
             return a

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from .config import ConfigError
+from .config import ConfigError, not_a_network, not_an_address
 
 __all__ = ["Ipv6Config"]
 
@@ -60,9 +60,9 @@ class Ipv6Config:
     def validate(self) -> "Ipv6Config":
         """Check every field and normalise addresses. Returns ``self``; raises :class:`ConfigError`."""
         try:
-            net = ipaddress.IPv6Network(str(self.cidr6), strict=False)
-        except ValueError as exc:
-            raise ConfigError("cidr6", str(exc)) from None
+            net = ipaddress.IPv6Network(str(self.cidr6).strip(), strict=False)
+        except ValueError:
+            raise ConfigError("cidr6", not_a_network(self.cidr6, 6)) from None
         if net.prefixlen != 64:
             raise ConfigError("cidr6", f"prefix /{net.prefixlen} must be /64 for SLAAC")
         if net.is_multicast or net.is_link_local or net.is_loopback:
@@ -73,9 +73,9 @@ class Ipv6Config:
             if value is None:
                 return net.network_address + offset
             try:
-                a = ipaddress.IPv6Address(str(value))
-            except ValueError as exc:
-                raise ConfigError(name, str(exc)) from None
+                a = ipaddress.IPv6Address(str(value).strip())
+            except ValueError:
+                raise ConfigError(name, not_an_address(value, 6)) from None
             if a not in net or a == net.network_address:
                 raise ConfigError(name, f"{a} is not a host address in {net}")
             return a

@@ -444,8 +444,8 @@ async def attach(
 
     Give exactly one of ``netns_path`` (e.g. ``/run/netns/NAME`` or ``/proc/PID/ns/net``)
     or ``pid`` (its network namespace; when not root, also the user namespace owning it).
-    A TAP ``ifname`` is created there with address ``config.guest``, MTU ``config.mtu`` and
-    a default route via ``config.gateway``; then the stack serves it until cancelled, until
+    ``lo`` is brought up there, and a TAP ``ifname`` is created with address ``config.guest``,
+    MTU ``config.mtu`` and a default route via ``config.gateway``; then the stack serves it until cancelled, until
     SIGINT/SIGTERM (with ``handle_signals``), or until process ``pid`` exits. A namespace
     given only by path stays alive while we hold its TAP fd, so it never "goes away".
     ``offload``: as for :func:`run_in_namespace`.

@@ -6,7 +6,9 @@ behind a ``BatchSpanProcessor`` so spans are serialized and written on the SDK's
 thread, off the event loop), a meter provider exporting :mod:`aioslirp.metrics` over OTLP,
 and a stack factory that wraps the transport in a
 :class:`~aioslirp.transport.pcap.PcapTransport`. :meth:`Observability.shutdown` ends open
-flow spans and flushes every exporter; the CLI calls it on exit, SIGTERM included.
+flow spans and flushes every exporter, the OTLP endpoint within :data:`OTLP_SHUTDOWN_TIMEOUT`
+seconds (one that does not answer is given up on, one warning line); the CLI calls it on
+exit, SIGTERM included.
 
 Trace file format: one JSON object per line, one line per finished span::
 
@@ -24,6 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import stat
 import threading
 import urllib.parse
 
@@ -31,11 +35,16 @@ from .config import ConfigError
 
 log = logging.getLogger("aioslirp.observe")
 
-__all__ = ["Observability", "JsonLinesSpanExporter", "NoopSpanExporter", "span_to_dict", "otlp_urls", "SERVICE_NAME"]
+__all__ = ["Observability", "JsonLinesSpanExporter", "NoopSpanExporter", "span_to_dict", "otlp_urls", "SERVICE_NAME",
+           "OTLP_SHUTDOWN_TIMEOUT", "probe_writable"]
 
 #: ``service.name`` of the exported resource unless ``OTEL_SERVICE_NAME`` /
 #: ``OTEL_RESOURCE_ATTRIBUTES`` set one.
 SERVICE_NAME = "aioslirp"
+
+#: Seconds :meth:`Observability.shutdown` gives the OTLP exporters to deliver the last spans
+#: and metrics; an endpoint that does not answer by then is given up on (one warning line).
+OTLP_SHUTDOWN_TIMEOUT = 2.0
 
 _OTLP_HINT = "pip install 'aioslirp[otlp]' (opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
 
@@ -80,29 +89,56 @@ class JsonLinesSpanExporter(_SpanExporter):
     The file is opened (truncated) at once, so a bad path fails early with ``OSError``.
     ``export`` runs on the batch processor's worker thread; each batch is flushed to the
     file before it returns. Use with ``BatchSpanProcessor`` to stay off the event loop.
+
+    A write that fails later (disk full, ``EFBIG``, an I/O error) never raises: it is
+    logged as one warning line naming ``label`` (default: the path) and the errno text,
+    the file is closed and every later span is dropped and counted in ``dropped``.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, label: str | None = None) -> None:
         self.path = path
+        self.label = label or f"trace file {path}"
         self._file = open(path, "w", encoding="utf-8")
         self._lock = threading.Lock()
         self.exported = 0
+        self.dropped = 0
+        self.error: str | None = None
 
     def export(self, spans):
         lines = "".join(json.dumps(span_to_dict(s), separators=(",", ":")) + "\n" for s in spans)
         with self._lock:
             if self._file is None:
+                self.dropped += len(spans)
                 return _Result.FAILURE
-            self._file.write(lines)
-            self._file.flush()
+            try:
+                self._file.write(lines)
+                self._file.flush()
+            except OSError as exc:
+                self.dropped += len(spans)
+                self._failed(exc)
+                return _Result.FAILURE
             self.exported += len(spans)
         return _Result.SUCCESS
+
+    def _failed(self, exc: OSError) -> None:
+        """A write failed (lock held): one warning line, close the file quietly, drop from now on."""
+        self.error = exc.strerror or str(exc)
+        log.warning("%s: cannot write spans (%s); spans from now on are not recorded", self.label, self.error)
+        f, self._file = self._file, None
+        try:
+            f.close()  # flushes what is buffered again, which fails again; the fd is closed anyway
+        except OSError:
+            pass
 
     def shutdown(self) -> None:
         with self._lock:
             if self._file is not None:
-                self._file.close()
-                self._file = None
+                f, self._file = self._file, None
+                try:
+                    f.close()
+                except OSError as exc:
+                    self.error = exc.strerror or str(exc)
+                    log.warning("%s: cannot write spans (%s)", self.label, self.error)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
@@ -171,15 +207,162 @@ def _bsp(exporter):
     return BatchSpanProcessor(exporter, **kw)
 
 
+def probe_writable(path: str) -> None:
+    """Open ``path`` for writing (created when missing, never truncated) and write zero bytes.
+
+    Catches at startup what only a write reveals: ``/dev/full`` (``ENOSPC``), a procfs or
+    sysfs file root may open but not write (``EIO``, ``EACCES``), a read-only file system
+    (``EROFS``). A FIFO is left alone (opening it would wait for a reader). Raises ``OSError``.
+    """
+    try:
+        if stat.S_ISFIFO(os.stat(path).st_mode):
+            return
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
+    try:
+        os.write(fd, b"")
+    finally:
+        os.close(fd)
+
+
+_ERRNO_TEXT = re.compile(r"\[Errno -?\d+\] ([^'\"()\[\]]+)")
+_HTTP_CODE = re.compile(r"code: (\d+), reason: ([^,]+)")
+
+
+def _failure_reason(message: str) -> str | None:
+    """A short reason out of an OpenTelemetry exporter log message (``Connection refused``,
+    ``HTTP 404 Not Found``), or None."""
+    m = _ERRNO_TEXT.search(message)
+    if m:
+        return m.group(1).strip()
+    m = _HTTP_CODE.search(message)
+    if m:
+        return f"HTTP {m.group(1)} {m.group(2).strip()}"
+    if "timed out" in message:
+        return "timed out"
+    return None
+
+
+class _OtlpReport(logging.Handler):
+    """Export failures towards ``--otlp-endpoint`` as one warning line naming the endpoint.
+
+    The OTLP exporters log each retry and each failure (with exception text) through the
+    ``opentelemetry.exporter`` loggers. :meth:`install` takes those records off the user's
+    stderr (they are re-logged at DEBUG by ``aioslirp.observe``) and keeps the last reason;
+    the first export that fails (:meth:`failed`) becomes one WARNING line, later failures are
+    only counted in ``dropped`` (spans, metric batches).
+    """
+
+    LOGGER = "opentelemetry.exporter"
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.endpoint = endpoint
+        self.reason: str | None = None
+        self.reported = False
+        self.dropped = {"spans": 0, "metrics": 0}
+        self.shut: set[int] = set()  # id() of exporters already shut down
+        self.lock_ = threading.Lock()
+        self._saved: tuple | None = None
+
+    def install(self) -> None:
+        lg = logging.getLogger(self.LOGGER)
+        self._saved = (lg.propagate, lg.level)
+        lg.addHandler(self)
+        lg.propagate = False
+        lg.setLevel(logging.DEBUG if log.isEnabledFor(logging.DEBUG) else logging.INFO)
+
+    def uninstall(self) -> None:
+        if self._saved is None:
+            return
+        lg = logging.getLogger(self.LOGGER)
+        lg.removeHandler(self)
+        lg.propagate, level = self._saved
+        lg.setLevel(level)
+        self._saved = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:  # pragma: no cover - a malformed record
+            return
+        reason = _failure_reason(msg)
+        if reason:
+            self.reason = reason
+        log.debug("OTLP exporter: %s", " ".join(msg.split()))
+
+    def failed(self, kind: str, n: int) -> None:
+        with self.lock_:
+            self.dropped[kind] += n
+            if self.reported:
+                return
+            self.reported = True
+        why = f" ({self.reason})" if self.reason else ""
+        log.warning("--otlp-endpoint %s: cannot export %s%s; telemetry is dropped while it fails "
+                    "(not logged again)", self.endpoint, kind, why)
+
+    def gave_up(self, seconds: float) -> None:
+        with self.lock_:
+            if self.reported:
+                return
+            self.reported = True
+        why = f" ({self.reason})" if self.reason else ""
+        log.warning("--otlp-endpoint %s: no answer within %g s at exit%s; the last spans and metrics are "
+                    "dropped", self.endpoint, seconds, why)
+
+    def first_shutdown(self, exporter) -> bool:
+        """True the first time ``exporter`` is shut down (the SDK may call it again, from another thread)."""
+        with self.lock_:
+            if id(exporter) in self.shut:
+                return False
+            self.shut.add(id(exporter))
+            return True
+
+
+def _otlp_exporters(traces_url: str, metrics_url: str, report: _OtlpReport):
+    """``(span_exporter, metric_exporter)``: the SDK's OTLP/HTTP exporters, with failures
+    going to ``report`` and a ``shutdown`` that may be called more than once (to abort retries)."""
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    class SpanExporter(OTLPSpanExporter):
+        def export(self, spans):
+            result = super().export(spans)
+            if result.name != "SUCCESS":
+                report.failed("spans", len(spans))
+            return result
+
+        def shutdown(self):
+            if report.first_shutdown(self):
+                super().shutdown()
+
+    class MetricExporter(OTLPMetricExporter):
+        def export(self, metrics_data, timeout_millis: float | None = 10000, **kwargs):
+            result = super().export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+            if result.name != "SUCCESS":
+                report.failed("metrics", 1)
+            return result
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs):
+            if report.first_shutdown(self):
+                super().shutdown(timeout_millis=timeout_millis, **kwargs)
+
+    return SpanExporter(endpoint=traces_url), MetricExporter(endpoint=metrics_url)
+
+
 class Observability:
     """The observability options of one ``aioslirp`` run.
 
     ``trace_file``: path of the JSON-lines span file; ``otlp_endpoint``: OTLP/HTTP base URL
     (spans and metrics); ``pcap``: capture file; ``pcap_max_bytes``: bound of the capture
     file in bytes (``None``: unbounded). :meth:`check` validates them (raises
-    :class:`ConfigError` naming the option); :meth:`start` sets the exporters up;
-    :meth:`stack_factory` makes stacks with the capture and metrics attached;
-    :meth:`shutdown` flushes everything (idempotent).
+    :class:`ConfigError` naming the option); :meth:`start` sets the exporters up (and
+    tries a zero-byte write to the ``--trace``/``--pcap`` files: :class:`ConfigError` when
+    that fails); :meth:`stack_factory` makes stacks with the capture and metrics attached;
+    :meth:`shutdown` flushes everything (idempotent; the OTLP endpoint gets at most
+    :data:`OTLP_SHUTDOWN_TIMEOUT` seconds). Export failures while running are one warning
+    line each (the trace file; the OTLP endpoint), never an exception.
     """
 
     def __init__(self, *, trace_file: str | None = None, otlp_endpoint: str | None = None,
@@ -191,8 +374,11 @@ class Observability:
         self.tracer_provider = None
         self.meter_provider = None
         self.file_exporter = None
+        self.otlp_report: _OtlpReport | None = None
         self.stacks: list = []
         self.pcap_writer = None
+        self._file_bsp = None
+        self._otlp_exporters: tuple = ()
         self._started = False
         self._shut = False
 
@@ -245,6 +431,7 @@ class Observability:
             from .transport.pcap import PcapWriter
 
             try:
+                probe_writable(self.pcap)
                 self.pcap_writer = PcapWriter(self.pcap, max_bytes=self.pcap_max_bytes)
             except OSError as exc:
                 raise ConfigError("--pcap", f"cannot write {self.pcap!r}: {exc.strerror}") from None
@@ -255,23 +442,28 @@ class Observability:
         from . import tracing
 
         resource = _resource()
-        tp = TracerProvider(resource=resource)
+        # No atexit hooks: shutdown() flushes, with a bound on the OTLP endpoint's time.
+        tp = TracerProvider(resource=resource, shutdown_on_exit=False)
         if self.trace_file:
             try:
-                self.file_exporter = JsonLinesSpanExporter(self.trace_file)
+                probe_writable(self.trace_file)
+                self.file_exporter = JsonLinesSpanExporter(self.trace_file, label=f"--trace {self.trace_file}")
             except OSError as exc:
-                raise ConfigError("--trace", f"cannot write {self.trace_file!r}: {exc.strerror}") from None
-            tp.add_span_processor(_bsp(self.file_exporter))
+                raise ConfigError("--trace", f"cannot write {self.trace_file!r}: {exc.strerror or exc}") from None
+            self._file_bsp = _bsp(self.file_exporter)
+            tp.add_span_processor(self._file_bsp)
         if self.otlp_endpoint:
-            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.metrics import MeterProvider
             from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
             traces_url, metrics_url = otlp_urls(self.otlp_endpoint)
-            tp.add_span_processor(_bsp(OTLPSpanExporter(endpoint=traces_url)))
-            reader = PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=metrics_url))
-            self.meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+            self.otlp_report = _OtlpReport(self.otlp_endpoint)
+            self.otlp_report.install()
+            span_exporter, metric_exporter = _otlp_exporters(traces_url, metrics_url, self.otlp_report)
+            self._otlp_exporters = (span_exporter, metric_exporter)
+            tp.add_span_processor(_bsp(span_exporter))
+            reader = PeriodicExportingMetricReader(metric_exporter)
+            self.meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
         self.tracer_provider = tp
         tracing.enable(tp)
 
@@ -317,11 +509,48 @@ class Observability:
             try:
                 tracing.end_all()
                 tracing.disable()
-                self.tracer_provider.shutdown()
+                if self.otlp_report is None:
+                    self.tracer_provider.shutdown()
+                elif self._file_bsp is not None:
+                    self._file_bsp.shutdown()  # the local file first, completely
             except Exception:  # pragma: no cover - defensive
                 log.exception("flushing spans failed")
-        if self.meter_provider is not None:
+        if self.otlp_report is not None:
+            self._shutdown_otlp()
+        elif self.meter_provider is not None:  # pragma: no cover - metrics come with OTLP only
             try:
                 self.meter_provider.shutdown()
-            except Exception:  # pragma: no cover - defensive
+            except Exception:
                 log.exception("flushing metrics failed")
+
+    def _shutdown_otlp(self) -> None:
+        """Flush spans and metrics to the OTLP endpoint for at most :data:`OTLP_SHUTDOWN_TIMEOUT` s.
+
+        The SDK retries a failing export with backoff for up to ``OTEL_EXPORTER_OTLP_TIMEOUT``
+        (10 s) per batch and signal; here the flush runs on a daemon thread, and when the
+        bound passes the exporters are shut down (which ends their retry waits) and what is
+        left is dropped, with one warning line naming the endpoint.
+        """
+        report = self.otlp_report
+        providers = [p for p in (self.tracer_provider, self.meter_provider) if p is not None]
+
+        def flush() -> None:
+            for provider in providers:
+                try:
+                    provider.shutdown()
+                except Exception as exc:  # pragma: no cover - defensive
+                    log.debug("OTLP flush: %s", exc)
+
+        thread = threading.Thread(target=flush, name="aioslirp-otlp-flush", daemon=True)
+        thread.start()
+        thread.join(OTLP_SHUTDOWN_TIMEOUT)
+        if thread.is_alive():
+            for exporter in self._otlp_exporters:
+                try:
+                    exporter.shutdown()
+                except Exception as exc:  # pragma: no cover - defensive
+                    log.debug("OTLP exporter shutdown: %s", exc)
+            thread.join(0.5)
+            report.gave_up(OTLP_SHUTDOWN_TIMEOUT)
+        if not thread.is_alive():
+            report.uninstall()

@@ -307,7 +307,7 @@ def test_start_errors_exit_with_one_line(tmp_path):
     assert p.returncode == 2 and "--publish" in p.stderr
     bad_dir = str(tmp_path / "missing" / "api.sock")
     p = subprocess.run(argv + ["--api-socket", bad_dir, "--", "true"], capture_output=True, text=True, timeout=30)
-    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "--api-socket" in p.stderr
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--api-socket" in p.stderr  # bad input, like --pcap
 
 
 def test_forwards_with_disable_host_loopback_and_ipv6_host(tmp_path):
