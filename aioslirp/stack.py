@@ -348,10 +348,27 @@ class Stack:
     async def _writer(self) -> None:
         """The writer task: waits on the inject queue and writes what it holds to the transport."""
         q = self._inject
+        counters = self.counters
         while True:
+            # One batch of at most 128 frames per turn. (Putting the frame back and calling
+            # write_now(), which drains the whole queue, measured host->guest throughput
+            # -30%: 4.2-4.7 against 6.0-6.9 Gbit/s.)
             frame = await q.get()
-            q._queue.appendleft(frame)
-            self.write_now()
+            batch = [frame]
+            while len(batch) < 128 and not q.empty():
+                batch.append(q.get_nowait())
+            tr = self._transport
+            if tr is None or tr.closed is None or tr.closed.done():
+                counters["drop.no_transport"] += len(batch)
+                if tracing.enabled:
+                    tracing.discard(batch)
+                continue
+            if tracing.enabled:
+                tracing.drain(self, tr, batch, len(batch) + q.qsize())
+            else:
+                tr.send_frames(batch)
+            counters["frames_out"] += len(batch)
+            counters["bytes_out"] += sum(map(len, batch))
 
     def write_now(self) -> None:
         """Write every frame in the inject queue to the transport now, in batches of up to 128.

@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--native", action="store_true", help="py-spy --native: show C frames (uvloop, syscalls)")
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--tree", help="directory holding another aioslirp package to profile (A/B)")
     ap.add_argument("--out", default=str(HERE / "results" / "profiles"))
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     allowed = sorted(os.sched_getaffinity(0))
     cpus = {allowed[-1]} if args.pinned else set(allowed)
     py_args = ["-m", "cProfile", "-o", str(prof_file)] if args.tool == "cprofile" else []
-    backend = (B.Aioslirp(args.mtu, args.python, python_args=py_args) if args.backend == "aioslirp"
+    backend = (B.Aioslirp(args.mtu, args.python, python_args=py_args, tree=args.tree) if args.backend == "aioslirp"
                else B.Pasta(args.mtu or 65520))
     result = None
     try:

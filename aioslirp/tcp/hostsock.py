@@ -87,6 +87,8 @@ class HostSocket:
             # Bulk: the writer task sends these frames (writing them here, before the next read,
             # measured 10-25% less host -> guest throughput).
             flow.data_received(bytes(_RVIEW[:n]))
+            if n == READ_SIZE and not self.closed:
+                flow.request_upgrade()  # a bulk sender: the flow moves to an asyncio transport
             return
         stack = flow.stack
         q = stack._inject
@@ -166,6 +168,11 @@ class HostSocket:
         if self.writing:
             self.writing = False
             self.loop.remove_writer(self.fd)
+
+    def detach(self) -> socket.socket:
+        """Stop serving the socket (no callbacks any more) and hand it over, open."""
+        self._unregister()
+        return self.sock
 
     def close(self) -> None:
         """Close the socket (a FIN to the host peer if not sent yet)."""

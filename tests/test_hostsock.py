@@ -1,0 +1,158 @@
+"""The host side of a TCP flow (aioslirp.tcp.hostsock) and its move to an asyncio transport.
+
+A Stack in this process serves a transport that only collects frames; the test plays the
+guest (frames built with ``build_tcp``) and the host peer (a real listening socket on
+127.0.0.1), and calls the host socket's read callback itself, like
+``benchmarks/micro_crr.py``. Checked: a bulk sender moves the flow from HostSocket to an
+asyncio transport (``tcp_bulk_transport``) without losing or reordering a byte either way, a
+guest RST while that happens reaches the host as a RST, and no socket is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import socket
+import struct
+
+from aioslirp import NetworkConfig, Stack
+from aioslirp.tcp.flow import TransportHost
+from aioslirp.tcp.hostsock import READ_SIZE, HostSocket
+from aioslirp.transport.base import Transport
+from aioslirp.wire.ipv4 import build_tcp
+
+GUEST_MAC, GW_MAC = bytes.fromhex("525400123456"), bytes.fromhex("52550a000202")
+ETH = GW_MAC + GUEST_MAC + b"\x08\x00"
+GUEST, GW = socket.inet_aton("10.0.2.15"), socket.inet_aton("10.0.2.2")
+SEQ_ACK = struct.Struct("!II")
+SYN, FIN, RST, PSH, ACK = 0x02, 0x01, 0x04, 0x08, 0x10
+
+
+class Collect(Transport):
+    offload = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out: list = []
+
+    async def _start_reading(self) -> None:
+        pass
+
+    def send_frames(self, frames) -> None:
+        self.out.extend(frames)
+
+    def _close_io(self) -> None:
+        pass
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _session(body) -> None:
+    fds0 = fd_count()
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+    try:
+        async with Stack(NetworkConfig(dns_upstreams=[("127.0.0.1", 9)])) as stack:
+            tr = Collect()
+            serving = asyncio.ensure_future(stack.serve(tr))
+            await asyncio.sleep(0)
+
+            def guest(sport, seq, ack, flags, payload=b"", wnd=65535):
+                stack._on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, wnd, b"", payload)], [True])
+
+            sport = 40100
+            guest(sport, 1000, 0, SYN)
+            iss = SEQ_ACK.unpack_from(tr.out[-1], 38)[0]
+            host, _ = srv.accept()
+            guest(sport, 1001, iss + 1, ACK)
+            flow = stack.flows[(6, GUEST, sport, GW, port)]
+            assert isinstance(flow.transport, HostSocket)
+            await body(stack, tr, flow, host, guest, sport, iss)
+            host.close()
+            stack.close()
+            await serving
+        assert not stack.flows
+    finally:
+        srv.close()
+    assert fd_count() == fds0
+
+
+def _read_until_upgrade(flow) -> None:
+    """Call the HostSocket's read callback until a read comes back full (the kernel may hand the
+    first bytes over in smaller pieces)."""
+    for _ in range(50):
+        if flow._upgrading or not isinstance(flow.transport, HostSocket):
+            return
+        flow.transport._on_readable()
+
+
+def _payload_to_guest(frames) -> bytes:
+    """The TCP payload of our frames to the guest, in order (IPv4, no options on data segments)."""
+    out = bytearray()
+    for f in frames:
+        doff = (f[46] >> 4) * 4
+        total = struct.unpack_from("!H", f, 16)[0]
+        out += bytes(f[34 + doff:14 + total])
+    return bytes(out)
+
+
+def test_bulk_sender_moves_to_a_transport_and_no_byte_is_lost():
+    async def body(stack, tr, flow, host, guest, sport, iss):
+        down = os.urandom(3 * READ_SIZE)
+        host.setblocking(True)
+        host.sendall(down[:2 * READ_SIZE])  # more than one full read is waiting
+        tr.out.clear()
+        _read_until_upgrade(flow)  # a full 256 KiB read: the flow asks for a transport
+        assert flow.transport is None and flow._upgrading
+        # guest bytes arriving meanwhile wait in the connection, nothing is written nor dropped
+        guest(sport, 1001, iss + 1, ACK | PSH, b"up-1")
+        for _ in range(20):
+            await asyncio.sleep(0)
+            if isinstance(flow.transport, TransportHost):
+                break
+        assert isinstance(flow.transport, TransportHost)
+        assert stack.counters["tcp_bulk_transport"] == 1
+        guest(sport, 1005, iss + 1, ACK | PSH, b"up-2")
+        host.sendall(down[2 * READ_SIZE:])
+        got = bytearray(_payload_to_guest(tr.out))
+        acked = iss + 1
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(got) < len(down):
+            assert asyncio.get_running_loop().time() < deadline, len(got)
+            acked = iss + 1 + len(got)
+            tr.out.clear()
+            guest(sport, 1009, acked, ACK, wnd=65535)  # the guest reads and opens its window
+            await asyncio.sleep(0.005)
+            got += _payload_to_guest(tr.out)
+        assert hashlib.sha256(got).digest() == hashlib.sha256(down).digest()
+        host.settimeout(5)
+        assert host.recv(100) == b"up-1up-2"
+
+    asyncio.run(_session(body))
+
+
+def test_guest_reset_while_moving_to_a_transport_resets_the_host():
+    async def body(stack, tr, flow, host, guest, sport, iss):
+        host.setblocking(True)
+        host.sendall(os.urandom(2 * READ_SIZE))
+        _read_until_upgrade(flow)
+        assert flow._upgrading
+        guest(sport, 1001, iss + 1, RST)  # before the transport exists
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not stack.flows
+        host.settimeout(5)
+        try:
+            while host.recv(65536):
+                pass
+            reset = False
+        except ConnectionResetError:
+            reset = True
+        assert reset
+
+    asyncio.run(_session(body))
