@@ -3,9 +3,10 @@
 A Stack in this process serves a transport that only collects frames; the test plays the
 guest (frames built with ``build_tcp``) and the host peer (a real listening socket on
 127.0.0.1), and calls the host socket's read callback itself, like
-``benchmarks/micro_crr.py``. Checked: a bulk sender moves the flow from HostSocket to an
-asyncio transport (``tcp_bulk_transport``) without losing or reordering a byte either way, a
-guest RST while that happens reaches the host as a RST, and no socket is left.
+``benchmarks/micro_crr.py``. Checked: a bulk sender on the host (a full 256 KiB read) and a
+bulk receiver (a partial ``send``) each move the flow from HostSocket to an asyncio transport
+(``tcp_bulk_transport``) without losing or reordering a byte either way, a guest RST while that
+happens reaches the host as a RST, and no socket is left.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import select
 import socket
 import struct
 
@@ -156,3 +158,59 @@ def test_guest_reset_while_moving_to_a_transport_resets_the_host():
         assert reset
 
     asyncio.run(_session(body))
+
+
+def test_bulk_receiver_moves_to_a_transport_and_no_byte_is_lost():
+    """Guest -> host in bulk while the host does not read: a partial send() moves the flow."""
+    async def body(stack, tr, flow, host, guest, sport, iss):
+        up = os.urandom(8 << 20)
+        pos = 0
+        deadline = asyncio.get_running_loop().time() + 20
+        while stack.counters["tcp_bulk_transport"] == 0:
+            assert pos < len(up) and asyncio.get_running_loop().time() < deadline, pos
+            # send what our last segment's window allows (no window scale: at most 64 KiB ahead)
+            last = tr.out[-1]
+            ack, = struct.unpack_from("!I", last, 42)
+            wnd, = struct.unpack_from("!H", last, 48)
+            limit = (ack - 1001) + wnd
+            while pos < limit and pos < len(up):
+                chunk = up[pos:min(pos + 1400, limit)]
+                guest(sport, 1001 + pos, iss + 1, ACK, chunk)
+                pos += len(chunk)
+            await asyncio.sleep(0)
+        for _ in range(20):
+            await asyncio.sleep(0)
+            if isinstance(flow.transport, TransportHost):
+                break
+        assert isinstance(flow.transport, TransportHost)
+        # the rest, then read everything on the host side
+        while pos < len(up):
+            last = tr.out[-1]
+            ack, = struct.unpack_from("!I", last, 42)
+            wnd, = struct.unpack_from("!H", last, 48)
+            limit = (ack - 1001) + wnd
+            if pos >= limit:  # the window is closed: the host reads a little
+                await asyncio.sleep(0.001)
+                if _readable(host):
+                    received.extend(host.recv(1 << 20))
+                continue
+            chunk = up[pos:min(pos + 1400, limit)]
+            guest(sport, 1001 + pos, iss + 1, ACK, chunk)
+            pos += len(chunk)
+        guest(sport, 1001 + pos, iss + 1, ACK | FIN)
+        while True:  # never block here: the stack needs the loop to write the rest
+            assert asyncio.get_running_loop().time() < deadline + 20
+            await asyncio.sleep(0.001)
+            if _readable(host):
+                chunk = host.recv(1 << 20)
+                if not chunk:
+                    break
+                received.extend(chunk)
+        assert hashlib.sha256(received).digest() == hashlib.sha256(up).digest()
+
+    received = bytearray()
+    asyncio.run(_session(body))
+
+
+def _readable(sock) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])

@@ -136,6 +136,8 @@ class HostSocket:
             self.writing = True
             self.loop.add_writer(self.fd, self._on_writable)
             self.flow.pause_writing()
+            if n:  # the kernel's send buffer is full in mid-write: a bulk receiver on the host
+                self.flow.request_upgrade()
         return n
 
     def _on_writable(self) -> None:
