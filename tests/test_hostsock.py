@@ -74,8 +74,12 @@ async def _session(body) -> None:
             guest(sport, 1001, iss + 1, ACK)
             flow = stack.flows[(6, GUEST, sport, GW, port)]
             assert isinstance(flow.transport, HostSocket)
-            await body(stack, tr, flow, host, guest, sport, iss)
-            host.close()
+            # room for full 256 KiB reads at once (what receive autotuning gives a bulk flow)
+            flow.transport.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            try:
+                await body(stack, tr, flow, host, guest, sport, iss)
+            finally:
+                host.close()
             stack.close()
             await serving
         assert not stack.flows
