@@ -205,6 +205,9 @@ def _send(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
 def _exec(argv: list[str]) -> int:
     for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE/SIGXFSZ; exec would keep SIG_IGN
+    if not argv or not argv[0]:
+        print("aioslirp: : command not found (an empty command name)", file=sys.stderr)
+        return 127
     try:
         os.execvp(argv[0], argv)
     except FileNotFoundError:

@@ -247,17 +247,17 @@ class NetworkConfig:
                 value = float(getattr(self, name))
             except (TypeError, ValueError):
                 raise ConfigError(name, f"{getattr(self, name)!r} is not a number of seconds") from None
-            if value <= 0:
-                raise ConfigError(name, "must be positive")
+            if not value > 0 or value == float("inf"):  # NaN and inf fail too
+                raise ConfigError(name, f"{getattr(self, name)!r}: must be a positive number of seconds")
         for domain in self.dns_search:
             labels = str(domain).rstrip(".").split(".")
             if not domain or len(str(domain)) > 253 or not all(
                     0 < len(lb) <= 63 and all(c.isalnum() or c in "-_" for c in lb) for lb in labels):
                 raise ConfigError("dns_search", f"{domain!r} is not a domain name")
-        if float(self.tcp_idle_timeout) < 0:
-            raise ConfigError("tcp_idle_timeout", "must not be negative")
-        if float(self.new_flow_rate) < 0:
-            raise ConfigError("new_flow_rate", "must not be negative (0 disables the limit)")
+        if not 0 <= float(self.tcp_idle_timeout) < float("inf"):
+            raise ConfigError("tcp_idle_timeout", f"{self.tcp_idle_timeout!r}: must be 0 (off) or a positive number of seconds")
+        if not 0 <= float(self.new_flow_rate) < float("inf"):
+            raise ConfigError("new_flow_rate", f"{self.new_flow_rate!r}: must be 0 (no limit) or a positive rate")
         from .policy import parse_rules
 
         self.egress_allow = parse_rules(self.egress_allow, "egress_allow")

@@ -308,8 +308,10 @@ def parse_limits(values) -> dict:
         name = name.strip().replace("-", "_")
         if not sep or name not in LIMIT_FIELDS:
             raise ConfigError("--limit", f"{text!r}: expected NAME=VALUE with NAME one of {', '.join(LIMIT_FIELDS)}")
+        kind = LIMIT_FIELDS[name]
         try:
-            out[name] = LIMIT_FIELDS[name](value.strip())
+            out[name] = kind(value.strip())
         except ValueError:
-            raise ConfigError("--limit", f"{text!r}: {value.strip()!r} is not a number") from None
+            what = "a whole number" if kind is int else "a number"
+            raise ConfigError("--limit", f"{text!r}: {value.strip()!r} is not {what}") from None
     return out

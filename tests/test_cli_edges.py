@@ -338,3 +338,11 @@ def test_attach_brings_loopback_up():
             proc.stderr.close()
         target.kill()
         target.wait()
+
+
+def test_run_with_an_empty_command_name_is_one_line_and_127():
+    p = subprocess.run([sys.executable, "-m", "aioslirp", "run", "--", ""], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 127, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "command not found" in lines[0] and "Traceback" not in p.stderr

@@ -39,3 +39,12 @@ def test_defaults_and_normalisation():
     assert (str(c.gateway), str(c.dns), str(c.guest)) == ("10.0.3.2", "10.0.3.3", "10.0.3.15")
     assert c.dns_upstreams == [("127.0.0.53", 53), ("::1", 5353), ("127.0.0.1", 5300)]
     assert c.gateway_mac_bytes == bytes.fromhex("52550a000202")
+
+
+@pytest.mark.parametrize("field", ["udp_idle_timeout", "icmp_idle_timeout", "tcp_idle_timeout", "tcp_linger",
+                                   "tcp_connect_timeout", "reassembly_timeout", "new_flow_rate"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_and_infinite_durations_are_refused_naming_the_field(field, value):
+    with pytest.raises(ConfigError) as err:
+        NetworkConfig(**{field: value}).validate()
+    assert str(err.value).startswith(field + ":")

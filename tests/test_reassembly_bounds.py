@@ -229,7 +229,7 @@ def test_limit_option_sets_the_reassembly_bounds():
     assert Stack(cfg).reassembler.max_bytes == 131072
 
 
-@pytest.mark.parametrize("value, words", [("0", "must be positive"), ("lots", "not a number")])
+@pytest.mark.parametrize("value, words", [("0", "must be positive"), ("lots", "not a whole number")])
 def test_bad_limit_value_is_one_line_naming_the_option_exit_2(value, words):
     p = subprocess.run([sys.executable, "-m", "aioslirp", "run", "--limit", f"reassembly_max_bytes={value}",
                         "--", "true"], capture_output=True, text=True, timeout=60)
