@@ -36,7 +36,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from .config import NetworkConfig
-from .lifecycle import DEFAULT_STOP_TIMEOUT, GracefulStop
+from .lifecycle import DEFAULT_STOP_TIMEOUT, GracefulStop, farewell
 from .transport.tap import TapTransport
 
 __all__ = [
@@ -376,7 +376,9 @@ async def run_in_namespace(
     process dies the command gets SIGKILL (``PR_SET_PDEATHSIG``). With ``forward_signals``, a
     command still running ``stop_timeout`` seconds after SIGTERM (at once after a second
     SIGTERM) has its network stopped, every connection reset, and is killed one second later
-    (:class:`~aioslirp.lifecycle.GracefulStop`).
+    (:class:`~aioslirp.lifecycle.GracefulStop`). When the command exits while processes it
+    left behind still hold connections through the stack, those are reset (RST) before the
+    stack stops, so that none of them waits on a network that is gone.
     """
     config.validate()
     factory = stack_factory or _default_stack_factory
@@ -410,13 +412,16 @@ async def run_in_namespace(
                     installed.append(sig)
             info, fd = await helper.receive(setup_timeout)
             transport = TapTransport(fd, ifname=info["ifname"], offload=offload)
-            transport.watch_pid(helper.pid)
             serve_task = asyncio.create_task(stack.serve(transport))
             serve_task.add_done_callback(_log_serve_end)
             await asyncio.sleep(0)  # serve() opens the transport (add_reader) before the command starts
             # A stack that serves IPv6 sends its RA now: the helper waits (bounded) for the SLAAC address.
             helper.go(wait_ipv6=bool(config.ipv6) and getattr(stack, "v6", None) is not None)
             returncode = await helper.wait_exit()
+            if getattr(stack, "flows", None) and not transport.closed.done():
+                # The command is gone but processes it left in the namespace may still hold
+                # connections: reset them (RST) while the link is up, so none hangs on a dead stack.
+                await farewell(stack)
         finally:
             graceful.cancel()
             for sig in installed:

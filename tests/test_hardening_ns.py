@@ -485,3 +485,42 @@ def test_attach_sigterm_during_transfer(servers, tmp_path, how):
         holder.kill()
         holder.wait()
     assert netns_holders(ns_ino) == [], "the namespace should be gone with its holder"
+
+
+def test_connections_of_processes_left_behind_by_the_command_are_reset(tmp_path):
+    """`aioslirp run -- sh -c 'client &'`: sh exits at once; the client's connection is reset."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    accepted = []
+    t = threading.Thread(target=lambda: accepted.append(srv.accept()[0]), daemon=True)
+    t.start()
+    marker = tmp_path / "client.out"
+    client = (f"import socket, time\n"
+              f"s = socket.create_connection(('10.0.2.2', {port}))\n"
+              f"open({str(marker)!r}, 'w').write('connected\\n')\n"
+              f"time.sleep(0.5)\n"
+              f"try:\n"
+              f"    r = s.recv(10)\n"
+              f"    out = 'eof' if not r else 'data'\n"
+              f"except ConnectionResetError:\n"
+              f"    out = 'reset'\n"
+              f"open({str(marker)!r}, 'a').write(out + '\\n')\n")
+    script = tmp_path / "client.py"
+    script.write_text(client)
+    cmd = f"{sys.executable} {script} & for i in $(seq 100); do [ -s {marker} ] && exit 0; sleep 0.05; done; exit 1"
+    try:
+        p = subprocess.run([sys.executable, "-m", "aioslirp", "run", "--", "sh", "-c", cmd],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        deadline = time.monotonic() + 10
+        while "\n" not in marker.read_text()[len("connected\n"):] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.read_text().split() == ["connected", "reset"]
+        t.join(5)
+        assert accepted
+    finally:
+        for c in accepted:
+            c.close()
+        srv.close()
