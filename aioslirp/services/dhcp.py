@@ -108,7 +108,7 @@ def encode_search_list(domains: list[str]) -> bytes:
     out = bytearray()
     suffixes: dict[tuple[bytes, ...], int] = {}
     for name in domains:
-        labels = _labels(name)
+        labels = dns_labels(name)
         if labels is None:
             log.warning("DHCP: skipping invalid search domain %r", name)
             continue
@@ -129,7 +129,9 @@ def encode_search_list(domains: list[str]) -> bytes:
     return bytes(out)
 
 
-def _labels(name: str) -> list[bytes] | None:
+def dns_labels(name: str) -> list[bytes] | None:
+    """The labels of domain ``name`` (text, IDNA-encoded when not ASCII), or None when it is not
+    a valid DNS name (empty label, label over 63 bytes, name over 255 bytes; RFC 1035 2.3.4)."""
     name = name.strip().rstrip(".")
     if not name:
         return None
@@ -220,9 +222,9 @@ class DhcpServer:
         ]
         self._common = common
         self._optional: list[tuple[int, bytes]] = []  # dropped first when the reply is too big
-        search = [d for d in config.dns_search if _labels(d) is not None]
+        search = [d for d in config.dns_search if dns_labels(d) is not None]
         if search:
-            self._optional.append((OPT_DOMAIN_NAME, b".".join(_labels(search[0]) or [])))
+            self._optional.append((OPT_DOMAIN_NAME, b".".join(dns_labels(search[0]) or [])))
             encoded = encode_search_list(search)
             if encoded:
                 self._optional.append((OPT_DOMAIN_SEARCH, encoded))

@@ -38,6 +38,8 @@ import logging
 import struct
 from collections import Counter
 
+from .dhcp import dns_labels
+
 __all__ = ["Dhcpv6Server", "encode_domain_list", "duid_ll"]
 
 log = logging.getLogger(__name__)
@@ -74,23 +76,6 @@ def duid_ll(mac: bytes) -> bytes:
     return struct.pack("!HH", DUID_LL, HWTYPE_ETHERNET) + bytes(mac)
 
 
-def _labels(name: str) -> list[bytes] | None:
-    name = name.strip().rstrip(".")
-    if not name:
-        return None
-    try:
-        raw = name.encode("ascii")
-    except UnicodeEncodeError:
-        try:
-            raw = name.encode("idna")
-        except UnicodeError:
-            return None
-    labels = raw.split(b".")
-    if any(not 1 <= len(lab) <= 63 for lab in labels) or sum(len(lab) + 1 for lab in labels) + 1 > 255:
-        return None
-    return labels
-
-
 def encode_domain_list(domains: list[str]) -> bytes:
     """Domain names in uncompressed DNS wire format, concatenated (RFC 8415 10, RFC 8106 5.2).
 
@@ -99,7 +84,7 @@ def encode_domain_list(domains: list[str]) -> bytes:
     """
     out = bytearray()
     for name in domains:
-        labels = _labels(name)
+        labels = dns_labels(name)
         if labels is None:
             log.warning("DHCPv6/RA: skipping invalid search domain %r", name)
             continue

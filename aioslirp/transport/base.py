@@ -61,3 +61,35 @@ class Transport:
         finally:
             if self.closed is not None and not self.closed.done():
                 self.closed.set_result(exc)
+
+
+class SocketTransport(Transport):
+    """Common part of the socket transports (:class:`~aioslirp.transport.stream.StreamTransport`,
+    :class:`~aioslirp.transport.dgram.DgramTransport`): reading starts with ``add_reader`` on
+    ``self._fd`` (``-1``: already closed, :attr:`closed` completes at once) calling
+    ``self._readable``; frames that cannot be sent are counted by reason in ``send_drops`` and
+    ``send_errors``, and the first drop because more than ``max_buffer`` bytes wait is logged."""
+
+    _fd: int
+    name: str
+    max_buffer: int
+    send_drops: dict
+
+    async def _start_reading(self) -> None:
+        if self._fd < 0:
+            if self.closed is not None and not self.closed.done():
+                self.closed.set_result(None)
+            return
+        self._loop.add_reader(self._fd, self._readable)
+
+    def _readable(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _drop(self, reason: str, n: int) -> None:
+        self.send_errors += n
+        first = reason not in self.send_drops
+        self.send_drops[reason] = self.send_drops.get(reason, 0) + n
+        if first and reason == "full":
+            log.warning("%s: the guest is not reading; dropping frames beyond %d buffered bytes (counted in send_drops)",
+                        self.name, self.max_buffer)
+

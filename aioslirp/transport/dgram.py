@@ -40,7 +40,7 @@ import os
 import socket
 from typing import Callable, Sequence
 
-from .base import MAX_FRAME, Transport
+from .base import MAX_FRAME, SocketTransport
 
 __all__ = ["DgramTransport"]
 
@@ -50,7 +50,7 @@ _GONE = (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTCONN, errno.EPIPE, errno.EC
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-class DgramTransport(Transport):
+class DgramTransport(SocketTransport):
     """Frames as datagrams on ``sock`` (``SOCK_DGRAM``; takes ownership).
 
     Args:
@@ -129,13 +129,6 @@ class DgramTransport(Transport):
         return cls(sock, unlink_path=path, **kwargs)
 
     # -------------------------------------------------------------- reading
-    async def _start_reading(self) -> None:
-        if self._fd < 0:
-            if self.closed is not None and not self.closed.done():
-                self.closed.set_result(None)
-            return
-        self._loop.add_reader(self._fd, self._readable)
-
     def _readable(self) -> None:
         if self._fd < 0:
             return
@@ -331,14 +324,6 @@ class DgramTransport(Transport):
             self.bytes_buffered -= len(f)
             self.frames_out += 1
         self._stop_writer()
-
-    def _drop(self, reason: str, n: int) -> None:
-        self.send_errors += n
-        first = reason not in self.send_drops
-        self.send_drops[reason] = self.send_drops.get(reason, 0) + n
-        if first and reason == "full":
-            log.warning("%s: the guest is not reading; dropping frames beyond %d buffered bytes "
-                        "(counted in send_drops)", self.name, self.max_buffer)
 
     # -------------------------------------------------------------- closing
     def _close_io(self) -> None:

@@ -27,7 +27,7 @@ import logging
 import socket
 from typing import Sequence
 
-from .base import MAX_FRAME, Transport
+from .base import MAX_FRAME, SocketTransport
 from .framing import FrameTooLarge, StreamDecoder, encode_frames
 
 __all__ = ["StreamTransport"]
@@ -39,7 +39,7 @@ _IOV_MAX = 1024
 _FATAL_SEND = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF, errno.ECONNREFUSED)
 
 
-class StreamTransport(Transport):
+class StreamTransport(SocketTransport):
     """Length-prefixed frames over a connected ``SOCK_STREAM`` socket (takes ownership of ``sock``).
 
     Args:
@@ -84,13 +84,6 @@ class StreamTransport(Transport):
             pass
 
     # -------------------------------------------------------------- reading
-    async def _start_reading(self) -> None:
-        if self._fd < 0:
-            if self.closed is not None and not self.closed.done():
-                self.closed.set_result(None)
-            return
-        self._loop.add_reader(self._fd, self._readable)
-
     def _readable(self) -> None:
         if self._fd < 0:
             return
@@ -261,14 +254,6 @@ class StreamTransport(Transport):
         if self._writing:
             self._writing = False
             self._loop.remove_writer(self._fd)
-
-    def _drop(self, reason: str, n: int) -> None:
-        self.send_errors += n
-        first = reason not in self.send_drops
-        self.send_drops[reason] = self.send_drops.get(reason, 0) + n
-        if first and reason == "full":
-            log.warning("%s: the guest is not reading; dropping frames beyond %d buffered bytes (counted in send_drops)",
-                        self.name, self.max_buffer)
 
     # -------------------------------------------------------------- closing
     def _close_io(self) -> None:
