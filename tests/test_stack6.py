@@ -17,6 +17,7 @@ import pytest
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
 
 from hostservers import DnsUpstream
+from test_stack import recv_frames
 from ipv6_helpers import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, a6, checksum_valid, eth,
                           icmp6_frame, raw6, udp6_frame)
 
@@ -38,19 +39,6 @@ async def s6():
         await task
     a.close()
     dns.close()
-
-
-async def recv_frames(sock, timeout=1.0):
-    loop = asyncio.get_running_loop()
-    sock.setblocking(False)
-    out = []
-    wait = timeout
-    while True:
-        try:
-            out.append(await asyncio.wait_for(loop.sock_recv(sock, 70000), wait))
-        except asyncio.TimeoutError:
-            return out
-        wait = 0.05
 
 
 def decode6(frame: bytes):
