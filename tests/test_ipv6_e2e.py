@@ -14,11 +14,11 @@ import json
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from hostservers import DataServer, DnsUpstream, UdpEcho, pattern
+from test_e2e import guest_json, run_guest  # `aioslirp run` around a guest script
 
 pytestmark = pytest.mark.netns
 
@@ -35,18 +35,6 @@ def servers():
     data.close()
     udp.close()
     dns.close()
-
-
-def run_guest(servers, script: str, *opts: str, timeout: float = 120, cmd: list | None = None):
-    argv = [sys.executable, "-m", "aioslirp", "run", "--dns", f"127.0.0.1:{servers['dns'].port}", *opts, "--"]
-    argv += cmd if cmd is not None else [sys.executable, "-c", textwrap.dedent(script)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-
-
-def guest_json(servers, script: str, *opts: str, timeout: float = 120) -> dict:
-    p = run_guest(servers, script, *opts, timeout=timeout)
-    assert p.returncode == 0, f"rc={p.returncode}\nstdout={p.stdout}\nstderr={p.stderr[-3000:]}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def need(tool: str, package: str) -> None:
