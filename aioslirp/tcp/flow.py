@@ -445,6 +445,8 @@ class TcpFlow(asyncio.Protocol):
                     conn.consume(n)
                 if n < len(data):
                     break
+            tr = self.transport  # None when a partial send started the move to a transport
+        if tr is not None and not self.host_closed:
             if conn.fin_received and not self.eof_sent and not rq._len:
                 self.eof_sent = True
                 if tr.can_write_eof():
