@@ -27,6 +27,7 @@ dropped and counted under ``drop.<reason>`` in :attr:`Stack.counters`.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import socket
@@ -91,6 +92,66 @@ class _InjectQueue(asyncio.Queue):
             self._wakeup_next(self._getters)
 
 
+class IdleOrder:
+    """The flows that may be evicted (UDP and ICMP, both families; never TCP), longest idle first.
+
+    :meth:`Stack._make_room` takes its victim here instead of scanning the flow table. A lazy
+    min-heap of ``(stamp, seq, flow)``, ``stamp`` being the flow's ``last_active`` (seconds,
+    ``time.monotonic()``) when the entry was pushed. Flows keep updating ``last_active`` on every
+    datagram themselves -- nothing is called here per packet -- and ``last_active`` only grows,
+    so a stamp is never above its flow's ``last_active``. :meth:`pop_idlest` looks at the top
+    entry: a flow that left the table is discarded; a flow active since its push is pushed again
+    with its current ``last_active``; otherwise no flow can have been idle longer (each one's
+    ``last_active`` >= its stamp >= this one's), and it is the victim. An entry is pushed again
+    at most once per activity of its flow (a new flow's first datagram, which follows its entry
+    at once, is one), so an eviction costs O(log n) amortized. Entries of flows that left the
+    table are compacted away once the heap exceeds twice the table + 64.
+
+    Attributes:
+        examined: heap entries :meth:`pop_idlest` looked at, in all (a cost counter).
+    """
+
+    __slots__ = ("_flows", "_heap", "_seq", "examined")
+
+    def __init__(self, flows: dict) -> None:
+        self._flows = flows  # the table; an entry counts while flows[flow.key] is its flow
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.examined = 0
+
+    def __len__(self) -> int:
+        """Heap entries, including those of flows that left the table and are not yet compacted."""
+        return len(self._heap)
+
+    def add(self, flow) -> None:
+        """Track ``flow`` (just entered the table; it needs ``key`` and ``last_active``)."""
+        heap = self._heap
+        heapq.heappush(heap, (flow.last_active, next(self._seq), flow))
+        if len(heap) > 2 * len(self._flows) + 64:
+            flows = self._flows
+            heap[:] = [e for e in heap if flows.get(e[2].key) is e[2]]
+            heapq.heapify(heap)
+
+    def pop_idlest(self):
+        """Remove and return the flow in the table idle the longest, or ``None`` when there is none."""
+        heap = self._heap
+        flows = self._flows
+        while heap:
+            self.examined += 1
+            stamp, _seq, flow = heap[0]
+            if flows.get(flow.key) is not flow:
+                heapq.heappop(heap)
+            elif flow.last_active > stamp:
+                heapq.heapreplace(heap, (flow.last_active, next(self._seq), flow))
+            else:
+                heapq.heappop(heap)
+                return flow
+        return None
+
+    def clear(self) -> None:
+        self._heap.clear()
+
+
 class Stack:
     """A user-mode network stack serving one guest link.
 
@@ -104,6 +165,7 @@ class Stack:
         counters: ``collections.Counter`` of events: ``frames_in``, ``frames_out``,
             ``bytes_in``, ``bytes_out``, ``drop.<reason>``, ``flows.<proto>.opened``...
         flows: the flow table, ``dict`` key -> flow object.
+        idle_order: the :class:`IdleOrder` of its UDP/ICMP flows (the eviction candidates).
 
     Raises:
         ConfigError: from the constructor when ``config`` is invalid.
@@ -118,6 +180,7 @@ class Stack:
         cfg = self.config
         self.counters: Counter = Counter()
         self.flows: dict = {}
+        self.idle_order = IdleOrder(self.flows)
         self.gw_mac = cfg.gateway_mac_bytes
         self.gw_ip = cfg.gateway.packed
         self.dns_ip = cfg.dns.packed
@@ -224,6 +287,7 @@ class Stack:
         if self._transport is not None:
             self._transport.close()
         self.flows.clear()
+        self.idle_order.clear()
         if tracing.enabled:
             tracing.stack_closed(self)
 
@@ -254,6 +318,7 @@ class Stack:
             except Exception:  # pragma: no cover - defensive
                 log.exception("flow shutdown failed")
         self.flows.clear()
+        self.idle_order.clear()
         self._dirty.clear()
         for t in list(self._aux_tasks):
             if t.get_name() == "aioslirp-dns":
@@ -728,13 +793,11 @@ class Stack:
 
     # -------------------------------------------------------------- flow table
     def _make_room(self, proto: int) -> bool:
-        """Ensure a free flow-table slot; evicts the longest-idle UDP/ICMP flow if needed."""
+        """Ensure a free flow-table slot; evicts the longest-idle UDP/ICMP flow if needed
+        (:class:`IdleOrder`, O(log n) amortized). False when the table is full of TCP flows."""
         if len(self.flows) < self.config.max_flows:
             return True
-        victim = None
-        for f in self.flows.values():
-            if f.proto != PROTO_TCP and (victim is None or f.last_active < victim.last_active):
-                victim = f
+        victim = self.idle_order.pop_idlest()
         if victim is None:
             return False
         self.counters["flows_evicted"] += 1
@@ -743,6 +806,8 @@ class Stack:
 
     def add_flow(self, flow) -> None:
         self.flows[flow.key] = flow
+        if flow.proto != PROTO_TCP:
+            self.idle_order.add(flow)
         self.counters[f"flows.{flow.proto_name}.opened"] += 1
         self.guard.opened(flow)
         if tracing.enabled:

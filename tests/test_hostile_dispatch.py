@@ -1,0 +1,142 @@
+"""Hostile guests against the stack's dispatch (issue 13, item 6), through a whole Stack in this process.
+
+* flow-table eviction: the longest-idle UDP/ICMP flow goes, found without scanning the table;
+
+Frames go in over a socketpair (helpers of tests/test_hardening.py); host peers are real sockets
+on 127.0.0.1 / ::1 inside the test namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import select
+import socket
+import struct
+
+import dpkt
+import pytest
+
+from aioslirp.wire.ipv6 import TokenBucket
+
+from hostservers import DnsUpstream
+from ipv6_helpers import DNS6, GUEST6, GW6, a6, checksum_valid, eth, icmp6_frame, raw6, udp6_frame
+from test_hardening import DNS, GW, RST, SYN, ACK, Guest, dns_query, ip_frame, listener, serving, tcp, tcp6, udp, until
+
+GW4_16 = socket.inet_aton("10.0.0.2")  # the gateway of 10.0.0.0/16
+
+
+async def send_all(guest: Guest, frames) -> None:
+    """Send every frame, waiting when the socketpair is full (thousands of frames)."""
+    loop = asyncio.get_running_loop()
+    for f in frames:
+        await loop.sock_sendall(guest.sock, f)
+
+
+async def processed(stack, n: int) -> None:
+    """Wait until the stack has taken ``n`` guest frames in all (each one is handled when taken)."""
+    assert await until(lambda: stack.counters["frames_in"] >= n, 5.0), stack.counters["frames_in"]
+
+
+def udp_sink(family=socket.AF_INET, host="127.0.0.1") -> socket.socket:
+    s = socket.socket(family, socket.SOCK_DGRAM)
+    s.bind((host, 0))
+    s.setblocking(False)
+    return s
+
+
+def readable(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+# ---------------------------------------------------------------------------------- 6: eviction
+def udp_flow_ports(stack) -> list[int]:
+    return sorted(f.guest_port for f in stack.flows.values() if f.proto_name == "udp")
+
+
+async def test_eviction_takes_the_longest_idle_udp_flow_never_tcp_and_looks_at_few_entries():
+    sink = udp_sink()
+    lst = listener()
+    port = sink.getsockname()[1]
+    try:
+        async with serving(max_flows=8) as (stack, guest):
+            # two TCP flows first: the oldest activity in the table, but never evicted
+            guest.send(tcp(40000, lst.getsockname()[1], SYN), tcp(40001, lst.getsockname()[1], SYN))
+            assert await until(lambda: len(stack.flows) == 2)
+            guest.send(*(udp(41000 + i, port, b"open") for i in range(6)))
+            assert await until(lambda: len(stack.flows) == 8)
+            guest.send(udp(41000, port, b"again"), udp(41001, port, b"again"))  # 41000, 41001 active again
+            await processed(stack, 10)
+            assert stack.idle_order.examined == 0
+            guest.send(udp(41006, port, b"new"))  # table full: 41002 has been idle longest
+            await processed(stack, 11)
+            assert udp_flow_ports(stack) == [41000, 41001, 41003, 41004, 41005, 41006]
+            guest.send(udp(41007, port, b"new"))
+            await processed(stack, 12)
+            assert udp_flow_ports(stack) == [41000, 41001, 41004, 41005, 41006, 41007]
+            assert sorted(f.guest_port for f in stack.flows.values() if f.proto_name == "tcp") == [40000, 40001]
+            assert stack.counters["flows_evicted"] == 2
+            # A flow enters the heap when created, just before its first datagram makes it active
+            # again: the top entry is pushed again once before it is taken. First eviction: 41000,
+            # 41001 pushed again (their "again" datagrams), 41002 pushed again then taken (4);
+            # second: 41003 pushed again then taken (2). A scan of the table looks at 8 flows each time.
+            assert stack.idle_order.examined == 6
+    finally:
+        sink.close()
+        lst.close()
+
+
+async def test_eviction_costs_one_heap_entry_per_eviction_amortized():
+    sink = udp_sink()
+    port = sink.getsockname()[1]
+    n = 64
+    try:
+        async with serving(max_flows=n) as (stack, guest):
+            await send_all(guest, [udp(42000 + i, port, b"open") for i in range(n)])
+            assert await until(lambda: len(stack.flows) == n)
+            await send_all(guest, [udp(42000 + i, port, b"touch") for i in range(n)])  # every flow active again
+            await processed(stack, 2 * n)
+            await send_all(guest, [udp(43000 + i, port, b"new") for i in range(n)])  # n evictions
+            await processed(stack, 3 * n)
+            assert stack.counters["flows_evicted"] == n
+            assert udp_flow_ports(stack) == list(range(43000, 43000 + n))
+            # the first eviction pushes every active flow again (n), then each one takes the top (n)
+            assert stack.idle_order.examined == 2 * n
+            # flows with one datagram each: pushed again once, then taken (2 per eviction)
+            await send_all(guest, [udp(44000 + i, port, b"new") for i in range(n)])
+            await processed(stack, 4 * n)
+            assert stack.counters["flows_evicted"] == 2 * n
+            assert udp_flow_ports(stack) == list(range(44000, 44000 + n))
+            assert stack.idle_order.examined == 4 * n
+            assert len(stack.idle_order) == n
+    finally:
+        sink.close()
+
+
+async def test_eviction_refused_when_only_tcp_flows_and_heap_stays_bounded():
+    sink = udp_sink()
+    lst = listener()
+    try:
+        async with serving(max_flows=4) as (stack, guest):
+            guest.send(*(tcp(40100 + i, lst.getsockname()[1], SYN) for i in range(4)))
+            assert await until(lambda: len(stack.flows) == 4)
+            await guest.recv(0.3)
+            guest.send(udp(41100, sink.getsockname()[1], b"x"))
+            await processed(stack, 5)
+            assert stack.counters["drop.flow_table_full"] == 1 and stack.counters["flows.udp.opened"] == 0
+            guest.send(tcp(40200, lst.getsockname()[1], SYN))
+            (rst,) = [seg for seg in Guest.tcp4(await guest.recv()) if seg.flags & RST]
+            assert rst.flags & RST and rst.dport == 40200
+            assert stack.counters["drop.flow_table_full"] == 2 and stack.counters["flows_evicted"] == 0
+        # flows that close by themselves (no eviction) leave the heap compacted, not growing
+        async with serving(max_flows=16384) as (stack, guest):
+            for i in range(300):
+                guest.send(udp(45000 + i, sink.getsockname()[1], b"x"))
+                await processed(stack, i + 1)
+                for f in list(stack.flows.values()):
+                    f.shutdown()
+                assert len(stack.idle_order) <= 2 * 1 + 64  # at most 1 flow at a time here
+            assert stack.counters["flows.udp.opened"] == stack.counters["flows.udp.closed"] == 300
+    finally:
+        sink.close()
+        lst.close()
