@@ -41,6 +41,7 @@ from .wire.checksum import partial
 from .wire.ethernet import BROADCAST, ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6
 from .wire.ipv4 import (ICMP, IP_MF, IP_OFFMASK, IPV4, PROTO_ICMP, PROTO_TCP, PROTO_UDP, UDP,
                         build_icmp_packet, build_tcp, build_udp_packet, fragment, pseudo_sum)
+from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
 from .wire.reassembly import Reassembler
 from . import tracing
 from .services.dhcp import reply_destination
@@ -189,8 +190,10 @@ class Stack:
         self.mask_int = int(cfg.cidr.netmask)
         self.bcast_ip = cfg.cidr.broadcast_address.packed
         self.mtu = cfg.mtu
-        #: IPv4 (4 bytes) -> guest MAC, learned from the guest's frames.
-        self.neighbors: dict[bytes, bytes] = {}
+        #: IPv4 (4 bytes) -> guest MAC, learned from the guest's frames: a
+        #: :class:`~aioslirp.wire.neighbors.NeighborCache` (at most ``MAX_NEIGHBORS`` = 1024, as
+        #: for IPv6; one more forgets the entry learned longest ago, ``arp.neighbors_evicted``).
+        self.neighbors = NeighborCache(MAX_NEIGHBORS)
         self.reassembler = Reassembler.from_config(self.config)
         #: The IPv6 half (:class:`~aioslirp.stack6.Ipv6Path`: NDP/RA, DHCPv6, IPv6 dispatch);
         #: ``None`` when ``config.ipv6`` is off.
@@ -569,8 +572,8 @@ class Stack:
         if arp is None:
             return self.drop("bad_arp")
         oper, sha, spa, tha, tpa = arp
-        if self._in_subnet(spa) and spa not in (self.gw_ip, self.dns_ip):
-            self.neighbors[spa] = sha
+        if self._in_subnet(spa) and spa not in (self.gw_ip, self.dns_ip) and self.neighbors.get(spa) != sha:
+            self._learn_neighbor(spa, sha)
         if oper != ARP_REQUEST:
             return
         if tpa == spa:  # gratuitous ARP / DAD probe announcements
@@ -578,6 +581,10 @@ class Stack:
         if tpa in (self.gw_ip, self.dns_ip):
             self.counters["arp_replies"] += 1
             self.inject(build_arp(ARP_REPLY, self.gw_mac, tpa, sha, spa))
+
+    def _learn_neighbor(self, ip4: bytes, mac: bytes) -> None:
+        if self.neighbors.learn(ip4, mac):
+            self.counters["arp.neighbors_evicted"] += 1
 
     def _in_subnet(self, ip4: bytes) -> bool:
         return (int.from_bytes(ip4, "big") & self.mask_int) == self.net_int
@@ -599,7 +606,8 @@ class Stack:
             if ((int.from_bytes(src, "big") & self.mask_int) != self.net_int  # _in_subnet, inlined
                     or src in (self.gw_ip, self.dns_ip, self.bcast_ip)):
                 return self.drop("bad_src_ip")
-            self.neighbors[src] = src_mac
+            if self.neighbors.get(src) != src_mac:
+                self._learn_neighbor(src, src_mac)
         l4 = mv[14 + ihl:14 + total]
         if flags_frag & (IP_MF | IP_OFFMASK):
             data = self.reassembler.add((src, dst, proto, ident), (flags_frag & IP_OFFMASK) << 3,

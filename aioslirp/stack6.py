@@ -234,8 +234,8 @@ class Ipv6Path:
                 if len(self._good_src) >= _MAX_SOURCES:
                     self._good_src.clear()
                 self._good_src.add(src)
-            if self.ndp.neighbors.get(src) != src_mac:
-                self.ndp.learn(src, src_mac)
+            if self.ndp.neighbors.get(src) != src_mac and self.ndp.learn(src, src_mac):
+                self._merge_ndp()  # ndp.neighbors_evicted, now rather than at the next NDP message
             self.guest_mac = src_mac
         buf = frame
         if ip.frag is not None:

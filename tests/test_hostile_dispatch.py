@@ -1,6 +1,7 @@
-"""Hostile guests against the stack's dispatch (issue 13, item 6), through a whole Stack in this process.
+"""Hostile guests against the stack's dispatch (issue 13, items 6-7), through a whole Stack in this process.
 
 * flow-table eviction: the longest-idle UDP/ICMP flow goes, found without scanning the table;
+* neighbour caches: bounded the same way for IPv4 (ARP) and IPv6 (NDP);
 
 Frames go in over a socketpair (helpers of tests/test_hardening.py); host peers are real sockets
 on 127.0.0.1 / ::1 inside the test namespace.
@@ -18,6 +19,7 @@ import dpkt
 import pytest
 
 from aioslirp.wire.ipv6 import TokenBucket
+from aioslirp.wire.neighbors import MAX_NEIGHBORS
 
 from hostservers import DnsUpstream
 from ipv6_helpers import DNS6, GUEST6, GW6, a6, checksum_valid, eth, icmp6_frame, raw6, udp6_frame
@@ -140,3 +142,41 @@ async def test_eviction_refused_when_only_tcp_flows_and_heap_stays_bounded():
     finally:
         sink.close()
         lst.close()
+
+
+# ---------------------------------------------------------------------------------- 7: neighbours
+async def test_ipv4_and_ipv6_neighbour_caches_share_one_bound_and_count_evictions():
+    n = MAX_NEIGHBORS + 76
+    async with serving(cidr="10.0.0.0/16", ipv6=True) as (stack, guest):
+        assert MAX_NEIGHBORS == 1024
+        srcs = [socket.inet_aton(f"10.0.{10 + i // 250}.{1 + i % 250}") for i in range(n)]
+        # an unknown IP protocol: dropped after the source is learned, no answer
+        await send_all(guest, [ip_frame(b"\x00" * 8, 99, dst=GW4_16, src=s) for s in srcs])
+        await processed(stack, n)
+        assert stack.counters["drop.unknown_ip_proto"] == n
+        assert len(stack.neighbors) == MAX_NEIGHBORS
+        assert stack.counters["arp.neighbors_evicted"] == n - MAX_NEIGHBORS
+        assert list(stack.neighbors) == srcs[n - MAX_NEIGHBORS:]  # the oldest learned went first
+
+        srcs6 = [a6(f"fd00::1:{i:x}") for i in range(n)]
+        await send_all(guest, [eth(raw6(s, GW6, 59, b"")) for s in srcs6])  # No Next Header: dropped
+        await processed(stack, 2 * n)
+        nb6 = stack.v6.ndp.neighbors
+        assert len(nb6) == MAX_NEIGHBORS and list(nb6) == srcs6[n - MAX_NEIGHBORS:]
+        assert stack.counters["ndp.neighbors_evicted"] == n - MAX_NEIGHBORS
+        assert stack.neighbors.max_entries == nb6.max_entries == MAX_NEIGHBORS
+
+
+async def test_arp_from_spoofed_addresses_bounded_too():
+    n = MAX_NEIGHBORS + 10
+    mac = bytes.fromhex("525400123456")
+    async with serving(cidr="10.0.0.0/16") as (stack, guest):
+        frames = []
+        for i in range(n):
+            spa = socket.inet_aton(f"10.0.{10 + i // 250}.{1 + i % 250}")
+            arp = dpkt.arp.ARP(op=dpkt.arp.ARP_OP_REPLY, sha=mac, spa=spa, tha=b"\xff" * 6, tpa=spa)
+            frames.append(bytes(dpkt.ethernet.Ethernet(src=mac, dst=b"\xff" * 6, type=0x0806, data=arp)))
+        await send_all(guest, frames)
+        await processed(stack, n)
+        assert len(stack.neighbors) == MAX_NEIGHBORS
+        assert stack.counters["arp.neighbors_evicted"] == 10

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import random
 import struct
-from collections import Counter, OrderedDict
+from collections import Counter
 
 from ..config6 import Ipv6Config
 from ..wire.ipv6 import (ALL_NODES, ICMP6_ECHO_REQUEST, ND_NEIGHBOR_ADVERT, ND_NEIGHBOR_SOLICIT, ND_REDIRECT,
                          ND_ROUTER_ADVERT, ND_ROUTER_SOLICIT, NH_ICMPV6, UNSPECIFIED, Ipv6, build_icmp6_packet,
                          echo_reply6, eth6, is_multicast, l4_checksum_ok, link_local_from_mac, multicast_mac,
                          solicited_node)
+from ..wire.neighbors import MAX_NEIGHBORS, NeighborCache
 from .dhcpv6 import encode_domain_list
 
 __all__ = ["NdpResponder"]
@@ -58,7 +59,6 @@ CUR_HOP_LIMIT = 64
 MIN_DELAY_BETWEEN_RAS = 3.0  # RFC 4861 10
 MAX_INITIAL_RTR_ADVERT_INTERVAL = 16.0
 MAX_INITIAL_RTR_ADVERTISEMENTS = 3
-MAX_NEIGHBORS = 1024
 
 _RA_HDR = struct.Struct("!BBHII")  # cur hop limit, flags, router lifetime, reachable, retrans
 _PIO = struct.Struct("!BBBBIII16s")  # type, len, prefix len, flags, valid, preferred, reserved2, prefix
@@ -108,11 +108,14 @@ class NdpResponder:
         link_local: our ``fe80::`` address (modified EUI-64 of ``gateway_mac``), source of RAs.
         ours: the addresses we answer for: ``{gateway6, dns6, link_local}`` (16-byte keys).
         neighbors: guest IPv6 address (16 bytes) -> MAC, learned from Source/Target Link-Layer
-            Address options (at most 1024, oldest forgotten first).
+            Address options (a :class:`~aioslirp.wire.neighbors.NeighborCache`: at most
+            ``MAX_NEIGHBORS`` = 1024, the same bound as the stack's IPv4 cache; the entry learned
+            longest ago is forgotten first).
         counters: events that are not drops: ``na_sent``, ``na_sent_dad`` (defending our
             address), ``ra_sent_solicited``, ``ra_sent_unsolicited``, ``ra_rate_limited``,
             ``ns_dad_ignored`` (guest DAD for its own address), ``ns_other_target``,
-            ``na_learned``, ``na_conflict`` (the guest claims one of our addresses).
+            ``na_learned``, ``na_conflict`` (the guest claims one of our addresses),
+            ``neighbors_evicted`` (an entry forgotten to make room).
     """
 
     def __init__(self, config6: Ipv6Config, gateway_mac: bytes, rng: random.Random | None = None) -> None:
@@ -126,7 +129,7 @@ class NdpResponder:
         self.dns = config6.dns6_bytes
         self.ours = {self.gateway, self.dns, self.link_local}
         self._router = {self.gateway, self.link_local}
-        self.neighbors: OrderedDict[bytes, bytes] = OrderedDict()
+        self.neighbors = NeighborCache(MAX_NEIGHBORS)
         self.counters: Counter = Counter()
         self._last_mcast_ra: float | None = None
         self._unsolicited = 0
@@ -182,14 +185,15 @@ class NdpResponder:
             return "ndp_ra_from_guest"
         return "ndp_redirect_from_guest"
 
-    def learn(self, addr: bytes, mac: bytes) -> None:
-        """Record ``addr`` (16 bytes) -> ``mac`` (6 bytes) in :attr:`neighbors` (most recent last)."""
-        nb = self.neighbors
-        if addr in nb:
-            del nb[addr]
-        elif len(nb) >= MAX_NEIGHBORS:
-            nb.popitem(last=False)
-        nb[addr] = mac
+    def learn(self, addr: bytes, mac: bytes) -> bool:
+        """Record ``addr`` (16 bytes) -> ``mac`` (6 bytes) in :attr:`neighbors` (most recent last).
+
+        Returns True when the oldest entry was forgotten to make room (counted as ``neighbors_evicted``).
+        """
+        if self.neighbors.learn(addr, mac):
+            self.counters["neighbors_evicted"] += 1
+            return True
+        return False
 
     def _ns(self, msg, ip: Ipv6, src_mac: bytes):
         if len(msg) < 24:
