@@ -40,7 +40,7 @@ from collections import Counter
 from ..config6 import Ipv6Config
 from ..wire.ipv6 import (ALL_NODES, ICMP6_ECHO_REQUEST, ND_NEIGHBOR_ADVERT, ND_NEIGHBOR_SOLICIT, ND_REDIRECT,
                          ND_ROUTER_ADVERT, ND_ROUTER_SOLICIT, NH_ICMPV6, UNSPECIFIED, Ipv6, build_icmp6_packet,
-                         echo_reply6, eth6, is_multicast, l4_checksum_ok, link_local_from_mac, multicast_mac,
+                         echo_reply6, eth6, fragment6, is_multicast, l4_checksum_ok, link_local_from_mac, multicast_mac,
                          solicited_node)
 from ..wire.neighbors import MAX_NEIGHBORS, NeighborCache
 from .dhcpv6 import encode_domain_list
@@ -333,10 +333,14 @@ class NdpResponder:
         return self._frame(multicast_mac(dst), build_icmp6_packet(src, dst, ND_NEIGHBOR_SOLICIT, 0, body, ND_HOP_LIMIT))
 
     def local_echo(self, buf, ip: Ipv6, src_mac: bytes):
-        """Answer an ICMPv6 Echo Request to one of :attr:`ours` (RFC 4443 4.2) with a whole frame.
+        """Answer an ICMPv6 Echo Request to one of :attr:`ours` (RFC 4443 4.2) with whole frames.
 
-        Returns ``[frame]`` or a drop reason (see :func:`~aioslirp.wire.ipv6.echo_reply6`;
-        ``icmp6_echo_not_local`` when the destination is not ours).
+        The reply carries the request's data whole, so one reassembled from fragments may be
+        above the link MTU (``config6.mtu``): it is then fragmented (RFC 8200 4.5).
+
+        Returns the list of frames (one unless fragmented) or a drop reason (see
+        :func:`~aioslirp.wire.ipv6.echo_reply6`; ``icmp6_echo_not_local`` when the destination
+        is not ours).
         """
         if ip.dst not in self.ours:
             return "icmp6_echo_not_local"
@@ -345,4 +349,4 @@ class NdpResponder:
         reply = echo_reply6(buf, ip)
         if type(reply) is str:
             return reply
-        return [self._frame(src_mac, reply)]
+        return [self._frame(src_mac, p) for p in fragment6(reply, self.config6.mtu)]
