@@ -653,6 +653,8 @@ class Stack:
             return self.drop("bad_udp_length")
         if csum and not self._l4_trusted and (partial(l4[:ulen]) + pseudo_sum(src, dst, PROTO_UDP, ulen)) % 0xFFFF != 0:
             return self.drop("bad_udp_checksum")
+        if not (sport and dport):
+            return self.refuse_port_zero("udp", src, dst, sport, dport)
         payload = l4[8:ulen]
         if dport == 67 and sport == 68:
             return self._dhcp(payload, src_mac)
@@ -753,6 +755,8 @@ class Stack:
         seg = parse_segment(l4)
         if seg is None:
             return self.drop("bad_tcp_header")
+        if not (sport and dport):
+            return self.refuse_port_zero("tcp", src, dst, sport, dport, seg, self._tcp_reset_unknown)
         flow = self.flows.get(key)
         if flow is not None:
             if flow.on_segment(seg):
@@ -798,6 +802,21 @@ class Stack:
         seq, ack, flags = reset_for(seg)
         self.counters["tcp_rst_sent"] += 1
         self.inject(build_tcp(self.eth_to(src), dst, src, dport, sport, seq, ack, flags, 0))
+
+    def refuse_port_zero(self, l4_name: str, src: bytes, dst: bytes, sport: int, dport: int, seg=None,
+                         reset=None) -> None:
+        """Drop a guest TCP segment or UDP datagram from or to port 0, for both address families.
+
+        Port 0 is reserved (RFC 6335 6): no endpoint has it, so the packet is never NATed (a host
+        socket would connect to or be bound at a random port) and never answered by a service;
+        it is counted as ``drop.<l4_name>_port_zero`` (``l4_name``: ``"tcp"`` or ``"udp"``).
+        A TCP segment (``seg``) to port 0 from a real port is answered as a closed port would
+        be (RFC 9293 3.10.7.1: a RST unless it is one; ``reset(src, dst, sport, dport, seg)``
+        sends it), so the guest's connect fails at once; nothing is ever sent towards port 0.
+        """
+        self.drop(l4_name + "_port_zero")
+        if seg is not None and sport and not seg.flags & 0x04:
+            reset(src, dst, sport, dport, seg)
 
     # -------------------------------------------------------------- flow table
     def _make_room(self, proto: int) -> bool:

@@ -336,6 +336,8 @@ class Ipv6Path:
         src, dst = ip.src, ip.dst
         if not stack._l4_trusted and not l4_checksum_ok(src, dst, NH_UDP, mv[l4:l4 + ulen]):  # a zero checksum fails too (RFC 8200 8.1)
             return stack.drop("udp6_bad_checksum")
+        if not (sport and dport):
+            return stack.refuse_port_zero("udp", src, dst, sport, dport)
         payload = mv[l4 + 8:l4 + ulen]
         if dport == 547 and (dst == ALL_DHCP or dst in self.ours):
             return self._dhcp6(payload, src, sport, dst != ALL_DHCP, src_mac)
@@ -407,6 +409,8 @@ class Ipv6Path:
         seg = parse_segment(l4)
         if seg is None:
             return stack.drop("bad_tcp_header")
+        if not (sport and dport):
+            return stack.refuse_port_zero("tcp", src, dst, sport, dport, seg, self._reset_unknown)
         key = (NH_TCP, src, sport, dst, dport)
         flow = stack.flows.get(key)
         if flow is not None:

@@ -1,8 +1,9 @@
-"""Hostile guests against the stack's dispatch (issue 13, items 6-8), through a whole Stack in this process.
+"""Hostile guests against the stack's dispatch (issue 13, items 6-9), through a whole Stack in this process.
 
 * flow-table eviction: the longest-idle UDP/ICMP flow goes, found without scanning the table;
 * neighbour caches: bounded the same way for IPv4 (ARP) and IPv6 (NDP);
 * our own ICMPv6 echo reply above the link MTU: fragmented (RFC 8200 4.5);
+* TCP and UDP from or to port 0: dropped and counted, never NATed nor answered;
 
 Frames go in over a socketpair (helpers of tests/test_hardening.py); host peers are real sockets
 on 127.0.0.1 / ::1 inside the test namespace.
@@ -246,3 +247,84 @@ def test_ping6_gateway_with_3000_bytes_in_a_real_guest():
     assert "3008 bytes from fd00::2" in p.stdout
     snmp = dict(line.split() for line in p.stdout.splitlines() if line.startswith("Ip6Reasm"))
     assert snmp == {"Ip6ReasmOKs": "1", "Ip6ReasmFails": "0"}, p.stdout
+
+
+# ---------------------------------------------------------------------------------- 9: port 0
+async def probe_echo4(guest: Guest, ident: int) -> list:
+    """Send an echo to the gateway and return every frame up to its reply (the stack answers in order)."""
+    guest.send(ip_frame(dpkt.icmp.ICMP(type=8, data=dpkt.icmp.ICMP.Echo(id=ident, seq=1, data=b"p")), 1, GW))
+    frames = await guest.recv()
+    is_reply = [e.type == 0x0800 and e.data.p == 1 and e.data.data.type == 0 for e in frames]
+    assert is_reply.count(True) == 1 and frames[is_reply.index(True)].data.data.data.id == ident
+    return [e for e, r in zip(frames, is_reply) if not r]
+
+
+async def test_ipv4_tcp_and_udp_from_or_to_port_zero_dropped_never_natted():
+    lst = listener()
+    lst.setblocking(False)
+    sink = udp_sink()
+    up = DnsUpstream()
+    try:
+        async with serving(dns_upstreams=[("127.0.0.1", up.port)]) as (stack, guest):
+            guest.send(tcp(0, lst.getsockname()[1], SYN))  # from port 0: no RST towards port 0 either
+            guest.send(tcp(0, lst.getsockname()[1], ACK, ack=5))  # no flow, would be a RST to port 0
+            assert await probe_echo4(guest, 1) == []
+            guest.send(tcp(40300, 0, SYN))  # to port 0: refused like a closed port
+            (rst,) = [e.data.data for e in await probe_echo4(guest, 2)]
+            assert rst.flags == RST | ACK and (rst.sport, rst.dport) == (0, 40300) and rst.ack == 1001
+            assert stack.counters["drop.tcp_port_zero"] == 3
+            guest.send(udp(0, sink.getsockname()[1], b"from zero"))
+            guest.send(udp(40301, 0, b"to zero"))
+            guest.send(udp(0, 53, dns_query(), dst=DNS))  # the DNS forwarder does not answer port 0
+            guest.send(udp(0, 9, b"closed", dst=DNS))  # nor does an ICMP error go to it
+            assert await probe_echo4(guest, 3) == []
+            await asyncio.sleep(0.1)
+            assert not readable(sink) and not readable(lst)
+            c = stack.counters
+            assert c["drop.udp_port_zero"] == 4
+            assert c["flows.tcp.opened"] == c["flows.udp.opened"] == 0 and not stack.flows
+            assert c["dns_queries_udp"] == 0 and up.udp_queries == 0 and c["icmp_errors_sent"] == 0
+    finally:
+        lst.close()
+        sink.close()
+        up.close()
+
+
+async def test_ipv6_tcp_and_udp_from_or_to_port_zero_dropped_never_natted():
+    lst = socket.socket(socket.AF_INET6)
+    lst.bind(("::1", 0))
+    lst.listen(4)
+    lst.setblocking(False)
+    sink = udp_sink(socket.AF_INET6, "::1")
+    up = DnsUpstream()
+
+    async def probe6(ident: int) -> list:
+        guest.send(icmp6_frame(GUEST6, GW6, 128, 0, struct.pack("!HH", ident, 1), hlim=64))
+        frames = [bytes(e) for e in await guest.recv()]
+        icmp6_type = [f[54] if f[12:14] == b"\x86\xdd" and f[20] == 58 else None for f in frames]
+        assert icmp6_type.count(129) == 1
+        return [f for f, t in zip(frames, icmp6_type) if t not in (129, 134)]  # an RA may come any time
+
+    try:
+        async with serving(ipv6=True, dns_upstreams=[("127.0.0.1", up.port)]) as (stack, guest):
+            guest.send(tcp6(0, lst.getsockname()[1], SYN, GW6), tcp6(0, lst.getsockname()[1], ACK, GW6))
+            assert await probe6(1) == []
+            guest.send(tcp6(40400, 0, SYN, GW6))
+            (rst,) = [dpkt.ethernet.Ethernet(f).data.data for f in await probe6(2)]
+            assert rst.flags == RST | ACK and (rst.sport, rst.dport) == (0, 40400) and rst.ack == 1001
+            assert stack.counters["drop.tcp_port_zero"] == 3
+            guest.send(udp6_frame(GUEST6, GW6, 0, sink.getsockname()[1], b"from zero"))
+            guest.send(udp6_frame(GUEST6, GW6, 40401, 0, b"to zero"))
+            guest.send(udp6_frame(GUEST6, DNS6, 0, 53, dns_query()))
+            guest.send(udp6_frame(GUEST6, DNS6, 0, 9, b"closed"))
+            assert await probe6(3) == []
+            await asyncio.sleep(0.1)
+            assert not readable(sink) and not readable(lst)
+            c = stack.counters
+            assert c["drop.udp_port_zero"] == 4
+            assert c["flows.tcp.opened"] == c["flows.udp.opened"] == 0 and not stack.flows
+            assert c["dns_queries_udp"] == 0 and up.udp_queries == 0 and c["icmp6_errors_sent"] == 0
+    finally:
+        lst.close()
+        sink.close()
+        up.close()
