@@ -41,6 +41,7 @@ from .wire.checksum import partial
 from .wire.ethernet import BROADCAST, ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6
 from .wire.ipv4 import (ICMP, IP_MF, IP_OFFMASK, IPV4, PROTO_ICMP, PROTO_TCP, PROTO_UDP, UDP,
                         build_icmp_packet, build_tcp, build_udp_packet, fragment, pseudo_sum)
+from .wire.ipv6 import TokenBucket
 from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
 from .wire.reassembly import Reassembler
 from . import tracing
@@ -195,6 +196,8 @@ class Stack:
         #: for IPv6; one more forgets the entry learned longest ago, ``arp.neighbors_evicted``).
         self.neighbors = NeighborCache(MAX_NEIGHBORS)
         self.reassembler = Reassembler.from_config(self.config)
+        #: Rate limiter of the ICMP errors we send (RFC 1812 4.3.2.8), see :meth:`send_icmp_error`.
+        self.icmp_errors = TokenBucket()
         #: The IPv6 half (:class:`~aioslirp.stack6.Ipv6Path`: NDP/RA, DHCPv6, IPv6 dispatch);
         #: ``None`` when ``config.ipv6`` is off.
         self.v6 = None
@@ -461,8 +464,11 @@ class Stack:
     def send_icmp_error(self, icmp_type: int, code: int, orig_ip_packet) -> None:
         """Send ICMP ``icmp_type``/``code`` to the guest about ``orig_ip_packet`` (its header + 8 bytes, RFC 792).
 
-        For an IPv6 ``orig_ip_packet`` the ICMPv6 equivalent is sent instead, rate limited
-        (destination unreachable codes net/host/port/admin -> 0/3/4/1, RFC 4443 3.1).
+        Rate limited (RFC 1812 4.3.2.8) by :attr:`icmp_errors`, a token bucket of the same class
+        and rate as the ICMPv6 one (100 errors/s, burst 50): an error over the rate is not sent
+        and is counted as ``icmp_errors_rate_limited``. For an IPv6 ``orig_ip_packet`` the
+        ICMPv6 equivalent is sent instead, under the ICMPv6 limiter (destination unreachable
+        codes net/host/port/admin -> 0/3/4/1, RFC 4443 3.1).
         """
         orig = bytes(orig_ip_packet)
         if len(orig) < 28:
@@ -470,6 +476,9 @@ class Stack:
         if orig[0] >> 4 == 6:  # an IPv6 packet: the ICMPv6 equivalent (RFC 4443 3.1)
             if self.v6 is not None:
                 self.v6.icmp_error_v4style(icmp_type, code, orig)
+            return
+        if not self.icmp_errors.allow(time.monotonic()):
+            self.counters["icmp_errors_rate_limited"] += 1
             return
         ihl = (orig[0] & 0x0F) * 4
         quoted = orig[: ihl + 8]

@@ -1,9 +1,10 @@
-"""Hostile guests against the stack's dispatch (issue 13, items 6-9), through a whole Stack in this process.
+"""Hostile guests against the stack's dispatch (issue 13, items 6-10), through a whole Stack in this process.
 
 * flow-table eviction: the longest-idle UDP/ICMP flow goes, found without scanning the table;
 * neighbour caches: bounded the same way for IPv4 (ARP) and IPv6 (NDP);
 * our own ICMPv6 echo reply above the link MTU: fragmented (RFC 8200 4.5);
 * TCP and UDP from or to port 0: dropped and counted, never NATed nor answered;
+* ICMPv4 errors: rate limited like the ICMPv6 ones (RFC 1812 4.3.2.8, RFC 4443 2.4 (f)).
 
 Frames go in over a socketpair (helpers of tests/test_hardening.py); host peers are real sockets
 on 127.0.0.1 / ::1 inside the test namespace.
@@ -328,3 +329,22 @@ async def test_ipv6_tcp_and_udp_from_or_to_port_zero_dropped_never_natted():
         lst.close()
         sink.close()
         up.close()
+
+
+# ---------------------------------------------------------------------------------- 10: ICMPv4 errors
+async def test_icmpv4_errors_rate_limited_by_the_ipv6_limiter_class():
+    async with serving(ipv6=True) as (stack, guest):
+        # one rule for both families: the same class with the same rate and burst
+        assert type(stack.icmp_errors) is type(stack.v6.err_bucket) is TokenBucket
+        assert (stack.icmp_errors.rate, stack.icmp_errors.burst) == (stack.v6.err_bucket.rate,
+                                                                    stack.v6.err_bucket.burst) == (100.0, 50.0)
+        stack.icmp_errors = TokenBucket(rate=0.0, burst=5)  # no refill: the count is exact
+        await send_all(guest, [udp(40500 + i, 9, b"closed port", dst=DNS) for i in range(20)])
+        await processed(stack, 20)
+        frames = await guest.recv(0.3)
+        errs = [e.data.data for e in frames if e.type == 0x0800 and e.data.p == 1]
+        assert [(e.type, e.code) for e in errs] == [(3, 3)] * 5
+        # each quotes its datagram: ICMP header (8), IPv4 header (20), then the UDP source port
+        assert [struct.unpack_from("!H", bytes(e), 28)[0] for e in errs] == list(range(40500, 40505))
+        assert stack.counters["icmp_errors_sent"] == 5
+        assert stack.counters["icmp_errors_rate_limited"] == 15

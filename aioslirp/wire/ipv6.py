@@ -568,10 +568,15 @@ class Ipv6Reassembler:
         return bytes(pkt)
 
 
-class TokenBucket:
-    """Rate limiter for ICMPv6 errors (RFC 4443 2.4 (f)): ``rate`` tokens per second, ``burst`` at most."""
+#: The rate limit of the ICMP and ICMPv6 errors we send: errors per second, and the burst.
+ICMP_ERROR_RATE, ICMP_ERROR_BURST = 100.0, 50.0
 
-    def __init__(self, rate: float = 100.0, burst: float = 50.0) -> None:
+
+class TokenBucket:
+    """Rate limiter for the ICMPv6 errors (RFC 4443 2.4 (f)) and the ICMPv4 errors (RFC 1812
+    4.3.2.8) we send, one per family: ``rate`` tokens per second, ``burst`` at most."""
+
+    def __init__(self, rate: float = ICMP_ERROR_RATE, burst: float = ICMP_ERROR_BURST) -> None:
         self.rate = rate
         self.burst = burst
         self.tokens = burst
