@@ -449,3 +449,41 @@ class DnsTcpSession:
         if off:
             del buf[:off]
         return out
+
+    @property
+    def wanted(self) -> int:
+        """Bytes that complete what is buffered: the rest of the length prefix, or of the message."""
+        buf = self._buf
+        if len(buf) < 2:
+            return 2 - len(buf)
+        return 2 + _LEN.unpack_from(buf, 0)[0] - len(buf)
+
+    def feed_some(self, data, max_messages: int, max_bytes: int) -> tuple[list[bytes], int]:
+        """Take a prefix of ``data``: stop after ``max_messages`` complete messages or ``max_bytes``
+        bytes, whichever comes first. Returns ``(messages, bytes taken)``; the bytes not taken
+        are the caller's to offer again (a flow keeps them in its connection, RFC 7766 6.2.3's
+        "backpressure" on a pipelining client). Messages as :meth:`feed`; a partial one stays
+        buffered and counts in :attr:`pending`.
+        """
+        buf = self._buf
+        out: list[bytes] = []
+        mv = memoryview(data)
+        end = min(len(mv), max(0, max_bytes))
+        off = 0
+        while len(out) < max_messages:
+            need = self.wanted  # > 0: a completed frame is never left in the buffer
+            k = min(need, end - off)
+            if k > 0:
+                buf += mv[off:off + k]
+                off += k
+            if k < need:
+                break  # out of data or of max_bytes
+            if len(buf) == 2:  # the length prefix is complete
+                if buf[0] or buf[1]:
+                    continue  # now the message itself
+                self.empty_frames += 1
+                buf.clear()
+                continue
+            out.append(bytes(buf[2:]))
+            buf.clear()
+        return out, off
