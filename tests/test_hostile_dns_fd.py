@@ -4,6 +4,11 @@
   queries answered at once (FORMERR) while it advertises a zero window, holds at most
   ``tcp_buffer`` plus :data:`~aioslirp.services.dns_tcp.MAX_HELD` bytes per direction; the
   stack's receive window closes, and answers resume, in order, once the guest reads.
+* A real low ``RLIMIT_NOFILE`` (in a child process, soft = hard, so the stack cannot raise it):
+  a flood of DNS queries to a dead name stays within the stack's fd budget and a SYN after it
+  is answered; with the fds really exhausted (EMFILE), a SYN gets a RST, a UDP datagram and an
+  ICMP echo are dropped and counted, nothing is left in the flow table, and everything works
+  again once fds are free.
 
 The guest's TCP is driven by hand (:class:`GuestTcp`) over the socketpair of
 ``test_hardening.serving``; no timing is asserted, only bytes (SHA-256), counters and sizes.
@@ -13,14 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import logging
+import os
 import struct
+import subprocess
+import sys
 
 import dpkt
 
+from aioslirp.limits import FD_RESERVE
 from aioslirp.services.dns_tcp import MAX_HELD, MAX_QUEUED
 from aioslirp.services.dns import DnsTcpSession
 
-from test_hardening import DNS, GUEST, Guest, dns_query, ip_frame, serving
+from test_hardening import DNS, GUEST, GW, Guest, dns_query, echo, ip_frame, listener, serving, udp, until
 
 SYN, RST, ACK, FIN = dpkt.tcp.TH_SYN, dpkt.tcp.TH_RST, dpkt.tcp.TH_ACK, dpkt.tcp.TH_FIN
 MSS = 1460
@@ -213,3 +224,148 @@ async def test_answers_stop_while_the_guest_window_is_shut_then_all_arrive_in_or
         assert lowest == 0  # never more than tcp_buffer held towards the guest
         assert stack.dns.stats["malformed"] == n and stack.counters["dns_queries_tcp"] == n
         assert stack.counters.get("drop.internal_error", 0) == 0
+
+
+# ---------------------------------------------------------------------------------- 5
+LIMIT = 400  # soft = hard RLIMIT_NOFILE of the child: FD_RESERVE + 144
+PING_TARGET = "198.18.0.1"  # put on the child's own loopback (its own network namespace)
+
+
+def _child(scenario: str) -> None:
+    """Runs in a child process with a real low RLIMIT_NOFILE; prints one JSON line of results."""
+    import resource
+    import socket
+
+    from aioslirp._isolate import isolate_network
+
+    isolate_network()  # a namespace of its own, so that the ping target below is local to it
+    ping = subprocess.run(["ip", "addr", "add", PING_TARGET + "/32", "dev", "lo"], capture_output=True).returncode == 0
+    resource.setrlimit(resource.RLIMIT_NOFILE, (LIMIT, LIMIT))
+    errors: list[str] = []
+
+    class Errors(logging.Handler):
+        def emit(self, record):
+            errors.append(self.format(record))
+
+    logging.getLogger("aioslirp").addHandler(Errors(logging.ERROR))
+
+    spare = [os.open("/dev/null", os.O_RDONLY)]  # lets nfds() count even when no fd is left
+
+    def nfds() -> int:
+        """Open fds (the spare one counted in place of the listing's own)."""
+        os.close(spare.pop())
+        n = len(os.listdir("/proc/self/fd"))
+        spare.append(os.open("/dev/null", os.O_RDONLY))
+        return n
+
+    async def syn(guest, sport: int, port: int) -> list[int]:
+        """Flags of the stack's answers to a SYN from ``sport`` to the gateway's ``port``."""
+        g = GuestTcp(guest, sport, GW, port)
+        guest.send(g.frame(SYN, g.iss))
+        return [t.flags for t in Guest.tcp4(await guest.recv()) if t.dport == sport]
+
+    async def flood() -> dict:
+        silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        silent.bind(("127.0.0.1", 0))
+        lst = listener()
+        out: dict = {}
+        async with serving(dns_upstreams=[silent.getsockname()], dns_timeout=20.0, max_flows=64) as (stack, guest):
+            base = nfds()
+            loop = asyncio.get_running_loop()
+            for i in range(400):  # 400 queries to a name the dead upstream never answers
+                await loop.sock_sendall(guest.sock, udp(30000 + i, 53, dns_query(b"dead.test", qid=i), dst=DNS))
+            await until(lambda: stack.dns.stats["queries"] == 400, 5.0)
+            await guest.recv(0.3)
+            out["held"] = nfds() - base  # fds held by the flood
+            out["flags"] = await syn(guest, 46000, port=lst.getsockname()[1])
+            out["flows"] = [f.state for f in stack.flows.values()]
+            out["counters"] = dict(stack.counters)
+            out["overload"] = stack.dns.stats["overload"]
+            out["dns_fd_budget"] = getattr(stack.guard, "dns_fd_budget", None)
+            out["soft"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        silent.close()
+        lst.close()
+        return out
+
+    async def emfile() -> dict:
+        from hostservers import UdpEcho
+
+        lst = listener()
+        echo_srv = UdpEcho()
+        out: dict = {"ping": ping}
+        async with serving() as (stack, guest):
+            hog = []
+            try:
+                while True:  # the real thing: every fd the limit allows, taken
+                    hog.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError as exc:
+                out["errno"] = exc.errno
+            port = lst.getsockname()[1]
+            out["tcp"] = await syn(guest, 46001, port=port)
+            guest.send(udp(46002, echo_srv.port, b"udp-while-emfile"))
+            guest.send(echo(77, socket.inet_aton(PING_TARGET)))
+            await guest.recv(0.3)
+            out["flows_while"] = len(stack.flows)
+            out["active_while"] = dict(stack.guard.active)
+            out["counters_while"] = dict(stack.counters)
+            for fd in hog:
+                os.close(fd)
+            hog.clear()
+            out["tcp_after"] = await syn(guest, 46001, port=port)  # the same port: nothing held it
+            guest.send(udp(46002, echo_srv.port, b"udp-after"))
+            frames = await guest.recv(0.5)
+            out["udp_after"] = [bytes(e.data.data.data).decode() for e in frames if e.type == 0x0800 and e.data.p == 17]
+            guest.send(echo(77, socket.inet_aton(PING_TARGET)))
+            frames = await guest.recv(1.0)
+            out["icmp_after"] = [(socket.inet_ntoa(e.data.src), e.data.data.type) for e in frames
+                                 if e.type == 0x0800 and e.data.p == 1]
+            out["counters"] = dict(stack.counters)
+        lst.close()
+        echo_srv.close()
+        return out
+
+    result = asyncio.run(flood() if scenario == "flood" else emfile())
+    result["errors"] = errors
+    print(json.dumps(result))
+
+
+def run_child(scenario: str) -> dict:
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", f"import test_hostile_dns_fd as t; t._child({scenario!r})"],
+                       cwd=here, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_dns_flood_stays_within_the_fd_budget_under_a_real_low_nofile_limit():
+    """ulimit -n 400 (soft = hard): 400 queries to a dead upstream hold at most the DNS share of
+    the fds beyond FD_RESERVE (the rest get no answer, counted as overload), so the SYN that
+    follows gets its SYN-ACK and no internal error is logged."""
+    r = run_child("flood")
+    assert r["soft"] == LIMIT
+    assert r["held"] <= LIMIT - FD_RESERVE, r["held"]  # flows + DNS stay within the budget
+    assert r["errors"] == [] and r["counters"].get("drop.internal_error", 0) == 0
+    assert r["flags"] == [SYN | ACK]
+    assert r["flows"] == ["SYN-RECEIVED"]
+    share = r["dns_fd_budget"]
+    assert 0 < share < 400 and r["overload"] == 400 - share and r["held"] >= share
+
+
+def test_emfile_at_flow_creation_refuses_and_leaves_nothing_behind():
+    """Every fd the (real, low) limit allows taken: a SYN gets a RST (drop.tcp_socket_error), a
+    UDP datagram and an ICMP echo are dropped and counted, no flow is left and no internal
+    error logged. With the fds back, the same SYN gets a SYN-ACK, the UDP datagram its echo
+    and the echo its reply (the echo mechanism was not written off as unavailable)."""
+    r = run_child("emfile")
+    assert r["errno"] == 24  # EMFILE
+    assert r["errors"] == [] and r["counters"].get("drop.internal_error", 0) == 0
+    assert r["tcp"] == [RST | ACK]
+    cw = r["counters_while"]
+    assert cw["drop.tcp_socket_error"] == 1 and cw["drop.udp_socket_error"] == 1
+    assert cw["drop.icmp_socket_error"] == 1
+    assert r["flows_while"] == 0 and r["active_while"] == {"tcp": 0, "udp": 0, "icmp": 0}
+    assert r["tcp_after"] == [SYN | ACK]
+    assert r["udp_after"] == ["udp-after"]
+    assert r["ping"]  # the child's own namespace got the ping target
+    assert r["icmp_after"] == [[PING_TARGET, 0]]  # an echo reply from it
