@@ -31,6 +31,10 @@ from .wire.ipv6 import build_icmp6_packet
 
 log = logging.getLogger("aioslirp.icmp")
 
+#: socket() errors that say nothing about the mechanism, only that the kernel or the process is
+#: out of fds or memory now: the probe is not concluded (asked again on the next echo).
+_NO_SOCKET_NOW = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
+
 ICMP_ECHO_REPLY, ICMP_ECHO = 0, 8
 ICMP6_ECHO_REQUEST, ICMP6_ECHO_REPLY = 128, 129
 PROTO_ICMPV6 = 58
@@ -152,19 +156,23 @@ class IcmpEcho:
         self._warned = False
 
     def _probe(self) -> None:
+        """Choose :attr:`mode`; left ``None`` when the kernel gives no socket now (EMFILE...)."""
         try:
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
             s.close()
             self.mode = "ping"
             return
-        except OSError:
-            pass
+        except OSError as exc:
+            if exc.errno in _NO_SOCKET_NOW:
+                return
         try:
             self.raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
             self.raw.setblocking(False)
             self.stack._loop.add_reader(self.raw.fileno(), self._raw_readable)
             self.mode = "raw"
-        except OSError:
+        except OSError as exc:
+            if exc.errno in _NO_SOCKET_NOW:
+                return
             self.mode = "none"
             log.warning("ICMP echo: no ping sockets (net.ipv4.ping_group_range) and no raw sockets "
                         "(CAP_NET_RAW); only the gateway and DNS answer pings")
@@ -174,6 +182,9 @@ class IcmpEcho:
         """Proxy one echo request from ``guest_ip`` to ``dst_ip`` (``remote`` on the host)."""
         if self.mode is None:
             self._probe()
+            if self.mode is None:
+                self.stack.drop("icmp_socket_error")
+                return
         if self.mode == "none":
             self.stack.drop("icmp_unsupported")
             return
@@ -197,14 +208,19 @@ class IcmpEcho:
         flow.send(seq, payload)
 
     def _probe6(self) -> None:
+        """Choose :attr:`mode6`; left ``None`` when the kernel gives no socket now (EMFILE...)."""
         try:
             s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM, socket.IPPROTO_ICMPV6)
             s.close()
             self.mode6 = "ping"
-        except OSError:
+        except OSError as exc:
+            if exc.errno in _NO_SOCKET_NOW:
+                return
             try:
                 raw = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
-            except OSError:
+            except OSError as exc2:
+                if exc2.errno in _NO_SOCKET_NOW:
+                    return
                 self.mode6 = "none"
                 log.warning("ICMPv6 echo: no ping sockets (net.ipv4.ping_group_range) and no raw sockets "
                             "(CAP_NET_RAW); only the gateway and DNS answer pings")
@@ -226,6 +242,9 @@ class IcmpEcho:
         """Proxy one ICMPv6 echo request from ``guest_ip`` to ``dst_ip`` (``remote`` on the host)."""
         if self.mode6 is None:
             self._probe6()
+            if self.mode6 is None:
+                self.stack.drop("icmp_socket_error")
+                return
         if self.mode6 == "none":
             self.stack.drop("icmp6_unsupported")
             return

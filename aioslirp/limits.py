@@ -17,8 +17,11 @@ cost on the packet path of an existing flow is zero.
    13; ICMPv6 type 1 code 1), counted as ``drop.egress_denied``;
 2. the per-protocol flow caps ``max_tcp_flows`` / ``max_udp_flows`` / ``max_icmp_flows``
    (``drop.limit_tcp_flows``...), and the open-file limit: each flow may hold one host socket,
-   so the process's soft ``RLIMIT_NOFILE`` is raised towards ``max_flows`` + :data:`FD_RESERVE`
-   (up to the hard limit) and flows beyond what it allows are refused (``drop.limit_fds``);
+   and so may each DNS query in flight, so the process's soft ``RLIMIT_NOFILE`` is raised
+   towards ``max_flows`` + ``dns_max_inflight`` + :data:`FD_RESERVE` (up to the hard limit);
+   what it allows beyond the reserve is split by :func:`fd_budgets` between flows (more are
+   refused, ``drop.limit_fds``) and DNS queries (the forwarder's in-flight cap is lowered to
+   its share: more get no answer, ``DnsForwarder.stats["overload"]``);
 3. for TCP towards the host: the pending host connects, i.e. SYNs whose host ``connect()`` has
    not completed yet, at most ``max_pending_connects`` in all and a quarter of that towards
    any one ``(address, port)`` (``drop.limit_pending_connects``), so that a SYN flood against
@@ -27,8 +30,11 @@ cost on the packet path of an existing flow is zero.
    ``new_flow_rate`` per second (``drop.limit_new_flow_rate``).
 
 A refused TCP SYN gets a RST (the guest's connect fails at once with ECONNREFUSED), a refused
-UDP datagram or ICMP echo is dropped; flows that exist keep working. The total flow-table
-bound (``max_flows``, with eviction of the longest-idle UDP/ICMP flow) stays in
+UDP datagram or ICMP echo is dropped; flows that exist keep working. Should the kernel still
+give no socket to an admitted flow (``EMFILE`` because something else holds fds, ``ENFILE``,
+``ENOBUFS``...), the flow is refused the same way (``drop.tcp_socket_error``,
+``drop.udp_socket_error``, ``drop.icmp_socket_error``) and never enters the flow table. The
+total flow-table bound (``max_flows``, with eviction of the longest-idle UDP/ICMP flow) stays in
 :meth:`Stack._make_room <aioslirp.stack.Stack._make_room>`, which also covers port forwards.
 
 The guard learns about flows from :meth:`Stack.add_flow` / :meth:`Stack.remove_flow`
@@ -50,7 +56,7 @@ import time
 
 from .policy import EgressPolicy
 
-__all__ = ["DENIED", "Guard", "LIMIT_FIELDS", "TokenBucket", "parse_limits"]
+__all__ = ["DENIED", "FD_RESERVE", "Guard", "LIMIT_FIELDS", "TokenBucket", "fd_budgets", "parse_limits"]
 
 log = logging.getLogger("aioslirp.limits")
 
@@ -65,8 +71,28 @@ _FIELD_OF = {"limit_fds": "open-file limit (ulimit -n)", "limit_tcp_flows": "max
              "limit_new_flow_rate": "new_flow_rate"}
 
 
-#: File descriptors kept out of the flow budget (see :func:`raise_fd_limit`).
+#: File descriptors kept out of the flow and DNS budgets (see :func:`fd_budgets`): listeners,
+#: the API socket, captures, the transport, the event loop's own.
 FD_RESERVE = 256
+
+
+def fd_budgets(soft_limit: int, max_flows: int, dns_max_inflight: int) -> tuple[int, int]:
+    """``(flows, dns_queries)`` that a soft ``RLIMIT_NOFILE`` of ``soft_limit`` fds allows, each
+    holding one host socket, with :data:`FD_RESERVE` fds kept for everything else.
+
+    When the limit allows ``max_flows + dns_max_inflight`` beyond the reserve, DNS gets
+    ``dns_max_inflight`` and flows the rest; below that both are cut in proportion (at least
+    one DNS query when any fd is left). Never negative; their sum never exceeds
+    ``soft_limit - FD_RESERVE``.
+    """
+    avail = max(0, int(soft_limit) - FD_RESERVE)
+    flows, dns = max(0, int(max_flows)), max(0, int(dns_max_inflight))
+    if avail >= flows + dns:
+        return avail - dns, dns
+    share = avail * dns // (flows + dns)
+    if dns and avail and not share:
+        share = 1
+    return avail - share, share
 
 
 def raise_fd_limit(want: int) -> int:
@@ -137,23 +163,31 @@ class Guard:
         self.bucket = TokenBucket(rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
         self._reaper: asyncio.TimerHandle | None = None
         self._reap_interval = 5.0
-        #: Flows allowed by the process's open-file limit (each may hold one host socket), less
-        #: :data:`FD_RESERVE` for listeners, the API socket, captures and DNS queries.
-        self.fd_budget = raise_fd_limit(int(cfg.max_flows) + FD_RESERVE) - FD_RESERVE
-        if self.fd_budget < int(cfg.max_flows):
+        max_flows, dns_max = int(cfg.max_flows), int(cfg.dns_max_inflight)
+        soft = raise_fd_limit(max_flows + dns_max + FD_RESERVE)
+        #: Flows allowed by the process's open-file limit (each may hold one host socket), and
+        #: DNS queries allowed in flight (each may hold one upstream socket); see :func:`fd_budgets`.
+        self.fd_budget, self.dns_fd_budget = fd_budgets(soft, max_flows, dns_max)
+        if self.fd_budget < max_flows:
             log.warning("the open-file limit (ulimit -n) allows about %d flows, below max_flows=%d: "
-                        "more are refused (drop.limit_fds)", self.fd_budget, int(cfg.max_flows))
+                        "more are refused (drop.limit_fds)", self.fd_budget, max_flows)
+        if self.dns_fd_budget < dns_max:
+            log.warning("the open-file limit (ulimit -n) allows %d DNS queries in flight, below "
+                        "dns_max_inflight=%d: more get no answer (DNS overload)", self.dns_fd_budget, dns_max)
         #: DNS-over-UDP queries being answered (the stack drops more than ``dns_max_inflight``;
-        #: DNS over TCP is bounded by the forwarder itself, ``DnsForwarder.max_inflight``).
+        #: all queries, UDP and TCP, are bounded by the forwarder itself, ``DnsForwarder.max_inflight``,
+        #: which :meth:`start` lowers to :attr:`dns_fd_budget`).
         self.dns_inflight = 0
         self._logged: set = set()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Hook the DNS forwarder's upstream check to the policy and start the reaper (``Stack.start``)."""
+        """Hook the DNS forwarder's upstream check to the policy, cap its queries in flight to
+        :attr:`dns_fd_budget` and start the reaper (``Stack.start``)."""
         stack = self.stack
         if stack.dns is not None:
             stack.dns.policy = self.policy
+            stack.dns.max_inflight = min(stack.dns.max_inflight, self.dns_fd_budget)
         timeout = float(stack.config.tcp_idle_timeout)
         if timeout > 0:
             self._reap_interval = min(5.0, max(0.05, timeout / 4))

@@ -51,6 +51,7 @@ from .lifecycle import farewell
 # At module level: an import statement inside _tcp ran for every guest TCP frame (~1-2 us each;
 # benchmarks showed -12% CPU per GB guest->host). aioslirp.tcp.flow does not import this module.
 from .tcp.flow import TcpFlow, parse_segment, reset_for
+from .udp import UdpFlow  # module level: an import under EMFILE (the first UDP flow) would fail
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -687,7 +688,6 @@ class Stack:
                 if verdict == DENIED:
                     self._port_unreachable(mv, ihl, l4, frag_header, UNREACH_ADMIN)
                 return
-            from .udp import UdpFlow
             if not self._make_room(PROTO_UDP):
                 return self.drop("flow_table_full")
             flow = UdpFlow(self, key, remote)

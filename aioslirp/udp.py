@@ -48,9 +48,9 @@ class UdpFlow:
         loop = stack._loop
         try:
             sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
-        except OSError as exc:
+        except OSError as exc:  # EMFILE, ENFILE, ENOBUFS...: the datagram is dropped, no flow is left
             stack.counters["drop.udp_socket_error"] += 1
-            log.warning("UDP socket: %s", exc)
+            log.debug("UDP socket: %s", exc)  # counted; a log line per hostile datagram would flood
             return
         try:
             sock.setblocking(False)

@@ -11,6 +11,12 @@ Spoofing resistance: every upstream attempt uses a new UDP socket (a fresh kerne
 randomised source port) and a fresh random message ID; replies are accepted only when
 ID and question (qname case-insensitively, qtype, qclass) match. The guest's ID is
 restored in the reply.
+
+Open files: a query holds at most one upstream socket at a time, opened and closed by the
+query itself (plain non-blocking sockets, closed synchronously, not asyncio transports whose
+close waits for the next loop iteration), so the sockets held never exceed the queries in
+flight, :attr:`DnsForwarder.max_inflight`. The stack's :class:`~aioslirp.limits.Guard` lowers
+that cap to its DNS share of the open-file limit.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import socket
 import struct
 import time
 
@@ -164,30 +171,45 @@ def _clamp_edns(msg: bytes, limit: int) -> bytes:
     return msg
 
 
-class _UdpQuery(asyncio.DatagramProtocol):
-    """One outstanding query on its own connected UDP socket."""
+def _sockaddr(upstream: tuple[str, int], kind: int) -> tuple[int, tuple]:
+    """``(family, sockaddr)`` of a numeric ``(address, port)`` upstream (an IPv6 scope kept);
+    raises ``OSError`` (``socket.gaierror``) for anything but a numeric address."""
+    family, _, _, _, addr = socket.getaddrinfo(upstream[0], upstream[1], 0, kind, 0, socket.AI_NUMERICHOST)[0]
+    return family, addr
 
-    def __init__(self, forwarder: "DnsForwarder", qid: int, question: tuple[bytes, int, int]) -> None:
+
+class _UdpQuery:
+    """One outstanding query on its own connected, non-blocking UDP socket (``add_reader``)."""
+
+    __slots__ = ("forwarder", "sock", "qid", "question", "done")
+
+    def __init__(self, forwarder: "DnsForwarder", sock: socket.socket, qid: int,
+                 question: tuple[bytes, int, int]) -> None:
         self.forwarder = forwarder
+        self.sock = sock
         self.qid = qid
         self.question = question
         self.done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
-    def datagram_received(self, data: bytes, addr) -> None:  # noqa: ARG002 (connected socket)
-        if self.done.done():
-            return
-        if self.forwarder._matches(data, self.qid, self.question):
-            self.done.set_result(data)
-        else:
+    def readable(self) -> None:
+        for _ in range(16):
+            if self.done.done():
+                return
+            try:
+                data = self.sock.recv(0xFFFF)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # ECONNREFUSED (ICMP port unreachable) and the like
+                self.done.set_exception(exc)
+                return
+            if self.forwarder._matches(data, self.qid, self.question):
+                self.done.set_result(data)
+                return
             self.forwarder._count("mismatched")
 
-    def error_received(self, exc: Exception) -> None:
+    def abort(self) -> None:
         if not self.done.done():
-            self.done.set_exception(exc)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.done.done():
-            self.done.set_exception(exc or ConnectionAbortedError("socket closed"))
+            self.done.set_exception(ConnectionAbortedError("DNS forwarder closed"))
 
 
 class DnsForwarder:
@@ -226,7 +248,8 @@ class DnsForwarder:
         self._resolv_checked = float("-inf")
         self._resolv_upstreams: list[tuple[str, int]] = []
         self._inflight = 0
-        self._transports: set[asyncio.BaseTransport] = set()
+        self._queries: set[_UdpQuery] = set()
+        self._tcp_tasks: set[asyncio.Task] = set()
         self._closed = False
 
     # ------------------------------------------------------------------ upstreams
@@ -365,42 +388,68 @@ class DnsForwarder:
 
     async def _udp(self, upstream: tuple[str, int], wire: bytes, qid: int, question) -> bytes:
         loop = asyncio.get_running_loop()
-        transport, proto = await loop.create_datagram_endpoint(
-            lambda: _UdpQuery(self, qid, question), remote_addr=upstream
-        )
-        self._transports.add(transport)
+        family, addr = _sockaddr(upstream, socket.SOCK_DGRAM)
+        sock = socket.socket(family, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
         try:
-            transport.sendto(wire)
-            return await asyncio.wait_for(proto.done, self.timeout)
+            sock.connect(addr)  # UDP: no packet sent; fixes the peer and a fresh random source port
+            sock.send(wire)
+            q = _UdpQuery(self, sock, qid, question)
+            fd = sock.fileno()
+            self._queries.add(q)
+            loop.add_reader(fd, q.readable)
+            try:
+                return await asyncio.wait_for(q.done, self.timeout)
+            finally:
+                loop.remove_reader(fd)
+                self._queries.discard(q)
         finally:
-            self._transports.discard(transport)
-            transport.close()
+            sock.close()
 
     async def _tcp(self, upstream: tuple[str, int], wire: bytes, qid: int, question) -> bytes:
-        async def exchange() -> bytes:
-            reader, writer = await asyncio.open_connection(upstream[0], upstream[1])
-            self._transports.add(writer.transport)
-            try:
-                writer.write(DnsTcpSession.frame(wire))
-                await writer.drain()
-                while True:  # skip anything that does not answer our question
-                    (length,) = _LEN.unpack(await reader.readexactly(2))
-                    resp = await reader.readexactly(length)
-                    if self._matches(resp, qid, question):
-                        return resp
-                    self._count("mismatched")
-            finally:
-                self._transports.discard(writer.transport)
-                writer.close()
+        loop = asyncio.get_running_loop()
+        family, addr = _sockaddr(upstream, socket.SOCK_STREAM)
+        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
 
-        return await asyncio.wait_for(exchange(), self.timeout)
+        async def exchange() -> bytes:
+            await loop.sock_connect(sock, addr)
+            await loop.sock_sendall(sock, DnsTcpSession.frame(wire))
+            buf = bytearray()
+            while True:  # skip anything that does not answer our question
+                while len(buf) < 2 or len(buf) < 2 + _LEN.unpack_from(buf, 0)[0]:
+                    data = await loop.sock_recv(sock, 0x10001)
+                    if not data:
+                        raise asyncio.IncompleteReadError(bytes(buf), None)
+                    buf += data
+                end = 2 + _LEN.unpack_from(buf, 0)[0]
+                resp = bytes(buf[2:end])
+                del buf[:end]
+                if self._matches(resp, qid, question):
+                    return resp
+                self._count("mismatched")
+
+        try:
+            # A task of its own, so that close() can stop it; waited for to its end (also when
+            # cancelled) before the socket is closed, so no reader or writer is left on the fd.
+            task = loop.create_task(exchange())
+            self._tcp_tasks.add(task)
+            try:
+                return await asyncio.wait_for(task, self.timeout)
+            except asyncio.CancelledError:
+                if task.cancelled() and self._closed and not asyncio.current_task().cancelling():
+                    raise ConnectionAbortedError("DNS forwarder closed") from None
+                raise
+            finally:
+                self._tcp_tasks.discard(task)
+        finally:
+            sock.close()
 
     async def close(self) -> None:
         """Abort outstanding upstream queries (their ``resolve`` returns ``None``); idempotent."""
         self._closed = True
-        for transport in list(self._transports):
-            transport.abort() if hasattr(transport, "abort") else transport.close()
-        self._transports.clear()
+        for q in list(self._queries):
+            q.abort()
+        for t in list(self._tcp_tasks):
+            t.cancel()
         await asyncio.sleep(0)
 
 
@@ -449,3 +498,41 @@ class DnsTcpSession:
         if off:
             del buf[:off]
         return out
+
+    @property
+    def wanted(self) -> int:
+        """Bytes that complete what is buffered: the rest of the length prefix, or of the message."""
+        buf = self._buf
+        if len(buf) < 2:
+            return 2 - len(buf)
+        return 2 + _LEN.unpack_from(buf, 0)[0] - len(buf)
+
+    def feed_some(self, data, max_messages: int, max_bytes: int) -> tuple[list[bytes], int]:
+        """Take a prefix of ``data``: stop after ``max_messages`` complete messages or ``max_bytes``
+        bytes, whichever comes first. Returns ``(messages, bytes taken)``; the bytes not taken
+        are the caller's to offer again (a flow keeps them in its connection, RFC 7766 6.2.3's
+        "backpressure" on a pipelining client). Messages as :meth:`feed`; a partial one stays
+        buffered and counts in :attr:`pending`.
+        """
+        buf = self._buf
+        out: list[bytes] = []
+        mv = memoryview(data)
+        end = min(len(mv), max(0, max_bytes))
+        off = 0
+        while len(out) < max_messages:
+            need = self.wanted  # > 0: a completed frame is never left in the buffer
+            k = min(need, end - off)
+            if k > 0:
+                buf += mv[off:off + k]
+                off += k
+            if k < need:
+                break  # out of data or of max_bytes
+            if len(buf) == 2:  # the length prefix is complete
+                if buf[0] or buf[1]:
+                    continue  # now the message itself
+                self.empty_frames += 1
+                buf.clear()
+                continue
+            out.append(bytes(buf[2:]))
+            buf.clear()
+        return out, off

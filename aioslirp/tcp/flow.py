@@ -37,6 +37,7 @@ from ..wire.ipv4 import PROTO_TCP, TCP, build_tcp
 from ..wire.ipv6 import build_tcp6
 from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6, TcpOffloadBuilder
 from .. import tracing
+from ..services.dns_tcp import DnsTcpHost  # module level: an import under EMFILE would fail
 from .conn import Segment, TcpConnection
 from .hostsock import HostSocket
 
@@ -224,12 +225,17 @@ class TcpFlow(asyncio.Protocol):
         self._pending_sock: socket.socket | None = None  # a connect in progress, for the task
         self._connect_waiting = False  # the task waits for that connect
         self._t0 = 0.0
+        sock = None
+        if syn is not None and remote is not None:
+            sock = self._open_socket()
+            if sock is None:  # refused with a RST: the flow never enters the table
+                return
         stack.add_flow(self)
         self.task = loop.create_task(self._run(), name=f"aioslirp-tcp-{self.guest_port}")
         stack.tasks.add(self.task)
         self.task.add_done_callback(stack.tasks.discard)
-        if syn is not None and remote is not None:
-            self._start_connect()
+        if sock is not None:
+            self._start_connect(sock)
 
     @property
     def state(self) -> str:
@@ -240,7 +246,6 @@ class TcpFlow(asyncio.Protocol):
     async def _run(self) -> None:
         try:
             if self.remote is None:
-                from ..services.dns_tcp import DnsTcpHost
                 self.transport = DnsTcpHost(self, self.stack.dns)
                 self._accept(0.0, True)
             elif self._pending_sock is not None:
@@ -301,16 +306,30 @@ class TcpFlow(asyncio.Protocol):
             transport.pause_reading()
         self.flush()
 
-    def _start_connect(self) -> None:
-        """Start the host connect while the guest's SYN is being dispatched.
+    def _open_socket(self) -> socket.socket | None:
+        """The host socket for the connect (non-blocking from ``socket()`` on: no separate ioctl
+        per connection), or ``None`` when the kernel gives none (``EMFILE``, ``ENFILE``,
+        ``ENOBUFS``, ``ENOMEM``...): then the guest's SYN is answered with a RST, as a refused
+        connect would be (RFC 9293 3.10.7.1), and counted as ``drop.tcp_socket_error``."""
+        try:
+            return socket.socket(socket.AF_INET6 if self.v6 else socket.AF_INET,
+                                 socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        except OSError as exc:
+            self.stack.drop("tcp_socket_error")
+            log.debug("TCP flow %s: no host socket: %s", self.key, exc)
+            self._finished = True
+            self.conn.refuse()
+            self._emit()
+            return None
+
+    def _start_connect(self, sock: socket.socket) -> None:
+        """Start the host connect on ``sock`` while the guest's SYN is being dispatched.
 
         Towards host loopback the kernel usually completes the handshake inside ``connect()``
         (asking again says so, or gives the refusal), so the SYN-ACK leaves in the same batch
         as the SYN arrived, with no event-loop round trip; otherwise (``EINPROGRESS``) the
         flow's task waits for the socket to become writable (:meth:`_connect_wait`).
         """
-        # Non-blocking from socket() on: no separate ioctl per connection.
-        sock = socket.socket(socket.AF_INET6 if self.v6 else socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._t0 = time.perf_counter()  # for the tcp.syn_ack trace point (loop.time() ticks in ms)
