@@ -21,8 +21,11 @@ import socket
 import struct
 
 import pytest
+import uvloop
 
 from aioslirp.tcp.conn import ACK, FIN, PSH, RST, SYN
+from aioslirp.tcp.flow import TransportHost
+from aioslirp.tcp.hostsock import READ_SIZE
 from aioslirp.wire.ipv4 import build_tcp
 from aioslirp.wire.ipv6 import build_tcp6
 
@@ -256,6 +259,105 @@ class GuestConn:
         if self.unread:
             self.unread = 0
             self.send(ACK)
+
+
+LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
+
+
+# ============================================================================ paused reading survives the move
+async def _bidirectional_bulk_with_a_slow_guest_reader() -> None:
+    tcp_buffer = 128 * 1024
+    bound = tcp_buffer + READ_SIZE  # what may be buffered: tcp_buffer, plus at most one host read
+    down = random.Random(2).randbytes(3 << 20)
+    up = random.Random(3).randbytes(2 << 20)
+    loop = asyncio.get_running_loop()
+    lst = listener()
+    lst.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # the host reads into small buffers
+    lst.setblocking(False)
+    try:
+        async with serving(tcp_buffer=tcp_buffer) as (stack, guest):
+            port = lst.getsockname()[1]
+            g = GuestConn(guest.sock, 40200, port)
+            g.connect()
+            host, _ = await asyncio.wait_for(loop.sock_accept(lst), 5)
+            host.setblocking(False)
+            try:
+                assert await g.until(lambda: g.rcv_nxt is not None, 5)
+                flow = stack.flows[(6, GUEST, 40200, GW, port)]
+                # the flow's host socket takes little, so a guest bulk upload soon meets a partial send()
+                flow.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+                high = [0]
+
+                def sample() -> None:
+                    high[0] = max(high[0], tcp_buffer - flow.conn.send_space)
+
+                # 1. The host sends in bulk; the guest reads nothing (its window closes after 64 KiB):
+                #    tcp_buffer fills and reading from the host pauses.
+                async def host_send() -> None:
+                    await loop.sock_sendall(host, down)
+                    host.shutdown(socket.SHUT_WR)
+
+                sender = asyncio.ensure_future(host_send())
+                assert await g.until(lambda: stack.counters["tcp_host_read_paused"] >= 1 and flow.conn.send_space <= 0 and g.window() < 1460,
+                                     step=sample), (stack.counters, flow.conn.send_space, g.window(), len(g.received))
+                assert stack.counters["tcp_bulk_transport"] == 0 and g.window() < 1460
+                # 2. The guest uploads in bulk, the host does not read: a partial send() moves the flow to
+                #    an asyncio transport while reading is paused.
+                pos = [0]
+
+                def upload() -> None:
+                    sample()
+                    pos[0] = g.push(up, pos[0])
+
+                assert await g.until(lambda: stack.counters["tcp_bulk_transport"] == 1, step=upload)
+                assert await g.until(lambda: isinstance(flow.transport, TransportHost), step=upload)
+                assert flow.reading_paused
+                # 3. Still no guest read for a while: the buffered bytes stay bounded (before the fix,
+                #    uvloop read on and buffered everything the host sent).
+                for _ in range(300):
+                    upload()
+                    assert tcp_buffer - flow.conn.send_space <= bound
+                    await asyncio.sleep(0.001)
+                    g.pump()
+                # 4. The guest reads everything, the host reads everything: no byte lost either way.
+                got_up = bytearray()
+
+                async def host_recv() -> None:
+                    while True:
+                        d = await loop.sock_recv(host, 1 << 20)
+                        if not d:
+                            return
+                        got_up.extend(d)
+
+                receiver = asyncio.ensure_future(host_recv())
+                fin_sent = [False]
+
+                def read_and_upload() -> None:
+                    upload()
+                    g.read()
+                    if pos[0] == len(up) and not fin_sent[0]:
+                        fin_sent[0] = True
+                        g.send(ACK | FIN)
+
+                assert await g.until(lambda: g.fin_received and fin_sent[0] and g.all_acked(), 60, step=read_and_upload)
+                await asyncio.wait_for(asyncio.gather(sender, receiver), 10)
+                assert high[0] <= bound, high[0]
+                assert hashlib.sha256(g.received).digest() == hashlib.sha256(down).digest()
+                assert hashlib.sha256(got_up).digest() == hashlib.sha256(up).digest()
+                assert g.rsts == 0
+            finally:
+                host.close()
+    finally:
+        lst.close()
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_flow_moved_to_a_transport_while_reading_is_paused_stays_bounded(loop_kind):
+    """Bidirectional bulk, the guest reading nothing (zero window) while a partial send() moves
+    the flow to an asyncio transport: the bytes held for the guest never exceed tcp_buffer plus
+    one host read, on uvloop (the loop the CLI uses) and on asyncio; then every byte arrives."""
+    with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner:
+        runner.run(_bidirectional_bulk_with_a_slow_guest_reader())
 
 
 # ============================================================================ linger, through a Stack

@@ -298,6 +298,8 @@ class TcpFlow(asyncio.Protocol):
         transport.set_write_buffer_limits(high=512 * 1024)
         self.host_paused = False  # HostSocket's wait for writability ended with it
         if self.reading_paused:
+            # Enough for asyncio's transport (it starts reading after this callback and honours
+            # the pause); uvloop starts reading regardless: data_received pauses it again.
             transport.pause_reading()
         self.flush()
 
@@ -387,9 +389,14 @@ class TcpFlow(asyncio.Protocol):
             tracing.host_data(self, len(data))
         conn = self.conn
         conn.send(data)
-        if conn.send_space <= 0 and not self.reading_paused:
-            self.reading_paused = True
-            self.stack.counters["tcp_host_read_paused"] += 1  # tcp_buffer towards the guest is full
+        if conn.send_space <= 0:  # tcp_buffer towards the guest is full
+            if not self.reading_paused:
+                self.reading_paused = True
+                self.stack.counters["tcp_host_read_paused"] += 1
+            # Pause even when the flag says so already: bytes arriving at all mean that reading
+            # runs. uvloop ignores a pause_reading() made in connection_made (it starts reading
+            # after that callback), so a flow that moved to a transport while paused would
+            # otherwise read on without bound. At most one read lands past tcp_buffer.
             self.transport.pause_reading()
         self.flush()
 
