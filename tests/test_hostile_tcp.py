@@ -407,3 +407,162 @@ async def test_half_closed_guest_reading_a_long_answer_slowly_gets_all_of_it():
                 host.close()
     finally:
         lst.close()
+
+
+# ============================================================================ port reuse after a finished flow
+def _listener(v6: bool) -> socket.socket:
+    s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # the host reads into small buffers
+    s.bind(("::1" if v6 else "127.0.0.1", 0))
+    s.listen(4)
+    s.setblocking(False)
+    return s
+
+
+async def _upload_then_reuse_the_port(stack, guest, lst, v6: bool, hosts: list):
+    """The host half-closes at once; the guest uploads until the window stays shut (the host
+    reads nothing), sends its FIN (the flow is in TIME-WAIT: the guest closed second) and
+    reuses its port for a new SYN at once. Returns (guest's upload ACKed, old flow, new GuestConn);
+    the host sockets (old, new) are appended to ``hosts``."""
+    loop = asyncio.get_running_loop()
+    port = lst.getsockname()[1]
+    sport = 40400
+    key = (6, GUEST6 if v6 else GUEST, sport, GW6 if v6 else GW, port)
+    g = GuestConn(guest.sock, sport, port, v6=v6)
+    g.connect()
+    host, _ = await asyncio.wait_for(loop.sock_accept(lst), 5)
+    hosts.append(host)
+    host.setblocking(False)
+    assert await g.until(lambda: g.rcv_nxt is not None, 5)
+    old = stack.flows[key]
+    host.shutdown(socket.SHUT_WR)
+    assert await g.until(lambda: g.fin_received and old.state == "FIN-WAIT-2", 5)
+    up = random.Random(5).randbytes(32 << 20)  # more than the host's and our buffers hold
+    pos = [0]
+
+    def upload() -> None:
+        pos[0] = g.push(up, pos[0])
+
+    assert await g.until(lambda: pos[0] > 1 << 20 and g.all_acked() and g.peer_wnd == 0, 120, step=upload)
+    acked = up[:pos[0]]
+    g.send(ACK | FIN)
+    assert await g.until(g.all_acked, 5)
+    assert old.state == "TIME-WAIT"
+    assert len(old.conn.peek()) > 0  # ACKed to the guest, not yet taken by the host socket
+    # a new connection from the same port, at once
+    g2 = GuestConn(guest.sock, sport, port, v6=v6, isn=(g.snd_nxt + 1_000_000) & M32)
+    g2.connect()
+    host2, _ = await asyncio.wait_for(loop.sock_accept(lst), 5)
+    hosts.append(host2)
+    host2.setblocking(False)
+    assert await g2.until(lambda: g2.rcv_nxt is not None, 5)
+    assert stack.flows[key] is not old
+    return acked, old, g2
+
+
+@pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
+async def test_new_syn_on_a_finished_flow_still_delivers_every_acked_byte(v6):
+    """Port reuse while the host has not read what the guest saw ACKed: the host still reads
+    every byte (SHA-256) and then EOF, not a RST; the new connection works; the old flow ends
+    on its own and stops counting in the limits."""
+    loop = asyncio.get_running_loop()
+    lst = _listener(v6)
+    hosts: list = []
+    try:
+        async with serving(ipv6=v6, tcp_buffer=256 * 1024) as (stack, guest):
+            acked, old, g2 = await _upload_then_reuse_the_port(stack, guest, lst, v6, hosts)
+            host, host2 = hosts
+            still = (not old.task.done(), len(stack.flows), stack.guard.active["tcp"])
+            got = bytearray()
+            while True:  # a RST would raise ConnectionResetError here
+                d = await asyncio.wait_for(loop.sock_recv(host, 1 << 20), 10)
+                if not d:
+                    break
+                got += d
+            assert len(got) == len(acked)
+            assert hashlib.sha256(got).digest() == hashlib.sha256(acked).digest()
+            assert still == (True, 2, 2)  # the old flow drained on its own, counted in the limits
+            assert old.retired
+            g2.send(ACK | PSH, b"ping")
+            assert await asyncio.wait_for(loop.sock_recv(host2, 100), 5) == b"ping"
+            await loop.sock_sendall(host2, b"pong")
+            assert await g2.until(lambda: bytes(g2.received) == b"pong", 5)
+            assert await until(lambda: old.task.done() and len(stack.flows) == 1, 5)
+            assert stack.guard.active["tcp"] == 1
+            assert stack.counters["tcp_retired_draining"] == 1 and stack.counters["flows.tcp.closed"] == 1
+            assert g2.rsts == 0  # the old flow sent nothing on the reused 4-tuple
+    finally:
+        for h in hosts:
+            h.close()
+        lst.close()
+
+
+@pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
+async def test_flow_draining_after_port_reuse_ends_with_the_stack(v6):
+    """The host never reads: the old flow drains for ever, counted in the limits, until the
+    Stack exits; then no task, flow or socket of it is left."""
+    fds0 = fd_count()
+    lst = _listener(v6)
+    hosts: list = []
+    try:
+        async with serving(ipv6=v6, tcp_buffer=256 * 1024) as (stack, guest):
+            _acked, old, g2 = await _upload_then_reuse_the_port(stack, guest, lst, v6, hosts)
+            for _ in range(50):
+                await asyncio.sleep(0.01)
+                g2.pump()
+            assert not old.task.done() and old.retired
+            assert len(stack.flows) == 2 and stack.guard.active["tcp"] == 2  # the old flow still counts
+        assert old.task.done()
+        assert all(t.done() for t in stack.tasks) and not stack.flows
+    finally:
+        for h in hosts:
+            h.close()
+        lst.close()
+    assert fd_count() == fds0
+
+
+async def test_guest_fin_and_new_syn_in_one_batch_close_the_host_with_a_fin():
+    """The host's kernel took the whole upload (nothing left in the connection) but the host has
+    read none of it, and the guest's FIN and its new SYN arrive in one batch: the host socket
+    is closed with a FIN, so the host still reads every byte and then EOF."""
+    loop = asyncio.get_running_loop()
+    lst = _listener(False)
+    hosts: list = []
+    try:
+        async with serving() as (stack, guest):
+            port = lst.getsockname()[1]
+            g = GuestConn(guest.sock, 40500, port)
+            g.connect()
+            host, _ = await asyncio.wait_for(loop.sock_accept(lst), 5)
+            hosts.append(host)
+            host.setblocking(False)
+            assert await g.until(lambda: g.rcv_nxt is not None, 5)
+            old = stack.flows[(6, GUEST, 40500, GW, port)]
+            host.shutdown(socket.SHUT_WR)
+            assert await g.until(lambda: g.fin_received and old.state == "FIN-WAIT-2", 5)
+            up = random.Random(6).randbytes(60_000)
+            pos = [0]
+
+            def upload() -> None:
+                pos[0] = g.push(up, pos[0])
+
+            assert await g.until(lambda: pos[0] == len(up) and g.all_acked(), 5, step=upload)
+            assert len(old.conn.peek()) == 0  # all of it is in the host socket's kernel buffer
+            g.send(ACK | FIN)  # no loop iteration in between: the stack reads both in one batch
+            g2 = GuestConn(guest.sock, 40500, port, isn=(g.snd_nxt + 1_000_000) & M32)
+            g2.connect()
+            got = bytearray()
+            while True:  # a RST would raise ConnectionResetError here
+                d = await asyncio.wait_for(loop.sock_recv(host, 1 << 20), 10)
+                if not d:
+                    break
+                got += d
+            assert hashlib.sha256(got).digest() == hashlib.sha256(up).digest()
+            host2, _ = await asyncio.wait_for(loop.sock_accept(lst), 5)
+            hosts.append(host2)
+            assert await g2.until(lambda: g2.rcv_nxt is not None, 5)
+            assert stack.counters["tcp_retired_draining"] == 0  # nothing was left to drain
+    finally:
+        for h in hosts:
+            h.close()
+        lst.close()
