@@ -36,9 +36,10 @@ the guest sees the real outcome (or an RST from :meth:`~TcpConnection.refuse`). 
 (:meth:`~TcpConnection.shutdown_write`) queues our FIN behind the data; the guest's FIN sets
 :attr:`~TcpConnection.fin_received`. FIN-WAIT-2, CLOSING and LAST-ACK are bounded by
 ``linger`` seconds and then end with an RST: in FIN-WAIT-2 seconds of guest silence, in CLOSING
-and LAST-ACK seconds without progress (the bound starts when the first segment goes out in that
-state and moves forward on every ACK of new data, so a guest that half-closed and reads a long
-answer slowly gets all of it); TIME-WAIT lasts
+and LAST-ACK seconds without progress (the bound starts on entering CLOSING, or when the first
+segment goes out in LAST-ACK, and moves forward on every ACK of new data, so a guest that
+half-closed and reads a long answer slowly gets all of it; a zero window that never reopens
+is no progress); TIME-WAIT lasts
 ``time_wait`` seconds after the guest's last segment (an RST in TIME-WAIT just ends it).
 Once CLOSED, the object answers further guest segments with RSTs (RFC 9293 3.10.7.1).
 
