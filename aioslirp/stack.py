@@ -770,8 +770,9 @@ class Stack:
         if flow is not None:
             if flow.on_segment(seg):
                 return
-            # flow was finished (TIME-WAIT) and this is a new SYN: replace it
-            flow.shutdown()
+            # flow was finished (TIME-WAIT/CLOSED) and this is a new SYN: the old one drains
+            # what the host has not read yet under a key of its own (or ends), the SYN proceeds
+            flow.retire()
         if not (seg.flags & 0x02) or seg.flags & 0x14:  # need SYN without RST/ACK
             if not seg.flags & 0x04:
                 self._tcp_reset_unknown(src, dst, sport, dport, seg)

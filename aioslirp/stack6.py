@@ -416,7 +416,7 @@ class Ipv6Path:
         if flow is not None:
             if flow.on_segment(seg):
                 return
-            flow.shutdown()  # finished (TIME-WAIT) and this is a new SYN: replace it
+            flow.retire()  # finished (TIME-WAIT/CLOSED) and this is a new SYN: make way (see TcpFlow.retire)
         if not (seg.flags & 0x02) or seg.flags & 0x14:  # need SYN without RST/ACK
             if not seg.flags & 0x04:
                 self._reset_unknown(src, dst, sport, dport, seg)

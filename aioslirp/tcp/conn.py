@@ -35,7 +35,11 @@ the guest sees the real outcome (or an RST from :meth:`~TcpConnection.refuse`). 
 ``LISTEN`` and moves to ``SYN-SENT``. Closing follows RFC 9293 3.6: the host's EOF
 (:meth:`~TcpConnection.shutdown_write`) queues our FIN behind the data; the guest's FIN sets
 :attr:`~TcpConnection.fin_received`. FIN-WAIT-2, CLOSING and LAST-ACK are bounded by
-``linger`` seconds (FIN-WAIT-2: of guest silence) and then end with an RST; TIME-WAIT lasts
+``linger`` seconds and then end with an RST: in FIN-WAIT-2 seconds of guest silence, in CLOSING
+and LAST-ACK seconds without progress (the bound starts on entering CLOSING, or when the first
+segment goes out in LAST-ACK, and moves forward on every ACK of new data, so a guest that
+half-closed and reads a long answer slowly gets all of it; a zero window that never reopens
+is no progress); TIME-WAIT lasts
 ``time_wait`` seconds after the guest's last segment (an RST in TIME-WAIT just ends it).
 Once CLOSED, the object answers further guest segments with RSTs (RFC 9293 3.10.7.1).
 
@@ -433,7 +437,7 @@ class TcpConnection:
     ``now``
         Current time, seconds.
     ``linger``
-        Bound on FIN-WAIT-2 (guest silence), CLOSING and LAST-ACK, seconds.
+        Bound on FIN-WAIT-2 (guest silence), CLOSING and LAST-ACK (no ACK of new data), seconds.
     ``time_wait``
         Length of TIME-WAIT, seconds (only the flow entry lives that long).
     ``max_retries``
@@ -1130,6 +1134,10 @@ class TcpConnection:
                 self._linger_at = now + self.time_wait
             elif state is LAST_ACK:
                 self._teardown(notify=False, graceful=True)
+        elif self.state is LAST_ACK or self.state is CLOSING:
+            # Progress: the linger bounds a guest that stops acknowledging, not the length of
+            # the answer it is still reading (the same rule as FIN-WAIT-2's guest silence).
+            self._linger_at = now + self.linger
 
     def _rtt_sample(self, r: float) -> None:
         """RFC 6298 2.2/2.3: update SRTT, RTTVAR and RTO from one measurement (seconds)."""

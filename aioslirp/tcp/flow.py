@@ -19,13 +19,17 @@ named like asyncio protocol callbacks):
   the reverse direction stays open. A RST either way tears the flow down.
 
 Once both directions are closed the host socket is closed at once; TIME-WAIT towards the
-guest keeps only the flow-table entry.
+guest keeps only the flow-table entry. Guest bytes already ACKed that the host has not taken
+yet keep the host socket open until they are written, whatever the guest does next: a guest
+that reuses the 4-tuple at once (a new SYN in TIME-WAIT or CLOSED) gets a new flow, while the
+old one drains under a key of its own (:meth:`TcpFlow.retire`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import os
 import random
@@ -48,6 +52,7 @@ ICMP_UNREACH, UNREACH_NET, UNREACH_HOST = 3, 0, 1
 _H = struct.Struct("!H")
 _LINGER0 = struct.pack("ii", 1, 0)
 _CLOSED_BOTH = ("TIME-WAIT", "CLOSED", "LAST-ACK", "CLOSING")
+_RETIRED = itertools.count(1)  # serials that make the flow-table keys of retired flows unique
 
 
 def reset_for(seg: Segment) -> tuple[int, int, int]:
@@ -225,6 +230,8 @@ class TcpFlow(asyncio.Protocol):
         self._pending_sock: socket.socket | None = None  # a connect in progress, for the task
         self._connect_waiting = False  # the task waits for that connect
         self._t0 = 0.0
+        #: The guest reused this flow's 4-tuple (see :meth:`retire`): nothing goes to the guest any more.
+        self.retired = False
         sock = None
         if syn is not None and remote is not None:
             sock = self._open_socket()
@@ -303,6 +310,8 @@ class TcpFlow(asyncio.Protocol):
         transport.set_write_buffer_limits(high=512 * 1024)
         self.host_paused = False  # HostSocket's wait for writability ended with it
         if self.reading_paused:
+            # Enough for asyncio's transport (it starts reading after this callback and honours
+            # the pause); uvloop starts reading regardless: data_received pauses it again.
             transport.pause_reading()
         self.flush()
 
@@ -406,9 +415,14 @@ class TcpFlow(asyncio.Protocol):
             tracing.host_data(self, len(data))
         conn = self.conn
         conn.send(data)
-        if conn.send_space <= 0 and not self.reading_paused:
-            self.reading_paused = True
-            self.stack.counters["tcp_host_read_paused"] += 1  # tcp_buffer towards the guest is full
+        if conn.send_space <= 0:  # tcp_buffer towards the guest is full
+            if not self.reading_paused:
+                self.reading_paused = True
+                self.stack.counters["tcp_host_read_paused"] += 1
+            # Pause even when the flag says so already: bytes arriving at all mean that reading
+            # runs. uvloop ignores a pause_reading() made in connection_made (it starts reading
+            # after that callback), so a flow that moved to a transport while paused would
+            # otherwise read on without bound. At most one read lands past tcp_buffer.
             self.transport.pause_reading()
         self.flush()
 
@@ -498,7 +512,7 @@ class TcpFlow(asyncio.Protocol):
 
     def _emit(self) -> None:
         segs = self.conn.segments_to_send(self.loop.time())
-        if not segs:
+        if not segs or self.retired:  # retired: the 4-tuple is the guest's new connection's now
             return
         inject = self.stack.inject
         if self.offload:
@@ -592,6 +606,40 @@ class TcpFlow(asyncio.Protocol):
             self._timer = None
         self._close_host(abort=self.conn.reset)
         self.stack.remove_flow(self)
+
+    def retire(self) -> None:
+        """Make way for a new guest connection on this flow's 4-tuple: the guest sent a SYN while
+        the flow is in TIME-WAIT or CLOSED (:meth:`on_segment` returned False; RFC 9293 3.10.7.4
+        and RFC 6191: a SYN in TIME-WAIT may open a new incarnation of the connection).
+
+        Nothing ACKed to the guest is thrown away, and the host never sees a RST for a
+        connection that ended gracefully:
+
+        * nothing left in the connection for the host: the host socket, if still open, is
+          closed with a FIN (what its kernel or transport still holds reaches the host peer),
+          then the flow ends (:meth:`shutdown`);
+        * guest bytes still waiting for the host socket (its peer reads slowly): the flow leaves
+          its 4-tuple but stays in ``stack.flows`` under a key of its own (the 5-tuple plus a
+          serial, which no guest segment looks up), so it still counts in the flow limits and
+          is reaped (``tcp_idle_timeout``), reset and shut down with the stack like any flow.
+          It sends nothing more to the guest, writes the rest to the host, closes the host
+          socket with a FIN and ends on its own. Counted as ``tcp_retired_draining``.
+        """
+        conn = self.conn
+        draining = (len(conn.peek_chunk()) and not self.host_closed and not conn.reset
+                    and (self.transport is not None or self._upgrading))
+        stack = self.stack
+        flows = stack.flows
+        if not draining or flows.get(self.key) is not self:
+            if not conn.reset:
+                self._close_host(abort=False)
+            self.shutdown()
+            return
+        self.retired = True
+        stack.counters["tcp_retired_draining"] += 1
+        del flows[self.key]
+        self.key = self.key + (next(_RETIRED),)
+        flows[self.key] = self
 
     def fail(self) -> None:
         """End this flow after an internal error: RST to the guest, abort the host socket."""
