@@ -199,12 +199,13 @@ class IcmpEcho:
                     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
                     sock.setblocking(False)
                 except OSError as exc:
-                    self.stack.counters["drop.icmp_socket_error"] += 1
+                    self.stack.drop("icmp_socket_error")
                     log.debug("ping socket: %s", exc)
                     return
             flow = IcmpFlow(self, key, guest_ip, dst_ip, remote, ident, sock)
             if sock is None:
                 self.by_remote[(dst_ip, ident)] = flow
+        self.stack.handled("icmp_echo")
         flow.send(seq, payload)
 
     def _probe6(self) -> None:
@@ -259,12 +260,13 @@ class IcmpEcho:
                     sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM, socket.IPPROTO_ICMPV6)
                     sock.setblocking(False)
                 except OSError as exc:
-                    self.stack.counters["drop.icmp_socket_error"] += 1
+                    self.stack.drop("icmp_socket_error")
                     log.debug("ICMPv6 ping socket: %s", exc)
                     return
             flow = IcmpFlow(self, key, guest_ip, dst_ip, remote, ident, sock)
             if sock is None:
                 self.by_remote[(dst_ip, ident)] = flow
+        self.stack.handled("icmp_echo")
         flow.send(seq, payload)
 
     def _raw6_readable(self) -> None:

@@ -217,7 +217,7 @@ class Guard:
         """
         counters = self.stack.counters
         if remote is not None and not self.policy.empty and not self.policy.allows(remote):
-            counters["drop." + DENIED] += 1
+            self.stack.drop(DENIED)
             if remote not in self._logged and len(self._logged) < _LOGGED_MAX:
                 self._logged.add(remote)
                 log.info("egress policy: guest traffic to %s denied", remote)
@@ -241,7 +241,7 @@ class Guard:
         return None
 
     def _refuse(self, reason: str) -> str:
-        self.stack.counters["drop." + reason] += 1
+        self.stack.drop(reason)
         if reason not in self._logged:
             self._logged.add(reason)
             log.warning("refusing new guest flows: the %s bound is reached (counted as drop.%s; logged once; "

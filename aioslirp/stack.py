@@ -516,7 +516,7 @@ class Stack:
                         try:
                             dispatch(f)
                         except Exception:
-                            counters["drop.internal_error"] += 1
+                            self.drop("internal_error")
                             log.exception("internal error processing a guest frame")
                 finally:
                     self._l4_trusted = False
@@ -541,10 +541,32 @@ class Stack:
         self._dirty.add(flow)
 
     def drop(self, reason: str) -> None:
-        """Count a dropped guest frame."""
-        self.counters["drop." + reason] += 1
+        """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``.
+
+        Every guest frame ends with exactly one outcome: dropped here, or handled
+        (:meth:`handled`), so that ``frames_in == frames_dropped + sum(handled.*)``
+        (:meth:`frame_outcomes`). Drops that are not a guest frame's outcome (a frame for the
+        guest the inject queue had no room for, fragments evicted after they were held) are
+        counted as ``drop.<reason>`` alone.
+        """
+        counters = self.counters
+        counters["drop." + reason] += 1
+        counters["frames_dropped"] += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug("dropped guest frame: %s", reason)
+
+    def handled(self, reason: str) -> None:
+        """Count a guest frame that was handled (answered, NATed, held for reassembly...) as
+        ``handled.<reason>``; see :meth:`drop`."""
+        self.counters["handled." + reason] += 1
+
+    def frame_outcomes(self) -> tuple[int, int, int]:
+        """``(frames_in, handled, dropped)``: frames received, and how many of them were handled
+        (the sum of ``handled.<reason>``) or dropped (``frames_dropped``). Each frame has one
+        outcome, so the first equals the sum of the other two."""
+        c = self.counters
+        handled = sum(v for k, v in c.items() if k.startswith("handled."))
+        return c["frames_in"], handled, c["frames_dropped"]
 
     def process_guest_frame(self, frame) -> None:
         """Process one guest Ethernet frame (bytes-like). Never raises: bad input is dropped and counted."""
@@ -556,7 +578,7 @@ class Stack:
             else:
                 self._dispatch(frame)
         except Exception:
-            self.counters["drop.internal_error"] += 1
+            self.drop("internal_error")
             log.exception("internal error processing a guest frame")
 
     def _dispatch(self, frame) -> None:
@@ -584,6 +606,7 @@ class Stack:
         oper, sha, spa, tha, tpa = arp
         if self._in_subnet(spa) and spa not in (self.gw_ip, self.dns_ip) and self.neighbors.get(spa) != sha:
             self._learn_neighbor(spa, sha)
+        self.handled("arp")
         if oper != ARP_REQUEST:
             return
         if tpa == spa:  # gratuitous ARP / DAD probe announcements
@@ -628,6 +651,7 @@ class Stack:
                 self.reassembler.drops.clear()
             if data is None:
                 self.counters["ip_fragments"] += 1
+                self.handled("ip_fragment_held")
                 return
             self.counters["ip_reassembled"] += 1
             l4 = memoryview(data)
@@ -671,6 +695,7 @@ class Stack:
         if dst == self.dns_ip:
             if dport == 53:
                 return self._dns_udp(bytes(payload), src, sport)
+            self.handled("udp_port_unreachable")
             return self._port_unreachable(mv, ihl, l4, frag_header)
         if src == b"\x00\x00\x00\x00":
             return self.drop("udp_from_unspecified")
@@ -680,7 +705,7 @@ class Stack:
             remote = self._remote_for(dst)
             if remote is None:
                 if dst == self.gw_ip:
-                    self.counters["drop.host_loopback_disabled"] += 1
+                    self.drop("host_loopback_disabled")
                     return self._port_unreachable(mv, ihl, l4, frag_header, UNREACH_ADMIN)
                 return self.drop("udp_unroutable_dst")
             verdict = self.guard.admit(PROTO_UDP, remote, dport)  # egress policy and bounds (aioslirp/limits.py)
@@ -691,10 +716,11 @@ class Stack:
             if not self._make_room(PROTO_UDP):
                 return self.drop("flow_table_full")
             flow = UdpFlow(self, key, remote)
-            if flow.sock is None:
+            if flow.sock is None:  # counted by UdpFlow (drop.udp_socket_error / udp_connect_error)
                 if flow.connect_error is not None:
                     self._port_unreachable(mv, ihl, l4, frag_header, flow.connect_error)
                 return
+        self.counters["handled.udp"] += 1
         flow.send(payload, mv[14:14 + ihl + 8] if frag_header is None else frag_header + bytes(l4[:8]))
 
     def _port_unreachable(self, mv, ihl, l4, frag_header, code: int = UNREACH_PORT) -> None:
@@ -703,6 +729,7 @@ class Stack:
 
     def _dhcp(self, payload, src_mac: bytes) -> None:
         res = self.dhcp.handle(bytes(payload), src_mac, time.monotonic())
+        self.handled("dhcp")
         if res is None:
             self.counters["dhcp_ignored"] += 1
             return
@@ -720,6 +747,7 @@ class Stack:
         if self.guard.dns_inflight >= self.config.dns_max_inflight:
             return self.drop("dns_too_many_queries")
         self.counters["dns_queries_udp"] += 1
+        self.handled("dns")
         self.guard.dns_track(self.spawn(self._dns_answer(query, src, sport), name="aioslirp-dns"))
 
     async def _dns_answer(self, query: bytes, src: bytes, sport: int) -> None:
@@ -736,9 +764,11 @@ class Stack:
         icmp_type, code, _csum, rest = ICMP.unpack_from(l4, 0)
         if icmp_type != ICMP_ECHO:
             self.counters["icmp_ignored"] += 1
+            self.handled("icmp_ignored")
             return
         if dst in (self.gw_ip, self.dns_ip):
             self.counters["icmp_echo_local"] += 1
+            self.handled("icmp_echo_local")
             self.inject_ip(build_icmp_packet(dst, src, ICMP_ECHO_REPLY, 0, rest, l4[8:]), src)
             return
         remote = self._remote_for(dst)
@@ -769,6 +799,7 @@ class Stack:
         flow = self.flows.get(key)
         if flow is not None:
             if flow.on_segment(seg):
+                self.counters["handled.tcp"] += 1
                 return
             # flow was finished (TIME-WAIT/CLOSED) and this is a new SYN: the old one drains
             # what the host has not read yet under a key of its own (or ends), the SYN proceeds
@@ -776,21 +807,20 @@ class Stack:
         if not (seg.flags & 0x02) or seg.flags & 0x14:  # need SYN without RST/ACK
             if not seg.flags & 0x04:
                 self._tcp_reset_unknown(src, dst, sport, dport, seg)
-            self.counters["drop.tcp_no_flow"] += 1
-            return
+            return self.drop("tcp_no_flow")
         if src == b"\x00\x00\x00\x00":
             return self.drop("tcp_from_unspecified")
         orig = bytes(mv[14:14 + ihl]) + bytes(l4[:8])
         if dst == self.dns_ip:
             if dport != 53:
                 self._tcp_reset_unknown(src, dst, sport, dport, seg)
-                return
+                return self.drop("tcp_closed_port")
             remote = None
         else:
             remote = self._remote_for(dst)
             if remote is None:
                 if dst == self.gw_ip:
-                    self.counters["drop.host_loopback_disabled"] += 1
+                    self.drop("host_loopback_disabled")
                     self._tcp_reset_unknown(src, dst, sport, dport, seg)
                     return
                 self.send_icmp_error(ICMP_UNREACH, UNREACH_HOST, orig)
@@ -805,7 +835,8 @@ class Stack:
         if not self._make_room(PROTO_TCP):
             self._tcp_reset_unknown(src, dst, sport, dport, seg)
             return self.drop("flow_table_full")
-        TcpFlow(self, key, remote, seg, orig)
+        if not TcpFlow(self, key, remote, seg, orig).no_socket:  # else refused, counted by the flow
+            self.handled("tcp_syn")
 
     def _tcp_reset_unknown(self, src, dst, sport, dport, seg) -> None:
         """RST for a segment that belongs to no flow (RFC 9293 3.10.7.1; see :func:`reset_for`)."""

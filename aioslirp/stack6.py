@@ -247,6 +247,7 @@ class Ipv6Path:
                 r.drops.clear()
             if pkt is None:
                 stack.counters["ipv6_fragments"] += 1
+                stack.handled("ip_fragment_held")
                 return
             stack.counters["ipv6_reassembled"] += 1
             ip = parse_ipv6(pkt, 0)
@@ -282,6 +283,7 @@ class Ipv6Path:
             self._merge_ndp()
             if type(res) is str:
                 return stack.drop(res)
+            stack.handled("ndp")
             for f in res:
                 stack.inject(f)
             return
@@ -293,14 +295,16 @@ class Ipv6Path:
                 if type(res) is str:
                     return stack.drop(res)
                 stack.counters["icmp6_echo_local"] += 1
+                stack.handled("icmp_echo_local")
                 for f in res:
                     stack.inject(f)
                 return
             return self._echo_proxy(buf, ip)
         if t in _MLD_TYPES:
             stack.counters["mld_ignored"] += 1
-            return
+            return stack.handled("mld_ignored")
         stack.counters["icmp6_ignored"] += 1
+        stack.handled("icmp_ignored")
 
     def _echo_proxy(self, buf, ip) -> None:
         stack = self.stack
@@ -344,6 +348,7 @@ class Ipv6Path:
         if dst == self.dns6:
             if dport == 53:
                 return self._dns_udp6(bytes(payload), src, sport)
+            stack.handled("udp_port_unreachable")
             return self.send_icmp6_error(ICMP6_DST_UNREACH, 4, mv[ip.off:ip.end])
         if src == UNSPECIFIED:
             return stack.drop("udp6_from_unspecified")
@@ -353,7 +358,7 @@ class Ipv6Path:
             remote = self.config6.remote_for(dst, self.host_loopback)
             if remote is None:
                 if dst == self.gw6:
-                    stack.counters["drop.host_loopback_disabled"] += 1
+                    stack.drop("host_loopback_disabled")
                     return self.send_icmp6_error(ICMP6_DST_UNREACH, 1, mv[ip.off:ip.end])
                 return stack.drop("udp6_unroutable_dst")
             verdict = stack.guard.admit(NH_UDP, remote, dport)  # egress policy and bounds (aioslirp/limits.py)
@@ -364,10 +369,11 @@ class Ipv6Path:
             if not stack._make_room(NH_UDP):
                 return stack.drop("flow_table_full")
             flow = UdpFlow(stack, key, remote)
-            if flow.sock is None:
+            if flow.sock is None:  # counted by UdpFlow (drop.udp_socket_error / udp_connect_error)
                 if flow.connect_error is not None:
                     self.icmp_error_v4style(_ICMP4_UNREACH, flow.connect_error, mv[ip.off:ip.end])
                 return
+        stack.counters["handled.udp"] += 1
         flow.send(payload, mv[ip.off:l4 + 8])
 
     def _dhcp6(self, payload, src: bytes, sport: int, unicast: bool, src_mac: bytes) -> None:
@@ -378,6 +384,7 @@ class Ipv6Path:
         if type(res) is str:
             return stack.drop("dhcpv6_" + res)
         stack.counters["dhcpv6_replies"] += 1
+        stack.handled("dhcpv6")
         pkt = build_udp6_packet(self.link_local, src, 547, sport, res)
         eth = ETH.pack(src_mac, self.gw_mac, ETHERTYPE_IPV6)
         for p in fragment6(pkt, self.mtu):
@@ -388,6 +395,7 @@ class Ipv6Path:
         if stack.guard.dns_inflight >= stack.config.dns_max_inflight:
             return stack.drop("dns_too_many_queries")
         stack.counters["dns_queries_udp"] += 1
+        stack.handled("dns")
         stack.guard.dns_track(stack.spawn(self._dns_answer6(query, src, sport), name="aioslirp-dns"))
 
     async def _dns_answer6(self, query: bytes, src: bytes, sport: int) -> None:
@@ -415,13 +423,13 @@ class Ipv6Path:
         flow = stack.flows.get(key)
         if flow is not None:
             if flow.on_segment(seg):
+                stack.counters["handled.tcp"] += 1
                 return
             flow.retire()  # finished (TIME-WAIT/CLOSED) and this is a new SYN: make way (see TcpFlow.retire)
         if not (seg.flags & 0x02) or seg.flags & 0x14:  # need SYN without RST/ACK
             if not seg.flags & 0x04:
                 self._reset_unknown(src, dst, sport, dport, seg)
-            stack.counters["drop.tcp_no_flow"] += 1
-            return
+            return stack.drop("tcp_no_flow")
         if src == UNSPECIFIED:
             return stack.drop("tcp6_from_unspecified")
         if dst[0] == 0xFF:
@@ -429,13 +437,14 @@ class Ipv6Path:
         orig = bytes(mv[ip.off:min(ip.end, ip.off + _QUOTE)])
         if dst == self.dns6:
             if dport != 53:
-                return self._reset_unknown(src, dst, sport, dport, seg)
+                self._reset_unknown(src, dst, sport, dport, seg)
+                return stack.drop("tcp_closed_port")
             remote = None
         else:
             remote = self.config6.remote_for(dst, self.host_loopback)
             if remote is None:
                 if dst == self.gw6:
-                    stack.counters["drop.host_loopback_disabled"] += 1
+                    stack.drop("host_loopback_disabled")
                     return self._reset_unknown(src, dst, sport, dport, seg)
                 self.send_icmp6_error(ICMP6_DST_UNREACH, 3, orig)
                 return stack.drop("tcp6_unroutable_dst")
@@ -449,7 +458,8 @@ class Ipv6Path:
         if not stack._make_room(NH_TCP):
             self._reset_unknown(src, dst, sport, dport, seg)
             return stack.drop("flow_table_full")
-        TcpFlow(stack, key, remote, seg, orig)
+        if not TcpFlow(stack, key, remote, seg, orig).no_socket:  # else refused, counted by the flow
+            stack.handled("tcp_syn")
 
     def _reset_unknown(self, src, dst, sport, dport, seg) -> None:
         """RST for a segment that belongs to no flow (RFC 9293 3.10.7.1; see :func:`reset_for`)."""

@@ -49,7 +49,7 @@ class UdpFlow:
         try:
             sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
         except OSError as exc:  # EMFILE, ENFILE, ENOBUFS...: the datagram is dropped, no flow is left
-            stack.counters["drop.udp_socket_error"] += 1
+            stack.drop("udp_socket_error")
             log.debug("UDP socket: %s", exc)  # counted; a log line per hostile datagram would flood
             return
         try:
@@ -59,7 +59,7 @@ class UdpFlow:
             sock.close()
             code = _ERR_CODES.get(exc.errno, UNREACH_HOST)
             self.connect_error = code
-            stack.counters["drop.udp_connect_error"] += 1
+            stack.drop("udp_connect_error")
             self.sock = None
             return
         self.sock = sock

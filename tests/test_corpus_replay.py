@@ -86,6 +86,8 @@ async def test_corpus_replay_no_crash_all_counted():
         c = stack.counters
         assert c["frames_in"] == fed
         assert c["drop.internal_error"] == 0
+        frames_in, handled, dropped = stack.frame_outcomes()  # one outcome per frame
+        assert frames_in == handled + dropped and handled > 0 and dropped > 0, " ".join(f"{k}={v}" for k, v in sorted(c.items()))
         drops = sum(v for k, v in c.items() if k.startswith("drop."))
         assert drops > 0  # the raw pass has frames with offload (bad) checksums
         assert c["drop.bad_tcp_checksum"] + c["drop.bad_udp_checksum"] > 0
@@ -146,6 +148,8 @@ async def test_corpus_ipv6_replay_through_the_stack():
         c = stack.counters
         assert c["frames_in"] == fed
         assert c["drop.internal_error"] == 0
+        frames_in, handled, dropped = stack.frame_outcomes()  # one outcome per frame
+        assert frames_in == handled + dropped and handled > 0 and dropped > 0, " ".join(f"{k}={v}" for k, v in sorted(c.items()))
         assert c["drop.tcp6_bad_checksum"] + c["drop.udp6_bad_checksum"] > 0  # offload placeholders, raw pass
         assert c["ndp.na_sent"] >= 1  # NS for fec0::2
         assert c["icmp6_echo_local"] >= 1  # ping fec0::2

@@ -184,5 +184,7 @@ def test_process_guest_frame_never_raises_and_counts_every_frame(frames):
     c = stack.counters
     assert c["drop.internal_error"] == 0
     assert c["frames_in"] == len(frames)
+    frames_in, handled, dropped = stack.frame_outcomes()  # one outcome per frame, each counted where it happens
+    assert frames_in == handled + dropped, dict(c)
     assert not stack.flows
     assert all(t.done() for t in stack.tasks)

@@ -232,6 +232,9 @@ class TcpFlow(asyncio.Protocol):
         self._t0 = 0.0
         #: The guest reused this flow's 4-tuple (see :meth:`retire`): nothing goes to the guest any more.
         self.retired = False
+        #: No host socket could be opened (see :meth:`_open_socket`): the SYN was refused, the flow
+        #: never entered the table.
+        self.no_socket = False
         sock = None
         if syn is not None and remote is not None:
             sock = self._open_socket()
@@ -326,6 +329,7 @@ class TcpFlow(asyncio.Protocol):
         except OSError as exc:
             self.stack.drop("tcp_socket_error")
             log.debug("TCP flow %s: no host socket: %s", self.key, exc)
+            self.no_socket = True
             self._finished = True
             self.conn.refuse()
             self._emit()
