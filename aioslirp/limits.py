@@ -193,6 +193,12 @@ class Guard:
             self._reap_interval = min(5.0, max(0.05, timeout / 4))
             self._reaper = stack._loop.call_later(self._reap_interval, self._reap)
 
+    def dns_admit(self) -> bool:
+        """May one more DNS-over-UDP query be answered? At most ``dns_max_inflight`` queries, and
+        no more than the DNS share of the open-file limit (:attr:`dns_fd_budget`), are in flight;
+        the caller drops the rest (``drop.dns_too_many_queries``)."""
+        return self.dns_inflight < min(self.stack.config.dns_max_inflight, self.dns_fd_budget)
+
     def dns_track(self, task: asyncio.Task) -> None:
         """Count a DNS-over-UDP query task in :attr:`dns_inflight` until it ends."""
         self.dns_inflight += 1

@@ -744,7 +744,7 @@ class Stack:
             self.inject(ETH.pack(dst_mac, self.gw_mac, ETHERTYPE_IPV4) + p)
 
     def _dns_udp(self, query: bytes, src: bytes, sport: int) -> None:
-        if self.guard.dns_inflight >= self.config.dns_max_inflight:
+        if not self.guard.dns_admit():
             return self.drop("dns_too_many_queries")
         self.counters["dns_queries_udp"] += 1
         self.handled("dns")

@@ -392,7 +392,7 @@ class Ipv6Path:
 
     def _dns_udp6(self, query: bytes, src: bytes, sport: int) -> None:
         stack = self.stack
-        if stack.guard.dns_inflight >= stack.config.dns_max_inflight:
+        if not stack.guard.dns_admit():
             return stack.drop("dns_too_many_queries")
         stack.counters["dns_queries_udp"] += 1
         stack.handled("dns")
