@@ -14,6 +14,8 @@ import pytest
 from aioslirp.config import NetworkConfig
 from aioslirp.services.dns import DnsForwarder, DnsTcpSession, read_resolv_conf
 
+from conftest import have_ipv6_loopback, need
+
 ANSWER_IP = socket.inet_aton("192.0.2.7")  # data inside the answer only, never contacted
 
 
@@ -309,11 +311,9 @@ def test_read_resolv_conf(tmp_path):
 
 async def test_ipv6_loopback_upstream():
     loop = asyncio.get_running_loop()
-    try:
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: Upstream(lambda req: [answer(req)]), local_addr=("::1", 0))
-    except OSError:
-        pytest.skip("no IPv6 loopback")
+    need(have_ipv6_loopback(), "no IPv6 loopback")
+    transport, _ = await loop.create_datagram_endpoint(
+        lambda: Upstream(lambda req: [answer(req)]), local_addr=("::1", 0))
     port = transport.get_extra_info("sockname")[1]
     try:
         cfg = NetworkConfig(dns_upstreams=[("::1", port)], dns_timeout=0.3).validate()

@@ -23,6 +23,8 @@ from aioslirp import ConfigError, ForwardError, NetworkConfig, PortForward, Sock
 from aioslirp.api import ApiServer
 from aioslirp.forward import SOURCE_PORTS, parse_publish
 
+from conftest import have_ipv6_loopback, need
+
 GUEST_MAC = bytes.fromhex("525400123456")
 GW_MAC = bytes.fromhex("52550a000202")
 GUEST = socket.inet_aton("10.0.2.15")
@@ -160,12 +162,7 @@ async def test_add_list_remove_forwards(stack_guest):
 
 async def test_ipv6_host_address(stack_guest):
     stack, guest = stack_guest
-    try:
-        probe = socket.socket(socket.AF_INET6)
-        probe.bind(("::1", 0))
-        probe.close()
-    except OSError:
-        pytest.skip("no IPv6 loopback in this namespace")
+    need(have_ipv6_loopback(), "no IPv6 loopback in this namespace")
     fwd = await stack.add_forward(PortForward(host_addr="::1", host_port=0, guest_port=80))
     reader, writer = await host_connect(fwd.host_port, socket.AF_INET6, "::1")
     sport, seq, ack, _ = await guest_accept(guest, 80)

@@ -25,6 +25,7 @@ import pytest
 
 import qemu_guest
 from hostservers import DataServer, DnsUpstream, pattern
+from conftest import need
 
 pytestmark = [pytest.mark.slow]
 
@@ -35,9 +36,8 @@ VM_TIMEOUT = 150  # seconds, per guest (TCG boot is ~3 s; 20 MB each way is a fe
 
 @pytest.fixture(scope="module")
 def guestvm():
-    if not qemu_guest.KIT.is_dir() and not os.environ.get("CI"):
-        pytest.skip(f"the guestvm kit is not at {qemu_guest.KIT} (the project's shared/ folder beside the "
-                    "clone, or set GUESTVM_DIR); CI always has it")
+    need(qemu_guest.KIT.is_dir(), f"the guestvm kit is not at {qemu_guest.KIT} (the project's shared/ folder "
+         "beside the clone, or set GUESTVM_DIR); CI always has it")
     try:
         return qemu_guest.ensure_built()
     except RuntimeError as exc:

@@ -38,6 +38,7 @@ from aioslirp import slirp4netns as s4
 from aioslirp.slirp4netns import HELP, UsageError, build_config, parse_args
 
 from hostservers import DataServer, DnsUpstream, pattern
+from conftest import need
 
 SETPRIV = shutil.which("setpriv")
 UNSHARE = shutil.which("unshare")
@@ -384,10 +385,13 @@ async def test_disable_dns(tmp_path, disable):
 # ----------------------------------------------------------------------------------------
 # the binary, in real namespaces (root, inside pytest's loopback-only namespace)
 
-needs_ns = pytest.mark.skipif(
-    os.geteuid() != 0 or not os.path.exists("/dev/net/tun") or not (UNSHARE and NSENTER),
-    reason="needs root, /dev/net/tun, unshare and nsenter",
-)
+@pytest.fixture
+def ns_prerequisites():
+    need(os.geteuid() == 0 and os.path.exists("/dev/net/tun") and UNSHARE and NSENTER,
+         "needs root, /dev/net/tun, unshare and nsenter")
+
+
+needs_ns = pytest.mark.usefixtures("ns_prerequisites")
 
 _NS_SERVER = r"""
 import hashlib, random, socket, sys
@@ -688,14 +692,13 @@ def test_binary_sandbox_and_seccomp_as_root(tmp_path):
 def world_venv():
     from worldvenv import Unavailable, build_world_venv
 
-    if os.geteuid() != 0 or not SETPRIV:
-        pytest.skip("needs root and setpriv to run as an unprivileged user")
+    need(os.geteuid() == 0 and SETPRIV, "needs root and setpriv to run as an unprivileged user")
     work = Path(tempfile.mkdtemp(prefix="aioslirp-s4nn-"))
     try:
         try:
             vpy, vbin = build_world_venv(work)
         except Unavailable as exc:
-            pytest.skip(str(exc))
+            need(False, str(exc))
         yield vpy, vbin
     finally:
         shutil.rmtree(work, ignore_errors=True)
