@@ -242,7 +242,7 @@ def test_udp_closed_port_and_unreachable_network_over_ipv6(servers):
     """
     r = guest_json(servers, script)
     assert r["udp"] == "refused"
-    assert r["tcp"] in ("ENETUNREACH", "EHOSTUNREACH") and r["t"] < 2.0
+    assert r["tcp"] in ("ENETUNREACH", "EHOSTUNREACH")  # an ICMPv6 error: no answer would be a timeout
 
 
 # A "remote" IPv6 host that is not the gateway: a documentation address (RFC 3849) on lo in
