@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import need
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
@@ -46,8 +48,7 @@ def _stop_server(p: subprocess.Popen) -> dict:
 @pytest.fixture(scope="module")
 def cbench(tmp_path_factory) -> str:
     cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler: the harness falls back to the Python client (apt-get install gcc)")
+    need(cc, "no C compiler: the harness falls back to the Python client (apt-get install gcc)")
     exe = tmp_path_factory.mktemp("bench") / "bench"
     subprocess.run([cc, "-O2", "-Wall", "-Werror", "-o", str(exe), str(BENCH / "bench.c")], check=True)
     return str(exe)

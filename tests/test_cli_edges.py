@@ -24,14 +24,17 @@ import pytest
 
 from aioslirp.config import ConfigError, NetworkConfig
 
+from conftest import importable, need
+
 pytestmark = pytest.mark.netns
+
+OTLP_HTTP = "opentelemetry.exporter.otlp.proto.http.trace_exporter"  # in the test extra
 
 #: Words of Python's ipaddress module that must not reach the user.
 IPADDRESS_WORDING = ("octets", "Expected", "parts expected", "does not appear to be", "Octet", "permitted",
                      "Invalid netmask", "Only hex digits")
 
-if not os.path.exists("/dev/net/tun"):
-    pytest.skip("/dev/net/tun is missing (load the tun module)", allow_module_level=True)
+need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
 
 
 def aioslirp(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
@@ -133,7 +136,7 @@ def test_json_exporter_write_error_is_logged_once_and_counted(tmp_path, caplog):
 
 @pytest.mark.parametrize("status", [0, 3])
 def test_dead_otlp_endpoint_exits_in_bounded_time_with_one_warning(status):
-    pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    need(importable(OTLP_HTTP), f"{OTLP_HTTP} is missing (it is in the test extra)")
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
     t0 = time.monotonic()
     p = aioslirp("run", "--otlp-endpoint", endpoint, "--", "sh", "-c", f"exit {status}")
@@ -148,7 +151,7 @@ def test_dead_otlp_endpoint_exits_in_bounded_time_with_one_warning(status):
 def test_silent_otlp_endpoint_exits_in_bounded_time_with_one_warning():
     """A server that accepts connections and never answers: requests would wait its whole
     10 s timeout per attempt; the shutdown bound gives up after ~2 s."""
-    pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    need(importable(OTLP_HTTP), f"{OTLP_HTTP} is missing (it is in the test extra)")
     srv = socket.create_server(("127.0.0.1", 0))
     held: list[socket.socket] = []
     stop = threading.Event()

@@ -14,9 +14,9 @@ import pathlib
 import socket
 
 import dpkt
-import pytest
-
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
+
+from conftest import need
 
 CORPUS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "corpus" / "libslirp-fuzz"
 if not CORPUS.is_dir():  # CI lays shared/ beside the clone
@@ -64,8 +64,8 @@ def from_stack(buf: bytes) -> bool:
     return len(buf) >= 34 and buf[12:14] == b"\x08\x00" and buf[26:30] in OWN
 
 
-@pytest.mark.skipif(not CORPUS.is_dir(), reason="shared corpus not present")
 async def test_corpus_replay_no_crash_all_counted():
+    need(CORPUS.is_dir(), f"the shared corpus is not at {CORPUS}")
     frames = corpus_frames()
     assert len(frames) > 50
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -124,10 +124,10 @@ def fix_checksums6(buf: bytes) -> bytes:
     return buf
 
 
-@pytest.mark.skipif(not CORPUS.is_dir(), reason="shared corpus not present")
 async def test_corpus_ipv6_replay_through_the_stack():
     import subprocess
 
+    need(CORPUS.is_dir(), f"the shared corpus is not at {CORPUS}")
     routes = subprocess.run(["ip", "-6", "route", "show", "default"], capture_output=True, text=True).stdout
     assert routes.strip() == "", "must run in the loopback-only namespace"
     frames = ipv6_frames()

@@ -13,6 +13,8 @@ import pytest
 from aioslirp.config import NetworkConfig
 from aioslirp.services.dhcp import DhcpServer, encode_search_list, reply_destination
 
+from conftest import need
+
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "libslirp-fuzz"
 MAC1 = bytes.fromhex("525400123456")
 MAC2 = bytes.fromhex("525400abcdef")
@@ -274,8 +276,8 @@ def test_random_garbage_never_raises(server):
     assert "error" not in server.dropped
 
 
-@pytest.mark.skipif(not CORPUS.is_dir(), reason="the shared corpus is not beside the clone")
 def test_replay_libslirp_corpus_discover(server):
+    need(CORPUS.is_dir(), f"the shared corpus is not at {CORPUS}")
     frame = (CORPUS / "IN_dhcp" / "dhcp.pkt").read_bytes()
     payload = frame[14 + 20 + 8 :]
     src_mac = frame[6:12]

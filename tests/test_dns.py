@@ -14,6 +14,8 @@ import pytest
 from aioslirp.config import NetworkConfig
 from aioslirp.services.dns import DnsForwarder, DnsTcpSession, read_resolv_conf
 
+from conftest import have_ipv6_loopback, need
+
 ANSWER_IP = socket.inet_aton("192.0.2.7")  # data inside the answer only, never contacted
 
 
@@ -44,12 +46,14 @@ class Upstream(asyncio.DatagramProtocol):
     def __init__(self, script):
         self.script = script
         self.received: list[bytes] = []
+        self.peers: list[tuple[str, int]] = []  # source address of each received datagram
 
     def connection_made(self, transport):
         self.transport = transport
 
     def datagram_received(self, data, addr):
         self.received.append(data)
+        self.peers.append(addr)
         for out in self.script(data):
             self.transport.sendto(out, addr)
 
@@ -102,10 +106,35 @@ async def test_answer_and_id_randomised(good):
     fwd = forwarder(port)
     resp = await fwd.resolve(query())
     check_answer(resp)
-    # The upstream saw a random ID, not the guest's; the guest sees its own back.
+    # The upstream saw the guest's message under another ID; the guest sees its own back.
     assert len(proto.received) == 1
     assert proto.received[0][2:] == query()[2:]
+    assert proto.received[0][:2] != query()[:2]
     assert fwd.stats["queries"] == 1 and fwd.stats["answered"] == 1
+    await fwd.close()
+
+
+async def test_upstream_ids_and_source_ports_fresh_per_query(good):
+    """RFC 5452 section 9.2: each upstream query has its own random ID and source port.
+
+    16 queries, all with the guest ID 0x4242: the upstream IDs are not the guest's, not one
+    value, not a counter; the source ports are not one reused socket. Thresholds leave room
+    for chance collisions (about 0.2% per pair of queries for ports, 0.03% for IDs).
+    """
+    proto, port = good
+    fwd = forwarder(port)
+    n = 16
+    for _ in range(n):
+        check_answer(await fwd.resolve(query()))
+    assert len(proto.received) == n
+    ids = [struct.unpack_from("!H", m)[0] for m in proto.received]
+    assert sum(i == 0x4242 for i in ids) <= 1, ids
+    assert len(set(ids)) >= n - 2, ids
+    steps = {(b - a) % 0x10000 for a, b in zip(ids, ids[1:])}
+    assert len(steps) > 1, ids  # not an arithmetic sequence
+    ports = [peer[1] for peer in proto.peers]
+    assert len(set(ports)) >= n - 2, ports
+    assert fwd.stats["answered"] == n
     await fwd.close()
 
 
@@ -115,18 +144,17 @@ async def test_failover_after_timeout(good, silent):
     resp = await fwd.resolve(query())
     elapsed = time.monotonic() - t0
     check_answer(resp)
-    assert 0.28 <= elapsed < 0.8
-    assert len(silent[0].received) == 1
+    assert elapsed >= 0.28  # causality: the failover waited for the timeout (no upper bound)
+    assert len(silent[0].received) == 1 and len(good[0].received) == 1
     assert fwd.stats["timeouts"] == 1 and fwd.stats["failovers"] == 1
     await fwd.close()
 
 
 async def test_failover_on_refused_is_immediate(good):
     fwd = forwarder(closed_port(), good[1], timeout=2.0)
-    t0 = time.monotonic()
     resp = await fwd.resolve(query())
-    assert time.monotonic() - t0 < 0.5
     check_answer(resp)
+    # Immediate: the ICMP port unreachable moved on, no timeout ran (counted below).
     assert fwd.stats["refused"] == 1 and fwd.stats["failovers"] == 1 and fwd.stats["timeouts"] == 0
     await fwd.close()
 
@@ -283,11 +311,9 @@ def test_read_resolv_conf(tmp_path):
 
 async def test_ipv6_loopback_upstream():
     loop = asyncio.get_running_loop()
-    try:
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: Upstream(lambda req: [answer(req)]), local_addr=("::1", 0))
-    except OSError:
-        pytest.skip("no IPv6 loopback")
+    need(have_ipv6_loopback(), "no IPv6 loopback")
+    transport, _ = await loop.create_datagram_endpoint(
+        lambda: Upstream(lambda req: [answer(req)]), local_addr=("::1", 0))
     port = transport.get_extra_info("sockname")[1]
     try:
         cfg = NetworkConfig(dns_upstreams=[("::1", port)], dns_timeout=0.3).validate()
@@ -303,8 +329,9 @@ async def test_concurrent_queries_and_close(silent, good):
     tasks = [asyncio.create_task(fwd.resolve(query(qid=i))) for i in range(20)]
     await asyncio.sleep(0.05)
     await fwd.close()
-    results = await asyncio.wait_for(asyncio.gather(*tasks), 1.0)
+    results = await asyncio.gather(*tasks)
     assert results == [None] * 20
+    assert fwd.stats["timeouts"] == 0  # aborted by close, not ended by the 5 s timeout
     fwd = forwarder(good[1])
     results = await asyncio.gather(*(fwd.resolve(query(qid=i)) for i in range(50)))
     assert [dpkt.dns.DNS(r).id for r in results] == list(range(50))

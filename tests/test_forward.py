@@ -23,6 +23,8 @@ from aioslirp import ConfigError, ForwardError, NetworkConfig, PortForward, Sock
 from aioslirp.api import ApiServer
 from aioslirp.forward import SOURCE_PORTS, parse_publish
 
+from conftest import have_ipv6_loopback, need
+
 GUEST_MAC = bytes.fromhex("525400123456")
 GW_MAC = bytes.fromhex("52550a000202")
 GUEST = socket.inet_aton("10.0.2.15")
@@ -160,12 +162,7 @@ async def test_add_list_remove_forwards(stack_guest):
 
 async def test_ipv6_host_address(stack_guest):
     stack, guest = stack_guest
-    try:
-        probe = socket.socket(socket.AF_INET6)
-        probe.bind(("::1", 0))
-        probe.close()
-    except OSError:
-        pytest.skip("no IPv6 loopback in this namespace")
+    need(have_ipv6_loopback(), "no IPv6 loopback in this namespace")
     fwd = await stack.add_forward(PortForward(host_addr="::1", host_port=0, guest_port=80))
     reader, writer = await host_connect(fwd.host_port, socket.AF_INET6, "::1")
     sport, seq, ack, _ = await guest_accept(guest, 80)
@@ -254,11 +251,10 @@ async def test_guest_rst_resets_host_client_at_once(stack_guest):
     arp = await guest.expect(is_arp_request)
     guest.answer_arp(arp)
     syn = await guest.expect_tcp()
-    t0 = time.monotonic()
     guest.send_tcp(9, syn.sport, 0, syn.seq + 1, RST | ACK)  # what a kernel sends for a closed port
     with pytest.raises(ConnectionResetError):
         await asyncio.wait_for(reader.read(100), 3)
-    assert time.monotonic() - t0 < 0.5
+    assert stack.counters["forward_connect_timeout"] == 0  # reset by the guest's RST, not our 2 s timeout
     writer.close()
     await asyncio.sleep(0.05)
     assert not [f for f in stack.flows.values() if f.proto_name == "tcp"]
@@ -271,7 +267,7 @@ async def test_guest_not_answering_arp_resets_host_client(stack_guest):
     t0 = time.monotonic()
     with pytest.raises(ConnectionResetError):
         await asyncio.wait_for(reader.read(100), 5)
-    assert 0.5 < time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 > 0.5  # causality: after the ARP retries (no upper bound)
     assert stack.counters["forward_guest_unresolved"] == 1
     assert stack.counters["arp_requests"] >= 3  # retried
     writer.close()
@@ -283,10 +279,8 @@ async def test_guest_silent_after_arp_times_out(stack_guest):
     reader, writer = await host_connect(fwd.host_port)
     guest.answer_arp(await guest.expect(is_arp_request))
     await guest.expect_tcp()  # the SYN, never answered
-    t0 = time.monotonic()
     with pytest.raises(ConnectionResetError):
         await asyncio.wait_for(reader.read(100), 5)
-    assert time.monotonic() - t0 < 3.0
     rst = await guest.expect_tcp()
     while not rst.flags & RST:
         rst = await guest.expect_tcp()

@@ -21,6 +21,8 @@ import time
 
 import pytest
 
+from conftest import have_ipv6_loopback, need
+
 pytestmark = pytest.mark.netns
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,9 +34,9 @@ def pattern(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-def free_port(kind=socket.SOCK_STREAM) -> int:
-    s = socket.socket(socket.AF_INET, kind)
-    s.bind(("127.0.0.1", 0))
+def free_port(kind=socket.SOCK_STREAM, family=socket.AF_INET, host: str = "127.0.0.1") -> int:
+    s = socket.socket(family, kind)
+    s.bind((host, 0))
     port = s.getsockname()[1]
     s.close()
     return port
@@ -199,14 +201,11 @@ def test_100_concurrent_forwarded_connections(guest):
 def test_guest_closes_first_host_client_sees_eof(guest):
     s = socket.create_connection(("127.0.0.1", guest.ports["tcp"]), timeout=10)
     s.sendall(b"HOLD\n")
-    t0 = time.monotonic()
-    assert s.recv(100) == b""
-    assert time.monotonic() - t0 < 2
+    assert s.recv(100) == b""  # the guest's FIN reaches the host client (a hang ends in socket.timeout)
     s.close()
 
 
 def test_guest_not_listening_host_client_fails_fast(guest):
-    t0 = time.monotonic()
     s = socket.socket()
     s.settimeout(10)
     try:
@@ -216,8 +215,7 @@ def test_guest_not_listening_host_client_fails_fast(guest):
     except ConnectionResetError:
         outcome = "reset"
     s.close()
-    assert outcome == "reset"
-    assert time.monotonic() - t0 < 1.0
+    assert outcome == "reset"  # the guest's RST is passed on (no wait for the 10 s socket timeout)
 
 
 @pytest.mark.parametrize("size", [1, 8000])
@@ -265,6 +263,7 @@ def test_api_udp_forward_default_guest_addr(guest):
 
 def test_api_errors_never_crash(guest):
     path = guest.api_path
+    before = api(path, {"execute": "get_stats"})["return"]
     assert api(path, b"{this is not json") == {"error": {"desc": "bad request: cannot parse JSON"}}
     assert api(path, {"execute": "no_such_command"}) == {"error": {"desc": "bad request: unknown execute"}}
     assert api(path, b"[]") == {"error": {"desc": "bad request: json_object() failed"}}
@@ -284,9 +283,13 @@ def test_api_errors_never_crash(guest):
     c.sendall(b'{"execute": ')
     c.close()
     assert guest.proc.poll() is None
+    # ... and still forwards: one connection of this test's own, seen in the counters
+    check_exchange(guest.ports["tcp"], 20_000, 30_000, 21)
     stats = api(path, {"execute": "get_stats"})["return"]
-    assert stats["frames"]["in"] > 0 and stats["bytes"]["out"] > 0 and stats["forwards"] == 3
-    assert stats["flows_total"]["tcp"]["opened"] >= 100
+    assert stats["forwards"] == 3
+    opened_before = before["flows_total"].get("tcp", {}).get("opened", 0)  # no entry before the first flow
+    assert stats["flows_total"]["tcp"]["opened"] == opened_before + 1
+    assert stats["frames"]["in"] > before["frames"]["in"] and stats["bytes"]["out"] > before["bytes"]["out"]
 
 
 def test_start_errors_exit_with_one_line(tmp_path):
@@ -313,15 +316,9 @@ def test_start_errors_exit_with_one_line(tmp_path):
 def test_forwards_with_disable_host_loopback_and_ipv6_host(tmp_path):
     tcp, udp = free_port(), free_port(socket.SOCK_DGRAM)
     opts = ["--disable-host-loopback", "-p", f"{tcp}:{GUEST_TCP}", "-p", f"{udp}:{GUEST_UDP}/udp"]
-    v6 = None
-    try:
-        probe = socket.socket(socket.AF_INET6)
-        probe.bind(("::1", 0))
-        v6 = probe.getsockname()[1]
-        probe.close()
+    v6 = free_port(family=socket.AF_INET6, host="::1") if have_ipv6_loopback() else None
+    if v6 is not None:
         opts += ["-p", f"[::1]:{v6}:{GUEST_TCP}"]
-    except OSError:
-        pass
     g = Guest(*opts)
     try:
         check_exchange(tcp, 50_000, 50_000, 3)
@@ -331,7 +328,7 @@ def test_forwards_with_disable_host_loopback_and_ipv6_host(tmp_path):
         u.send(b"no loopback, still routed")
         assert u.recv(100) == b"no loopback, still routed"
         u.close()
-        if v6 is not None:
-            check_exchange(v6, 10_000, 10_000, 4, host="::1", family=socket.AF_INET6)
+        need(v6 is not None, "no IPv6 loopback in this namespace: the IPv6 forward is not checked")
+        check_exchange(v6, 10_000, 10_000, 4, host="::1", family=socket.AF_INET6)
     finally:
         assert g.stop() == 0

@@ -149,10 +149,8 @@ async def test_stream_transport_backpressure_is_bounded_and_counted():
     tr = StreamTransport(a, max_buffer=1 << 20)
     await _open(tr)
     frame = bytes(60000)
-    t0 = time.monotonic()
-    for _ in range(200):  # 12 MB towards a guest that does not read
+    for _ in range(200):  # 12 MB towards a guest that does not read (a blocking write would hang here)
         tr.send_frames([frame] * 4)
-    assert time.monotonic() - t0 < 2.0  # never blocked
     assert tr.bytes_buffered <= 1 << 20
     assert tr.send_drops.get("full", 0) > 0
     sent_ok = tr.frames_out

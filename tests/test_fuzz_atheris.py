@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 
-import pytest
+from conftest import importable, need
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGET = ROOT / "fuzz" / "fuzz_frames.py"
@@ -56,8 +56,7 @@ def test_split_frames_format():
 
 
 def test_atheris_bounded_run(tmp_path):
-    if importlib.util.find_spec("atheris") is None:
-        pytest.skip("atheris is not installed (pip install atheris; it is in the test extra)")
+    need(importable("atheris"), "atheris is not installed (pip install atheris; it is in the test extra)")
     corpus = tmp_path / "corpus"
     subprocess.run([sys.executable, str(TARGET), "--seeds", str(corpus)], check=True, timeout=60)
     for path in regression_files():

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import struct
+import subprocess
+import sys
 
 import dpkt
 import pytest
@@ -392,20 +395,51 @@ async def test_stop_resets_guest_flows_before_the_link_closes():
         a.close()
 
 
-async def test_open_file_budget_refuses_beyond_it():
+#: Run in a child process (its RLIMIT_NOFILE is lowered for real; pytest's stays as it is):
+#: soft 100, hard FD_RESERVE + 3. The stack raises the soft limit to the hard one, which
+#: leaves 3 flows: 3 SYNs get a SYN-ACK (a real host socket each), the 4th a RST.
+FD_LIMIT_CHILD = r"""
+import asyncio, json, resource, sys
+
+sys.path.insert(0, sys.argv[1])
+from aioslirp.limits import FD_RESERVE
+from test_hardening import RST, SYN, Guest, listener, serving, tcp
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (100, FD_RESERVE + 3))
+
+
+async def main():
     lst = listener()
+    port = lst.getsockname()[1]
+    out = {}
     try:
         async with serving() as (stack, guest):
-            assert stack.guard.fd_budget >= stack.config.max_flows  # the soft limit was raised as needed
-            stack.guard.fd_budget = 1  # as if `ulimit -n` were tiny
-            port = lst.getsockname()[1]
-            guest.send(tcp(43000, port, SYN))
-            assert Guest.tcp4(await guest.recv())[0].flags & SYN
-            guest.send(tcp(43001, port, SYN))
-            assert Guest.tcp4(await guest.recv())[0].flags & RST
-            assert stack.counters["drop.limit_fds"] == 1
+            out["soft_limit"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_RESERVE
+            out["fd_budget"] = stack.guard.fd_budget
+            flags = []
+            for i in range(4):
+                guest.send(tcp(43000 + i, port, SYN))
+                flags.append(Guest.tcp4(await guest.recv())[0].flags & (SYN | RST))
+            out["answers"] = ["syn-ack" if f == SYN else "rst" if f == RST else f for f in flags]
+            out["limit_fds"] = stack.counters["drop.limit_fds"]
+            out["internal_error"] = stack.counters.get("drop.internal_error", 0)
     finally:
         lst.close()
+    print(json.dumps(out))
+
+
+asyncio.run(main())
+"""
+
+
+def test_open_file_limit_refuses_beyond_it():
+    """A real RLIMIT_NOFILE (soft raised to the hard limit by the stack, docs/security.md):
+    flows beyond it less FD_RESERVE get a RST, counted as drop.limit_fds."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-c", FD_LIMIT_CHILD, here], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout) == {"soft_limit": 3, "fd_budget": 3, "answers": ["syn-ack"] * 3 + ["rst"],
+                                    "limit_fds": 1, "internal_error": 0}
 
 
 async def test_qemu_stop_resets_guest_flows_and_removes_the_socket(tmp_path):

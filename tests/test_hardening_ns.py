@@ -28,6 +28,7 @@ from collections import Counter
 import pytest
 
 from hostservers import DataServer, DnsUpstream, UdpEcho, pattern
+from conftest import need
 
 pytestmark = pytest.mark.netns
 
@@ -409,8 +410,7 @@ def test_attach_sigterm_during_transfer(servers, tmp_path, how):
     attach leaves no process behind (this test is the child subreaper, so an orphan of attach
     would become its child), the TAP is gone from the namespace, this process's fds are as
     before, and the namespace is gone once the test ends its holder."""
-    if not os.path.exists("/dev/net/tun"):
-        pytest.skip("/dev/net/tun is missing (load the tun module)")
+    need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
     n = 64 << 20
     api = str(tmp_path / "api.sock")
     client_py = tmp_path / "client.py"

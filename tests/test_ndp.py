@@ -22,6 +22,7 @@ from aioslirp.wire.ipv6 import Ipv6, Ipv6Reassembler, l4_checksum_ok, parse_ipv6
 
 from ipv6_helpers import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, UNSPEC, a6, checksum_valid,
                           icmp6_frame)
+from conftest import need
 
 ALL_NODES_MAC = bytes.fromhex("333300000001")
 SLLA = bytes((1, 1)) + GUEST_MAC
@@ -310,8 +311,8 @@ def fix_checksum(frame: bytes) -> bytes:
     return frame
 
 
-@pytest.mark.skipif(not CORPUS.is_dir(), reason="shared corpus not present")
 def test_corpus_ipv6_replay():
+    need(CORPUS.is_dir(), f"the shared corpus is not at {CORPUS}")
     cfg = Ipv6Config(cidr6="fec0::/64").validate()
     ndp = NdpResponder(cfg, SLIRP_MAC, rng=random.Random(1))
     dhcp6 = Dhcpv6Server(cfg, SLIRP_MAC)

@@ -32,6 +32,8 @@ from aioslirp.config import NetworkConfig
 from aioslirp.netns import NamespaceError, attach, resolv_conf_text, run_in_namespace
 from aioslirp.transport.tap import TapError, TapTransport, create_tap, open_tap
 
+from conftest import need
+
 pytestmark = pytest.mark.netns
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,8 +41,7 @@ GW_MAC = bytes.fromhex("525500000202")
 SETPRIV = shutil.which("setpriv")
 NOBODY = 65534
 
-if not os.path.exists("/dev/net/tun"):
-    pytest.skip("/dev/net/tun is missing (load the tun module)", allow_module_level=True)
+need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -648,14 +649,13 @@ def rootless_env():
     """(python, bin_dir, workdir) of a venv from /usr/bin/python3 readable by everyone, aioslirp installed."""
     from worldvenv import Unavailable, build_world_venv
 
-    if not SETPRIV:
-        pytest.skip("setpriv (util-linux) is missing")
+    need(SETPRIV, "setpriv (util-linux) is missing")
     work = Path(tempfile.mkdtemp(prefix="aioslirp-rootless-"))
     try:
         try:
             vpy, vbin = build_world_venv(work)
         except Unavailable as exc:
-            pytest.skip(str(exc))
+            need(False, str(exc))
         (work / "out").mkdir(mode=0o777)
         (work / "out").chmod(0o777)
         yield vpy, vbin, work

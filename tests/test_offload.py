@@ -7,8 +7,8 @@
 * end to end (``aioslirp run``, the guest's Linux TCP behind our TAP): bulk both ways over IPv4
   and IPv6, SHA-256 checked, with offload (the capture shows frames above the MTU both ways:
   the guest's GSO segments and ours) and with ``--no-offload`` (no frame above the MTU); a
-  guest with Nagle on (no TCP_NODELAY) doing two small writes per request is answered within
-  the delayed-ACK bound, not after a retransmission timeout.
+  guest with Nagle on (no TCP_NODELAY) doing two small writes per request is answered after our
+  delayed ACK, never after a retransmission timeout (the guest's kernel retransmits nothing).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def test_bulk_both_ways(servers, tmp_path, family, offload):
 
 
 NAGLE = """
-import socket, json, time
+import socket, json, struct, time
 s = socket.create_connection(("10.0.2.2", {port}), timeout=10)
 assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0  # Nagle on
 times = []
@@ -210,8 +210,10 @@ for i in range({rounds}):
     s.send(b"b")  # held by Nagle until our ACK of "a" arrives
     assert s.recv(1) == b"!"
     times.append(time.monotonic() - t)
+# struct tcp_info (linux/tcp.h): 8 one-byte fields, then 32-bit ones; tcpi_total_retrans is the 24th
+total_retrans = struct.unpack_from("8B24I", s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104))[-1]
 s.close()
-print(json.dumps({{"times": times}}))
+print(json.dumps({{"times": times, "total_retrans": total_retrans}}))
 """
 
 
@@ -258,10 +260,9 @@ def test_nagle_guest_is_not_held_beyond_the_ack_delay(servers):
         res = _run(servers, NAGLE.format(port=srv.port, rounds=rounds))
     finally:
         srv.close()
-    times = sorted(res["times"])
-    assert srv.requests == rounds and len(times) == rounds
-    # Each request waits for our delayed ACK of its first byte (1 ms by default). A missing ACK
-    # would hold the second write until a retransmission timeout (>= 200 ms); Linux's own
-    # delayed ACK would show 40 ms. Bounds are loose on purpose (a shared, noisy machine).
-    assert times[rounds // 2] < 0.03, times
-    assert times[-1] < 0.19, times
+    assert srv.requests == rounds and len(res["times"]) == rounds
+    # Each request waits for our delayed ACK of its first byte (1 ms by default). An ACK that
+    # never comes, or comes after the guest's retransmission timeout (at least 200 ms), makes the
+    # guest's kernel retransmit "a": counted in its tcpi_total_retrans (causality, not a clock).
+    assert res["total_retrans"] == 0, res
+    print(f"request times (s), sorted: {sorted(res['times'])}")

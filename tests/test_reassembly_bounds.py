@@ -36,6 +36,8 @@ from aioslirp import ConfigError, NetworkConfig, SocketPairTransport, Stack
 from aioslirp.cli import build_parser, config_from_args
 from aioslirp.limits import LIMIT_FIELDS, parse_limits
 from aioslirp.netns import run_in_namespace
+from aioslirp.tcp.flow import TcpFlow
+from aioslirp.tcp.hostsock import READ_SIZE
 from aioslirp.wire.ipv6 import Ipv6Reassembler, parse_ipv6
 from aioslirp.wire.reassembly import Reassembler
 
@@ -477,9 +479,27 @@ class LazyReader:
         self.thread.join(5)
 
 
+async def sample_tcp_buffers(stacks: list, peaks: dict, period: float = 0.002) -> None:
+    """Until cancelled: the largest ``send_buffered`` / ``recv_buffered`` (bytes) seen in any
+    TCP flow of ``stacks[0]``, into ``peaks["send"]`` / ``peaks["recv"]``; ``peaks["samples"]``
+    counts the samples that saw a TCP flow."""
+    while True:
+        await asyncio.sleep(period)
+        if not stacks:
+            continue
+        conns = [f.conn for f in list(stacks[0].flows.values()) if isinstance(f, TcpFlow)]
+        if conns:
+            peaks["samples"] += 1
+        for c in conns:
+            peaks["send"] = max(peaks["send"], c.send_buffered)
+            peaks["recv"] = max(peaks["recv"], c.recv_buffered)
+
+
 async def test_tcp_buffer_full_counts_host_read_and_write_pauses():
     """A real guest with a small tcp_buffer: the guest reads late (host reads pause) and the host
-    reads late (host writes pause); every byte arrives, checked by SHA-256 both ways."""
+    reads late (host writes pause); every byte arrives, checked by SHA-256 both ways. Sampled
+    during the transfer, no flow holds more than tcp_buffer towards the host, nor more than
+    tcp_buffer plus one host read (READ_SIZE) towards the guest (docs/security.md)."""
     data, lazy = DataServer(), LazyReader(delay=1.5)
     down, up = 4_000_000, 12_000_000
     try:
@@ -517,15 +537,25 @@ async def test_tcp_buffer_full_counts_host_read_and_write_pauses():
             return stacks[-1]
 
         want = hashlib.sha256(pattern(down, 5)).hexdigest()
-        rc = await asyncio.wait_for(
-            run_in_namespace(cfg, [sys.executable, "-c", script, want], stack_factory=factory), 90)
+        peaks = {"send": 0, "recv": 0, "samples": 0}
+        sampler = asyncio.create_task(sample_tcp_buffers(stacks, peaks))
+        try:
+            rc = await asyncio.wait_for(
+                run_in_namespace(cfg, [sys.executable, "-c", script, want], stack_factory=factory), 90)
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
         assert rc == 0
         counters = stacks[0].stats()["counters"]
         assert counters["tcp_host_read_paused"] >= 1
         assert counters["tcp_host_write_paused"] >= 1
         assert counters.get("drop.internal_error", 0) == 0
+        # the guest and the lazy host each read nothing for >= 1 s: the buffers were full then
+        assert peaks["samples"] >= 100, peaks
+        assert cfg.tcp_buffer // 2 <= peaks["send"] <= cfg.tcp_buffer + READ_SIZE, peaks
+        assert cfg.tcp_buffer // 2 <= peaks["recv"] <= cfg.tcp_buffer, peaks
         print(f"\ntcp_buffer=64KiB: host_read_paused={counters['tcp_host_read_paused']} "
-              f"host_write_paused={counters['tcp_host_write_paused']}")
+              f"host_write_paused={counters['tcp_host_write_paused']} peak buffered {peaks}")
     finally:
         data.close()
         lazy.close()

@@ -5,7 +5,7 @@
   (exit status 2) naming the option.
 * fd protocol in-process: :func:`aioslirp.slirp4netns.serve` with a socket pair standing in
   for the TAP and the real :class:`~aioslirp.Stack`: the ready byte is written once, after
-  the transport reads, after the API socket listens; an exit-fd hang-up ends it within 1 s.
+  the transport reads, after the API socket listens; an exit-fd hang-up ends it (status 0).
 * The binary in real namespaces (as root, inside pytest's loopback-only namespace): TAP
   created and configured with ``-c`` by the time the ready byte arrives, or a TAP the caller
   made attached as is; data both ways (a host server reached via 10.0.2.2, a namespace
@@ -38,8 +38,12 @@ from aioslirp import slirp4netns as s4
 from aioslirp.slirp4netns import HELP, UsageError, build_config, parse_args
 
 from hostservers import DataServer, DnsUpstream, pattern
+from conftest import need
 
 SETPRIV = shutil.which("setpriv")
+#: Seconds an exit (hang-up, SIGTERM, target gone) may take before the test calls it a hang.
+#: Only a guard against hanging: no latency bound (a loaded machine is slow, not wrong).
+EXIT_GUARD = 30
 UNSHARE = shutil.which("unshare")
 NSENTER = shutil.which("nsenter")
 NOBODY = 65534
@@ -308,11 +312,9 @@ async def test_ready_once_after_attach_and_api_then_exit_on_hangup(tmp_path):
         assert json.loads(first) == {"return": {}}
         first, _ = await _api(h.api_path, {"execute": "nope"})
         assert "error" in json.loads(first)
-        # the exit fd hangs up: serve() returns within a second, the API socket file is gone
-        t0 = time.monotonic()
+        # the exit fd hangs up: serve() returns 0 (the guard only catches a hang), the API socket file is gone
         os.close(h.exit_w)
-        assert await asyncio.wait_for(h.task, 1.0) == 0
-        assert time.monotonic() - t0 < 1.0
+        assert await asyncio.wait_for(h.task, EXIT_GUARD) == 0
         assert not os.path.exists(h.api_path)
     finally:
         if not h.task.done():
@@ -351,10 +353,8 @@ async def test_sigterm_ends_serve_cleanly(tmp_path):
     h = _Harness(tmp_path)
     try:
         assert await h.ready() == b"1"
-        t0 = time.monotonic()
         os.kill(os.getpid(), signal.SIGTERM)
-        assert await asyncio.wait_for(h.task, 1.0) == 0
-        assert time.monotonic() - t0 < 1.0
+        assert await asyncio.wait_for(h.task, EXIT_GUARD) == 0
         assert not os.path.exists(h.api_path)
     finally:
         h.close()
@@ -384,10 +384,13 @@ async def test_disable_dns(tmp_path, disable):
 # ----------------------------------------------------------------------------------------
 # the binary, in real namespaces (root, inside pytest's loopback-only namespace)
 
-needs_ns = pytest.mark.skipif(
-    os.geteuid() != 0 or not os.path.exists("/dev/net/tun") or not (UNSHARE and NSENTER),
-    reason="needs root, /dev/net/tun, unshare and nsenter",
-)
+@pytest.fixture
+def ns_prerequisites():
+    need(os.geteuid() == 0 and os.path.exists("/dev/net/tun") and UNSHARE and NSENTER,
+         "needs root, /dev/net/tun, unshare and nsenter")
+
+
+needs_ns = pytest.mark.usefixtures("ns_prerequisites")
 
 _NS_SERVER = r"""
 import hashlib, random, socket, sys
@@ -461,13 +464,11 @@ class Binary:
         self.ready_after = time.monotonic() - self.t0
         return data
 
-    def hang_up(self) -> float:
-        """Close the exit fd's write end; returns seconds until the binary exited."""
-        t0 = time.monotonic()
+    def hang_up(self) -> int:
+        """Close the exit fd's write end; returns the binary's exit status (waits at most EXIT_GUARD s)."""
         os.close(self.exit_w)
         self.exit_w = None
-        self.proc.wait(5)
-        return time.monotonic() - t0
+        return self.proc.wait(EXIT_GUARD)
 
     def close(self) -> tuple[str, str]:
         if self.proc.poll() is None:
@@ -557,9 +558,8 @@ def test_binary_configures_serves_forwards_and_exits_on_hangup(tmp_path):
                         got += d
                 import random
                 assert hashlib.sha256(got).hexdigest() == hashlib.sha256(random.Random(7).randbytes(1000000)).hexdigest()
-                # exit fd hang-up: gone within a second, API socket removed
-                took = b.hang_up()
-                assert b.proc.returncode == 0 and took < 1.0, took
+                # exit fd hang-up: a clean exit, API socket removed
+                assert b.hang_up() == 0
                 assert not os.path.exists(api)
             finally:
                 out, err = b.close()
@@ -591,11 +591,9 @@ def test_binary_attaches_to_callers_tap_and_stops_on_sigterm(tmp_path):
             p = in_ns(target.pid, sys.executable, "-c",
                       "import socket,time; t=time.monotonic()\ntry:\n socket.create_connection(('10.0.3.2', 9), timeout=5)\n"
                       "except ConnectionRefusedError: print('refused', time.monotonic()-t)")
-            assert p.stdout.split()[0] == "refused" and float(p.stdout.split()[1]) < 1.0, p.stdout + p.stderr
-            t0 = time.monotonic()
+            assert p.stdout.split()[0] == "refused", p.stdout + p.stderr  # an RST (a hang ends in a timeout error)
             b.proc.send_signal(signal.SIGTERM)
-            assert b.proc.wait(5) == 0
-            assert time.monotonic() - t0 < 1.0
+            assert b.proc.wait(EXIT_GUARD) == 0
         finally:
             b.close()
 
@@ -606,11 +604,9 @@ def test_binary_exits_when_the_target_process_exits():
         b = Binary(["-c", str(target.pid), "tap0"], exit_fd=False)
         try:
             assert b.wait_ready() == b"1"
-            t0 = time.monotonic()
             target.kill()
             target.wait()
-            assert b.proc.wait(5) == 0
-            assert time.monotonic() - t0 < 1.0
+            assert b.proc.wait(EXIT_GUARD) == 0
         finally:
             b.close()
 
@@ -671,7 +667,7 @@ def test_binary_sandbox_and_seccomp_as_root(tmp_path):
                     c.sendall(b'{"execute":"list_hostfwd"}')
                     c.shutdown(socket.SHUT_WR)
                     assert json.loads(c.recv(2048))["return"] == {"entries": []}
-                assert b.hang_up() < 1.0 and b.proc.returncode == 0
+                assert b.hang_up() == 0
                 assert not os.path.exists(api)  # removed from inside the sandbox, through a held folder fd
             finally:
                 out, err = b.close()
@@ -688,14 +684,13 @@ def test_binary_sandbox_and_seccomp_as_root(tmp_path):
 def world_venv():
     from worldvenv import Unavailable, build_world_venv
 
-    if os.geteuid() != 0 or not SETPRIV:
-        pytest.skip("needs root and setpriv to run as an unprivileged user")
+    need(os.geteuid() == 0 and SETPRIV, "needs root and setpriv to run as an unprivileged user")
     work = Path(tempfile.mkdtemp(prefix="aioslirp-s4nn-"))
     try:
         try:
             vpy, vbin = build_world_venv(work)
         except Unavailable as exc:
-            pytest.skip(str(exc))
+            need(False, str(exc))
         yield vpy, vbin
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -732,9 +727,8 @@ def test_binary_rootless_pid_type_with_sandbox(world_venv, tmp_path):
                 assert [(a["local"], a["prefixlen"]) for a in link["addr_info"] if a["family"] == "inet"] == [("10.0.2.100", 24)]
                 p = in_ns(target.pid, str(vpy), "-c", FETCH, "10.0.2.2", str(srv.port), "200000", rootless=True)
                 assert p.stdout.split() == ["200000", hashlib.sha256(pattern(200000, 1)).hexdigest()], p.stderr
-                t0 = time.monotonic()
                 b.proc.send_signal(signal.SIGTERM)
-                assert b.proc.wait(5) == 0 and time.monotonic() - t0 < 1.0
+                assert b.proc.wait(EXIT_GUARD) == 0
             finally:
                 out, err = b.close()
             assert "Traceback" not in err, err

@@ -360,15 +360,17 @@ def test_observability_option_errors_are_one_line(tmp_path, args, option):
 
 
 def test_trace_file_and_report_show_the_real_gaps(tmp_path):
-    """Host server answers 40 ms after the request; the guest waits 100 ms between connections.
-    The report built from the stack's own --trace file must show exactly these gaps."""
+    """Host server answers 40 ms after the request; the guest waits 300 ms between connections.
+    The report built from the stack's own --trace file must show these gaps: each at least as
+    long as what caused it (no upper bounds: a loaded machine only makes them longer), and the
+    idle gap the largest stage."""
     from aioslirp.trace_report import IDLE_STAGE, build_report, load_spans, percentile
 
     server = EchoOnce(delay=0.040)
     trace = tmp_path / "crr.jsonl"
     try:
         p = subprocess.run([sys.executable, "-m", "aioslirp", "run", "--trace", str(trace), "--",
-                            sys.executable, "-c", crr_script(server.port, 6, idle=0.100)],
+                            sys.executable, "-c", crr_script(server.port, 6, idle=0.300)],
                            capture_output=True, text=True, timeout=120, cwd=REPO)
     finally:
         server.close()
@@ -386,16 +388,18 @@ def test_trace_file_and_report_show_the_real_gaps(tmp_path):
         assert abs(sum(g for _n, _o, g in gaps[1:]) - (c.end_ns - c.start_ns) / 1000) < 1.0
         names = [n for n, _t in c.events]
         assert _subsequence(["guest.data", "host.data"], names)
+        # causality: the host's answer left the server 40 ms after the request reached it
         delay_us = (c.time_of("host.data") - c.time_of("guest.data")) / 1000
-        assert 40_000 <= delay_us < 90_000, delay_us
+        assert delay_us >= 40_000, delay_us
     resp = rep.stages["guest.data → host.data"]
-    assert 40_000 <= percentile(resp, 50) < 90_000
+    assert percentile(resp, 50) >= 40_000
     idle = rep.stages[IDLE_STAGE]
     # seen by the stack: from processing the guest's FIN (a little after the guest sent it,
-    # when the loop is busy) to the next SYN (the guest slept 100 ms in between)
-    assert len(idle) == 5 and all(95_000 <= v < 200_000 for v in idle), idle
+    # when the loop is busy) to the next SYN (the guest slept 300 ms in between); half of the
+    # sleep leaves room for a FIN processed late, not for a stage that misses the sleep
+    assert len(idle) == 5 and all(v >= 150_000 for v in idle), idle
     assert rep.largest == IDLE_STAGE
-    assert 140_000 <= percentile(rep.cycles, 50) < 300_000  # 40 ms answer + 100 ms idle + the rest
+    assert percentile(rep.cycles, 50) >= 300_000  # a cycle holds the 40 ms answer and the 300 ms sleep
 
     png = tmp_path / "crr.png"
     p = subprocess.run([sys.executable, "-m", "aioslirp", "trace-report", str(trace), "--connections", "2",

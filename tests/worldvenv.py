@@ -31,7 +31,7 @@ __all__ = ["Unavailable", "build_world_venv", "console_scripts"]
 
 
 class Unavailable(RuntimeError):
-    """The venv cannot be built here; ``str()`` says why (for ``pytest.skip``)."""
+    """The venv cannot be built here; ``str()`` says why (for ``conftest.need``)."""
 
 
 def console_scripts() -> dict[str, str]:

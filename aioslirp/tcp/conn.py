@@ -619,6 +619,17 @@ class TcpConnection:
         return self.snd_buf - len(self._sq)
 
     @property
+    def send_buffered(self) -> int:
+        """Host bytes held for the guest (unsent + unacknowledged), bytes: ``snd_buf - send_space``."""
+        return len(self._sq)
+
+    @property
+    def recv_buffered(self) -> int:
+        """Guest bytes received in order and not yet consumed by the host side, bytes (at most
+        ``rcv_buf``: our window never offers more)."""
+        return len(self._rq)
+
+    @property
     def snd_wscale(self) -> int:
         """Shift applied to the guest's window fields (0 when scaling is off)."""
         return self._snd_wscale
