@@ -396,8 +396,9 @@ async def test_stop_resets_guest_flows_before_the_link_closes():
 
 
 #: Run in a child process (its RLIMIT_NOFILE is lowered for real; pytest's stays as it is):
-#: soft 100, hard FD_RESERVE + 3. The stack raises the soft limit to the hard one, which
-#: leaves 3 flows: 3 SYNs get a SYN-ACK (a real host socket each), the 4th a RST.
+#: soft 100, hard FD_RESERVE + 4. The stack raises the soft limit to the hard one, which
+#: leaves 4 fds beyond the reserve: 1 for DNS queries (its share is at least one,
+#: limits.fd_budgets) and 3 for flows: 3 SYNs get a SYN-ACK (a real host socket each), the 4th a RST.
 FD_LIMIT_CHILD = r"""
 import asyncio, json, resource, sys
 
@@ -405,7 +406,7 @@ sys.path.insert(0, sys.argv[1])
 from aioslirp.limits import FD_RESERVE
 from test_hardening import RST, SYN, Guest, listener, serving, tcp
 
-resource.setrlimit(resource.RLIMIT_NOFILE, (100, FD_RESERVE + 3))
+resource.setrlimit(resource.RLIMIT_NOFILE, (100, FD_RESERVE + 4))
 
 
 async def main():
@@ -416,6 +417,7 @@ async def main():
         async with serving() as (stack, guest):
             out["soft_limit"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_RESERVE
             out["fd_budget"] = stack.guard.fd_budget
+            out["dns_fd_budget"] = stack.guard.dns_fd_budget
             flags = []
             for i in range(4):
                 guest.send(tcp(43000 + i, port, SYN))
@@ -438,7 +440,8 @@ def test_open_file_limit_refuses_beyond_it():
     here = os.path.dirname(os.path.abspath(__file__))
     p = subprocess.run([sys.executable, "-c", FD_LIMIT_CHILD, here], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads(p.stdout) == {"soft_limit": 3, "fd_budget": 3, "answers": ["syn-ack"] * 3 + ["rst"],
+    assert json.loads(p.stdout) == {"soft_limit": 4, "fd_budget": 3, "dns_fd_budget": 1,
+                                    "answers": ["syn-ack"] * 3 + ["rst"],
                                     "limit_fds": 1, "internal_error": 0}
 
 
