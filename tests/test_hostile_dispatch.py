@@ -232,7 +232,7 @@ async def test_echo6_to_us_above_the_mtu_is_answered_in_fragments(dst):
 
 @pytest.mark.netns
 def test_ping6_gateway_with_3000_bytes_in_a_real_guest():
-    from test_e2e import run_guest
+    from guest_helpers import run_guest
 
     dns = DnsUpstream()
     try:

@@ -31,7 +31,7 @@ from aioslirp.wire.ipv6 import build_tcp6
 
 from ipv6_helpers import GUEST6, GUEST_MAC, GW6, GW_MAC
 from test_hardening import GUEST, GW, listener, serving, until
-from test_stack import fd_count
+from stack_helpers import fd_count
 from test_tcp_conn import L, R, close_wait, established, events, recv, seg, send
 
 # ============================================================================ linger, sans-IO
