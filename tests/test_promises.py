@@ -10,7 +10,9 @@ signals) the guest runs in a namespace behind the stack (``run_in_namespace`` in
 or ``aioslirp run``).
 
 Each test names the promise it checks; the mutant of the code that breaks it, and which
-assertion then fails, is in its docstring.
+assertion then fails, is in its docstring. Two cases of the failure-isolation promise do not
+hold today and are strict ``xfail`` (:data:`FAILURE_PATHS`): they turn into failures (XPASS)
+once the code keeps the promise, so that the marks are removed with the fix.
 """
 
 from __future__ import annotations
@@ -693,6 +695,103 @@ async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog):
         server.close()
         await server.wait_closed()
         data.close()
+
+
+#: Where a flow's code raises, for the in-process isolation test. The promise holds for a failing
+#: timer (and for a failing ``flush``, the real-guest test above); it does not for the host read
+#: path nor for the guest segment path (left for a fix; the tests flip to XPASS, strict, then).
+FAILURE_PATHS = [
+    "timer",
+    pytest.param("host_read", marks=pytest.mark.xfail(strict=True, reason=(
+        "robustness.md promise broken: an exception in TcpFlow.data_received (HostSocket._on_readable) "
+        "escapes to the event loop; the flow is neither reset nor ended and the bytes read are lost"))),
+    pytest.param("guest_segment", marks=pytest.mark.xfail(strict=True, reason=(
+        "robustness.md promise broken: an exception in TcpFlow.on_segment / TcpConnection.receive_segment "
+        "is counted as drop.internal_error per frame; the flow is neither reset nor ended"))),
+]
+
+
+@pytest.mark.parametrize("path", FAILURE_PATHS)
+async def test_a_flow_that_raises_is_reset_and_ends_and_its_sibling_carries_on(path, monkeypatch, caplog):
+    """robustness.md, in this process, per place a flow's code can raise: the victim's
+    connection gets one RST towards the guest and a reset towards its host peer, the flow
+    leaves the table, the error is logged; a sibling connection keeps working both ways.
+
+    ``timer``: ``TcpConnection.handle_timer`` raises for the victim (its delayed ACK of guest
+    data); ``host_read``: ``TcpFlow.data_received`` of the victim raises (host data arrives);
+    ``guest_segment``: ``TcpConnection.receive_segment`` raises for the victim (guest data).
+
+    Mutant (timer): ``TcpFlow._on_timer`` logging without ``self.fail()``: no RST, the flow stays."""
+    from aioslirp.tcp.conn import TcpConnection
+
+    loop = asyncio.get_running_loop()
+
+    async def read_until_reset(sock) -> bytes:
+        got = b""
+        while True:
+            try:
+                d = await asyncio.wait_for(loop.sock_recv(sock, 100), 2)
+            except ConnectionResetError:
+                return got
+            if not d:
+                raise AssertionError(f"EOF, not a reset, after {got!r}")
+            got += d
+
+    lst = listener()
+    lst.settimeout(2)
+    hosts = []
+    try:
+        async with serving() as (stack, guest):
+            port = lst.getsockname()[1]
+            v_synack = await tcp_open(guest, port, 51000)
+            hosts.append(lst.accept()[0])
+            s_synack = await tcp_open(guest, port, 51001)
+            hosts.append(lst.accept()[0])
+            v_host, s_host = hosts
+            for h in hosts:
+                h.setblocking(False)
+            await guest.recv(0.1)
+            guest_ip = socket.inet_aton("10.0.2.15")
+            victim = stack.flows[(6, guest_ip, 51000, GW, port)]
+            fired = []
+
+            def fault():
+                fired.append(path)
+                raise RuntimeError("injected fault")
+
+            if path == "host_read":
+                monkeypatch.setattr(victim, "data_received", lambda data: fault())
+                v_host.send(b"from the host")
+            else:
+                name = "handle_timer" if path == "timer" else "receive_segment"
+                healthy = getattr(TcpConnection, name)
+
+                def once(conn, *args):
+                    if conn is victim.conn and not fired:
+                        fault()
+                    return healthy(conn, *args)
+
+                monkeypatch.setattr(TcpConnection, name, once)
+                guest.send(tcp(51000, port, ACK, seq=1001, ack=v_synack.seq + 1, data=b"from the guest"))
+            frames = await guest.recv(1.0)
+            assert fired == [path]
+            rsts = [seg for seg in Guest.tcp4(frames) if seg.dport == 51000 and seg.flags & RST]
+            assert len(rsts) == 1
+            assert await until(lambda: victim.key not in stack.flows)
+            await read_until_reset(v_host)  # what the guest sent before may come first
+            logged = [r for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info]
+            assert [str(r.exc_info[1]) for r in logged] == ["injected fault"]
+            # the sibling carries on, both ways
+            guest.send(tcp(51001, port, ACK, seq=1001, ack=s_synack.seq + 1, data=b"sibling up"))
+            assert await asyncio.wait_for(loop.sock_recv(s_host, 100), 2) == b"sibling up"
+            s_host.send(b"sibling down")
+            down = [bytes(seg.data) for seg in Guest.tcp4(await guest.recv()) if seg.dport == 51001 and seg.data]
+            assert down == [b"sibling down"]
+            assert stack.flows[(6, guest_ip, 51001, GW, port)].state == "ESTABLISHED"
+    finally:
+        for h in hosts:
+            h.close()
+        lst.close()
 
 
 # ---------------------------------------------------------------------------------- aioslirp run: stop
