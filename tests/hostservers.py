@@ -9,12 +9,18 @@
 * :class:`UdpEcho` — echoes every datagram.
 * :class:`DnsUpstream` — answers every A query with 10.0.2.99 over UDP and TCP (dpkt); AAAA
   queries with ``aaaa`` when given (else no answer records, as before).
+* :func:`namespace_address` — an extra address on ``lo`` of the test namespace (default
+  198.18.0.1, RFC 2544's benchmarking range; IPv6 too, e.g. 2001:db8::77): a destination that
+  is neither loopback nor the gateway, reachable without leaving the namespace (ICMP echo, UDP,
+  TCP all answered locally).
 
-Servers bind 127.0.0.1 by default; pass ``host="::1"`` for IPv6 loopback.
+Servers bind 127.0.0.1 by default; pass ``host="::1"`` for IPv6 loopback (``DnsUpstream``:
+any loopback address, e.g. ``"127.0.0.53"`` like systemd-resolved's stub).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import socket
@@ -147,26 +153,27 @@ def _dns_answer(query: bytes, aaaa: str | None = None) -> bytes:
 
 
 class DnsUpstream:
-    """A DNS server on 127.0.0.1:<port> (UDP and TCP, same port) answering A with 10.0.2.99,
-    and AAAA with ``aaaa`` when given (``None``: AAAA queries get no answer records)."""
+    """A DNS server on ``host`` (default 127.0.0.1):<port> (UDP and TCP, same port) answering A with
+    10.0.2.99, and AAAA with ``aaaa`` when given (``None``: AAAA queries get no answer records)."""
 
-    def __init__(self, aaaa: str | None = None) -> None:
+    def __init__(self, aaaa: str | None = None, host: str = "127.0.0.1") -> None:
         self.aaaa = aaaa
+        self.host = host
         # one port for both: take an ephemeral UDP port, retry while its TCP twin is taken
         for _ in range(50):
             self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            self.udp.bind(("127.0.0.1", 0))
+            self.udp.bind((host, 0))
             self.port = self.udp.getsockname()[1]
             self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                self.tcp.bind(("127.0.0.1", self.port))
+                self.tcp.bind((host, self.port))
                 break
             except OSError:
                 self.tcp.close()
                 self.udp.close()
         else:
-            raise RuntimeError("no free UDP+TCP port pair on 127.0.0.1")
+            raise RuntimeError(f"no free UDP+TCP port pair on {host}")
         self.tcp.listen(16)
         self.udp_queries = 0
         self.tcp_queries = 0
@@ -210,3 +217,21 @@ class DnsUpstream:
     def close(self) -> None:
         self.udp.close()
         self.tcp.close()
+
+
+@contextlib.contextmanager
+def namespace_address(addr: str = "198.18.0.1"):
+    """Add ``addr`` (/32, or /128 without duplicate address detection for IPv6) to ``lo`` of the
+    current (test) network namespace for the ``with`` block; yields it. Needs CAP_NET_ADMIN in
+    the namespace (pytest's own, see conftest.py)."""
+    from pyroute2 import IPRoute
+
+    v6 = ":" in addr
+    kw = {"prefixlen": 128, "flags": 0x02} if v6 else {"prefixlen": 32}  # IFA_F_NODAD
+    with IPRoute() as ipr:
+        lo = ipr.link_lookup(ifname="lo")[0]
+        ipr.addr("add", index=lo, address=addr, **kw)
+        try:
+            yield addr
+        finally:
+            ipr.addr("del", index=lo, address=addr, prefixlen=kw["prefixlen"])

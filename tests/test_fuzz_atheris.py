@@ -1,7 +1,9 @@
 """The atheris target ``fuzz/fuzz_frames.py``: a bounded libFuzzer run, and the regression replay.
 
 The bounded run (``AIOSLIRP_FUZZ_RUNS`` inputs, default 5,000; set it higher for a longer run on
-demand) needs atheris (``pip install atheris``, in the ``test`` extra); the replay of
+demand) draws a new libFuzzer seed each time, so that every test run explores other mutations;
+the seed is printed (``pytest -s``) and named in the failure message, and
+``AIOSLIRP_FUZZ_SEED=N`` repeats a run. It needs atheris (``pip install atheris``, in the ``test`` extra); the replay of
 ``fuzz/regressions/`` needs nothing. pytest's loopback-only namespace is inherited by the fuzzer,
 whose stack also allows only loopback destinations.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import random
 import shutil
 import subprocess
 import sys
@@ -62,9 +65,13 @@ def test_atheris_bounded_run(tmp_path):
     for path in regression_files():
         shutil.copy(path, corpus / path.name)
     runs = int(os.environ.get("AIOSLIRP_FUZZ_RUNS", "5000"))
-    p = subprocess.run([sys.executable, str(TARGET), f"-runs={runs}", "-seed=1", "-max_len=4096",
+    seed = int(os.environ.get("AIOSLIRP_FUZZ_SEED") or random.randrange(1, 2**31))
+    print(f"\natheris: {runs} runs, seed {seed} (AIOSLIRP_FUZZ_SEED={seed} repeats them)")
+    p = subprocess.run([sys.executable, str(TARGET), f"-runs={runs}", f"-seed={seed}", "-max_len=4096",
                         f"-artifact_prefix={tmp_path}/", str(corpus)],
                        capture_output=True, text=True, timeout=max(120, runs // 100))
     crashes = sorted(tmp_path.glob("crash-*")) + sorted(tmp_path.glob("timeout-*")) + sorted(tmp_path.glob("oom-*"))
-    assert p.returncode == 0 and not crashes, f"rc={p.returncode} artifacts={crashes}\n{p.stderr[-4000:]}"
-    assert f"Done {runs} runs" in p.stderr
+    assert p.returncode == 0 and not crashes, (f"seed {seed} (AIOSLIRP_FUZZ_SEED={seed}): rc={p.returncode} "
+                                               f"artifacts={crashes}\n{p.stderr[-4000:]}")
+    assert f"Done {runs} runs" in p.stderr, f"seed {seed}"
+    assert f"Seed: {seed}" in p.stderr  # libFuzzer used it

@@ -10,13 +10,17 @@ and RSTs hit live flows, and a bundle of every valid frame it sent, which the ``
 rule flips, truncates, extends or re-checksums and sends again.
 
 Rules: ARP; DHCPv4 discover/request/release/inform; DHCPv6; DNS over UDP (both families) and
-over TCP; ICMP echo to the gateway and DNS (v4) and to ``fd00::2`` / ``fd00::3`` / the router's
-link-local address (v6); NDP RS/NS/NA; TCP SYN (MSS, window scale, SACK-permitted,
+over TCP, and bursts of queries past ``dns_max_inflight``; ICMP echo to the gateway and DNS (v4),
+to ``fd00::2`` / ``fd00::3`` / the router's link-local address (v6) and, proxied, to a remote
+address on this namespace's ``lo`` (198.18.0.1, 2001:db8::77); NDP RS/NS/NA; TCP SYN (MSS, window scale, SACK-permitted,
 timestamps, SACK blocks, zero-length, short and garbage options) then ACK / data (in order,
 ahead, old, far out of window) / window updates / duplicate ACKs / FIN / RST towards a real
 echo listener and a real sender on 127.0.0.1 and ::1 (reached through 10.0.2.2 / fd00::2),
-towards closed ports, towards the DNS service and towards an unroutable address of the
-subnet; UDP to a real echo server, a closed port and the DNS address; IPv4 fragments (in
+towards closed ports, towards the DNS service, towards a listener that never accepts (its host
+connects hang: pending connects) and towards an unroutable address of the subnet; echo round
+trips and graceful closes (FIN both ways) on established connections; floods of new TCP, UDP
+and ICMP flows in one batch, past every per-protocol cap and the flow table's size (eviction);
+UDP to a real echo server, a closed port and the DNS address; IPv4 fragments (in
 order, shuffled, overlapping, duplicated, oversized, incomplete); IPv6 with Hop-by-Hop,
 Destination Options, Routing and atomic Fragment headers, and IPv6 fragments; replays,
 batches of several frames, and time passing (timers: delayed ACK, retransmission, linger,
@@ -34,15 +38,23 @@ for TCP to a listener of this process, the accepted peer socket). After ``teardo
 ``aclose``, servers closed, loop closed) no flow and no task are left and ``/proc/self/fd``
 is exactly what it was before the run.
 
+Reach, checked when the module ends (:data:`REACHED`): summed over the runs, the machine must
+have hit every bound it is sized for (``drop.limit_tcp_flows``, ``drop.limit_udp_flows``,
+``drop.limit_icmp_flows``, ``flows_evicted``, ``drop.limit_pending_connects``,
+``drop.dns_too_many_queries``), opened ICMP flows, had bytes echoed back by the host and closed
+connections gracefully; a machine that stopped reaching them fails the module instead of
+passing without testing them. (Skipped for runs of fewer than :data:`REACH_MIN_RUNS` examples.)
+
 Bounded in CI: ``AIOSLIRP_FUZZ_EXAMPLES`` runs (default 60) of ``AIOSLIRP_FUZZ_STEPS`` steps
-(default 40), about 5 seconds in all; raise both for a longer run on demand, e.g.
+(default 40), about 10 seconds in all; raise both for a longer run on demand, e.g.
 ``AIOSLIRP_FUZZ_EXAMPLES=5000 AIOSLIRP_FUZZ_STEPS=100 pytest tests/test_fuzz_state.py``.
 Every failure hypothesis finds becomes a plain regression test at the end of this file.
 
 Safety: pytest runs in a loopback-only network namespace (conftest.py); the stack's egress
 policy allows only loopback, so a mutated destination is refused and never contacted; the
 crafted destinations are the gateway (host loopback), the DNS address, one unused address of
-10.0.2.0/24 and link-local/multicast addresses of the virtual link.
+10.0.2.0/24, link-local/multicast addresses of the virtual link and the two remote addresses,
+which exist only on ``lo`` of this namespace while the module runs.
 """
 
 from __future__ import annotations
@@ -64,6 +76,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
 
+from hostservers import namespace_address
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 GUEST_MAC = bytes.fromhex("525400123456")
@@ -73,12 +87,15 @@ GUEST = socket.inet_aton("10.0.2.15")
 GW = socket.inet_aton("10.0.2.2")
 DNS = socket.inet_aton("10.0.2.3")
 SUBNET_OTHER = socket.inet_aton("10.0.2.77")  # in the virtual network, nobody there: never routed
+REMOTE4_TEXT, REMOTE6_TEXT = "198.18.0.1", "2001:db8::77"  # on lo of pytest's namespace (module fixture)
+REMOTE4 = socket.inet_aton(REMOTE4_TEXT)
 A6 = lambda text: socket.inet_pton(socket.AF_INET6, text)  # noqa: E731
 GUEST6 = A6("fd00::5054:ff:fe12:3456")
 GUEST_LL = A6("fe80::5054:ff:fe12:3456")
 GW6 = A6("fd00::2")
 DNS6 = A6("fd00::3")
 OTHER6 = A6("fd00::77")
+REMOTE6 = A6(REMOTE6_TEXT)
 GW_LL = A6("fe80::5055:aff:fe00:202")
 ALL_ROUTERS = A6("ff02::2")
 ALL_DHCP = A6("ff02::1:2")
@@ -86,13 +103,23 @@ UNSPEC6 = bytes(16)
 
 SYN, FIN, RST, PSH, ACK = 0x02, 0x01, 0x04, 0x08, 0x10
 
-#: Bounds small enough for the machine to reach them in 40 steps.
+#: Bounds small enough for the machine to reach them in 40 steps: the ``flood`` rule opens up to
+#: 7 TCP, 5 UDP and 4 ICMP flows in one batch, one past each cap, and the caps add up to more than
+#: ``max_flows`` (6 + 4 + 3 > 10), so the table fills and evicts; 2 pending connects per
+#: destination (a quarter of 8) and 4 DNS queries in flight are passed by one burst each.
 CONFIG = dict(
     dns_timeout=0.05, tcp_connect_timeout=0.3, tcp_linger=0.05, tcp_idle_timeout=0.3,
-    udp_idle_timeout=0.05, icmp_idle_timeout=0.05, max_flows=16, max_tcp_flows=10, max_udp_flows=5,
-    max_icmp_flows=2, max_pending_connects=8, dns_max_inflight=4, inject_queue_size=512, tcp_buffer=64 * 1024,
-    egress_deny=["0.0.0.0/0", "::/0"], egress_allow=["127.0.0.0/8", "::1/128"],
+    udp_idle_timeout=0.05, icmp_idle_timeout=0.05, max_flows=10, max_tcp_flows=6, max_udp_flows=4,
+    max_icmp_flows=3, max_pending_connects=8, dns_max_inflight=4, inject_queue_size=512, tcp_buffer=64 * 1024,
+    egress_deny=["0.0.0.0/0", "::/0"],
+    egress_allow=["127.0.0.0/8", "::1/128", REMOTE4_TEXT + "/32", REMOTE6_TEXT + "/128"],
 )
+#: What the runs of the module must have reached, summed (checked when the module ends).
+REACHED = ("drop.limit_tcp_flows", "drop.limit_udp_flows", "drop.limit_icmp_flows", "flows_evicted",
+           "drop.limit_pending_connects", "drop.dns_too_many_queries", "flows.icmp.opened",
+           "model.tcp_echo_bytes", "model.tcp_graceful_closes")
+#: The reach check needs this many runs (a short run on demand may miss a bound by chance).
+REACH_MIN_RUNS = 30
 #: Fds the machine may hold above its baseline besides the flows' (loop, socketpair, servers, probes).
 FD_SLACK = 32
 #: Loop iterations after each rule: enough for a loopback round trip through an echo server.
@@ -132,12 +159,23 @@ TOTALS: collections.Counter = collections.Counter()
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _remote_addresses():
+    """The machine's remote destinations (ICMP echo flows) exist on ``lo`` while the module runs."""
+    with namespace_address(REMOTE4_TEXT), namespace_address(REMOTE6_TEXT):
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _print_totals():
     yield
     runs = TOTALS.pop("runs", 0)
     print(f"\n{runs} runs; stack counters summed over them:")
     for k, v in sorted(TOTALS.items()):
         print(f"  {k} {v}")
+    if runs >= REACH_MIN_RUNS:
+        missing = [k for k in REACHED if not TOTALS.get(k)]
+        assert not missing, f"{runs} runs of the state machine never reached {missing}"
+    TOTALS.clear()
 
 
 # ------------------------------------------------------------------------------ wire helpers
@@ -247,6 +285,7 @@ class Conn:
         self.win = win
         self.state = "syn-sent"  # "open" after a SYN-ACK, "reset" after a RST either way
         self.fin_sent = False
+        self.fin_received = False  # the stack's FIN, in order
         self.got = 0
 
     def ack_no(self) -> int:
@@ -375,6 +414,9 @@ class StackMachine(RuleBasedStateMachine):
         self.serve_task = self.loop.create_task(self.stack.serve(SocketPairTransport(stack_end)))
         self.conns: dict[int, Conn] = {}
         self.next_port = 40000
+        self.next_udp_port = 3000
+        self.next_ident = 1
+        self.graceful_closes = 0
         self.frames_given = 0
         self.frames_out = 0
         self.malformed_out: list = []
@@ -400,6 +442,11 @@ class StackMachine(RuleBasedStateMachine):
         tr, _ = await loop.create_datagram_endpoint(_DnsUp, local_addr=("127.0.0.1", 0))
         self.dgram.append(tr)
         ports["dns"] = tr.get_extra_info("sockname")[1]
+        # never accepts: once its queue (one connection) is full, host connects to it hang
+        self.hole = socket.socket()
+        self.hole.bind(("127.0.0.1", 0))
+        self.hole.listen(0)
+        ports["hole4"] = self.hole.getsockname()[1]
         return ports
 
     def teardown(self) -> None:
@@ -419,6 +466,8 @@ class StackMachine(RuleBasedStateMachine):
             TOTALS.update({"runs": 1, "model.tcp_opened": len(self.conns),
                            "model.tcp_synack": sum(c.rcv_nxt is not None for c in self.conns.values()),
                            "model.tcp_bytes_from_stack": sum(c.got for c in self.conns.values()),
+                           "model.tcp_echo_bytes": sum(c.got for c in self.conns.values() if c.kind == "echo"),
+                           "model.tcp_graceful_closes": self.graceful_closes,
                            "model.frames_to_guest": self.frames_out})
             for srv in self.servers:
                 srv.close()
@@ -426,6 +475,7 @@ class StackMachine(RuleBasedStateMachine):
                 tr.abort()
             for tr in self.dgram:
                 tr.close()
+            self.hole.close()
             self._spin(PUMP)
             for srv in self.servers:
                 loop.run_until_complete(srv.wait_closed())
@@ -559,6 +609,8 @@ class StackMachine(RuleBasedStateMachine):
         if conn.rcv_nxt is not None and seq == conn.rcv_nxt:
             conn.rcv_nxt = (seq + data_len + (1 if flags & FIN else 0)) & 0xFFFFFFFF
             conn.got += data_len
+            if flags & FIN:
+                conn.fin_received = True
 
     def _tcp_frame(self, c: Conn, flags: int, seq: int | None = None, payload: bytes = b"",
                    win: int | None = None, ack: int | None = None, opts: bytes = b"") -> bytes:
@@ -568,6 +620,16 @@ class StackMachine(RuleBasedStateMachine):
 
     def _conn(self, data) -> Conn:
         return self.conns[data.draw(st.sampled_from(sorted(self.conns)), label="conn")]
+
+    def _open_echo(self) -> list:
+        """Ports of the connections to an echo listener that are established and not closing."""
+        return sorted(p for p, c in self.conns.items()
+                      if c.kind == "echo" and c.state == "open" and not c.fin_sent and c.win)
+
+    def _syn(self, v6: bool, dst: bytes, dport: int, kind: str, isn: int) -> tuple[Conn, bytes]:
+        self.next_port += 1
+        c = self.conns[self.next_port] = Conn(v6, self.next_port, dst, dport, kind, isn, 65535)
+        return c, self._tcp_frame(c, SYN, seq=isn, ack=0, opts=LINUX_SYN_OPTS)
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -660,15 +722,15 @@ class StackMachine(RuleBasedStateMachine):
         self._give(f)
         return f
 
-    @rule(target=sent, v6=FAMILY, where=st.sampled_from(["gw", "dns", "ll", "other"]), ident=st.integers(0, 65535),
+    @rule(target=sent, v6=FAMILY, where=st.sampled_from(["gw", "dns", "ll", "other", "remote"]), ident=st.integers(0, 65535),
           seq=st.integers(0, 65535), size=st.sampled_from([0, 8, 56, 1400]))
     def icmp_echo(self, v6, where, ident, seq, size):
         payload = pattern(size, seq)
         if v6:
-            dst = {"gw": GW6, "dns": DNS6, "ll": GW_LL, "other": OTHER6}[where]
+            dst = {"gw": GW6, "dns": DNS6, "ll": GW_LL, "other": OTHER6, "remote": REMOTE6}[where]
             f = l4_frame(True, 58, struct.pack("!BBHHH", 128, 0, 0, ident, seq) + payload, dst, 2)
         else:
-            dst = {"gw": GW, "dns": DNS, "ll": GW, "other": SUBNET_OTHER}[where]
+            dst = {"gw": GW, "dns": DNS, "ll": GW, "other": SUBNET_OTHER, "remote": REMOTE4}[where]
             f = l4_frame(False, 1, struct.pack("!BBHHH", 8, 0, 0, ident, seq) + payload, dst, 2)
         self._give(f)
         return f
@@ -788,6 +850,96 @@ class StackMachine(RuleBasedStateMachine):
         f = self._tcp_frame(c, SYN, seq=c.snd_nxt - 1, ack=0, opts=opts)
         self._give(f)
         return f
+
+    # ------------------------------------------------------------------ bounds: floods and bursts
+    @precondition(lambda self: len(self.conns) < 150)
+    @rule(target=sent, v6=FAMILY, n_tcp=st.integers(0, 7), n_udp=st.integers(0, 5), n_icmp=st.integers(0, 4),
+          rnd=st.randoms(use_true_random=False))
+    def flood(self, v6, n_tcp, n_udp, n_icmp, rnd):
+        """New flows in one batch, in a random order: TCP to the echo listener, UDP to the echo
+        server from new ports, echo requests with new identifiers to the remote address -- past
+        ``max_tcp_flows``, ``max_udp_flows``, ``max_icmp_flows`` and, together with the flows
+        already open, ``max_flows`` (eviction). Then the handshakes the stack answered are
+        completed (one ACK each, one batch)."""
+        tag = "6" if v6 else "4"
+        gw = GW6 if v6 else GW
+        frames, new = [], []
+        for _ in range(n_tcp):
+            c, f = self._syn(v6, gw, self.ports["echo" + tag], "echo", rnd.getrandbits(32))
+            new.append(c)
+            frames.append(f)
+        for _ in range(n_udp):
+            self.next_udp_port = 3000 + (self.next_udp_port - 2999) % 20000
+            frames.append(l4_frame(v6, 17, udp_msg(self.next_udp_port, self.ports["uecho" + tag], b"flood"), gw, 6))
+        for _ in range(n_icmp):
+            self.next_ident = self.next_ident % 65535 + 1
+            if v6:
+                frames.append(l4_frame(True, 58, struct.pack("!BBHHH", 128, 0, 0, self.next_ident, 1) + b"flood",
+                                       REMOTE6, 2))
+            else:
+                frames.append(l4_frame(False, 1, struct.pack("!BBHHH", 8, 0, 0, self.next_ident, 1) + b"flood",
+                                       REMOTE4, 2))
+        if not frames:
+            return multiple()
+        rnd.shuffle(frames)
+        self._give(*frames)
+        acks = [self._tcp_frame(c, ACK) for c in new if c.state == "open"]
+        if acks:
+            self._give(*acks)
+        return multiple(*frames, *acks)
+
+    @precondition(lambda self: len(self.conns) < 150)
+    @rule(target=sent, n=st.integers(3, 6), isn=st.integers(0, 2**32 - 1))
+    def syn_burst_to_hole(self, n, isn):
+        """SYNs in one batch to the listener that never accepts: past the one connection its
+        queue holds, the host connects hang (pending, until ``tcp_connect_timeout``); beyond a
+        quarter of ``max_pending_connects`` towards it they are refused (RST)."""
+        frames = [self._syn(False, GW, self.ports["hole4"], "hole", (isn + i) & 0xFFFFFFFF)[1] for i in range(n)]
+        self._give(*frames)
+        return multiple(*frames)
+
+    @rule(target=sent, v6=FAMILY, n=st.integers(3, 8), first=st.integers(0, 65000))
+    def dns_burst(self, v6, n, first):
+        """DNS queries in one batch, more than ``dns_max_inflight`` can take."""
+        frames = [l4_frame(v6, 17, udp_msg(1100 + i, 53, dns_query(first + i, "burst.test", 1)), DNS6 if v6 else DNS, 6)
+                  for i in range(n)]
+        self._give(*frames)
+        return multiple(*frames)
+
+    @precondition(lambda self: self._open_echo())
+    @rule(target=sent, data=st.data(), size=st.sampled_from([1, 100, 1460, 4000]))
+    def tcp_echo_roundtrip(self, data, size):
+        """In-order data on an established echo connection; the host echoes it; then an ACK of
+        what came back."""
+        c = self.conns[data.draw(st.sampled_from(self._open_echo()), label="conn")]
+        payload = pattern(size, c.snd_nxt)
+        frames = []
+        for i in range(0, size, 1000):
+            chunk = payload[i:i + 1000]
+            frames.append(self._tcp_frame(c, ACK | PSH, payload=chunk))
+            c.snd_nxt = (c.snd_nxt + len(chunk)) & 0xFFFFFFFF
+        self._give(*frames)
+        ack = self._tcp_frame(c, ACK)
+        self._give(ack)
+        return multiple(*frames, ack)
+
+    @precondition(lambda self: self._open_echo())
+    @rule(target=sent, data=st.data())
+    def tcp_close_gracefully(self, data):
+        """A FIN on an established echo connection: the host closes on EOF, so the stack's FIN
+        follows; the guest ACKs it and the flow leaves the table (counted when it did, no RST)."""
+        c = self.conns[data.draw(st.sampled_from(self._open_echo()), label="conn")]
+        fin = self._tcp_frame(c, FIN | ACK)
+        c.snd_nxt = (c.snd_nxt + 1) & 0xFFFFFFFF
+        c.fin_sent = True
+        self._give(fin)
+        if not (c.fin_received and c.state == "open"):
+            return fin
+        ack = self._tcp_frame(c, ACK)
+        self._give(ack)
+        if (6, GUEST6 if c.v6 else GUEST, c.sport, c.dst, c.dport) not in self.stack.flows and c.state == "open":
+            self.graceful_closes += 1
+        return multiple(fin, ack)
 
     # ------------------------------------------------------------------ fragments, extension headers
     @rule(target=sent, inner=st.sampled_from(["uecho", "dns", "icmp", "tcp_closed"]), size=st.sampled_from([24, 600, 3000]),
