@@ -645,6 +645,9 @@ class StackMachine(RuleBasedStateMachine):
     @invariant()
     def every_frame_counted(self) -> None:
         assert self.stack.counters["frames_in"] == self.frames_given
+        # each frame has exactly one outcome, counted where it happened (handled.* or a drop)
+        frames_in, handled, dropped = self.stack.frame_outcomes()
+        assert frames_in == handled + dropped, sorted(self.stack.counters.items())
 
     @invariant()
     def flows_within_bounds(self) -> None:
