@@ -485,13 +485,13 @@ def _check_qemu_args(args: argparse.Namespace) -> None:
 
 
 def _ifname(args: argparse.Namespace, positional: str | None) -> str:
-    from .transport.tap import TapError, _check_ifname
+    from .host.tapdev import TapError, check_ifname
 
     if args.ifname and positional and args.ifname != positional:
         raise ConfigError("IFNAME", f"{positional!r} conflicts with --ifname {args.ifname!r}")
     name = positional or args.ifname or "tap0"
     try:
-        _check_ifname(name)
+        check_ifname(name)
     except TapError as exc:
         raise ConfigError("--ifname" if not positional else "IFNAME", str(exc)) from None
     return name

@@ -36,7 +36,8 @@ import sys
 from typing import Any, Callable, Sequence
 
 from .config import NetworkConfig
-from .lifecycle import DEFAULT_STOP_TIMEOUT, GracefulStop, farewell
+from .host.signals import DEFAULT_STOP_TIMEOUT, GracefulStop
+from .lifecycle import farewell
 from .transport.tap import TapTransport
 
 __all__ = [
@@ -376,7 +377,7 @@ async def run_in_namespace(
     process dies the command gets SIGKILL (``PR_SET_PDEATHSIG``). With ``forward_signals``, a
     command still running ``stop_timeout`` seconds after SIGTERM (at once after a second
     SIGTERM) has its network stopped, every connection reset, and is killed one second later
-    (:class:`~aioslirp.lifecycle.GracefulStop`). When the command exits while processes it
+    (:class:`~aioslirp.host.signals.GracefulStop`). When the command exits while processes it
     left behind still hold connections through the stack, those are reset (RST) before the
     stack stops, so that none of them waits on a network that is gone.
     """

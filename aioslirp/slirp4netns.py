@@ -28,7 +28,7 @@ loop exists:
    with the child's work), receives the fd, reaps the child and runs the event loop: the
    :class:`~aioslirp.stack.Stack` serves the TAP; the API server (:mod:`aioslirp.api`)
    listens on ``--api-socket``; ``--enable-sandbox`` / ``--enable-seccomp`` lock the
-   process down (:mod:`aioslirp.sandbox`); only then is ``"1"`` written to the ready fd
+   process down (:mod:`aioslirp.host.sandbox`); only then is ``"1"`` written to the ready fd
    and the fd closed.
 3. It runs until the exit fd (``-e``) reports any event (its peer hung up: Podman's
    conmon exited), SIGTERM/SIGINT/SIGHUP, the TAP fails (the namespace is gone) or, with
@@ -309,10 +309,10 @@ def parse_args(argv: Sequence[str]) -> Options:
         opts.tapname = pos[1]
         opts.extra_args = pos[2:]
     if opts.tapname is not None:
-        from .transport.tap import TapError, _check_ifname
+        from .host.tapdev import TapError, check_ifname
 
         try:
-            _check_ifname(opts.tapname)
+            check_ifname(opts.tapname)
         except TapError as exc:
             raise UsageError("TAPNAME", str(exc)) from None
     if ns.userns_path is not None:
@@ -780,7 +780,7 @@ async def serve(opts: Options, config, tap_fd: int, ifname: str, *, stack_factor
                 loop.add_signal_handler(sig, stop, signal.Signals(sig).name)
                 installed.append(sig)
             if opts.enable_sandbox or opts.enable_seccomp:
-                from . import sandbox
+                from .host import sandbox
 
                 try:
                     if opts.enable_seccomp and sandbox.load_libseccomp() is None:
