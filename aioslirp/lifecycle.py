@@ -11,17 +11,16 @@ moment to hand those frames to the transport, which the caller closes afterwards
 
 When the guest itself went away (the TAP's process exited, QEMU disconnected) there is no
 one to tell: the flows are torn down without it (:meth:`Stack.aclose`, :meth:`Stack.reset_flows`).
+
+``aioslirp run``'s SIGTERM handling (:class:`~aioslirp.host.signals.GracefulStop`) is host
+plumbing, in :mod:`aioslirp.host.signals`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import signal
 
-__all__ = ["DEFAULT_STOP_TIMEOUT", "GracefulStop", "farewell"]
-
-log = logging.getLogger("aioslirp.netns")
+__all__ = ["farewell"]
 
 #: Longest wait, in seconds, for the inject queue to drain after the RSTs were queued.
 DRAIN_TIMEOUT = 0.25
@@ -47,59 +46,3 @@ async def farewell(stack, timeout: float = DRAIN_TIMEOUT) -> int:
         await asyncio.sleep(0.001)
     await asyncio.sleep(0)  # the writer's last batch reaches the transport
     return n
-
-
-#: Seconds ``aioslirp run`` gives the command after forwarding SIGTERM before it stops the network.
-DEFAULT_STOP_TIMEOUT = 10.0
-#: Seconds between stopping the network and SIGKILL for a command that still did not exit.
-KILL_DELAY = 1.0
-
-
-class GracefulStop:
-    """SIGTERM handling of ``aioslirp run`` (like ``docker stop``).
-
-    The first SIGTERM is forwarded to the command (``send_signal(SIGTERM)``), which keeps its
-    network while it shuts down. If it is still running ``timeout`` seconds later (at once on
-    a second SIGTERM), the stack is stopped: :func:`farewell` resets every guest connection
-    (the command sees ECONNRESET) and the TAP closes; :data:`KILL_DELAY` seconds after that the
-    command gets SIGKILL. ``cancel()`` disarms the timers (the command exited).
-    """
-
-    def __init__(self, stack, send_signal, timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
-        self.stack = stack
-        self.send_signal = send_signal
-        self.timeout = float(timeout)
-        self.terms = 0
-        self._timer: asyncio.TimerHandle | None = None
-        self._kill: asyncio.TimerHandle | None = None
-
-    def __call__(self) -> None:
-        """The SIGTERM handler (``loop.add_signal_handler(SIGTERM, graceful)``)."""
-        self.terms += 1
-        loop = asyncio.get_running_loop()
-        if self.terms == 1:
-            self.send_signal(signal.SIGTERM)
-            self._timer = loop.call_later(self.timeout, self.expire)
-        else:
-            self.expire()
-
-    def expire(self) -> None:
-        """Stop the network now; SIGKILL the command :data:`KILL_DELAY` seconds later."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._kill is not None:
-            return
-        log.warning(
-            "the command did not exit after SIGTERM: stopping its network, SIGKILL in %g s", KILL_DELAY)
-        try:
-            self.stack.close()
-        except Exception:  # pragma: no cover - a custom stack factory
-            pass
-        self._kill = asyncio.get_running_loop().call_later(KILL_DELAY, self.send_signal, signal.SIGKILL)
-
-    def cancel(self) -> None:
-        for t in (self._timer, self._kill):
-            if t is not None:
-                t.cancel()
-        self._timer = self._kill = None

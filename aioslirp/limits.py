@@ -12,7 +12,7 @@ cost on the packet path of an existing flow is zero.
 
 :meth:`Guard.admit` checks, in this order, and the first that fails refuses the new flow:
 
-1. the egress policy (:mod:`aioslirp.policy`): a denied destination is answered with ICMP
+1. the egress policy (:mod:`aioslirp.config.policy`): a denied destination is answered with ICMP
    destination unreachable, *communication administratively prohibited* (ICMP type 3 code
    13; ICMPv6 type 1 code 1), counted as ``drop.egress_denied``;
 2. the per-protocol flow caps ``max_tcp_flows`` / ``max_udp_flows`` / ``max_icmp_flows``
@@ -54,7 +54,9 @@ import asyncio
 import logging
 import time
 
-from .policy import EgressPolicy
+from .config.limits import LIMIT_FIELDS, parse_limits  # noqa: F401 - their old import path
+from .config.policy import EgressPolicy
+from .ratelimit import TokenBucket
 
 __all__ = ["DENIED", "FD_RESERVE", "Guard", "LIMIT_FIELDS", "TokenBucket", "fd_budgets", "parse_limits"]
 
@@ -115,34 +117,11 @@ def raise_fd_limit(want: int) -> int:
     return soft
 
 
-class TokenBucket:
-    """``rate`` tokens per second, at most ``burst`` saved; :meth:`take` spends one (False: empty)."""
-
-    __slots__ = ("rate", "burst", "tokens", "stamp")
-
-    def __init__(self, rate: float, burst: float, now: float | None = None) -> None:
-        self.rate = float(rate)
-        self.burst = float(burst)
-        self.tokens = float(burst)
-        self.stamp = time.monotonic() if now is None else now
-
-    def take(self, now: float) -> bool:
-        tokens = self.tokens + (now - self.stamp) * self.rate
-        self.stamp = now
-        if tokens > self.burst:
-            tokens = self.burst
-        if tokens < 1.0:
-            self.tokens = tokens
-            return False
-        self.tokens = tokens - 1.0
-        return True
-
-
 class Guard:
     """Admission control and the TCP idle reaper of one :class:`~aioslirp.stack.Stack`.
 
     Attributes:
-        policy: the :class:`~aioslirp.policy.EgressPolicy` built from the config.
+        policy: the :class:`~aioslirp.config.policy.EgressPolicy` built from the config.
         active: open flows by protocol name (``"tcp"``, ``"udp"``, ``"icmp"``), both families.
         caps: the per-protocol caps from the config.
     """
@@ -322,36 +301,3 @@ class Guard:
                 counts[f.proto_name] += 1
         self.active = counts
         self._reaper = stack._loop.call_later(self._reap_interval, self._reap)
-
-
-#: ``NetworkConfig`` fields that ``--limit NAME=VALUE`` may set, with their types.
-LIMIT_FIELDS = {
-    "max_flows": int, "max_tcp_flows": int, "max_udp_flows": int, "max_icmp_flows": int,
-    "max_pending_connects": int, "new_flow_rate": float, "new_flow_burst": int, "dns_max_inflight": int,
-    "inject_queue_size": int, "tcp_buffer": int, "tcp_connect_timeout": float, "tcp_idle_timeout": float,
-    "tcp_linger": float, "udp_idle_timeout": float, "icmp_idle_timeout": float,
-    "reassembly_max_datagrams": int, "reassembly_max_fragments": int, "reassembly_max_bytes": int,
-    "reassembly_timeout": float,
-}
-
-
-def parse_limits(values) -> dict:
-    """``["max_flows=4096", "new_flow_rate=0"]`` -> ``{"max_flows": 4096, "new_flow_rate": 0.0}``.
-
-    Raises :class:`~aioslirp.config.ConfigError` naming ``--limit`` for an unknown name or a bad number.
-    """
-    from .config import ConfigError
-
-    out: dict = {}
-    for text in values or ():
-        name, sep, value = str(text).partition("=")
-        name = name.strip().replace("-", "_")
-        if not sep or name not in LIMIT_FIELDS:
-            raise ConfigError("--limit", f"{text!r}: expected NAME=VALUE with NAME one of {', '.join(LIMIT_FIELDS)}")
-        kind = LIMIT_FIELDS[name]
-        try:
-            out[name] = kind(value.strip())
-        except ValueError:
-            what = "a whole number" if kind is int else "a number"
-            raise ConfigError("--limit", f"{text!r}: {value.strip()!r} is not {what}") from None
-    return out

@@ -39,6 +39,7 @@ import time
 
 from .checksum import finish, partial
 from .ethernet import ETH, ETH_HLEN, ETHERTYPE_IPV6
+from ..ratelimit import ICMP_ERROR_BURST, ICMP_ERROR_RATE, TokenBucket  # noqa: F401 - their old import path
 from .reassembly import DEFAULT_MAX_BYTES, Reassembler
 
 __all__ = [
@@ -566,28 +567,3 @@ class Ipv6Reassembler:
             self._drop("ndp_fragmented")
             return None
         return bytes(pkt)
-
-
-#: The rate limit of the ICMP and ICMPv6 errors we send: errors per second, and the burst.
-ICMP_ERROR_RATE, ICMP_ERROR_BURST = 100.0, 50.0
-
-
-class TokenBucket:
-    """Rate limiter for the ICMPv6 errors (RFC 4443 2.4 (f)) and the ICMPv4 errors (RFC 1812
-    4.3.2.8) we send, one per family: ``rate`` tokens per second, ``burst`` at most."""
-
-    def __init__(self, rate: float = ICMP_ERROR_RATE, burst: float = ICMP_ERROR_BURST) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.tokens = burst
-        self.last: float | None = None
-
-    def allow(self, now: float) -> bool:
-        """Take one token at time ``now`` (seconds); False when none is left."""
-        if self.last is not None:
-            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
-        self.last = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False

@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 
-from .config import NetworkConfig
+from ..config import NetworkConfig
 
 PAGE = bytes(range(256)) * 4096  # 1 MiB
 
@@ -79,8 +79,8 @@ def _dns_stub(answer: str) -> tuple[socket.socket, int]:
 
 async def demo(config: NetworkConfig | None = None) -> int:
     """Run the demo; returns 0 when the guest fetched the page intact."""
-    from .netns import run_in_namespace
-    from .stack import Stack
+    from ..host.netns import run_in_namespace
+    from ..stack import Stack
 
     cfg = (config or NetworkConfig()).validate()
     if cfg.disable_host_loopback:

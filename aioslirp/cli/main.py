@@ -1,22 +1,26 @@
-"""Command line: ``aioslirp run``, ``aioslirp attach`` and ``aioslirp qemu``.
+"""Command line: ``aioslirp run``, ``attach``, ``qemu``, ``demo``, ``trace-report`` and ``slirp4netns``.
 
 ``main(argv=None) -> int`` is the console-script entry point. Exit status: the command's
 status for ``run`` (``128 + N`` when it died of signal N), 0 for a clean ``attach`` end,
 2 for bad arguments or options not supported yet (one line naming the option), 1 when
 the namespace or TAP cannot be set up (one line saying why).
+
+Each sub-command's parser names its handler (``set_defaults(run=handler)``); ``main`` parses
+and calls it. The commands that serve a guest share :func:`_serve`: options to a validated
+config, the observability set-up, the stack factory (``--publish``, ``--api-socket``), then
+the command's own session on uvloop.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import signal
 import sys
 from typing import Sequence
 
-from .config import ConfigError, NetworkConfig, parse_hostport
-from .limits import LIMIT_FIELDS
+from ..config import ConfigError, NetworkConfig, parse_hostport
+from ..config.limits import LIMIT_FIELDS, parse_limits
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -145,7 +149,7 @@ def _log_level(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser for ``aioslirp`` (sub-commands ``run`` and ``attach``)."""
-    from . import __version__
+    from .. import __version__
 
     common = argparse.ArgumentParser(add_help=False)
     net = common.add_argument_group("network options")
@@ -261,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stopping the network and killing CMD (a second SIGTERM: at once)",
     )
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="command and arguments (default: $SHELL)")
+    run.set_defaults(run=_cmd_run)
 
     sub.add_parser(
         "demo",
@@ -268,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="offline demo: a guest in a new namespace fetches a page from a host server through the stack",
         description="Start an HTTP server and a DNS upstream on 127.0.0.1, run a Python client in a new "
         "network namespace behind aioslirp, and show what happened. Nothing leaves the machine.",
-    )
+    ).set_defaults(run=_cmd_demo)
 
     att = sub.add_parser(
         "attach",
@@ -281,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     att.add_argument("--netns", metavar="PATH", help="network namespace file, e.g. /run/netns/NAME or /proc/PID/ns/net")
     att.add_argument("target", nargs="*", metavar="PID [IFNAME]", help="process whose namespace to serve, and the TAP name")
+    att.set_defaults(run=_cmd_attach)
     for p in (run, att):
         p.add_argument(
             "--no-offload",
@@ -305,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--connections", type=int, default=10, metavar="N", help="timelines to print (default 10; 0: all)"
     )
+    rep.set_defaults(run=_cmd_trace_report)
 
     qemu = sub.add_parser(
         "qemu",
@@ -317,17 +324,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_QEMU_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    # Listed here for --help only: main() hands "aioslirp slirp4netns ..." to aioslirp.slirp4netns as is.
-    sub.add_parser(
+    # Listed here for --help only: main() hands "aioslirp slirp4netns ..." to aioslirp.cli.slirp4netns as is.
+    s4 = sub.add_parser(
         "slirp4netns",
         add_help=False,
         help="drop-in for the slirp4netns binary (RootlessKit, Podman); see 'aioslirp slirp4netns --help'",
-    ).add_argument("slirp4netns_args", nargs=argparse.REMAINDER)
+    )
+    s4.add_argument("slirp4netns_args", nargs=argparse.REMAINDER)
+    s4.set_defaults(run=_cmd_slirp4netns)
 
     where = qemu.add_mutually_exclusive_group(required=True)
     where.add_argument("--socket", metavar="PATH", help="UNIX socket path to listen on (created; removed on exit)")
     where.add_argument("--fd", type=_fd_number, metavar="N", help="serve the connected socket inherited as fd N (e.g. a socketpair end)")
     qemu.add_argument("--dgram", action="store_true", help="-netdev dgram: one frame per datagram (default: -netdev stream)")
+    qemu.set_defaults(run=_cmd_qemu)
     return parser
 
 
@@ -364,8 +374,6 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
         kwargs["egress_allow"] = list(args.allow)
     if getattr(args, "deny", None):
         kwargs["egress_deny"] = list(args.deny)
-    from .limits import parse_limits
-
     kwargs.update(parse_limits(getattr(args, "limit", None)))
     if getattr(args, "stop_timeout", None) is not None and not args.stop_timeout >= 0:
         raise ConfigError("--stop-timeout", f"{args.stop_timeout!r} must be a number of seconds >= 0")
@@ -422,7 +430,7 @@ def _api_socket_problem(path: str) -> str | None:
     socket path, plus a writable directory."""
     import os
 
-    from .qemu import check_socket_path
+    from ..qemu import check_socket_path
 
     problem = check_socket_path(path)
     if problem is None:
@@ -432,21 +440,24 @@ def _api_socket_problem(path: str) -> str | None:
     return problem
 
 
-def _stack_factory(args: argparse.Namespace, base=None):
-    """``stack_factory`` for the entry points when ``--publish``/``--api-socket`` are given, else None.
+def _stack_factory(args: argparse.Namespace, obs, unused_by: str | None = None):
+    """``stack_factory`` for the entry points: the observability's (``obs``: pcap, spans,
+    metrics) when active, with ``--publish``/``--api-socket`` served on top when given; else None.
 
     Parses every ``--publish`` (``ConfigError`` naming ``--publish``); the forwards are bound
     and the API socket listens before the guest starts (a port in use: ``ForwardError``).
+    ``unused_by``: the command that takes neither option (``"demo"``): ``ConfigError`` when given.
     """
-    from .forward import parse_publish
+    from ..forward import parse_publish
 
+    base = obs.stack_factory() if obs.active else None
     forwards = [parse_publish(v, "--publish") for v in args.publish or ()]
     _check_publish_clashes(forwards)
     api_socket = getattr(args, "api_socket", None)
     if not forwards and not api_socket:
         return base
-    if args.command_name == "demo":
-        raise ConfigError("--publish" if forwards else "--api-socket", "not used by 'aioslirp demo'")
+    if unused_by is not None:
+        raise ConfigError("--publish" if forwards else "--api-socket", f"not used by 'aioslirp {unused_by}'")
     if api_socket is not None and not api_socket.strip():
         raise ConfigError("--api-socket", "empty path")
     if api_socket is not None:
@@ -455,7 +466,7 @@ def _stack_factory(args: argparse.Namespace, base=None):
             raise ConfigError("--api-socket", problem)
 
     def factory(config):
-        from .api import serving_stack
+        from ..api import serving_stack
 
         return serving_stack(config, forwards=forwards, api_socket=api_socket, stack_factory=base)
 
@@ -464,7 +475,7 @@ def _stack_factory(args: argparse.Namespace, base=None):
 
 def _check_qemu_args(args: argparse.Namespace) -> None:
     """Validate ``aioslirp qemu`` options; raises ConfigError naming the option."""
-    from .qemu import check_socket_path
+    from ..qemu import check_socket_path
 
     if args.ifname:
         raise ConfigError("--ifname", "not used by 'aioslirp qemu' (the guest's NIC is QEMU's)")
@@ -485,13 +496,13 @@ def _check_qemu_args(args: argparse.Namespace) -> None:
 
 
 def _ifname(args: argparse.Namespace, positional: str | None) -> str:
-    from .transport.tap import TapError, _check_ifname
+    from ..host.tapdev import TapError, check_ifname
 
     if args.ifname and positional and args.ifname != positional:
         raise ConfigError("IFNAME", f"{positional!r} conflicts with --ifname {args.ifname!r}")
     name = positional or args.ifname or "tap0"
     try:
-        _check_ifname(name)
+        check_ifname(name)
     except TapError as exc:
         raise ConfigError("--ifname" if not positional else "IFNAME", str(exc)) from None
     return name
@@ -536,36 +547,125 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``aioslirp`` command. Returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["slirp4netns"]:  # slirp4netns's own command line, parsed by its module
-        from .slirp4netns import main as slirp4netns_main
+        return _slirp4netns(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.run(args)
 
-        return slirp4netns_main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command_name == "trace-report":
-        from .trace_report import cli_main
 
-        return cli_main(args)
-    from .observe import Observability
+def _slirp4netns(argv: list[str]) -> int:
+    """``aioslirp slirp4netns ARGS``: the drop-in (:mod:`aioslirp.cli.slirp4netns`), with ``ARGS`` as is."""
+    from .slirp4netns import main as slirp4netns_main
+
+    return slirp4netns_main(argv)
+
+
+def _cmd_slirp4netns(args: argparse.Namespace) -> int:
+    """The ``slirp4netns`` sub-parser's handler (``main`` hands its argv over before parsing)."""
+    return _slirp4netns(args.slirp4netns_args)
+
+
+def _cmd_trace_report(args: argparse.Namespace) -> int:
+    """``aioslirp trace-report FILE``: :func:`aioslirp.cli.trace_report.cli_main`."""
+    from .trace_report import cli_main
+
+    return cli_main(args)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """``aioslirp run [--] [CMD [ARG ...]]``: CMD (default: $SHELL) in a new network namespace; exits
+    with its status."""
+
+    def prepare(config, obs):
+        stack_factory = _stack_factory(args, obs)
+        cmd = list(args.cmd)
+        if cmd and cmd[0] == "--":
+            cmd = cmd[1:]
+        ifname = _ifname(args, None)
+        stop_kw = {} if args.stop_timeout is None else {"stop_timeout": args.stop_timeout}
+
+        def start():
+            from ..host.netns import run_in_namespace
+
+            return run_in_namespace(config, cmd, ifname=ifname, forward_signals=True, stack_factory=stack_factory,
+                                    offload=args.offload, **stop_kw)
+
+        return start
+
+    return _serve(args, prepare)
+
+
+def _cmd_attach(args: argparse.Namespace) -> int:
+    """``aioslirp attach (--netns PATH | PID) [IFNAME]``: serve an existing network namespace."""
+
+    def prepare(config, obs):
+        stack_factory = _stack_factory(args, obs)
+        netns_path, pid, positional_ifname = _attach_target(args)
+        ifname = _ifname(args, positional_ifname)
+
+        def start():
+            from ..host.netns import attach
+
+            return attach(config, netns_path=netns_path, pid=pid, ifname=ifname, handle_signals=True,
+                          stack_factory=stack_factory, offload=args.offload)
+
+        return start
+
+    return _serve(args, prepare)
+
+
+def _cmd_qemu(args: argparse.Namespace) -> int:
+    """``aioslirp qemu (--socket PATH [--dgram] | --fd N)``: serve QEMU guests."""
+
+    def prepare(config, obs):
+        stack_factory = _stack_factory(args, obs)
+        _check_qemu_args(args)
+
+        def start():
+            from ..qemu import serve_qemu
+
+            return serve_qemu(config, path=args.socket, fd=args.fd, dgram=args.dgram, handle_signals=True,
+                              stack_factory=stack_factory)
+
+        return start
+
+    return _serve(args, prepare, socket_errors=True)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """``aioslirp demo``: the offline demo (:mod:`aioslirp.cli.demo`)."""
+
+    def prepare(config, obs):
+        if args.pcap:
+            raise ConfigError("--pcap", "not used by 'aioslirp demo'")
+        _stack_factory(args, obs, unused_by="demo")
+
+        def start():
+            from .demo import demo
+
+            return demo(config)
+
+        return start
+
+    return _serve(args, prepare)
+
+
+def _serve(args: argparse.Namespace, prepare, *, socket_errors: bool = False) -> int:
+    """Run a sub-command that serves a guest; returns the exit status.
+
+    Options -> a validated config and the observability set-up, then ``prepare(config, obs)``
+    checks the command's own options and returns ``start()``, which makes the session's
+    coroutine. Any :class:`ConfigError` up to there prints one line and returns 2, before
+    logging and observability start. The session then runs on uvloop: set-up failures (the
+    namespace, the TAP, a port forward, the API socket) print one line and return 1.
+    ``socket_errors`` (``qemu``): an ``OSError`` / ``ValueError`` names ``--socket`` / ``--fd``.
+    """
+    from ..observe import Observability
 
     obs = Observability.from_args(args)
     try:
         config = config_from_args(args)
         obs.check()
-        if args.command_name == "demo" and args.pcap:
-            raise ConfigError("--pcap", "not used by 'aioslirp demo'")
-        stack_factory = _stack_factory(args, obs.stack_factory() if obs.active else None)
-        if args.command_name == "demo":
-            ifname = "tap0"
-        elif args.command_name == "qemu":
-            _check_qemu_args(args)
-        elif args.command_name == "run":
-            cmd = list(args.cmd)
-            if cmd and cmd[0] == "--":
-                cmd = cmd[1:]
-            ifname = _ifname(args, None)
-        else:
-            netns_path, pid, positional_ifname = _attach_target(args)
-            ifname = _ifname(args, positional_ifname)
+        start = prepare(config, obs)
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -576,27 +676,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    from .api import ApiSocketError
-    from .forward import ForwardError
-    from .netns import NamespaceError, attach, run_in_namespace
-    from .transport.tap import TapError
+    import asyncio
 
-    if args.command_name == "demo":
-        from .demo import demo
+    from ..api import ApiSocketError
+    from ..forward import ForwardError
+    from ..host.netns import NamespaceError
+    from ..host.tapdev import TapError
 
-        coro = demo(config)
-    elif args.command_name == "qemu":
-        from .qemu import serve_qemu
-
-        coro = serve_qemu(config, path=args.socket, fd=args.fd, dgram=args.dgram, handle_signals=True,
-                          stack_factory=stack_factory)
-    elif args.command_name == "run":
-        stop_kw = {} if args.stop_timeout is None else {"stop_timeout": args.stop_timeout}
-        coro = run_in_namespace(config, cmd, ifname=ifname, forward_signals=True, stack_factory=stack_factory,
-                                offload=args.offload, **stop_kw)
-    else:
-        coro = attach(config, netns_path=netns_path, pid=pid, ifname=ifname, handle_signals=True,
-                      stack_factory=stack_factory, offload=args.offload)
+    coro = start()
     try:
         if obs.active:
             # SIGTERM outside the entry points' own handlers: unwind (stack closed, spans flushed).
@@ -610,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        if args.command_name != "qemu":
+        if not socket_errors:
             raise
         where = f"--socket {args.socket}" if args.socket else f"--fd {args.fd}"
         print(f"{PROG}: error: {where}: {exc.strerror or exc}", file=sys.stderr)
@@ -619,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
-        if args.command_name != "qemu":
+        if not socket_errors:
             raise
         print(f"{PROG}: error: --fd: {exc}", file=sys.stderr)
         return 2

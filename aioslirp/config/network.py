@@ -10,18 +10,14 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError, not_a_network, not_an_address
+from .ipv6 import Ipv6Config
+from .policy import parse_rules
+
 __all__ = ["ConfigError", "NetworkConfig", "parse_hostport"]
 
 #: Locally administered MAC used by the virtual gateway and DNS (slirp's 52:55:<IPv4 of the gateway>).
 DEFAULT_GATEWAY_MAC = "52:55:0a:00:02:02"
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. ``str(err)`` is one line naming the field."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
 
 
 def parse_hostport(text: str, default_port: int, field_name: str) -> tuple[str, int]:
@@ -49,32 +45,6 @@ def parse_hostport(text: str, default_port: int, field_name: str) -> tuple[str, 
     except ValueError:
         raise ConfigError(field_name, f"{host!r} is not an IP address") from None
     return host, port
-
-
-def not_a_network(value, version: int) -> str:
-    """One line saying why ``value`` is not an IPv4 (``version`` 4) or IPv6 network, without
-    :mod:`ipaddress`'s wording: names the other family when ``value`` is one of its networks."""
-    text = str(value).strip()
-    example = "10.0.2.0/24" if version == 4 else "fd00::/64"
-    try:
-        other = ipaddress.ip_network(text, strict=False).version
-    except ValueError:
-        other = version
-    if other != version:
-        return f"{text!r} is an IPv{other} network; an IPv{version} network is needed (like {example})"
-    return f"{text!r} is not an IPv{version} network (like {example})"
-
-
-def not_an_address(value, version: int) -> str:
-    """One line saying why ``value`` is not an IPv4 / IPv6 address (no :mod:`ipaddress` wording)."""
-    text = str(value).strip()
-    try:
-        other = ipaddress.ip_address(text).version
-    except ValueError:
-        other = version
-    if other != version:
-        return f"{text!r} is an IPv{other} address; an IPv{version} address is needed"
-    return f"{text!r} is not an IPv{version} address"
 
 
 def _port(text: str, field_name: str) -> int:
@@ -258,8 +228,6 @@ class NetworkConfig:
             raise ConfigError("tcp_idle_timeout", f"{self.tcp_idle_timeout!r}: must be 0 (off) or a positive number of seconds")
         if not 0 <= float(self.new_flow_rate) < float("inf"):
             raise ConfigError("new_flow_rate", f"{self.new_flow_rate!r}: must be 0 (no limit) or a positive rate")
-        from .policy import parse_rules
-
         self.egress_allow = parse_rules(self.egress_allow, "egress_allow")
         self.egress_deny = parse_rules(self.egress_deny, "egress_deny")
         self.egress_default_deny = parse_rules(self.egress_default_deny, "egress_default_deny")
@@ -267,8 +235,6 @@ class NetworkConfig:
             raise ConfigError("tcp_ack_delay", f"{self.tcp_ack_delay!r} is out of range 0-0.5 seconds")
         self.ipv6 = bool(self.ipv6)
         if self.ipv6:
-            from .config6 import Ipv6Config
-
             c6 = Ipv6Config.from_network(self)
             self.cidr6, self.gateway6, self.dns6 = c6.cidr6, c6.gateway6, c6.dns6
         return self

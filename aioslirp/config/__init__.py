@@ -1,0 +1,18 @@
+"""Configuration of one :class:`~aioslirp.Stack`: validated values, no behaviour.
+
+* :mod:`.network`: :class:`NetworkConfig`, the settings of the virtual network, and
+  :func:`parse_hostport`;
+* :mod:`.ipv6`: :class:`~aioslirp.config.ipv6.Ipv6Config`, the IPv6 router variables built
+  from a ``NetworkConfig``;
+* :mod:`.policy`: :class:`~aioslirp.config.policy.EgressPolicy`, the compiled ``--allow`` /
+  ``--deny`` rules;
+* :mod:`.limits`: the ``--limit NAME=VALUE`` fields and their parsing.
+
+They import only :mod:`aioslirp.errors` (where :class:`ConfigError` lives) and one another,
+never a layer above. ``from aioslirp.config import NetworkConfig, ConfigError`` keeps working.
+"""
+
+from ..errors import ConfigError, not_a_network, not_an_address  # noqa: F401 - their old import path
+from .network import DEFAULT_GATEWAY_MAC, NetworkConfig, parse_hostport  # noqa: F401
+
+__all__ = ["ConfigError", "NetworkConfig", "parse_hostport"]

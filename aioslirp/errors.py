@@ -1,0 +1,46 @@
+"""Errors of the configuration layer, and the one-line wording of a bad address or network.
+
+This module sits at the bottom of the package: it imports nothing of aioslirp, so the config
+modules (:mod:`aioslirp.config`), the policy and every layer above can raise and catch
+:class:`ConfigError` without importing one another.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+__all__ = ["ConfigError", "not_a_network", "not_an_address"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. ``str(err)`` is one line naming the field."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+def not_a_network(value, version: int) -> str:
+    """One line saying why ``value`` is not an IPv4 (``version`` 4) or IPv6 network, without
+    :mod:`ipaddress`'s wording: names the other family when ``value`` is one of its networks."""
+    text = str(value).strip()
+    example = "10.0.2.0/24" if version == 4 else "fd00::/64"
+    try:
+        other = ipaddress.ip_network(text, strict=False).version
+    except ValueError:
+        other = version
+    if other != version:
+        return f"{text!r} is an IPv{other} network; an IPv{version} network is needed (like {example})"
+    return f"{text!r} is not an IPv{version} network (like {example})"
+
+
+def not_an_address(value, version: int) -> str:
+    """One line saying why ``value`` is not an IPv4 / IPv6 address (no :mod:`ipaddress` wording)."""
+    text = str(value).strip()
+    try:
+        other = ipaddress.ip_address(text).version
+    except ValueError:
+        other = version
+    if other != version:
+        return f"{text!r} is an IPv{other} address; an IPv{version} address is needed"
+    return f"{text!r} is not an IPv{version} address"

@@ -1,0 +1,17 @@
+"""Process and namespace plumbing: everything that forks, enters a namespace, creates a
+device or handles a process's signals.
+
+* :mod:`.tapdev`: open, create and configure TAP devices (the ``ioctl`` side of ``/dev/net/tun``);
+* :mod:`.netns`: ``aioslirp run`` and ``aioslirp attach`` (:func:`~aioslirp.host.netns.run_in_namespace`,
+  :func:`~aioslirp.host.netns.attach`);
+* :mod:`.nschild`: the one namespace/TAP child process behind ``run``, ``attach`` and the
+  slirp4netns drop-in;
+* :mod:`.slirp4netns`: serving a namespace with slirp4netns's ready/exit fd protocol;
+* :mod:`.isolate`, :mod:`.sandbox`: a loopback-only namespace for tests; the drop-in's
+  ``--enable-sandbox`` / ``--enable-seccomp``;
+* :mod:`.signals`: :class:`~aioslirp.host.signals.GracefulStop`, ``aioslirp run``'s SIGTERM.
+
+Nothing below :mod:`aioslirp.stack` imports this package, except :class:`~aioslirp.transport.tap.TapTransport`,
+which drives a TAP fd with :mod:`.tapdev`'s ioctls (the import-linter contract in
+``pyproject.toml`` says so).
+"""

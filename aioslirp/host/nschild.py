@@ -1,0 +1,557 @@
+"""The namespace/TAP child: one helper process for ``aioslirp run``, ``aioslirp attach`` and
+the slirp4netns drop-in (internal).
+
+Theory of operation
+-------------------
+The TAP device must be created *inside* the guest's network namespace, while every host socket
+of the stack stays in ours; joining a user namespace needs a single-threaded process. So a
+short-lived child does the namespace work and passes the TAP fd back over one end of an
+``AF_UNIX``/``SOCK_SEQPACKET`` socket pair (``SCM_RIGHTS``). :func:`run_child` is its whole
+body, whatever started it; ``spec`` (a JSON-able dict) says what to do:
+
+``run`` mode: new network + mount namespace (plus a user namespace mapping our uid/gid to
+0 when not root), ``/`` made rprivate, a generated resolv.conf bind-mounted over
+``/etc/resolv.conf``, ``lo`` up, the TAP created and configured; the TAP fd is sent to the
+parent, then the helper waits for ``b"g"`` ("go") and execs the command; ``b"g6"`` means "go
+once the TAP has its SLAAC address in ``prefix6``" (bounded wait).
+
+``attach`` mode: enter an existing network namespace (and its owning user namespace when
+not root), bring ``lo`` up (as ``slirp4netns --configure`` does; a failure is a warning),
+create and configure the TAP, send the fd, exit 0.
+
+``join`` mode (the slirp4netns drop-in, :mod:`aioslirp.cli.slirp4netns`): ``setns`` into the
+user namespace ``userns_path`` (``/proc/PID/ns/user`` for ``--netns-type=pid``, or
+``--userns-path``; skipped when it is already ours; a failure is a warning unless it was given
+explicitly), then the network namespace ``netns_path``; open TAP ``ifname`` (``TUNSETIFF``:
+attach to a TAP the caller created, or create it), with a virtio-net header when ``vnet_hdr``
+and plain frames where the TAP refuses one; with ``configure`` (``-c``): ``lo`` up, the MAC,
+the IPv6 sysctls, the MTU, the address and the default route. Send the fd, exit 0.
+
+Two ways to start it, one body:
+
+* **spawned** (``run``, ``attach``; :mod:`aioslirp.host.netns`): ``python -c`` running
+  :func:`main` with ``SPEC_JSON``, the socket's fd number in the spec. The parent already runs
+  an event loop (and maybe threads), and ``run`` must exec the command afterwards;
+* **forked** (``join``; :class:`ForkedChild`): ``os.fork`` at the drop-in's start-up, before
+  any thread or event loop exists, so that the parent imports the stack meanwhile.
+
+Messages to the parent are single JSON objects, one per datagram:
+``{"ok": true, "ifname": NAME, "warnings": [...]}`` with the TAP fd attached (SCM_RIGHTS), or
+``{"ok": false, "error": ONE_LINE}``.
+
+This module imports only the standard library and :mod:`aioslirp` helpers (pyroute2 lazily).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+
+from .isolate import CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWUSER, set_loopback_up, unshare
+
+__all__ = ["ForkedChild", "SetupError", "main", "run_child", "set_pdeathsig", "setns"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+PR_SET_PDEATHSIG = 1
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+NS_GET_USERNS = 0xB701
+RESOLV_CONF = "/etc/resolv.conf"
+#: Seconds a forked child may take to open (and configure) the TAP.
+SETUP_TIMEOUT = 30.0
+
+
+class SetupError(RuntimeError):
+    """A set-up step failed (the namespace, the TAP; for the slirp4netns drop-in also the API
+    socket or the sandbox); ``str()`` is the one line shown to the user."""
+
+
+def _errno_call(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def set_pdeathsig(expected_ppid: int) -> None:
+    """Get SIGKILL when the parent dies; exit at once if it already has."""
+    _errno_call(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != expected_ppid:
+        os._exit(1)
+
+
+def setns(fd: int, nstype: int) -> None:
+    """``setns(2)`` through libc; raises ``OSError``."""
+    _errno_call(_libc.setns(fd, nstype), "setns")
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int) -> None:
+    """``mount(2)`` through libc (no data argument); raises ``OSError``."""
+    enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
+    _errno_call(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), None), f"mount {target}")
+
+
+def _enter_new_namespaces() -> None:
+    """unshare net+mount (and user when not root) and map our ids to root."""
+    if os.geteuid() == 0:
+        try:
+            unshare(CLONE_NEWNET | CLONE_NEWNS)
+        except OSError as exc:
+            raise SetupError(f"cannot create network/mount namespaces: {os.strerror(exc.errno or 0)}") from None
+        return
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS)
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EACCES):
+            raise SetupError(
+                "cannot create a user namespace (Operation not permitted): unprivileged user namespaces are "
+                "disabled or restricted on this system (check sysctl user.max_user_namespaces, "
+                "kernel.unprivileged_userns_clone, kernel.apparmor_restrict_unprivileged_userns)"
+            ) from None
+        if exc.errno == errno.ENOSPC:
+            raise SetupError("cannot create a user namespace: limit reached (sysctl user.max_user_namespaces)") from None
+        raise SetupError(f"cannot create user/network namespaces: {os.strerror(exc.errno or 0)}") from None
+    try:
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+        with open("/proc/self/uid_map", "w") as f:
+            f.write(f"0 {uid} 1")
+        with open("/proc/self/gid_map", "w") as f:
+            f.write(f"0 {gid} 1")
+    except OSError as exc:
+        raise SetupError(f"cannot map uid/gid in the new user namespace: {exc.strerror}") from None
+
+
+def _install_resolv_conf(content: str, warnings: list[str]) -> None:
+    """Make ``/`` rprivate and bind a generated file over /etc/resolv.conf (or its symlink target)."""
+    try:
+        mount(None, "/", None, MS_REC | MS_PRIVATE)
+    except OSError as exc:
+        warnings.append(f"cannot make / private in the new mount namespace ({exc.strerror}); /etc/resolv.conf left as is")
+        return
+    target = os.path.realpath(RESOLV_CONF)
+    if not os.path.isfile(target):
+        warnings.append(
+            f"{RESOLV_CONF} does not exist or points to a missing file ({target}); "
+            "the command inside will not use the virtual DNS unless configured by hand"
+        )
+        return
+    import tempfile
+
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    try:
+        fd, path = tempfile.mkstemp(prefix="aioslirp-resolv.", dir=runtime_dir if runtime_dir else None)
+    except OSError:
+        try:
+            fd, path = tempfile.mkstemp(prefix="aioslirp-resolv.")
+        except OSError as exc:
+            warnings.append(f"cannot write a temporary resolv.conf ({exc.strerror}); {RESOLV_CONF} left as is")
+            return
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(content)
+        try:
+            mount(path, target, None, MS_BIND)
+        except OSError as exc:
+            warnings.append(f"cannot bind-mount a generated resolv.conf over {target} ({exc.strerror})")
+    finally:
+        os.unlink(path)  # the bind mount keeps the (now anonymous) file alive
+
+
+def _enter_existing_namespace(netns_path: str | None, pid: int | None) -> None:
+    """setns into the target netns, first into its owning user namespace when we are not root."""
+    path = netns_path if netns_path else f"/proc/{pid}/ns/net"
+    try:
+        netfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        what = f"process {pid}" if netns_path is None else path
+        raise SetupError(f"cannot open the network namespace of {what}: no such {'process' if netns_path is None else 'file'}") from None
+    except OSError as exc:
+        raise SetupError(f"cannot open network namespace {path}: {exc.strerror}") from None
+    try:
+        if os.geteuid() != 0:
+            userfd = -1
+            try:
+                import fcntl
+
+                userfd = fcntl.ioctl(netfd, NS_GET_USERNS)
+            except OSError:
+                if pid is not None:
+                    try:
+                        userfd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+                    except OSError:
+                        userfd = -1
+            if userfd >= 0:
+                try:
+                    if os.fstat(userfd).st_ino != os.stat("/proc/self/ns/user").st_ino:
+                        try:
+                            setns(userfd, CLONE_NEWUSER)
+                        except OSError as exc:
+                            raise SetupError(
+                                f"cannot enter the user namespace that owns {path}: {os.strerror(exc.errno or 0)} "
+                                "(it must be owned by your user, or run as root)"
+                            ) from None
+                finally:
+                    os.close(userfd)
+        try:
+            setns(netfd, CLONE_NEWNET)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise SetupError(f"{path} is not a network namespace") from None
+            raise SetupError(
+                f"cannot enter network namespace {path}: {os.strerror(exc.errno or 0)}"
+                + (" (run as root or as the owner of its user namespace)" if exc.errno == errno.EPERM else "")
+            ) from None
+    finally:
+        os.close(netfd)
+
+
+def _ns_id(path_or_fd) -> tuple[int, int]:
+    st = os.fstat(path_or_fd) if isinstance(path_or_fd, int) else os.stat(path_or_fd)
+    return st.st_dev, st.st_ino
+
+
+def _join_namespaces(spec: dict) -> list[str]:
+    """``join`` mode: ``setns`` into the target's user namespace ``spec["userns_path"]`` (when
+    one applies and it is not already ours), then its network namespace ``spec["netns_path"]``.
+    ``spec["pid"]`` is the target process (``--netns-type=pid``) or ``None``; a failure to join
+    the user namespace is a warning unless ``spec["userns_required"]`` (``--userns-path``).
+    Returns warnings; raises SetupError."""
+    warnings: list[str] = []
+    netns_path, userns_path, pid = spec["netns_path"], spec.get("userns_path"), spec.get("pid")
+    try:
+        netfd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if pid is not None:
+            raise SetupError(f"process {pid} does not exist") from None
+        raise SetupError(f"{netns_path}: no such network namespace file") from None
+    except OSError as exc:
+        raise SetupError(f"cannot open network namespace {netns_path}: {exc.strerror}") from None
+    try:
+        user_problem = None
+        if userns_path is not None:
+            try:
+                userfd = os.open(userns_path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise SetupError(f"cannot open user namespace {userns_path}: {exc.strerror}") from None
+            try:
+                if _ns_id(userfd) != _ns_id("/proc/self/ns/user"):
+                    try:
+                        setns(userfd, CLONE_NEWUSER)
+                    except OSError as exc:
+                        user_problem = f"cannot join user namespace {userns_path}: {os.strerror(exc.errno or 0)}"
+                        if spec.get("userns_required"):
+                            raise SetupError(user_problem) from None
+                        warnings.append(user_problem + " (joining only the network namespace)")
+            finally:
+                os.close(userfd)
+        try:
+            setns(netfd, CLONE_NEWNET)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise SetupError(f"{netns_path} is not a network namespace") from None
+            msg = f"cannot join network namespace {netns_path}: {os.strerror(exc.errno or 0)}"
+            if user_problem:
+                msg += f" ({user_problem})"
+            elif exc.errno == errno.EPERM:
+                msg += " (run as root or as the owner of its user namespace)"
+            raise SetupError(msg) from None
+    finally:
+        os.close(netfd)
+    return warnings
+
+
+def _set_mac(ifname: str, mac: str) -> None:
+    from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    try:
+        with IPRoute() as ipr:
+            found = ipr.link_lookup(ifname=ifname)
+            if not found:
+                raise OSError(errno.ENODEV, f"cannot configure {ifname}: no such interface")
+            ipr.link("set", index=found[0], address=mac)
+    except NetlinkError as exc:
+        code = int(exc.code or 0)
+        raise OSError(code, f"cannot set MAC address {mac} on {ifname}: {os.strerror(code) if code else exc}") from None
+
+
+def _configure_joined(ifname: str, spec: dict) -> list[str]:
+    """``join`` mode with ``configure`` (``-c``): lo up, MAC (``spec["mac"]``, or none), MTU,
+    CIDR+100/prefix, link up, default route via CIDR+2; with ``spec["ipv6"]`` (``-6``) the TAP
+    first accepts router advertisements without DAD (SLAAC in fd00::/64). Returns warnings."""
+    from .netns import configure_interface, configure_ipv6_sysctls
+
+    try:
+        set_loopback_up()
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot bring lo up: {exc.strerror}") from None
+    if spec.get("mac") is not None:
+        _set_mac(ifname, spec["mac"])
+    warnings = configure_ipv6_sysctls(ifname, True) if spec.get("ipv6") else []
+    configure_interface(
+        ifname,
+        address=spec["address"],
+        prefixlen=int(spec["prefixlen"]),
+        gateway=spec["gateway"],
+        mtu=int(spec["mtu"]),
+    )
+    return warnings
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        text = str(exc.strerror) if exc.filename is None else f"{exc.filename}: {exc.strerror}"
+    else:
+        text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+def _send(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(msg).encode()
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def _exec(argv: list[str]) -> int:
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE/SIGXFSZ; exec would keep SIG_IGN
+    if not argv or not argv[0]:
+        print("aioslirp: : command not found (an empty command name)", file=sys.stderr)
+        return 127
+    try:
+        os.execvp(argv[0], argv)
+    except FileNotFoundError:
+        print(f"aioslirp: {argv[0]}: command not found", file=sys.stderr)
+        return 127
+    except OSError as exc:
+        print(f"aioslirp: {argv[0]}: {exc.strerror}", file=sys.stderr)
+        return 126
+    return 127  # not reached
+
+
+def _enter_run(spec: dict, warnings: list[str]) -> None:
+    _enter_new_namespaces()
+    set_pdeathsig(int(spec["ppid"]))  # credentials changed: set again to be sure
+    if spec.get("resolv_conf") is not None:
+        _install_resolv_conf(spec["resolv_conf"], warnings)
+    set_loopback_up()
+
+
+def _enter_attach(spec: dict, warnings: list[str]) -> None:
+    _enter_existing_namespace(spec.get("netns_path"), spec.get("pid"))
+    try:
+        set_loopback_up()
+    except OSError as exc:
+        warnings.append(f"cannot bring lo up in the namespace ({exc.strerror or exc})")
+
+
+def _enter_join(spec: dict, warnings: list[str]) -> None:
+    warnings.extend(_join_namespaces(spec))
+
+
+def _create_tap(spec: dict, warnings: list[str]) -> tuple[int, str]:
+    """``run`` / ``attach``: create the TAP with its MTU, set its IPv6 sysctls, address and route."""
+    from .netns import configure_interface, configure_ipv6_sysctls
+    from .tapdev import create_tap
+
+    fd, ifname = create_tap(spec["ifname"], spec["mtu"], vnet_hdr=bool(spec.get("vnet_hdr")))
+    try:
+        if "ipv6" in spec:  # before the link goes up: SLAAC without DAD, or no IPv6 at all
+            warnings += configure_ipv6_sysctls(ifname, bool(spec["ipv6"]))
+        configure_interface(
+            ifname,
+            address=spec["address"],
+            prefixlen=int(spec["prefixlen"]),
+            gateway=spec["gateway"],
+            mtu=None,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, ifname
+
+
+def _open_tap(spec: dict, warnings: list[str]) -> tuple[int, str]:
+    """``join``: attach to (or create) the TAP; configure it only with ``spec["configure"]``."""
+    from .tapdev import open_tap
+
+    offload = bool(spec.get("vnet_hdr"))
+    try:
+        fd, ifname = open_tap(spec["ifname"], vnet_hdr=offload)
+    except OSError as exc:
+        if not offload or exc.errno != errno.EINVAL:
+            raise
+        fd, ifname = open_tap(spec["ifname"])  # a TAP that refuses the header: plain frames
+    try:
+        if spec.get("configure"):
+            warnings += _configure_joined(ifname, spec)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, ifname
+
+
+#: mode -> (enter the namespaces, make the TAP); see the module documentation.
+_MODES = {
+    "run": (_enter_run, _create_tap),
+    "attach": (_enter_attach, _create_tap),
+    "join": (_enter_join, _open_tap),
+}
+
+
+def run_child(sock: socket.socket, spec: dict) -> int:
+    """The child's body: set up what ``spec["mode"]`` asks (see the module documentation), send
+    the TAP fd (or one line saying why not) on ``sock``; in ``run`` mode then wait for "go" and
+    exec the command. Returns the exit status (0 once the fd is sent); never raises for a
+    failed step."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    mode = spec.get("mode")
+    warnings: list[str] = []
+    try:
+        set_pdeathsig(int(spec["ppid"]))
+        if mode not in _MODES:
+            raise SetupError(f"unknown helper mode {mode!r}")
+        enter, make_tap = _MODES[mode]
+        enter(spec, warnings)
+        fd, ifname = make_tap(spec, warnings)
+    except (SetupError, OSError) as exc:
+        try:
+            _send(sock, {"ok": False, "error": _one_line(exc)})
+        except OSError:
+            pass
+        return 1
+    except Exception as exc:  # keep the one-line contract even for the unexpected
+        try:
+            _send(sock, {"ok": False, "error": f"namespace setup failed: {type(exc).__name__}: {exc}"})
+        except OSError:
+            pass
+        return 1
+
+    try:
+        _send(sock, {"ok": True, "ifname": ifname, "warnings": warnings}, [fd])
+    except OSError:
+        return 1
+    finally:
+        os.close(fd)
+    if mode != "run":
+        return 0
+    try:
+        go = sock.recv(2)
+    except OSError:
+        go = b""
+    sock.close()
+    if go not in (b"g", b"g6"):
+        return 1  # parent went away or aborted: do not run the command
+    if go == b"g6" and spec.get("prefix6") and os.path.isdir(f"/proc/sys/net/ipv6/conf/{ifname}"):
+        from .netns import IPV6_ADDRESS_TIMEOUT, wait_ipv6_address
+
+        if wait_ipv6_address(ifname, spec["prefix6"]) is None:
+            print(f"aioslirp: warning: {ifname} got no IPv6 address in {spec['prefix6']} within "
+                  f"{IPV6_ADDRESS_TIMEOUT:g} s; starting the command anyway", file=sys.stderr)
+    argv = spec.get("argv") or [os.environ.get("SHELL") or "/bin/sh"]
+    return _exec(list(argv))
+
+
+def main(args: list[str] | None = None) -> int:
+    """Entry point of the spawned child: ``args`` is ``[SPEC_JSON]``; the spec's ``sock`` is the
+    inherited fd of our end of the socket pair. Returns the exit status."""
+    args = sys.argv[1:] if args is None else args
+    if len(args) != 1:
+        print("aioslirp.host.nschild is internal to aioslirp (started by 'aioslirp run' / 'aioslirp attach')",
+              file=sys.stderr)
+        return 2
+    spec = json.loads(args[0])
+    sock = socket.socket(fileno=int(spec["sock"]))
+    return run_child(sock, spec)
+
+
+class ForkedChild:
+    """The child forked to run ``spec`` (``join`` mode, the slirp4netns drop-in) with :func:`run_child`.
+
+    Fork it before any thread or event loop exists (joining a user namespace needs a
+    single-threaded process); :meth:`result` waits for its answer and reaps it. Raises
+    ``OSError`` when the fork fails.
+    """
+
+    def __init__(self, spec: dict) -> None:
+        self.sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        spec = dict(spec, ppid=os.getpid())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child, checked by the integration tests
+            status = 1
+            try:
+                self.sock.close()
+                status = run_child(child_sock, spec)
+            finally:
+                os._exit(status)  # the child must never unwind into the parent's code
+        child_sock.close()
+        self.pid = pid
+
+    def result(self, timeout: float = SETUP_TIMEOUT) -> tuple[int, str, list]:
+        """Wait for the child's answer. Returns ``(tap_fd, ifname, warnings)``; raises SetupError."""
+        try:
+            self.sock.settimeout(timeout)
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, 65536, 2)
+            except socket.timeout:
+                self._kill()
+                raise SetupError(f"the namespace child did not open the TAP within {timeout:g} s") from None
+            except OSError as exc:
+                self._kill()
+                raise SetupError(f"lost the namespace child: {exc.strerror}") from None
+            status = self._reap()
+            try:
+                msg = json.loads(data) if data else None
+            except ValueError:
+                msg = None
+            if not isinstance(msg, dict):
+                for fd in fds:
+                    os.close(fd)
+                how = f"exited with status {status >> 8}" if os.WIFEXITED(status) else "was killed"
+                raise SetupError(f"the namespace child {how} before opening the TAP")
+            if not msg.get("ok"):
+                for fd in fds:
+                    os.close(fd)
+                raise SetupError(str(msg.get("error") or "namespace setup failed"))
+            if len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise SetupError("the namespace child did not pass the TAP fd")
+            return fds[0], str(msg.get("ifname")), list(msg.get("warnings") or ())
+        finally:
+            self.sock.close()
+
+    def _reap(self) -> int:
+        while True:
+            try:
+                _pid, status = os.waitpid(self.pid, 0)
+                return status
+            except InterruptedError:
+                continue
+            except ChildProcessError:
+                return 0
+
+    def _kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._reap()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
