@@ -472,33 +472,55 @@ async def attach(
         # for stacks that say they take it (aioslirp.Stack does).
         offload = offload and bool(getattr(stack, "supports_offload", False))
         spec["vnet_hdr"] = offload
-        helper = _Helper(spec)
-        try:
-            info, fd = await helper.receive(setup_timeout)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await helper.wait_exit(5.0)
-        finally:
-            helper.cleanup()
-        transport = TapTransport(fd, ifname=info["ifname"], offload=offload)
+        transport = None
+        stopping = False
+        setup_task = asyncio.current_task()
+
+        def stop() -> None:
+            nonlocal stopping
+            log.info("signal received; stopping")
+            stopping = True
+            if transport is None:  # still setting the namespace up: stop waiting for the child
+                setup_task.cancel()
+                return
+            with contextlib.suppress(Exception):
+                stack.close()  # serve() resets the guest's flows, then closes the transport
+            loop.call_later(2.0, transport.close)  # in any case
+
+        # Installed before the namespace is touched, so that SIGINT/SIGTERM at any moment after
+        # the TAP appears in it is a clean stop (exit 0), not death by the signal.
         installed: list[int] = []
+        if handle_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop)
+                installed.append(sig)
         try:
-            if pid is not None:
-                transport.watch_pid(pid)
-
-            def stop() -> None:
-                log.info("signal received; stopping")
-                with contextlib.suppress(Exception):
-                    stack.close()  # serve() resets the guest's flows, then closes the transport
-                loop.call_later(2.0, transport.close)  # in any case
-
-            if handle_signals:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, stop)
-                    installed.append(sig)
-            log.info("serving %s in %s", info["ifname"], netns_path or f"the network namespace of pid {pid}")
-            await stack.serve(transport)
+            helper = _Helper(spec)
+            fd = None
+            try:
+                info, fd = await helper.receive(setup_timeout)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await helper.wait_exit(5.0)
+            except asyncio.CancelledError:
+                if not stopping:
+                    raise
+                setup_task.uncancel()
+                if fd is not None:
+                    os.close(fd)
+                return 0
+            finally:
+                helper.cleanup()
+            transport = TapTransport(fd, ifname=info["ifname"], offload=offload)
+            try:
+                if pid is not None:
+                    transport.watch_pid(pid)
+                if stopping:  # a signal between the set-up and now
+                    stack.close()
+                log.info("serving %s in %s", info["ifname"], netns_path or f"the network namespace of pid {pid}")
+                await stack.serve(transport)
+            finally:
+                transport.close()
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)
-            transport.close()
     return 0
