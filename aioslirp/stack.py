@@ -48,6 +48,7 @@ from . import tracing
 from .services.dhcp import reply_destination
 from .limits import DENIED, Guard
 from .lifecycle import farewell
+from .inject import InjectQueue
 # At module level: an import statement inside _tcp ran for every guest TCP frame (~1-2 us each;
 # benchmarks showed -12% CPU per GB guest->host). aioslirp.tcp.flow does not import this module.
 from .tcp.flow import TcpFlow, parse_segment, reset_for
@@ -62,37 +63,6 @@ _PORTS = struct.Struct("!HH")  # source and destination port of a TCP/UDP header
 _UNTRUSTED = itertools.repeat(False)  # csum_ok of a transport without checksum flags
 ICMP_ECHO_REPLY, ICMP_UNREACH, ICMP_ECHO = 0, 3, 8
 UNREACH_NET, UNREACH_HOST, UNREACH_PORT, UNREACH_ADMIN = 0, 1, 3, 13
-
-
-class _InjectQueue(asyncio.Queue):
-    """The inject queue: an :class:`asyncio.Queue` bound to the stack's loop when created.
-
-    ``Queue.get()`` looks the running loop up each time it has to wait, which in CPython 3.11
-    costs a ``getpid()`` system call (2% of the CPU of connect/request/response traffic, where
-    the writer waits once per frame); the loop here is known.
-
-    ``hold``: while True (inside a batch of guest frames or a host socket callback, see
-    :meth:`Stack._held`), :meth:`put_nowait` queues without waking the writer task, because
-    the batch ends with :meth:`Stack.write_now` writing the queue out in the same loop
-    iteration. Same FIFO, same thread: the frames' order is the queue's order either way.
-    """
-
-    def __init__(self, maxsize: int, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(maxsize)
-        self._loop = loop
-        self.hold = False
-
-    def _get_loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
-    def put_nowait(self, item) -> None:
-        """``Queue.put_nowait`` without the generic bookkeeping; raises ``asyncio.QueueFull``."""
-        q = self._queue
-        if len(q) >= self._maxsize > 0:
-            raise asyncio.QueueFull
-        q.append(item)
-        if not self.hold and self._getters:
-            self._wakeup_next(self._getters)
 
 
 class IdleOrder:
@@ -208,8 +178,13 @@ class Stack:
             self.v6 = Ipv6Path(self)
         self._transport = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inject: asyncio.Queue | None = None
-        self._writer_task: asyncio.Task | None = None
+        #: The :class:`~aioslirp.inject.InjectQueue` of frames for the guest (and its writer task).
+        self.inject_queue = InjectQueue(cfg.inject_queue_size, self.counters, self)
+        #: Queue one frame for the guest (:meth:`InjectQueue.put <aioslirp.inject.InjectQueue.put>`):
+        #: False (counted ``drop.inject_full``) when the queue is full.
+        self.inject = self.inject_queue.put
+        #: Write every queued frame now (:meth:`InjectQueue.write_now <aioslirp.inject.InjectQueue.write_now>`).
+        self.write_now = self.inject_queue.write_now
         self._aux_tasks: set[asyncio.Task] = set()
         self._dirty: set = set()
         #: The transport being served offers checksum/TCP segmentation offload (a TAP with
@@ -247,9 +222,8 @@ class Stack:
         from .icmp import IcmpEcho
 
         self._loop = asyncio.get_running_loop()
-        self._inject = _InjectQueue(self.config.inject_queue_size, self._loop)
         self._stopped = self._loop.create_future()
-        self._writer_task = self._loop.create_task(self._writer(), name="aioslirp-writer")
+        self.inject_queue.start(self._loop)
         self.dhcp = DhcpServer(self.config)
         self.dns = DnsForwarder(self.config)
         self.icmp = IcmpEcho(self)
@@ -279,14 +253,12 @@ class Stack:
         for t in list(self._aux_tasks):
             t.cancel()
         await asyncio.gather(*tasks, *self._aux_tasks, return_exceptions=True)
-        if self.v6 is not None and self._inject is not None:
+        if self.v6 is not None and self._loop is not None:
             self.v6.final_ra()  # withdraw the router and the prefix (RFC 4861 6.2.5)
         # let the writer drain the final RSTs
-        if self._inject is not None and self._transport is not None and not self._transport.closed.done():
-            await self._drain_inject()
-        if self._writer_task is not None:
-            self._writer_task.cancel()
-            await asyncio.gather(self._writer_task, return_exceptions=True)
+        if self._loop is not None and self._transport is not None and not self._transport.closed.done():
+            await self.inject_queue.drain()
+        await self.inject_queue.stop()
         if self.icmp is not None:
             self.icmp.close()
         if self.dns is not None:
@@ -297,12 +269,6 @@ class Stack:
         self.idle_order.clear()
         if tracing.enabled:
             tracing.stack_closed(self)
-
-    async def _drain_inject(self) -> None:
-        for _ in range(100):
-            if self._inject.empty():
-                return
-            await asyncio.sleep(0.001)
 
     def reset_flows(self) -> int:
         """Forget the guest: tear down every flow and the per-guest state. Returns flows torn down.
@@ -337,10 +303,8 @@ class Stack:
         if self.dhcp is not None:
             self.dhcp = DhcpServer(self.config)
         tr = self._transport
-        if self._inject is not None and (tr is None or tr.closed is None or tr.closed.done()):
-            while not self._inject.empty():
-                self._inject.get_nowait()
-                self.counters["drop.no_transport"] += 1
+        if tr is None or tr.closed is None or tr.closed.done():
+            self.inject_queue.discard()
         self.counters["flows_reset"] += n
         return n
 
@@ -355,7 +319,7 @@ class Stack:
             await self.start()
         for wrap in self.transport_wrappers:
             transport = wrap(transport)
-        self._transport = transport
+        self._transport = self.inject_queue.transport = transport
         self.offload = bool(getattr(transport, "offload", False))
         await transport.open(self._on_frames)
         if self.v6 is not None:
@@ -384,20 +348,9 @@ class Stack:
             log.error("auxiliary task %s failed", t.get_name(), exc_info=t.exception())
 
     # ------------------------------------------------------------------ output
-    def inject(self, frame) -> bool:
-        """Queue one Ethernet frame for the guest. Returns False (and counts) when the queue is full."""
-        try:
-            self._inject.put_nowait(frame)
-        except asyncio.QueueFull:
-            self.counters["drop.inject_full"] += 1
-            return False
-        if tracing.enabled:
-            tracing.frame_queued(self, frame)
-        return True
-
     def inject_room(self) -> int:
         """Free slots in the inject queue."""
-        return self._inject.maxsize - self._inject.qsize()
+        return self.inject_queue.room
 
     def eth_to(self, ip: bytes) -> bytes:
         """Ethernet header from the gateway to the guest owning ``ip`` (4 bytes: IPv4; 16: IPv6,
@@ -416,51 +369,6 @@ class Stack:
         """Queue an IPv6 packet (bytes-like, no Ethernet header) for the guest's ``dst_ip`` (16 bytes),
         fragmenting to the MTU. Only with ``config.ipv6`` on."""
         self.v6.inject_ip6(packet, dst_ip)
-
-    async def _writer(self) -> None:
-        """The writer task: waits on the inject queue and writes what it holds to the transport."""
-        q = self._inject
-        while True:
-            # One batch of at most 128 frames per turn. (Putting the frame back and calling
-            # write_now(), which drains the whole queue, measured host->guest throughput
-            # -30%: 4.2-4.7 against 6.0-6.9 Gbit/s.)
-            frame = await q.get()
-            batch = [frame]
-            while len(batch) < 128 and not q.empty():
-                batch.append(q.get_nowait())
-            self._send_batch(batch, len(batch) + q.qsize())
-
-    def write_now(self) -> None:
-        """Write every frame in the inject queue to the transport now, in batches of up to 128.
-
-        Called at the end of each batch of guest frames and of each small host read, so that
-        the frames they produced leave in the same event-loop iteration instead of waking the
-        writer task (measured: see docs/performance.md, "third push").
-        """
-        dq = self._inject._queue
-        while dq:
-            if len(dq) <= 128:
-                batch = list(dq)
-                dq.clear()
-            else:
-                batch = [dq.popleft() for _ in range(128)]
-            self._send_batch(batch, len(batch) + len(dq))
-
-    def _send_batch(self, batch: list, depth: int) -> None:
-        """Hand ``batch`` to the transport (``depth``: frames queued before it, for tracing), counted."""
-        counters = self.counters
-        tr = self._transport
-        if tr is None or tr.closed is None or tr.closed.done():
-            counters["drop.no_transport"] += len(batch)
-            if tracing.enabled:
-                tracing.discard(batch)
-            return
-        if tracing.enabled:
-            tracing.drain(self, tr, batch, depth)
-        else:
-            tr.send_frames(batch)
-        counters["frames_out"] += len(batch)
-        counters["bytes_out"] += sum(map(len, batch))
 
     def send_icmp_error(self, icmp_type: int, code: int, orig_ip_packet) -> None:
         """Send ICMP ``icmp_type``/``code`` to the guest about ``orig_ip_packet`` (its header + 8 bytes, RFC 792).
@@ -493,7 +401,7 @@ class Stack:
         """A batch of guest frames from the transport. ``csum_ok`` (offload TAP only): per frame,
         True when the guest's kernel flagged its L4 checksum partial or valid (``NEEDS_CSUM`` /
         ``DATA_VALID``): such frames are trusted, as passt does, instead of verified."""
-        q = self._inject
+        q = self.inject_queue
         q.hold = True
         try:
             if tracing.enabled:
@@ -947,9 +855,9 @@ class Stack:
         / ``.closed``...); the same values are exported as OpenTelemetry metrics by
         :func:`aioslirp.metrics.register`.
         """
-        q = self._inject
+        q = self.inject_queue
         return {
             "counters": {k: int(v) for k, v in sorted(self.counters.items())},
             "flows": self.flow_stats(),
-            "inject_queue": {"depth": q.qsize() if q is not None else 0, "size": self.config.inject_queue_size},
+            "inject_queue": {"depth": len(q), "size": self.config.inject_queue_size},
         }

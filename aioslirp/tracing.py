@@ -362,8 +362,7 @@ def _flags_text(flags: int) -> str:
 
 def guest_frame(stack, frame) -> None:
     """Trace point 1: dispatch one guest frame (``stack._dispatch``) and record its span."""
-    q = stack._inject
-    depth0 = q.qsize() if q is not None else 0
+    depth0 = len(stack.inject_queue)
     t0 = _now()
     try:
         stack._dispatch(frame)
@@ -373,8 +372,7 @@ def guest_frame(stack, frame) -> None:
 
 @_safe
 def _frame_span(stack, frame, t0: int, t1: int, depth0: int) -> None:
-    q = stack._inject
-    queued = (q.qsize() if q is not None else 0) - depth0
+    queued = len(stack.inject_queue) - depth0
     key, transport, flags, _plen = _frame_key(frame, False)
     flow = stack.flows.get(key) if key is not None else None
     rec = getattr(flow, "_trace", None) if flow is not None else None

@@ -382,7 +382,7 @@ class TcpFlow(asyncio.Protocol):
             sock.close()
             self._finish()
             return
-        self.transport = HostSocket(self.loop, sock, self)
+        self.transport = HostSocket(self.loop, sock, self, self.stack.inject_queue.held())
         self.stack.guard.connected(self)
         self._accept(time.perf_counter() - self._t0, False)
 
@@ -692,7 +692,7 @@ class ForwardedTcpFlow(TcpFlow):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        self.transport = HostSocket(self.loop, sock, self)  # host bytes are queued until the handshake
+        self.transport = HostSocket(self.loop, sock, self, self.stack.inject_queue.held())  # host bytes are queued until the handshake
 
     async def _run(self) -> None:
         try:
