@@ -41,10 +41,10 @@ import ipaddress
 import logging
 import os
 import socket
-import time
 from dataclasses import asdict, dataclass, replace
 
 from .config import ConfigError
+from .flow.base import flow_key
 from .wire.arp import ARP_REQUEST, build_arp
 from .wire.ipv4 import PROTO_TCP, PROTO_UDP, build_udp_packet
 
@@ -254,9 +254,9 @@ class Forwarder:
         self._listeners[fwd.id] = lst
         stack = self.stack
         if fwd.proto == "tcp":
-            stack._loop.add_reader(sock.fileno(), self._tcp_acceptable, lst)
+            stack.loop.add_reader(sock.fileno(), self._tcp_acceptable, lst)
         else:
-            stack._loop.add_reader(sock.fileno(), self._udp_readable, lst)
+            stack.loop.add_reader(sock.fileno(), self._udp_readable, lst)
         stack.counters[f"forwards.{fwd.proto}.added"] += 1
         log.info("forwarding %s", fwd.spec())
         return fwd
@@ -289,7 +289,7 @@ class Forwarder:
         lst.closed = True
         if lst.sock.fileno() >= 0:
             try:
-                self.stack._loop.remove_reader(lst.sock.fileno())
+                self.stack.loop.remove_reader(lst.sock.fileno())
             except Exception:  # pragma: no cover - loop closed
                 pass
         for flow in list(lst.clients.values()):
@@ -307,7 +307,7 @@ class Forwarder:
         for _ in range(hi - lo + 1):
             candidate = port
             port = lo if port >= hi else port + 1
-            if (proto, guest_ip, guest_port, gw, candidate) not in flows:
+            if flow_key(proto, guest_ip, guest_port, gw, candidate) not in flows:
                 self._next_port = port
                 return candidate
         return None
@@ -321,7 +321,7 @@ class Forwarder:
             return True
         fut = self._resolving.get(ip4)
         if fut is None:
-            fut = stack._loop.create_future()
+            fut = stack.loop.create_future()
             self._resolving[ip4] = fut
             stack.spawn(self._arp(ip4, timeout, fut), name="aioslirp-fwd-arp")
         try:
@@ -333,7 +333,7 @@ class Forwarder:
 
     async def _arp(self, ip4: bytes, timeout: float, fut: asyncio.Future) -> None:
         stack = self.stack
-        loop = stack._loop
+        loop = stack.loop
         deadline = loop.time() + timeout
         next_request = 0.0
         try:
@@ -367,7 +367,7 @@ class Forwarder:
                 # EMFILE/ENFILE/ENOBUFS...: stop accepting for a moment instead of spinning.
                 self.stack.counters["forward_accept_errors"] += 1
                 log.warning("forward %s: accept failed: %s", lst.fwd.spec(), exc.strerror)
-                loop = self.stack._loop
+                loop = self.stack.loop
                 loop.remove_reader(lst.sock.fileno())
                 loop.call_later(0.1, self._resume_accept, lst)
                 return
@@ -380,7 +380,7 @@ class Forwarder:
 
     def _resume_accept(self, lst: _Listener) -> None:
         if not lst.closed:
-            self.stack._loop.add_reader(lst.sock.fileno(), self._tcp_acceptable, lst)
+            self.stack.loop.add_reader(lst.sock.fileno(), self._tcp_acceptable, lst)
 
     def _tcp_accepted(self, lst: _Listener, csock: socket.socket, peer) -> None:
         from .tcp.flow import ForwardedTcpFlow
@@ -388,7 +388,7 @@ class Forwarder:
         stack = self.stack
         counters = stack.counters
         counters["forward_tcp_accepted"] += 1
-        if stack._closed or not stack._make_room(PROTO_TCP):
+        if stack.closed or not stack.table.make_room():
             counters["drop.forward_flow_table_full"] += 1
             _reset_close(csock)
             return
@@ -398,7 +398,7 @@ class Forwarder:
             counters["drop.forward_no_source_port"] += 1
             _reset_close(csock)
             return
-        key = (PROTO_TCP, lst.guest_ip, gport, stack.gw_ip, sport)
+        key = flow_key(PROTO_TCP, lst.guest_ip, gport, stack.gw_ip, sport)
         ForwardedTcpFlow(stack, key, csock, peer, self.resolve_guest, lst.fwd.id)
 
     # ------------------------------------------------------------------ UDP
@@ -416,7 +416,7 @@ class Forwarder:
                 return
             flow = lst.clients.get(peer)
             if flow is None or flow.closed:
-                if not stack._make_room(PROTO_UDP):
+                if not stack.table.make_room():
                     stack.counters["drop.forward_flow_table_full"] += 1
                     continue
                 sport = self.source_port(PROTO_UDP, lst.guest_ip, lst.fwd.guest_port)
@@ -432,14 +432,16 @@ class UdpForwardFlow:
 
     Key ``(udp, guest addr, guest port, gateway, source port)``. Host datagrams go to
     the guest from ``gateway:source port``; the guest's datagrams to that port go back to
-    the client through the forward's socket. Closed after ``udp_idle_timeout`` seconds
-    without traffic either way, when evicted, or when its forward is removed.
+    the client through the forward's socket. Closed by the flow table's idle sweep after
+    ``udp_idle_timeout`` seconds without traffic either way (:meth:`expire`), when evicted, or
+    when its forward is removed.
     """
 
     proto = PROTO_UDP
     proto_name = "udp"
     state = "OPEN"
     direction = "inbound"
+    trace = None
 
     def __init__(self, forwarder: Forwarder, lst: _Listener, peer, sport: int) -> None:
         stack = forwarder.stack
@@ -452,21 +454,21 @@ class UdpForwardFlow:
         self.guest_port = lst.fwd.guest_port
         self.dst_ip = stack.gw_ip
         self.dst_port = sport
-        self.key = (PROTO_UDP, self.guest_ip, self.guest_port, self.dst_ip, sport)
+        self.key = flow_key(PROTO_UDP, self.guest_ip, self.guest_port, self.dst_ip, sport)
         self.remote = f"{peer[0]}:{peer[1]}"
-        self.last_active = time.monotonic()
+        self.loop = stack.loop
+        self.last_active = self.loop.time()
         self.bytes_up = self.bytes_down = 0
         self.closed = False
         self._pending: list = []
-        self._timeout = stack.config.udp_idle_timeout
-        self._timer = stack._loop.call_later(self._timeout, self._on_timer)
+        self._timeout = float(stack.config.udp_idle_timeout)
         lst.clients[peer] = self
-        stack.add_flow(self)
+        stack.table.add(self)
 
     def to_guest(self, data: bytes) -> None:
         """A datagram from the host client: send it to the guest (after ARP if needed)."""
         stack = self.stack
-        self.last_active = time.monotonic()
+        self.last_active = self.loop.time()
         self.bytes_down += len(data)
         stack.counters["udp_datagrams_down"] += 1
         if self.guest_ip in stack.neighbors and not self._pending:
@@ -496,7 +498,7 @@ class UdpForwardFlow:
 
     def send(self, payload, header) -> None:
         """A guest datagram to our source port: pass it to the host client."""
-        self.last_active = time.monotonic()
+        self.last_active = self.loop.time()
         sock = self.listener.sock
         if self.closed or sock.fileno() < 0:
             return
@@ -509,13 +511,14 @@ class UdpForwardFlow:
         except OSError as exc:
             log.debug("UDP forward flow %s: %s", self.key, exc)
 
-    def _on_timer(self) -> None:
-        left = self.last_active + self._timeout - time.monotonic()
-        if left > 0:
-            self._timer = self.stack._loop.call_later(left, self._on_timer)
-            return
+    def expire(self, now: float) -> bool:
+        """The idle sweep: close the flow when it carried no datagram for ``udp_idle_timeout``
+        seconds before loop time ``now`` (counted ``udp_idle_closed``). True when it did."""
+        if now - self.last_active < self._timeout:
+            return False
         self.stack.counters["udp_idle_closed"] += 1
         self.shutdown()
+        return True
 
     def flush(self) -> None:
         pass
@@ -528,8 +531,7 @@ class UdpForwardFlow:
         if self.closed:
             return
         self.closed = True
-        self._timer.cancel()
         self._pending = []
         if self.listener.clients.get(self.peer) is self:
             del self.listener.clients[self.peer]
-        self.stack.remove_flow(self)
+        self.stack.table.remove(self)

@@ -12,18 +12,17 @@ IPv4 and once for IPv6):
    RFC 3542 3.2) and the kernel fills its checksums;
 3. neither: the request is dropped and counted, and the log says so once.
 
-Each (guest, remote, identifier) is a flow that ends after ``icmp_idle_timeout`` seconds;
-IPv6 flows have protocol 58 in their key and 16-byte addresses.
+Each (guest, remote, identifier) is a flow that the flow table's idle sweep ends after
+``icmp_idle_timeout`` seconds without an echo either way (:meth:`IcmpFlow.expire`); IPv6 flows
+have protocol 58 in their key and 16-byte addresses.
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import socket
 import struct
-import time
 
 from .wire.checksum import checksum
 from .wire.ipv4 import ICMP, PROTO_ICMP, build_icmp_packet
@@ -48,6 +47,11 @@ class IcmpFlow:
     proto = PROTO_ICMP
     proto_name = "icmp"
     state = "OPEN"
+    direction = "outbound"
+    guest_port = dst_port = None  # echo flows have no ports (the identifier is in the key)
+    forward_id = None
+    bytes_up = bytes_down = None
+    trace = None
 
     def __init__(self, echo: "IcmpEcho", key, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, sock):
         self.echo = echo
@@ -57,28 +61,24 @@ class IcmpFlow:
         self.v6 = len(guest_ip) == 16
         if self.v6:
             self.proto = PROTO_ICMPV6
-        self.last_active = time.monotonic()
         stack = echo.stack
-        stack.add_flow(self)
+        self.loop = loop = stack.loop
+        self.last_active = loop.time()
+        self._timeout = float(stack.config.icmp_idle_timeout)
+        stack.table.add(self)
         if sock is not None:
-            stack._loop.add_reader(sock.fileno(), self._readable)
-        self.task = stack._loop.create_task(self._run(), name="aioslirp-icmp")
-        stack.tasks.add(self.task)
-        self.task.add_done_callback(stack.tasks.discard)
+            loop.add_reader(sock.fileno(), self._readable)
 
-    async def _run(self) -> None:
-        timeout = self.echo.stack.config.icmp_idle_timeout
-        try:
-            while True:
-                left = self.last_active + timeout - time.monotonic()
-                if left <= 0:
-                    break
-                await asyncio.sleep(left)
-        finally:
-            self._close()
+    def expire(self, now: float) -> bool:
+        """The idle sweep: end the flow when no echo went either way for ``icmp_idle_timeout``
+        seconds before loop time ``now``. True when it did."""
+        if now - self.last_active < self._timeout:
+            return False
+        self.shutdown()
+        return True
 
     def send(self, seq: int, payload: bytes) -> None:
-        self.last_active = time.monotonic()
+        self.last_active = self.loop.time()
         if self.v6:  # the kernel fills ICMPv6 checksums (ping and raw sockets, RFC 3542 3.1)
             msg = _ECHO.pack(ICMP6_ECHO_REQUEST, 0, 0, self.ident, seq) + payload
         else:
@@ -107,7 +107,7 @@ class IcmpFlow:
 
     def deliver(self, seq_bytes: bytes, payload) -> None:
         """Send an echo reply from the remote to the guest."""
-        self.last_active = time.monotonic()
+        self.last_active = self.loop.time()
         seq = int.from_bytes(seq_bytes, "big")
         stack = self.echo.stack
         stack.counters["icmp_echo_replies"] += 1
@@ -125,19 +125,15 @@ class IcmpFlow:
         self.shutdown()
 
     def shutdown(self) -> None:
-        self._close()
-        if not self.task.done():
-            self.task.cancel()
-
-    def _close(self) -> None:
+        """Close the ping socket and leave the flow table now. Idempotent."""
         if self.sock is not None:
             try:
-                self.echo.stack._loop.remove_reader(self.sock.fileno())
+                self.loop.remove_reader(self.sock.fileno())
             except Exception:
                 pass
             self.sock.close()
             self.sock = None
-        self.echo.stack.remove_flow(self)
+        self.echo.stack.table.remove(self)
         self.echo.by_remote.pop((self.dst_ip, self.ident), None)
 
 
@@ -168,7 +164,7 @@ class IcmpEcho:
         try:
             self.raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
             self.raw.setblocking(False)
-            self.stack._loop.add_reader(self.raw.fileno(), self._raw_readable)
+            self.stack.loop.add_reader(self.raw.fileno(), self._raw_readable)
             self.mode = "raw"
         except OSError as exc:
             if exc.errno in _NO_SOCKET_NOW:
@@ -191,7 +187,7 @@ class IcmpEcho:
         key = (PROTO_ICMP, guest_ip, ident, dst_ip, 0)
         flow = self.stack.flows.get(key)
         if flow is None:
-            if not self.stack._make_room(PROTO_ICMP):
+            if not self.stack.table.make_room():
                 return self.stack.drop("flow_table_full")
             sock = None
             if self.mode == "ping":
@@ -235,7 +231,7 @@ class IcmpEcho:
                     pass
                 raw.setblocking(False)
                 self.raw6 = raw
-                self.stack._loop.add_reader(raw.fileno(), self._raw6_readable)
+                self.stack.loop.add_reader(raw.fileno(), self._raw6_readable)
                 self.mode6 = "raw"
         log.info("ICMPv6 echo proxy mode: %s", self.mode6)
 
@@ -252,7 +248,7 @@ class IcmpEcho:
         key = (PROTO_ICMPV6, guest_ip, ident, dst_ip, 0)
         flow = self.stack.flows.get(key)
         if flow is None:
-            if not self.stack._make_room(PROTO_ICMPV6):
+            if not self.stack.table.make_room():
                 return self.stack.drop("flow_table_full")
             sock = None
             if self.mode6 == "ping":
@@ -313,7 +309,7 @@ class IcmpEcho:
             sock = getattr(self, name)
             if sock is not None:
                 try:
-                    self.stack._loop.remove_reader(sock.fileno())
+                    self.stack.loop.remove_reader(sock.fileno())
                 except Exception:
                     pass
                 sock.close()

@@ -27,7 +27,6 @@ dropped and counted under ``drop.<reason>`` in :attr:`Stack.counters`.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import socket
@@ -46,7 +45,9 @@ from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
 from .wire.reassembly import Reassembler
 from . import tracing
 from .services.dhcp import reply_destination
-from .limits import DENIED, Guard
+from .flow.guard import DENIED, Guard
+from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importable from here as before)
+from .limits import TokenBucket as NewFlowBucket
 from .lifecycle import farewell
 from .inject import InjectQueue
 # At module level: an import statement inside _tcp ran for every guest TCP frame (~1-2 us each;
@@ -63,66 +64,6 @@ _PORTS = struct.Struct("!HH")  # source and destination port of a TCP/UDP header
 _UNTRUSTED = itertools.repeat(False)  # csum_ok of a transport without checksum flags
 ICMP_ECHO_REPLY, ICMP_UNREACH, ICMP_ECHO = 0, 3, 8
 UNREACH_NET, UNREACH_HOST, UNREACH_PORT, UNREACH_ADMIN = 0, 1, 3, 13
-
-
-class IdleOrder:
-    """The flows that may be evicted (UDP and ICMP, both families; never TCP), longest idle first.
-
-    :meth:`Stack._make_room` takes its victim here instead of scanning the flow table. A lazy
-    min-heap of ``(stamp, seq, flow)``, ``stamp`` being the flow's ``last_active`` (seconds,
-    ``time.monotonic()``) when the entry was pushed. Flows keep updating ``last_active`` on every
-    datagram themselves -- nothing is called here per packet -- and ``last_active`` only grows,
-    so a stamp is never above its flow's ``last_active``. :meth:`pop_idlest` looks at the top
-    entry: a flow that left the table is discarded; a flow active since its push is pushed again
-    with its current ``last_active``; otherwise no flow can have been idle longer (each one's
-    ``last_active`` >= its stamp >= this one's), and it is the victim. An entry is pushed again
-    at most once per activity of its flow (a new flow's first datagram, which follows its entry
-    at once, is one), so an eviction costs O(log n) amortized. Entries of flows that left the
-    table are compacted away once the heap exceeds twice the table + 64.
-
-    Attributes:
-        examined: heap entries :meth:`pop_idlest` looked at, in all (a cost counter).
-    """
-
-    __slots__ = ("_flows", "_heap", "_seq", "examined")
-
-    def __init__(self, flows: dict) -> None:
-        self._flows = flows  # the table; an entry counts while flows[flow.key] is its flow
-        self._heap: list = []
-        self._seq = itertools.count()
-        self.examined = 0
-
-    def __len__(self) -> int:
-        """Heap entries, including those of flows that left the table and are not yet compacted."""
-        return len(self._heap)
-
-    def add(self, flow) -> None:
-        """Track ``flow`` (just entered the table; it needs ``key`` and ``last_active``)."""
-        heap = self._heap
-        heapq.heappush(heap, (flow.last_active, next(self._seq), flow))
-        if len(heap) > 2 * len(self._flows) + 64:
-            flows = self._flows
-            heap[:] = [e for e in heap if flows.get(e[2].key) is e[2]]
-            heapq.heapify(heap)
-
-    def pop_idlest(self):
-        """Remove and return the flow in the table idle the longest, or ``None`` when there is none."""
-        heap = self._heap
-        flows = self._flows
-        while heap:
-            self.examined += 1
-            stamp, _seq, flow = heap[0]
-            if flows.get(flow.key) is not flow:
-                heapq.heappop(heap)
-            elif flow.last_active > stamp:
-                heapq.heapreplace(heap, (flow.last_active, next(self._seq), flow))
-            else:
-                heapq.heappop(heap)
-                return flow
-        return None
-
-    def clear(self) -> None:
-        self._heap.clear()
 
 
 class Stack:
@@ -152,8 +93,13 @@ class Stack:
         self.config = (config if config is not None else NetworkConfig()).validate()
         cfg = self.config
         self.counters: Counter = Counter()
-        self.flows: dict = {}
-        self.idle_order = IdleOrder(self.flows)
+        rate = float(cfg.new_flow_rate)
+        #: Admission control for new guest flows: egress policy and bounds (:mod:`aioslirp.flow.guard`).
+        self.guard = Guard(cfg, self.drop, NewFlowBucket(rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None)
+        #: The :class:`~aioslirp.flow.table.FlowTable` (look-up, flush, eviction, idle sweep).
+        self.table = FlowTable(cfg, self.counters, self.guard, self)
+        self.flows: dict = self.table.flows
+        self.idle_order: IdleOrder = self.table.idle_order
         self.gw_mac = cfg.gateway_mac_bytes
         self.gw_ip = cfg.gateway.packed
         self.dns_ip = cfg.dns.packed
@@ -186,7 +132,6 @@ class Stack:
         #: Write every queued frame now (:meth:`InjectQueue.write_now <aioslirp.inject.InjectQueue.write_now>`).
         self.write_now = self.inject_queue.write_now
         self._aux_tasks: set[asyncio.Task] = set()
-        self._dirty: set = set()
         #: The transport being served offers checksum/TCP segmentation offload (a TAP with
         #: ``IFF_VNET_HDR``): TCP flows opened while it is served send ~64 KB segments with
         #: partial checksums (:mod:`aioslirp.wire.offload`). Set by :meth:`serve`.
@@ -204,8 +149,16 @@ class Stack:
         #: (e.g. :class:`~aioslirp.transport.pcap.PcapTransport` for ``--pcap``).
         self.transport_wrappers: list = []
         self._forwarder = None
-        #: Admission control for new guest flows: egress policy and bounds (:mod:`aioslirp.limits`).
-        self.guard = Guard(self)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the stack runs on (``None`` before :meth:`start`)."""
+        return self._loop
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` began."""
+        return self._closed
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Stack":
@@ -227,7 +180,8 @@ class Stack:
         self.dhcp = DhcpServer(self.config)
         self.dns = DnsForwarder(self.config)
         self.icmp = IcmpEcho(self)
-        self.guard.start()
+        self.guard.start(self.dns)
+        self.table.start(self._loop)
 
     def close(self) -> None:
         """Ask :meth:`serve` to return; flows are torn down by :meth:`aclose`."""
@@ -242,11 +196,8 @@ class Stack:
         self.close()
         if self._forwarder is not None:
             self._forwarder.close()
-        for flow in list(self.flows.values()):
-            try:
-                flow.shutdown()
-            except Exception:  # pragma: no cover - defensive
-                log.exception("flow shutdown failed")
+        self.table.close()
+        self.table.shutdown_all()
         tasks = [t for t in self.tasks if not t.done()]
         for t in tasks:
             t.cancel()
@@ -265,8 +216,7 @@ class Stack:
             await self.dns.close()
         if self._transport is not None:
             self._transport.close()
-        self.flows.clear()
-        self.idle_order.clear()
+        self.table.clear()
         if tracing.enabled:
             tracing.stack_closed(self)
 
@@ -283,16 +233,8 @@ class Stack:
         """
         from .services.dhcp import DhcpServer
 
-        n = 0
-        for flow in list(self.flows.values()):
-            n += 1
-            try:
-                flow.shutdown()
-            except Exception:  # pragma: no cover - defensive
-                log.exception("flow shutdown failed")
-        self.flows.clear()
-        self.idle_order.clear()
-        self._dirty.clear()
+        n = self.table.shutdown_all()
+        self.table.clear()
         for t in list(self._aux_tasks):
             if t.get_name() == "aioslirp-dns":
                 t.cancel()
@@ -428,25 +370,17 @@ class Stack:
                             log.exception("internal error processing a guest frame")
                 finally:
                     self._l4_trusted = False
-            self.flush()
+            self.table.flush()
         finally:
             q.hold = False
         self.write_now()
 
     def flush(self) -> None:
         """Let every flow touched since the last flush send what is due (one ACK, one socket write)."""
-        dirty = self._dirty
-        while dirty:
-            flow = dirty.pop()
-            try:
-                flow.flush()
-            except Exception:
-                log.exception("flow %s failed in flush", getattr(flow, "key", flow))
-                self.counters["flow_errors"] += 1
-                flow.fail()
+        self.table.flush()
 
     def mark_dirty(self, flow) -> None:
-        self._dirty.add(flow)
+        self.table.dirty.add(flow)
 
     def drop(self, reason: str) -> None:
         """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``.
@@ -768,35 +702,15 @@ class Stack:
             reset(src, dst, sport, dport, seg)
 
     # -------------------------------------------------------------- flow table
-    def _make_room(self, proto: int) -> bool:
-        """Ensure a free flow-table slot; evicts the longest-idle UDP/ICMP flow if needed
-        (:class:`IdleOrder`, O(log n) amortized). False when the table is full of TCP flows."""
-        if len(self.flows) < self.config.max_flows:
-            return True
-        victim = self.idle_order.pop_idlest()
-        if victim is None:
-            return False
-        self.counters["flows_evicted"] += 1
-        victim.shutdown()
-        return True
+    def _make_room(self, proto: int = 0) -> bool:
+        """:meth:`FlowTable.make_room <aioslirp.flow.table.FlowTable.make_room>`."""
+        return self.table.make_room()
 
     def add_flow(self, flow) -> None:
-        self.flows[flow.key] = flow
-        if flow.proto != PROTO_TCP:
-            self.idle_order.add(flow)
-        self.counters[f"flows.{flow.proto_name}.opened"] += 1
-        self.guard.opened(flow)
-        if tracing.enabled:
-            tracing.flow_opened(self, flow)
+        self.table.add(flow)
 
     def remove_flow(self, flow) -> None:
-        if self.flows.get(flow.key) is flow:
-            del self.flows[flow.key]
-            self.counters[f"flows.{flow.proto_name}.closed"] += 1
-            self.guard.closed(flow)
-        self._dirty.discard(flow)
-        if tracing.enabled:
-            tracing.flow_closed(flow)
+        self.table.remove(flow)
 
     # -------------------------------------------------------------- port forwards
     @property

@@ -136,7 +136,7 @@ def _safe(fn):
 class _FlowTrace:
     """Tracing state of one flow: its span, a context for children, counters."""
 
-    __slots__ = ("span", "ctx", "stack", "pending", "closing", "to_guest", "n_guest", "n_host", "n_sent")
+    __slots__ = ("span", "ctx", "stack", "pending", "closing", "to_guest", "n_guest", "n_host", "n_sent", "outcome")
 
     def __init__(self, span, ctx, stack) -> None:
         self.span = span
@@ -146,6 +146,7 @@ class _FlowTrace:
         self.closing = False  # the flow left the table; end the span once pending == 0
         self.to_guest = 0
         self.n_guest = self.n_host = self.n_sent = 0
+        self.outcome = None  # a TCP flow's failed connect: "refused" or "unreachable"
 
 
 def _addr(raw) -> str:
@@ -176,17 +177,17 @@ def flow_opened(stack, flow) -> None:
     else:
         attrs["client.port"] = key[2]
         attrs["server.port"] = key[4]
-    direction = getattr(flow, "direction", None)
+    direction = flow.direction
     if direction:
         attrs["aioslirp.direction"] = direction
-    remote = getattr(flow, "remote", None)
+    remote = flow.remote
     if remote:
         attrs["network.peer.address"] = remote
-    elif name == "tcp" and remote is None and hasattr(flow, "remote"):
+    elif name == "tcp" and remote is None:
         attrs["aioslirp.service"] = "dns"
     sp = _tracer.start_span(name + ".flow", attributes=attrs)
     rec = _FlowTrace(sp, trace.set_span_in_context(sp), stack)
-    flow._trace = rec
+    flow.trace = rec
     _open.add(rec)
 
 
@@ -194,13 +195,13 @@ def flow_opened(stack, flow) -> None:
 def flow_closed(flow) -> None:
     """A flow left the flow table (``Stack.remove_flow``): set the end attributes; the span
     ends once the flow's last queued frame has been written."""
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     if rec is None:
         return
-    flow._trace = None
+    flow.trace = None
     sp = rec.span
-    conn = getattr(flow, "conn", None)
-    if conn is not None:
+    if flow.proto_name == "tcp":
+        conn = flow.conn
         irs = conn.irs
         from_guest = 0 if irs is None else (conn.rcv_nxt - irs - 1 - (1 if conn.fin_received else 0)) & 0xFFFFFFFF
         if from_guest > 0x7FFFFFFF:
@@ -208,13 +209,13 @@ def flow_closed(flow) -> None:
         sp.set_attribute("aioslirp.bytes.from_guest", from_guest)
         sp.set_attribute("aioslirp.bytes.to_guest", rec.to_guest)
         sp.set_attribute("aioslirp.tcp.state", conn.state)
-        outcome = getattr(flow, "_trace_outcome", None) or ("reset" if conn.reset else "closed")
+        outcome = rec.outcome or ("reset" if conn.reset else "closed")
         sp.set_attribute("aioslirp.tcp.outcome", outcome)
     else:
-        up = getattr(flow, "bytes_up", None)
+        up = flow.bytes_up
         if up is not None:
             sp.set_attribute("aioslirp.bytes.from_guest", up)
-            sp.set_attribute("aioslirp.bytes.to_guest", getattr(flow, "bytes_down", 0))
+            sp.set_attribute("aioslirp.bytes.to_guest", flow.bytes_down)
     rec.closing = True
     if rec.pending <= 0:
         _end(rec)
@@ -229,7 +230,7 @@ def _end(rec: _FlowTrace, end_time: int | None = None) -> None:
 @_safe
 def flow_event(flow, name: str, attributes: dict | None = None) -> None:
     """Add event ``name`` to ``flow``'s span (no-op when the flow has no span)."""
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     if rec is not None:
         rec.span.add_event(name, attributes)
 
@@ -237,14 +238,16 @@ def flow_event(flow, name: str, attributes: dict | None = None) -> None:
 @_safe
 def connect_failed(flow, outcome: str) -> None:
     """The host connect of a TCP flow failed: ``outcome`` is ``refused`` or ``unreachable``."""
-    flow._trace_outcome = outcome
+    rec = flow.trace
+    if rec is not None:
+        rec.outcome = outcome
     flow_event(flow, "connect." + outcome)
 
 
 @_safe
 def tcp_event(flow, name: str) -> None:
     """An event from the sans-IO connection (``established``, ``fin``, ``reset``, ``closed``)."""
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     if rec is not None and name in _CONN_EVENTS:
         rec.span.add_event(_CONN_EVENTS[name])
 
@@ -262,7 +265,7 @@ def guest_segment(flow, seg, now: float) -> None:
 
 @_safe
 def _segment_events(flow, nbytes: int, est0, fin0: bool) -> None:
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     if rec is None:
         return
     conn = flow.conn
@@ -279,7 +282,7 @@ def _segment_events(flow, nbytes: int, est0, fin0: bool) -> None:
 @_safe
 def host_data(flow, nbytes: int) -> None:
     """The host socket delivered ``nbytes`` for the guest."""
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     if rec is not None:
         rec.to_guest += nbytes
         if rec.n_host < MAX_DATA_EVENTS:
@@ -301,7 +304,7 @@ def syn_ack(flow, connect_time: float, immediate: bool) -> None:
 
 @_safe
 def _syn_ack_span(flow, connect_time: float, immediate: bool, t0: int, t1: int) -> None:
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     connect_us = int(connect_time * 1e6)
     if rec is not None and not immediate:
         rec.span.add_event("host.connect", timestamp=t0 - int(connect_time * 1e9))
@@ -375,7 +378,7 @@ def _frame_span(stack, frame, t0: int, t1: int, depth0: int) -> None:
     queued = len(stack.inject_queue) - depth0
     key, transport, flags, _plen = _frame_key(frame, False)
     flow = stack.flows.get(key) if key is not None else None
-    rec = getattr(flow, "_trace", None) if flow is not None else None
+    rec = flow.trace if flow is not None else None
     attrs = {"aioslirp.frame.bytes": len(frame), "aioslirp.frames_queued": max(queued, 0),
              "aioslirp.processing_us": (t1 - t0) / 1000.0}
     if len(frame) >= 14:
@@ -403,7 +406,7 @@ def frame_queued(stack, frame) -> None:
     if key is not None:
         flow = stack.flows.get(key)
         if flow is not None:
-            rec = getattr(flow, "_trace", None)
+            rec = flow.trace
     if rec is not None:
         if flags & _TCP_RST:
             kind = "rst.sent"

@@ -1,7 +1,8 @@
 """UDP NAT flows: one connected host socket per (guest addr, guest port, remote addr, remote port).
 
-Each flow owns one task that waits out the idle timeout (``NetworkConfig.udp_idle_timeout``
-seconds without a datagram either way) and then closes the socket. Datagrams from the
+A flow keeps no task of its own: the flow table's idle sweep closes it once it carried no
+datagram either way for ``NetworkConfig.udp_idle_timeout`` seconds (``udp_idle_closed``,
+:meth:`UdpFlow.expire`; ``last_active`` is loop time). Datagrams from the
 remote are sent to the guest as IPv4/UDP or IPv6/UDP (chosen once per flow by the length
 of the key's addresses), fragmented to the link MTU (up to 65,507 bytes of payload).
 ``ECONNREFUSED`` from the host becomes ICMP (ICMPv6) port unreachable towards the guest
@@ -10,11 +11,9 @@ of the key's addresses), fragmented to the link MTU (up to 65,507 bytes of paylo
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import socket
-import time
 
 from .wire.ipv4 import PROTO_UDP, build_udp_packet
 from .wire.ipv6 import build_udp6_packet
@@ -31,21 +30,25 @@ class UdpFlow:
     proto = PROTO_UDP
     proto_name = "udp"
     state = "OPEN"
+    direction = "outbound"
+    remote = None  # the host address is not kept (see aioslirp.flow.base.Flow)
+    forward_id = None
+    trace = None
 
     def __init__(self, stack, key: tuple, remote: str) -> None:
         self.stack = stack
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
-        self.last_active = time.monotonic()
+        self.loop = loop = stack.loop
+        self.last_active = loop.time()
+        self._timeout = float(stack.config.udp_idle_timeout)
         self.last_header = b""
         self.bytes_up = self.bytes_down = 0
         self.sock = None
         self.connect_error: int | None = None
-        self._done = False
         v6 = len(self.guest_ip) == 16
         self._build = build_udp6_packet if v6 else build_udp_packet
         self._inject = stack.inject_ip6 if v6 else stack.inject_ip
-        loop = stack._loop
         try:
             sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
         except OSError as exc:  # EMFILE, ENFILE, ENOBUFS...: the datagram is dropped, no flow is left
@@ -64,28 +67,20 @@ class UdpFlow:
             return
         self.sock = sock
         loop.add_reader(sock.fileno(), self._readable)
-        stack.add_flow(self)
-        self._wake = loop.create_future()
-        self.task = loop.create_task(self._run(), name=f"aioslirp-udp-{self.guest_port}")
-        stack.tasks.add(self.task)
-        self.task.add_done_callback(stack.tasks.discard)
+        stack.table.add(self)
 
-    async def _run(self) -> None:
-        """Owning coroutine: closes the flow after ``udp_idle_timeout`` seconds of silence."""
-        timeout = self.stack.config.udp_idle_timeout
-        try:
-            while not self._done:
-                left = self.last_active + timeout - time.monotonic()
-                if left <= 0:
-                    self.stack.counters["udp_idle_closed"] += 1
-                    break
-                await asyncio.sleep(left)
-        finally:
-            self._close()
+    def expire(self, now: float) -> bool:
+        """The idle sweep: close the flow when it carried no datagram for ``udp_idle_timeout``
+        seconds before loop time ``now`` (counted ``udp_idle_closed``). True when it did."""
+        if now - self.last_active < self._timeout:
+            return False
+        self.stack.counters["udp_idle_closed"] += 1
+        self.shutdown()
+        return True
 
     def send(self, payload, header) -> None:
         """Send a guest datagram to the remote. ``header``: the guest's IP header + 8 bytes, for ICMP errors."""
-        self.last_active = time.monotonic()
+        self.last_active = self.loop.time()
         self.last_header = bytes(header)
         try:
             self.sock.send(payload)
@@ -105,7 +100,7 @@ class UdpFlow:
             except OSError as exc:
                 self._error(exc)
                 return
-            self.last_active = time.monotonic()
+            self.last_active = self.loop.time()
             self.bytes_down += len(data)
             stack.counters["udp_datagrams_down"] += 1
             self._inject(self._build(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, data),
@@ -125,18 +120,12 @@ class UdpFlow:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Close the host socket and leave the flow table now."""
-        self._done = True
-        self._close()
-        if hasattr(self, "task") and not self.task.done():
-            self.task.cancel()
-
-    def _close(self) -> None:
+        """Close the host socket and leave the flow table now. Idempotent."""
         if self.sock is not None:
             try:
-                self.stack._loop.remove_reader(self.sock.fileno())
+                self.loop.remove_reader(self.sock.fileno())
             except Exception:
                 pass
             self.sock.close()
             self.sock = None
-        self.stack.remove_flow(self)
+        self.stack.table.remove(self)

@@ -189,6 +189,10 @@ class TcpFlow(asyncio.Protocol):
 
     proto = PROTO_TCP
     proto_name = "tcp"
+    direction = "outbound"
+    forward_id = None
+    bytes_up = bytes_down = None  # counted by the connection (see aioslirp.flow.base.Flow)
+    trace = None
 
     def __init__(self, stack, key: tuple, remote: str | None, syn: Segment | None, orig_header: bytes) -> None:
         self.stack = stack
@@ -662,6 +666,17 @@ class TcpFlow(asyncio.Protocol):
         if not self.task.done():
             self.task.cancel()  # a task cancelled before its first step never runs its finally:
         self._teardown()  # so tear down here (idempotent)
+
+    def expire(self, now: float) -> bool:
+        """The idle sweep: reset the flow both ways (:meth:`shutdown`) when it carried no guest
+        segment for ``tcp_idle_timeout`` seconds (0: never) before loop time ``now``, counted
+        ``tcp_idle_closed``. True when it did."""
+        timeout = float(self.stack.config.tcp_idle_timeout)
+        if not timeout or now - self.last_active <= timeout:
+            return False
+        self.stack.counters["tcp_idle_closed"] += 1
+        self.shutdown()
+        return True
 
 
 class ForwardedTcpFlow(TcpFlow):
