@@ -17,7 +17,7 @@ Frames leave in queue order by one of two ways, in batches of at most :data:`BAT
   iteration (measured: see docs/performance.md, "third push"). Same FIFO, same thread: the
   frames' order is the queue's order either way.
 
-Both go through one batch function (:meth:`InjectQueue._write_batch`); :meth:`InjectQueue.drain`
+Both go through one batch function (``_write_batch``); :meth:`InjectQueue.drain`
 (stack stop, :func:`aioslirp.lifecycle.farewell`) is :meth:`write_now` and one loop iteration.
 
 Why not :class:`asyncio.Queue`: its ``get()`` looks the running loop up each time it has to

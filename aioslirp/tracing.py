@@ -363,12 +363,12 @@ def _flags_text(flags: int) -> str:
     return "".join(c for bit, c in _FLAG_LETTERS if flags & bit)
 
 
-def guest_frame(stack, frame) -> None:
-    """Trace point 1: dispatch one guest frame (``stack._dispatch``) and record its span."""
+def guest_frame(stack, frame, dispatch, *args) -> None:
+    """Trace point 1: dispatch one guest frame (``dispatch(frame, *args)``) and record its span."""
     depth0 = len(stack.inject_queue)
     t0 = _now()
     try:
-        stack._dispatch(frame)
+        dispatch(frame, *args)
     finally:
         _frame_span(stack, frame, t0, _now(), depth0)
 

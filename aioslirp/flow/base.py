@@ -11,9 +11,12 @@ trace points read it through the attributes below. Nothing else about a flow is 
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Flow", "flow_key"]
+__all__ = ["Flow", "FlowContext", "flow_key"]
+
+log = logging.getLogger("aioslirp.stack")
 
 
 def flow_key(proto: int, guest_ip: bytes, guest_port: int, remote_ip: bytes, remote_port: int) -> tuple:
@@ -78,3 +81,69 @@ class Flow(Protocol):
     def expire(self, now: float) -> bool:
         """Idle sweep at loop time ``now``: shut down (and count) when idle past the flow kind's
         timeout; True when it did."""
+
+
+class FlowContext:
+    """The stack's collaborators as the flows and the dispatch see them, handed over at creation.
+
+    No flow, service glue or dispatch object reads the :class:`~aioslirp.stack.Stack`: what
+    they need is here, set once by the stack (``loop``, ``dns`` and ``dns_host`` when it
+    starts, ``offload`` per served transport, ``closed`` when it closes).
+
+    Attributes:
+        config: the validated ``NetworkConfig``.
+        counters: the stack's ``collections.Counter``.
+        loop: the event loop (``None`` until ``Stack.start``). ``loop.time()`` is the one clock
+            of the data path: ``last_active``, timers, rate limiters.
+        table: the :class:`~aioslirp.flow.table.FlowTable`.
+        guard: the :class:`~aioslirp.flow.guard.Guard`.
+        queue: the :class:`~aioslirp.inject.InjectQueue`; ``inject`` is its ``put(frame) -> bool``.
+        tasks: the ``set`` of the flows' own tasks (``Stack.aclose`` cancels and awaits them).
+        spawn: ``spawn(coro, name) -> Task``, an auxiliary task owned by the stack.
+        icmp: the :class:`~aioslirp.icmp.IcmpEcho` proxy.
+        dns: the :class:`~aioslirp.services.dns.DnsForwarder` (``None`` until started).
+        dns_host: ``dns_host(flow)``: the host side of a TCP flow to the DNS address
+            (:class:`~aioslirp.services.dns_tcp.DnsTcpHost`), so ``tcp/`` needs no service.
+        offload: the transport being served takes offload frames (a TAP with ``IFF_VNET_HDR``).
+        closed: the stack is closing: no new flow is started.
+    """
+
+    __slots__ = ("config", "counters", "loop", "table", "guard", "queue", "inject", "tasks", "spawn", "icmp",
+                 "dns", "dns_host", "offload", "closed")
+
+    def __init__(self, config, counters) -> None:
+        self.config = config
+        self.counters = counters
+        self.loop = None
+        self.table = self.guard = self.queue = self.inject = self.spawn = self.icmp = None
+        self.dns = self.dns_host = None
+        self.tasks: set = set()
+        self.offload = False
+        self.closed = False
+
+    def drop(self, reason: str) -> None:
+        """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``.
+
+        Every guest frame ends with exactly one outcome: dropped here, or handled
+        (:meth:`handled`), so that ``frames_in == frames_dropped + sum(handled.*)``
+        (``Stack.frame_outcomes``). Drops that are not a guest frame's outcome (a frame for the
+        guest the inject queue had no room for, fragments evicted after they were held) are
+        counted as ``drop.<reason>`` alone.
+        """
+        counters = self.counters
+        counters["drop." + reason] += 1
+        counters["frames_dropped"] += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("dropped guest frame: %s", reason)
+
+    def start_task(self, coro, name: str):
+        """A flow's own task on :attr:`loop`, held in :attr:`tasks` until it ends."""
+        task = self.loop.create_task(coro, name=name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def handled(self, reason: str) -> None:
+        """Count a guest frame that was handled (answered, NATed, held for reassembly...) as
+        ``handled.<reason>``; see :meth:`drop`."""
+        self.counters["handled." + reason] += 1
