@@ -97,8 +97,8 @@ class Stack:
         self.counters: Counter = Counter()
         ctx = self.ctx = FlowContext(cfg, self.counters)
         rate = float(cfg.new_flow_rate)
-        self.guard = ctx.guard = Guard(cfg, ctx.drop,
-                                       NewFlowBucket(rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None)
+        new_bucket = functools.partial(NewFlowBucket, rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
+        self.guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket)
         self.table = ctx.table = FlowTable(cfg, self.counters, self.guard, self)
         self.flows: dict = self.table.flows
         self.idle_order: IdleOrder = self.table.idle_order
@@ -203,7 +203,7 @@ class Stack:
         self.dns = self.ctx.dns = DnsForwarder(self.config)
         self.ctx.dns_host = functools.partial(DnsTcpHost, forwarder=self.dns, counters=self.counters,
                                               tasks=self.tasks)
-        self.guard.start(self.dns)
+        self.guard.start(self.dns, loop.time())
         self.table.start(loop)
 
     def close(self) -> None:

@@ -124,9 +124,10 @@ class Guard:
     Args:
         config: the stack's validated ``NetworkConfig``.
         drop: ``drop(reason)``, the stack's count of a dropped guest frame (``drop.<reason>``).
-        bucket: the new-flow rate limiter, an object with ``take(now) -> bool`` (a
-            ``TokenBucket`` of ``new_flow_burst`` tokens at ``new_flow_rate`` per second), or
-            ``None`` for no rate limit.
+        new_bucket: ``new_bucket(now)`` makes the new-flow rate limiter when the stack starts,
+            an object with ``take(now) -> bool`` (a ``TokenBucket`` of ``new_flow_burst``
+            tokens at ``new_flow_rate`` per second, full at loop time ``now``), or ``None`` for
+            no rate limit.
 
     Attributes:
         policy: the :class:`~aioslirp.policy.EgressPolicy` built from the config.
@@ -134,7 +135,7 @@ class Guard:
         caps: the per-protocol caps from the config.
     """
 
-    def __init__(self, config, drop, bucket=None) -> None:
+    def __init__(self, config, drop, new_bucket=None) -> None:
         cfg = self.config = config
         self._drop = drop
         self.policy = EgressPolicy.from_config(cfg)
@@ -146,7 +147,9 @@ class Guard:
         self._pending: dict = {}  # flow -> (remote, port)
         self._pending_dest: dict = {}  # (remote, port) -> count
         self._pruned_at = float("-inf")
-        self.bucket = bucket
+        self._new_bucket = new_bucket
+        #: The new-flow rate limiter (made by :meth:`start`), or ``None``.
+        self.bucket = None
         max_flows, dns_max = int(cfg.max_flows), int(cfg.dns_max_inflight)
         soft = raise_fd_limit(max_flows + dns_max + FD_RESERVE)
         #: Flows allowed by the process's open-file limit (each may hold one host socket), and
@@ -165,9 +168,12 @@ class Guard:
         self._logged: set = set()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, dns=None) -> None:
-        """Hook the DNS forwarder ``dns``'s upstream check to the policy and cap its queries in
-        flight to :attr:`dns_fd_budget` (``Stack.start``)."""
+    def start(self, dns=None, now: float | None = None) -> None:
+        """Make the new-flow rate limiter, full at ``now`` (the stack's loop time; default
+        ``time.monotonic()``), hook the DNS forwarder ``dns``'s upstream check to the policy and
+        cap its queries in flight to :attr:`dns_fd_budget` (``Stack.start``)."""
+        if self._new_bucket is not None:
+            self.bucket = self._new_bucket(time.monotonic() if now is None else now)
         if dns is not None:
             dns.policy = self.policy
             dns.max_inflight = min(dns.max_inflight, self.dns_fd_budget)
@@ -199,7 +205,7 @@ class Guard:
         Returns ``None`` to admit, :data:`DENIED` when the egress policy denies ``remote`` (answer
         ICMP administratively prohibited), or the name of the bound that was hit (answer a TCP SYN
         with a RST, drop anything else). Each refusal is counted as ``drop.<verdict>``. ``now``:
-        seconds on the clock of the ``bucket`` (default ``time.monotonic()``).
+        seconds on the clock :meth:`start` was given (the loop's; default ``time.monotonic()``).
         """
         if remote is not None and not self.policy.empty and not self.policy.allows(remote):
             self._drop(DENIED)
