@@ -60,6 +60,8 @@ import ipaddress
 import logging
 import time
 
+from .flow.base import flow_key
+
 log = logging.getLogger("aioslirp.tracing")
 
 __all__ = ["enabled", "enable", "disable", "span", "end_all", "MAX_DATA_EVENTS"]
@@ -158,7 +160,7 @@ def _addr(raw) -> str:
 
 @_safe
 def flow_opened(stack, flow) -> None:
-    """A flow entered the flow table: start its span (called by ``Stack.add_flow``)."""
+    """A flow entered the flow table: start its span (called by ``FlowTable.add``)."""
     from opentelemetry import trace
 
     if _tracer is None:
@@ -193,7 +195,7 @@ def flow_opened(stack, flow) -> None:
 
 @_safe
 def flow_closed(flow) -> None:
-    """A flow left the flow table (``Stack.remove_flow``): set the end attributes; the span
+    """A flow left the flow table (``FlowTable.remove``): set the end attributes; the span
     ends once the flow's last queued frame has been written."""
     rec = flow.trace
     if rec is None:
@@ -350,11 +352,11 @@ def _frame_key(frame, to_guest: bool):
             plen = end - l4 - ((frame[l4 + 12] >> 4) << 2)
         else:
             plen = end - l4 - 8
-        key = (proto, dst, dport, src, sport) if to_guest else (proto, src, sport, dst, dport)
+        key = flow_key(proto, dst, dport, src, sport) if to_guest else flow_key(proto, src, sport, dst, dport)
         return key, name, flags, plen
     if proto in (1, 58) and n >= l4 + 8:
         ident = (frame[l4 + 4] << 8) | frame[l4 + 5]
-        key = (proto, dst, ident, src, 0) if to_guest else (proto, src, ident, dst, 0)
+        key = flow_key(proto, dst, ident, src, 0) if to_guest else flow_key(proto, src, ident, dst, 0)
         return key, name, 0, end - l4 - 8
     return None, name, 0, 0
 

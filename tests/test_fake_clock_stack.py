@@ -16,6 +16,7 @@ import socket
 import struct
 
 from aioslirp import NetworkConfig, Stack
+from aioslirp.flow.base import Flow
 from aioslirp.transport.base import Transport
 
 from test_hardening import ACK, GUEST, GW, RST, SYN, tcp, udp
@@ -152,6 +153,7 @@ def test_fake_clock_drives_udp_and_tcp_idle_expiry_exactly():
             assert await settle(lambda: udp_out(tr.out))
             assert udp_out(tr.out) == [(uport, 41000, b"pong")]
             assert udp_flow.last_active == START + 3  # the reply came at the same (frozen) loop time
+            assert isinstance(tcp_flow, Flow) and isinstance(udp_flow, Flow)  # what the table, API and tracing read
 
             # -- the sweep runs every 2.5 s from START; the UDP flow goes at the first sweep at or
             # past START + 3 + 30, i.e. START + 35, not before
