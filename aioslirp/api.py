@@ -51,7 +51,6 @@ import logging
 import os
 import socket
 import stat
-import time
 
 from .config import ConfigError
 from .forward import ForwardError, PortForward
@@ -318,9 +317,9 @@ class ApiServer:
         c = stack.counters
         drops = {k[5:]: v for k, v in sorted(c.items()) if k.startswith("drop.")}
         active: dict = {}
-        for f in list(stack.flows.values()):
-            d = active.setdefault(getattr(f, "proto_name", "?"), {})
-            st = str(getattr(f, "state", "OPEN"))
+        for f in list(stack.flows.values()):  # each a Flow (aioslirp/flow/base.py)
+            d = active.setdefault(f.proto_name, {})
+            st = str(f.state)
             d[st] = d.get(st, 0) + 1
         totals: dict = {}
         for k, v in c.items():
@@ -338,29 +337,24 @@ class ApiServer:
         }}
 
     async def _list_flows(self, args: dict) -> dict:
-        now = time.monotonic()
-        loop_now = self.stack._loop.time() if self.stack._loop is not None else now
+        loop = self.stack.loop
+        now = loop.time() if loop is not None else None  # every flow's last_active is loop time
         out = []
-        for f in list(self.stack.flows.values()):
-            key = f.key
+        for f in list(self.stack.flows.values()):  # each a Flow (aioslirp/flow/base.py)
             entry = {
-                "proto": getattr(f, "proto_name", "?"),
-                "direction": getattr(f, "direction", "outbound"),
-                "state": str(getattr(f, "state", "OPEN")),
-                "guest_addr": _ip(getattr(f, "guest_ip", key[1] if len(key) > 1 else b"")),
-                "guest_port": getattr(f, "guest_port", None),
-                "remote_addr": _ip(getattr(f, "dst_ip", b"")),
-                "remote_port": getattr(f, "dst_port", None),
-                "host": f.remote if isinstance(getattr(f, "remote", None), str) else None,
+                "proto": f.proto_name,
+                "direction": f.direction,
+                "state": str(f.state),
+                "guest_addr": _ip(f.guest_ip),
+                "guest_port": f.guest_port,
+                "remote_addr": _ip(f.dst_ip),
+                "remote_port": f.dst_port,
+                "host": f.remote,
             }
-            last = getattr(f, "last_active", None)
-            if isinstance(last, (int, float)):
-                # TCP flows keep loop time, the others time.monotonic()
-                ref = loop_now if getattr(f, "proto_name", "") == "tcp" else now
-                entry["idle_s"] = round(max(0.0, ref - last), 3)
-            fid = getattr(f, "forward_id", None)
-            if fid is not None:
-                entry["forward_id"] = fid
+            if now is not None:
+                entry["idle_s"] = round(max(0.0, now - f.last_active), 3)
+            if f.forward_id is not None:
+                entry["forward_id"] = f.forward_id
             out.append(entry)
         return {"return": {"flows": out}}
 

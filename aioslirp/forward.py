@@ -41,10 +41,10 @@ import ipaddress
 import logging
 import os
 import socket
-import time
 from dataclasses import asdict, dataclass, replace
 
 from .config import ConfigError
+from .flow.base import flow_key
 from .wire.arp import ARP_REQUEST, build_arp
 from .wire.ipv4 import PROTO_TCP, PROTO_UDP, build_udp_packet
 
@@ -189,10 +189,15 @@ class _Listener:
 
 
 class Forwarder:
-    """The port forwards of one stack. Use it through :class:`~aioslirp.Stack`."""
+    """The port forwards of one stack. Use it through :class:`~aioslirp.Stack`.
 
-    def __init__(self, stack) -> None:
-        self.stack = stack
+    ``ctx``: the stack's :class:`~aioslirp.flow.base.FlowContext`; ``fam``: its
+    :class:`~aioslirp.dispatch.family.Family4` (the gateway address, the ARP cache, IPv4 output).
+    """
+
+    def __init__(self, ctx, fam) -> None:
+        self.ctx = ctx
+        self.fam = fam
         self._listeners: dict[int, _Listener] = {}
         self._next_id = 1
         self._next_port = SOURCE_PORTS[0]
@@ -200,7 +205,7 @@ class Forwarder:
 
     # ------------------------------------------------------------------ management
     def _check(self, fwd: PortForward) -> tuple[PortForward, bytes]:
-        cfg = self.stack.config
+        cfg = self.ctx.config
         if fwd.proto not in PROTOS:
             raise ConfigError("proto", f"{fwd.proto!r} is not tcp or udp")
         try:
@@ -252,12 +257,12 @@ class Forwarder:
         self._next_id += 1
         lst = _Listener(fwd, sock, guest_ip)
         self._listeners[fwd.id] = lst
-        stack = self.stack
+        ctx = self.ctx
         if fwd.proto == "tcp":
-            stack._loop.add_reader(sock.fileno(), self._tcp_acceptable, lst)
+            ctx.loop.add_reader(sock.fileno(), self._tcp_acceptable, lst)
         else:
-            stack._loop.add_reader(sock.fileno(), self._udp_readable, lst)
-        stack.counters[f"forwards.{fwd.proto}.added"] += 1
+            ctx.loop.add_reader(sock.fileno(), self._udp_readable, lst)
+        ctx.counters[f"forwards.{fwd.proto}.added"] += 1
         log.info("forwarding %s", fwd.spec())
         return fwd
 
@@ -265,7 +270,7 @@ class Forwarder:
         """Stop forward ``fwd_id``: close its listener. Raises ``KeyError`` when unknown."""
         lst = self._listeners.pop(fwd_id)
         self._close_listener(lst)
-        self.stack.counters[f"forwards.{lst.fwd.proto}.removed"] += 1
+        self.ctx.counters[f"forwards.{lst.fwd.proto}.removed"] += 1
         log.info("removed forward %s", lst.fwd.spec())
         return lst.fwd
 
@@ -289,7 +294,7 @@ class Forwarder:
         lst.closed = True
         if lst.sock.fileno() >= 0:
             try:
-                self.stack._loop.remove_reader(lst.sock.fileno())
+                self.ctx.loop.remove_reader(lst.sock.fileno())
             except Exception:  # pragma: no cover - loop closed
                 pass
         for flow in list(lst.clients.values()):
@@ -301,13 +306,13 @@ class Forwarder:
     def source_port(self, proto: int, guest_ip: bytes, guest_port: int) -> int | None:
         """A gateway-side source port giving a flow key not in use, round-robin; None if none is free."""
         lo, hi = SOURCE_PORTS
-        flows = self.stack.flows
-        gw = self.stack.gw_ip
+        flows = self.ctx.table.flows
+        gw = self.fam.gw
         port = self._next_port
         for _ in range(hi - lo + 1):
             candidate = port
             port = lo if port >= hi else port + 1
-            if (proto, guest_ip, guest_port, gw, candidate) not in flows:
+            if flow_key(proto, guest_ip, guest_port, gw, candidate) not in flows:
                 self._next_port = port
                 return candidate
         return None
@@ -316,14 +321,14 @@ class Forwarder:
         """Make sure the guest's MAC for ``ip4`` is known: ARP requests from the gateway
         every ``ARP_RETRY`` s until it answers or ``timeout`` s pass. Concurrent callers
         share one resolution. Returns True when the MAC is known."""
-        stack = self.stack
-        if ip4 in stack.neighbors:
+        ctx = self.ctx
+        if ip4 in self.fam.neighbors:
             return True
         fut = self._resolving.get(ip4)
         if fut is None:
-            fut = stack._loop.create_future()
+            fut = ctx.loop.create_future()
             self._resolving[ip4] = fut
-            stack.spawn(self._arp(ip4, timeout, fut), name="aioslirp-fwd-arp")
+            ctx.spawn(self._arp(ip4, timeout, fut), name="aioslirp-fwd-arp")
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -332,26 +337,26 @@ class Forwarder:
             raise
 
     async def _arp(self, ip4: bytes, timeout: float, fut: asyncio.Future) -> None:
-        stack = self.stack
-        loop = stack._loop
+        ctx, fam = self.ctx, self.fam
+        loop = ctx.loop
         deadline = loop.time() + timeout
         next_request = 0.0
         try:
-            while ip4 not in stack.neighbors:
+            while ip4 not in fam.neighbors:
                 now = loop.time()
                 if now >= deadline:
-                    stack.counters["forward_arp_failed"] += 1
+                    ctx.counters["forward_arp_failed"] += 1
                     break
                 if now >= next_request:
-                    stack.counters["arp_requests"] += 1
-                    stack.inject(build_arp(ARP_REQUEST, stack.gw_mac, stack.gw_ip, b"\x00" * 6, ip4))
+                    ctx.counters["arp_requests"] += 1
+                    ctx.inject(build_arp(ARP_REQUEST, fam.gw_mac, fam.gw, b"\x00" * 6, ip4))
                     next_request = now + ARP_RETRY
                 await asyncio.sleep(0.005)
         finally:
             if self._resolving.get(ip4) is fut:
                 del self._resolving[ip4]
             if not fut.done():
-                fut.set_result(ip4 in stack.neighbors)
+                fut.set_result(ip4 in fam.neighbors)
 
     # ------------------------------------------------------------------ TCP
     def _tcp_acceptable(self, lst: _Listener) -> None:
@@ -365,9 +370,9 @@ class Forwarder:
                 return
             except OSError as exc:
                 # EMFILE/ENFILE/ENOBUFS...: stop accepting for a moment instead of spinning.
-                self.stack.counters["forward_accept_errors"] += 1
+                self.ctx.counters["forward_accept_errors"] += 1
                 log.warning("forward %s: accept failed: %s", lst.fwd.spec(), exc.strerror)
-                loop = self.stack._loop
+                loop = self.ctx.loop
                 loop.remove_reader(lst.sock.fileno())
                 loop.call_later(0.1, self._resume_accept, lst)
                 return
@@ -375,20 +380,20 @@ class Forwarder:
                 self._tcp_accepted(lst, csock, peer)
             except Exception:
                 log.exception("forward %s: cannot start a flow", lst.fwd.spec())
-                self.stack.counters["flow_errors"] += 1
+                self.ctx.counters["flow_errors"] += 1
                 _reset_close(csock)
 
     def _resume_accept(self, lst: _Listener) -> None:
         if not lst.closed:
-            self.stack._loop.add_reader(lst.sock.fileno(), self._tcp_acceptable, lst)
+            self.ctx.loop.add_reader(lst.sock.fileno(), self._tcp_acceptable, lst)
 
     def _tcp_accepted(self, lst: _Listener, csock: socket.socket, peer) -> None:
         from .tcp.flow import ForwardedTcpFlow
 
-        stack = self.stack
-        counters = stack.counters
+        ctx = self.ctx
+        counters = ctx.counters
         counters["forward_tcp_accepted"] += 1
-        if stack._closed or not stack._make_room(PROTO_TCP):
+        if ctx.closed or not ctx.table.make_room():
             counters["drop.forward_flow_table_full"] += 1
             _reset_close(csock)
             return
@@ -398,12 +403,12 @@ class Forwarder:
             counters["drop.forward_no_source_port"] += 1
             _reset_close(csock)
             return
-        key = (PROTO_TCP, lst.guest_ip, gport, stack.gw_ip, sport)
-        ForwardedTcpFlow(stack, key, csock, peer, self.resolve_guest, lst.fwd.id)
+        key = flow_key(PROTO_TCP, lst.guest_ip, gport, self.fam.gw, sport)
+        ForwardedTcpFlow(ctx, self.fam, key, csock, peer, self.resolve_guest, lst.fwd.id)
 
     # ------------------------------------------------------------------ UDP
     def _udp_readable(self, lst: _Listener) -> None:
-        stack = self.stack
+        ctx = self.ctx
         for _ in range(64):
             try:
                 data, peer = lst.sock.recvfrom(65536)
@@ -416,12 +421,12 @@ class Forwarder:
                 return
             flow = lst.clients.get(peer)
             if flow is None or flow.closed:
-                if not stack._make_room(PROTO_UDP):
-                    stack.counters["drop.forward_flow_table_full"] += 1
+                if not ctx.table.make_room():
+                    ctx.counters["drop.forward_flow_table_full"] += 1
                     continue
                 sport = self.source_port(PROTO_UDP, lst.guest_ip, lst.fwd.guest_port)
                 if sport is None:
-                    stack.counters["drop.forward_no_source_port"] += 1
+                    ctx.counters["drop.forward_no_source_port"] += 1
                     continue
                 flow = UdpForwardFlow(self, lst, peer, sport)
             flow.to_guest(data)
@@ -432,52 +437,54 @@ class UdpForwardFlow:
 
     Key ``(udp, guest addr, guest port, gateway, source port)``. Host datagrams go to
     the guest from ``gateway:source port``; the guest's datagrams to that port go back to
-    the client through the forward's socket. Closed after ``udp_idle_timeout`` seconds
-    without traffic either way, when evicted, or when its forward is removed.
+    the client through the forward's socket. Closed by the flow table's idle sweep after
+    ``udp_idle_timeout`` seconds without traffic either way (:meth:`expire`), when evicted, or
+    when its forward is removed.
     """
 
     proto = PROTO_UDP
     proto_name = "udp"
     state = "OPEN"
     direction = "inbound"
+    trace = None
 
     def __init__(self, forwarder: Forwarder, lst: _Listener, peer, sport: int) -> None:
-        stack = forwarder.stack
-        self.stack = stack
+        ctx = self.ctx = forwarder.ctx
+        self.fam = forwarder.fam
         self.forwarder = forwarder
         self.listener = lst
         self.peer = peer
         self.forward_id = lst.fwd.id
         self.guest_ip = lst.guest_ip
         self.guest_port = lst.fwd.guest_port
-        self.dst_ip = stack.gw_ip
+        self.dst_ip = self.fam.gw
         self.dst_port = sport
-        self.key = (PROTO_UDP, self.guest_ip, self.guest_port, self.dst_ip, sport)
+        self.key = flow_key(PROTO_UDP, self.guest_ip, self.guest_port, self.dst_ip, sport)
         self.remote = f"{peer[0]}:{peer[1]}"
-        self.last_active = time.monotonic()
+        self.loop = ctx.loop
+        self.last_active = self.loop.time()
         self.bytes_up = self.bytes_down = 0
         self.closed = False
         self._pending: list = []
-        self._timeout = stack.config.udp_idle_timeout
-        self._timer = stack._loop.call_later(self._timeout, self._on_timer)
+        self._timeout = float(ctx.config.udp_idle_timeout)
         lst.clients[peer] = self
-        stack.add_flow(self)
+        ctx.table.add(self)
 
     def to_guest(self, data: bytes) -> None:
         """A datagram from the host client: send it to the guest (after ARP if needed)."""
-        stack = self.stack
-        self.last_active = time.monotonic()
+        ctx = self.ctx
+        self.last_active = self.loop.time()
         self.bytes_down += len(data)
-        stack.counters["udp_datagrams_down"] += 1
-        if self.guest_ip in stack.neighbors and not self._pending:
+        ctx.counters["udp_datagrams_down"] += 1
+        if self.guest_ip in self.fam.neighbors and not self._pending:
             self._inject(data)
             return
         if len(self._pending) >= UDP_PENDING_MAX:
-            stack.counters["drop.forward_udp_unresolved"] += 1
+            ctx.counters["drop.forward_udp_unresolved"] += 1
             return
         self._pending.append(data)
         if len(self._pending) == 1:
-            stack.spawn(self._resolve(), name="aioslirp-fwd-udp-arp")
+            ctx.spawn(self._resolve(), name="aioslirp-fwd-udp-arp")
 
     async def _resolve(self) -> None:
         ok = await self.forwarder.resolve_guest(self.guest_ip)
@@ -485,37 +492,38 @@ class UdpForwardFlow:
         if self.closed:
             return
         if not ok:
-            self.stack.counters["drop.forward_udp_unresolved"] += len(pending)
+            self.ctx.counters["drop.forward_udp_unresolved"] += len(pending)
             return
         for data in pending:
             self._inject(data)
 
     def _inject(self, data: bytes) -> None:
-        self.stack.inject_ip(build_udp_packet(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, data),
+        self.fam.inject_ip(build_udp_packet(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, data),
                              self.guest_ip)
 
-    def send(self, payload, header) -> None:
-        """A guest datagram to our source port: pass it to the host client."""
-        self.last_active = time.monotonic()
+    def send(self, payload, header, now: float) -> None:
+        """A guest datagram to our source port (``now``: loop time): pass it to the host client."""
+        self.last_active = now
         sock = self.listener.sock
         if self.closed or sock.fileno() < 0:
             return
         try:
             sock.sendto(payload, self.peer)
             self.bytes_up += len(payload)
-            self.stack.counters["udp_datagrams_up"] += 1
+            self.ctx.counters["udp_datagrams_up"] += 1
         except BlockingIOError:
-            self.stack.counters["drop.udp_send_blocked"] += 1
+            self.ctx.counters["drop.udp_send_blocked"] += 1
         except OSError as exc:
             log.debug("UDP forward flow %s: %s", self.key, exc)
 
-    def _on_timer(self) -> None:
-        left = self.last_active + self._timeout - time.monotonic()
-        if left > 0:
-            self._timer = self.stack._loop.call_later(left, self._on_timer)
-            return
-        self.stack.counters["udp_idle_closed"] += 1
+    def expire(self, now: float) -> bool:
+        """The idle sweep: close the flow when it carried no datagram for ``udp_idle_timeout``
+        seconds before loop time ``now`` (counted ``udp_idle_closed``). True when it did."""
+        if now - self.last_active < self._timeout:
+            return False
+        self.ctx.counters["udp_idle_closed"] += 1
         self.shutdown()
+        return True
 
     def flush(self) -> None:
         pass
@@ -528,8 +536,7 @@ class UdpForwardFlow:
         if self.closed:
             return
         self.closed = True
-        self._timer.cancel()
         self._pending = []
         if self.listener.clients.get(self.peer) is self:
             del self.listener.clients[self.peer]
-        self.stack.remove_flow(self)
+        self.ctx.table.remove(self)

@@ -1,8 +1,8 @@
-"""ICMP and ICMPv6 echo proxying (RFC 792, RFC 4443 4.1-4.2).
+"""ICMP and ICMPv6 echo proxying (RFC 792, RFC 4443 4.1-4.2), written once over a family.
 
-Echo requests to the gateway and DNS addresses are answered by the stack itself. Other
-destinations are proxied, by the first mechanism that works on this host (chosen once for
-IPv4 and once for IPv6):
+Echo requests to the gateway and DNS addresses are answered by the stack itself (the L3 of
+each family). Other destinations are proxied, by the first mechanism that works on this host
+(chosen once for IPv4 and once for IPv6, on the first echo of each):
 
 1. ping sockets (``SOCK_DGRAM`` with ``IPPROTO_ICMP`` / ``IPPROTO_ICMPV6``), allowed by
    ``net.ipv4.ping_group_range`` (it governs both families); the kernel picks the
@@ -12,22 +12,22 @@ IPv4 and once for IPv6):
    RFC 3542 3.2) and the kernel fills its checksums;
 3. neither: the request is dropped and counted, and the log says so once.
 
-Each (guest, remote, identifier) is a flow that ends after ``icmp_idle_timeout`` seconds;
-IPv6 flows have protocol 58 in their key and 16-byte addresses.
+Each (guest, remote, identifier) is a flow that the flow table's idle sweep ends after
+``icmp_idle_timeout`` seconds without an echo either way (:meth:`IcmpFlow.expire`); IPv6 flows
+have protocol 58 in their key and 16-byte addresses. What differs by family (socket family and
+protocol, message and reply builders, the reply type) comes from the flow's
+:class:`~aioslirp.dispatch.family.Family4` / ``Family6``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import socket
 import struct
-import time
 
-from .wire.checksum import checksum
-from .wire.ipv4 import ICMP, PROTO_ICMP, build_icmp_packet
-from .wire.ipv6 import build_icmp6_packet
+from .flow.base import flow_key
+from .wire.ipv4 import PROTO_ICMP
 
 log = logging.getLogger("aioslirp.icmp")
 
@@ -35,11 +35,10 @@ log = logging.getLogger("aioslirp.icmp")
 #: out of fds or memory now: the probe is not concluded (asked again on the next echo).
 _NO_SOCKET_NOW = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
 
-ICMP_ECHO_REPLY, ICMP_ECHO = 0, 8
-ICMP6_ECHO_REQUEST, ICMP6_ECHO_REPLY = 128, 129
+ICMP_ECHO_REPLY = 0
+ICMP6_ECHO_REPLY = 129
 PROTO_ICMPV6 = 58
 ICMP6_FILTER = 1  # <netinet/icmp6.h>, level IPPROTO_ICMPV6
-_ECHO = struct.Struct("!BBHHH")
 
 
 class IcmpFlow:
@@ -48,52 +47,51 @@ class IcmpFlow:
     proto = PROTO_ICMP
     proto_name = "icmp"
     state = "OPEN"
+    direction = "outbound"
+    guest_port = dst_port = None  # echo flows have no ports (the identifier is in the key)
+    forward_id = None
+    bytes_up = bytes_down = None
+    trace = None
 
-    def __init__(self, echo: "IcmpEcho", key, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, sock):
+    def __init__(self, echo: "IcmpEcho", fam, key, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, sock,
+                 now: float) -> None:
         self.echo = echo
+        self.fam = fam
         self.key = key
+        self.proto = fam.icmp_proto
+        self.v6 = fam.v6
         self.guest_ip, self.dst_ip, self.remote, self.ident = guest_ip, dst_ip, remote, ident
         self.sock = sock  # per-flow ping socket, or None with the shared raw socket
-        self.v6 = len(guest_ip) == 16
-        if self.v6:
-            self.proto = PROTO_ICMPV6
-        self.last_active = time.monotonic()
-        stack = echo.stack
-        stack.add_flow(self)
+        ctx = echo.ctx
+        self.ctx = ctx
+        self.loop = loop = ctx.loop
+        self.last_active = now
+        self._timeout = float(ctx.config.icmp_idle_timeout)
+        ctx.table.add(self)
         if sock is not None:
-            stack._loop.add_reader(sock.fileno(), self._readable)
-        self.task = stack._loop.create_task(self._run(), name="aioslirp-icmp")
-        stack.tasks.add(self.task)
-        self.task.add_done_callback(stack.tasks.discard)
+            loop.add_reader(sock.fileno(), self._readable)
 
-    async def _run(self) -> None:
-        timeout = self.echo.stack.config.icmp_idle_timeout
-        try:
-            while True:
-                left = self.last_active + timeout - time.monotonic()
-                if left <= 0:
-                    break
-                await asyncio.sleep(left)
-        finally:
-            self._close()
+    def expire(self, now: float) -> bool:
+        """The idle sweep: end the flow when no echo went either way for ``icmp_idle_timeout``
+        seconds before loop time ``now``. True when it did."""
+        if now - self.last_active < self._timeout:
+            return False
+        self.shutdown()
+        return True
 
-    def send(self, seq: int, payload: bytes) -> None:
-        self.last_active = time.monotonic()
-        if self.v6:  # the kernel fills ICMPv6 checksums (ping and raw sockets, RFC 3542 3.1)
-            msg = _ECHO.pack(ICMP6_ECHO_REQUEST, 0, 0, self.ident, seq) + payload
-        else:
-            msg = bytearray(_ECHO.pack(ICMP_ECHO, 0, 0, self.ident, seq) + payload)
-            struct.pack_into("!H", msg, 2, checksum(msg))
+    def send(self, seq: int, payload: bytes, now: float) -> None:
+        """Send one echo request of the guest (``now``: loop time)."""
+        self.last_active = now
+        msg = self.fam.echo_request(self.ident, seq, payload)
         try:
-            if self.sock is not None:
-                self.sock.sendto(msg, (self.remote, 0))
-            else:
-                (self.echo.raw6 if self.v6 else self.echo.raw).sendto(msg, (self.remote, 0))
+            sock = self.sock if self.sock is not None else self.echo.raw_socket(self.fam)
+            sock.sendto(msg, (self.remote, 0))
         except OSError as exc:
-            self.echo.stack.counters["drop.icmp_send_error"] += 1
+            self.ctx.counters["drop.icmp_send_error"] += 1
             log.debug("ICMP echo to %s: %s", self.remote, exc)
 
     def _readable(self) -> None:
+        reply_type = self.fam.echo_reply_type
         for _ in range(16):
             try:
                 data = self.sock.recv(65536)
@@ -101,22 +99,17 @@ class IcmpFlow:
                 return
             except OSError:
                 return
-            if len(data) < 8 or data[0] != (ICMP6_ECHO_REPLY if self.v6 else ICMP_ECHO_REPLY):
+            if len(data) < 8 or data[0] != reply_type:
                 continue
             self.deliver(data[6:8], data[8:])
 
     def deliver(self, seq_bytes: bytes, payload) -> None:
         """Send an echo reply from the remote to the guest."""
-        self.last_active = time.monotonic()
+        self.last_active = self.loop.time()
         seq = int.from_bytes(seq_bytes, "big")
-        stack = self.echo.stack
-        stack.counters["icmp_echo_replies"] += 1
-        if self.v6:
-            stack.inject_ip6(build_icmp6_packet(self.dst_ip, self.guest_ip, ICMP6_ECHO_REPLY, 0,
-                                                struct.pack("!HH", self.ident, seq) + bytes(payload)), self.guest_ip)
-            return
-        stack.inject_ip(build_icmp_packet(self.dst_ip, self.guest_ip, ICMP_ECHO_REPLY, 0,
-                                          (self.ident << 16) | seq, payload), self.guest_ip)
+        self.ctx.counters["icmp_echo_replies"] += 1
+        fam = self.fam
+        fam.inject_ip(fam.echo_reply(self.dst_ip, self.guest_ip, self.ident, seq, payload), self.guest_ip)
 
     def flush(self) -> None:
         pass
@@ -125,196 +118,165 @@ class IcmpFlow:
         self.shutdown()
 
     def shutdown(self) -> None:
-        self._close()
-        if not self.task.done():
-            self.task.cancel()
-
-    def _close(self) -> None:
+        """Close the ping socket and leave the flow table now. Idempotent."""
         if self.sock is not None:
             try:
-                self.echo.stack._loop.remove_reader(self.sock.fileno())
+                self.loop.remove_reader(self.sock.fileno())
             except Exception:
                 pass
             self.sock.close()
             self.sock = None
-        self.echo.stack.remove_flow(self)
+        self.ctx.table.remove(self)
         self.echo.by_remote.pop((self.dst_ip, self.ident), None)
 
 
+def _raw_reply4(data: bytes, _addr):
+    """``(source, identifier, offset of the ICMP message)`` of an Echo Reply read from a raw
+    ICMP socket (the IPv4 header comes first), or ``None``."""
+    ihl = (data[0] & 0x0F) * 4
+    if len(data) < ihl + 8 or data[ihl] != ICMP_ECHO_REPLY:
+        return None
+    return data[12:16], int.from_bytes(data[ihl + 4:ihl + 6], "big"), ihl
+
+
+def _raw_reply6(data: bytes, addr):
+    """The same for a raw ICMPv6 socket (no IPv6 header; the source is ``addr``)."""
+    if len(data) < 8 or data[0] != ICMP6_ECHO_REPLY:
+        return None
+    try:
+        src = socket.inet_pton(socket.AF_INET6, addr[0].split("%", 1)[0])
+    except (OSError, IndexError):
+        return None
+    return src, int.from_bytes(data[4:6], "big"), 0
+
+
 class IcmpEcho:
-    """Chooses the echo mechanism once and creates :class:`IcmpFlow` objects."""
+    """Chooses the echo mechanism once per family and creates :class:`IcmpFlow` objects.
 
-    def __init__(self, stack) -> None:
-        self.stack = stack
-        #: IPv4 mechanism: ``None`` (not probed yet), ``"ping"``, ``"raw"`` or ``"none"``.
-        self.mode: str | None = None
-        #: IPv6 mechanism, probed on the first IPv6 echo to proxy; same values.
-        self.mode6: str | None = None
-        self.raw: socket.socket | None = None
-        self.raw6: socket.socket | None = None
+    Args:
+        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+    """
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self._mode: dict[bool, str | None] = {False: None, True: None}  # by fam.v6
+        self._raw: dict[bool, socket.socket | None] = {False: None, True: None}
+        #: (remote address, identifier) -> flow, for the replies read from a raw socket.
         self.by_remote: dict = {}
-        self._warned = False
 
-    def _probe(self) -> None:
-        """Choose :attr:`mode`; left ``None`` when the kernel gives no socket now (EMFILE...)."""
-        try:
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
-            s.close()
-            self.mode = "ping"
-            return
-        except OSError as exc:
-            if exc.errno in _NO_SOCKET_NOW:
-                return
-        try:
-            self.raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
-            self.raw.setblocking(False)
-            self.stack._loop.add_reader(self.raw.fileno(), self._raw_readable)
-            self.mode = "raw"
-        except OSError as exc:
-            if exc.errno in _NO_SOCKET_NOW:
-                return
-            self.mode = "none"
-            log.warning("ICMP echo: no ping sockets (net.ipv4.ping_group_range) and no raw sockets "
-                        "(CAP_NET_RAW); only the gateway and DNS answer pings")
-        log.info("ICMP echo proxy mode: %s", self.mode)
+    @property
+    def mode(self) -> str | None:
+        """IPv4 mechanism: ``None`` (not probed yet), ``"ping"``, ``"raw"`` or ``"none"``."""
+        return self._mode[False]
 
-    def echo(self, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, seq: int, payload: bytes, header) -> None:
-        """Proxy one echo request from ``guest_ip`` to ``dst_ip`` (``remote`` on the host)."""
-        if self.mode is None:
-            self._probe()
-            if self.mode is None:
-                self.stack.drop("icmp_socket_error")
-                return
-        if self.mode == "none":
-            self.stack.drop("icmp_unsupported")
-            return
-        key = (PROTO_ICMP, guest_ip, ident, dst_ip, 0)
-        flow = self.stack.flows.get(key)
-        if flow is None:
-            if not self.stack._make_room(PROTO_ICMP):
-                return self.stack.drop("flow_table_full")
-            sock = None
-            if self.mode == "ping":
-                try:
-                    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
-                    sock.setblocking(False)
-                except OSError as exc:
-                    self.stack.drop("icmp_socket_error")
-                    log.debug("ping socket: %s", exc)
-                    return
-            flow = IcmpFlow(self, key, guest_ip, dst_ip, remote, ident, sock)
-            if sock is None:
-                self.by_remote[(dst_ip, ident)] = flow
-        self.stack.handled("icmp_echo")
-        flow.send(seq, payload)
+    @property
+    def mode6(self) -> str | None:
+        """IPv6 mechanism, probed on the first IPv6 echo to proxy; same values."""
+        return self._mode[True]
 
-    def _probe6(self) -> None:
-        """Choose :attr:`mode6`; left ``None`` when the kernel gives no socket now (EMFILE...)."""
+    @property
+    def raw(self) -> socket.socket | None:
+        """The shared raw ICMP socket (mode ``"raw"``)."""
+        return self._raw[False]
+
+    @property
+    def raw6(self) -> socket.socket | None:
+        """The shared raw ICMPv6 socket (mode ``"raw"``)."""
+        return self._raw[True]
+
+    def raw_socket(self, fam) -> socket.socket | None:
+        """The raw socket of ``fam``'s family."""
+        return self._raw[fam.v6]
+
+    def _probe(self, fam) -> None:
+        """Choose the mechanism of ``fam``; left ``None`` when the kernel gives no socket now (EMFILE...)."""
+        v6 = fam.v6
         try:
-            s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM, socket.IPPROTO_ICMPV6)
-            s.close()
-            self.mode6 = "ping"
+            socket.socket(fam.af, socket.SOCK_DGRAM, fam.ipproto_icmp).close()
+            self._mode[v6] = "ping"
         except OSError as exc:
             if exc.errno in _NO_SOCKET_NOW:
                 return
             try:
-                raw = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+                raw = socket.socket(fam.af, socket.SOCK_RAW, fam.ipproto_icmp)
             except OSError as exc2:
                 if exc2.errno in _NO_SOCKET_NOW:
                     return
-                self.mode6 = "none"
-                log.warning("ICMPv6 echo: no ping sockets (net.ipv4.ping_group_range) and no raw sockets "
-                            "(CAP_NET_RAW); only the gateway and DNS answer pings")
+                self._mode[v6] = "none"
+                log.warning("%s echo: no ping sockets (net.ipv4.ping_group_range) and no raw sockets "
+                            "(CAP_NET_RAW); only the gateway and DNS answer pings", "ICMPv6" if v6 else "ICMP")
             else:
-                # block every type but Echo Reply (a set bit blocks, RFC 3542 3.2)
-                words = [0xFFFFFFFF] * 8
-                words[ICMP6_ECHO_REPLY >> 5] &= ~(1 << (ICMP6_ECHO_REPLY & 31)) & 0xFFFFFFFF
-                try:
-                    raw.setsockopt(socket.IPPROTO_ICMPV6, ICMP6_FILTER, struct.pack("8I", *words))
-                except OSError:
-                    pass
+                if v6:  # block every type but Echo Reply (a set bit blocks, RFC 3542 3.2)
+                    words = [0xFFFFFFFF] * 8
+                    words[ICMP6_ECHO_REPLY >> 5] &= ~(1 << (ICMP6_ECHO_REPLY & 31)) & 0xFFFFFFFF
+                    try:
+                        raw.setsockopt(socket.IPPROTO_ICMPV6, ICMP6_FILTER, struct.pack("8I", *words))
+                    except OSError:
+                        pass
                 raw.setblocking(False)
-                self.raw6 = raw
-                self.stack._loop.add_reader(raw.fileno(), self._raw6_readable)
-                self.mode6 = "raw"
-        log.info("ICMPv6 echo proxy mode: %s", self.mode6)
+                self._raw[v6] = raw
+                self.ctx.loop.add_reader(raw.fileno(), self._raw_readable, v6)
+                self._mode[v6] = "raw"
+        log.info("%s echo proxy mode: %s", "ICMPv6" if v6 else "ICMP", self._mode[v6])
 
-    def echo6(self, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, seq: int, payload: bytes) -> None:
-        """Proxy one ICMPv6 echo request from ``guest_ip`` to ``dst_ip`` (``remote`` on the host)."""
-        if self.mode6 is None:
-            self._probe6()
-            if self.mode6 is None:
-                self.stack.drop("icmp_socket_error")
-                return
-        if self.mode6 == "none":
-            self.stack.drop("icmp6_unsupported")
-            return
-        key = (PROTO_ICMPV6, guest_ip, ident, dst_ip, 0)
-        flow = self.stack.flows.get(key)
+    def echo(self, fam, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, seq: int, payload: bytes,
+             now: float) -> None:
+        """Proxy one echo request from ``guest_ip`` to ``dst_ip`` (``remote`` on the host) of
+        family ``fam``; ``now``: loop time. Counted ``handled.icmp_echo`` or dropped."""
+        ctx = self.ctx
+        v6 = fam.v6
+        if self._mode[v6] is None:
+            self._probe(fam)
+            if self._mode[v6] is None:
+                return ctx.drop("icmp_socket_error")
+        if self._mode[v6] == "none":
+            return ctx.drop(fam.reason["icmp_unsupported"])
+        key = flow_key(fam.icmp_proto, guest_ip, ident, dst_ip, 0)
+        flow = ctx.table.get(key)
         if flow is None:
-            if not self.stack._make_room(PROTO_ICMPV6):
-                return self.stack.drop("flow_table_full")
+            if not ctx.table.make_room():
+                return ctx.drop("flow_table_full")
             sock = None
-            if self.mode6 == "ping":
+            if self._mode[v6] == "ping":
                 try:
-                    sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM, socket.IPPROTO_ICMPV6)
+                    sock = socket.socket(fam.af, socket.SOCK_DGRAM, fam.ipproto_icmp)
                     sock.setblocking(False)
                 except OSError as exc:
-                    self.stack.drop("icmp_socket_error")
-                    log.debug("ICMPv6 ping socket: %s", exc)
+                    ctx.drop("icmp_socket_error")
+                    log.debug("ping socket: %s", exc)
                     return
-            flow = IcmpFlow(self, key, guest_ip, dst_ip, remote, ident, sock)
+            flow = IcmpFlow(self, fam, key, guest_ip, dst_ip, remote, ident, sock, now)
             if sock is None:
                 self.by_remote[(dst_ip, ident)] = flow
-        self.stack.handled("icmp_echo")
-        flow.send(seq, payload)
+        ctx.handled("icmp_echo")
+        flow.send(seq, payload, now)
 
-    def _raw6_readable(self) -> None:
+    def _raw_readable(self, v6: bool) -> None:
+        raw = self._raw[v6]
+        parse = _raw_reply6 if v6 else _raw_reply4
         for _ in range(64):
             try:
-                data, addr = self.raw6.recvfrom(65536)
+                data, addr = raw.recvfrom(65536)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 if exc.errno != errno.EAGAIN:
-                    log.debug("raw ICMPv6: %s", exc)
+                    log.debug("raw %s: %s", "ICMPv6" if v6 else "ICMP", exc)
                 return
-            if len(data) < 8 or data[0] != ICMP6_ECHO_REPLY:
+            reply = parse(data, addr)
+            if reply is None:
                 continue
-            try:
-                src = socket.inet_pton(socket.AF_INET6, addr[0].split("%", 1)[0])
-            except (OSError, IndexError):
-                continue
-            flow = self.by_remote.get((src, int.from_bytes(data[4:6], "big")))
-            if flow is not None:
-                flow.deliver(data[6:8], data[8:])
-
-    def _raw_readable(self) -> None:
-        for _ in range(64):
-            try:
-                data = self.raw.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno != errno.EAGAIN:
-                    log.debug("raw ICMP: %s", exc)
-                return
-            ihl = (data[0] & 0x0F) * 4
-            if len(data) < ihl + 8 or data[ihl] != ICMP_ECHO_REPLY:
-                continue
-            src = data[12:16]
-            ident = int.from_bytes(data[ihl + 4:ihl + 6], "big")
+            src, ident, off = reply
             flow = self.by_remote.get((src, ident))
             if flow is not None:
-                flow.deliver(data[ihl + 6:ihl + 8], data[ihl + 8:])
+                flow.deliver(data[off + 6:off + 8], data[off + 8:])
 
     def close(self) -> None:
-        for name in ("raw", "raw6"):
-            sock = getattr(self, name)
+        for v6, sock in self._raw.items():
             if sock is not None:
                 try:
-                    self.stack._loop.remove_reader(sock.fileno())
+                    self.ctx.loop.remove_reader(sock.fileno())
                 except Exception:
                     pass
                 sock.close()
-                setattr(self, name, None)
+                self._raw[v6] = None

@@ -6,8 +6,9 @@
 flow is reset towards the guest (an RST the guest's applications see as ECONNRESET instead
 of a connection that hangs until its own timeout) and its host socket is closed with a RST
 to the host peer; UDP and ICMP flows close their sockets; with IPv6 the final Router
-Advertisement withdraws the default route (RFC 4861 6.2.5). Then the writer gets a bounded
-moment to hand those frames to the transport, which the caller closes afterwards.
+Advertisement withdraws the default route (RFC 4861 6.2.5). Then those frames are written to
+the transport at once (:meth:`InjectQueue.drain <aioslirp.inject.InjectQueue.drain>`), which the
+caller closes afterwards.
 
 When the guest itself went away (the TAP's process exited, QEMU disconnected) there is no
 one to tell: the flows are torn down without it (:meth:`Stack.aclose`, :meth:`Stack.reset_flows`).
@@ -22,7 +23,8 @@ import asyncio
 
 __all__ = ["farewell"]
 
-#: Longest wait, in seconds, for the inject queue to drain after the RSTs were queued.
+#: Former longest wait, in seconds, for the inject queue to drain after the RSTs were queued;
+#: kept for callers of :func:`farewell` (the queue is now written out at once, nothing waits).
 DRAIN_TIMEOUT = 0.25
 
 
@@ -31,18 +33,12 @@ async def farewell(stack, timeout: float = DRAIN_TIMEOUT) -> int:
 
     Returns the number of flows torn down. Never raises for a flow that fails to shut down
     (logged by :meth:`Stack.reset_flows`). The transport must still be open for the guest to
-    see anything; closing it is the caller's job.
+    see anything; closing it is the caller's job. ``timeout`` is accepted for compatibility and
+    unused: the frames are written to the transport without waiting.
     """
     n = stack.reset_flows()
     stack.counters["flows_reset_at_stop"] += n
     if stack.v6 is not None:
         stack.v6.final_ra()
-    queue = stack._inject
-    if queue is None:
-        return n
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not queue.empty() and loop.time() < deadline:
-        await asyncio.sleep(0.001)
-    await asyncio.sleep(0)  # the writer's last batch reaches the transport
+    await stack.inject_queue.drain()  # written to the transport now, then one loop iteration
     return n

@@ -2,157 +2,59 @@
 
 Theory of operation
 -------------------
-A transport hands batches of guest Ethernet frames to :meth:`Stack._on_frames`. Each
-frame goes through :meth:`Stack.process_guest_frame`, which parses the headers with
-precompiled structs and dispatches:
+A :class:`Stack` builds and wires the parts of the data path, each given the collaborators it
+needs at construction (a :class:`~aioslirp.flow.base.FlowContext`: config, counters, the loop
+once started, the flow table, the inject queue, ``spawn``) and none reading the stack itself:
 
-* ARP requests for the gateway / DNS addresses are answered at once;
-* UDP to port 67 goes to the DHCP server, UDP/TCP to DNS:53 to the DNS forwarder;
-* ICMP echo to the gateway / DNS is answered locally, elsewhere proxied by an echo flow;
-* every other TCP/UDP packet belongs to a NAT flow, looked up in the flow table by
-  ``(proto, guest addr, guest port, remote addr, remote port)``; a TCP SYN or a first
-  UDP datagram creates one. Each flow owns one task and one host socket.
-* IPv6 frames go to :class:`~aioslirp.stack6.Ipv6Path` (NDP/RA, DHCPv6, ICMPv6, and the
-  same flows with 16-byte addresses in their keys).
+* :mod:`aioslirp.dispatch`: the guest link (:class:`~aioslirp.dispatch.link.Link`, the sink the
+  transport delivers batches of frames to: Ethernet demux, ARP), L3 per family
+  (:class:`~aioslirp.dispatch.ipv4.Ipv4Input`, :class:`~aioslirp.dispatch.ipv6.Ipv6Path`) and
+  the one L4 (:class:`~aioslirp.dispatch.l4.L4`: TCP, UDP, DNS, DHCP, the echo proxy) over the
+  per-family :class:`~aioslirp.dispatch.family.Family4` / ``Family6``;
+* :mod:`aioslirp.flow`: the flow table (look-up by ``(proto, guest addr, guest port, remote
+  addr, remote port)``, the flush of the flows a batch touched, eviction, the one idle sweep)
+  and the :class:`~aioslirp.flow.guard.Guard` admitting new flows;
+* :mod:`aioslirp.inject`: the bounded queue of frames for the guest and its writer;
+* the services (DHCP, DNS, NDP, DHCPv6) and the ICMP echo proxy; the port forwards
+  (:mod:`aioslirp.forward`).
 
-Frames for the guest go into the inject queue (a bounded :class:`asyncio.Queue`); a
-single writer task drains it in batches into ``Transport.send_frames``. TCP flows touched
-by a batch of guest frames are flushed once at the end of the batch, so many guest
-segments produce one ACK and one socket write.
+A batch of guest frames is processed with one clock reading (``loop.time()``), the TCP flows it
+touched are flushed once at its end (many guest segments give one ACK and one socket write),
+and the frames it produced are written to the transport in the same loop iteration.
 
-Malformed or hostile input never raises out of :meth:`process_guest_frame`: it is
-dropped and counted under ``drop.<reason>`` in :attr:`Stack.counters`.
+Malformed or hostile input never raises out of :meth:`Stack.process_guest_frame`: it is
+dropped and counted under ``drop.<reason>`` in :attr:`Stack.counters`; every guest frame has
+exactly one outcome (:meth:`Stack.frame_outcomes`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
+import functools
 import logging
-import socket
-import struct
-import time
 from collections import Counter
 
-from .config import NetworkConfig
-from .wire.arp import ARP_REPLY, ARP_REQUEST, build_arp, parse_arp
-from .wire.checksum import partial
-from .wire.ethernet import BROADCAST, ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6
-from .wire.ipv4 import (ICMP, IP_MF, IP_OFFMASK, IPV4, PROTO_ICMP, PROTO_TCP, PROTO_UDP, UDP,
-                        build_icmp_packet, build_tcp, build_udp_packet, fragment, pseudo_sum)
-from .wire.ipv6 import TokenBucket
-from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
-from .wire.reassembly import Reassembler
 from . import tracing
-from .services.dhcp import reply_destination
-from .limits import DENIED, Guard
+from .config import NetworkConfig
+from .dispatch.family import Family4
+from .dispatch.ipv4 import Ipv4Input
+from .dispatch.l4 import L4
+from .dispatch.link import Link
+from .flow.base import FlowContext
+from .flow.guard import Guard
+from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importable from here as before)
+from .icmp import IcmpEcho
+from .inject import InjectQueue
 from .lifecycle import farewell
-# At module level: an import statement inside _tcp ran for every guest TCP frame (~1-2 us each;
-# benchmarks showed -12% CPU per GB guest->host). aioslirp.tcp.flow does not import this module.
-from .tcp.flow import TcpFlow, parse_segment, reset_for
-from .udp import UdpFlow  # module level: an import under EMFILE (the first UDP flow) would fail
+from .ratelimit import TokenBucket as NewFlowBucket
+from .services.dhcp import DhcpServer
+from .services.dns import DnsForwarder
+from .services.dns_tcp import DnsTcpHost
+from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
 
 log = logging.getLogger("aioslirp.stack")
 
 __all__ = ["Stack"]
-
-_LOOPBACK4 = "127.0.0.1"
-_PORTS = struct.Struct("!HH")  # source and destination port of a TCP/UDP header
-_UNTRUSTED = itertools.repeat(False)  # csum_ok of a transport without checksum flags
-ICMP_ECHO_REPLY, ICMP_UNREACH, ICMP_ECHO = 0, 3, 8
-UNREACH_NET, UNREACH_HOST, UNREACH_PORT, UNREACH_ADMIN = 0, 1, 3, 13
-
-
-class _InjectQueue(asyncio.Queue):
-    """The inject queue: an :class:`asyncio.Queue` bound to the stack's loop when created.
-
-    ``Queue.get()`` looks the running loop up each time it has to wait, which in CPython 3.11
-    costs a ``getpid()`` system call (2% of the CPU of connect/request/response traffic, where
-    the writer waits once per frame); the loop here is known.
-
-    ``hold``: while True (inside a batch of guest frames or a host socket callback, see
-    :meth:`Stack._held`), :meth:`put_nowait` queues without waking the writer task, because
-    the batch ends with :meth:`Stack.write_now` writing the queue out in the same loop
-    iteration. Same FIFO, same thread: the frames' order is the queue's order either way.
-    """
-
-    def __init__(self, maxsize: int, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(maxsize)
-        self._loop = loop
-        self.hold = False
-
-    def _get_loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
-    def put_nowait(self, item) -> None:
-        """``Queue.put_nowait`` without the generic bookkeeping; raises ``asyncio.QueueFull``."""
-        q = self._queue
-        if len(q) >= self._maxsize > 0:
-            raise asyncio.QueueFull
-        q.append(item)
-        if not self.hold and self._getters:
-            self._wakeup_next(self._getters)
-
-
-class IdleOrder:
-    """The flows that may be evicted (UDP and ICMP, both families; never TCP), longest idle first.
-
-    :meth:`Stack._make_room` takes its victim here instead of scanning the flow table. A lazy
-    min-heap of ``(stamp, seq, flow)``, ``stamp`` being the flow's ``last_active`` (seconds,
-    ``time.monotonic()``) when the entry was pushed. Flows keep updating ``last_active`` on every
-    datagram themselves -- nothing is called here per packet -- and ``last_active`` only grows,
-    so a stamp is never above its flow's ``last_active``. :meth:`pop_idlest` looks at the top
-    entry: a flow that left the table is discarded; a flow active since its push is pushed again
-    with its current ``last_active``; otherwise no flow can have been idle longer (each one's
-    ``last_active`` >= its stamp >= this one's), and it is the victim. An entry is pushed again
-    at most once per activity of its flow (a new flow's first datagram, which follows its entry
-    at once, is one), so an eviction costs O(log n) amortized. Entries of flows that left the
-    table are compacted away once the heap exceeds twice the table + 64.
-
-    Attributes:
-        examined: heap entries :meth:`pop_idlest` looked at, in all (a cost counter).
-    """
-
-    __slots__ = ("_flows", "_heap", "_seq", "examined")
-
-    def __init__(self, flows: dict) -> None:
-        self._flows = flows  # the table; an entry counts while flows[flow.key] is its flow
-        self._heap: list = []
-        self._seq = itertools.count()
-        self.examined = 0
-
-    def __len__(self) -> int:
-        """Heap entries, including those of flows that left the table and are not yet compacted."""
-        return len(self._heap)
-
-    def add(self, flow) -> None:
-        """Track ``flow`` (just entered the table; it needs ``key`` and ``last_active``)."""
-        heap = self._heap
-        heapq.heappush(heap, (flow.last_active, next(self._seq), flow))
-        if len(heap) > 2 * len(self._flows) + 64:
-            flows = self._flows
-            heap[:] = [e for e in heap if flows.get(e[2].key) is e[2]]
-            heapq.heapify(heap)
-
-    def pop_idlest(self):
-        """Remove and return the flow in the table idle the longest, or ``None`` when there is none."""
-        heap = self._heap
-        flows = self._flows
-        while heap:
-            self.examined += 1
-            stamp, _seq, flow = heap[0]
-            if flows.get(flow.key) is not flow:
-                heapq.heappop(heap)
-            elif flow.last_active > stamp:
-                heapq.heapreplace(heap, (flow.last_active, next(self._seq), flow))
-            else:
-                heapq.heappop(heap)
-                return flow
-        return None
-
-    def clear(self) -> None:
-        self._heap.clear()
 
 
 class Stack:
@@ -167,8 +69,20 @@ class Stack:
         config: the validated :class:`NetworkConfig`.
         counters: ``collections.Counter`` of events: ``frames_in``, ``frames_out``,
             ``bytes_in``, ``bytes_out``, ``drop.<reason>``, ``flows.<proto>.opened``...
-        flows: the flow table, ``dict`` key -> flow object.
-        idle_order: the :class:`IdleOrder` of its UDP/ICMP flows (the eviction candidates).
+        flows: the flow table, ``dict`` key -> flow (:class:`~aioslirp.flow.base.Flow`).
+        idle_order: the :class:`~aioslirp.flow.table.IdleOrder` of its UDP/ICMP flows (the
+            eviction candidates).
+        table: the :class:`~aioslirp.flow.table.FlowTable` holding :attr:`flows`.
+        guard: the :class:`~aioslirp.flow.guard.Guard` (egress policy and bounds).
+        inject_queue: the :class:`~aioslirp.inject.InjectQueue`; :attr:`inject` is its ``put``.
+        neighbors: the ARP cache, IPv4 (4 bytes) -> guest MAC (a
+            :class:`~aioslirp.wire.neighbors.NeighborCache` of at most ``MAX_NEIGHBORS`` = 1024,
+            as for IPv6; one more forgets the entry learned longest ago, ``arp.neighbors_evicted``).
+        family4: the :class:`~aioslirp.dispatch.family.Family4`.
+        v6: the IPv6 half (:class:`~aioslirp.dispatch.ipv6.Ipv6Path`: NDP/RA, DHCPv6, IPv6
+            input), ``None`` when ``config.ipv6`` is off; ``family6`` its family.
+        dns, icmp: the DNS forwarder (``None`` until started) and the ICMP echo proxy.
+        tasks: the flows' own tasks.
 
     Raises:
         ConfigError: from the constructor when ``config`` is invalid.
@@ -179,58 +93,98 @@ class Stack:
     supports_offload = True
 
     def __init__(self, config: NetworkConfig | None = None) -> None:
-        self.config = (config if config is not None else NetworkConfig()).validate()
-        cfg = self.config
+        self.config = cfg = (config if config is not None else NetworkConfig()).validate()
         self.counters: Counter = Counter()
-        self.flows: dict = {}
-        self.idle_order = IdleOrder(self.flows)
-        self.gw_mac = cfg.gateway_mac_bytes
-        self.gw_ip = cfg.gateway.packed
-        self.dns_ip = cfg.dns.packed
-        self.guest_ip = cfg.guest.packed
-        self.net_int = int(cfg.cidr.network_address)
-        self.mask_int = int(cfg.cidr.netmask)
-        self.bcast_ip = cfg.cidr.broadcast_address.packed
-        self.mtu = cfg.mtu
-        #: IPv4 (4 bytes) -> guest MAC, learned from the guest's frames: a
-        #: :class:`~aioslirp.wire.neighbors.NeighborCache` (at most ``MAX_NEIGHBORS`` = 1024, as
-        #: for IPv6; one more forgets the entry learned longest ago, ``arp.neighbors_evicted``).
+        ctx = self.ctx = FlowContext(cfg, self.counters)
+        rate = float(cfg.new_flow_rate)
+        new_bucket = functools.partial(NewFlowBucket, rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
+        self.guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket)
+        self.table = ctx.table = FlowTable(cfg, self.counters, self.guard, self)
+        self.flows: dict = self.table.flows
+        self.idle_order: IdleOrder = self.table.idle_order
+        self.inject_queue = ctx.queue = InjectQueue(cfg.inject_queue_size, self.counters, self)
+        #: Queue one frame for the guest (:meth:`InjectQueue.put <aioslirp.inject.InjectQueue.put>`):
+        #: False (counted ``drop.inject_full``) when the queue is full.
+        self.inject = ctx.inject = self.inject_queue.put
+        #: Write every queued frame now (:meth:`InjectQueue.write_now <aioslirp.inject.InjectQueue.write_now>`).
+        self.write_now = self.inject_queue.write_now
+        self.tasks: set[asyncio.Task] = ctx.tasks
+        self._aux_tasks: set[asyncio.Task] = set()
+        ctx.spawn = self.spawn
+        self.icmp = ctx.icmp = IcmpEcho(ctx)
+        self.dns = None
+        self.l4 = L4(ctx)
         self.neighbors = NeighborCache(MAX_NEIGHBORS)
-        self.reassembler = Reassembler.from_config(self.config)
-        #: Rate limiter of the ICMP errors we send (RFC 1812 4.3.2.8), see :meth:`send_icmp_error`.
-        self.icmp_errors = TokenBucket()
-        #: The IPv6 half (:class:`~aioslirp.stack6.Ipv6Path`: NDP/RA, DHCPv6, IPv6 dispatch);
-        #: ``None`` when ``config.ipv6`` is off.
-        self.v6 = None
+        self.family4 = Family4(ctx, self.neighbors)
+        self.ipv4 = Ipv4Input(ctx, self.family4, self.l4)
+        self.v6 = self.family6 = None
         if cfg.ipv6:
-            from .stack6 import Ipv6Path
+            from .dispatch.ipv6 import Ipv6Path  # only with IPv6: NDP, DHCPv6, config6
 
-            self.v6 = Ipv6Path(self)
+            self.v6 = Ipv6Path(ctx, self.l4)
+            self.family6 = self.v6.family
+        self.link = link = Link(ctx, self.family4, self.ipv4.input, self.v6.dispatch if self.v6 is not None else None,
+                                self)
+        #: The transport's sink, a batch of guest frames (:meth:`aioslirp.dispatch.link.Link.on_frames`).
+        self.on_frames = self._on_frames = link.on_frames
+        self.gw_mac = cfg.gateway_mac_bytes
+        self.gw_ip = self.family4.gw
+        self.dns_ip = self.family4.dns
+        self.guest_ip = cfg.guest.packed
+        self.mtu = cfg.mtu
         self._transport = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inject: asyncio.Queue | None = None
-        self._writer_task: asyncio.Task | None = None
-        self._aux_tasks: set[asyncio.Task] = set()
-        self._dirty: set = set()
-        #: The transport being served offers checksum/TCP segmentation offload (a TAP with
-        #: ``IFF_VNET_HDR``): TCP flows opened while it is served send ~64 KB segments with
-        #: partial checksums (:mod:`aioslirp.wire.offload`). Set by :meth:`serve`.
-        self.offload = False
-        #: True while the frame being processed was flagged by the guest's kernel as having a
-        #: partial/valid L4 checksum (offload TAP): its TCP/UDP/ICMP checksum is not verified.
-        self._l4_trusted = False
         self._closed = False
         self._stopped: asyncio.Future | None = None
-        self.dhcp = None
-        self.dns = None
-        self.icmp = None
-        self.tasks: set[asyncio.Task] = set()
         #: Callables ``wrap(transport) -> transport`` applied in order by :meth:`serve`
         #: (e.g. :class:`~aioslirp.transport.pcap.PcapTransport` for ``--pcap``).
         self.transport_wrappers: list = []
         self._forwarder = None
-        #: Admission control for new guest flows: egress policy and bounds (:mod:`aioslirp.limits`).
-        self.guard = Guard(self)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the stack runs on (``None`` before :meth:`start`)."""
+        return self._loop
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` began."""
+        return self._closed
+
+    @property
+    def offload(self) -> bool:
+        """The transport being served offers checksum/TCP segmentation offload (a TAP with
+        ``IFF_VNET_HDR``): TCP flows opened while it is served send ~64 KB segments with
+        partial checksums (:mod:`aioslirp.wire.offload`). Set by :meth:`serve`."""
+        return self.ctx.offload
+
+    @property
+    def dhcp(self):
+        """The :class:`~aioslirp.services.dhcp.DhcpServer` (``None`` until started; a new one per
+        :meth:`reset_flows`)."""
+        return self.family4.dhcp_server
+
+    @property
+    def reassembler(self):
+        """The IPv4 fragment :class:`~aioslirp.wire.reassembly.Reassembler`."""
+        return self.ipv4.reassembler
+
+    @property
+    def icmp_errors(self):
+        """Rate limiter of the ICMP errors we send (RFC 1812 4.3.2.8): the same class and rate as
+        the ICMPv6 one (100 errors/s, burst 50); over the rate, ``icmp_errors_rate_limited``."""
+        return self.family4.err_bucket
+
+    @icmp_errors.setter
+    def icmp_errors(self, bucket) -> None:
+        self.family4.err_bucket = bucket
+
+    @property
+    def _l4_trusted(self) -> bool:
+        """False: whether a frame's L4 checksum is trusted is an argument of each frame's dispatch
+        (``csum_ok``), never state left between frames (kept for callers that checked it)."""
+        return False
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Stack":
@@ -241,19 +195,16 @@ class Stack:
         await self.aclose()
 
     async def start(self) -> None:
-        """Start the writer task and the services. Called by ``async with``."""
-        from .services.dhcp import DhcpServer
-        from .services.dns import DnsForwarder
-        from .icmp import IcmpEcho
-
-        self._loop = asyncio.get_running_loop()
-        self._inject = _InjectQueue(self.config.inject_queue_size, self._loop)
-        self._stopped = self._loop.create_future()
-        self._writer_task = self._loop.create_task(self._writer(), name="aioslirp-writer")
-        self.dhcp = DhcpServer(self.config)
-        self.dns = DnsForwarder(self.config)
-        self.icmp = IcmpEcho(self)
-        self.guard.start()
+        """Start the writer task, the idle sweep and the services. Called by ``async with``."""
+        loop = self._loop = self.ctx.loop = asyncio.get_running_loop()
+        self._stopped = loop.create_future()
+        self.inject_queue.start(loop)
+        self.family4.dhcp_server = DhcpServer(self.config)
+        self.dns = self.ctx.dns = DnsForwarder(self.config)
+        self.ctx.dns_host = functools.partial(DnsTcpHost, forwarder=self.dns, counters=self.counters,
+                                              tasks=self.tasks)
+        self.guard.start(self.dns, loop.time())
+        self.table.start(loop)
 
     def close(self) -> None:
         """Ask :meth:`serve` to return; flows are torn down by :meth:`aclose`."""
@@ -264,45 +215,32 @@ class Stack:
         """Reset every flow towards the guest, close all host sockets, stop all tasks."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self.ctx.closed = True
         self.close()
         if self._forwarder is not None:
             self._forwarder.close()
-        for flow in list(self.flows.values()):
-            try:
-                flow.shutdown()
-            except Exception:  # pragma: no cover - defensive
-                log.exception("flow shutdown failed")
+        self.table.close()
+        self.table.shutdown_all()
         tasks = [t for t in self.tasks if not t.done()]
         for t in tasks:
             t.cancel()
         for t in list(self._aux_tasks):
             t.cancel()
         await asyncio.gather(*tasks, *self._aux_tasks, return_exceptions=True)
-        if self.v6 is not None and self._inject is not None:
+        if self.v6 is not None and self._loop is not None:
             self.v6.final_ra()  # withdraw the router and the prefix (RFC 4861 6.2.5)
-        # let the writer drain the final RSTs
-        if self._inject is not None and self._transport is not None and not self._transport.closed.done():
-            await self._drain_inject()
-        if self._writer_task is not None:
-            self._writer_task.cancel()
-            await asyncio.gather(self._writer_task, return_exceptions=True)
-        if self.icmp is not None:
-            self.icmp.close()
+        # write the final RSTs out while the guest is still there
+        if self._loop is not None and self._transport is not None and not self._transport.closed.done():
+            await self.inject_queue.drain()
+        await self.inject_queue.stop()
+        self.icmp.close()
         if self.dns is not None:
             await self.dns.close()
         if self._transport is not None:
             self._transport.close()
-        self.flows.clear()
-        self.idle_order.clear()
+        self.table.clear()
         if tracing.enabled:
             tracing.stack_closed(self)
-
-    async def _drain_inject(self) -> None:
-        for _ in range(100):
-            if self._inject.empty():
-                return
-            await asyncio.sleep(0.001)
 
     def reset_flows(self) -> int:
         """Forget the guest: tear down every flow and the per-guest state. Returns flows torn down.
@@ -315,32 +253,18 @@ class Stack:
         again. When the transport is already closed, frames still queued for the old guest
         are discarded (counted as ``drop.no_transport``). Port forwards and counters stay.
         """
-        from .services.dhcp import DhcpServer
-
-        n = 0
-        for flow in list(self.flows.values()):
-            n += 1
-            try:
-                flow.shutdown()
-            except Exception:  # pragma: no cover - defensive
-                log.exception("flow shutdown failed")
-        self.flows.clear()
-        self.idle_order.clear()
-        self._dirty.clear()
-        for t in list(self._aux_tasks):
-            if t.get_name() == "aioslirp-dns":
-                t.cancel()
+        n = self.table.shutdown_all()
+        self.table.clear()
+        self.l4.cancel_dns()
         self.neighbors.clear()
-        self.reassembler = Reassembler.from_config(self.config)
+        self.ipv4.reset()
         if self.v6 is not None:
             self.v6.reset()
-        if self.dhcp is not None:
-            self.dhcp = DhcpServer(self.config)
+        if self.family4.dhcp_server is not None:
+            self.family4.dhcp_server = DhcpServer(self.config)
         tr = self._transport
-        if self._inject is not None and (tr is None or tr.closed is None or tr.closed.done()):
-            while not self._inject.empty():
-                self._inject.get_nowait()
-                self.counters["drop.no_transport"] += 1
+        if tr is None or tr.closed is None or tr.closed.done():
+            self.inject_queue.discard()
         self.counters["flows_reset"] += n
         return n
 
@@ -355,9 +279,9 @@ class Stack:
             await self.start()
         for wrap in self.transport_wrappers:
             transport = wrap(transport)
-        self._transport = transport
-        self.offload = bool(getattr(transport, "offload", False))
-        await transport.open(self._on_frames)
+        self._transport = self.inject_queue.transport = transport
+        self.ctx.offload = bool(getattr(transport, "offload", False))
+        await transport.open(self.on_frames)
         if self.v6 is not None:
             self.v6.start_ra()  # an RA at once, then periodically (RFC 4861 6.2.4)
         try:
@@ -383,182 +307,43 @@ class Stack:
         if not t.cancelled() and t.exception() is not None:
             log.error("auxiliary task %s failed", t.get_name(), exc_info=t.exception())
 
-    # ------------------------------------------------------------------ output
-    def inject(self, frame) -> bool:
-        """Queue one Ethernet frame for the guest. Returns False (and counts) when the queue is full."""
-        try:
-            self._inject.put_nowait(frame)
-        except asyncio.QueueFull:
-            self.counters["drop.inject_full"] += 1
-            return False
-        if tracing.enabled:
-            tracing.frame_queued(self, frame)
-        return True
+    # ------------------------------------------------------------------ frames
+    def process_guest_frame(self, frame) -> None:
+        """Process one guest Ethernet frame (bytes-like). Never raises: bad input is dropped and
+        counted. The flows it touched send at the next :meth:`flush`."""
+        self.link.process(frame)
+
+    def flush(self) -> None:
+        """Let every flow touched since the last flush send what is due (one ACK, one socket write)."""
+        self.table.flush()
 
     def inject_room(self) -> int:
         """Free slots in the inject queue."""
-        return self._inject.maxsize - self._inject.qsize()
+        return self.inject_queue.room
 
     def eth_to(self, ip: bytes) -> bytes:
         """Ethernet header from the gateway to the guest owning ``ip`` (4 bytes: IPv4; 16: IPv6,
-        see :meth:`~aioslirp.stack6.Ipv6Path.eth_to`)."""
-        if len(ip) == 16:
-            return self.v6.eth_to(ip)
-        return ETH.pack(self.neighbors.get(ip, BROADCAST), self.gw_mac, ETHERTYPE_IPV4)
+        see :meth:`Family6.eth_to <aioslirp.dispatch.family.Family6.eth_to>`)."""
+        return (self.family6 if len(ip) == 16 else self.family4).eth_to(ip)
 
     def inject_ip(self, packet, dst_ip: bytes) -> None:
         """Queue an IPv4 packet (bytes-like, no Ethernet header) for the guest, fragmenting to the MTU."""
-        eth = self.eth_to(dst_ip)
-        for p in fragment(packet, self.mtu):
-            self.inject(eth + p)
+        self.family4.inject_ip(packet, dst_ip)
 
     def inject_ip6(self, packet, dst_ip: bytes) -> None:
         """Queue an IPv6 packet (bytes-like, no Ethernet header) for the guest's ``dst_ip`` (16 bytes),
         fragmenting to the MTU. Only with ``config.ipv6`` on."""
-        self.v6.inject_ip6(packet, dst_ip)
+        self.family6.inject_ip(packet, dst_ip)
 
-    async def _writer(self) -> None:
-        """The writer task: waits on the inject queue and writes what it holds to the transport."""
-        q = self._inject
-        while True:
-            # One batch of at most 128 frames per turn. (Putting the frame back and calling
-            # write_now(), which drains the whole queue, measured host->guest throughput
-            # -30%: 4.2-4.7 against 6.0-6.9 Gbit/s.)
-            frame = await q.get()
-            batch = [frame]
-            while len(batch) < 128 and not q.empty():
-                batch.append(q.get_nowait())
-            self._send_batch(batch, len(batch) + q.qsize())
-
-    def write_now(self) -> None:
-        """Write every frame in the inject queue to the transport now, in batches of up to 128.
-
-        Called at the end of each batch of guest frames and of each small host read, so that
-        the frames they produced leave in the same event-loop iteration instead of waking the
-        writer task (measured: see docs/performance.md, "third push").
-        """
-        dq = self._inject._queue
-        while dq:
-            if len(dq) <= 128:
-                batch = list(dq)
-                dq.clear()
-            else:
-                batch = [dq.popleft() for _ in range(128)]
-            self._send_batch(batch, len(batch) + len(dq))
-
-    def _send_batch(self, batch: list, depth: int) -> None:
-        """Hand ``batch`` to the transport (``depth``: frames queued before it, for tracing), counted."""
-        counters = self.counters
-        tr = self._transport
-        if tr is None or tr.closed is None or tr.closed.done():
-            counters["drop.no_transport"] += len(batch)
-            if tracing.enabled:
-                tracing.discard(batch)
-            return
-        if tracing.enabled:
-            tracing.drain(self, tr, batch, depth)
-        else:
-            tr.send_frames(batch)
-        counters["frames_out"] += len(batch)
-        counters["bytes_out"] += sum(map(len, batch))
-
-    def send_icmp_error(self, icmp_type: int, code: int, orig_ip_packet) -> None:
-        """Send ICMP ``icmp_type``/``code`` to the guest about ``orig_ip_packet`` (its header + 8 bytes, RFC 792).
-
-        Rate limited (RFC 1812 4.3.2.8) by :attr:`icmp_errors`, a token bucket of the same class
-        and rate as the ICMPv6 one (100 errors/s, burst 50): an error over the rate is not sent
-        and is counted as ``icmp_errors_rate_limited``. For an IPv6 ``orig_ip_packet`` the
-        ICMPv6 equivalent is sent instead, under the ICMPv6 limiter (destination unreachable
-        codes net/host/port/admin -> 0/3/4/1, RFC 4443 3.1).
-        """
-        orig = bytes(orig_ip_packet)
-        if len(orig) < 28:
-            return
-        if orig[0] >> 4 == 6:  # an IPv6 packet: the ICMPv6 equivalent (RFC 4443 3.1)
-            if self.v6 is not None:
-                self.v6.icmp_error_v4style(icmp_type, code, orig)
-            return
-        if not self.icmp_errors.allow(time.monotonic()):
-            self.counters["icmp_errors_rate_limited"] += 1
-            return
-        ihl = (orig[0] & 0x0F) * 4
-        quoted = orig[: ihl + 8]
-        src = orig[12:16]
-        dst = orig[16:20]
-        self.counters["icmp_errors_sent"] += 1
-        self.inject_ip(build_icmp_packet(dst, src, icmp_type, code, 0, quoted), src)
-
-    # ------------------------------------------------------------------ input
-    def _on_frames(self, frames, csum_ok=None) -> None:
-        """A batch of guest frames from the transport. ``csum_ok`` (offload TAP only): per frame,
-        True when the guest's kernel flagged its L4 checksum partial or valid (``NEEDS_CSUM`` /
-        ``DATA_VALID``): such frames are trusted, as passt does, instead of verified."""
-        q = self._inject
-        q.hold = True
-        try:
-            if tracing.enabled:
-                process = self.process_guest_frame
-                try:
-                    for f, ok in zip(frames, _UNTRUSTED if csum_ok is None else csum_ok):
-                        self._l4_trusted = ok
-                        process(f)
-                finally:
-                    self._l4_trusted = False
-            else:
-                # process_guest_frame inlined (one call less per frame; counters per batch)
-                counters = self.counters
-                counters["frames_in"] += len(frames)
-                counters["bytes_in"] += sum(map(len, frames))
-                dispatch = self._dispatch
-                try:
-                    for f, ok in zip(frames, _UNTRUSTED if csum_ok is None else csum_ok):
-                        self._l4_trusted = ok
-                        try:
-                            dispatch(f)
-                        except Exception:
-                            self.drop("internal_error")
-                            log.exception("internal error processing a guest frame")
-                finally:
-                    self._l4_trusted = False
-            self.flush()
-        finally:
-            q.hold = False
-        self.write_now()
-
-    def flush(self) -> None:
-        """Let every flow touched since the last flush send what is due (one ACK, one socket write)."""
-        dirty = self._dirty
-        while dirty:
-            flow = dirty.pop()
-            try:
-                flow.flush()
-            except Exception:
-                log.exception("flow %s failed in flush", getattr(flow, "key", flow))
-                self.counters["flow_errors"] += 1
-                flow.fail()
-
-    def mark_dirty(self, flow) -> None:
-        self._dirty.add(flow)
-
+    # ------------------------------------------------------------------ outcomes
     def drop(self, reason: str) -> None:
-        """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``.
-
-        Every guest frame ends with exactly one outcome: dropped here, or handled
-        (:meth:`handled`), so that ``frames_in == frames_dropped + sum(handled.*)``
-        (:meth:`frame_outcomes`). Drops that are not a guest frame's outcome (a frame for the
-        guest the inject queue had no room for, fragments evicted after they were held) are
-        counted as ``drop.<reason>`` alone.
-        """
-        counters = self.counters
-        counters["drop." + reason] += 1
-        counters["frames_dropped"] += 1
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("dropped guest frame: %s", reason)
+        """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``
+        (:meth:`FlowContext.drop <aioslirp.flow.base.FlowContext.drop>`)."""
+        self.ctx.drop(reason)
 
     def handled(self, reason: str) -> None:
-        """Count a guest frame that was handled (answered, NATed, held for reassembly...) as
-        ``handled.<reason>``; see :meth:`drop`."""
-        self.counters["handled." + reason] += 1
+        """Count a guest frame that was handled as ``handled.<reason>``; see :meth:`drop`."""
+        self.ctx.handled(reason)
 
     def frame_outcomes(self) -> tuple[int, int, int]:
         """``(frames_in, handled, dropped)``: frames received, and how many of them were handled
@@ -568,335 +353,13 @@ class Stack:
         handled = sum(v for k, v in c.items() if k.startswith("handled."))
         return c["frames_in"], handled, c["frames_dropped"]
 
-    def process_guest_frame(self, frame) -> None:
-        """Process one guest Ethernet frame (bytes-like). Never raises: bad input is dropped and counted."""
-        self.counters["frames_in"] += 1
-        self.counters["bytes_in"] += len(frame)
-        try:
-            if tracing.enabled:
-                tracing.guest_frame(self, frame)
-            else:
-                self._dispatch(frame)
-        except Exception:
-            self.drop("internal_error")
-            log.exception("internal error processing a guest frame")
-
-    def _dispatch(self, frame) -> None:
-        if len(frame) < 14:
-            return self.drop("truncated_eth")
-        dst_mac, src_mac, ethertype = ETH.unpack_from(frame, 0)
-        if src_mac[0] & 1:
-            return self.drop("bad_src_mac")
-        if ethertype == ETHERTYPE_IPV4:
-            self._ipv4(frame, src_mac)
-        elif ethertype == ETHERTYPE_ARP:
-            self._arp(frame, src_mac)
-        elif ethertype == ETHERTYPE_IPV6:
-            if self.v6 is not None:
-                self.v6.dispatch(frame, src_mac)
-            else:
-                self.drop("ipv6_disabled")
-        else:
-            self.drop("unknown_ethertype")
-
-    def _arp(self, frame, src_mac: bytes) -> None:
-        arp = parse_arp(frame)
-        if arp is None:
-            return self.drop("bad_arp")
-        oper, sha, spa, tha, tpa = arp
-        if self._in_subnet(spa) and spa not in (self.gw_ip, self.dns_ip) and self.neighbors.get(spa) != sha:
-            self._learn_neighbor(spa, sha)
-        self.handled("arp")
-        if oper != ARP_REQUEST:
-            return
-        if tpa == spa:  # gratuitous ARP / DAD probe announcements
-            return
-        if tpa in (self.gw_ip, self.dns_ip):
-            self.counters["arp_replies"] += 1
-            self.inject(build_arp(ARP_REPLY, self.gw_mac, tpa, sha, spa))
-
-    def _learn_neighbor(self, ip4: bytes, mac: bytes) -> None:
-        if self.neighbors.learn(ip4, mac):
-            self.counters["arp.neighbors_evicted"] += 1
-
-    def _in_subnet(self, ip4: bytes) -> bool:
-        return (int.from_bytes(ip4, "big") & self.mask_int) == self.net_int
-
-    def _ipv4(self, frame, src_mac: bytes) -> None:
-        flen = len(frame)
-        if flen < 34:
-            return self.drop("truncated_ip")
-        ver_ihl, _tos, total, ident, flags_frag, _ttl, proto, _csum, src, dst = IPV4.unpack_from(frame, 14)
-        ihl = (ver_ihl & 0x0F) << 2
-        if ver_ihl >> 4 != 4 or ihl < 20:
-            return self.drop("bad_ip_header")
-        if total < ihl or 14 + total > flen:
-            return self.drop("bad_ip_length")
-        mv = memoryview(frame)
-        if partial(mv[14:14 + ihl]) != 0:
-            return self.drop("bad_ip_checksum")
-        if src != b"\x00\x00\x00\x00":
-            if ((int.from_bytes(src, "big") & self.mask_int) != self.net_int  # _in_subnet, inlined
-                    or src in (self.gw_ip, self.dns_ip, self.bcast_ip)):
-                return self.drop("bad_src_ip")
-            if self.neighbors.get(src) != src_mac:
-                self._learn_neighbor(src, src_mac)
-        l4 = mv[14 + ihl:14 + total]
-        if flags_frag & (IP_MF | IP_OFFMASK):
-            data = self.reassembler.add((src, dst, proto, ident), (flags_frag & IP_OFFMASK) << 3,
-                                        bool(flags_frag & IP_MF), l4, time.monotonic())
-            if self.reassembler.drops:
-                for k, v in self.reassembler.drops.items():
-                    self.counters["drop." + k] += v
-                self.reassembler.drops.clear()
-            if data is None:
-                self.counters["ip_fragments"] += 1
-                self.handled("ip_fragment_held")
-                return
-            self.counters["ip_reassembled"] += 1
-            l4 = memoryview(data)
-            header = bytes(mv[14:14 + ihl])
-        else:
-            header = None
-        if proto == PROTO_TCP:
-            self._tcp(mv, ihl, l4, src, dst, src_mac)
-        elif proto == PROTO_UDP:
-            self._udp(mv, ihl, l4, src, dst, src_mac, header)
-        elif proto == PROTO_ICMP:
-            self._icmp(mv, ihl, l4, src, dst)
-        else:
-            self.drop("unknown_ip_proto")
-
-    def _remote_for(self, dst: bytes) -> str | None:
-        """Host address a guest destination maps to, or None when it must not be reached."""
-        if dst == self.gw_ip:
-            return None if self.config.disable_host_loopback else _LOOPBACK4
-        if self._in_subnet(dst) or dst == b"\xff\xff\xff\xff":
-            return None
-        first = dst[0]
-        if first == 127 or first == 0 or first >= 224:
-            return None
-        return socket.inet_ntoa(dst)
-
-    # -------------------------------------------------------------- UDP
-    def _udp(self, mv, ihl: int, l4, src: bytes, dst: bytes, src_mac: bytes, frag_header) -> None:
-        if len(l4) < 8:
-            return self.drop("truncated_udp")
-        sport, dport, ulen, csum = UDP.unpack_from(l4, 0)
-        if ulen < 8 or ulen > len(l4):
-            return self.drop("bad_udp_length")
-        if csum and not self._l4_trusted and (partial(l4[:ulen]) + pseudo_sum(src, dst, PROTO_UDP, ulen)) % 0xFFFF != 0:
-            return self.drop("bad_udp_checksum")
-        if not (sport and dport):
-            return self.refuse_port_zero("udp", src, dst, sport, dport)
-        payload = l4[8:ulen]
-        if dport == 67 and sport == 68:
-            return self._dhcp(payload, src_mac)
-        if dst == self.dns_ip:
-            if dport == 53:
-                return self._dns_udp(bytes(payload), src, sport)
-            self.handled("udp_port_unreachable")
-            return self._port_unreachable(mv, ihl, l4, frag_header)
-        if src == b"\x00\x00\x00\x00":
-            return self.drop("udp_from_unspecified")
-        key = (PROTO_UDP, src, sport, dst, dport)
-        flow = self.flows.get(key)
-        if flow is None:  # an existing flow (e.g. a port forward's, from the gateway) routes as is
-            remote = self._remote_for(dst)
-            if remote is None:
-                if dst == self.gw_ip:
-                    self.drop("host_loopback_disabled")
-                    return self._port_unreachable(mv, ihl, l4, frag_header, UNREACH_ADMIN)
-                return self.drop("udp_unroutable_dst")
-            verdict = self.guard.admit(PROTO_UDP, remote, dport)  # egress policy and bounds (aioslirp/limits.py)
-            if verdict is not None:
-                if verdict == DENIED:
-                    self._port_unreachable(mv, ihl, l4, frag_header, UNREACH_ADMIN)
-                return
-            if not self._make_room(PROTO_UDP):
-                return self.drop("flow_table_full")
-            flow = UdpFlow(self, key, remote)
-            if flow.sock is None:  # counted by UdpFlow (drop.udp_socket_error / udp_connect_error)
-                if flow.connect_error is not None:
-                    self._port_unreachable(mv, ihl, l4, frag_header, flow.connect_error)
-                return
-        self.counters["handled.udp"] += 1
-        flow.send(payload, mv[14:14 + ihl + 8] if frag_header is None else frag_header + bytes(l4[:8]))
-
-    def _port_unreachable(self, mv, ihl, l4, frag_header, code: int = UNREACH_PORT) -> None:
-        orig = bytes(mv[14:14 + ihl]) + bytes(l4[:8]) if frag_header is None else frag_header + bytes(l4[:8])
-        self.send_icmp_error(ICMP_UNREACH, code, orig)
-
-    def _dhcp(self, payload, src_mac: bytes) -> None:
-        res = self.dhcp.handle(bytes(payload), src_mac, time.monotonic())
-        self.handled("dhcp")
-        if res is None:
-            self.counters["dhcp_ignored"] += 1
-            return
-        reply, broadcast = res
-        self.counters["dhcp_replies"] += 1
-        dst_ip = socket.inet_aton(reply_destination(reply, broadcast))
-        if dst_ip == b"\x00\x00\x00\x00":
-            dst_ip = b"\xff\xff\xff\xff"
-        pkt = build_udp_packet(self.gw_ip, dst_ip, 67, 68, reply)
-        dst_mac = BROADCAST if broadcast else src_mac
-        for p in fragment(pkt, self.mtu):
-            self.inject(ETH.pack(dst_mac, self.gw_mac, ETHERTYPE_IPV4) + p)
-
-    def _dns_udp(self, query: bytes, src: bytes, sport: int) -> None:
-        if not self.guard.dns_admit():
-            return self.drop("dns_too_many_queries")
-        self.counters["dns_queries_udp"] += 1
-        self.handled("dns")
-        self.guard.dns_track(self.spawn(self._dns_answer(query, src, sport), name="aioslirp-dns"))
-
-    async def _dns_answer(self, query: bytes, src: bytes, sport: int) -> None:
-        reply = await self.dns.resolve(query)
-        if reply:
-            self.inject_ip(build_udp_packet(self.dns_ip, src, 53, sport, reply), src)
-
-    # -------------------------------------------------------------- ICMP
-    def _icmp(self, mv, ihl: int, l4, src: bytes, dst: bytes) -> None:
-        if len(l4) < 8:
-            return self.drop("truncated_icmp")
-        if not self._l4_trusted and partial(l4) != 0:
-            return self.drop("bad_icmp_checksum")
-        icmp_type, code, _csum, rest = ICMP.unpack_from(l4, 0)
-        if icmp_type != ICMP_ECHO:
-            self.counters["icmp_ignored"] += 1
-            self.handled("icmp_ignored")
-            return
-        if dst in (self.gw_ip, self.dns_ip):
-            self.counters["icmp_echo_local"] += 1
-            self.handled("icmp_echo_local")
-            self.inject_ip(build_icmp_packet(dst, src, ICMP_ECHO_REPLY, 0, rest, l4[8:]), src)
-            return
-        remote = self._remote_for(dst)
-        if remote is None:
-            return self.drop("icmp_unroutable_dst")
-        if (PROTO_ICMP, src, rest >> 16, dst, 0) not in self.flows:  # a new echo flow (key of aioslirp/icmp.py)
-            verdict = self.guard.admit(PROTO_ICMP, remote)
-            if verdict is not None:
-                if verdict == DENIED:
-                    self.send_icmp_error(ICMP_UNREACH, UNREACH_ADMIN, bytes(mv[14:14 + ihl]) + bytes(l4[:8]))
-                return
-        self.icmp.echo(src, dst, remote, rest >> 16, rest & 0xFFFF, bytes(l4[8:]), bytes(mv[14:14 + ihl]) + bytes(l4[:8]))
-
-    # -------------------------------------------------------------- TCP
-    def _tcp(self, mv, ihl: int, l4, src: bytes, dst: bytes, src_mac: bytes) -> None:
-        n = len(l4)
-        if n < 20:
-            return self.drop("truncated_tcp")
-        if not self._l4_trusted and (partial(l4) + pseudo_sum(src, dst, PROTO_TCP, n)) % 0xFFFF != 0:
-            return self.drop("bad_tcp_checksum")
-        sport, dport = _PORTS.unpack_from(l4, 0)
-        key = (PROTO_TCP, src, sport, dst, dport)
-        seg = parse_segment(l4)
-        if seg is None:
-            return self.drop("bad_tcp_header")
-        if not (sport and dport):
-            return self.refuse_port_zero("tcp", src, dst, sport, dport, seg, self._tcp_reset_unknown)
-        flow = self.flows.get(key)
-        if flow is not None:
-            if flow.on_segment(seg):
-                self.counters["handled.tcp"] += 1
-                return
-            # flow was finished (TIME-WAIT/CLOSED) and this is a new SYN: the old one drains
-            # what the host has not read yet under a key of its own (or ends), the SYN proceeds
-            flow.retire()
-        if not (seg.flags & 0x02) or seg.flags & 0x14:  # need SYN without RST/ACK
-            if not seg.flags & 0x04:
-                self._tcp_reset_unknown(src, dst, sport, dport, seg)
-            return self.drop("tcp_no_flow")
-        if src == b"\x00\x00\x00\x00":
-            return self.drop("tcp_from_unspecified")
-        orig = bytes(mv[14:14 + ihl]) + bytes(l4[:8])
-        if dst == self.dns_ip:
-            if dport != 53:
-                self._tcp_reset_unknown(src, dst, sport, dport, seg)
-                return self.drop("tcp_closed_port")
-            remote = None
-        else:
-            remote = self._remote_for(dst)
-            if remote is None:
-                if dst == self.gw_ip:
-                    self.drop("host_loopback_disabled")
-                    self._tcp_reset_unknown(src, dst, sport, dport, seg)
-                    return
-                self.send_icmp_error(ICMP_UNREACH, UNREACH_HOST, orig)
-                return self.drop("tcp_unroutable_dst")
-        verdict = self.guard.admit(PROTO_TCP, remote, dport)  # egress policy and bounds (aioslirp/limits.py)
-        if verdict is not None:
-            if verdict == DENIED:
-                self.send_icmp_error(ICMP_UNREACH, UNREACH_ADMIN, orig)
-            else:
-                self._tcp_reset_unknown(src, dst, sport, dport, seg)
-            return
-        if not self._make_room(PROTO_TCP):
-            self._tcp_reset_unknown(src, dst, sport, dport, seg)
-            return self.drop("flow_table_full")
-        if not TcpFlow(self, key, remote, seg, orig).no_socket:  # else refused, counted by the flow
-            self.handled("tcp_syn")
-
-    def _tcp_reset_unknown(self, src, dst, sport, dport, seg) -> None:
-        """RST for a segment that belongs to no flow (RFC 9293 3.10.7.1; see :func:`reset_for`)."""
-        seq, ack, flags = reset_for(seg)
-        self.counters["tcp_rst_sent"] += 1
-        self.inject(build_tcp(self.eth_to(src), dst, src, dport, sport, seq, ack, flags, 0))
-
-    def refuse_port_zero(self, l4_name: str, src: bytes, dst: bytes, sport: int, dport: int, seg=None,
-                         reset=None) -> None:
-        """Drop a guest TCP segment or UDP datagram from or to port 0, for both address families.
-
-        Port 0 is reserved (RFC 6335 6): no endpoint has it, so the packet is never NATed (a host
-        socket would connect to or be bound at a random port) and never answered by a service;
-        it is counted as ``drop.<l4_name>_port_zero`` (``l4_name``: ``"tcp"`` or ``"udp"``).
-        A TCP segment (``seg``) to port 0 from a real port is answered as a closed port would
-        be (RFC 9293 3.10.7.1: a RST unless it is one; ``reset(src, dst, sport, dport, seg)``
-        sends it), so the guest's connect fails at once; nothing is ever sent towards port 0.
-        """
-        self.drop(l4_name + "_port_zero")
-        if seg is not None and sport and not seg.flags & 0x04:
-            reset(src, dst, sport, dport, seg)
-
-    # -------------------------------------------------------------- flow table
-    def _make_room(self, proto: int) -> bool:
-        """Ensure a free flow-table slot; evicts the longest-idle UDP/ICMP flow if needed
-        (:class:`IdleOrder`, O(log n) amortized). False when the table is full of TCP flows."""
-        if len(self.flows) < self.config.max_flows:
-            return True
-        victim = self.idle_order.pop_idlest()
-        if victim is None:
-            return False
-        self.counters["flows_evicted"] += 1
-        victim.shutdown()
-        return True
-
-    def add_flow(self, flow) -> None:
-        self.flows[flow.key] = flow
-        if flow.proto != PROTO_TCP:
-            self.idle_order.add(flow)
-        self.counters[f"flows.{flow.proto_name}.opened"] += 1
-        self.guard.opened(flow)
-        if tracing.enabled:
-            tracing.flow_opened(self, flow)
-
-    def remove_flow(self, flow) -> None:
-        if self.flows.get(flow.key) is flow:
-            del self.flows[flow.key]
-            self.counters[f"flows.{flow.proto_name}.closed"] += 1
-            self.guard.closed(flow)
-        self._dirty.discard(flow)
-        if tracing.enabled:
-            tracing.flow_closed(flow)
-
     # -------------------------------------------------------------- port forwards
     @property
     def forwarder(self):
         """The :class:`~aioslirp.forward.Forwarder` holding this stack's port forwards."""
         if self._forwarder is None:
             from .forward import Forwarder
-            self._forwarder = Forwarder(self)
+            self._forwarder = Forwarder(self.ctx, self.family4)
         return self._forwarder
 
     async def add_forward(self, fwd):
@@ -927,11 +390,12 @@ class Stack:
         """The active :class:`PortForward` objects, in the order they were added."""
         return [] if self._forwarder is None else self._forwarder.list()
 
+    # -------------------------------------------------------------- stats
     def flow_stats(self) -> dict:
         """Active flows by ``proto`` and TCP state: ``{"tcp": {"ESTABLISHED": 3}, "udp": 1, ...}``."""
         out: dict = {}
         for f in self.flows.values():
-            if f.proto == PROTO_TCP:
+            if f.proto_name == "tcp":
                 d = out.setdefault("tcp", {})
                 d[f.state] = d.get(f.state, 0) + 1
             else:
@@ -947,9 +411,9 @@ class Stack:
         / ``.closed``...); the same values are exported as OpenTelemetry metrics by
         :func:`aioslirp.metrics.register`.
         """
-        q = self._inject
         return {
             "counters": {k: int(v) for k, v in sorted(self.counters.items())},
             "flows": self.flow_stats(),
-            "inject_queue": {"depth": q.qsize() if q is not None else 0, "size": self.config.inject_queue_size},
+            "inject_queue": {"depth": len(self.inject_queue), "size": self.config.inject_queue_size},
         }
+

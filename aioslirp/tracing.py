@@ -60,6 +60,8 @@ import ipaddress
 import logging
 import time
 
+from .flow.base import flow_key
+
 log = logging.getLogger("aioslirp.tracing")
 
 __all__ = ["enabled", "enable", "disable", "span", "end_all", "MAX_DATA_EVENTS"]
@@ -136,7 +138,7 @@ def _safe(fn):
 class _FlowTrace:
     """Tracing state of one flow: its span, a context for children, counters."""
 
-    __slots__ = ("span", "ctx", "stack", "pending", "closing", "to_guest", "n_guest", "n_host", "n_sent")
+    __slots__ = ("span", "ctx", "stack", "pending", "closing", "to_guest", "n_guest", "n_host", "n_sent", "outcome")
 
     def __init__(self, span, ctx, stack) -> None:
         self.span = span
@@ -146,6 +148,7 @@ class _FlowTrace:
         self.closing = False  # the flow left the table; end the span once pending == 0
         self.to_guest = 0
         self.n_guest = self.n_host = self.n_sent = 0
+        self.outcome = None  # a TCP flow's failed connect: "refused" or "unreachable"
 
 
 def _addr(raw) -> str:
@@ -157,7 +160,7 @@ def _addr(raw) -> str:
 
 @_safe
 def flow_opened(stack, flow) -> None:
-    """A flow entered the flow table: start its span (called by ``Stack.add_flow``)."""
+    """A flow entered the flow table: start its span (called by ``FlowTable.add``)."""
     from opentelemetry import trace
 
     if _tracer is None:
@@ -176,31 +179,31 @@ def flow_opened(stack, flow) -> None:
     else:
         attrs["client.port"] = key[2]
         attrs["server.port"] = key[4]
-    direction = getattr(flow, "direction", None)
+    direction = flow.direction
     if direction:
         attrs["aioslirp.direction"] = direction
-    remote = getattr(flow, "remote", None)
+    remote = flow.remote
     if remote:
         attrs["network.peer.address"] = remote
-    elif name == "tcp" and remote is None and hasattr(flow, "remote"):
+    elif name == "tcp" and remote is None:
         attrs["aioslirp.service"] = "dns"
     sp = _tracer.start_span(name + ".flow", attributes=attrs)
     rec = _FlowTrace(sp, trace.set_span_in_context(sp), stack)
-    flow._trace = rec
+    flow.trace = rec
     _open.add(rec)
 
 
 @_safe
 def flow_closed(flow) -> None:
-    """A flow left the flow table (``Stack.remove_flow``): set the end attributes; the span
+    """A flow left the flow table (``FlowTable.remove``): set the end attributes; the span
     ends once the flow's last queued frame has been written."""
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     if rec is None:
         return
-    flow._trace = None
+    flow.trace = None
     sp = rec.span
-    conn = getattr(flow, "conn", None)
-    if conn is not None:
+    if flow.proto_name == "tcp":
+        conn = flow.conn
         irs = conn.irs
         from_guest = 0 if irs is None else (conn.rcv_nxt - irs - 1 - (1 if conn.fin_received else 0)) & 0xFFFFFFFF
         if from_guest > 0x7FFFFFFF:
@@ -208,13 +211,13 @@ def flow_closed(flow) -> None:
         sp.set_attribute("aioslirp.bytes.from_guest", from_guest)
         sp.set_attribute("aioslirp.bytes.to_guest", rec.to_guest)
         sp.set_attribute("aioslirp.tcp.state", conn.state)
-        outcome = getattr(flow, "_trace_outcome", None) or ("reset" if conn.reset else "closed")
+        outcome = rec.outcome or ("reset" if conn.reset else "closed")
         sp.set_attribute("aioslirp.tcp.outcome", outcome)
     else:
-        up = getattr(flow, "bytes_up", None)
+        up = flow.bytes_up
         if up is not None:
             sp.set_attribute("aioslirp.bytes.from_guest", up)
-            sp.set_attribute("aioslirp.bytes.to_guest", getattr(flow, "bytes_down", 0))
+            sp.set_attribute("aioslirp.bytes.to_guest", flow.bytes_down)
     rec.closing = True
     if rec.pending <= 0:
         _end(rec)
@@ -229,7 +232,7 @@ def _end(rec: _FlowTrace, end_time: int | None = None) -> None:
 @_safe
 def flow_event(flow, name: str, attributes: dict | None = None) -> None:
     """Add event ``name`` to ``flow``'s span (no-op when the flow has no span)."""
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     if rec is not None:
         rec.span.add_event(name, attributes)
 
@@ -237,14 +240,16 @@ def flow_event(flow, name: str, attributes: dict | None = None) -> None:
 @_safe
 def connect_failed(flow, outcome: str) -> None:
     """The host connect of a TCP flow failed: ``outcome`` is ``refused`` or ``unreachable``."""
-    flow._trace_outcome = outcome
+    rec = flow.trace
+    if rec is not None:
+        rec.outcome = outcome
     flow_event(flow, "connect." + outcome)
 
 
 @_safe
 def tcp_event(flow, name: str) -> None:
     """An event from the sans-IO connection (``established``, ``fin``, ``reset``, ``closed``)."""
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     if rec is not None and name in _CONN_EVENTS:
         rec.span.add_event(_CONN_EVENTS[name])
 
@@ -262,7 +267,7 @@ def guest_segment(flow, seg, now: float) -> None:
 
 @_safe
 def _segment_events(flow, nbytes: int, est0, fin0: bool) -> None:
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     if rec is None:
         return
     conn = flow.conn
@@ -279,7 +284,7 @@ def _segment_events(flow, nbytes: int, est0, fin0: bool) -> None:
 @_safe
 def host_data(flow, nbytes: int) -> None:
     """The host socket delivered ``nbytes`` for the guest."""
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     if rec is not None:
         rec.to_guest += nbytes
         if rec.n_host < MAX_DATA_EVENTS:
@@ -301,7 +306,7 @@ def syn_ack(flow, connect_time: float, immediate: bool) -> None:
 
 @_safe
 def _syn_ack_span(flow, connect_time: float, immediate: bool, t0: int, t1: int) -> None:
-    rec = getattr(flow, "_trace", None)
+    rec = flow.trace
     connect_us = int(connect_time * 1e6)
     if rec is not None and not immediate:
         rec.span.add_event("host.connect", timestamp=t0 - int(connect_time * 1e9))
@@ -347,11 +352,11 @@ def _frame_key(frame, to_guest: bool):
             plen = end - l4 - ((frame[l4 + 12] >> 4) << 2)
         else:
             plen = end - l4 - 8
-        key = (proto, dst, dport, src, sport) if to_guest else (proto, src, sport, dst, dport)
+        key = flow_key(proto, dst, dport, src, sport) if to_guest else flow_key(proto, src, sport, dst, dport)
         return key, name, flags, plen
     if proto in (1, 58) and n >= l4 + 8:
         ident = (frame[l4 + 4] << 8) | frame[l4 + 5]
-        key = (proto, dst, ident, src, 0) if to_guest else (proto, src, ident, dst, 0)
+        key = flow_key(proto, dst, ident, src, 0) if to_guest else flow_key(proto, src, ident, dst, 0)
         return key, name, 0, end - l4 - 8
     return None, name, 0, 0
 
@@ -360,24 +365,22 @@ def _flags_text(flags: int) -> str:
     return "".join(c for bit, c in _FLAG_LETTERS if flags & bit)
 
 
-def guest_frame(stack, frame) -> None:
-    """Trace point 1: dispatch one guest frame (``stack._dispatch``) and record its span."""
-    q = stack._inject
-    depth0 = q.qsize() if q is not None else 0
+def guest_frame(stack, frame, dispatch, *args) -> None:
+    """Trace point 1: dispatch one guest frame (``dispatch(frame, *args)``) and record its span."""
+    depth0 = len(stack.inject_queue)
     t0 = _now()
     try:
-        stack._dispatch(frame)
+        dispatch(frame, *args)
     finally:
         _frame_span(stack, frame, t0, _now(), depth0)
 
 
 @_safe
 def _frame_span(stack, frame, t0: int, t1: int, depth0: int) -> None:
-    q = stack._inject
-    queued = (q.qsize() if q is not None else 0) - depth0
+    queued = len(stack.inject_queue) - depth0
     key, transport, flags, _plen = _frame_key(frame, False)
     flow = stack.flows.get(key) if key is not None else None
-    rec = getattr(flow, "_trace", None) if flow is not None else None
+    rec = flow.trace if flow is not None else None
     attrs = {"aioslirp.frame.bytes": len(frame), "aioslirp.frames_queued": max(queued, 0),
              "aioslirp.processing_us": (t1 - t0) / 1000.0}
     if len(frame) >= 14:
@@ -405,7 +408,7 @@ def frame_queued(stack, frame) -> None:
     if key is not None:
         flow = stack.flows.get(key)
         if flow is not None:
-            rec = getattr(flow, "_trace", None)
+            rec = flow.trace
     if rec is not None:
         if flags & _TCP_RST:
             kind = "rst.sent"

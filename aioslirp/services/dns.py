@@ -202,10 +202,10 @@ class _UdpQuery:
             except OSError as exc:  # ECONNREFUSED (ICMP port unreachable) and the like
                 self.done.set_exception(exc)
                 return
-            if self.forwarder._matches(data, self.qid, self.question):
+            if self.forwarder.matches(data, self.qid, self.question):
                 self.done.set_result(data)
                 return
-            self.forwarder._count("mismatched")
+            self.forwarder.count("mismatched")
 
     def abort(self) -> None:
         if not self.done.done():
@@ -267,7 +267,7 @@ class DnsForwarder:
         policy = self.policy
         if policy is None or policy.allows(addr[0], user_only=True):
             return True
-        self._count("upstream_denied")
+        self.count("upstream_denied")
         return False
 
     @property
@@ -293,11 +293,12 @@ class DnsForwarder:
 
     # ------------------------------------------------------------------ forwarding
 
-    def _count(self, key: str, n: int = 1) -> None:
+    def count(self, key: str, n: int = 1) -> None:
+        """Add ``n`` to :attr:`stats` ``[key]``."""
         self.stats[key] = self.stats.get(key, 0) + n
 
     @staticmethod
-    def _matches(resp: bytes, qid: int, question: tuple[bytes, int, int]) -> bool:
+    def matches(resp: bytes, qid: int, question: tuple[bytes, int, int]) -> bool:
         """RFC 5452 section 9.1: accept only a response whose ID and question match the query."""
         try:
             rid, flags, qd, _, _, _ = _HDR.unpack_from(resp, 0)
@@ -317,25 +318,25 @@ class DnsForwarder:
         SERVFAIL (same ID and question) when every upstream failed.
         """
         query = bytes(query)
-        self._count("queries")
+        self.count("queries")
         if len(query) < HEADER_LEN:
-            self._count("malformed")
+            self.count("malformed")
             return None
         qid, flags, qdcount = struct.unpack_from("!HHH", query, 0)
         if flags & FLAG_QR:
-            self._count("malformed")
+            self.count("malformed")
             return None  # never answer a response (reflection loops)
         try:
             if qdcount != 1:
                 raise ValueError("QDCOUNT must be 1")
             question, qend = _question(query)
         except (ValueError, struct.error):
-            self._count("malformed")
+            self.count("malformed")
             return _error_response(query, RCODE_FORMERR)
         if self._closed:
             return None
         if self._inflight >= self.max_inflight:
-            self._count("overload")
+            self.count("overload")
             return None
         self._inflight += 1
         try:
@@ -345,9 +346,9 @@ class DnsForwarder:
         if reply is None:
             if self._closed:
                 return None
-            self._count("servfail")
+            self.count("servfail")
             return _error_response(query, RCODE_SERVFAIL, query[HEADER_LEN:qend])
-        self._count("answered")
+        self.count("answered")
         return _HDR.pack(qid, *_HDR.unpack_from(reply, 0)[1:]) + reply[HEADER_LEN:]
 
     async def _forward(self, query: bytes, question, tcp: bool) -> bytes | None:
@@ -358,30 +359,30 @@ class DnsForwarder:
             if self._closed:
                 return None
             if i:
-                self._count("failovers")
+                self.count("failovers")
             qid = secrets.randbits(16)
             wire = _LEN.pack(qid) + query[2:]
             try:
                 reply = await self._udp(upstream, wire, qid, question)
             except asyncio.TimeoutError:
-                self._count("timeouts")
+                self.count("timeouts")
                 log.debug("DNS: upstream %s timed out", upstream)
                 continue
             except ConnectionRefusedError:
-                self._count("refused")
+                self.count("refused")
                 log.debug("DNS: upstream %s refused", upstream)
                 continue
             except (OSError, ValueError) as exc:  # unreachable, bad address, closed socket, ...
-                self._count("errors")
+                self.count("errors")
                 log.debug("DNS: upstream %s failed: %s", upstream, exc)
                 continue
             if tcp and _HDR.unpack_from(reply, 0)[1] & FLAG_TC:
-                self._count("tcp_retries")
+                self.count("tcp_retries")
                 qid = secrets.randbits(16)
                 try:
                     return await self._tcp(upstream, _LEN.pack(qid) + query[2:], qid, question)
                 except (asyncio.TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
-                    self._count("errors")
+                    self.count("errors")
                     log.debug("DNS: TCP retry to %s failed: %s; returning truncated answer", upstream, exc)
             return reply
         return None
@@ -423,9 +424,9 @@ class DnsForwarder:
                 end = 2 + _LEN.unpack_from(buf, 0)[0]
                 resp = bytes(buf[2:end])
                 del buf[:end]
-                if self._matches(resp, qid, question):
+                if self.matches(resp, qid, question):
                     return resp
-                self._count("mismatched")
+                self.count("mismatched")
 
         try:
             # A task of its own, so that close() can stop it; waited for to its end (also when

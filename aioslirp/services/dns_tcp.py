@@ -39,11 +39,17 @@ MAX_HELD = DnsTcpSession.MAX_MESSAGE + 2
 
 
 class DnsTcpHost:
-    """HostSocket-like DNS responder for one guest TCP connection (``flow``, a TcpFlow)."""
+    """HostSocket-like DNS responder for one guest TCP connection (``flow``, a TcpFlow).
 
-    def __init__(self, flow, forwarder) -> None:
+    The stack hands ``functools.partial(DnsTcpHost, forwarder=..., counters=..., tasks=...)`` to
+    its flows as their ``dns_host`` factory (``FlowContext.dns_host``): ``forwarder`` answers
+    the messages, ``counters`` gets ``dns_queries_tcp``, ``tasks`` holds the answering task.
+    """
+
+    def __init__(self, flow, forwarder, counters, tasks) -> None:
         self.flow = flow
         self.forwarder = forwarder
+        self._counters = counters
         self.session = DnsTcpSession()
         self._msgs: deque[bytes] = deque()  # complete messages, the first one being answered
         self._msg_bytes = 0  # the stream bytes they took (length prefixes included)
@@ -56,8 +62,8 @@ class DnsTcpHost:
         #: False while the flow's send buffer towards the guest is full (``pause_reading``).
         self.reading = True
         self.task = asyncio.get_running_loop().create_task(self._answer(), name="aioslirp-dns-tcp")
-        flow.stack.tasks.add(self.task)
-        self.task.add_done_callback(flow.stack.tasks.discard)
+        tasks.add(self.task)
+        self.task.add_done_callback(tasks.discard)
 
     # ------------------------------------------------------------------ state
     @property
@@ -98,7 +104,7 @@ class DnsTcpHost:
                     self._msgs.popleft()
                     self._msg_bytes -= len(msg) + 2
                     if reply:
-                        flow.stack.counters["dns_queries_tcp"] += 1
+                        self._counters["dns_queries_tcp"] += 1
                         self._out = memoryview(DnsTcpSession.frame(reply))
                     self._room()
                     continue

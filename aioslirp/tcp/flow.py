@@ -41,14 +41,12 @@ from ..wire.ipv4 import PROTO_TCP, TCP, build_tcp
 from ..wire.ipv6 import build_tcp6
 from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6, TcpOffloadBuilder
 from .. import tracing
-from ..services.dns_tcp import DnsTcpHost  # module level: an import under EMFILE would fail
 from .conn import Segment, TcpConnection
 from .hostsock import HostSocket
 
 log = logging.getLogger("aioslirp.tcp")
 
 FIN, SYN, RST, PSH, ACK = 0x01, 0x02, 0x04, 0x08, 0x10
-ICMP_UNREACH, UNREACH_NET, UNREACH_HOST = 3, 0, 1
 _H = struct.Struct("!H")
 _LINGER0 = struct.pack("ii", 1, 0)
 _CLOSED_BOTH = ("TIME-WAIT", "CLOSED", "LAST-ACK", "CLOSING")
@@ -183,30 +181,33 @@ async def wait_connected(loop: asyncio.AbstractEventLoop, sock: socket.socket, t
 class TcpFlow(asyncio.Protocol):
     """One NAT'ed guest TCP connection. ``remote`` is the host address (``None``: the DNS service).
 
+    ``ctx``: the stack's :class:`~aioslirp.flow.base.FlowContext`; ``fam``: the flow's family (Family4/6).
     ``key`` addresses are 4 bytes (IPv4) or 16 bytes (IPv6); ``orig_header`` is the guest's
     SYN packet (IPv4: header + 8 bytes; IPv6: up to 1232 bytes) quoted in ICMP errors.
     """
 
     proto = PROTO_TCP
     proto_name = "tcp"
+    direction, forward_id, trace = "outbound", None, None  # see aioslirp.flow.base.Flow
+    bytes_up = bytes_down = None  # counted by the connection
 
-    def __init__(self, stack, key: tuple, remote: str | None, syn: Segment | None, orig_header: bytes) -> None:
-        self.stack = stack
+    def __init__(self, ctx, fam, key: tuple, remote: str | None, syn: Segment | None, orig_header: bytes,
+                 now: float) -> None:
+        self.ctx, self.fam = ctx, fam
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.remote = remote
         self.orig_header = orig_header
-        self.loop = loop = stack._loop
-        cfg = stack.config
-        now = loop.time()
+        self.loop = loop = ctx.loop
+        cfg = ctx.config
         self.last_active = now
-        self.eth = stack.eth_to(self.guest_ip)
+        self.eth = fam.eth_to(self.guest_ip)
         # IPv4 or IPv6 is chosen once per flow: frame builder, MSS (MTU - 40 / - 60), socket family.
         self.v6 = v6 = len(self.guest_ip) == 16
         self._build = build_tcp6 if v6 else build_tcp
         # Checksum/segmentation offload (decided once per flow, from the transport): segments up
         # to ~64 KB with partial checksums, which the kernel cuts to the guest's MSS and completes.
-        self.offload = offload = bool(getattr(stack, "offload", False))
+        self.offload = offload = ctx.offload
         self._obuild: TcpOffloadBuilder | None = None
         self.conn = TcpConnection(iss=random.getrandbits(32), mss=cfg.mtu - (60 if v6 else 40),
                                   rcv_buf=cfg.tcp_buffer,
@@ -240,10 +241,9 @@ class TcpFlow(asyncio.Protocol):
             sock = self._open_socket()
             if sock is None:  # refused with a RST: the flow never enters the table
                 return
-        stack.add_flow(self)
-        self.task = loop.create_task(self._run(), name=f"aioslirp-tcp-{self.guest_port}")
-        stack.tasks.add(self.task)
-        self.task.add_done_callback(stack.tasks.discard)
+        self._mark_dirty = ctx.table.dirty.add  # on_segment: the table flushes the flow after the batch
+        ctx.table.add(self)
+        self.task = ctx.start_task(self._run(), f"aioslirp-tcp-{self.guest_port}")
         if sock is not None:
             self._start_connect(sock)
 
@@ -256,7 +256,7 @@ class TcpFlow(asyncio.Protocol):
     async def _run(self) -> None:
         try:
             if self.remote is None:
-                self.transport = DnsTcpHost(self, self.stack.dns)
+                self.transport = self.ctx.dns_host(self)
                 self._accept(0.0, True)
             elif self._pending_sock is not None:
                 await self._connect_wait()
@@ -265,7 +265,7 @@ class TcpFlow(asyncio.Protocol):
             pass
         except Exception:
             log.exception("TCP flow %s failed", self.key)
-            self.stack.counters["flow_errors"] += 1
+            self.ctx.counters["flow_errors"] += 1
             self.conn.abort()
             self._emit()
         finally:
@@ -297,7 +297,7 @@ class TcpFlow(asyncio.Protocol):
         if self._upgrading or self.host_closed or self._finished or hs.__class__ is not HostSocket:
             return
         self._upgrading = True
-        self.stack.counters["tcp_bulk_transport"] += 1
+        self.ctx.counters["tcp_bulk_transport"] += 1
         self._upgrade_sock = hs.detach()
         self.transport = None
         if not self._wake.done():
@@ -327,7 +327,7 @@ class TcpFlow(asyncio.Protocol):
             return socket.socket(socket.AF_INET6 if self.v6 else socket.AF_INET,
                                  socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         except OSError as exc:
-            self.stack.drop("tcp_socket_error")
+            self.ctx.drop("tcp_socket_error")
             log.debug("TCP flow %s: no host socket: %s", self.key, exc)
             self.no_socket = True
             self._finished = True
@@ -366,7 +366,7 @@ class TcpFlow(asyncio.Protocol):
             return
         self._connect_waiting = True
         try:
-            await wait_connected(self.loop, sock, self.stack.config.tcp_connect_timeout)
+            await wait_connected(self.loop, sock, self.ctx.config.tcp_connect_timeout)
         except (asyncio.TimeoutError, OSError) as exc:
             self._connect_failed(sock, exc)
             return
@@ -382,28 +382,27 @@ class TcpFlow(asyncio.Protocol):
             sock.close()
             self._finish()
             return
-        self.transport = HostSocket(self.loop, sock, self)
-        self.stack.guard.connected(self)
+        self.transport = HostSocket(self.loop, sock, self, self.ctx.queue.held())
+        self.ctx.guard.connected(self)
         self._accept(time.perf_counter() - self._t0, False)
 
     def _connect_failed(self, sock: socket.socket, exc: BaseException) -> None:
         """Refused: RST to the guest. Unreachable or timed out: ICMP destination unreachable."""
         sock.close()
-        stack = self.stack
+        counters = self.ctx.counters
         if isinstance(exc, ConnectionRefusedError) or getattr(exc, "errno", None) == errno.ECONNREFUSED:
-            stack.counters["tcp_connect_refused"] += 1
+            counters["tcp_connect_refused"] += 1
             if tracing.enabled:
                 tracing.connect_failed(self, "refused")
             self.conn.refuse()
             self._emit()
             self._finish()
             return
-        code = UNREACH_NET if getattr(exc, "errno", None) == errno.ENETUNREACH else UNREACH_HOST
-        stack.counters["tcp_connect_unreachable"] += 1
+        counters["tcp_connect_unreachable"] += 1
         if tracing.enabled:
             tracing.connect_failed(self, "unreachable")
         log.debug("connect %s:%d failed: %r", self.remote, self.dst_port, exc)
-        stack.send_icmp_error(ICMP_UNREACH, code, self.orig_header)
+        self.fam.icmp_error("net" if getattr(exc, "errno", None) == errno.ENETUNREACH else "host", self.orig_header)
         self._finish()
 
     def _accept(self, connect_time: float, immediate: bool) -> None:
@@ -422,7 +421,7 @@ class TcpFlow(asyncio.Protocol):
         if conn.send_space <= 0:  # tcp_buffer towards the guest is full
             if not self.reading_paused:
                 self.reading_paused = True
-                self.stack.counters["tcp_host_read_paused"] += 1
+                self.ctx.counters["tcp_host_read_paused"] += 1
             # Pause even when the flag says so already: bytes arriving at all mean that reading
             # runs. uvloop ignores a pause_reading() made in connection_made (it starts reading
             # after that callback), so a flow that moved to a transport while paused would
@@ -448,25 +447,24 @@ class TcpFlow(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.host_paused = True
-        self.stack.counters["tcp_host_write_paused"] += 1  # guest data now waits in tcp_buffer
+        self.ctx.counters["tcp_host_write_paused"] += 1  # guest data now waits in tcp_buffer
 
     def resume_writing(self) -> None:
         self.host_paused = False
         self.flush()
 
     # ----------------------------------------------------------------- guest side
-    def on_segment(self, seg: Segment) -> bool:
-        """Feed one guest segment. Returns False when the flow is over and ``seg`` opens a new one."""
+    def on_segment(self, seg: Segment, now: float) -> bool:
+        """Feed one guest segment at loop time ``now``. False: the flow is over and ``seg`` opens a new one."""
         conn = self.conn
         if seg.flags & SYN and not seg.flags & ACK and conn.state in ("TIME-WAIT", "CLOSED"):
             return False
-        now = self.loop.time()
         self.last_active = now
         if tracing.enabled:
             tracing.guest_segment(self, seg, now)
         else:
             conn.receive_segment(seg, now)
-        self.stack.mark_dirty(self)
+        self._mark_dirty(self)
         return True
 
     def flush(self) -> None:
@@ -499,7 +497,7 @@ class TcpFlow(asyncio.Protocol):
                 if tracing.enabled:
                     tracing.tcp_event(self, name)
                 if name == "reset":
-                    self.stack.counters["tcp_resets"] += 1
+                    self.ctx.counters["tcp_resets"] += 1
                     self._close_host(abort=True)
                 ev = conn.next_event()
         state = conn.state
@@ -518,7 +516,7 @@ class TcpFlow(asyncio.Protocol):
         segs = self.conn.segments_to_send(self.loop.time())
         if not segs or self.retired:  # retired: the 4-tuple is the guest's new connection's now
             return
-        inject = self.stack.inject
+        inject = self.ctx.inject
         if self.offload:
             ob = self._obuild
             if ob is None or ob.eth != self.eth:
@@ -609,7 +607,7 @@ class TcpFlow(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         self._close_host(abort=self.conn.reset)
-        self.stack.remove_flow(self)
+        self.ctx.table.remove(self)
 
     def retire(self) -> None:
         """Make way for a new guest connection on this flow's 4-tuple: the guest sent a SYN while
@@ -623,7 +621,7 @@ class TcpFlow(asyncio.Protocol):
           closed with a FIN (what its kernel or transport still holds reaches the host peer),
           then the flow ends (:meth:`shutdown`);
         * guest bytes still waiting for the host socket (its peer reads slowly): the flow leaves
-          its 4-tuple but stays in ``stack.flows`` under a key of its own (the 5-tuple plus a
+          its 4-tuple but stays in the flow table under a key of its own (the 5-tuple plus a
           serial, which no guest segment looks up), so it still counts in the flow limits and
           is reaped (``tcp_idle_timeout``), reset and shut down with the stack like any flow.
           It sends nothing more to the guest, writes the rest to the host, closes the host
@@ -632,18 +630,15 @@ class TcpFlow(asyncio.Protocol):
         conn = self.conn
         draining = (len(conn.peek_chunk()) and not self.host_closed and not conn.reset
                     and (self.transport is not None or self._upgrading))
-        stack = self.stack
-        flows = stack.flows
-        if not draining or flows.get(self.key) is not self:
+        table = self.ctx.table
+        if not draining or table.get(self.key) is not self:
             if not conn.reset:
                 self._close_host(abort=False)
             self.shutdown()
             return
         self.retired = True
-        stack.counters["tcp_retired_draining"] += 1
-        del flows[self.key]
-        self.key = self.key + (next(_RETIRED),)
-        flows[self.key] = self
+        self.ctx.counters["tcp_retired_draining"] += 1
+        table.rekey(self, self.key + (next(_RETIRED),))
 
     def fail(self) -> None:
         """End this flow after an internal error: RST to the guest, abort the host socket."""
@@ -663,6 +658,14 @@ class TcpFlow(asyncio.Protocol):
             self.task.cancel()  # a task cancelled before its first step never runs its finally:
         self._teardown()  # so tear down here (idempotent)
 
+    def expire(self, now: float) -> bool:
+        """Idle sweep: reset both ways after ``tcp_idle_timeout`` s (0: never) without a guest segment."""
+        if not 0 < self.ctx.config.tcp_idle_timeout < now - self.last_active:
+            return False
+        self.ctx.counters["tcp_idle_closed"] += 1
+        self.shutdown()
+        return True
+
 
 class ForwardedTcpFlow(TcpFlow):
     """A host -> guest connection of a TCP port forward (active open towards the guest).
@@ -680,19 +683,19 @@ class ForwardedTcpFlow(TcpFlow):
 
     direction = "inbound"
 
-    def __init__(self, stack, key: tuple, sock: socket.socket, peer, resolve, forward_id: int | None = None) -> None:
+    def __init__(self, ctx, fam, key: tuple, sock: socket.socket, peer, resolve, forward_id: int | None = None) -> None:
         self.host_sock = sock
         self.peer = peer
         self.forward_id = forward_id
         self._resolve = resolve
         self._connect_timer: asyncio.TimerHandle | None = None
-        super().__init__(stack, key, f"{peer[0]}:{peer[1]}", None, b"")
+        super().__init__(ctx, fam, key, f"{peer[0]}:{peer[1]}", None, b"", ctx.loop.time())
         sock.setblocking(False)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        self.transport = HostSocket(self.loop, sock, self)  # host bytes are queued until the handshake
+        self.transport = HostSocket(self.loop, sock, self, self.ctx.queue.held())  # host bytes wait for the handshake
 
     async def _run(self) -> None:
         try:
@@ -702,7 +705,7 @@ class ForwardedTcpFlow(TcpFlow):
             pass
         except Exception:
             log.exception("forwarded TCP flow %s failed", self.key)
-            self.stack.counters["flow_errors"] += 1
+            self.ctx.counters["flow_errors"] += 1
             self.conn.abort()
             self._emit()
         finally:
@@ -711,13 +714,13 @@ class ForwardedTcpFlow(TcpFlow):
             self._teardown()
 
     async def _open(self) -> None:
-        stack, loop = self.stack, self.loop
+        ctx, loop = self.ctx, self.loop
         if self.host_closed or self._finished:  # closed before the task ran
             self._close_host(abort=True)
             self._finish()
             return
         if not await self._resolve(self.guest_ip):
-            stack.counters["forward_guest_unresolved"] += 1
+            ctx.counters["forward_guest_unresolved"] += 1
             log.info("forward to %s:%d: the guest does not answer ARP", socket.inet_ntoa(self.guest_ip),
                      self.guest_port)
             self.conn.abort()
@@ -727,15 +730,15 @@ class ForwardedTcpFlow(TcpFlow):
         if self._finished or self.conn.state != "LISTEN":
             self._finish()
             return
-        self.eth = stack.eth_to(self.guest_ip)
-        self._connect_timer = loop.call_later(stack.config.tcp_connect_timeout, self._connect_timeout)
+        self.eth = self.fam.eth_to(self.guest_ip)
+        self._connect_timer = loop.call_later(ctx.config.tcp_connect_timeout, self._connect_timeout)
         self.conn.connect(loop.time())
         self.flush()
 
     def _connect_timeout(self) -> None:
         self._connect_timer = None
         if self.conn.state == "SYN-SENT":
-            self.stack.counters["forward_connect_timeout"] += 1
+            self.ctx.counters["forward_connect_timeout"] += 1
             self.conn.abort()
             self._emit()
             self._close_host(abort=True)

@@ -56,14 +56,21 @@ _CLOSED_FLOW = _ClosedFlow()
 class HostSocket:
     """A connected, non-blocking host socket (``sock``) serving ``flow``; readable at once.
 
+    ``batch``: a context manager (the stack's ``InjectQueue.held()``) entered around each small
+    read (at most :data:`SYNC_WRITE_MAX` bytes), so that the frames it produces are written to
+    the guest before the callback returns.
+
     Not thread-safe; all methods run on ``loop``'s thread. Raises nothing for I/O errors: they
     close the socket and reach the flow as ``connection_lost(exc)``.
     """
 
-    __slots__ = ("loop", "sock", "fd", "flow", "reading", "writing", "closed")
+    __slots__ = ("loop", "sock", "fd", "flow", "batch", "reading", "writing", "closed")
 
-    def __init__(self, loop, sock: socket.socket, flow) -> None:
+    def __init__(self, loop, sock: socket.socket, flow, batch) -> None:
         self.loop = loop
+        #: The guest-side batch context (``InjectQueue.held()``): frames the flow queues while
+        #: it is held leave together when it ends, in the same loop iteration.
+        self.batch = batch
         self.sock = sock
         self.fd = sock.fileno()
         self.flow = flow
@@ -90,18 +97,12 @@ class HostSocket:
             if n == READ_SIZE and not self.closed:
                 flow.request_upgrade()  # a bulk sender: the flow moves to an asyncio transport
             return
-        stack = flow.stack
-        q = stack._inject
-        q.hold = True  # a small read (request/response): its frames are written below, at once
-        try:
+        with self.batch:  # a small read (request/response): its frames are written at the end, at once
             if n:
                 flow.data_received(bytes(_RVIEW[:n]))
             else:
                 self.pause_reading()
                 flow.eof_received()
-        finally:
-            q.hold = False
-        stack.write_now()
 
     def pause_reading(self) -> None:
         """Stop reading the host socket (the flow's send buffer is full)."""

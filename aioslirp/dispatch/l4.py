@@ -1,0 +1,240 @@
+"""L4 dispatch, written once for both families: TCP, UDP, DNS, DHCP and the ICMP echo proxy.
+
+Each L3 (:mod:`aioslirp.dispatch.ipv4`, :mod:`aioslirp.dispatch.ipv6`) hands a packet over as
+its *packet view*, positional arguments in this order:
+
+* ``fam``: the :class:`~aioslirp.dispatch.family.Family4` / ``Family6`` of the packet;
+* ``src``, ``dst``: the guest's source and the destination address (bytes, 4 or 16);
+* ``l4``: a ``memoryview`` of the transport header and payload (exactly the packet's);
+* ``pkt``: a ``memoryview`` of the whole IP packet, ``l4`` being its tail (quoted by ICMP
+  errors through ``fam``); for a reassembled packet, the last fragment's header and the data;
+* (UDP only) ``src_mac``: the frame's Ethernet source, for DHCP;
+* ``trusted``: the guest's kernel flagged the L4 checksum as valid or partial (offload TAP):
+  it is not verified;
+* ``now``: loop time of the batch of guest frames.
+
+The views are valid during the call only: whatever outlives it is copied.
+
+TCP: a segment of a known flow goes to it (``handled.tcp``); a SYN opens a
+:class:`~aioslirp.tcp.flow.TcpFlow` (towards the host, or to the DNS service for the DNS
+address's port 53) once the :class:`~aioslirp.flow.guard.Guard` admits it; anything else gets
+a RST (RFC 9293 3.10.7.1). UDP: DHCP (``fam.dhcp``), DNS (answered by a task), or a
+:class:`~aioslirp.udp.UdpFlow`. Echo requests to remote addresses go to
+:class:`~aioslirp.icmp.IcmpEcho`. Every refusal is a counted drop; the reasons whose name
+differs by family come from ``fam.reason``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from ..flow.base import flow_key
+from ..flow.guard import DENIED
+from ..tcp.flow import ACK, RST, SYN, TcpFlow, parse_segment, reset_for
+from ..udp import UdpFlow  # module level: an import under EMFILE (the first UDP flow) would fail
+from ..wire.checksum import partial
+from ..wire.ipv4 import PROTO_TCP, PROTO_UDP, UDP
+
+__all__ = ["L4"]
+
+_PORTS = struct.Struct("!HH")  # source and destination port of a TCP/UDP header
+
+
+class L4:
+    """TCP/UDP/echo dispatch over the packet view (see the module documentation).
+
+    Args:
+        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+    """
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.counters = ctx.counters
+        self.drop = ctx.drop
+        self.handled = ctx.handled
+        self.table = ctx.table
+        self.flows_get = ctx.table.get
+        self.guard = ctx.guard
+        #: DNS-over-UDP queries being answered (cancelled by ``Stack.reset_flows``).
+        self.dns_tasks: set = set()
+
+    # -------------------------------------------------------------- TCP
+    def tcp(self, fam, src: bytes, dst: bytes, l4, pkt, trusted: bool, now: float) -> None:
+        """One guest TCP segment."""
+        n = len(l4)
+        if n < 20:
+            return self.drop(fam.reason["truncated_tcp"])
+        if not trusted and (partial(l4) + fam.pseudo_sum(src, dst, PROTO_TCP, n)) % 0xFFFF != 0:
+            return self.drop(fam.reason["bad_tcp_checksum"])
+        sport, dport = _PORTS.unpack_from(l4, 0)
+        key = (PROTO_TCP, src, sport, dst, dport)  # flow_key(), inlined: this runs for every segment
+        seg = parse_segment(l4)
+        if seg is None:
+            return self.drop("bad_tcp_header")
+        if not (sport and dport):
+            return self.refuse_port_zero("tcp", fam, src, dst, sport, dport, seg)
+        flow = self.flows_get(key)
+        if flow is not None:
+            if flow.on_segment(seg, now):
+                self.counters["handled.tcp"] += 1
+                return
+            # flow was finished (TIME-WAIT/CLOSED) and this is a new SYN: the old one drains
+            # what the host has not read yet under a key of its own (or ends), the SYN proceeds
+            flow.retire()
+        # A segment of no flow: a SYN opens one, anything else gets a RST. (Not a method of its
+        # own: one call less per connection.)
+        if not (seg.flags & SYN) or seg.flags & (RST | ACK):  # need SYN without RST/ACK
+            if not seg.flags & RST:
+                self.reset_unknown(fam, src, dst, sport, dport, seg)
+            return self.drop("tcp_no_flow")
+        if src == fam.unspecified:
+            return self.drop(fam.reason["tcp_from_unspecified"])
+        if fam.v6 and dst[0] == 0xFF:  # IPv6 only; an IPv4 multicast destination is unroutable below
+            return self.drop("tcp6_multicast_dst")
+        orig = fam.quote(pkt)
+        if dst == fam.dns:
+            if dport != 53:
+                self.reset_unknown(fam, src, dst, sport, dport, seg)
+                return self.drop("tcp_closed_port")
+            remote = None
+        else:
+            remote = fam.remote_for(dst)
+            if remote is None:
+                if dst == fam.gw:
+                    self.drop("host_loopback_disabled")
+                    self.reset_unknown(fam, src, dst, sport, dport, seg)
+                    return
+                fam.icmp_error("host", orig, now)
+                return self.drop(fam.reason["tcp_unroutable_dst"])
+        verdict = self.guard.admit(PROTO_TCP, remote, dport, now)  # egress policy and bounds (flow/guard.py)
+        if verdict is not None:
+            if verdict == DENIED:
+                fam.icmp_error("admin", orig, now)
+            else:
+                self.reset_unknown(fam, src, dst, sport, dport, seg)
+            return
+        if not self.table.make_room():
+            self.reset_unknown(fam, src, dst, sport, dport, seg)
+            return self.drop("flow_table_full")
+        if not TcpFlow(self.ctx, fam, key, remote, seg, orig, now).no_socket:  # else refused, counted by the flow
+            self.handled("tcp_syn")
+
+    def reset_unknown(self, fam, src: bytes, dst: bytes, sport: int, dport: int, seg) -> None:
+        """RST for a segment that belongs to no flow (RFC 9293 3.10.7.1; see :func:`reset_for`)."""
+        seq, ack, flags = reset_for(seg)
+        self.counters["tcp_rst_sent"] += 1
+        self.ctx.inject(fam.build_tcp(fam.eth_to(src), dst, src, dport, sport, seq, ack, flags, 0))
+
+    def refuse_port_zero(self, l4_name: str, fam, src: bytes, dst: bytes, sport: int, dport: int,
+                         seg=None) -> None:
+        """Drop a guest TCP segment or UDP datagram from or to port 0.
+
+        Port 0 is reserved (RFC 6335 6): no endpoint has it, so the packet is never NATed (a host
+        socket would connect to or be bound at a random port) and never answered by a service;
+        it is counted as ``drop.<l4_name>_port_zero`` (``l4_name``: ``"tcp"`` or ``"udp"``).
+        A TCP segment (``seg``) to port 0 from a real port is answered as a closed port would
+        be (RFC 9293 3.10.7.1: a RST unless it is one), so the guest's connect fails at once;
+        nothing is ever sent towards port 0.
+        """
+        self.drop(l4_name + "_port_zero")
+        if seg is not None and sport and not seg.flags & RST:
+            self.reset_unknown(fam, src, dst, sport, dport, seg)
+
+    # -------------------------------------------------------------- UDP
+    def udp(self, fam, src: bytes, dst: bytes, l4, pkt, src_mac: bytes, trusted: bool, now: float) -> None:
+        """One guest UDP datagram."""
+        n = len(l4)
+        if n < 8:
+            return self.drop(fam.reason["truncated_udp"])
+        sport, dport, ulen, csum = UDP.unpack_from(l4, 0)
+        if ulen < 8 or ulen > n:
+            return self.drop(fam.reason["bad_udp_length"])
+        if not trusted:
+            if csum:
+                if (partial(l4[:ulen]) + fam.pseudo_sum(src, dst, PROTO_UDP, ulen)) % 0xFFFF != 0:
+                    return self.drop(fam.reason["bad_udp_checksum"])
+            elif fam.v6:  # a zero checksum is none over IPv4, invalid over IPv6 (RFC 8200 8.1)
+                return self.drop("udp6_bad_checksum")
+        if not (sport and dport):
+            return self.refuse_port_zero("udp", fam, src, dst, sport, dport)
+        payload = l4[8:ulen]
+        if dport == fam.dhcp_port and fam.dhcp(payload, src, sport, dst, src_mac, now):
+            return
+        if dst == fam.dns:
+            if dport == 53:
+                return self.dns_udp(fam, bytes(payload), src, sport)
+            self.handled("udp_port_unreachable")
+            return fam.icmp_error("port", pkt, now)
+        if src == fam.unspecified:
+            return self.drop(fam.reason["udp_from_unspecified"])
+        key = (PROTO_UDP, src, sport, dst, dport)  # flow_key(), inlined: this runs for every datagram
+        flow = self.flows_get(key)
+        if flow is None:  # an existing flow (e.g. a port forward's, from the gateway) routes as is
+            flow = self._udp_open(fam, key, dst, dport, pkt, now)
+            if flow is None:
+                return
+        self.counters["handled.udp"] += 1
+        flow.send(payload, pkt[:len(pkt) - n + 8], now)  # the IP header(s) + 8 bytes, for ICMP errors
+
+    def _udp_open(self, fam, key: tuple, dst: bytes, dport: int, pkt, now: float):
+        """The first datagram of a flow: its new :class:`UdpFlow`, or ``None`` (refused, counted)."""
+        remote = fam.remote_for(dst)
+        if remote is None:
+            if dst == fam.gw:
+                self.drop("host_loopback_disabled")
+                fam.icmp_error("admin", pkt, now)
+                return None
+            self.drop(fam.reason["udp_unroutable_dst"])
+            return None
+        verdict = self.guard.admit(PROTO_UDP, remote, dport, now)  # egress policy and bounds (flow/guard.py)
+        if verdict is not None:
+            if verdict == DENIED:
+                fam.icmp_error("admin", pkt, now)
+            return None
+        if not self.table.make_room():
+            self.drop("flow_table_full")
+            return None
+        flow = UdpFlow(self.ctx, fam, key, remote, now)
+        if flow.sock is None:  # counted by UdpFlow (drop.udp_socket_error / udp_connect_error)
+            if flow.connect_error is not None:
+                fam.icmp_error(flow.connect_error, pkt, now)
+            return None
+        return flow
+
+    # -------------------------------------------------------------- DNS over UDP
+    def dns_udp(self, fam, query: bytes, src: bytes, sport: int) -> None:
+        """A query to the DNS address: answered by a task, at most ``dns_max_inflight`` at a time."""
+        guard = self.guard
+        if not guard.dns_admit():
+            return self.drop("dns_too_many_queries")
+        self.counters["dns_queries_udp"] += 1
+        self.handled("dns")
+        task = self.ctx.spawn(self._dns_answer(fam, query, src, sport), name="aioslirp-dns")
+        guard.dns_track(task)
+        self.dns_tasks.add(task)
+        task.add_done_callback(self.dns_tasks.discard)
+
+    async def _dns_answer(self, fam, query: bytes, src: bytes, sport: int) -> None:
+        reply = await self.ctx.dns.resolve(query)
+        if reply:
+            fam.inject_ip(fam.build_udp(fam.dns, src, 53, sport, reply), src)
+
+    def cancel_dns(self) -> None:
+        """Cancel the DNS-over-UDP answers in progress (a guest that went away)."""
+        for t in list(self.dns_tasks):
+            t.cancel()
+
+    # -------------------------------------------------------------- ICMP echo
+    def echo(self, fam, src: bytes, dst: bytes, ident: int, seq: int, payload: bytes, pkt, now: float) -> None:
+        """An echo request (already checked by its L3) to a remote address: proxied by
+        :class:`~aioslirp.icmp.IcmpEcho`, once the guard admits its flow."""
+        remote = fam.remote_for(dst)
+        if remote is None:
+            return self.drop(fam.reason["icmp_unroutable_dst"])
+        if flow_key(fam.icmp_proto, src, ident, dst, 0) not in self.table.flows:  # a new echo flow
+            verdict = self.guard.admit(fam.icmp_proto, remote, 0, now)
+            if verdict is not None:
+                if verdict == DENIED:
+                    fam.icmp_error("admin", pkt, now)
+                return
+        self.ctx.icmp.echo(fam, src, dst, remote, ident, seq, payload, now)

@@ -1,0 +1,206 @@
+"""A whole Stack on a fake clock: one ``now`` per batch, one idle sweep, no real waiting.
+
+The event loop's clock (``loop.time()``) is the only clock of the data path: the batch of guest
+frames, the flows' ``last_active``, the TCP timers, the rate limiters and the flow table's idle
+sweep all read it. So a loop whose ``time()`` is a number the test moves drives a real Stack --
+a fake transport in front, real sockets on 127.0.0.1 behind -- through a UDP flow's and a TCP
+flow's idle timeouts (30 s and 100 s here) in no time, and the instant each flow ends is exact:
+the first sweep (every ``FlowTable.interval`` seconds from the stack's start) at or past its
+timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+from aioslirp import NetworkConfig, Stack
+from aioslirp.flow.base import Flow
+from aioslirp.transport.base import Transport
+
+from test_hardening import ACK, GUEST, GW, RST, SYN, tcp, udp
+
+START = 1000.0  # the fake clock's reading when the stack starts
+
+
+class FakeClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock only moves when the test says so (``loop.now``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = START
+
+    def time(self) -> float:
+        return self.now
+
+
+class FakeTransport(Transport):
+    """Hands the test's frames to the stack as batches; keeps what the stack sends (as bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out: list[bytes] = []
+
+    async def _start_reading(self) -> None:
+        pass
+
+    def deliver(self, *frames: bytes) -> None:
+        self._on_frames(list(frames))
+
+    def send_frames(self, frames) -> None:
+        self.out.extend(bytes(f) for f in frames)
+
+    def _close_io(self) -> None:
+        pass
+
+
+def tcp_out(frames: list[bytes]) -> list[tuple[int, int, int, bytes]]:
+    """``(seq, ack, flags, payload)`` of the IPv4 TCP frames among ``frames``."""
+    out = []
+    for f in frames:
+        if f[12:14] == b"\x08\x00" and f[23] == 6:
+            ihl = (f[14] & 0x0F) * 4
+            t = 14 + ihl
+            seq, ack = struct.unpack_from("!II", f, t + 4)
+            total = struct.unpack_from("!H", f, 16)[0]
+            out.append((seq, ack, f[t + 13], f[t + ((f[t + 12] >> 4) * 4):14 + total]))
+    return out
+
+
+def udp_out(frames: list[bytes]) -> list[tuple[int, int, bytes]]:
+    """``(sport, dport, payload)`` of the IPv4 UDP frames among ``frames``."""
+    out = []
+    for f in frames:
+        if f[12:14] == b"\x08\x00" and f[23] == 17:
+            t = 14 + (f[14] & 0x0F) * 4
+            sport, dport, ulen = struct.unpack_from("!HHH", f, t)
+            out.append((sport, dport, f[t + 8:t + ulen]))
+    return out
+
+
+async def settle(cond=None, turns: int = 2000) -> bool:
+    """Let the loop run (fd events included, the clock standing still) until ``cond()``, or
+    for 20 turns without a ``cond``."""
+    if cond is None:
+        for _ in range(20):
+            await asyncio.sleep(0)
+        return True
+    for _ in range(turns):
+        if cond():
+            return True
+        await asyncio.sleep(0)
+    return cond()
+
+
+def test_fake_clock_drives_udp_and_tcp_idle_expiry_exactly():
+    cfg = NetworkConfig(ipv6=False, dns_upstreams=[("127.0.0.1", 9)], udp_idle_timeout=30.0,
+                        tcp_idle_timeout=100.0, icmp_idle_timeout=10.0)
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(4)
+    lst.settimeout(5)
+    tport = lst.getsockname()[1]
+    echo = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    echo.bind(("127.0.0.1", 0))
+    echo.settimeout(5)
+    uport = echo.getsockname()[1]
+    loop = FakeClockLoop()
+    out: dict = {}
+
+    async def advance_to(t: float) -> None:
+        loop.now = t
+        await settle()
+
+    async def main() -> None:
+        async with Stack(cfg) as stack:
+            tr = FakeTransport()
+            serving = asyncio.ensure_future(stack.serve(tr))
+            await settle()
+            interval = stack.table.interval
+            assert interval == 2.5  # a quarter of the shortest idle timeout (icmp 10 s)
+
+            # -- a TCP connection to a real listener, at fake time START + 1
+            loop.now = START + 1
+            tr.deliver(tcp(40000, tport, SYN, seq=100))
+            assert await settle(lambda: tcp_out(tr.out))
+            ((iss, ack, flags, _),) = tcp_out(tr.out)
+            assert flags == SYN | ACK and ack == 101
+            conn, _ = lst.accept()
+            conn.settimeout(5)
+            tr.out.clear()
+            tr.deliver(tcp(40000, tport, ACK, seq=101, ack=iss + 1),
+                       tcp(40000, tport, ACK, seq=101, ack=iss + 1, data=b"hello"))
+            assert conn.recv(100) == b"hello"
+            conn.sendall(b"world")
+            assert await settle(lambda: any(p for *_, p in tcp_out(tr.out)))
+            ((seq, ack, flags, payload),) = tcp_out(tr.out)
+            assert (seq, ack, payload) == (iss + 1, 106, b"world")  # the host's bytes carry our ACK
+            tr.out.clear()
+            loop.now = START + 2
+            tr.deliver(tcp(40000, tport, ACK, seq=106, ack=iss + 6))  # the guest's last segment
+            tcp_flow = stack.flows[(6, GUEST, 40000, GW, tport)]
+            assert tcp_flow.state == "ESTABLISHED" and tcp_flow.last_active == START + 2
+
+            # -- a UDP flow to a real socket, at fake time START + 3
+            loop.now = START + 3
+            tr.deliver(udp(41000, uport, b"ping"))
+            data, peer = echo.recvfrom(100)
+            assert data == b"ping"
+            udp_flow = stack.flows[(17, GUEST, 41000, GW, uport)]
+            assert udp_flow.last_active == START + 3  # the batch's now, taken once in on_frames
+            echo.sendto(b"pong", peer)
+            assert await settle(lambda: udp_out(tr.out))
+            assert udp_out(tr.out) == [(uport, 41000, b"pong")]
+            assert udp_flow.last_active == START + 3  # the reply came at the same (frozen) loop time
+            assert isinstance(tcp_flow, Flow) and isinstance(udp_flow, Flow)  # what the table, API and tracing read
+
+            # -- the sweep runs every 2.5 s from START; the UDP flow goes at the first sweep at or
+            # past START + 3 + 30, i.e. START + 35, not before
+            c = stack.counters
+            t = START
+            while t < START + 32.5:
+                t += interval
+                await advance_to(t)
+            assert udp_flow.key in stack.flows and c["udp_idle_closed"] == 0  # swept at +32.5: 29.5 s idle
+            await advance_to(START + 35.0)
+            assert udp_flow.key not in stack.flows and udp_flow.sock is None
+            assert c["udp_idle_closed"] == 1 and c["flows.udp.closed"] == 1
+            assert tcp_flow.key in stack.flows and c["tcp_idle_closed"] == 0
+            out["udp_gone_at"] = loop.now
+
+            # -- the TCP flow goes at the first sweep past START + 2 + 100 (strictly past), START + 102.5
+            tr.out.clear()
+            t = START + 35.0
+            while t < START + 100.0:
+                t += interval
+                await advance_to(t)
+            assert tcp_flow.key in stack.flows and c["tcp_idle_closed"] == 0  # swept at +100: 98 s idle
+            await advance_to(START + 102.5)
+            assert tcp_flow.key not in stack.flows and c["tcp_idle_closed"] == 1 and c["flows.tcp.closed"] == 1
+            rsts = [s for s in tcp_out(tr.out) if s[2] & RST]
+            assert rsts == [(iss + 6, 106, RST | ACK, b"")]  # reset towards the guest, at our next sequence
+            try:
+                got = conn.recv(10)
+            except ConnectionResetError:
+                got = "reset"
+            assert got == "reset"  # and towards the host peer (SO_LINGER 0)
+            conn.close()
+            out["tcp_gone_at"] = loop.now
+
+            assert c["frames_in"] == 5 and stack.frame_outcomes() == (5, 5, 0)
+            assert {k: v for k, v in c.items() if k.startswith("handled.")} == {
+                "handled.tcp_syn": 1, "handled.tcp": 3, "handled.udp": 1}
+            assert c["flows.tcp.opened"] == c["flows.udp.opened"] == 1 and not stack.flows
+            assert stack.guard.active == {"tcp": 0, "udp": 0, "icmp": 0}
+            stack.close()
+            await serving
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+        lst.close()
+        echo.close()
+    # every expiry happened on the fake clock: 102.5 fake seconds went by
+    assert out == {"udp_gone_at": START + 35.0, "tcp_gone_at": START + 102.5}
