@@ -10,9 +10,9 @@ signals) the guest runs in a namespace behind the stack (``run_in_namespace`` in
 or ``aioslirp run``).
 
 Each test names the promise it checks; the mutant of the code that breaks it, and which
-assertion then fails, is in its docstring. Two cases of the failure-isolation promise do not
-hold today and are strict ``xfail`` (:data:`FAILURE_PATHS`): they turn into failures (XPASS)
-once the code keeps the promise, so that the marks are removed with the fix.
+assertion then fails, is in its docstring. (Two cases of the failure-isolation promise, a flow
+raising on host data or on a guest segment, did not hold when these tests were written; they
+were fixed with them: :data:`FAILURE_PATHS`.)
 """
 
 from __future__ import annotations
@@ -456,14 +456,17 @@ async def test_udp_and_icmp_flows_close_after_their_idle_timeouts(remote):
 
 # ---------------------------------------------------------------------------------- ICMPv6 rate limit
 class FrozenClock:
-    """Stands for the ``time`` module in :mod:`aioslirp.stack6`: ``monotonic()`` moves only when
-    told to, so the token bucket's refill is exact."""
+    """Stands for the clock of the ICMPv6 error bucket: the bucket is handed ``now`` instead of
+    the batch's time, and ``now`` moves only when told to, so the refill is exact."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, bucket, now: float) -> None:
+        self.bucket = bucket
         self.now = now
 
-    def monotonic(self) -> float:
-        return self.now
+    def allow(self, _batch_now: float) -> bool:
+        return self.bucket.allow(self.now)
+
+    take = allow
 
 
 async def test_icmpv6_errors_rate_limited_to_a_burst_of_50_then_100_per_second(monkeypatch):
@@ -471,12 +474,11 @@ async def test_icmpv6_errors_rate_limited_to_a_burst_of_50_then_100_per_second(m
     are counted in ``icmp6_errors_rate_limited``. The stack's clock is frozen: 80 SYNs to an
     unroutable address give exactly 50 errors; 0.1 s later 20 more give exactly 10.
 
-    Mutant: ``TokenBucket.allow`` (aioslirp.wire.ipv6) always True: 80 errors, none limited."""
-    import aioslirp.stack6
+    Mutant: ``TokenBucket.take`` (aioslirp.ratelimit) always True: 80 errors, none limited."""
+    from aioslirp.ratelimit import TokenBucket
 
-    clock = FrozenClock(1000.0)
-    monkeypatch.setattr(aioslirp.stack6, "time", clock)
     async with serving(ipv6=True) as (stack, guest):
+        clock = stack.v6.err_bucket = FrozenClock(TokenBucket(), 1000.0)
         other = a6("fd00::77")
         guest.send(*(tcp6(49000 + i, 80, SYN, other) for i in range(80)))
         assert icmp6_errors(await guest.recv()) == [(1, 3)] * 50
@@ -654,8 +656,12 @@ async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog):
     injected = []
 
     class OneFlowFails(Stack):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.table.add = self.add_flow  # every flow enters the table through FlowTable.add
+
         def add_flow(self, flow):
-            super().add_flow(flow)
+            type(self.table).add(self.table, flow)
             if flow.proto_name == "tcp" and flow.dst_port == victim_port:
                 healthy = flow.flush
 
@@ -697,18 +703,9 @@ async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog):
         data.close()
 
 
-#: Where a flow's code raises, for the in-process isolation test. The promise holds for a failing
-#: timer (and for a failing ``flush``, the real-guest test above); it does not for the host read
-#: path nor for the guest segment path (left for a fix; the tests flip to XPASS, strict, then).
-FAILURE_PATHS = [
-    "timer",
-    pytest.param("host_read", marks=pytest.mark.xfail(strict=True, reason=(
-        "robustness.md promise broken: an exception in TcpFlow.data_received (HostSocket._on_readable) "
-        "escapes to the event loop; the flow is neither reset nor ended and the bytes read are lost"))),
-    pytest.param("guest_segment", marks=pytest.mark.xfail(strict=True, reason=(
-        "robustness.md promise broken: an exception in TcpFlow.on_segment / TcpConnection.receive_segment "
-        "is counted as drop.internal_error per frame; the flow is neither reset nor ended"))),
-]
+#: Where a flow's code raises, for the in-process isolation test (a failing ``flush``: the
+#: real-guest test above). Each ends the flow alone, counted as ``flow_errors``.
+FAILURE_PATHS = ["timer", "host_read", "guest_segment"]
 
 
 @pytest.mark.parametrize("path", FAILURE_PATHS)
@@ -781,6 +778,7 @@ async def test_a_flow_that_raises_is_reset_and_ends_and_its_sibling_carries_on(p
             await read_until_reset(v_host)  # what the guest sent before may come first
             logged = [r for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info]
             assert [str(r.exc_info[1]) for r in logged] == ["injected fault"]
+            assert stack.counters["flow_errors"] == 1 and stack.counters["drop.internal_error"] == 0
             # the sibling carries on, both ways
             guest.send(tcp(51001, port, ACK, seq=1001, ack=s_synack.seq + 1, data=b"sibling up"))
             assert await asyncio.wait_for(loop.sock_recv(s_host, 100), 2) == b"sibling up"

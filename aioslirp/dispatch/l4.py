@@ -26,6 +26,7 @@ differs by family come from ``fam.reason``.
 
 from __future__ import annotations
 
+import logging
 import struct
 
 from ..flow.base import flow_key
@@ -34,6 +35,8 @@ from ..tcp.flow import ACK, RST, SYN, TcpFlow, parse_segment, reset_for
 from ..udp import UdpFlow  # module level: an import under EMFILE (the first UDP flow) would fail
 from ..wire.checksum import partial
 from ..wire.ipv4 import PROTO_TCP, PROTO_UDP, UDP
+
+log = logging.getLogger("aioslirp.stack")
 
 __all__ = ["L4"]
 
@@ -75,7 +78,14 @@ class L4:
             return self.refuse_port_zero("tcp", fam, src, dst, sport, dport, seg)
         flow = self.flows_get(key)
         if flow is not None:
-            if flow.on_segment(seg, now):
+            try:  # (no cost in CPython >= 3.11 while nothing raises)
+                taken = flow.on_segment(seg, now)
+            except Exception:  # a failing flow ends itself alone: RST both ways, the stack carries on
+                log.exception("TCP flow %s failed on a guest segment", key)
+                self.counters["flow_errors"] += 1
+                flow.fail()
+                return self.drop("tcp_flow_failed")
+            if taken:
                 self.counters["handled.tcp"] += 1
                 return
             # flow was finished (TIME-WAIT/CLOSED) and this is a new SYN: the old one drains

@@ -562,7 +562,7 @@ class TcpFlow(asyncio.Protocol):
             self.flush()
         except Exception:
             log.exception("TCP flow %s timer failed", self.key)
-            self.fail()
+            self.failed_internally()
 
     # ----------------------------------------------------------------- teardown
     def _close_host(self, abort: bool) -> None:
@@ -643,6 +643,12 @@ class TcpFlow(asyncio.Protocol):
     def fail(self) -> None:
         """End this flow after an internal error: RST to the guest, abort the host socket."""
         self.shutdown()
+
+    def failed_internally(self) -> None:
+        """An internal error in one of this flow's callbacks (host data, timer): counted as
+        ``flow_errors``, then :meth:`fail`; its sibling flows and the stack carry on."""
+        self.ctx.counters["flow_errors"] += 1
+        self.fail()
 
     def shutdown(self) -> None:
         """Tear down now (stack exit, eviction): RST towards the guest, host socket closed."""

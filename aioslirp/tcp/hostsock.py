@@ -20,10 +20,13 @@ Callbacks into the flow, with the asyncio protocol names: ``data_received(bytes)
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 
 __all__ = ["HostSocket", "READ_SIZE"]
+
+log = logging.getLogger("aioslirp.tcp")
 
 #: Largest single ``recv`` from the host socket, bytes (further capped by the guest's window room).
 READ_SIZE = 256 * 1024
@@ -90,19 +93,23 @@ class HostSocket:
         except OSError as exc:
             self._fail(exc)
             return
-        if n > SYNC_WRITE_MAX:
-            # Bulk: the writer task sends these frames (writing them here, before the next read,
-            # measured 10-25% less host -> guest throughput).
-            flow.data_received(bytes(_RVIEW[:n]))
-            if n == READ_SIZE and not self.closed:
-                flow.request_upgrade()  # a bulk sender: the flow moves to an asyncio transport
-            return
-        with self.batch:  # a small read (request/response): its frames are written at the end, at once
-            if n:
+        try:  # (no cost in CPython >= 3.11 while nothing raises)
+            if n > SYNC_WRITE_MAX:
+                # Bulk: the writer task sends these frames (writing them here, before the next read,
+                # measured 10-25% less host -> guest throughput).
                 flow.data_received(bytes(_RVIEW[:n]))
-            else:
-                self.pause_reading()
-                flow.eof_received()
+                if n == READ_SIZE and not self.closed:
+                    flow.request_upgrade()  # a bulk sender: the flow moves to an asyncio transport
+                return
+            with self.batch:  # a small read (request/response): its frames are written at the end, at once
+                if n:
+                    flow.data_received(bytes(_RVIEW[:n]))
+                else:
+                    self.pause_reading()
+                    flow.eof_received()
+        except Exception:  # a failing flow ends itself alone (RST both ways); the loop carries on
+            log.exception("TCP flow %s failed on host data", getattr(flow, "key", None))
+            flow.failed_internally()
 
     def pause_reading(self) -> None:
         """Stop reading the host socket (the flow's send buffer is full)."""
