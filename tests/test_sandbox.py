@@ -1,4 +1,4 @@
-"""``aioslirp.sandbox.enable_seccomp``: each blocked system call, attempted, fails with EPERM.
+"""``aioslirp.host.sandbox.enable_seccomp``: each blocked system call, attempted, fails with EPERM.
 
 A child process (the filter cannot be removed) calls every system call of the documented list
 (docs/slirp4netns.md, "Sandbox and seccomp") through ``syscall(2)`` with arguments that make it
@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from aioslirp import sandbox
+from aioslirp.host import sandbox
 
 from conftest import need
 
@@ -38,7 +38,7 @@ HOST_MAY_REFUSE = {"kexec_load", "kexec_file_load", "init_module", "finit_module
 PROBE = r'''
 import ctypes, errno, json, os, socket, sys
 
-from aioslirp import sandbox
+from aioslirp.host import sandbox
 
 lib = sandbox.load_libseccomp()
 blocked = sandbox.enable_seccomp() if sys.argv[1] == "filter" else []
