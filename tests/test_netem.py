@@ -130,12 +130,13 @@ class RecordingStack(Stack):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.finished_tcp: list[tuple[int, int, int]] = []
+        self.table.remove = self.remove_flow  # every flow leaves the table through FlowTable.remove
 
     def remove_flow(self, flow) -> None:
         if flow.proto_name == "tcp" and self.flows.get(flow.key) is flow:
             c = flow.conn
             self.finished_tcp.append((c.bytes_sent, c.bytes_received, c.retransmitted_segments))
-        super().remove_flow(flow)
+        type(self.table).remove(self.table, flow)
 
 
 GUEST = r"""
