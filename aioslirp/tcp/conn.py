@@ -119,6 +119,8 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections import deque
 
+from ..wire.tcp import ACK, FIN, PSH, RST, SYN, URG, Segment
+
 __all__ = [
     "ACK",
     "FIN",
@@ -129,8 +131,6 @@ __all__ = [
     "Segment",
     "TcpConnection",
 ]
-
-FIN, SYN, RST, PSH, ACK, URG = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
 
 _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
@@ -172,74 +172,6 @@ DUPACK_THRESHOLD = 3
 MAX_OOO_SEGMENTS = 256
 #: Most duplicate ACKs emitted by one segments_to_send() call.
 MAX_DUPACKS_OUT = 16
-
-
-class Segment:
-    """One TCP segment as the connection sees it: header fields, SYN options and payload.
-
-    ``seq``/``ack`` are 32-bit sequence numbers; ``flags`` the TCP flag bits (:data:`SYN`,
-    :data:`ACK`, ...). ``wnd`` is the 16-bit window *field* as on the wire: already
-    right-shifted by the window-scale that applies to this segment (never scaled on a
-    SYN). ``payload`` is ``bytes`` or a ``memoryview`` (``b""`` when empty). ``mss``
-    (bytes), ``wscale`` (shift count) and ``sack_perm`` are the options; they only mean
-    something on SYN segments (``None``/``False`` when absent).
-    """
-
-    __slots__ = ("seq", "ack", "flags", "wnd", "payload", "mss", "wscale", "sack_perm")
-
-    def __init__(
-        self,
-        seq: int,
-        ack: int,
-        flags: int,
-        wnd: int,
-        payload: bytes | memoryview = b"",
-        mss: int | None = None,
-        wscale: int | None = None,
-        sack_perm: bool = False,
-    ) -> None:
-        self.seq = seq
-        self.ack = ack
-        self.flags = flags
-        self.wnd = wnd
-        self.payload = payload
-        self.mss = mss
-        self.wscale = wscale
-        self.sack_perm = sack_perm
-
-    def __repr__(self) -> str:
-        names = [n for bit, n in ((SYN, "SYN"), (FIN, "FIN"), (RST, "RST"), (PSH, "PSH"), (ACK, "ACK"), (URG, "URG"))
-                 if self.flags & bit]
-        extra = self.flags & ~0x3F
-        if extra:
-            names.append(hex(extra))
-        parts = [f"seq={self.seq}", f"ack={self.ack}", f"flags={'|'.join(names) or '0'}", f"wnd={self.wnd}"]
-        if len(self.payload):
-            data = bytes(self.payload)
-            parts.append(f"payload={data[:16]!r}{'...' if len(data) > 16 else ''}(len={len(data)})")
-        if self.mss is not None:
-            parts.append(f"mss={self.mss}")
-        if self.wscale is not None:
-            parts.append(f"wscale={self.wscale}")
-        if self.sack_perm:
-            parts.append("sack_perm")
-        return f"Segment({', '.join(parts)})"
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Segment):
-            return NotImplemented
-        return (
-            self.seq == other.seq
-            and self.ack == other.ack
-            and self.flags == other.flags
-            and self.wnd == other.wnd
-            and self.mss == other.mss
-            and self.wscale == other.wscale
-            and self.sack_perm == other.sack_perm
-            and bytes(self.payload) == bytes(other.payload)
-        )
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 class _SendQueue:

@@ -37,9 +37,11 @@ import socket
 import struct
 import time
 
-from ..wire.ipv4 import PROTO_TCP, TCP, build_tcp
-from ..wire.ipv6 import build_tcp6
-from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6, TcpOffloadBuilder
+from ..wire.icmp import ICMP_UNREACH, UNREACH_HOST, UNREACH_NET
+from ..wire.ip import PROTO_TCP
+from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6
+from ..wire.tcp import ACK, SYN, TcpOffloadBuilder, build_tcp, build_tcp6, parse_segment, reset_for
+from ..wire.tcp import syn_options as _syn_options
 from .. import tracing
 from ..services.dns_tcp import DnsTcpHost  # module level: an import under EMFILE would fail
 from .conn import Segment, TcpConnection
@@ -47,71 +49,9 @@ from .hostsock import HostSocket
 
 log = logging.getLogger("aioslirp.tcp")
 
-FIN, SYN, RST, PSH, ACK = 0x01, 0x02, 0x04, 0x08, 0x10
-ICMP_UNREACH, UNREACH_NET, UNREACH_HOST = 3, 0, 1
-_H = struct.Struct("!H")
 _LINGER0 = struct.pack("ii", 1, 0)
 _CLOSED_BOTH = ("TIME-WAIT", "CLOSED", "LAST-ACK", "CLOSING")
 _RETIRED = itertools.count(1)  # serials that make the flow-table keys of retired flows unique
-
-
-def reset_for(seg: Segment) -> tuple[int, int, int]:
-    """``(seq, ack, flags)`` of the RST answering ``seg``, a segment no flow owns (RFC 9293 3.10.7.1).
-
-    With ACK set the RST takes its sequence number from ``seg.ack``; otherwise it is
-    sent with sequence 0 and acknowledges everything ``seg`` occupied (payload, SYN, FIN).
-    """
-    if seg.flags & ACK:
-        return seg.ack, 0, RST
-    seglen = len(seg.payload) + (1 if seg.flags & SYN else 0) + (1 if seg.flags & FIN else 0)
-    return 0, (seg.seq + seglen) & 0xFFFFFFFF, RST | ACK
-
-
-def parse_segment(l4) -> Segment | None:
-    """Parse a TCP header + payload (``memoryview``) into a :class:`Segment`.
-
-    Options MSS (kind 2), window scale (3) and SACK-permitted (4) are read; others are
-    skipped. Returns ``None`` for a bad data offset or a malformed option list
-    (e.g. a zero option length).
-    """
-    _sport, _dport, seq, ack, off_flags, wnd, _csum, _urg = TCP.unpack_from(l4, 0)
-    doff = (off_flags >> 12) << 2
-    if doff == 20:  # no options: most segments after the handshake
-        return Segment(seq, ack, off_flags & 0x3F, wnd, l4[20:], None, None, False)
-    if doff < 20 or doff > len(l4):
-        return None
-    mss = wscale = None
-    sack = False
-    i = 20
-    while i < doff:
-        kind = l4[i]
-        if kind == 0:
-            break
-        if kind == 1:
-            i += 1
-            continue
-        if i + 1 >= doff:
-            return None
-        olen = l4[i + 1]
-        if olen < 2 or i + olen > doff:
-            return None
-        if kind == 2 and olen == 4:
-            mss = (l4[i + 2] << 8) | l4[i + 3]
-        elif kind == 3 and olen == 3:
-            wscale = l4[i + 2]
-        elif kind == 4 and olen == 2:
-            sack = True
-        i += olen
-    return Segment(seq, ack, off_flags & 0x3F, wnd, l4[doff:], mss, wscale, sack)
-
-
-def _syn_options(seg: Segment) -> bytes:
-    opts = b""
-    if seg.mss is not None:
-        opts += b"\x02\x04" + _H.pack(seg.mss)
-    if seg.wscale is not None:
-        opts += b"\x01\x03\x03" + bytes((seg.wscale,))
-    return opts
 
 
 def connect_start(sock: socket.socket, addr: tuple) -> int:
