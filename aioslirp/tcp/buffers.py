@@ -26,14 +26,15 @@ class SendQueue:
     connection calls on its next output: payloads are valid until the next call, as documented.
     """
 
-    __slots__ = ("_chunks", "_ends", "_i0", "_base", "_total", "_views")
+    __slots__ = ("_chunks", "_ends", "_i0", "_base", "_total", "views")
 
     _chunks: list[bytes | None]
     _ends: list[int]
     _i0: int
     _base: int
     _total: int
-    _views: list[memoryview]
+    #: Views handed out by :meth:`view` and not yet released (read-only outside the class).
+    views: list[memoryview]
 
     def __init__(self) -> None:
         self._chunks = []
@@ -41,14 +42,14 @@ class SendQueue:
         self._i0 = 0  # first live chunk
         self._base = 0  # absolute offset of the head (bytes dropped so far)
         self._total = 0  # absolute offset of the tail
-        self._views = []
+        self.views = []
 
     def __len__(self) -> int:
         return self._total - self._base
 
     def release_views(self) -> None:
         """Release every view :meth:`view` handed out (using one then raises ``ValueError``)."""
-        views = self._views
+        views = self.views
         if views:
             for v in views:
                 try:
@@ -62,7 +63,7 @@ class SendQueue:
         n = len(data)
         if not n:
             return
-        if self._views:
+        if self.views:
             self.release_views()  # "valid until the next call into the connection"
         if data.__class__ is not bytes:
             data = bytes(data)
@@ -89,7 +90,7 @@ class SendQueue:
                 cstart, cend = cend, ends[k]
                 parts.append(memoryview(chunk)[:b - cstart] if b < cend else chunk)
             v = memoryview(b"".join(parts))
-        self._views.append(v)
+        self.views.append(v)
         return v
 
     def drop(self, n: int) -> None:
@@ -129,21 +130,22 @@ class ChunkQueue:
     A list with a start index rather than a deque: an idle flow's empty queue stays small.
     """
 
-    __slots__ = ("_chunks", "_i0", "_head", "_len")
+    __slots__ = ("_chunks", "_i0", "_head", "nbytes")
 
     _chunks: list[bytes | memoryview | None]
     _i0: int
     _head: int
-    _len: int
+    #: Bytes held (read-only outside the class; ``len()`` says the same).
+    nbytes: int
 
     def __init__(self) -> None:
         self._chunks = []
         self._i0 = 0  # first live chunk
         self._head = 0  # bytes of the first live chunk already consumed
-        self._len = 0
+        self.nbytes = 0
 
     def __len__(self) -> int:
-        return self._len
+        return self.nbytes
 
     def append(self, data) -> None:
         """Queue ``data`` (bytes-like) at the tail: a ``bytes`` or a read-only view of one as it is,
@@ -154,11 +156,11 @@ class ChunkQueue:
                     data.__class__ is memoryview and data.readonly and data.obj.__class__ is bytes):
                 data = bytes(data)
             self._chunks.append(data)
-            self._len += n
+            self.nbytes += n
 
     def first(self) -> memoryview | bytes:
         """The oldest unconsumed piece (``b""`` when empty)."""
-        if not self._len:
+        if not self.nbytes:
             return b""
         c = self._chunks[self._i0]
         h = self._head
@@ -166,7 +168,7 @@ class ChunkQueue:
 
     def joined(self) -> bytes:
         """Everything held, as one ``bytes`` (merging the chunks into one)."""
-        if not self._len:
+        if not self.nbytes:
             return b""
         chunks = self._chunks
         i0 = self._i0
@@ -179,7 +181,7 @@ class ChunkQueue:
 
     def drop(self, n: int) -> None:
         """Forget the first ``n`` bytes (``0 <= n <= len``)."""
-        left = self._len = self._len - n
+        left = self.nbytes = self.nbytes - n
         chunks = self._chunks
         if not left:
             chunks.clear()
@@ -200,4 +202,4 @@ class ChunkQueue:
     def clear(self) -> None:
         """Forget everything held."""
         self._chunks.clear()
-        self._i0 = self._head = self._len = 0
+        self._i0 = self._head = self.nbytes = 0

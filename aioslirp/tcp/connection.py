@@ -316,7 +316,7 @@ class TcpConnection(Arrival, Output):
     @property
     def recv_pending(self) -> int:
         """Guest bytes received in order and not yet consumed (what :meth:`peek` returns), bytes."""
-        return len(self._rq)
+        return self._rq.nbytes
 
     @property
     def has_events(self) -> bool:
@@ -429,17 +429,19 @@ class TcpConnection(Arrival, Output):
         """
         return self._rq.first()
 
-    def consume(self, n: int) -> None:
-        """The host socket took ``n`` bytes from the front of :meth:`peek`.
+    def consume(self, n: int) -> int:
+        """The host socket took ``n`` bytes from the front of :meth:`peek`; returns the bytes
+        still held (:attr:`recv_pending`).
 
         Frees receive window; schedules a window update when the advertised window can
         grow by at least ``min(rcv_buf / 2, MSS)`` and at least doubles.
         """
         rq = self._rq
-        if n < 0 or n > len(rq):
-            raise ValueError(f"consume({n}) with {len(rq)} bytes held")
+        held = rq.nbytes
+        if n < 0 or n > held:
+            raise ValueError(f"consume({n}) with {held} bytes held")
         if not n:
-            return
+            return held
         rq.drop(n)
         if self.state in RECEIVING and not self._ack_pending:
             avail = self._avail()
@@ -449,3 +451,4 @@ class TcpConnection(Arrival, Output):
                 # guest is nearly out of window and might be waiting for it.
                 if self._ack_due is None or cur < self._ack_now_at:
                     self._ack_pending = True
+        return held - n

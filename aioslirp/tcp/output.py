@@ -33,7 +33,8 @@ class Output(Tcb):
         """
         out: list[Segment] = []
         sq = self._sq
-        sq.release_views()
+        if sq.views:
+            sq.release_views()
         rst = self._rst
         if rst is not None:
             self._rst = None
