@@ -21,7 +21,8 @@ import struct
 from .checksum import checksum, finish, partial
 from .ip import PROTO_ICMP, PROTO_ICMPV6
 from .ipv4 import ip_header, next_ident
-from .ipv6 import DEFAULT_HLIM, IPV6, IPV6_HLEN, MIN_MTU, UNSPECIFIED, Ipv6, l4_checksum_ok, parse_ipv6, pseudo_sum6
+from .ipv6 import (DEFAULT_HLIM, IPV6, IPV6_HLEN, MIN_MTU, UNSPECIFIED, VTF6, Ipv6, l4_checksum_ok, parse_ipv6,
+                   pseudo_sum6)
 
 __all__ = [
     "ICMP", "ICMP6", "ICMP_ECHO_REPLY", "ICMP_UNREACH", "ICMP_ECHO", "ICMP_TIME_EXCEEDED",
@@ -108,7 +109,6 @@ UNREACH4_KIND = {code: kind for kind, (_type, code) in UNREACH4.items()}
 
 _I = struct.Struct("!I")
 _H = struct.Struct("!H")
-_VER6 = 6 << 28
 
 
 # ------------------------------------------------------------------ ICMP builders
@@ -156,7 +156,7 @@ def build_icmp6_packet(src: bytes, dst: bytes, icmp_type: int, code: int, body, 
     """
     ilen = 4 + len(body)
     buf = bytearray(IPV6_HLEN + ilen)
-    IPV6.pack_into(buf, 0, _VER6, ilen, PROTO_ICMPV6, hlim, src, dst)
+    IPV6.pack_into(buf, 0, VTF6, ilen, PROTO_ICMPV6, hlim, src, dst)
     ICMP6.pack_into(buf, 40, icmp_type, code, 0)
     buf[44:] = body
     _H.pack_into(buf, 42, finish(pseudo_sum6(src, dst, PROTO_ICMPV6, ilen) + partial(memoryview(buf)[40:])))

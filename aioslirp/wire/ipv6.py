@@ -70,7 +70,8 @@ IPV6_HLEN = 40
 MIN_MTU = 1280  # RFC 8200 section 5
 MAX_EXT_HEADERS = 8
 DEFAULT_HLIM = 64
-_VER6 = 6 << 28
+#: The first 32-bit word of the IPv6 headers we build: version 6, traffic class 0, flow label 0.
+VTF6 = 6 << 28
 UNSPECIFIED = bytes(16)
 ALL_NODES = bytes.fromhex("ff020000000000000000000000000001")
 ALL_ROUTERS = bytes.fromhex("ff020000000000000000000000000002")
@@ -140,6 +141,17 @@ class Ipv6:
     """
 
     __slots__ = ("src", "dst", "hlim", "tc_flow", "proto", "off", "l4", "end", "frag", "ext")
+
+    src: bytes
+    dst: bytes
+    hlim: int
+    tc_flow: int
+    proto: int
+    off: int
+    l4: int
+    end: int
+    frag: tuple[int, bool, int] | None
+    ext: int
 
     def __init__(self, src, dst, hlim, tc_flow, proto, off, l4, end, frag, ext) -> None:
         self.src = src
@@ -294,7 +306,7 @@ def l4_checksum_ok(src: bytes, dst: bytes, proto: int, l4) -> bool:
 def ip6_header(buf: bytearray, off: int, src: bytes, dst: bytes, nh: int, plen: int,
                hlim: int = DEFAULT_HLIM) -> None:
     """Write a 40-byte IPv6 header (traffic class and flow label 0) into ``buf`` at ``off``."""
-    IPV6.pack_into(buf, off, _VER6, plen, nh, hlim, src, dst)
+    IPV6.pack_into(buf, off, VTF6, plen, nh, hlim, src, dst)
 
 
 def fragment6(packet, mtu: int) -> list:

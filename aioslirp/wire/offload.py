@@ -77,6 +77,9 @@ class OffloadFrame(bytearray):
 
     __slots__ = ("vnet",)
 
+    #: The 12-byte ``virtio_net_hdr_v1`` (:data:`VNET`) to write before the frame.
+    vnet: bytes
+
 
 def complete_checksum(frame) -> bytearray:
     """A copy of ``frame`` (an Ethernet frame with a ``NEEDS_CSUM`` partial TCP checksum, as built by

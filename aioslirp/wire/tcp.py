@@ -26,7 +26,7 @@ import struct
 from .checksum import finish, partial
 from .ip import PROTO_TCP
 from .ipv4 import DEFAULT_TTL, IP_DF, IPV4, next_ident
-from .ipv6 import DEFAULT_HLIM, IPV6
+from .ipv6 import DEFAULT_HLIM, IPV6, VTF6
 from .offload import F_NEEDS_CSUM, GSO_NONE, GSO_TCPV4, GSO_TCPV6, VNET, OffloadFrame
 
 __all__ = [
@@ -45,7 +45,6 @@ TCP_HLEN = 20
 OPT_END, OPT_NOP, OPT_MSS, OPT_WSCALE, OPT_SACK_PERM = 0, 1, 2, 3, 4
 
 _H = struct.Struct("!H")
-_VER6 = 6 << 28
 _MASK = 0xFFFFFFFF
 
 
@@ -248,7 +247,7 @@ class TcpFrameBuilder:
         buf = OffloadFrame(l4 + thl) if offload else bytearray(l4 + thl)
         buf[0:14] = self.eth
         if self.v6:
-            IPV6.pack_into(buf, 14, _VER6, tcp_len, PROTO_TCP, DEFAULT_HLIM, self.src, self.dst)
+            IPV6.pack_into(buf, 14, VTF6, tcp_len, PROTO_TCP, DEFAULT_HLIM, self.src, self.dst)
         else:
             total = 20 + tcp_len
             ident = next_ident()

@@ -13,7 +13,7 @@ import struct
 from .checksum import finish, partial
 from .ip import PROTO_UDP
 from .ipv4 import DEFAULT_TTL, ip_header, next_ident
-from .ipv6 import IPV6, IPV6_HLEN
+from .ipv6 import IPV6, IPV6_HLEN, VTF6
 
 __all__ = ["UDP", "UDP_HLEN", "build_udp", "build_udp_packet", "build_udp6_packet"]
 
@@ -22,7 +22,6 @@ UDP = struct.Struct("!HHHH")
 UDP_HLEN = 8
 
 _H = struct.Struct("!H")
-_VER6 = 6 << 28
 
 
 def build_udp(src: bytes, dst: bytes, sport: int, dport: int, payload, hlim: int = DEFAULT_TTL) -> bytearray:
@@ -36,7 +35,7 @@ def build_udp(src: bytes, dst: bytes, sport: int, dport: int, payload, hlim: int
     psum = partial(src + dst) + PROTO_UDP + ulen
     if len(src) == 16:
         buf = bytearray(IPV6_HLEN + ulen)
-        IPV6.pack_into(buf, 0, _VER6, ulen, PROTO_UDP, hlim, src, dst)
+        IPV6.pack_into(buf, 0, VTF6, ulen, PROTO_UDP, hlim, src, dst)
         off = IPV6_HLEN
     else:
         buf = bytearray(20 + ulen)
