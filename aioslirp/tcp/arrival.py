@@ -4,11 +4,11 @@
 state (3.10.7.1 CLOSED, 3.10.7.2 LISTEN, 3.10.7.3 SYN-SENT, 3.10.7.4 the rest) a segment is
 checked and used in the RFC's order; for the synchronized states each check is one method:
 
-1. :meth:`~Arrival._check_acceptable` -- sequence number acceptability (first check);
-2. :meth:`~Arrival._on_rst` -- the RST bit (second; RFC 5961 3.2);
-3. :meth:`~Arrival._on_syn` -- a SYN in a synchronized state (fourth; RFC 5961 4.2);
-4. :meth:`~Arrival._on_ack` -- the ACK field, duplicate ACKs, the window update (fifth);
-5. :meth:`~Arrival._on_text` -- segment text and FIN (seventh and eighth).
+1. ``_check_acceptable`` -- sequence number acceptability (first check);
+2. ``_on_rst`` -- the RST bit (second; RFC 5961 3.2);
+3. ``_on_syn`` -- a SYN in a synchronized state (fourth; RFC 5961 4.2);
+4. ``_on_ack`` -- the ACK field, duplicate ACKs, the window update (fifth);
+5. ``_on_text`` -- segment text and FIN (seventh and eighth).
 
 (The third check, security, does not apply; the sixth, URG, is ignored.) Nothing here sends:
 a segment only queues what :meth:`~aioslirp.tcp.output.Output.segments_to_send` will emit
