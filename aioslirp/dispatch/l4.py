@@ -31,10 +31,12 @@ import struct
 
 from ..flow.base import flow_key
 from ..flow.guard import DENIED
-from ..tcp.flow import ACK, RST, SYN, TcpFlow, parse_segment, reset_for
+from ..tcp.flow import TcpFlow
 from ..udp import UdpFlow  # module level: an import under EMFILE (the first UDP flow) would fail
 from ..wire.checksum import partial
-from ..wire.ipv4 import PROTO_TCP, PROTO_UDP, UDP
+from ..wire.ip import PROTO_TCP, PROTO_UDP
+from ..wire.tcp import ACK, RST, SYN, parse_segment, reset_for
+from ..wire.udp import UDP
 
 log = logging.getLogger("aioslirp.stack")
 
