@@ -36,6 +36,7 @@ import random
 import socket
 import time
 
+from ..wire.icmp import KIND_HOST, KIND_NET
 from ..wire.ip import PROTO_TCP
 from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6
 from ..wire.tcp import ACK, SYN, Segment, TcpFrameBuilder, parse_segment, reset_for, syn_options
@@ -351,7 +352,8 @@ class TcpFlow(asyncio.Protocol):
         if tracing.enabled:
             tracing.connect_failed(self, "unreachable")
         log.debug("connect %s:%d failed: %r", self.remote, self.dst_port, exc)
-        self.fam.icmp_error("net" if getattr(exc, "errno", None) == errno.ENETUNREACH else "host", self.orig_header)
+        kind = KIND_NET if getattr(exc, "errno", None) == errno.ENETUNREACH else KIND_HOST
+        self.fam.icmp_error(kind, self.orig_header)
         self._finish()
 
     def _accept(self, connect_time: float, immediate: bool) -> None:
