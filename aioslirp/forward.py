@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass, replace
 from .config import ConfigError
 from .flow.base import flow_key
 from .wire.arp import ARP_REQUEST, build_arp
-from .wire.ipv4 import PROTO_TCP, PROTO_UDP, build_udp_packet
+from .wire.ip import PROTO_TCP, PROTO_UDP
+from .wire.udp import build_udp_packet
 
 __all__ = ["PortForward", "ForwardError", "Forwarder", "UdpForwardFlow", "parse_publish"]
 

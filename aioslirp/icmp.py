@@ -27,7 +27,8 @@ import socket
 import struct
 
 from .flow.base import flow_key
-from .wire.ipv4 import PROTO_ICMP
+from .wire.icmp import ICMP6_ECHO_REPLY, ICMP_ECHO_REPLY
+from .wire.ip import PROTO_ICMP, PROTO_ICMPV6  # noqa: F401 - PROTO_ICMPV6: its old import path
 
 log = logging.getLogger("aioslirp.icmp")
 
@@ -35,9 +36,6 @@ log = logging.getLogger("aioslirp.icmp")
 #: out of fds or memory now: the probe is not concluded (asked again on the next echo).
 _NO_SOCKET_NOW = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
 
-ICMP_ECHO_REPLY = 0
-ICMP6_ECHO_REPLY = 129
-PROTO_ICMPV6 = 58
 ICMP6_FILTER = 1  # <netinet/icmp6.h>, level IPPROTO_ICMPV6
 
 

@@ -61,6 +61,7 @@ import logging
 import time
 
 from .flow.base import flow_key
+from .wire.tcp import ACK, FIN, PSH, RST, SYN
 
 log = logging.getLogger("aioslirp.tracing")
 
@@ -84,8 +85,8 @@ _logged: set = set()
 
 _now = time.time_ns
 _PROTO_NAMES = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmp"}
-_TCP_FIN, _TCP_SYN, _TCP_RST, _TCP_ACK = 0x01, 0x02, 0x04, 0x10
-_FLAG_LETTERS = ((0x01, "F"), (0x02, "S"), (0x04, "R"), (0x08, "P"), (0x10, "A"))
+_TCP_FIN, _TCP_SYN, _TCP_RST, _TCP_ACK = FIN, SYN, RST, ACK
+_FLAG_LETTERS = ((FIN, "F"), (SYN, "S"), (RST, "R"), (PSH, "P"), (ACK, "A"))
 #: Connection events recorded from ``TcpConnection.next_event`` (the others are recorded
 #: when the guest segment that caused them is fed, see :func:`guest_segment`).
 _CONN_EVENTS = {"reset": "reset", "closed": "closed"}

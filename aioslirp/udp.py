@@ -16,12 +16,13 @@ import errno
 import logging
 import socket
 
-from .wire.ipv4 import PROTO_UDP
+from .wire.icmp import KIND_HOST, KIND_NET, KIND_PORT
+from .wire.ip import PROTO_UDP
 
 log = logging.getLogger("aioslirp.udp")
 
 #: Host socket errors -> the destination unreachable kind told to the guest (see aioslirp.dispatch.family).
-_ERR_KINDS = {errno.ECONNREFUSED: "port", errno.EHOSTUNREACH: "host", errno.ENETUNREACH: "net"}
+_ERR_KINDS = {errno.ECONNREFUSED: KIND_PORT, errno.EHOSTUNREACH: KIND_HOST, errno.ENETUNREACH: KIND_NET}
 
 
 class UdpFlow:
@@ -73,7 +74,7 @@ class UdpFlow:
             sock.connect((remote, self.dst_port))
         except OSError as exc:
             sock.close()
-            self.connect_error = _ERR_KINDS.get(exc.errno, "host")
+            self.connect_error = _ERR_KINDS.get(exc.errno, KIND_HOST)
             ctx.drop("udp_connect_error")
             return
         self.sock = sock

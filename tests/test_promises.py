@@ -37,6 +37,7 @@ from aioslirp import NetworkConfig, PortForward, Stack
 from aioslirp import api as api_module
 from aioslirp.api import ApiServer, MAX_REQUEST
 from aioslirp.netns import run_in_namespace
+from aioslirp.tcp.flow import TcpFlow
 
 from hostservers import DataServer, DnsUpstream, UdpEcho, namespace_address, pattern
 from ipv6_helpers import GUEST6, a6, icmp6_frame, udp6_frame
@@ -637,14 +638,14 @@ class EndWatcher(asyncio.Protocol):
 
 
 @pytest.mark.netns
-async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog):
+async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog, monkeypatch):
     """robustness.md: "A flow that fails logs, resets its guest connection and ends itself; its
     siblings and the stack carry on." A real guest downloads 8 MB on one connection; the stack's
     flow of a second connection raises in ``flush`` once the guest's first bytes arrive (the
-    method monkeypatched on that one flow). The guest sees a RST on that connection and its host
-    peer a reset (having read nothing); the download's SHA-256 is intact, a new connection
-    afterwards works, and the error is counted once (``flow_errors``), not as
-    ``drop.internal_error``.
+    method monkeypatched on the class, raising for that one flow: flows have ``__slots__``). The
+    guest sees a RST on that connection and its host peer a reset (having read nothing); the
+    download's SHA-256 is intact, a new connection afterwards works, and the error is counted
+    once (``flow_errors``), not as ``drop.internal_error``.
 
     Mutant: ``Stack.flush`` counting the error without ``flow.fail()``: the victim is not reset
     (the guest's recv times out: ``victim == "hang"``)."""
@@ -663,15 +664,18 @@ async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog):
         def add_flow(self, flow):
             type(self.table).add(self.table, flow)
             if flow.proto_name == "tcp" and flow.dst_port == victim_port:
-                healthy = flow.flush
+                victims.append(flow)
 
-                def flush():
-                    if flow.conn.bytes_received and not injected:
-                        injected.append(flow)
-                        raise RuntimeError("injected fault")
-                    healthy()
+    victims: list = []
+    healthy = TcpFlow.flush
 
-                flow.flush = flush
+    def flush(flow):
+        if flow in victims and flow.conn.bytes_received and not injected:
+            injected.append(flow)
+            raise RuntimeError("injected fault")
+        healthy(flow)
+
+    monkeypatch.setattr(TcpFlow, "flush", flush)
 
     stacks = []
 
@@ -757,7 +761,14 @@ async def test_a_flow_that_raises_is_reset_and_ends_and_its_sibling_carries_on(p
                 raise RuntimeError("injected fault")
 
             if path == "host_read":
-                monkeypatch.setattr(victim, "data_received", lambda data: fault())
+                healthy_read = TcpFlow.data_received  # patched on the class: flows have __slots__
+
+                def data_received(flow, data):
+                    if flow is victim:
+                        return fault()
+                    return healthy_read(flow, data)
+
+                monkeypatch.setattr(TcpFlow, "data_received", data_received)
                 v_host.send(b"from the host")
             else:
                 name = "handle_timer" if path == "timer" else "receive_segment"

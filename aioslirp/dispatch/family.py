@@ -20,8 +20,8 @@ codes 0/1/3/13 (RFC 792, RFC 1812 5.2.7.1), ICMPv6 type 1 codes 0/3/4/1 (RFC 444
 Errors are rate limited per family by a token bucket of 100 errors/s, burst 50 (RFC 1812
 4.3.2.8, RFC 4443 2.4 (f)): ``icmp_errors_rate_limited`` / ``icmp6_errors_rate_limited``.
 
-(The ICMP type and code constants and the kind maps are defined here until ``wire/icmp.py``
-holds them.)
+The ICMP types and codes, the kinds (``KIND_*``) and the kind maps (:data:`UNREACH4`,
+:data:`UNREACH6`: kind -> ``(type, code)``) are defined once, in :mod:`aioslirp.wire.icmp`.
 """
 
 from __future__ import annotations
@@ -32,18 +32,18 @@ import struct
 from ..services.dhcp import reply_destination
 from ..wire.checksum import checksum
 from ..wire.ethernet import BROADCAST, ETH, ETHERTYPE_IPV4, ETHERTYPE_IPV6
-from ..wire.ipv4 import PROTO_ICMP, build_icmp_packet, build_tcp, build_udp_packet, fragment, pseudo_sum
-from ..wire.ipv6 import (ICMP6_DST_UNREACH, ICMP6_ECHO_REPLY, ICMP6_ECHO_REQUEST, NH_ICMPV6, UNSPECIFIED,
-                         TokenBucket, build_icmp6_error, build_icmp6_packet, build_tcp6, build_udp6_packet,
-                         fragment6, multicast_mac, pseudo_sum6, solicited_node)
+from ..ratelimit import TokenBucket
+from ..wire.icmp import (ICMP6_ECHO_REPLY, ICMP6_ECHO_REQUEST, ICMP_ECHO, ICMP_ECHO_REPLY, UNREACH4, UNREACH6,
+                         build_icmp6_error, build_icmp6_packet, build_icmp_packet)
+from ..wire.ip import PROTO_ICMP
+from ..wire.ipv4 import fragment, pseudo_sum
+from ..wire.ipv6 import NH_ICMPV6, UNSPECIFIED, fragment6, multicast_mac, pseudo_sum6, solicited_node
+from ..wire.tcp import build_tcp, build_tcp6
+from ..wire.udp import build_udp_packet, build_udp6_packet
 
 __all__ = ["ALL_DHCP", "Family4", "Family6", "KINDS", "UNREACH4", "UNREACH6"]
 
-ICMP_ECHO_REPLY, ICMP_UNREACH, ICMP_ECHO = 0, 3, 8
-#: Destination unreachable kinds -> ICMPv4 type 3 codes (net, host, port, administratively prohibited).
-UNREACH4 = {"net": 0, "host": 1, "port": 3, "admin": 13}
-#: Destination unreachable kinds -> ICMPv6 type 1 codes (no route, address, port, administratively prohibited).
-UNREACH6 = {"net": 0, "host": 3, "port": 4, "admin": 1}
+#: The destination unreachable kinds a flow or L4 may raise (``aioslirp.wire.icmp.KIND_*``).
 KINDS = tuple(UNREACH4)
 #: All_DHCP_Relay_Agents_and_Servers (RFC 8415 7.1).
 ALL_DHCP = bytes.fromhex("ff020000000000000000000000010002")
@@ -128,7 +128,8 @@ class Family4:
     def icmp_error(self, kind: str, orig, now: float | None = None) -> None:
         """ICMP destination unreachable of ``kind`` (``"net"``, ``"host"``, ``"port"``, ``"admin"``)
         to the guest about ``orig``, its IPv4 packet (at least the header and 8 bytes)."""
-        self.send_icmp_error(ICMP_UNREACH, UNREACH4[kind], orig, now)
+        icmp_type, code = UNREACH4[kind]
+        self.send_icmp_error(icmp_type, code, orig, now)
 
     def send_icmp_error(self, icmp_type: int, code: int, orig, now: float | None = None) -> None:
         """ICMP ``icmp_type``/``code`` to the guest about ``orig``; quotes its header + 8 bytes
@@ -289,7 +290,8 @@ class Family6:
     def icmp_error(self, kind: str, orig, now: float | None = None) -> None:
         """ICMPv6 destination unreachable of ``kind`` (``"net"``, ``"host"``, ``"port"``,
         ``"admin"``) to the guest about ``orig``, its IPv6 packet (maybe truncated)."""
-        self.send_icmp6_error(ICMP6_DST_UNREACH, UNREACH6[kind], orig, now=now)
+        icmp_type, code = UNREACH6[kind]
+        self.send_icmp6_error(icmp_type, code, orig, now=now)
 
     def send_icmp6_error(self, icmp_type: int, code: int, orig, param: int = 0, src: bytes | None = None,
                          now: float | None = None) -> None:

@@ -14,9 +14,11 @@ ignored (``icmp_ignored``).
 
 from __future__ import annotations
 
+from ..reassembly import Reassembler
 from ..wire.checksum import partial
-from ..wire.ipv4 import ICMP, IP_MF, IP_OFFMASK, IPV4, PROTO_ICMP, PROTO_TCP, PROTO_UDP, build_icmp_packet
-from ..wire.reassembly import Reassembler
+from ..wire.icmp import ICMP, build_icmp_packet
+from ..wire.ip import PROTO_ICMP, PROTO_TCP, PROTO_UDP
+from ..wire.ipv4 import IP_MF, IP_OFFMASK, IPV4
 from .family import ICMP_ECHO, ICMP_ECHO_REPLY
 
 __all__ = ["Ipv4Input"]

@@ -31,10 +31,13 @@ import struct
 
 from ..flow.base import flow_key
 from ..flow.guard import DENIED
-from ..tcp.flow import ACK, RST, SYN, TcpFlow, parse_segment, reset_for
+from ..tcp.flow import TcpFlow
 from ..udp import UdpFlow  # module level: an import under EMFILE (the first UDP flow) would fail
 from ..wire.checksum import partial
-from ..wire.ipv4 import PROTO_TCP, PROTO_UDP, UDP
+from ..wire.icmp import KIND_ADMIN, KIND_HOST, KIND_PORT
+from ..wire.ip import PROTO_TCP, PROTO_UDP
+from ..wire.tcp import ACK, RST, SYN, parse_segment, reset_for
+from ..wire.udp import UDP
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -114,12 +117,12 @@ class L4:
                     self.drop("host_loopback_disabled")
                     self.reset_unknown(fam, src, dst, sport, dport, seg)
                     return
-                fam.icmp_error("host", orig, now)
+                fam.icmp_error(KIND_HOST, orig, now)
                 return self.drop(fam.reason["tcp_unroutable_dst"])
         verdict = self.guard.admit(PROTO_TCP, remote, dport, now)  # egress policy and bounds (flow/guard.py)
         if verdict is not None:
             if verdict == DENIED:
-                fam.icmp_error("admin", orig, now)
+                fam.icmp_error(KIND_ADMIN, orig, now)
             else:
                 self.reset_unknown(fam, src, dst, sport, dport, seg)
             return
@@ -174,7 +177,7 @@ class L4:
             if dport == 53:
                 return self.dns_udp(fam, bytes(payload), src, sport)
             self.handled("udp_port_unreachable")
-            return fam.icmp_error("port", pkt, now)
+            return fam.icmp_error(KIND_PORT, pkt, now)
         if src == fam.unspecified:
             return self.drop(fam.reason["udp_from_unspecified"])
         key = (PROTO_UDP, src, sport, dst, dport)  # flow_key(), inlined: this runs for every datagram
@@ -192,14 +195,14 @@ class L4:
         if remote is None:
             if dst == fam.gw:
                 self.drop("host_loopback_disabled")
-                fam.icmp_error("admin", pkt, now)
+                fam.icmp_error(KIND_ADMIN, pkt, now)
                 return None
             self.drop(fam.reason["udp_unroutable_dst"])
             return None
         verdict = self.guard.admit(PROTO_UDP, remote, dport, now)  # egress policy and bounds (flow/guard.py)
         if verdict is not None:
             if verdict == DENIED:
-                fam.icmp_error("admin", pkt, now)
+                fam.icmp_error(KIND_ADMIN, pkt, now)
             return None
         if not self.table.make_room():
             self.drop("flow_table_full")
@@ -245,6 +248,6 @@ class L4:
             verdict = self.guard.admit(fam.icmp_proto, remote, 0, now)
             if verdict is not None:
                 if verdict == DENIED:
-                    fam.icmp_error("admin", pkt, now)
+                    fam.icmp_error(KIND_ADMIN, pkt, now)
                 return
         self.ctx.icmp.echo(fam, src, dst, remote, ident, seq, payload, now)

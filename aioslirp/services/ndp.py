@@ -38,10 +38,10 @@ import struct
 from collections import Counter
 
 from ..config6 import Ipv6Config
-from ..wire.ipv6 import (ALL_NODES, ICMP6_ECHO_REQUEST, ND_NEIGHBOR_ADVERT, ND_NEIGHBOR_SOLICIT, ND_REDIRECT,
-                         ND_ROUTER_ADVERT, ND_ROUTER_SOLICIT, NH_ICMPV6, UNSPECIFIED, Ipv6, build_icmp6_packet,
-                         echo_reply6, eth6, fragment6, is_multicast, l4_checksum_ok, link_local_from_mac, multicast_mac,
-                         solicited_node)
+from ..wire.icmp import (ICMP6_ECHO_REQUEST, ND_NEIGHBOR_ADVERT, ND_NEIGHBOR_SOLICIT, ND_REDIRECT, ND_ROUTER_ADVERT,
+                         ND_ROUTER_SOLICIT, build_icmp6_packet, echo_reply6)
+from ..wire.ipv6 import (ALL_NODES, NH_ICMPV6, UNSPECIFIED, Ipv6, eth6, fragment6, is_multicast, l4_checksum_ok,
+                         link_local_from_mac, multicast_mac, solicited_node)
 from ..wire.neighbors import MAX_NEIGHBORS, NeighborCache
 from .dhcpv6 import encode_domain_list
 

@@ -34,148 +34,34 @@ import logging
 import os
 import random
 import socket
-import struct
 import time
 
-from ..wire.ipv4 import PROTO_TCP, TCP, build_tcp
-from ..wire.ipv6 import build_tcp6
-from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6, TcpOffloadBuilder
+from ..wire.icmp import KIND_HOST, KIND_NET
+from ..wire.ip import PROTO_TCP
+from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6
+from ..wire.tcp import ACK, SYN, Segment, TcpFrameBuilder, parse_segment, reset_for, syn_options
 from .. import tracing
-from .conn import Segment, TcpConnection
-from .hostsock import HostSocket
+from .connection import (CLOSE_WAIT, CLOSED, CLOSING, ESTABLISHED, LAST_ACK, LISTEN, SYN_RECEIVED, SYN_SENT,
+                         TIME_WAIT, TcpConnection)
+from .hostsock import HostSocket, TransportHost, close_socket, connect_numeric, connect_start, wait_connected
+from .tcb import ResetEvent
+
+__all__ = [
+    "TcpFlow", "ForwardedTcpFlow",
+    # importable from here as before: the stack's parsing helpers (aioslirp.wire.tcp) and the
+    # host side (aioslirp.tcp.hostsock)
+    "parse_segment", "reset_for", "TransportHost", "connect_start", "connect_numeric", "wait_connected",
+]
 
 log = logging.getLogger("aioslirp.tcp")
 
-FIN, SYN, RST, PSH, ACK = 0x01, 0x02, 0x04, 0x08, 0x10
-_H = struct.Struct("!H")
-_LINGER0 = struct.pack("ii", 1, 0)
-_CLOSED_BOTH = ("TIME-WAIT", "CLOSED", "LAST-ACK", "CLOSING")
+#: States in which both directions are closed towards the guest (or about to be).
+_CLOSED_BOTH = frozenset((TIME_WAIT, CLOSED, LAST_ACK, CLOSING))
+#: States in which the connection is over: a new SYN on its 4-tuple opens a new one.
+_OVER = frozenset((TIME_WAIT, CLOSED))
+#: States in which a host socket that closed without error becomes our FIN towards the guest.
+_OPEN_TOWARDS_GUEST = frozenset((ESTABLISHED, CLOSE_WAIT, SYN_RECEIVED))
 _RETIRED = itertools.count(1)  # serials that make the flow-table keys of retired flows unique
-
-
-def reset_for(seg: Segment) -> tuple[int, int, int]:
-    """``(seq, ack, flags)`` of the RST answering ``seg``, a segment no flow owns (RFC 9293 3.10.7.1).
-
-    With ACK set the RST takes its sequence number from ``seg.ack``; otherwise it is
-    sent with sequence 0 and acknowledges everything ``seg`` occupied (payload, SYN, FIN).
-    """
-    if seg.flags & ACK:
-        return seg.ack, 0, RST
-    seglen = len(seg.payload) + (1 if seg.flags & SYN else 0) + (1 if seg.flags & FIN else 0)
-    return 0, (seg.seq + seglen) & 0xFFFFFFFF, RST | ACK
-
-
-def parse_segment(l4) -> Segment | None:
-    """Parse a TCP header + payload (``memoryview``) into a :class:`Segment`.
-
-    Options MSS (kind 2), window scale (3) and SACK-permitted (4) are read; others are
-    skipped. Returns ``None`` for a bad data offset or a malformed option list
-    (e.g. a zero option length).
-    """
-    _sport, _dport, seq, ack, off_flags, wnd, _csum, _urg = TCP.unpack_from(l4, 0)
-    doff = (off_flags >> 12) << 2
-    if doff == 20:  # no options: most segments after the handshake
-        return Segment(seq, ack, off_flags & 0x3F, wnd, l4[20:], None, None, False)
-    if doff < 20 or doff > len(l4):
-        return None
-    mss = wscale = None
-    sack = False
-    i = 20
-    while i < doff:
-        kind = l4[i]
-        if kind == 0:
-            break
-        if kind == 1:
-            i += 1
-            continue
-        if i + 1 >= doff:
-            return None
-        olen = l4[i + 1]
-        if olen < 2 or i + olen > doff:
-            return None
-        if kind == 2 and olen == 4:
-            mss = (l4[i + 2] << 8) | l4[i + 3]
-        elif kind == 3 and olen == 3:
-            wscale = l4[i + 2]
-        elif kind == 4 and olen == 2:
-            sack = True
-        i += olen
-    return Segment(seq, ack, off_flags & 0x3F, wnd, l4[doff:], mss, wscale, sack)
-
-
-def _syn_options(seg: Segment) -> bytes:
-    opts = b""
-    if seg.mss is not None:
-        opts += b"\x02\x04" + _H.pack(seg.mss)
-    if seg.wscale is not None:
-        opts += b"\x01\x03\x03" + bytes((seg.wscale,))
-    return opts
-
-
-def connect_start(sock: socket.socket, addr: tuple) -> int:
-    """Start connecting non-blocking ``sock`` to numeric ``addr``: 0 (connected), ``EINPROGRESS``
-    (still going: wait for writability) or the errno of the failure (``ECONNREFUSED``...).
-
-    To a local address (the gateway maps to the host's loopback) the kernel usually finishes
-    the handshake inside ``connect()`` itself: asking again at once says so (``EISCONN``), or
-    gives the refusal, without a trip through the event loop (``EALREADY``: still going).
-    """
-    err = sock.connect_ex(addr)
-    if err == errno.EINPROGRESS:
-        err = sock.connect_ex(addr)
-        if err == errno.EISCONN:
-            err = 0
-        elif err == errno.EALREADY:
-            err = errno.EINPROGRESS
-    return err
-
-
-async def connect_numeric(loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: tuple,
-                          timeout: float | None = None) -> None:
-    """Connect non-blocking ``sock`` to ``addr``, a *numeric* (host, port) pair, without a resolver.
-
-    ``loop.sock_connect`` in uvloop runs ``getaddrinfo`` on libuv's thread pool for every call,
-    even for a numeric address: a thread hand-off per guest connection (measured: CRR backend
-    CPU -20%, p50 -17% without it). Raises ``OSError`` (``ConnectionRefusedError`` etc., by
-    errno) like ``sock_connect``, and ``TimeoutError`` (errno ``ETIMEDOUT``) when ``timeout``
-    seconds pass first; cancellation leaves no reader/writer or timer registered.
-
-    The timeout is a ``loop.call_later`` handle, not ``asyncio.wait_for``, which in Python 3.11
-    wraps the coroutine in a task of its own: one task less per guest connection.
-    """
-    err = connect_start(sock, addr)
-    if err == 0:
-        return
-    if err != errno.EINPROGRESS:
-        raise OSError(err, os.strerror(err))
-    await wait_connected(loop, sock, timeout)
-
-
-async def wait_connected(loop: asyncio.AbstractEventLoop, sock: socket.socket, timeout: float | None = None) -> None:
-    """Wait until the connect in progress on non-blocking ``sock`` ends (writable), then raise its
-    error (``SO_ERROR``) as ``OSError``, or ``TimeoutError`` after ``timeout`` seconds."""
-    fut = loop.create_future()
-    fd = sock.fileno()
-
-    def ready() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    def expired() -> None:
-        if not fut.done():
-            fut.set_exception(TimeoutError(errno.ETIMEDOUT, "connect timed out"))
-
-    loop.add_writer(fd, ready)
-    timer = loop.call_later(timeout, expired) if timeout is not None else None
-    try:
-        await fut
-    finally:
-        loop.remove_writer(fd)
-        if timer is not None:
-            timer.cancel()
-    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-    if err:
-        raise OSError(err, os.strerror(err))
 
 
 class TcpFlow(asyncio.Protocol):
@@ -188,12 +74,80 @@ class TcpFlow(asyncio.Protocol):
 
     proto = PROTO_TCP
     proto_name = "tcp"
-    direction, forward_id, trace = "outbound", None, None  # see aioslirp.flow.base.Flow
+    direction, forward_id = "outbound", None  # see aioslirp.flow.base.Flow (trace: a slot)
     bytes_up = bytes_down = None  # counted by the connection
+
+    __slots__ = (
+        "ctx", "fam", "key", "guest_ip", "guest_port", "dst_ip", "dst_port", "remote", "orig_header", "loop",
+        "last_active", "eth", "v6", "offload", "_builder", "conn", "transport", "host_paused", "reading_paused",
+        "eof_sent", "host_closed", "_timer", "_timer_at", "_finished", "done", "_wake", "_upgrade_sock",
+        "_upgrading", "_close_abort", "_pending_sock", "_connect_waiting", "_t0", "retired", "no_socket", "task",
+        "_mark_dirty",
+        # the tracer's record of a traced flow (see aioslirp.flow.base.Flow)
+        "trace",
+    )
+
+    #: The stack's :class:`~aioslirp.flow.base.FlowContext` (flow table, counters, inject queue, config).
+    ctx: object
+    #: The flow's family (``Family4``/``Family6``): Ethernet header, ICMP errors.
+    fam: object
+    #: ``(6, guest addr, guest port, remote addr, remote port)``; a retired flow's has a serial appended.
+    key: tuple
+    guest_ip: bytes
+    guest_port: int
+    dst_ip: bytes
+    dst_port: int
+    #: The host address connected to, ``None`` for the DNS-over-TCP service.
+    remote: str | None
+    #: The guest's SYN packet, quoted in ICMP errors.
+    orig_header: bytes
+    loop: asyncio.AbstractEventLoop
+    #: Loop time of the last guest segment (the idle sweep reads it).
+    last_active: float
+    #: The Ethernet header of frames towards the guest.
+    eth: bytes
+    v6: bool
+    #: Frames with partial checksums and GSO (a TAP with offload).
+    offload: bool
+    #: This flow's frame builder (made on first use, again if ``eth`` changes).
+    _builder: TcpFrameBuilder | None
+    conn: TcpConnection
+    #: The host side: HostSocket, TransportHost, DnsTcpHost, or None (connecting, or moving to a transport).
+    transport: object
+    #: The host socket's send buffer is full: guest bytes wait in the connection.
+    host_paused: bool
+    #: Reading the host socket is paused: the connection's send buffer is full.
+    reading_paused: bool
+    #: The guest's FIN was passed on (``write_eof``).
+    eof_sent: bool
+    host_closed: bool
+    _timer: asyncio.TimerHandle | None
+    _timer_at: float | None
+    _finished: bool
+    #: Resolved when the flow is over.
+    done: asyncio.Future
+    _wake: asyncio.Future
+    _upgrade_sock: socket.socket | None
+    _upgrading: bool
+    _close_abort: bool
+    _pending_sock: socket.socket | None
+    _connect_waiting: bool
+    _t0: float
+    #: The guest reused this flow's 4-tuple (see :meth:`retire`): nothing goes to the guest any more.
+    retired: bool
+    #: No host socket could be opened (see :meth:`_open_socket`): the SYN was refused, the flow
+    #: never entered the table.
+    no_socket: bool
+    task: asyncio.Task
+    #: The flow table's dirty set ``add``: :meth:`flush` runs after the batch of guest frames.
+    _mark_dirty: object
+    #: The tracer's record while the flow is traced, else ``None``.
+    trace: object
 
     def __init__(self, ctx, fam, key: tuple, remote: str | None, syn: Segment | None, orig_header: bytes,
                  now: float) -> None:
         self.ctx, self.fam = ctx, fam
+        self.trace = None  # set by aioslirp.tracing while traced (FlowTable.add)
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.remote = remote
@@ -204,11 +158,10 @@ class TcpFlow(asyncio.Protocol):
         self.eth = fam.eth_to(self.guest_ip)
         # IPv4 or IPv6 is chosen once per flow: frame builder, MSS (MTU - 40 / - 60), socket family.
         self.v6 = v6 = len(self.guest_ip) == 16
-        self._build = build_tcp6 if v6 else build_tcp
         # Checksum/segmentation offload (decided once per flow, from the transport): segments up
         # to ~64 KB with partial checksums, which the kernel cuts to the guest's MSS and completes.
         self.offload = offload = ctx.offload
-        self._obuild: TcpOffloadBuilder | None = None
+        self._builder = None
         self.conn = TcpConnection(iss=random.getrandbits(32), mss=cfg.mtu - (60 if v6 else 40),
                                   rcv_buf=cfg.tcp_buffer,
                                   snd_buf=cfg.tcp_buffer, now=now, linger=cfg.tcp_linger,
@@ -221,20 +174,17 @@ class TcpFlow(asyncio.Protocol):
         self.reading_paused = False
         self.eof_sent = False
         self.host_closed = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = None
+        self._timer_at = None
         self._finished = False
         self.done = self._wake = loop.create_future()
-        self._upgrade_sock: socket.socket | None = None  # the host socket while it moves to a transport
+        self._upgrade_sock = None  # the host socket while it moves to a transport
         self._upgrading = False
         self._close_abort = False
-        self._pending_sock: socket.socket | None = None  # a connect in progress, for the task
+        self._pending_sock = None  # a connect in progress, for the task
         self._connect_waiting = False  # the task waits for that connect
         self._t0 = 0.0
-        #: The guest reused this flow's 4-tuple (see :meth:`retire`): nothing goes to the guest any more.
         self.retired = False
-        #: No host socket could be opened (see :meth:`_open_socket`): the SYN was refused, the flow
-        #: never entered the table.
         self.no_socket = False
         sock = None
         if syn is not None and remote is not None:
@@ -280,7 +230,7 @@ class TcpFlow(asyncio.Protocol):
             if sock is not None:
                 self._upgrade_sock = None
                 if self._finished:
-                    _close_socket(sock, abort=True)
+                    close_socket(sock, abort=True)
                     return
                 await self.loop.create_connection(lambda: self, sock=sock)
             if not self._finished:
@@ -378,7 +328,7 @@ class TcpFlow(asyncio.Protocol):
         self._connected(sock)
 
     def _connected(self, sock: socket.socket) -> None:
-        if self.conn.state == "CLOSED" or self._finished:
+        if self.conn.state is CLOSED or self._finished:
             sock.close()
             self._finish()
             return
@@ -402,7 +352,8 @@ class TcpFlow(asyncio.Protocol):
         if tracing.enabled:
             tracing.connect_failed(self, "unreachable")
         log.debug("connect %s:%d failed: %r", self.remote, self.dst_port, exc)
-        self.fam.icmp_error("net" if getattr(exc, "errno", None) == errno.ENETUNREACH else "host", self.orig_header)
+        kind = KIND_NET if getattr(exc, "errno", None) == errno.ENETUNREACH else KIND_HOST
+        self.fam.icmp_error(kind, self.orig_header)
         self._finish()
 
     def _accept(self, connect_time: float, immediate: bool) -> None:
@@ -441,7 +392,7 @@ class TcpFlow(asyncio.Protocol):
         if not self._finished:
             if exc is not None:
                 self.conn.abort()
-            elif self.conn.state in ("ESTABLISHED", "CLOSE-WAIT", "SYN-RECEIVED"):
+            elif self.conn.state in _OPEN_TOWARDS_GUEST:
                 self.conn.shutdown_write()
             self.flush()
 
@@ -457,7 +408,7 @@ class TcpFlow(asyncio.Protocol):
     def on_segment(self, seg: Segment, now: float) -> bool:
         """Feed one guest segment at loop time ``now``. False: the flow is over and ``seg`` opens a new one."""
         conn = self.conn
-        if seg.flags & SYN and not seg.flags & ACK and conn.state in ("TIME-WAIT", "CLOSED"):
+        if seg.flags & SYN and not seg.flags & ACK and conn.state in _OVER:
             return False
         self.last_active = now
         if tracing.enabled:
@@ -470,19 +421,19 @@ class TcpFlow(asyncio.Protocol):
     def flush(self) -> None:
         """Move bytes between the connection and the host socket, send due segments, re-arm the timer."""
         conn = self.conn
-        rq = conn._rq  # in-order guest bytes not yet written to the host (what peek_chunk() serves)
         tr = self.transport
         if tr is not None and not self.host_closed:
-            while rq._len and not self.host_paused:
-                data = rq.first()
+            pending = conn.recv_pending  # in-order guest bytes not yet written to the host
+            while pending and not self.host_paused:
+                data = conn.peek_chunk()
                 n = tr.send(data)  # what the kernel took; the rest stays queued (window closes)
                 if n:
-                    conn.consume(n)
+                    pending = conn.consume(n)
                 if n < len(data):
                     break
             tr = self.transport  # None when a partial send started the move to a transport
         if tr is not None and not self.host_closed:
-            if conn.fin_received and not self.eof_sent and not rq._len:
+            if conn.fin_received and not self.eof_sent and not conn.recv_pending:
                 self.eof_sent = True
                 if tr.can_write_eof():
                     tr.write_eof()
@@ -490,49 +441,43 @@ class TcpFlow(asyncio.Protocol):
                 self.reading_paused = False
                 tr.resume_reading()
         self._emit()
-        if conn._events:
+        ev = conn.next_event()
+        while ev is not None:
+            if tracing.enabled:
+                tracing.tcp_event(self, ev.name)
+            if ev.__class__ is ResetEvent:
+                self.ctx.counters["tcp_resets"] += 1
+                self._close_host(abort=True)
             ev = conn.next_event()
-            while ev is not None:
-                name = ev[0]
-                if tracing.enabled:
-                    tracing.tcp_event(self, name)
-                if name == "reset":
-                    self.ctx.counters["tcp_resets"] += 1
-                    self._close_host(abort=True)
-                ev = conn.next_event()
         state = conn.state
-        # Guest bytes we ACKed but the host socket has not taken yet (write side paused) keep
-        # the host socket open until resume_writing() drains them: nothing ACKed is dropped.
-        undrained = rq._len and (tr is not None or self._upgrading) and not self.host_closed and not conn.reset
-        if state == "CLOSED":
-            if not undrained:
+        if state is CLOSED:
+            if not self._undrained():
                 self._finish()
             return
-        if not undrained and (state == "TIME-WAIT" or (self.eof_sent and state in _CLOSED_BOTH)):
+        if (state is TIME_WAIT or (self.eof_sent and state in _CLOSED_BOTH)) and not self._undrained():
             self._close_host(abort=False)
         self._arm_timer()
+
+    def _undrained(self) -> bool:
+        """Guest bytes we ACKed but the host socket has not taken yet (write side paused): they keep
+        the host socket open until resume_writing() drains them, so nothing ACKed is dropped."""
+        conn = self.conn
+        return bool(not self.host_closed and not conn.reset and (self.transport is not None or self._upgrading)
+                    and conn.recv_pending)
 
     def _emit(self) -> None:
         segs = self.conn.segments_to_send(self.loop.time())
         if not segs or self.retired:  # retired: the 4-tuple is the guest's new connection's now
             return
+        b = self._builder
+        if b is None or b.eth != self.eth:
+            b = self._builder = TcpFrameBuilder(self.eth, self.dst_ip, self.guest_ip, self.dst_port, self.guest_port,
+                                                self.offload)
         inject = self.ctx.inject
-        if self.offload:
-            ob = self._obuild
-            if ob is None or ob.eth != self.eth:
-                ob = self._obuild = TcpOffloadBuilder(self.eth, self.dst_ip, self.guest_ip, self.dst_port,
-                                                      self.guest_port)
-            build = ob.build
-            gso = self.conn.effective_mss
-            for s in segs:
-                inject(build(s.seq, s.ack, s.flags, s.wnd, _syn_options(s) if s.flags & SYN else b"",
-                             s.payload, gso))
-            return
-        build = self._build
-        eth, src, dst, sport, dport = self.eth, self.dst_ip, self.guest_ip, self.dst_port, self.guest_port
+        build = b.build
+        gso = self.conn.effective_mss  # offload: a longer payload is one GSO frame (ignored otherwise)
         for s in segs:
-            opts = _syn_options(s) if s.flags & SYN else b""
-            inject(build(eth, src, dst, sport, dport, s.seq, s.ack, s.flags, s.wnd, opts, s.payload))
+            inject(build(s.seq, s.ack, s.flags, s.wnd, syn_options(s) if s.flags & SYN else b"", s.payload, gso))
 
     def _arm_timer(self) -> None:
         """Make sure a loop timer fires by the connection's next deadline.
@@ -573,7 +518,7 @@ class TcpFlow(asyncio.Protocol):
             self._close_abort = abort
             sock, self._upgrade_sock = self._upgrade_sock, None
             if sock is not None:
-                _close_socket(sock, abort)
+                close_socket(sock, abort)
             return
         if tr is None or self.host_closed:
             return
@@ -601,7 +546,7 @@ class TcpFlow(asyncio.Protocol):
             self._pending_sock.close()
             self._pending_sock = None
         if self._upgrade_sock is not None:  # ended while moving to a transport
-            _close_socket(self._upgrade_sock, True)
+            close_socket(self._upgrade_sock, True)
             self._upgrade_sock = None
         if self._timer is not None:
             self._timer.cancel()
@@ -628,7 +573,7 @@ class TcpFlow(asyncio.Protocol):
           socket with a FIN and ends on its own. Counted as ``tcp_retired_draining``.
         """
         conn = self.conn
-        draining = (len(conn.peek_chunk()) and not self.host_closed and not conn.reset
+        draining = (conn.recv_pending and not self.host_closed and not conn.reset
                     and (self.transport is not None or self._upgrading))
         table = self.ctx.table
         if not draining or table.get(self.key) is not self:
@@ -652,7 +597,7 @@ class TcpFlow(asyncio.Protocol):
 
     def shutdown(self) -> None:
         """Tear down now (stack exit, eviction): RST towards the guest, host socket closed."""
-        if self.conn.state not in ("CLOSED", "TIME-WAIT"):
+        if self.conn.state not in _OVER:
             self.conn.abort()
             try:
                 self._emit()
@@ -689,12 +634,24 @@ class ForwardedTcpFlow(TcpFlow):
 
     direction = "inbound"
 
+    __slots__ = ("host_sock", "peer", "forward_id", "_resolve", "_connect_timer")
+
+    #: The accepted host socket.
+    host_sock: socket.socket
+    #: Its remote address, ``(host, port, ...)``.
+    peer: tuple
+    #: The id of the port forward it came through, if known.
+    forward_id: int | None
+    _resolve: object
+    #: Bounds the wait for the guest's SYN-ACK (``tcp_connect_timeout``).
+    _connect_timer: asyncio.TimerHandle | None
+
     def __init__(self, ctx, fam, key: tuple, sock: socket.socket, peer, resolve, forward_id: int | None = None) -> None:
         self.host_sock = sock
         self.peer = peer
         self.forward_id = forward_id
         self._resolve = resolve
-        self._connect_timer: asyncio.TimerHandle | None = None
+        self._connect_timer = None
         super().__init__(ctx, fam, key, f"{peer[0]}:{peer[1]}", None, b"", ctx.loop.time())
         sock.setblocking(False)
         try:
@@ -733,7 +690,7 @@ class ForwardedTcpFlow(TcpFlow):
             self._close_host(abort=True)
             self._finish()
             return
-        if self._finished or self.conn.state != "LISTEN":
+        if self._finished or self.conn.state is not LISTEN:
             self._finish()
             return
         self.eth = self.fam.eth_to(self.guest_ip)
@@ -743,64 +700,9 @@ class ForwardedTcpFlow(TcpFlow):
 
     def _connect_timeout(self) -> None:
         self._connect_timer = None
-        if self.conn.state == "SYN-SENT":
+        if self.conn.state is SYN_SENT:
             self.ctx.counters["forward_connect_timeout"] += 1
             self.conn.abort()
             self._emit()
             self._close_host(abort=True)
             self._finish()
-
-
-def _close_socket(sock, abort: bool) -> None:
-    """Close ``sock``; with ``abort`` so that the peer sees a RST (``SO_LINGER`` on, 0 seconds)."""
-    if sock is None:
-        return
-    if abort:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER0)
-        except OSError:
-            pass
-    sock.close()
-
-
-class TransportHost:
-    """The :class:`~aioslirp.tcp.hostsock.HostSocket` interface over an asyncio transport (a flow
-    moved to one by :meth:`TcpFlow.request_upgrade`); flow control through its write buffer:
-    ``pause_writing``/``resume_writing`` reach the flow as asyncio protocol callbacks."""
-
-    __slots__ = ("tr",)
-    writing = False
-
-    def __init__(self, tr) -> None:
-        self.tr = tr
-
-    def send(self, data) -> int:
-        self.tr.write(data)  # bytes, or a view of immutable bytes: no copy needed
-        return len(data)
-
-    def can_write_eof(self) -> bool:
-        return self.tr.can_write_eof()
-
-    def write_eof(self) -> None:
-        self.tr.write_eof()
-
-    def pause_reading(self) -> None:
-        self.tr.pause_reading()
-
-    def resume_reading(self) -> None:
-        self.tr.resume_reading()
-
-    def close(self) -> None:
-        self.tr.close()
-
-    def abort(self) -> None:
-        sock = self.tr.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER0)
-            except OSError:
-                pass
-        self.tr.abort()
-
-    def get_extra_info(self, name: str, default=None):
-        return self.tr.get_extra_info(name, default)

@@ -8,12 +8,14 @@ Two numbers exactly ``2**31`` apart compare neither less nor greater (and neithe
 
 All functions take and return plain ``int`` values in ``0 .. 2**32 - 1``
 (:func:`seq_diff` returns a signed distance). The hot path of
-:mod:`aioslirp.tcp.conn` inlines the same expressions instead of calling these.
+:mod:`aioslirp.tcp.connection` (and its :mod:`~aioslirp.tcp.arrival` and
+:mod:`~aioslirp.tcp.output` parts) inlines the same expressions instead of calling these.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "SEQ_HALF",
     "SEQ_MASK",
     "SEQ_MOD",
     "seq_add",
@@ -30,7 +32,8 @@ __all__ = [
 SEQ_MOD = 1 << 32
 #: Mask that reduces an int modulo 2**32.
 SEQ_MASK = SEQ_MOD - 1
-_HALF = 1 << 31
+#: Half the sequence space, 2**31: distances ``d`` (modulo 2**32) with ``0 < d < SEQ_HALF`` are "ahead".
+SEQ_HALF = _HALF = 1 << 31
 
 
 def seq_add(a: int, n: int) -> int:

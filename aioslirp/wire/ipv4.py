@@ -1,8 +1,10 @@
-"""IPv4 (RFC 791), TCP (RFC 9293 section 3.1), UDP (RFC 768) and ICMP (RFC 792) headers.
+"""IPv4 (RFC 791) headers: the header struct, its checksum, the pseudo-header sum, fragmentation.
 
-Parsing is eager ``struct.Struct.unpack_from`` over the received buffer; payloads stay
-``memoryview`` slices. Building writes the whole frame (Ethernet + IPv4 + L4 + payload)
-into one ``bytearray`` with checksums filled in. Addresses are 4-byte ``bytes``.
+Parsing is eager ``struct.Struct.unpack_from`` over the received buffer (the dispatch does it
+in line); payloads stay ``memoryview`` slices. The transport layers build on this:
+:mod:`aioslirp.wire.tcp`, :mod:`aioslirp.wire.udp` and :mod:`aioslirp.wire.icmp` (their
+structs and builders used to live here and are still importable from here). Addresses are
+4-byte ``bytes``.
 """
 
 from __future__ import annotations
@@ -10,21 +12,12 @@ from __future__ import annotations
 import itertools
 import struct
 
-from .checksum import checksum, finish, partial
-from .ethernet import ETH_HLEN
-
-PROTO_ICMP = 1
-PROTO_TCP = 6
-PROTO_UDP = 17
+from ._moved import moved_names
+from .checksum import finish, partial
+from .ip import PROTO_ICMP, PROTO_TCP, PROTO_UDP
 
 #: ``(ver_ihl, tos, total_len, ident, flags_frag, ttl, proto, csum, src, dst)`` — 20 bytes.
 IPV4 = struct.Struct("!BBHHHBBH4s4s")
-#: ``(sport, dport, seq, ack, off_flags, wnd, csum, urg)`` — 20 bytes.
-TCP = struct.Struct("!HHIIHHHH")
-#: ``(sport, dport, length, csum)`` — 8 bytes.
-UDP = struct.Struct("!HHHH")
-#: ``(type, code, csum, rest)`` — 8 bytes (``rest``: id/seq for echo).
-ICMP = struct.Struct("!BBHI")
 _PSEUDO = struct.Struct("!4s4sxBH")
 _H = struct.Struct("!H")
 
@@ -53,52 +46,6 @@ def ip_header(buf: bytearray, off: int, src: bytes, dst: bytes, proto: int, tota
     _H.pack_into(buf, off + 10, finish(partial(memoryview(buf)[off:off + 20])))
 
 
-def build_tcp(eth: bytes, src: bytes, dst: bytes, sport: int, dport: int, seq: int, ack: int,
-              flags: int, wnd: int, options: bytes = b"", payload=b"") -> bytearray:
-    """A whole Ethernet/IPv4/TCP frame. ``eth``: 14-byte Ethernet header; ``options`` padded to 4 bytes."""
-    optlen = len(options)
-    if optlen & 3:
-        options = bytes(options) + b"\x00" * (4 - (optlen & 3))
-        optlen = len(options)
-    thl = 20 + optlen
-    plen = len(payload)
-    tcp_len = thl + plen
-    buf = bytearray(ETH_HLEN + 20 + tcp_len)
-    buf[0:14] = eth
-    ip_header(buf, 14, src, dst, PROTO_TCP, 20 + tcp_len, next_ident())
-    TCP.pack_into(buf, 34, sport, dport, seq & 0xFFFFFFFF, ack & 0xFFFFFFFF, ((thl >> 2) << 12) | flags, wnd, 0, 0)
-    if optlen:
-        buf[54:54 + optlen] = options
-    if plen:
-        buf[34 + thl:] = payload
-    csum = finish(pseudo_sum(src, dst, PROTO_TCP, tcp_len) + partial(memoryview(buf)[34:]))
-    _H.pack_into(buf, 50, csum)
-    return buf
-
-
-def build_udp_packet(src: bytes, dst: bytes, sport: int, dport: int, payload) -> bytearray:
-    """IPv4 packet *without* Ethernet header: IPv4 header (no ident, DF clear) + UDP + payload."""
-    ulen = 8 + len(payload)
-    buf = bytearray(20 + ulen)
-    UDP.pack_into(buf, 20, sport, dport, ulen, 0)
-    buf[28:] = payload
-    csum = finish(pseudo_sum(src, dst, PROTO_UDP, ulen) + partial(memoryview(buf)[20:]))
-    _H.pack_into(buf, 26, csum or 0xFFFF)
-    ip_header(buf, 0, src, dst, PROTO_UDP, 20 + ulen, next_ident(), 0)
-    return buf
-
-
-def build_icmp_packet(src: bytes, dst: bytes, icmp_type: int, code: int, rest: int, payload) -> bytearray:
-    """IPv4 packet *without* Ethernet header carrying one ICMP message."""
-    ilen = 8 + len(payload)
-    buf = bytearray(20 + ilen)
-    ICMP.pack_into(buf, 20, icmp_type, code, 0, rest)
-    buf[28:] = payload
-    _H.pack_into(buf, 22, checksum(memoryview(buf)[20:]))  # no pseudo-header: may be all zero
-    ip_header(buf, 0, src, dst, PROTO_ICMP, 20 + ilen, next_ident(), 0)
-    return buf
-
-
 def fragment(packet, mtu: int) -> list:
     """Split an IPv4 packet (20-byte header, no options) into fragments that fit ``mtu`` (RFC 791 3.2).
 
@@ -121,3 +68,14 @@ def fragment(packet, mtu: int) -> list:
         frag[20:] = chunk
         out.append(frag)
     return out
+
+
+# Moved to the transport-layer modules (which import this one); importable from here as before.
+__getattr__ = moved_names(__name__, {
+    "TCP": ("aioslirp.wire.tcp", "TCP"),
+    "build_tcp": ("aioslirp.wire.tcp", "build_tcp"),
+    "UDP": ("aioslirp.wire.udp", "UDP"),
+    "build_udp_packet": ("aioslirp.wire.udp", "build_udp"),
+    "ICMP": ("aioslirp.wire.icmp", "ICMP"),
+    "build_icmp_packet": ("aioslirp.wire.icmp", "build_icmp_packet"),
+})

@@ -1,4 +1,4 @@
-"""IPv6 (RFC 8200) and ICMPv6 (RFC 4443) on the wire: parsing, extension headers, reassembly, building.
+"""IPv6 (RFC 8200) on the wire: parsing, extension headers, fragmenting, addresses.
 
 Theory of operation
 -------------------
@@ -18,29 +18,27 @@ with Segments Left == 0 it is skipped. A second Fragment header is a drop.
 Fragments (RFC 8200 4.5): the Fragment header stops the walk. :attr:`Ipv6.frag` holds
 ``(offset_in_bytes, more, ident)`` and :attr:`Ipv6.l4` points at the fragmentable part.
 For the first fragment (offset 0) the rest of the chain is checked to lie in that fragment
-(RFC 7112). :class:`Ipv6Reassembler` (built on :class:`~aioslirp.wire.reassembly.Reassembler`,
-so overlapping fragments discard the whole datagram, RFC 5722) returns the reassembled
-datagram as a complete unfragmented IPv6 packet, which the caller parses again with
-:func:`parse_ipv6`; atomic fragments (offset 0, M=0, RFC 6946) come back at once.
+(RFC 7112). Reassembly keeps state, so it is not here: :class:`aioslirp.reassembly.Ipv6Reassembler`
+returns the reassembled datagram as a complete unfragmented IPv6 packet, which the caller
+parses again with :func:`parse_ipv6`.
 
-Building mirrors :mod:`aioslirp.wire.ipv4`: :func:`build_tcp6` returns a whole Ethernet frame,
-:func:`build_udp6_packet` / :func:`build_icmp6_packet` an IPv6 packet without Ethernet
-header; checksums use the RFC 8200 section 8.1 pseudo-header. :func:`build_icmp6_error`
-builds Destination Unreachable / Packet Too Big / Time Exceeded / Parameter Problem with as
-much of the offending packet as fits in 1280 bytes, and refuses (returns ``None``) where
-RFC 4443 section 2.4 (e) forbids an error. Addresses are 16-byte ``bytes`` throughout.
+Building: :func:`ip6_header` and :func:`fragment6`; checksums use the RFC 8200 section 8.1
+pseudo-header (:func:`pseudo_sum6`). The transport layers build on this module:
+:mod:`aioslirp.wire.tcp`, :mod:`aioslirp.wire.udp` and :mod:`aioslirp.wire.icmp` (ICMPv6 types
+and codes, echo replies and errors). Their names used to live here and are still importable
+from here, as is ``Ipv6Reassembler``. Addresses are 16-byte ``bytes`` throughout.
 """
 
 from __future__ import annotations
 
 import itertools
 import struct
-import time
 
-from .checksum import finish, partial
+from ._moved import moved_names
+from .checksum import partial
 from .ethernet import ETH, ETH_HLEN, ETHERTYPE_IPV6
+from .ip import PROTO_ICMPV6, PROTO_TCP, PROTO_UDP
 from ..ratelimit import ICMP_ERROR_BURST, ICMP_ERROR_RATE, TokenBucket  # noqa: F401 - their old import path
-from .reassembly import DEFAULT_MAX_BYTES, Reassembler
 
 __all__ = [
     "IPV6", "Ipv6", "Ipv6Reassembler", "TokenBucket", "parse_ipv6", "walk_ext", "pseudo_sum6",
@@ -50,52 +48,31 @@ __all__ = [
     "UNSPECIFIED", "ALL_NODES", "ALL_ROUTERS", "MIN_MTU",
 ]
 
-# Next Header values (IANA "Assigned Internet Protocol Numbers").
+# Next Header values (IANA "Assigned Internet Protocol Numbers"); the upper-layer ones are
+# aioslirp.wire.ip's, shared with IPv4.
 NH_HOPOPTS = 0
-NH_TCP = 6
-NH_UDP = 17
+NH_TCP = PROTO_TCP
+NH_UDP = PROTO_UDP
 NH_ROUTING = 43
 NH_FRAGMENT = 44
 NH_ESP = 50
 NH_AH = 51
-NH_ICMPV6 = 58
+NH_ICMPV6 = PROTO_ICMPV6
 NH_NONE = 59
 NH_DSTOPTS = 60
-PROTO_TCP, PROTO_UDP, PROTO_ICMPV6 = NH_TCP, NH_UDP, NH_ICMPV6
-
-# ICMPv6 types (RFC 4443, RFC 4861).
-ICMP6_DST_UNREACH = 1
-ICMP6_PACKET_TOO_BIG = 2
-ICMP6_TIME_EXCEEDED = 3
-ICMP6_PARAM_PROB = 4
-ICMP6_ECHO_REQUEST = 128
-ICMP6_ECHO_REPLY = 129
-ND_ROUTER_SOLICIT = 133
-ND_ROUTER_ADVERT = 134
-ND_NEIGHBOR_SOLICIT = 135
-ND_NEIGHBOR_ADVERT = 136
-ND_REDIRECT = 137
-# Destination Unreachable codes (RFC 4443 3.1).
-UNREACH_NOROUTE, UNREACH_ADMIN, UNREACH_BEYONDSCOPE, UNREACH_ADDR, UNREACH_PORT = 0, 1, 2, 3, 4
-UNREACH_POLICY, UNREACH_REJECT = 5, 6
 
 #: ``(ver_tc_flow: int, payload_len, next_header, hop_limit, src: bytes[16], dst: bytes[16])`` — 40 bytes.
 IPV6 = struct.Struct("!IHBB16s16s")
 #: Fragment header ``(next_header, offset_flags, ident)`` — 8 bytes (RFC 8200 4.5).
 FRAG = struct.Struct("!BxHI")
-#: ``(type, code, csum)`` — first 4 bytes of every ICMPv6 message.
-ICMP6 = struct.Struct("!BBH")
-TCP = struct.Struct("!HHIIHHHH")
-UDP = struct.Struct("!HHHH")
 _PSEUDO6 = struct.Struct("!16s16sI3xB")
-_H = struct.Struct("!H")
-_I = struct.Struct("!I")
 
 IPV6_HLEN = 40
 MIN_MTU = 1280  # RFC 8200 section 5
 MAX_EXT_HEADERS = 8
 DEFAULT_HLIM = 64
-_VER6 = 6 << 28
+#: The first 32-bit word of the IPv6 headers we build: version 6, traffic class 0, flow label 0.
+VTF6 = 6 << 28
 UNSPECIFIED = bytes(16)
 ALL_NODES = bytes.fromhex("ff020000000000000000000000000001")
 ALL_ROUTERS = bytes.fromhex("ff020000000000000000000000000002")
@@ -165,6 +142,17 @@ class Ipv6:
     """
 
     __slots__ = ("src", "dst", "hlim", "tc_flow", "proto", "off", "l4", "end", "frag", "ext")
+
+    src: bytes
+    dst: bytes
+    hlim: int
+    tc_flow: int
+    proto: int
+    off: int
+    l4: int
+    end: int
+    frag: tuple[int, bool, int] | None
+    ext: int
 
     def __init__(self, src, dst, hlim, tc_flow, proto, off, l4, end, frag, ext) -> None:
         self.src = src
@@ -319,130 +307,7 @@ def l4_checksum_ok(src: bytes, dst: bytes, proto: int, l4) -> bool:
 def ip6_header(buf: bytearray, off: int, src: bytes, dst: bytes, nh: int, plen: int,
                hlim: int = DEFAULT_HLIM) -> None:
     """Write a 40-byte IPv6 header (traffic class and flow label 0) into ``buf`` at ``off``."""
-    IPV6.pack_into(buf, off, _VER6, plen, nh, hlim, src, dst)
-
-
-def build_tcp6(eth: bytes, src: bytes, dst: bytes, sport: int, dport: int, seq: int, ack: int,
-               flags: int, wnd: int, options: bytes = b"", payload=b"") -> bytearray:
-    """A whole Ethernet/IPv6/TCP frame (hop limit 64). ``eth``: 14-byte header (EtherType 0x86DD);
-    ``options`` padded to 4 bytes. Same shape as :func:`aioslirp.wire.ipv4.build_tcp`."""
-    optlen = len(options)
-    if optlen & 3:
-        options = bytes(options) + b"\x00" * (4 - (optlen & 3))
-        optlen = len(options)
-    thl = 20 + optlen
-    plen = len(payload)
-    tcp_len = thl + plen
-    buf = bytearray(ETH_HLEN + IPV6_HLEN + tcp_len)
-    buf[0:14] = eth
-    IPV6.pack_into(buf, 14, _VER6, tcp_len, NH_TCP, DEFAULT_HLIM, src, dst)
-    TCP.pack_into(buf, 54, sport, dport, seq & 0xFFFFFFFF, ack & 0xFFFFFFFF, ((thl >> 2) << 12) | flags, wnd, 0, 0)
-    if optlen:
-        buf[74:74 + optlen] = options
-    if plen:
-        buf[54 + thl:] = payload
-    _H.pack_into(buf, 70, finish(pseudo_sum6(src, dst, NH_TCP, tcp_len) + partial(memoryview(buf)[54:])))
-    return buf
-
-
-def build_udp6_packet(src: bytes, dst: bytes, sport: int, dport: int, payload, hlim: int = DEFAULT_HLIM) -> bytearray:
-    """IPv6 packet *without* Ethernet header: IPv6 + UDP + payload; a computed 0 checksum is sent as 0xFFFF.
-
-    ``payload`` up to 65,527 bytes; use :func:`fragment6` for the link MTU.
-    """
-    ulen = 8 + len(payload)
-    buf = bytearray(IPV6_HLEN + ulen)
-    IPV6.pack_into(buf, 0, _VER6, ulen, NH_UDP, hlim, src, dst)
-    UDP.pack_into(buf, 40, sport, dport, ulen, 0)
-    buf[48:] = payload
-    csum = finish(pseudo_sum6(src, dst, NH_UDP, ulen) + partial(memoryview(buf)[40:]))
-    _H.pack_into(buf, 46, csum or 0xFFFF)
-    return buf
-
-
-def build_icmp6_packet(src: bytes, dst: bytes, icmp_type: int, code: int, body, hlim: int = DEFAULT_HLIM) -> bytearray:
-    """IPv6 packet *without* Ethernet header carrying one ICMPv6 message.
-
-    ``body``: everything after the 4-byte type/code/checksum (e.g. identifier, sequence and
-    data for an echo; the reserved/flags word and fields for NDP). The checksum covers the
-    pseudo-header (RFC 4443 2.3). NDP messages need ``hlim=255`` (RFC 4861).
-    """
-    ilen = 4 + len(body)
-    buf = bytearray(IPV6_HLEN + ilen)
-    IPV6.pack_into(buf, 0, _VER6, ilen, NH_ICMPV6, hlim, src, dst)
-    ICMP6.pack_into(buf, 40, icmp_type, code, 0)
-    buf[44:] = body
-    _H.pack_into(buf, 42, finish(pseudo_sum6(src, dst, NH_ICMPV6, ilen) + partial(memoryview(buf)[40:])))
-    return buf
-
-
-def echo_reply6(buf, ip: Ipv6, local: bytes | None = None):
-    """Echo Reply (RFC 4443 4.2) to the Echo Request described by ``ip`` in ``buf``.
-
-    Returns the reply as an IPv6 packet (no Ethernet header) from ``local`` (default: the
-    request's destination) to the request's source, same identifier, sequence and data; or a
-    drop reason: ``icmp6_not_echo``, ``icmp6_truncated``, ``icmp6_bad_checksum``,
-    ``icmp6_echo_fragmented`` (the caller reassembles first), ``icmp6_echo_bad_src``
-    (unspecified source), ``icmp6_echo_multicast`` (multicast request and no unicast ``local``).
-    """
-    if ip.frag is not None:
-        return "icmp6_echo_fragmented"
-    msg = memoryview(buf)[ip.l4:ip.end]
-    if len(msg) < 8:
-        return "icmp6_truncated"
-    if msg[0] != ICMP6_ECHO_REQUEST or msg[1] != 0:
-        return "icmp6_not_echo"
-    if not l4_checksum_ok(ip.src, ip.dst, NH_ICMPV6, msg):
-        return "icmp6_bad_checksum"
-    if ip.src == UNSPECIFIED:
-        return "icmp6_echo_bad_src"
-    src = ip.dst if local is None else local
-    if src[0] == 0xFF:  # RFC 4443 4.2: a reply to a multicast request comes from a unicast address
-        return "icmp6_echo_multicast"
-    return build_icmp6_packet(src, ip.src, ICMP6_ECHO_REPLY, 0, msg[4:])
-
-
-def icmp6_error_allowed(orig, icmp_type: int, code: int = 0, link_multicast: bool = False) -> bool:
-    """Whether RFC 4443 section 2.4 (e) allows an ICMPv6 error about ``orig`` (an IPv6 packet).
-
-    Refused: about an ICMPv6 error or a Redirect; about a packet to a multicast address or
-    sent as link-layer multicast/broadcast (``link_multicast``), except Packet Too Big and
-    Parameter Problem code 2; about a packet whose source is unspecified or multicast.
-    """
-    if len(orig) < IPV6_HLEN:
-        return False
-    src = bytes(orig[8:24])
-    dst = bytes(orig[24:40])
-    if src == UNSPECIFIED or src[0] == 0xFF:
-        return False
-    if (dst[0] == 0xFF or link_multicast) and not (
-            icmp_type == ICMP6_PACKET_TOO_BIG or (icmp_type == ICMP6_PARAM_PROB and code == 2)):
-        return False
-    ip = parse_ipv6(orig, 0)
-    if type(ip) is not str and ip.proto == NH_ICMPV6 and ip.l4 < len(orig) and (ip.frag is None or ip.frag[0] == 0):
-        t = orig[ip.l4]
-        if t < 128 or t == ND_REDIRECT:
-            return False
-    return True
-
-
-def build_icmp6_error(icmp_type: int, code: int, orig, src: bytes | None = None, param: int = 0,
-                      link_multicast: bool = False) -> bytearray | None:
-    """An ICMPv6 error about ``orig`` (the offending IPv6 packet, no Ethernet header), to its source.
-
-    ``icmp_type``: 1 Destination Unreachable (``code`` 0-6, RFC 4443 3.1), 2 Packet Too Big
-    (``param`` = the MTU, 3.2), 3 Time Exceeded, 4 Parameter Problem (``param`` = pointer).
-    ``src``: our address sending it (default: the original destination, as the host there
-    would). The message quotes as much of ``orig`` as fits in a 1280-byte packet (2.4 (c)).
-    Returns ``None`` when :func:`icmp6_error_allowed` says no. Rate limiting (2.4 (f)) is the
-    caller's (see :class:`TokenBucket`).
-    """
-    if not icmp6_error_allowed(orig, icmp_type, code, link_multicast):
-        return None
-    quoted = bytes(orig[:MIN_MTU - IPV6_HLEN - 8])
-    if src is None:
-        src = bytes(orig[24:40])
-    return build_icmp6_packet(src, bytes(orig[8:24]), icmp_type, code, _I.pack(param & 0xFFFFFFFF) + quoted)
+    IPV6.pack_into(buf, off, VTF6, plen, nh, hlim, src, dst)
 
 
 def fragment6(packet, mtu: int) -> list:
@@ -472,98 +337,21 @@ def fragment6(packet, mtu: int) -> list:
     return out
 
 
-# ------------------------------------------------------------------ reassembly
-class Ipv6Reassembler:
-    """Bounded IPv6 reassembly (RFC 8200 4.5, RFC 5722) on top of :class:`Reassembler`.
-
-    Keyed by ``(src, dst, ident)``. The bounds are those of :class:`Reassembler` (datagrams
-    in progress, fragments each, bytes held, ``timeout`` seconds), with the same drop reasons;
-    the first fragment's headers (IPv6 header and unfragmentable extension headers), kept
-    with its datagram until it completes, count against ``max_bytes`` too. Overlapping
-    fragments discard the whole datagram, exact duplicates are ignored. The reassembled
-    fragmentable part is limited to 65,515 bytes by the shared reassembler (RFC 8200 allows
-    65,535 minus the unfragmentable part; UDP payloads up to 65,507 bytes reassemble). NDP
-    messages (ICMPv6 133-137) that arrive fragmented are dropped (RFC 6980).
-
-    :meth:`add` returns the whole datagram as an unfragmented IPv6 packet (``bytes``: the
-    first fragment's header and unfragmentable extension headers, Next Header patched, payload
-    length recomputed, the fragmentable part appended) for the caller to parse again, or
-    ``None``. Drop reasons accumulate in :attr:`drops` (merge and clear them, as with
-    :class:`Reassembler`).
-    """
-
-    def __init__(self, *, max_datagrams: int = 64, max_fragments: int = 64, max_bytes: int = DEFAULT_MAX_BYTES,
-                 timeout: float = 15.0) -> None:
-        self._r = Reassembler(max_datagrams=max_datagrams, max_fragments=max_fragments, max_bytes=max_bytes,
-                              timeout=timeout)
-        self.drops = self._r.drops
-        self.timeout = timeout
-
-    @classmethod
-    def from_config(cls, config) -> "Ipv6Reassembler":
-        """One built with the ``reassembly_*`` bounds of a :class:`~aioslirp.config.NetworkConfig`."""
-        return cls(max_datagrams=int(config.reassembly_max_datagrams),
-                   max_fragments=int(config.reassembly_max_fragments),
-                   max_bytes=int(config.reassembly_max_bytes), timeout=float(config.reassembly_timeout))
-
-    def __len__(self) -> int:
-        return len(self._r)
-
-    @property
-    def held(self) -> int:
-        """Bytes held now (fragment payloads and first-fragment headers), at most ``max_bytes``."""
-        return self._r.held
-
-    def _drop(self, reason: str) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + 1
-
-    def add(self, buf, ip: Ipv6, now: float | None = None) -> bytes | None:
-        """Add the fragment ``ip`` (parsed from ``buf`` by :func:`parse_ipv6`). ``now`` in seconds."""
-        if now is None:
-            now = time.monotonic()
-        foff, more, ident = ip.frag
-        mv = memoryview(buf)
-        if foff == 0 and not more:  # atomic fragment (RFC 6946): process in isolation
-            return self._rebuild(bytes(mv[ip.off:ip.l4 - 8]), self._nh_pos(buf, ip), ip.proto, mv[ip.l4:ip.end])
-        if foff == 0:
-            head = bytes(mv[ip.off:ip.l4 - 8])
-            done = self._r.add_fragment((ip.src, ip.dst, ident), 0, more, mv[ip.l4:ip.end], now,
-                                        (head, self._nh_pos(buf, ip), ip.proto), len(head))
-        else:
-            done = self._r.add_fragment((ip.src, ip.dst, ident), foff, more, mv[ip.l4:ip.end], now)
-        if done is None:
-            return None
-        data, info = done
-        if info is None:  # cannot happen: completion needs the offset-0 fragment
-            self._drop("frag_no_first")
-            return None
-        return self._rebuild(info[0], info[1], info[2], data)
-
-    @staticmethod
-    def _nh_pos(buf, ip: Ipv6) -> int:
-        """Offset (relative to the IPv6 header) of the Next Header byte that says 44."""
-        pos, nh = ip.off + IPV6_HLEN, buf[ip.off + 6]
-        at = 6
-        while nh != NH_FRAGMENT:
-            at = pos - ip.off
-            nh = buf[pos]
-            pos += (buf[pos + 1] + 1) << 3
-        return at
-
-    def _rebuild(self, head: bytes, nh_at: int, nh: int, data) -> bytes | None:
-        pkt = bytearray(head)
-        pkt += data
-        pkt[nh_at] = nh
-        plen = len(pkt) - IPV6_HLEN
-        if plen > 0xFFFF:
-            self._drop("frag_bad_length")
-            return None
-        _H.pack_into(pkt, 4, plen)
-        ip = parse_ipv6(pkt, 0)
-        if type(ip) is str:
-            self._drop(ip)
-            return None
-        if ip.proto == NH_ICMPV6 and ip.l4 < ip.end and ND_ROUTER_SOLICIT <= pkt[ip.l4] <= ND_REDIRECT:
-            self._drop("ndp_fragmented")
-            return None
-        return bytes(pkt)
+# Moved to the transport-layer modules (which import this one) and to aioslirp.reassembly (state
+# leaves the wire layer); importable from here as before.
+_ICMP = "aioslirp.wire.icmp"
+__getattr__ = moved_names(__name__, {
+    "TCP": ("aioslirp.wire.tcp", "TCP"),
+    "build_tcp6": ("aioslirp.wire.tcp", "build_tcp"),
+    "UDP": ("aioslirp.wire.udp", "UDP"),
+    "build_udp6_packet": ("aioslirp.wire.udp", "build_udp"),
+    "Ipv6Reassembler": ("aioslirp.reassembly", "Ipv6Reassembler"),
+    **{name: (_ICMP, name) for name in (
+        "ICMP6", "ICMP6_DST_UNREACH", "ICMP6_PACKET_TOO_BIG", "ICMP6_TIME_EXCEEDED", "ICMP6_PARAM_PROB",
+        "ICMP6_ECHO_REQUEST", "ICMP6_ECHO_REPLY", "ND_ROUTER_SOLICIT", "ND_ROUTER_ADVERT", "ND_NEIGHBOR_SOLICIT",
+        "ND_NEIGHBOR_ADVERT", "ND_REDIRECT", "build_icmp6_packet", "echo_reply6", "icmp6_error_allowed",
+        "build_icmp6_error")},
+    # the ICMPv6 Destination Unreachable codes (RFC 4443 3.1), named UNREACH6_* there
+    **{"UNREACH_" + name: (_ICMP, "UNREACH6_" + name) for name in (
+        "NOROUTE", "ADMIN", "BEYONDSCOPE", "ADDR", "PORT", "POLICY", "REJECT")},
+})

@@ -26,6 +26,8 @@ class NeighborCache(OrderedDict):
 
     __slots__ = ("max_entries",)
 
+    max_entries: int
+
     def __init__(self, max_entries: int = MAX_NEIGHBORS) -> None:
         super().__init__()
         self.max_entries = max_entries
