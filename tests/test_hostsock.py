@@ -21,6 +21,8 @@ import struct
 from aioslirp import NetworkConfig, Stack
 from aioslirp.tcp.flow import TransportHost
 from aioslirp.tcp.hostsock import READ_SIZE, HostSocket
+
+from stack_helpers import fd_count  # after a gc: earlier tests' garbage does not close mid-count
 from aioslirp.transport.base import Transport
 from aioslirp.wire.ipv4 import build_tcp
 
@@ -47,9 +49,6 @@ class Collect(Transport):
     def _close_io(self) -> None:
         pass
 
-
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 async def _session(body) -> None:
