@@ -3,7 +3,7 @@ docs/testing.md) found untested.
 
 Same shape as test_tcp_conn.py, whose helpers are reused: connections driven through the real
 handshake, guest segments from templates, a fake clock, exact segments compared. Each test
-names the RFC rule it pins down; the mutants it kills are listed in the issue-19 note.
+names the RFC rule it pins down (see "Mutation testing" in docs/testing.md).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from aioslirp.tcp.conn import ACK, FIN, PSH, RST, SYN, Segment, TcpConnection
 from test_tcp_conn import (
     GWND,
     GWS,
-    ISS,
     MSS,
     RCV_BUF,
     X,
@@ -25,7 +24,7 @@ from test_tcp_conn import (
     close_wait,
     established,
     events,
-    fin_wait_1,
+    fin_wait_2,
     new_conn,
     recv,
     send,
@@ -932,6 +931,8 @@ def test_syn_and_fin_count_in_the_segment_length_for_acceptability():
     assert recv(c) == [Segment(L(1), R(11), ACK, RCV_BUF - 10)]
     send(c, seg(seq=R(0), flags=SYN | RST, payload=b"a" * 10))
     assert recv(c) == []
+    send(c, seg(seq=R(0), flags=ACK | FIN, payload=b"a" * 10))  # its FIN (R(10)) is old too
+    assert recv(c) == [Segment(L(1), R(11), ACK, RCV_BUF - 10)]
     assert c.state == "ESTABLISHED"
 
 
@@ -945,3 +946,189 @@ def test_retransmitted_data_with_a_new_fin_closes():
     assert c.state == "CLOSE-WAIT" and c.fin_received
     assert recv(c) == [Segment(L(1), R(12), ACK, RCV_BUF - 10)]
     assert bytes(c.peek()) == b"a" * 10
+
+
+def small_window(rcv_buf: int = 1000) -> TcpConnection:
+    """ESTABLISHED with our receive buffer (and window) ``rcv_buf`` bytes, nothing scaled; the
+    guest offers 65535 bytes."""
+    c = new_conn(rcv_buf=rcv_buf)
+    c.on_syn(syn(wscale=None), 0.0)
+    c.accept(0.0)
+    assert recv(c) == [Segment(L(0), R(1), SYN | ACK, rcv_buf, mss=MSS)]
+    send(c, seg(wnd=65535))
+    return c
+
+
+def test_listen_drops_non_syn_segments_and_resets_acks():
+    """RFC 9293 3.10.7.2: in LISTEN an RST is ignored, an ACK draws <SEQ=SEG.ACK><CTL=RST>,
+    anything else without SYN is dropped."""
+    c = new_conn()
+    send(c, Segment(R(0), 0, FIN, 100, b"data"))
+    assert recv(c) == []
+    send(c, Segment(R(0), L(5), ACK, 100))
+    assert recv(c) == [Segment(L(5), 0, RST, 0)]
+    send(c, Segment(R(0), L(5), ACK | RST, 100))
+    assert recv(c) == []
+    assert c.dropped_segments == 3
+    assert c.state == "LISTEN"
+
+
+def test_rst_in_window_on_active_open_gets_challenge_ack():
+    """RFC 5961 3.2 also for a connection we opened (a port forward into the guest)."""
+    c = active()
+    recv(c)
+    for _ in range(2):
+        send(c, seg(seq=R(500), flags=RST))
+    assert recv(c) == [Segment(L(1), R(1), ACK, RCV_BUF)]
+    assert c.dropped_segments == 2
+    assert c.state == "ESTABLISHED"
+
+
+def test_rst_in_time_wait_ends_it_without_a_reset():
+    c = fin_wait_2()
+    send(c, seg(ack=L(2), flags=ACK | FIN))
+    assert c.state == "TIME-WAIT"
+    recv(c)
+    assert events(c) == [("fin",)]
+    send(c, seg(seq=R(2), ack=L(2), flags=RST))
+    assert c.state == "CLOSED" and not c.reset
+    assert events(c) == [("closed",)]
+
+
+def test_ignored_segments_are_counted_once_each():
+    c = established()
+    for _ in range(2):
+        send(c, syn(seq=R(77)))  # SYN in a synchronized state
+    assert c.dropped_segments == 2
+    for _ in range(2):
+        send(c, seg(flags=0, payload=b"x"))  # no ACK bit
+    assert c.dropped_segments == 4
+    c = close_wait()
+    for _ in range(2):
+        send(c, seg(seq=R(2), payload=b"late"))  # text after the FIN
+    assert c.dropped_segments == 2
+    c = new_conn()
+    c.on_syn(syn(), 0.0)
+    c.accept(0.0)
+    recv(c)
+    for _ in range(2):
+        send(c, seg(ack=L(5)))  # SYN-RECEIVED, unacceptable ACK
+    assert c.dropped_segments == 2
+    assert c.state == "SYN-RECEIVED"
+
+
+def test_ack_before_our_synack_went_out_is_unacceptable():
+    """accept() queued the SYN-ACK but it was not sent yet: an ACK of ISS acknowledges nothing."""
+    c = new_conn()
+    c.on_syn(syn(), 0.0)
+    c.accept(0.0)
+    send(c, seg(ack=L(0)))
+    assert c.state == "SYN-RECEIVED"
+    assert c.dropped_segments == 1
+
+
+def test_data_segments_repeating_the_ack_are_not_duplicate_acks():
+    """RFC 5681 2: a segment carrying data is no duplicate ACK, whatever its ACK field."""
+    c = established()
+    c.send(b"d" * (4 * MSS))
+    assert len(recv(c)) == 4
+    for i in range(3):
+        send(c, seg(seq=R(1 + 10 * i), payload=b"q" * 10))
+    assert recv(c) == [Segment(L(1 + 4 * MSS), R(31), ACK, RCV_BUF - 30)]
+    assert c.retransmitted_segments == 0
+
+
+def test_overlapping_segment_is_cut_at_the_right_edge():
+    """A segment starting before RCV.NXT is trimmed at both ends: its old bytes and whatever
+    lies past RCV.NXT + RCV.WND (RFC 9293 3.10.7.4)."""
+    c = small_window(1000)
+    send(c, seg(payload=b"a" * 100, wnd=65535))
+    assert recv(c) == [Segment(L(1), R(101), ACK, 900)]
+    send(c, seg(seq=R(51), payload=b"b" * 1000, wnd=65535))
+    assert c.rcv_nxt == R(1001)
+    assert bytes(c.peek()) == b"a" * 100 + b"b" * 900
+
+
+def test_acceptability_at_the_window_edges():
+    """RFC 9293 3.10.7.4 first check: a segment at RCV.NXT + RCV.WND is out; with a zero window
+    only SEG.SEQ = RCV.NXT is acceptable. An unacceptable segment changes nothing (not even the
+    send window) and draws an ACK."""
+    c = small_window(1000)
+    send(c, seg(seq=R(1001), wnd=7))  # pure ACK at the right edge
+    assert (c.snd_wnd, c.dropped_segments) == (65535, 1)
+    assert recv(c) == [Segment(L(1), R(1), ACK, 1000)]
+    send(c, seg(seq=R(1001), wnd=7, payload=b"x"))  # text starting at the right edge
+    assert (c.snd_wnd, c.dropped_segments) == (65535, 2)
+    recv(c)
+    send(c, seg(payload=b"f" * 1000, wnd=65535))  # fills the window
+    assert recv(c) == [Segment(L(1), R(1001), ACK, 0)]
+    send(c, seg(seq=R(1002), wnd=7))  # one past RCV.NXT in a zero window
+    assert (c.snd_wnd, c.dropped_segments) == (65535, 3)
+    send(c, seg(seq=R(1001), wnd=7))  # at RCV.NXT: acceptable
+    assert c.snd_wnd == 7
+
+
+def test_guest_zero_window_probe_is_acked_at_once():
+    """With delayed ACKs on, a probe of our zero window (text we cannot take) is answered at
+    once: the guest is waiting for the window."""
+    c = established(rcv_buf=2000, ack_delay=0.002)
+    send(c, seg(payload=b"z" * 2000), 1.0)
+    c.handle_timer(1.002)
+    assert recv(c, 1.002) == [Segment(L(1), R(2001), ACK, 0)]
+    send(c, seg(seq=R(2001), payload=b"p"), 1.5)
+    assert recv(c, 1.5) == [Segment(L(1), R(2001), ACK, 0)]
+
+
+def test_delayed_ack_goes_at_once_at_exactly_two_full_segments():
+    """RFC 1122 4.2.3.2: an ACK for at least every second full-sized segment (2 * (MSS - 40))."""
+    c = established(ack_delay=0.002)
+    send(c, seg(payload=b"a" * 1420), 1.0)
+    assert recv(c, 1.0) == []
+    send(c, seg(seq=R(1421), payload=b"b" * 1420), 1.0)
+    assert recv(c, 1.0) == [Segment(L(1), R(2841), ACK, RCV_BUF - 2840)]
+
+
+def _growth(step, n: int = 5000) -> int:
+    """Bytes still allocated after ``n`` calls of ``step``."""
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        for i in range(n):
+            step(i)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return held - base
+
+
+def test_receive_queue_stays_small_on_a_long_flow_that_never_drains():
+    """The receive queue forgets consumed chunks as it goes, even when it never empties (a host
+    socket that always lags one byte behind): memory does not grow with the flow's length."""
+    c = established()
+    send(c, seg(payload=b"0"))
+    nxt = [2]
+
+    def step(i):
+        send(c, seg(seq=R(nxt[0]), payload=b"0123456789"))
+        nxt[0] += 10
+        c.consume(10)
+        recv(c)
+
+    assert _growth(step) < 20_000  # 5000 chunks would leave a 40 KB list behind
+    assert c.recv_buffered == 1
+
+
+def test_send_queue_stays_small_on_a_long_flow_that_never_drains():
+    c = established()
+    c.send(b"0")
+    recv(c)
+    una = [1]
+
+    def step(i):
+        c.send(b"0123456789")
+        recv(c)
+        una[0] += 10
+        send(c, seg(ack=L(una[0])))
+
+    assert _growth(step) < 20_000
+    assert c.send_buffered == 1
