@@ -90,9 +90,10 @@ def test_syn_sent_drops_an_ack_without_syn():
     c = new_conn()
     c.connect(0.0)
     recv(c)
-    send(c, Segment(R(0), L(1), ACK, 65535))
+    for _ in range(2):
+        send(c, Segment(R(0), L(1), ACK, 65535))
     assert c.state == "SYN-SENT"
-    assert c.dropped_segments == 1
+    assert c.dropped_segments == 2
     assert recv(c) == []
     assert events(c) == []
 
@@ -239,9 +240,11 @@ def test_old_ack_exactly_max_window_behind_is_accepted():
         c.send(b"a" * 1000)
         recv(c)
         send(c, seg(ack=L(1 + 1000 * (i + 1)), wnd=1000))
-    send(c, seg(ack=L(1000), payload=b"!"))  # 1001 behind: too old
+    for _ in range(2):
+        send(c, seg(ack=L(1000), payload=b"!"))  # 1001 behind: too old
     assert recv(c) == [Segment(L(2001), R(1), ACK, RCV_BUF)]
     assert c.peek() == b""
+    assert c.dropped_segments == 2
     send(c, seg(ack=L(1001), payload=b"!"))  # exactly MAX.SND.WND behind
     assert bytes(c.peek()) == b"!"
 
@@ -724,7 +727,9 @@ def test_consume_across_chunks_and_reset_clears_receive_buffer():
     c = established()
     for i, part in enumerate((b"a" * 10, b"b" * 10, b"c" * 10)):
         send(c, seg(seq=R(1 + 10 * i), payload=part))
-    c.consume(25)
+    c.consume(10)  # exactly the first chunk
+    assert bytes(c.peek_chunk()) == b"b" * 10
+    c.consume(15)
     assert c.recv_buffered == 5
     assert bytes(c.peek_chunk()) == b"c" * 5
     send(c, seg(seq=R(31), flags=RST))
@@ -1132,3 +1137,21 @@ def test_send_queue_stays_small_on_a_long_flow_that_never_drains():
 
     assert _growth(step) < 20_000
     assert c.send_buffered == 1
+
+
+def test_last_ack_linger_restarts_on_progress_then_ends_a_silent_guest():
+    """LAST-ACK is bounded by ``linger`` seconds without progress: the bound starts when our
+    segments go out and moves on every ACK of new data; a guest that then stops acknowledging
+    is reset exactly ``linger`` after its last progress."""
+    c = close_wait(rto_min=2.0, linger=1.0)
+    c.send(b"a" * (3 * MSS))
+    c.shutdown_write()
+    out = recv(c, 0.0)
+    assert [len(s.payload) for s in out] == [MSS] * 3 and out[-1].flags & FIN
+    assert c.get_timer() == 1.0
+    send(c, seg(seq=R(2), ack=L(1 + MSS)), 0.8)
+    assert recv(c, 0.8) == []
+    assert c.get_timer() == pytest.approx(1.8)
+    c.handle_timer(1.8)
+    assert c.state == "CLOSED" and c.reset
+    assert recv(c, 1.8) == [Segment(L(2 + 3 * MSS), R(2), RST | ACK, 0)]
