@@ -1,0 +1,647 @@
+"""Admission control (aioslirp.limits) and the egress policy (aioslirp.policy), sans-IO.
+
+The :class:`~aioslirp.limits.Guard` is driven through its stack interface only (``config``,
+``counters``, ``drop()``, ``dns``, ``flows``, the loop's ``time()`` / ``call_later()``), here a
+fake stack with a fake clock; flows are plain objects with the attributes the guard reads. The
+whole-Stack behaviour (RSTs, ICMP prohibited, real sockets) is in test_hardening.py; these tests
+pin down the order of the checks, each bound at its edge, the counts and the reaper. Cases found
+untested by a mutation run (docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import tracemalloc
+import types
+
+import pytest
+
+from aioslirp import NetworkConfig
+from aioslirp import limits
+from aioslirp.config import ConfigError
+from aioslirp.limits import DENIED, FD_RESERVE, PRUNE_INTERVAL, Guard, TokenBucket, fd_budgets, parse_limits
+from aioslirp.policy import DEFAULT_DENY, EgressPolicy, parse_rules
+
+TCP, UDP, ICMP, ICMP6 = 6, 17, 1, 58
+HOST = "127.0.0.1"
+
+
+class Timer:
+    def __init__(self, when: float, callback) -> None:
+        self.when, self.callback = when, callback
+
+
+class Loop:
+    """The two loop methods the guard uses, on a fake clock."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.timers: list[Timer] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, callback) -> Timer:
+        t = Timer(self.now + delay, callback)
+        self.timers.append(t)
+        return t
+
+    def fire(self) -> float:
+        """Run the earliest timer at its time; returns that time."""
+        t = min(self.timers, key=lambda x: x.when)
+        self.timers.remove(t)
+        self.now = t.when
+        t.callback()
+        return t.when
+
+
+class FakeStack:
+    """What Guard reads of its Stack."""
+
+    def __init__(self, **cfg) -> None:
+        cfg.setdefault("ipv6", False)
+        self.config = NetworkConfig(**cfg)
+        self.counters: collections.Counter = collections.Counter()
+        self.dns = None
+        self.flows: dict = {}
+        self._loop = Loop()
+        self._closed = False
+
+    def drop(self, reason: str) -> None:
+        self.counters["drop." + reason] += 1
+
+
+class Done:
+    def __init__(self, done: bool = False) -> None:
+        self._done = done
+
+    def done(self) -> bool:
+        return self._done
+
+
+class Flow:
+    """A flow as the guard sees it."""
+
+    def __init__(self, proto_name="tcp", remote=HOST, dst_port=80, direction="outbound", transport=None,
+                 last_active=0.0, key=None) -> None:
+        self.proto_name = proto_name
+        self.remote = remote
+        self.dst_port = dst_port
+        self.direction = direction
+        self.transport = transport
+        self.done = Done()
+        self.last_active = last_active
+        self.key = key
+        self.shutdowns = 0
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def guard(monkeypatch=None, soft: int | None = None, **cfg) -> tuple[Guard, FakeStack]:
+    """A Guard on a fake stack; ``soft``: the open-file limit raise_fd_limit reports."""
+    if soft is not None:
+        monkeypatch.setattr(limits, "raise_fd_limit", lambda want: soft)
+    stack = FakeStack(**cfg)
+    return Guard(stack), stack
+
+
+def clock(monkeypatch, start: float = 0.0) -> list[float]:
+    """Replace the guard's monotonic clock; the returned one-element list holds the time."""
+    now = [start]
+    monkeypatch.setattr(limits, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+def drops(stack: FakeStack) -> dict:
+    return {k: v for k, v in stack.counters.items() if k.startswith("drop.")}
+
+
+# ============================================================================ fd_budgets
+
+
+def test_fd_budgets_enough_for_both():
+    assert fd_budgets(FD_RESERVE + 1100, 1000, 100) == (1000, 100)  # exactly enough
+    assert fd_budgets(FD_RESERVE + 5000, 1000, 100) == (4900, 100)  # the rest goes to flows
+
+
+def test_fd_budgets_cut_in_proportion():
+    assert fd_budgets(FD_RESERVE + 110, 1000, 100) == (100, 10)
+    assert fd_budgets(FD_RESERVE + 1099, 1000, 100) == (1000, 99)
+    assert fd_budgets(FD_RESERVE + 5, 1000, 1) == (4, 1)  # at least one DNS query
+    assert fd_budgets(FD_RESERVE + 5, 1000, 0) == (5, 0)  # no DNS, no share
+    assert fd_budgets(FD_RESERVE, 1000, 10) == (0, 0)  # nothing left
+    assert fd_budgets(10, 1000, 10) == (0, 0)  # below the reserve: never negative
+
+
+def test_fd_budgets_clamp_negative_inputs_and_take_numbers():
+    assert fd_budgets(FD_RESERVE + 44, -5, -3) == (44, 0)
+    assert fd_budgets(FD_RESERVE + 2, 0, 3) == (0, 2)  # no flows: DNS gets what there is
+    assert fd_budgets(float(FD_RESERVE + 110), 1000.0, 100.0) == (100, 10)
+
+
+# ============================================================================ raise_fd_limit
+
+
+def test_raise_fd_limit_raises_up_to_the_hard_limit_and_never_lowers():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard < 64:  # pragma: no cover
+        pytest.skip("unlimited or tiny RLIMIT_NOFILE")
+    low = hard - 10
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        assert limits.raise_fd_limit(1) == low  # never lowers
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (low, hard)
+        assert limits.raise_fd_limit(low + 1) == low + 1
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (low + 1, hard)
+        assert limits.raise_fd_limit(hard + 1000) == hard  # never above the hard limit
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# ============================================================================ TokenBucket
+
+
+def test_token_bucket_edges():
+    b = TokenBucket(rate=4, burst=2, now=0.0)
+    assert b.tokens == 2.0 and b.rate == 4.0 and b.burst == 2.0
+    assert b.take(0.0) and b.take(0.0)
+    assert not b.take(0.0)
+    assert b.take(0.25)  # exactly one token refilled
+    assert not b.take(0.25)
+    assert not b.take(0.375)  # half a token is kept...
+    assert b.take(0.5)  # ...and completed
+    assert b.take(100.0) and b.take(100.0) and not b.take(100.0)  # refill capped at the burst
+    assert b.tokens == 0.0
+
+
+def test_token_bucket_starts_now_by_default(monkeypatch):
+    now = clock(monkeypatch, 50.0)
+    b = TokenBucket(rate=1, burst=1)
+    assert b.take(50.0)
+    assert not b.take(50.5)
+    now[0] = 51.0
+    assert b.take(51.0)
+
+
+# ============================================================================ Guard: construction
+
+
+def test_guard_reads_its_config(monkeypatch):
+    g, _ = guard(max_tcp_flows=3, max_udp_flows=4, max_icmp_flows=5, max_pending_connects=9,
+                 new_flow_rate=7.5, new_flow_burst=2)
+    assert g.caps == {"tcp": 3, "udp": 4, "icmp": 5}
+    assert g.active == {"tcp": 0, "udp": 0, "icmp": 0}
+    assert (g.max_pending, g.max_pending_dest) == (9, 2)
+    assert (g.bucket.rate, g.bucket.burst, g.bucket.tokens) == (7.5, 2.0, 2.0)
+    assert g.pending == 0 and g.dns_inflight == 0
+    assert guard(max_pending_connects=3)[0].max_pending_dest == 1  # at least one per destination
+    assert guard(new_flow_rate=0)[0].bucket is None
+
+
+def test_guard_fd_budgets_from_the_open_file_limit(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, "aioslirp.limits")
+    g, _ = guard(monkeypatch, soft=FD_RESERVE + 110, max_flows=1000, dns_max_inflight=100)
+    assert (g.fd_budget, g.dns_fd_budget) == (100, 10)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the open-file limit (ulimit -n) allows about 100 flows, below max_flows=1000: more are refused "
+        "(drop.limit_fds)",
+        "the open-file limit (ulimit -n) allows 10 DNS queries in flight, below dns_max_inflight=100: more get "
+        "no answer (DNS overload)",
+    ]
+    caplog.clear()
+    g, _ = guard(monkeypatch, soft=FD_RESERVE + 1100, max_flows=1000, dns_max_inflight=100)
+    assert (g.fd_budget, g.dns_fd_budget) == (1000, 100)
+    assert caplog.records == []
+
+
+def test_guard_asks_for_flows_plus_dns_plus_reserve(monkeypatch):
+    asked = []
+    monkeypatch.setattr(limits, "raise_fd_limit", lambda want: asked.append(want) or 1 << 20)
+    Guard(FakeStack(max_flows=1000, dns_max_inflight=100))
+    assert asked == [1000 + 100 + FD_RESERVE]
+
+
+# ============================================================================ Guard.admit: order
+
+
+def test_admit_policy_first_then_caps_then_fds_then_pending_then_rate(monkeypatch):
+    """The documented order: a denied destination is DENIED even when every bound is reached,
+    a cap before the fd budget, both before the pending connects and the rate."""
+    clock(monkeypatch)
+    g, stack = guard(monkeypatch, soft=FD_RESERVE + 3, max_flows=2, dns_max_inflight=1, max_tcp_flows=1,
+                     max_pending_connects=4, new_flow_rate=1, new_flow_burst=1, egress_deny=["192.0.2.0/24"])
+    g.opened(Flow())  # one TCP flow, pending: the cap is reached
+    g.opened(Flow("udp"))  # two flows: the fd budget (2) is reached too
+    assert g.admit(TCP, "192.0.2.1", 80) == DENIED
+    assert g.admit(TCP, HOST, 80) == "limit_tcp_flows"
+    assert g.admit(UDP, HOST, 53) == "limit_fds"
+    assert drops(stack) == {"drop.egress_denied": 1, "drop.limit_tcp_flows": 1, "drop.limit_fds": 1}
+    assert g.bucket.tokens == 1.0  # refused flows spend no token
+
+
+def test_admit_remote_none_skips_the_policy(monkeypatch):
+    clock(monkeypatch)
+    g, stack = guard(egress_deny=["0.0.0.0/0", "::/0"])
+    assert g.admit(TCP, None) is None  # DNS over TCP: a local service
+    assert g.admit(UDP, "10.1.1.1", 9) == DENIED
+    assert stack.counters["drop.egress_denied"] == 1
+
+
+def test_admit_empty_policy_allows_everything(monkeypatch):
+    clock(monkeypatch)
+    g, _ = guard(egress_default_deny=[])
+    assert g.policy.empty
+    assert g.admit(TCP, "169.254.169.254", 80) is None
+
+
+@pytest.mark.parametrize(("proto", "name"), [(TCP, "tcp"), (UDP, "udp"), (ICMP, "icmp"), (ICMP6, "icmp"), (99, "tcp")])
+def test_admit_per_protocol_cap_at_its_edge(monkeypatch, proto, name):
+    clock(monkeypatch)
+    g, stack = guard(max_tcp_flows=2, max_udp_flows=2, max_icmp_flows=2, new_flow_rate=0)
+    g.opened(Flow(name, transport=object()))
+    assert g.admit(proto, HOST, 7) is None  # 1 of 2
+    g.opened(Flow(name, transport=object()))
+    assert g.admit(proto, HOST, 7) == f"limit_{name}_flows"
+    assert drops(stack) == {f"drop.limit_{name}_flows": 1}
+    others = {"tcp", "udp", "icmp"} - {name}
+    for other in others:  # the other protocols are not capped by this one
+        assert g.admit({"tcp": TCP, "udp": UDP, "icmp": ICMP}[other], HOST, 7) is None
+
+
+def test_admit_fd_budget_counts_all_protocols(monkeypatch):
+    clock(monkeypatch)
+    g, stack = guard(monkeypatch, soft=FD_RESERVE + 4, max_flows=3, dns_max_inflight=1, new_flow_rate=0)
+    assert g.fd_budget == 3
+    for name in ("tcp", "udp"):
+        g.opened(Flow(name, transport=object()))
+    assert g.admit(ICMP, HOST) is None  # 2 of 3
+    g.opened(Flow("icmp"))
+    assert g.admit(ICMP, HOST) == "limit_fds"
+    assert stack.counters["drop.limit_fds"] == 1
+
+
+# ============================================================================ pending connects
+
+
+def test_pending_connects_per_destination_and_in_all(monkeypatch):
+    now = clock(monkeypatch)
+    g, stack = guard(max_pending_connects=8, new_flow_rate=0)  # 2 per (address, port)
+    a1, a2 = Flow(dst_port=1), Flow(dst_port=1)
+    g.opened(a1)
+    assert g.admit(TCP, HOST, 1) is None
+    g.opened(a2)
+    assert g.pending == 2
+    assert g.admit(TCP, HOST, 1) == "limit_pending_connects"
+    assert g.admit(TCP, HOST, 2) is None  # another port: its own quarter
+    assert g.admit(TCP, "127.0.0.2", 1) is None  # another address
+    assert g.admit(UDP, HOST, 1) is None  # only TCP connects are pending
+    g.connected(a1)  # its host connect completed
+    assert g.pending == 1
+    assert g.admit(TCP, HOST, 1) is None
+    g.closed(a2)
+    assert g.pending == 0
+    for i in range(8):  # eight destinations, one pending each: the total bound
+        g.opened(Flow(dst_port=100 + i))
+    assert g.admit(TCP, HOST, 200) == "limit_pending_connects"
+    assert stack.counters["drop.limit_pending_connects"] == 2
+    assert now[0] == 0.0
+
+
+def test_pending_only_outbound_tcp_without_transport(monkeypatch):
+    clock(monkeypatch)
+    g, _ = guard(max_pending_connects=4)
+    g.opened(Flow(direction="inbound"))  # a port forward: we connect into the guest
+    g.opened(Flow(transport=object()))  # connected already
+    g.opened(Flow("udp"))
+    g.opened(Flow(remote=None))  # a local service
+    assert g.pending == 0
+    f = Flow()
+    del f.direction  # flows without the attribute are outbound
+    g.opened(f)
+    assert g.pending == 1
+    assert g.active == {"tcp": 4, "udp": 1, "icmp": 0}
+
+
+def test_pending_set_swept_when_the_bound_is_reached(monkeypatch):
+    """A pending connect that completed (transport set) or ended (done) without telling the
+    guard is forgotten by the sweep, which runs at most every PRUNE_INTERVAL seconds."""
+    now = clock(monkeypatch)
+    g, _ = guard(max_pending_connects=4, new_flow_rate=0)  # 1 per destination
+    a = Flow(dst_port=1)
+    g.opened(a)
+    a.transport = object()  # connected, but connected() was not called
+    assert g.admit(TCP, HOST, 1) is None  # the sweep at t=0 forgets it
+    assert g.pending == 0
+    b = Flow(dst_port=2)
+    g.opened(b)
+    b.done = Done(True)  # ended
+    now[0] = PRUNE_INTERVAL / 2
+    assert g.admit(TCP, HOST, 2) == "limit_pending_connects"  # too soon for another sweep
+    now[0] = PRUNE_INTERVAL
+    assert g.admit(TCP, HOST, 2) is None  # exactly the interval later: swept
+    assert g.pending == 0
+    c = Flow(dst_port=3)
+    g.opened(c)  # still connecting
+    now[0] = 1.0
+    assert g.admit(TCP, HOST, 3) == "limit_pending_connects"
+    assert g.pending == 1
+
+
+def test_pending_destination_count_survives_partial_forget(monkeypatch):
+    clock(monkeypatch)
+    g, _ = guard(max_pending_connects=12, new_flow_rate=0)  # 3 per destination
+    flows = [Flow(dst_port=5) for _ in range(3)]
+    for f in flows:
+        g.opened(f)
+    assert g.admit(TCP, HOST, 5) == "limit_pending_connects"
+    g.connected(flows[0])
+    g.connected(flows[0])  # twice: no effect
+    assert g.admit(TCP, HOST, 5) is None
+    g.opened(Flow(dst_port=5))
+    assert g.admit(TCP, HOST, 5) == "limit_pending_connects"
+    g.closed(flows[1])
+    g.closed(flows[2])
+    assert g.pending == 1
+    assert g.admit(TCP, HOST, 5) is None
+
+
+def test_closed_never_counts_below_zero(monkeypatch):
+    g, _ = guard()
+    g.closed(Flow("udp"))
+    g.closed(Flow("forward"))  # not a guarded protocol
+    assert g.active == {"tcp": 0, "udp": 0, "icmp": 0}
+    g.opened(Flow("udp"))
+    g.opened(Flow("udp"))
+    g.closed(Flow("udp"))
+    assert g.active["udp"] == 1
+
+
+# ============================================================================ new-flow rate
+
+
+def test_new_flow_rate_is_the_last_check(monkeypatch):
+    now = clock(monkeypatch)
+    g, stack = guard(new_flow_rate=2, new_flow_burst=2)
+    assert g.admit(UDP, HOST, 1) is None
+    assert g.admit(UDP, HOST, 1) is None
+    assert g.admit(UDP, HOST, 1) == "limit_new_flow_rate"
+    now[0] = 0.5  # one token
+    assert g.admit(TCP, HOST, 1) is None
+    assert g.admit(TCP, HOST, 1) == "limit_new_flow_rate"
+    assert stack.counters["drop.limit_new_flow_rate"] == 2
+
+
+# ============================================================================ logging
+
+
+def test_each_bound_is_logged_once_naming_its_option(monkeypatch, caplog):
+    clock(monkeypatch)
+    caplog.set_level(logging.INFO, "aioslirp.limits")
+    g, _ = guard(max_udp_flows=1, new_flow_rate=0)
+    g.opened(Flow("udp"))
+    for _ in range(3):
+        assert g.admit(UDP, HOST, 1) == "limit_udp_flows"
+    assert [r.getMessage() for r in caplog.records] == [
+        "refusing new guest flows: the max_udp_flows bound is reached (counted as drop.limit_udp_flows; "
+        "logged once; see --limit)"]
+    assert caplog.records[0].levelno == logging.WARNING
+
+
+def test_denied_destinations_logged_once_each_and_at_most_64(monkeypatch, caplog):
+    clock(monkeypatch)
+    caplog.set_level(logging.INFO, "aioslirp.limits")
+    g, stack = guard(egress_deny=["10.0.0.0/8"])
+    for _ in range(2):
+        assert g.admit(UDP, "10.0.0.1", 9) == DENIED
+    assert [r.getMessage() for r in caplog.records] == ["egress policy: guest traffic to 10.0.0.1 denied"]
+    for i in range(100):
+        g.admit(UDP, f"10.1.0.{i}", 9)
+    assert len(caplog.records) == 64
+    assert stack.counters["drop.egress_denied"] == 102
+
+
+# ============================================================================ DNS admission
+
+
+def test_dns_admit_within_the_smaller_of_cap_and_fd_share(monkeypatch):
+    g, _ = guard(monkeypatch, soft=FD_RESERVE + 110, max_flows=1000, dns_max_inflight=100)
+    assert g.dns_fd_budget == 10
+    tasks = []
+    for _ in range(10):
+        assert g.dns_admit()
+        t = types.SimpleNamespace(callbacks=[])
+        t.add_done_callback = t.callbacks.append
+        g.dns_track(t)
+        tasks.append(t)
+    assert g.dns_inflight == 10
+    assert not g.dns_admit()
+    for t in tasks[:3]:
+        (cb,) = t.callbacks
+        cb(t)
+    assert g.dns_inflight == 7
+    assert g.dns_admit()
+    g, _ = guard(monkeypatch, soft=1 << 20, dns_max_inflight=2)
+    for _ in range(2):
+        g.dns_track(types.SimpleNamespace(add_done_callback=lambda cb: None))
+    assert not g.dns_admit()  # the configured cap when the fds allow more
+
+
+def test_start_hooks_the_dns_forwarder(monkeypatch):
+    g, stack = guard(monkeypatch, soft=FD_RESERVE + 110, max_flows=1000, dns_max_inflight=100)
+    stack.dns = types.SimpleNamespace(policy=None, max_inflight=512)
+    g.start()
+    assert stack.dns.policy is g.policy
+    assert stack.dns.max_inflight == 10
+    g, stack = guard(monkeypatch, soft=1 << 20)
+    stack.dns = types.SimpleNamespace(policy=None, max_inflight=5)
+    g.start()
+    assert stack.dns.max_inflight == 5  # never raised
+
+
+# ============================================================================ reaper
+
+
+@pytest.mark.parametrize(("timeout", "interval"), [(7200.0, 5.0), (8.0, 2.0), (0.1, 0.05)])
+def test_reaper_interval(timeout, interval):
+    g, stack = guard(tcp_idle_timeout=timeout)
+    g.start()
+    (t,) = stack._loop.timers
+    assert t.when - stack._loop.now == pytest.approx(interval)
+
+
+def test_no_reaper_without_idle_timeout():
+    g, stack = guard(tcp_idle_timeout=0)
+    g.start()
+    assert stack._loop.timers == []
+
+
+def test_reaper_resets_idle_tcp_flows_only():
+    g, stack = guard(tcp_idle_timeout=8.0)
+    loop = stack._loop
+    g.start()
+    at = loop.timers[0].when
+    idle = [Flow(last_active=at - 8.5, key=i) for i in range(2)]
+    edge = Flow(last_active=at - 8.0)  # exactly the timeout: not yet
+    busy = Flow(last_active=at - 1.0)
+    udp = Flow("udp", last_active=at - 100.0)  # UDP has its own idle timeout
+    for i, f in enumerate(idle + [edge, busy, udp]):
+        stack.flows[i] = f
+    loop.fire()
+    assert [f.shutdowns for f in idle + [edge, busy, udp]] == [1, 1, 0, 0, 0]
+    assert stack.counters["tcp_idle_closed"] == 2
+    (t,) = loop.timers  # re-armed
+    assert t.when == pytest.approx(at + 2.0)
+
+
+def test_reaper_recounts_active_flows_from_the_table():
+    g, stack = guard(tcp_idle_timeout=8.0)
+    g.start()
+    g.opened(Flow("udp"))  # a flow that left the table without closed()
+    for i, name in enumerate(("tcp", "tcp", "icmp", "forward")):
+        stack.flows[i] = Flow(name, last_active=stack._loop.now + 10)
+    stack._loop.fire()
+    assert g.active == {"tcp": 2, "udp": 0, "icmp": 1}
+
+
+def test_reaper_stops_with_the_stack():
+    g, stack = guard(tcp_idle_timeout=8.0)
+    g.start()
+    stack.flows[0] = f = Flow(last_active=0.0)
+    stack._closed = True
+    stack._loop.fire()
+    assert f.shutdowns == 0
+    assert stack._loop.timers == []
+
+
+# ============================================================================ parse_limits
+
+
+def test_parse_limits_values():
+    assert parse_limits(None) == {}
+    assert parse_limits(["new-flow-rate = 2.5", "max_flows=7"]) == {"new_flow_rate": 2.5, "max_flows": 7}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("max_flows", "expected NAME=VALUE with NAME one of max_flows, "),
+    ("bogus=1", "expected NAME=VALUE"),
+    ("max_flows=1=2", "'max_flows=1=2': '1=2' is not a whole number"),
+    ("new_flow_rate=fast", "'new_flow_rate=fast': 'fast' is not a number"),
+])
+def test_parse_limits_errors_name_the_option(text, message):
+    with pytest.raises(ConfigError, match="^--limit: ") as err:
+        parse_limits([text])
+    assert message in str(err.value)
+    assert err.value.field == "--limit"
+
+
+# ============================================================================ policy: rules
+
+
+def test_parse_rules_normalises():
+    assert parse_rules(None, "f") == []
+    assert parse_rules("192.0.2.7", "f") == ["192.0.2.7/32"]
+    assert parse_rules([" 10.1.2.3/16 ", "2001:0db8::1/32", "::1"], "f") == ["10.1.0.0/16", "2001:db8::/32", "::1/128"]
+
+
+def test_parse_rules_error_names_the_field():
+    with pytest.raises(ConfigError) as err:
+        parse_rules(["10.0.0.0/8", "bogus"], "egress_allow")
+    assert str(err.value) == "egress_allow: 'bogus' is not a CIDR network (e.g. 192.0.2.0/24, 2001:db8::/32)"
+    for kw, name in (("allow", "egress_allow"), ("deny", "egress_deny"), ("defaults", "egress_default_deny")):
+        with pytest.raises(ConfigError) as err:
+            EgressPolicy(**{kw: ["nope"]})
+        assert err.value.field == name
+
+
+def test_prefix_masks_at_their_edges():
+    p = EgressPolicy(deny=["10.0.0.0/8", "192.0.2.128/25", "203.0.113.9/32", "2001:db8::/32", "::5/128"], defaults=())
+    for addr, allowed in [("10.0.0.0", False), ("10.255.255.255", False), ("9.255.255.255", True), ("11.0.0.0", True),
+                          ("192.0.2.128", False), ("192.0.2.255", False), ("192.0.2.127", True),
+                          ("203.0.113.9", False), ("203.0.113.8", True), ("203.0.113.10", True),
+                          ("2001:db8:ffff:ffff::1", False), ("2001:db9::", True), ("2001:db7:ffff::", True),
+                          ("::5", False), ("::4", True), ("::6", True)]:
+        assert p.allows(addr) is allowed, addr
+    everything = EgressPolicy(deny=["0.0.0.0/0", "::/0"], defaults=())
+    assert not everything.allows("1.2.3.4") and not everything.allows("2001:db8::1")
+
+
+def test_defaults_cover_link_local_and_aws_metadata():
+    p = EgressPolicy()
+    assert DEFAULT_DENY == ("169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128")
+    for addr, allowed in [("169.254.169.254", False), ("169.255.0.1", True), ("fe80::1", False),
+                          ("febf:ffff::1", False), ("fec0::1", True), ("fd00:ec2::254", False), ("fd00:ec2::253", True)]:
+        assert p.allows(addr) is allowed, addr
+
+
+def test_match_reports_the_deciding_rule():
+    p = EgressPolicy(allow=["169.254.169.254/32"], deny=["198.51.100.0/24"])
+    assert p.match("169.254.169.254") == (True, "169.254.169.254/32", False)
+    assert p.match("169.254.1.1") == (False, "169.254.0.0/16", True)
+    assert p.match("198.51.100.1") == (False, "198.51.100.0/24", False)
+    assert p.match("fe80::1%eth0") == (False, "fe80::/10", True)  # scope ignored
+    assert p.match("fe80::1%a%b") == (False, "fe80::/10", True)  # everything after the first %
+    assert p.match("8.8.8.8") is None
+    assert p.match("169.254.1.1", user_only=True) is None  # the default skipped
+    assert p.match("not an address") is None and p.match("1.2.3.999") is None and p.match("fe80::zz") is None
+
+
+def test_tie_at_one_prefix_length():
+    """Longest prefix first; at one length a user rule beats a default and deny beats allow,
+    whatever order the rules were given in."""
+    assert EgressPolicy(allow=["169.254.0.0/16"]).match("169.254.1.1") == (True, "169.254.0.0/16", False)
+    for allow, deny in ((["10.9.0.0/16"], ["10.9.0.0/16"]), (["10.9.0.0/16", "10.8.0.0/16"], ["10.9.0.0/16"])):
+        assert EgressPolicy(allow=allow, deny=deny).match("10.9.1.1") == (False, "10.9.0.0/16", False)
+    p = EgressPolicy(allow=["10.0.0.0/8", "10.1.1.0/24"], deny=["10.1.0.0/16"], defaults=())
+    assert [p.allows(a) for a in ("10.2.0.1", "10.1.2.1", "10.1.1.1")] == [True, False, True]
+
+
+def test_from_config_and_defaults():
+    cfg = NetworkConfig(egress_allow=["192.0.2.0/24"], egress_deny=["0.0.0.0/0"], egress_default_deny=[], ipv6=False)
+    p = EgressPolicy.from_config(cfg)
+    assert p.describe() == ["allow 192.0.2.0/24", "deny 0.0.0.0/0"]
+    bare = EgressPolicy.from_config(types.SimpleNamespace())  # an object without the fields: the defaults
+    assert bare.describe() == EgressPolicy().describe()
+    none = EgressPolicy.from_config(types.SimpleNamespace(egress_allow=None, egress_deny=None, egress_default_deny=None))
+    assert none.empty and none.describe() == []
+
+
+def test_describe_in_matching_order():
+    p = EgressPolicy(allow=["169.254.169.254/32"], deny=["2001:db8::/32"])
+    assert p.describe() == ["allow 169.254.169.254/32", "deny 169.254.0.0/16 (default)", "deny fd00:ec2::254/128 (default)",
+                            "deny 2001:db8::/32", "deny fe80::/10 (default)"]
+
+
+# ============================================================================ policy: verdict cache
+
+
+def test_user_only_neither_reads_nor_fills_the_cache():
+    p = EgressPolicy()
+    assert p.allows("169.254.169.254", user_only=True)  # DNS upstream: defaults do not apply
+    assert not p.allows("169.254.169.254")  # the first answer was not cached
+    assert p.allows("169.254.169.254", user_only=True)  # and the cached False is not used
+    assert not p.allows("169.254.169.254")
+
+
+def test_empty_policy_allows_anything():
+    p = EgressPolicy(defaults=())
+    assert p.empty
+    assert p.allows("169.254.169.254") and p.allows("not an address") and p.allows("10.0.0.1", user_only=True)
+
+
+def test_verdict_cache_is_bounded():
+    p = EgressPolicy()
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        for i in range(40000):
+            assert p.allows(f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}")
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held - base < 1_000_000  # at most 4096 verdicts (40000 would be about 4 MB)
+    assert not p.allows("169.254.169.254")  # still right after clearing
