@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, replace
 
 from .config import ConfigError
 from .flow.base import flow_key
+from .udp import UdpFlow
 from .wire.arp import ARP_REQUEST, build_arp
 from .wire.ip import PROTO_TCP, PROTO_UDP
 from .wire.udp import build_udp_packet
@@ -517,14 +518,8 @@ class UdpForwardFlow:
         except OSError as exc:
             log.debug("UDP forward flow %s: %s", self.key, exc)
 
-    def expire(self, now: float) -> bool:
-        """The idle sweep: close the flow when it carried no datagram for ``udp_idle_timeout``
-        seconds before loop time ``now`` (counted ``udp_idle_closed``). True when it did."""
-        if now - self.last_active < self._timeout:
-            return False
-        self.ctx.counters["udp_idle_closed"] += 1
-        self.shutdown()
-        return True
+    #: The idle sweep's rule, one place for both kinds of UDP flow (``udp_idle_timeout``).
+    expire = UdpFlow.expire
 
     def flush(self) -> None:
         pass
