@@ -1,16 +1,19 @@
-"""Admission control (aioslirp.limits) and the egress policy (aioslirp.policy), sans-IO.
+"""Admission control (aioslirp.flow.guard), the idle sweep's timer (aioslirp.flow.table) and the
+egress policy (aioslirp.policy), sans-IO.
 
-The :class:`~aioslirp.limits.Guard` is driven through its stack interface only (``config``,
-``counters``, ``drop()``, ``dns``, ``flows``, the loop's ``time()`` / ``call_later()``), here a
-fake stack with a fake clock; flows are plain objects with the attributes the guard reads. The
-whole-Stack behaviour (RSTs, ICMP prohibited, real sockets) is in test_hardening.py; these tests
-pin down the order of the checks, each bound at its edge, the counts and the reaper. Cases found
+The :class:`~aioslirp.flow.guard.Guard` is driven through its own interface only
+(``Guard(config, drop, new_bucket)``, ``start(dns, now)``, ``admit(..., now)``, the flow-table
+hooks); times are passed explicitly, flows are plain objects with the attributes the guard
+reads. The sweep is a :class:`~aioslirp.flow.table.FlowTable` on a fake loop. The whole-Stack
+behaviour (RSTs, ICMP prohibited, real sockets) is in test_hardening.py; these tests pin down
+the order of the checks, each bound at its edge, the counts and the sweep's timer. Cases found
 untested by a mutation run (docs/testing.md).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import tracemalloc
 import types
@@ -20,6 +23,8 @@ import pytest
 from aioslirp import NetworkConfig
 from aioslirp import limits
 from aioslirp.config import ConfigError
+from aioslirp.flow import guard as guard_mod
+from aioslirp.flow.table import FlowTable, sweep_interval
 from aioslirp.limits import DENIED, FD_RESERVE, PRUNE_INTERVAL, Guard, TokenBucket, fd_budgets, parse_limits
 from aioslirp.policy import DEFAULT_DENY, EgressPolicy, parse_rules
 
@@ -30,10 +35,14 @@ HOST = "127.0.0.1"
 class Timer:
     def __init__(self, when: float, callback) -> None:
         self.when, self.callback = when, callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 class Loop:
-    """The two loop methods the guard uses, on a fake clock."""
+    """The two loop methods the flow table's sweep uses, on a fake clock."""
 
     def __init__(self) -> None:
         self.now = 100.0
@@ -47,9 +56,12 @@ class Loop:
         self.timers.append(t)
         return t
 
+    def armed(self) -> list[Timer]:
+        return [t for t in self.timers if not t.cancelled]
+
     def fire(self) -> float:
-        """Run the earliest timer at its time; returns that time."""
-        t = min(self.timers, key=lambda x: x.when)
+        """Run the earliest armed timer at its time; returns that time."""
+        t = min(self.armed(), key=lambda x: x.when)
         self.timers.remove(t)
         self.now = t.when
         t.callback()
@@ -57,16 +69,13 @@ class Loop:
 
 
 class FakeStack:
-    """What Guard reads of its Stack."""
+    """What the stack hands the Guard: its config and ``drop()``, and what ``start()`` gets (``dns``)."""
 
     def __init__(self, **cfg) -> None:
         cfg.setdefault("ipv6", False)
         self.config = NetworkConfig(**cfg)
         self.counters: collections.Counter = collections.Counter()
         self.dns = None
-        self.flows: dict = {}
-        self._loop = Loop()
-        self._closed = False
 
     def drop(self, reason: str) -> None:
         self.counters["drop." + reason] += 1
@@ -81,10 +90,10 @@ class Done:
 
 
 class Flow:
-    """A flow as the guard sees it."""
+    """A flow as the guard and the flow table's sweep see it."""
 
     def __init__(self, proto_name="tcp", remote=HOST, dst_port=80, direction="outbound", transport=None,
-                 last_active=0.0, key=None) -> None:
+                 last_active=0.0, key=None, timeout=None) -> None:
         self.proto_name = proto_name
         self.remote = remote
         self.dst_port = dst_port
@@ -93,25 +102,31 @@ class Flow:
         self.done = Done()
         self.last_active = last_active
         self.key = key
-        self.shutdowns = 0
+        self.timeout = timeout
+        self.expired_at: list[float] = []
 
-    def shutdown(self) -> None:
-        self.shutdowns += 1
+    def expire(self, now: float) -> bool:
+        """The flow kind's own idle rule: idle strictly longer than ``timeout`` (None: never)."""
+        self.expired_at.append(now)
+        return self.timeout is not None and now - self.last_active > self.timeout
 
 
-def guard(monkeypatch=None, soft: int | None = None, **cfg) -> tuple[Guard, FakeStack]:
-    """A Guard on a fake stack; ``soft``: the open-file limit raise_fd_limit reports."""
+def new_bucket(config):
+    """The new-flow rate limiter factory, as Stack makes it (None for no rate limit)."""
+    rate = float(config.new_flow_rate)
+    return functools.partial(TokenBucket, rate, max(1, int(config.new_flow_burst))) if rate > 0 else None
+
+
+def guard(monkeypatch=None, soft: int | None = None, start: bool = True, **cfg) -> tuple[Guard, FakeStack]:
+    """A Guard of a fake stack, started at time 0 (its rate limiter full then) unless ``start``
+    is false; ``soft``: the open-file limit raise_fd_limit reports."""
     if soft is not None:
-        monkeypatch.setattr(limits, "raise_fd_limit", lambda want: soft)
+        monkeypatch.setattr(guard_mod, "raise_fd_limit", lambda want: soft)
     stack = FakeStack(**cfg)
-    return Guard(stack), stack
-
-
-def clock(monkeypatch, start: float = 0.0) -> list[float]:
-    """Replace the guard's monotonic clock; the returned one-element list holds the time."""
-    now = [start]
-    monkeypatch.setattr(limits, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
-    return now
+    g = Guard(stack.config, stack.drop, new_bucket(stack.config))
+    if start:
+        g.start(now=0.0)
+    return g, stack
 
 
 def drops(stack: FakeStack) -> dict:
@@ -179,25 +194,28 @@ def test_token_bucket_edges():
     assert b.tokens == 0.0
 
 
-def test_token_bucket_starts_now_by_default(monkeypatch):
-    now = clock(monkeypatch, 50.0)
-    b = TokenBucket(rate=1, burst=1)
-    assert b.take(50.0)
+def test_token_bucket_clock_starts_at_the_first_take_by_default():
+    b = TokenBucket(rate=1, burst=2)
+    assert b.stamp is None and b.tokens == 2.0
+    assert b.take(50.0) and b.take(50.0)  # full at the first take, nothing refilled before it
     assert not b.take(50.5)
-    now[0] = 51.0
-    assert b.take(51.0)
+    assert b.take(51.5)
+    assert TokenBucket(rate=1, burst=1, now=10.0).stamp == 10.0
 
 
 # ============================================================================ Guard: construction
 
 
 def test_guard_reads_its_config(monkeypatch):
-    g, _ = guard(max_tcp_flows=3, max_udp_flows=4, max_icmp_flows=5, max_pending_connects=9,
+    g, _ = guard(start=False, max_tcp_flows=3, max_udp_flows=4, max_icmp_flows=5, max_pending_connects=9,
                  new_flow_rate=7.5, new_flow_burst=2)
+    assert g.bucket is None  # made by start()
+    g.start(now=3.0)
     assert g.caps == {"tcp": 3, "udp": 4, "icmp": 5}
+    assert g.config.max_tcp_flows == 3
     assert g.active == {"tcp": 0, "udp": 0, "icmp": 0}
     assert (g.max_pending, g.max_pending_dest) == (9, 2)
-    assert (g.bucket.rate, g.bucket.burst, g.bucket.tokens) == (7.5, 2.0, 2.0)
+    assert (g.bucket.rate, g.bucket.burst, g.bucket.tokens, g.bucket.stamp) == (7.5, 2.0, 2.0, 3.0)
     assert g.pending == 0 and g.dns_inflight == 0
     assert guard(max_pending_connects=3)[0].max_pending_dest == 1  # at least one per destination
     assert guard(new_flow_rate=0)[0].bucket is None
@@ -221,8 +239,9 @@ def test_guard_fd_budgets_from_the_open_file_limit(monkeypatch, caplog):
 
 def test_guard_asks_for_flows_plus_dns_plus_reserve(monkeypatch):
     asked = []
-    monkeypatch.setattr(limits, "raise_fd_limit", lambda want: asked.append(want) or 1 << 20)
-    Guard(FakeStack(max_flows=1000, dns_max_inflight=100))
+    monkeypatch.setattr(guard_mod, "raise_fd_limit", lambda want: asked.append(want) or 1 << 20)
+    stack = FakeStack(max_flows=1000, dns_max_inflight=100)
+    Guard(stack.config, stack.drop)
     assert asked == [1000 + 100 + FD_RESERVE]
 
 
@@ -232,7 +251,6 @@ def test_guard_asks_for_flows_plus_dns_plus_reserve(monkeypatch):
 def test_admit_policy_first_then_caps_then_fds_then_pending_then_rate(monkeypatch):
     """The documented order: a denied destination is DENIED even when every bound is reached,
     a cap before the fd budget, both before the pending connects and the rate."""
-    clock(monkeypatch)
     g, stack = guard(monkeypatch, soft=FD_RESERVE + 3, max_flows=2, dns_max_inflight=1, max_tcp_flows=1,
                      max_pending_connects=4, new_flow_rate=1, new_flow_burst=1, egress_deny=["192.0.2.0/24"])
     g.opened(Flow())  # one TCP flow, pending: the cap is reached
@@ -245,7 +263,6 @@ def test_admit_policy_first_then_caps_then_fds_then_pending_then_rate(monkeypatc
 
 
 def test_admit_remote_none_skips_the_policy(monkeypatch):
-    clock(monkeypatch)
     g, stack = guard(egress_deny=["0.0.0.0/0", "::/0"])
     assert g.admit(TCP, None) is None  # DNS over TCP: a local service
     assert g.admit(UDP, "10.1.1.1", 9) == DENIED
@@ -253,7 +270,6 @@ def test_admit_remote_none_skips_the_policy(monkeypatch):
 
 
 def test_admit_empty_policy_allows_everything(monkeypatch):
-    clock(monkeypatch)
     g, _ = guard(egress_default_deny=[])
     assert g.policy.empty
     assert g.admit(TCP, "169.254.169.254", 80) is None
@@ -261,7 +277,6 @@ def test_admit_empty_policy_allows_everything(monkeypatch):
 
 @pytest.mark.parametrize(("proto", "name"), [(TCP, "tcp"), (UDP, "udp"), (ICMP, "icmp"), (ICMP6, "icmp"), (99, "tcp")])
 def test_admit_per_protocol_cap_at_its_edge(monkeypatch, proto, name):
-    clock(monkeypatch)
     g, stack = guard(max_tcp_flows=2, max_udp_flows=2, max_icmp_flows=2, new_flow_rate=0)
     g.opened(Flow(name, transport=object()))
     assert g.admit(proto, HOST, 7) is None  # 1 of 2
@@ -274,7 +289,6 @@ def test_admit_per_protocol_cap_at_its_edge(monkeypatch, proto, name):
 
 
 def test_admit_fd_budget_counts_all_protocols(monkeypatch):
-    clock(monkeypatch)
     g, stack = guard(monkeypatch, soft=FD_RESERVE + 4, max_flows=3, dns_max_inflight=1, new_flow_rate=0)
     assert g.fd_budget == 3
     for name in ("tcp", "udp"):
@@ -289,7 +303,6 @@ def test_admit_fd_budget_counts_all_protocols(monkeypatch):
 
 
 def test_pending_connects_per_destination_and_in_all(monkeypatch):
-    now = clock(monkeypatch)
     g, stack = guard(max_pending_connects=8, new_flow_rate=0)  # 2 per (address, port)
     a1, a2 = Flow(dst_port=1), Flow(dst_port=1)
     g.opened(a1)
@@ -309,20 +322,16 @@ def test_pending_connects_per_destination_and_in_all(monkeypatch):
         g.opened(Flow(dst_port=100 + i))
     assert g.admit(TCP, HOST, 200) == "limit_pending_connects"
     assert stack.counters["drop.limit_pending_connects"] == 2
-    assert now[0] == 0.0
 
 
 def test_pending_only_outbound_tcp_without_transport(monkeypatch):
-    clock(monkeypatch)
     g, _ = guard(max_pending_connects=4)
     g.opened(Flow(direction="inbound"))  # a port forward: we connect into the guest
     g.opened(Flow(transport=object()))  # connected already
     g.opened(Flow("udp"))
     g.opened(Flow(remote=None))  # a local service
     assert g.pending == 0
-    f = Flow()
-    del f.direction  # flows without the attribute are outbound
-    g.opened(f)
+    g.opened(Flow(direction="outbound"))  # a guest-initiated connect still in progress
     assert g.pending == 1
     assert g.active == {"tcp": 4, "udp": 1, "icmp": 0}
 
@@ -330,30 +339,25 @@ def test_pending_only_outbound_tcp_without_transport(monkeypatch):
 def test_pending_set_swept_when_the_bound_is_reached(monkeypatch):
     """A pending connect that completed (transport set) or ended (done) without telling the
     guard is forgotten by the sweep, which runs at most every PRUNE_INTERVAL seconds."""
-    now = clock(monkeypatch)
     g, _ = guard(max_pending_connects=4, new_flow_rate=0)  # 1 per destination
     a = Flow(dst_port=1)
     g.opened(a)
     a.transport = object()  # connected, but connected() was not called
-    assert g.admit(TCP, HOST, 1) is None  # the sweep at t=0 forgets it
+    assert g.admit(TCP, HOST, 1, now=0.0) is None  # the sweep at t=0 forgets it
     assert g.pending == 0
     b = Flow(dst_port=2)
     g.opened(b)
     b.done = Done(True)  # ended
-    now[0] = PRUNE_INTERVAL / 2
-    assert g.admit(TCP, HOST, 2) == "limit_pending_connects"  # too soon for another sweep
-    now[0] = PRUNE_INTERVAL
-    assert g.admit(TCP, HOST, 2) is None  # exactly the interval later: swept
+    assert g.admit(TCP, HOST, 2, now=PRUNE_INTERVAL / 2) == "limit_pending_connects"  # too soon for another sweep
+    assert g.admit(TCP, HOST, 2, now=PRUNE_INTERVAL) is None  # exactly the interval later: swept
     assert g.pending == 0
     c = Flow(dst_port=3)
     g.opened(c)  # still connecting
-    now[0] = 1.0
-    assert g.admit(TCP, HOST, 3) == "limit_pending_connects"
+    assert g.admit(TCP, HOST, 3, now=1.0) == "limit_pending_connects"
     assert g.pending == 1
 
 
 def test_pending_destination_count_survives_partial_forget(monkeypatch):
-    clock(monkeypatch)
     g, _ = guard(max_pending_connects=12, new_flow_rate=0)  # 3 per destination
     flows = [Flow(dst_port=5) for _ in range(3)]
     for f in flows:
@@ -385,14 +389,12 @@ def test_closed_never_counts_below_zero(monkeypatch):
 
 
 def test_new_flow_rate_is_the_last_check(monkeypatch):
-    now = clock(monkeypatch)
     g, stack = guard(new_flow_rate=2, new_flow_burst=2)
-    assert g.admit(UDP, HOST, 1) is None
-    assert g.admit(UDP, HOST, 1) is None
-    assert g.admit(UDP, HOST, 1) == "limit_new_flow_rate"
-    now[0] = 0.5  # one token
-    assert g.admit(TCP, HOST, 1) is None
-    assert g.admit(TCP, HOST, 1) == "limit_new_flow_rate"
+    assert g.admit(UDP, HOST, 1, now=0.0) is None  # full at start (t=0)
+    assert g.admit(UDP, HOST, 1, now=0.0) is None
+    assert g.admit(UDP, HOST, 1, now=0.0) == "limit_new_flow_rate"
+    assert g.admit(TCP, HOST, 1, now=0.5) is None  # one token
+    assert g.admit(TCP, HOST, 1, now=0.5) == "limit_new_flow_rate"
     assert stack.counters["drop.limit_new_flow_rate"] == 2
 
 
@@ -400,7 +402,6 @@ def test_new_flow_rate_is_the_last_check(monkeypatch):
 
 
 def test_each_bound_is_logged_once_naming_its_option(monkeypatch, caplog):
-    clock(monkeypatch)
     caplog.set_level(logging.INFO, "aioslirp.limits")
     g, _ = guard(max_udp_flows=1, new_flow_rate=0)
     g.opened(Flow("udp"))
@@ -413,7 +414,6 @@ def test_each_bound_is_logged_once_naming_its_option(monkeypatch, caplog):
 
 
 def test_denied_destinations_logged_once_each_and_at_most_64(monkeypatch, caplog):
-    clock(monkeypatch)
     caplog.set_level(logging.INFO, "aioslirp.limits")
     g, stack = guard(egress_deny=["10.0.0.0/8"])
     for _ in range(2):
@@ -454,68 +454,85 @@ def test_dns_admit_within_the_smaller_of_cap_and_fd_share(monkeypatch):
 def test_start_hooks_the_dns_forwarder(monkeypatch):
     g, stack = guard(monkeypatch, soft=FD_RESERVE + 110, max_flows=1000, dns_max_inflight=100)
     stack.dns = types.SimpleNamespace(policy=None, max_inflight=512)
-    g.start()
+    g.start(stack.dns, now=0.0)
     assert stack.dns.policy is g.policy
     assert stack.dns.max_inflight == 10
     g, stack = guard(monkeypatch, soft=1 << 20)
     stack.dns = types.SimpleNamespace(policy=None, max_inflight=5)
-    g.start()
+    g.start(stack.dns)  # now defaults to time.monotonic()
     assert stack.dns.max_inflight == 5  # never raised
 
 
-# ============================================================================ reaper
+# ============================================================================ the idle sweep (FlowTable)
+# The sweep replaced the guard's TCP reaper; each flow kind's own idle rule (TCP reset both ways,
+# ``tcp_idle_closed``...) is covered end to end by tests/test_fake_clock_stack.py.
+
+
+def table(**cfg) -> tuple[FlowTable, Guard, Loop]:
+    """A FlowTable of a fake stack (its guard told of the flows) with its sweep armed on a fake loop."""
+    g, stack = guard(**cfg)
+    t = FlowTable(stack.config, stack.counters, g)
+    loop = Loop()
+    t.start(loop)
+    return t, g, loop
 
 
 @pytest.mark.parametrize(("timeout", "interval"), [(7200.0, 5.0), (8.0, 2.0), (0.1, 0.05)])
-def test_reaper_interval(timeout, interval):
-    g, stack = guard(tcp_idle_timeout=timeout)
-    g.start()
-    (t,) = stack._loop.timers
-    assert t.when - stack._loop.now == pytest.approx(interval)
+def test_sweep_interval(timeout, interval):
+    """min(5 s, a quarter of the shortest idle timeout), at least 50 ms; armed by start()."""
+    for cfg in ({"tcp_idle_timeout": timeout, "udp_idle_timeout": 7200.0, "icmp_idle_timeout": 7200.0},
+                {"tcp_idle_timeout": 7200.0, "udp_idle_timeout": timeout, "icmp_idle_timeout": 7200.0},
+                {"tcp_idle_timeout": 7200.0, "udp_idle_timeout": 7200.0, "icmp_idle_timeout": timeout}):
+        assert sweep_interval(NetworkConfig(**cfg)) == pytest.approx(interval)
+        t, _, loop = table(**cfg)
+        (timer,) = loop.timers
+        assert timer.when - loop.now == pytest.approx(interval)
 
 
-def test_no_reaper_without_idle_timeout():
-    g, stack = guard(tcp_idle_timeout=0)
-    g.start()
-    assert stack._loop.timers == []
+def test_tcp_idle_timeout_off_leaves_the_other_kinds_interval():
+    """tcp_idle_timeout=0 turns the TCP rule off, not the sweep (UDP/ICMP flows still expire)."""
+    assert sweep_interval(NetworkConfig(tcp_idle_timeout=0, udp_idle_timeout=60.0, icmp_idle_timeout=40.0)) == 5.0
+    assert sweep_interval(NetworkConfig(tcp_idle_timeout=0, udp_idle_timeout=8.0, icmp_idle_timeout=40.0)) == 2.0
+    _, _, loop = table(tcp_idle_timeout=0, udp_idle_timeout=8.0, icmp_idle_timeout=40.0)
+    assert len(loop.armed()) == 1
 
 
-def test_reaper_resets_idle_tcp_flows_only():
-    g, stack = guard(tcp_idle_timeout=8.0)
-    loop = stack._loop
-    g.start()
+def test_sweep_expires_each_flow_by_its_own_rule_and_rearms():
+    t, _, loop = table(tcp_idle_timeout=8.0, udp_idle_timeout=7200.0, icmp_idle_timeout=7200.0)
     at = loop.timers[0].when
-    idle = [Flow(last_active=at - 8.5, key=i) for i in range(2)]
-    edge = Flow(last_active=at - 8.0)  # exactly the timeout: not yet
-    busy = Flow(last_active=at - 1.0)
-    udp = Flow("udp", last_active=at - 100.0)  # UDP has its own idle timeout
-    for i, f in enumerate(idle + [edge, busy, udp]):
-        stack.flows[i] = f
+    idle = [Flow(last_active=at - 8.5, key=i, timeout=8.0) for i in range(2)]
+    edge = Flow(last_active=at - 8.0, key=2, timeout=8.0)  # exactly the timeout: not yet
+    busy = Flow(last_active=at - 1.0, key=3, timeout=8.0)
+    udp = Flow("udp", last_active=at - 100.0, key=4, timeout=None)  # its kind's rule says no
+    every = idle + [edge, busy, udp]
+    for f in every:
+        t.flows[f.key] = f
     loop.fire()
-    assert [f.shutdowns for f in idle + [edge, busy, udp]] == [1, 1, 0, 0, 0]
-    assert stack.counters["tcp_idle_closed"] == 2
-    (t,) = loop.timers  # re-armed
-    assert t.when == pytest.approx(at + 2.0)
+    assert [f.expired_at for f in every] == [[at]] * 5  # every flow asked once, at loop time
+    assert t.sweep(at) == 2  # the count of flows that expired
+    (timer,) = loop.armed()  # re-armed
+    assert timer.when == pytest.approx(at + 2.0)
 
 
-def test_reaper_recounts_active_flows_from_the_table():
-    g, stack = guard(tcp_idle_timeout=8.0)
-    g.start()
+def test_sweep_recounts_active_flows_from_the_table():
+    t, g, loop = table(tcp_idle_timeout=8.0)
     g.opened(Flow("udp"))  # a flow that left the table without closed()
     for i, name in enumerate(("tcp", "tcp", "icmp", "forward")):
-        stack.flows[i] = Flow(name, last_active=stack._loop.now + 10)
-    stack._loop.fire()
+        t.flows[i] = Flow(name, last_active=loop.now + 10, key=i)
+    loop.fire()
     assert g.active == {"tcp": 2, "udp": 0, "icmp": 1}
 
 
-def test_reaper_stops_with_the_stack():
-    g, stack = guard(tcp_idle_timeout=8.0)
-    g.start()
-    stack.flows[0] = f = Flow(last_active=0.0)
-    stack._closed = True
-    stack._loop.fire()
-    assert f.shutdowns == 0
-    assert stack._loop.timers == []
+def test_sweep_stops_with_the_stack():
+    t, _, loop = table(tcp_idle_timeout=8.0)
+    t.flows[0] = f = Flow(last_active=0.0, key=0, timeout=8.0)
+    t.close()  # Stack.aclose
+    assert loop.armed() == []
+    assert f.expired_at == []
+    t.close()  # idempotent
+    t.start(loop)  # start() again arms exactly one timer
+    t.start(loop)
+    assert len(loop.armed()) == 1
 
 
 # ============================================================================ parse_limits
