@@ -88,7 +88,8 @@ class NetworkConfig:
     gateway_mac: str = DEFAULT_GATEWAY_MAC
     #: Seconds to wait for a host ``connect()`` before answering the guest's SYN with ICMP unreachable.
     tcp_connect_timeout: float = 10.0
-    #: Seconds a flow may stay in FIN-WAIT-2 / LAST-ACK / CLOSING before it is freed.
+    #: Seconds of silence a flow may spend in FIN-WAIT-2 (no guest segment) or LAST-ACK / CLOSING
+    #: (no ACK of new data) before it is reset; see docs/security.md.
     tcp_linger: float = 60.0
     #: Seconds a TCP flow may carry no segment before it is reset (0 disables).
     tcp_idle_timeout: float = 7200.0
