@@ -325,6 +325,13 @@ def sigterm(a: dict) -> dict:
             if terms else None}
 
 
+def retrans_segs() -> int:
+    """The guest kernel's Tcp RetransSegs (/proc/net/snmp): how many segments it sent again."""
+    with open("/proc/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    return int(rows[1][rows[0].index("RetransSegs")])
+
+
 def policy(a: dict) -> dict:
     out = {}
 
@@ -332,6 +339,7 @@ def policy(a: dict) -> dict:
         s = socket.socket(family, socket.SOCK_STREAM)
         s.settimeout(5)
         t0 = time.monotonic()
+        r0 = retrans_segs()
         try:
             s.connect(addr)
             s.sendall(b"DOWN 1000 3\n")
@@ -343,7 +351,8 @@ def policy(a: dict) -> dict:
                 n += len(d)
             out[name] = {"ok": n, "s": time.monotonic() - t0}
         except OSError as exc:
-            out[name] = {"errno": errno.errorcode.get(exc.errno, str(exc.errno)), "s": time.monotonic() - t0}
+            out[name] = {"errno": errno.errorcode.get(exc.errno, str(exc.errno)), "s": time.monotonic() - t0,
+                         "syn_retries": retrans_segs() - r0}
         finally:
             s.close()
 

@@ -305,14 +305,20 @@ def test_egress_policy_in_namespace(servers, tmp_path):
         data6.close()
         udp6.close()
     print("\n", json.dumps(r, indent=1))
-    assert r["tcp_metadata"]["errno"] == "EHOSTUNREACH" and r["tcp_metadata"]["s"] < 1
+    # EHOSTUNREACH/EACCES on connect can only come from our ICMP error (a lost SYN ends in the client's
+    # 5 s "timed out"), so the errno is the proof the denial was answered, not left to time out. Linux
+    # keeps an ICMP error that arrives while connect() still holds the socket lock as a soft error and
+    # sends the SYN again after its 1 s RTO (tcp_v4_err/tcp_v6_err): each such SYN is denied and counted
+    # too, so the count follows the guest's own retransmissions (its RetransSegs), not a clock.
+    assert r["tcp_metadata"]["errno"] == "EHOSTUNREACH"
     assert r["udp_metadata"]["errno"] == "EHOSTUNREACH"
     assert r["ping_metadata"] == {"answer": "unreachable", "code": 13}
-    assert r["tcp_gw6_denied"]["errno"] == "EACCES" and r["tcp_gw6_denied"]["s"] < 1
+    assert r["tcp_gw6_denied"]["errno"] == "EACCES"
     assert r["udp_gw6_denied"]["errno"] == "EACCES"
     assert r["tcp_gw4_allowed"]["ok"] == 1000
     assert r["udp_gw4_allowed"]["ok"] == "ping"
-    assert r["counters"]["drop.egress_denied"] == 5
+    syn_retries = r["tcp_metadata"]["syn_retries"] + r["tcp_gw6_denied"]["syn_retries"]
+    assert r["counters"]["drop.egress_denied"] == 5 + syn_retries
     assert data6.commands == [] and udp6.count == 0  # nothing reached the denied host side
 
 
