@@ -195,13 +195,20 @@ async def test_spans_for_one_crr_cycle_and_a_refused_connection(memory_tracing):
 async def test_tracing_off_records_nothing(memory_tracing):
     tracing.disable()
     server = EchoOnce()
+    stacks = []
+
+    def factory(config):
+        stacks.append(Stack(config))
+        return stacks[-1]
+
     try:
-        rc = await run_in_namespace(NetworkConfig(), [sys.executable, "-c", crr_script(server.port, 3)])
+        rc = await run_in_namespace(NetworkConfig(), [sys.executable, "-c", crr_script(server.port, 3)],
+                                    stack_factory=factory)
     finally:
         server.close()
     assert rc == 0 and server.accepted == 3
     assert memory_tracing.get_finished_spans() == ()
-    assert not tracing._stamps and not tracing._open
+    assert len(stacks) == 1 and stacks[0].tracer is None  # nothing to record into
 
 
 # ---------------------------------------------------------------------------- OTLP/HTTP
