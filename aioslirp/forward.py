@@ -448,7 +448,6 @@ class UdpForwardFlow:
     proto_name = "udp"
     state = "OPEN"
     direction = "inbound"
-    trace = None
 
     def __init__(self, forwarder: Forwarder, lst: _Listener, peer, sport: int) -> None:
         ctx = self.ctx = forwarder.ctx

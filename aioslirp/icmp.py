@@ -49,7 +49,6 @@ class IcmpFlow:
     guest_port = dst_port = None  # echo flows have no ports (the identifier is in the key)
     forward_id = None
     bytes_up = bytes_down = None
-    trace = None
 
     def __init__(self, echo: "IcmpEcho", fam, key, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, sock,
                  now: float) -> None:

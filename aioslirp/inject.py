@@ -37,8 +37,6 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from . import tracing
-
 __all__ = ["BATCH", "InjectQueue"]
 
 #: Most frames handed to ``Transport.send_frames`` in one call.
@@ -51,7 +49,8 @@ class InjectQueue:
     Args:
         maxsize: most frames held (``NetworkConfig.inject_queue_size``, > 0).
         counters: the stack's ``collections.Counter``.
-        owner: the :class:`~aioslirp.stack.Stack`, handed to the trace points.
+        tracer: the stack's :class:`~aioslirp.tracing.Tracer`, or ``None``: told of every frame
+            queued (``on_frame_queued``) and dropped unwritten (``on_discard``).
 
     Attributes:
         transport: the :class:`~aioslirp.transport.base.Transport` frames are written to (set by
@@ -63,15 +62,15 @@ class InjectQueue:
     Not thread-safe: every method runs on the event loop's thread.
     """
 
-    __slots__ = ("maxsize", "transport", "hold", "_q", "_counters", "_owner", "_loop", "_waiter", "_task")
+    __slots__ = ("maxsize", "transport", "hold", "_q", "_counters", "tracer", "_loop", "_waiter", "_task")
 
-    def __init__(self, maxsize: int, counters, owner=None) -> None:
+    def __init__(self, maxsize: int, counters, tracer=None) -> None:
         self.maxsize = int(maxsize)
         self.transport = None
         self.hold = False
         self._q: deque = deque()
         self._counters = counters
-        self._owner = owner
+        self.tracer = tracer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
@@ -99,16 +98,22 @@ class InjectQueue:
             if w is not None:  # the writer waits: its first wake-up since it found the queue empty
                 self._waiter = None
                 w.set_result(None)
-        if tracing.enabled:
-            tracing.frame_queued(self._owner, frame)
+        t = self.tracer
+        if t is not None:
+            t.on_frame_queued(frame)
         return True
 
     def discard(self) -> int:
         """Forget every queued frame (a guest that went away), counted as ``drop.no_transport``.
         Returns how many."""
-        n = len(self._q)
-        self._q.clear()
+        q = self._q
+        n = len(q)
+        t = self.tracer
+        dropped = list(q) if t is not None else None
+        q.clear()
         self._counters["drop.no_transport"] += n
+        if t is not None:
+            t.on_discard(dropped)
         return n
 
     # ------------------------------------------------------------------ output
@@ -149,13 +154,11 @@ class InjectQueue:
         tr = self.transport
         if tr is None or tr.closed is None or tr.closed.done():
             counters["drop.no_transport"] += len(batch)
-            if tracing.enabled:
-                tracing.discard(batch)
+            t = self.tracer
+            if t is not None:
+                t.on_discard(batch)
             return
-        if tracing.enabled:
-            tracing.drain(self._owner, tr, batch, len(batch) + len(q))
-        else:
-            tr.send_frames(batch)
+        tr.send_frames(batch)  # a traced stack's transport is a TraceTransport (aioslirp.transport.trace)
         counters["frames_out"] += len(batch)
         counters["bytes_out"] += sum(map(len, batch))
 

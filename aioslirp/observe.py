@@ -422,7 +422,7 @@ class Observability:
                 raise ConfigError("--otlp-endpoint", f"needs the otlp extra: {_OTLP_HINT}") from None
 
     def start(self) -> None:
-        """Create the providers and exporters and turn the trace points on. Raises :class:`ConfigError`."""
+        """Create the providers and exporters (the stacks of :meth:`stack_factory` are traced). Raises :class:`ConfigError`."""
         if self._started:
             return
         self.check()
@@ -438,8 +438,6 @@ class Observability:
         if not (self.trace_file or self.otlp_endpoint):
             return
         from opentelemetry.sdk.trace import TracerProvider
-
-        from . import tracing
 
         resource = _resource()
         # No atexit hooks: shutdown() flushes, with a bound on the OTLP endpoint's time.
@@ -464,21 +462,23 @@ class Observability:
             tp.add_span_processor(_bsp(span_exporter))
             reader = PeriodicExportingMetricReader(metric_exporter)
             self.meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
-        self.tracer_provider = tp
-        tracing.enable(tp)
+        self.tracer_provider = tp  # each stack of stack_factory() traces through it
 
     def stack_factory(self, base=None):
         """A ``stack_factory(config)`` for :func:`aioslirp.netns.run_in_namespace` / ``attach``:
-        builds the stack with ``base`` (default :class:`~aioslirp.stack.Stack`), then adds the
-        pcap wrapper and registers the metrics."""
+        builds the stack with ``base`` (default :class:`~aioslirp.stack.Stack`), traced through
+        :attr:`tracer_provider` when there is one, then adds the pcap wrapper and registers the
+        metrics."""
 
         def factory(config):
             if base is None:
                 from .stack import Stack
 
-                stack = Stack(config)
+                make = Stack
             else:
-                stack = base(config)
+                make = base
+            tp = self.tracer_provider
+            stack = make(config) if tp is None else make(config, tracer_provider=tp)
             self.stacks.append(stack)
             if self.pcap_writer is not None:
                 from .transport.pcap import PcapTransport
@@ -504,11 +504,10 @@ class Observability:
             except Exception:  # pragma: no cover - defensive
                 log.exception("closing the pcap capture failed")
         if self.tracer_provider is not None:
-            from . import tracing
-
             try:
-                tracing.end_all()
-                tracing.disable()
+                for stack in self.stacks:  # end the spans of flows still open
+                    if stack.tracer is not None:
+                        stack.tracer.end_all()
                 if self.otlp_report is None:
                     self.tracer_provider.shutdown()
                 elif self._file_bsp is not None:

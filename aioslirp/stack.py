@@ -50,6 +50,7 @@ from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
 from .services.dns import DnsForwarder
 from .services.dns_tcp import DnsTcpHost
+from .transport.trace import TraceTransport
 from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
 
 log = logging.getLogger("aioslirp.stack")
@@ -83,6 +84,14 @@ class Stack:
             input), ``None`` when ``config.ipv6`` is off; ``family6`` its family.
         dns, icmp: the DNS forwarder (``None`` until started) and the ICMP echo proxy.
         tasks: the flows' own tasks.
+        tracer: the stack's own :class:`~aioslirp.tracing.Tracer` (its trace points as
+            OpenTelemetry spans through ``tracer_provider``), or ``None``: not traced.
+
+    Args:
+        config: the network (default: ``NetworkConfig()``).
+        tracer_provider: an OpenTelemetry ``TracerProvider``: trace this stack through it.
+            ``None``: traced through the provider given to :func:`aioslirp.tracing.enable`
+            when that is in force, else not traced.
 
     Raises:
         ConfigError: from the constructor when ``config`` is invalid.
@@ -92,17 +101,23 @@ class Stack:
     #: offload frames when the transport offers it (:mod:`aioslirp.wire.offload`).
     supports_offload = True
 
-    def __init__(self, config: NetworkConfig | None = None) -> None:
+    def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None) -> None:
         self.config = cfg = (config if config is not None else NetworkConfig()).validate()
         self.counters: Counter = Counter()
         ctx = self.ctx = FlowContext(cfg, self.counters)
         rate = float(cfg.new_flow_rate)
         new_bucket = functools.partial(NewFlowBucket, rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
         self.guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket)
-        self.table = ctx.table = FlowTable(cfg, self.counters, self.guard, self)
+        self.table = ctx.table = FlowTable(cfg, self.counters, self.guard)
         self.flows: dict = self.table.flows
         self.idle_order: IdleOrder = self.table.idle_order
-        self.inject_queue = ctx.queue = InjectQueue(cfg.inject_queue_size, self.counters, self)
+        self.inject_queue = ctx.queue = InjectQueue(cfg.inject_queue_size, self.counters)
+        if tracer_provider is not None:
+            tracer = tracing.Tracer(tracer_provider, self.table, self.inject_queue)
+        else:
+            tracer = tracing.default_tracer(self.table, self.inject_queue)
+        # handed to whoever records a trace point (the Link reads ctx.tracer)
+        self.tracer = ctx.tracer = self.table.tracer = self.inject_queue.tracer = tracer
         #: Queue one frame for the guest (:meth:`InjectQueue.put <aioslirp.inject.InjectQueue.put>`):
         #: False (counted ``drop.inject_full``) when the queue is full.
         self.inject = ctx.inject = self.inject_queue.put
@@ -123,8 +138,7 @@ class Stack:
 
             self.v6 = Ipv6Path(ctx, self.l4)
             self.family6 = self.v6.family
-        self.link = link = Link(ctx, self.family4, self.ipv4.input, self.v6.dispatch if self.v6 is not None else None,
-                                self)
+        self.link = link = Link(ctx, self.family4, self.ipv4.input, self.v6.dispatch if self.v6 is not None else None)
         #: The transport's sink, a batch of guest frames (:meth:`aioslirp.dispatch.link.Link.on_frames`).
         self.on_frames = self._on_frames = link.on_frames
         self.gw_mac = cfg.gateway_mac_bytes
@@ -239,8 +253,9 @@ class Stack:
         if self._transport is not None:
             self._transport.close()
         self.table.clear()
-        if tracing.enabled:
-            tracing.stack_closed(self)
+        tr = self.tracer
+        if tr is not None:
+            tr.on_stack_closed()
 
     def reset_flows(self) -> int:
         """Forget the guest: tear down every flow and the per-guest state. Returns flows torn down.
@@ -279,6 +294,8 @@ class Stack:
             await self.start()
         for wrap in self.transport_wrappers:
             transport = wrap(transport)
+        if self.tracer is not None:  # the drain_to_guest / writer_wake trace points
+            transport = TraceTransport(transport, self.tracer)
         self._transport = self.inject_queue.transport = transport
         self.ctx.offload = bool(getattr(transport, "offload", False))
         await transport.open(self.on_frames)

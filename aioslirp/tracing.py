@@ -1,12 +1,40 @@
-"""Trace points as OpenTelemetry spans, gated by one module-level boolean.
+"""Trace points as OpenTelemetry spans, recorded by a :class:`Tracer` that belongs to one stack.
 
 Theory of operation
 -------------------
-Every call site in the data path reads :data:`enabled` first (``if tracing.enabled:``) and
-only then calls into this module, so with tracing off (the default) a call site costs one
-module attribute look-up and a branch. :func:`enable` turns the trace points on; spans go
-to the tracer provider given there (or the global one: with the OpenTelemetry API alone
-they are non-recording and cheap, with the SDK they are recorded and exported).
+A :class:`~aioslirp.stack.Stack` made with ``tracer_provider=`` (or after :func:`enable`,
+which sets that default for stacks made afterwards) owns one :class:`Tracer`; every other
+stack has ``None``. The stack hands it to the objects that need it when it builds them:
+``FlowContext.tracer`` (the flows), ``FlowTable.tracer``, ``InjectQueue.tracer``,
+``Link.tracer``. A trace point reads that attribute and, when a tracer is there, tells it
+what just happened, *after* doing the work::
+
+    conn.receive_segment(seg, now)
+    tr = self.ctx.tracer
+    if tr is not None:
+        tr.on_segment(self, seg)
+
+So the data path is written once; with tracing off a trace point costs one attribute load and
+an ``is not None`` test, and a hook never performs the data path's work. A hook that raises is
+counted in :attr:`Tracer.errors` and logged once per hook; the data path goes on.
+
+Everything the tracer remembers is its own: the record of each traced flow (a map keyed by
+the flow object, nothing is set on flows), the enqueue stamps of frames waiting in the
+inject queue, the flow records whose span has not ended. Two stacks in one process trace
+into their own providers, or one is traced and the other not.
+
+Where each trace point is recorded:
+
+* flow spans and their events: the flow table (``on_flow_opened`` / ``on_flow_closed``) and
+  the TCP flow (``on_segment``, ``on_host_data``, ``on_syn_ack``, ``on_conn_event``,
+  ``on_connect_failed``, ``on_flow_event``), each after the call it describes;
+* ``process_guest_frame``: :class:`~aioslirp.dispatch.link.Link`, after each frame's dispatch
+  (the span's parent is the flow the dispatch found or created, and its timing and queued
+  frames are per frame inside a batch: a transport wrapper sees whole batches only);
+* ``drain_to_guest`` and ``writer_wake``: :class:`~aioslirp.transport.trace.TraceTransport`,
+  a wrapper around the served transport (like ``PcapTransport``), which times each
+  ``send_frames``; the inject queue stamps each frame it queues (``on_frame_queued``) and
+  forgets those it drops unwritten (``on_discard``).
 
 Spans (names and attributes; ``network.*``, ``client.*``, ``server.*`` follow the
 OpenTelemetry semantic conventions, the rest is ``aioslirp.*``):
@@ -31,9 +59,11 @@ OpenTelemetry semantic conventions, the rest is ``aioslirp.*``):
   span when the frame belongs to a flow (including the SYN that creates it). Attributes
   ``aioslirp.ethertype``, ``network.type``, ``network.transport``, ``aioslirp.frame.bytes``,
   ``aioslirp.tcp.flags``, ``aioslirp.frames_queued`` (frames put in the inject queue while
-  processing it), ``aioslirp.processing_us``.
-* ``tcp.syn_ack`` -- trace point 2: the SYN-ACK is queued for a new guest connection.
-  Child of the flow span. ``client.port`` (guest port), ``server.port`` (remote port),
+  processing it), ``aioslirp.processing_us`` (from the end of the previous frame of the
+  batch, or the batch's start, to the end of this one's dispatch).
+* ``tcp.syn_ack`` -- trace point 2: the SYN-ACK is queued for a new guest connection. From
+  the start of the host connect to the SYN-ACK queued. Child of the flow span.
+  ``client.port`` (guest port), ``server.port`` (remote port),
   ``aioslirp.connect.immediate`` (no host connect was needed: the DNS service),
   ``aioslirp.connect_us`` (host connect time).
 * ``drain_to_guest`` -- trace point 3: the writer handed one batch to the transport.
@@ -50,6 +80,11 @@ and carry links to every flow whose frames they wrote.
 Timestamps are ``time.time_ns()`` (the SDK's clock), so spans made after the fact (a
 guest frame's span is created once the frame is dispatched and its flow is known) line
 up with events stamped by the SDK.
+
+Compatibility: :func:`enable` / :func:`disable` set and clear the provider that stacks made
+afterwards trace through (a stack made with ``tracer_provider=`` ignores it);
+:func:`end_all` ends the open flow spans of the tracers made that way. Nothing in the data
+path reads this module's state.
 """
 
 from __future__ import annotations
@@ -59,97 +94,61 @@ import functools
 import ipaddress
 import logging
 import time
+import weakref
 
 from .flow.base import flow_key
 from .wire.tcp import ACK, FIN, PSH, RST, SYN
 
 log = logging.getLogger("aioslirp.tracing")
 
-__all__ = ["enabled", "enable", "disable", "span", "end_all", "MAX_DATA_EVENTS"]
-
-#: True when trace points record spans. Read at each call site: ``if tracing.enabled:``.
-enabled = False
-_tracer = None
+__all__ = ["Tracer", "enable", "disable", "default_tracer", "span", "end_all", "MAX_DATA_EVENTS"]
 
 #: Per flow, at most this many ``guest.data``, ``host.data`` and ``data.sent`` events each.
 MAX_DATA_EVENTS = 8
 
-#: Stamps of frames waiting in inject queues: id(frame) -> (frame, enqueue time ns, record, kind).
-_stamps: dict = {}
 _MAX_STAMPS = 1 << 16
-#: Flow records whose span has not ended yet.
-_open: set = set()
-#: Internal errors of the tracing code (each is logged once per hook; the data path goes on).
-errors = 0
-_logged: set = set()
-
 _now = time.time_ns
 _PROTO_NAMES = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmp"}
-_TCP_FIN, _TCP_SYN, _TCP_RST, _TCP_ACK = FIN, SYN, RST, ACK
 _FLAG_LETTERS = ((FIN, "F"), (SYN, "S"), (RST, "R"), (PSH, "P"), (ACK, "A"))
-#: Connection events recorded from ``TcpConnection.next_event`` (the others are recorded
-#: when the guest segment that caused them is fed, see :func:`guest_segment`).
+#: Connection events recorded from ``TcpConnection.next_event`` (``established`` and ``fin``
+#: are recorded from the guest segment that caused them, see :meth:`Tracer.on_segment`).
 _CONN_EVENTS = {"reset": "reset", "closed": "closed"}
 
 
-def enable(tracer_provider=None) -> None:
-    """Record spans for the stack's trace points through ``tracer_provider`` (default: the global one).
-
-    Needs only ``opentelemetry-api``; without an SDK provider the spans are non-recording.
-    """
-    global enabled, _tracer
-    from opentelemetry import trace
-
-    _tracer = trace.get_tracer("aioslirp", tracer_provider=tracer_provider)
-    enabled = True
-
-
-def disable() -> None:
-    """Stop recording spans (flow spans already open still end normally)."""
-    global enabled
-    enabled = False
-
-
-def span(name: str, attributes: dict | None = None):
-    """A context manager recording span ``name`` as the current span (a no-op context when tracing is off)."""
-    if not enabled or _tracer is None:
-        return contextlib.nullcontext()
-    return _tracer.start_as_current_span(name, attributes=attributes)
-
-
 def _safe(fn):
-    """A tracing hook never breaks the data path: an exception is counted and logged once."""
+    """A tracing hook never breaks the data path: an exception is counted (``tracer.errors``)
+    and logged once per hook and tracer."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        global errors
+    def wrapper(self, *args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            return fn(self, *args, **kwargs)
         except Exception:
-            errors += 1
-            if fn.__name__ not in _logged:
-                _logged.add(fn.__name__)
+            self.errors += 1
+            if fn.__name__ not in self.logged:
+                self.logged.add(fn.__name__)
                 log.exception("tracing hook %s failed (further failures are only counted)", fn.__name__)
             return None
 
     return wrapper
 
 
-# --------------------------------------------------------------------------- flows
 class _FlowTrace:
     """Tracing state of one flow: its span, a context for children, counters."""
 
-    __slots__ = ("span", "ctx", "stack", "pending", "closing", "to_guest", "n_guest", "n_host", "n_sent", "outcome")
+    __slots__ = ("span", "ctx", "pending", "closing", "to_guest", "n_guest", "n_host", "n_sent", "outcome",
+                 "established", "fin_guest")
 
-    def __init__(self, span, ctx, stack) -> None:
+    def __init__(self, span, ctx) -> None:
         self.span = span
         self.ctx = ctx
-        self.stack = stack
         self.pending = 0  # frames of this flow stamped in the inject queue
         self.closing = False  # the flow left the table; end the span once pending == 0
         self.to_guest = 0
         self.n_guest = self.n_host = self.n_sent = 0
         self.outcome = None  # a TCP flow's failed connect: "refused" or "unreachable"
+        self.established = False  # the "established" event was recorded
+        self.fin_guest = False  # the "fin.guest" event was recorded
 
 
 def _addr(raw) -> str:
@@ -159,168 +158,6 @@ def _addr(raw) -> str:
         return repr(raw)
 
 
-@_safe
-def flow_opened(stack, flow) -> None:
-    """A flow entered the flow table: start its span (called by ``FlowTable.add``)."""
-    from opentelemetry import trace
-
-    if _tracer is None:
-        return
-    name = flow.proto_name
-    key = flow.key
-    guest, dst = key[1], key[3]
-    attrs = {
-        "network.transport": "icmp" if name == "icmp" else name,
-        "network.type": "ipv6" if len(guest) == 16 else "ipv4",
-        "client.address": _addr(guest),
-        "server.address": _addr(dst),
-    }
-    if name == "icmp":
-        attrs["aioslirp.icmp.ident"] = key[2]
-    else:
-        attrs["client.port"] = key[2]
-        attrs["server.port"] = key[4]
-    direction = flow.direction
-    if direction:
-        attrs["aioslirp.direction"] = direction
-    remote = flow.remote
-    if remote:
-        attrs["network.peer.address"] = remote
-    elif name == "tcp" and remote is None:
-        attrs["aioslirp.service"] = "dns"
-    sp = _tracer.start_span(name + ".flow", attributes=attrs)
-    rec = _FlowTrace(sp, trace.set_span_in_context(sp), stack)
-    flow.trace = rec
-    _open.add(rec)
-
-
-@_safe
-def flow_closed(flow) -> None:
-    """A flow left the flow table (``FlowTable.remove``): set the end attributes; the span
-    ends once the flow's last queued frame has been written."""
-    rec = flow.trace
-    if rec is None:
-        return
-    flow.trace = None
-    sp = rec.span
-    if flow.proto_name == "tcp":
-        conn = flow.conn
-        irs = conn.irs
-        from_guest = 0 if irs is None else (conn.rcv_nxt - irs - 1 - (1 if conn.fin_received else 0)) & 0xFFFFFFFF
-        if from_guest > 0x7FFFFFFF:
-            from_guest = 0
-        sp.set_attribute("aioslirp.bytes.from_guest", from_guest)
-        sp.set_attribute("aioslirp.bytes.to_guest", rec.to_guest)
-        sp.set_attribute("aioslirp.tcp.state", conn.state)
-        outcome = rec.outcome or ("reset" if conn.reset else "closed")
-        sp.set_attribute("aioslirp.tcp.outcome", outcome)
-    else:
-        up = flow.bytes_up
-        if up is not None:
-            sp.set_attribute("aioslirp.bytes.from_guest", up)
-            sp.set_attribute("aioslirp.bytes.to_guest", flow.bytes_down)
-    rec.closing = True
-    if rec.pending <= 0:
-        _end(rec)
-
-
-def _end(rec: _FlowTrace, end_time: int | None = None) -> None:
-    if rec in _open:
-        _open.discard(rec)
-        rec.span.end(end_time=end_time)
-
-
-@_safe
-def flow_event(flow, name: str, attributes: dict | None = None) -> None:
-    """Add event ``name`` to ``flow``'s span (no-op when the flow has no span)."""
-    rec = flow.trace
-    if rec is not None:
-        rec.span.add_event(name, attributes)
-
-
-@_safe
-def connect_failed(flow, outcome: str) -> None:
-    """The host connect of a TCP flow failed: ``outcome`` is ``refused`` or ``unreachable``."""
-    rec = flow.trace
-    if rec is not None:
-        rec.outcome = outcome
-    flow_event(flow, "connect." + outcome)
-
-
-@_safe
-def tcp_event(flow, name: str) -> None:
-    """An event from the sans-IO connection (``established``, ``fin``, ``reset``, ``closed``)."""
-    rec = flow.trace
-    if rec is not None and name in _CONN_EVENTS:
-        rec.span.add_event(_CONN_EVENTS[name])
-
-
-def guest_segment(flow, seg, now: float) -> None:
-    """Feed guest segment ``seg`` to ``flow.conn`` and record what it changed: ``established``,
-    ``guest.data`` (with its payload length), ``fin.guest``."""
-    conn = flow.conn
-    est0, fin0 = conn.established_at, conn.fin_received
-    try:
-        conn.receive_segment(seg, now)
-    finally:
-        _segment_events(flow, len(seg.payload), est0, fin0)
-
-
-@_safe
-def _segment_events(flow, nbytes: int, est0, fin0: bool) -> None:
-    rec = flow.trace
-    if rec is None:
-        return
-    conn = flow.conn
-    sp = rec.span
-    if est0 is None and conn.established_at is not None:
-        sp.add_event("established")
-    if nbytes and rec.n_guest < MAX_DATA_EVENTS:
-        rec.n_guest += 1
-        sp.add_event("guest.data", {"aioslirp.bytes": nbytes})
-    if conn.fin_received and not fin0:
-        sp.add_event("fin.guest")
-
-
-@_safe
-def host_data(flow, nbytes: int) -> None:
-    """The host socket delivered ``nbytes`` for the guest."""
-    rec = flow.trace
-    if rec is not None:
-        rec.to_guest += nbytes
-        if rec.n_host < MAX_DATA_EVENTS:
-            rec.n_host += 1
-            rec.span.add_event("host.data", {"aioslirp.bytes": nbytes})
-
-
-def syn_ack(flow, connect_time: float, immediate: bool) -> None:
-    """Trace point 2: queue the SYN-ACK (``flow.conn.accept``) inside a ``tcp.syn_ack`` span.
-
-    ``connect_time``: seconds the host connect took; ``immediate``: no host connect was needed.
-    """
-    t0 = _now()
-    try:
-        flow.conn.accept(flow.loop.time())
-    finally:
-        _syn_ack_span(flow, connect_time, immediate, t0, _now())
-
-
-@_safe
-def _syn_ack_span(flow, connect_time: float, immediate: bool, t0: int, t1: int) -> None:
-    rec = flow.trace
-    connect_us = int(connect_time * 1e6)
-    if rec is not None and not immediate:
-        rec.span.add_event("host.connect", timestamp=t0 - int(connect_time * 1e9))
-    attrs = {"client.port": flow.guest_port, "server.port": flow.dst_port,
-             "aioslirp.connect.immediate": immediate, "aioslirp.connect_us": connect_us}
-    sp = _tracer.start_span("tcp.syn_ack", context=rec.ctx if rec is not None else None, attributes=attrs,
-                            start_time=t0)
-    sp.end(end_time=t1)
-    if rec is not None:
-        rec.span.add_event("syn_ack.queued", {"aioslirp.connect_us": connect_us}, timestamp=t1)
-
-
-# --------------------------------------------------------------------------- frames
 def _frame_key(frame, to_guest: bool):
     """(flow key, transport name, TCP flags, payload length) of an IPv4/IPv6 frame, or Nones."""
     n = len(frame)
@@ -366,164 +203,392 @@ def _flags_text(flags: int) -> str:
     return "".join(c for bit, c in _FLAG_LETTERS if flags & bit)
 
 
-def guest_frame(stack, frame, dispatch, *args) -> None:
-    """Trace point 1: dispatch one guest frame (``dispatch(frame, *args)``) and record its span."""
-    depth0 = len(stack.inject_queue)
-    t0 = _now()
-    try:
-        dispatch(frame, *args)
-    finally:
-        _frame_span(stack, frame, t0, _now(), depth0)
+class Tracer:
+    """The trace points of one stack, recorded as OpenTelemetry spans (see the module documentation).
 
+    Args:
+        tracer_provider: the OpenTelemetry ``TracerProvider`` (``None``: the global one; with
+            the OpenTelemetry API alone the spans are non-recording).
+        flows: the stack's flow table (``get(key) -> flow``), to find a frame's flow.
+        queue: the stack's inject queue (``len()``: its depth).
 
-@_safe
-def _frame_span(stack, frame, t0: int, t1: int, depth0: int) -> None:
-    queued = len(stack.inject_queue) - depth0
-    key, transport, flags, _plen = _frame_key(frame, False)
-    flow = stack.flows.get(key) if key is not None else None
-    rec = flow.trace if flow is not None else None
-    attrs = {"aioslirp.frame.bytes": len(frame), "aioslirp.frames_queued": max(queued, 0),
-             "aioslirp.processing_us": (t1 - t0) / 1000.0}
-    if len(frame) >= 14:
-        et = (frame[12] << 8) | frame[13]
-        attrs["aioslirp.ethertype"] = et
-        if et == 0x0800:
-            attrs["network.type"] = "ipv4"
-        elif et == 0x86DD:
-            attrs["network.type"] = "ipv6"
-    if transport is not None:
-        attrs["network.transport"] = transport
-    if flags:
-        attrs["aioslirp.tcp.flags"] = _flags_text(flags)
-    sp = _tracer.start_span("process_guest_frame", context=rec.ctx if rec is not None else None,
-                            attributes=attrs, start_time=t0)
-    sp.end(end_time=t1)
+    Attributes:
+        errors: internal errors of the hooks (each hook's first is logged).
 
+    One per stack: the records it keeps (flow spans, frame stamps) belong to that stack.
+    Every ``on_*`` hook is called after the work it describes, on the event loop's thread.
+    """
 
-@_safe
-def frame_queued(stack, frame) -> None:
-    """A frame entered the inject queue: stamp its enqueue time and its flow (``Stack.inject``)."""
-    key, _transport, flags, plen = _frame_key(frame, True)
-    rec = None
-    kind = None
-    if key is not None:
-        flow = stack.flows.get(key)
-        if flow is not None:
-            rec = flow.trace
-    if rec is not None:
-        if flags & _TCP_RST:
-            kind = "rst.sent"
-        elif flags & _TCP_SYN:
-            kind = "syn_ack.sent" if flags & _TCP_ACK else "syn.sent"
-        elif flags & _TCP_FIN:
-            kind = "fin.sent"
-        elif plen > 0:
-            kind = "data.sent"
-        rec.pending += 1
-    if len(_stamps) >= _MAX_STAMPS:
-        _discard_stamps()
-    old = _stamps.get(id(frame))
-    if old is not None and old[2] is not None:
-        _unpend(old[2])
-    _stamps[id(frame)] = (frame, _now(), rec, kind)
+    def __init__(self, tracer_provider=None, flows=None, queue=None) -> None:
+        from opentelemetry import trace
 
+        self.otel = trace.get_tracer("aioslirp", tracer_provider=tracer_provider)
+        self.flows = flows if flows is not None else {}
+        self.queue = queue if queue is not None else ()
+        self.errors = 0
+        self.logged: set = set()
+        #: Flow -> its record, while its span is open and the flow is in the table.
+        self.records: dict = {}
+        #: Records whose span has not ended yet (flows that left the table wait for their frames).
+        self.open: set = set()
+        #: Frames waiting in the inject queue: id(frame) -> (frame, enqueue time ns, record, kind).
+        self.stamps: dict = {}
+        self._mark = 0  # end of the previous guest frame's processing (or the batch's start), ns
+        self._depth = 0  # inject queue depth then
 
-def _unpend(rec: _FlowTrace) -> None:
-    rec.pending -= 1
-    if rec.closing and rec.pending <= 0:
-        _end(rec)
+    def span(self, name: str, attributes: dict | None = None):
+        """A context manager recording span ``name`` as the current span."""
+        return self.otel.start_as_current_span(name, attributes=attributes)
 
+    # ------------------------------------------------------------------ flows
+    @_safe
+    def on_flow_opened(self, flow) -> None:
+        """``flow`` entered the flow table: start its span."""
+        from opentelemetry import trace
 
-def _discard_stamps() -> None:
-    """Forget every stamp (frames dropped without a write leave stale ones behind)."""
-    for _frame, _t, rec, _kind in list(_stamps.values()):
+        name = flow.proto_name
+        key = flow.key
+        guest, dst = key[1], key[3]
+        attrs = {
+            "network.transport": "icmp" if name == "icmp" else name,
+            "network.type": "ipv6" if len(guest) == 16 else "ipv4",
+            "client.address": _addr(guest),
+            "server.address": _addr(dst),
+        }
+        if name == "icmp":
+            attrs["aioslirp.icmp.ident"] = key[2]
+        else:
+            attrs["client.port"] = key[2]
+            attrs["server.port"] = key[4]
+        direction = flow.direction
+        if direction:
+            attrs["aioslirp.direction"] = direction
+        remote = flow.remote
+        if remote:
+            attrs["network.peer.address"] = remote
+        elif name == "tcp" and remote is None:
+            attrs["aioslirp.service"] = "dns"
+        sp = self.otel.start_span(name + ".flow", attributes=attrs)
+        rec = _FlowTrace(sp, trace.set_span_in_context(sp))
+        self.records[flow] = rec
+        self.open.add(rec)
+
+    @_safe
+    def on_flow_closed(self, flow) -> None:
+        """``flow`` left the flow table: set the end attributes; the span ends once the flow's
+        last queued frame has been written."""
+        rec = self.records.pop(flow, None)
+        if rec is None:
+            return
+        sp = rec.span
+        if flow.proto_name == "tcp":
+            conn = flow.conn
+            irs = conn.irs
+            from_guest = 0 if irs is None else (conn.rcv_nxt - irs - 1 - (1 if conn.fin_received else 0)) & 0xFFFFFFFF
+            if from_guest > 0x7FFFFFFF:
+                from_guest = 0
+            sp.set_attribute("aioslirp.bytes.from_guest", from_guest)
+            sp.set_attribute("aioslirp.bytes.to_guest", rec.to_guest)
+            sp.set_attribute("aioslirp.tcp.state", conn.state)
+            outcome = rec.outcome or ("reset" if conn.reset else "closed")
+            sp.set_attribute("aioslirp.tcp.outcome", outcome)
+        else:
+            up = flow.bytes_up
+            if up is not None:
+                sp.set_attribute("aioslirp.bytes.from_guest", up)
+                sp.set_attribute("aioslirp.bytes.to_guest", flow.bytes_down)
+        rec.closing = True
+        if rec.pending <= 0:
+            self._end(rec)
+
+    def _end(self, rec: _FlowTrace, end_time: int | None = None) -> None:
+        if rec in self.open:
+            self.open.discard(rec)
+            rec.span.end(end_time=end_time)
+
+    @_safe
+    def on_flow_event(self, flow, name: str, attributes: dict | None = None) -> None:
+        """Add event ``name`` to ``flow``'s span (nothing when the flow has no span)."""
+        rec = self.records.get(flow)
         if rec is not None:
-            _unpend(rec)
-    _stamps.clear()
+            rec.span.add_event(name, attributes)
 
-
-def drain(stack, transport, batch, depth: int) -> None:
-    """Trace points 3 and 4: write ``batch`` with ``transport.send_frames`` and record
-    ``drain_to_guest`` and ``writer_wake``; stamp ``*.sent`` events on the flows' spans."""
-    t0 = _now()
-    try:
-        transport.send_frames(batch)
-    finally:
-        _drained(batch, depth, t0, _now())
-
-
-@_safe
-def _drained(batch, depth: int, t0: int, t1: int) -> None:
-    first = None
-    n_stamped = 0
-    wmax = wmin = 0
-    recs: list = []  # distinct flows of this batch, in order
-    done: list = []  # one entry per stamped frame of a flow
-    pop = _stamps.pop
-    for f in batch:
-        st = pop(id(f), None)
-        if st is None:
-            continue
-        _frame, tq, rec, kind = st
-        wait = t1 - tq
-        if first is None or tq < first:
-            first = tq
-        if n_stamped == 0 or wait > wmax:
-            wmax = wait
-        if n_stamped == 0 or wait < wmin:
-            wmin = wait
-        n_stamped += 1
+    @_safe
+    def on_connect_failed(self, flow, outcome: str) -> None:
+        """The host connect of a TCP flow failed: ``outcome`` is ``refused`` or ``unreachable``."""
+        rec = self.records.get(flow)
         if rec is not None:
-            done.append(rec)
-            if rec not in recs:
-                recs.append(rec)
-            if kind is not None and (kind != "data.sent" or rec.n_sent < MAX_DATA_EVENTS):
-                if kind == "data.sent":
-                    rec.n_sent += 1
-                rec.span.add_event(kind, {"aioslirp.wait_us": wait / 1000.0}, timestamp=t1)
-    _batch_spans(batch, depth, t0, t1, first, n_stamped, wmax, wmin, recs)
-    for rec in done:
-        _unpend(rec)
+            rec.outcome = outcome
+            rec.span.add_event("connect." + outcome)
 
+    @_safe
+    def on_conn_event(self, flow, name: str) -> None:
+        """An event the sans-IO connection reported (``established``, ``fin``, ``reset``, ``closed``)."""
+        rec = self.records.get(flow)
+        if rec is not None and name in _CONN_EVENTS:
+            rec.span.add_event(_CONN_EVENTS[name])
 
-@_safe
-def discard(batch) -> None:
-    """Frames of ``batch`` were dropped without a write: forget their stamps."""
-    for f in batch:
-        st = _stamps.pop(id(f), None)
-        if st is not None and st[2] is not None:
-            _unpend(st[2])
+    @_safe
+    def on_segment(self, flow, seg) -> None:
+        """``flow.conn`` took guest segment ``seg``: record what it changed, ``established``,
+        ``guest.data`` (with its payload length), ``fin.guest``."""
+        rec = self.records.get(flow)
+        if rec is None:
+            return
+        conn = flow.conn
+        sp = rec.span
+        if not rec.established and conn.established_at is not None:
+            rec.established = True
+            sp.add_event("established")
+        nbytes = len(seg.payload)
+        if nbytes and rec.n_guest < MAX_DATA_EVENTS:
+            rec.n_guest += 1
+            sp.add_event("guest.data", {"aioslirp.bytes": nbytes})
+        if not rec.fin_guest and conn.fin_received:
+            rec.fin_guest = True
+            sp.add_event("fin.guest")
 
+    @_safe
+    def on_host_data(self, flow, nbytes: int) -> None:
+        """The host socket delivered ``nbytes`` for the guest."""
+        rec = self.records.get(flow)
+        if rec is not None:
+            rec.to_guest += nbytes
+            if rec.n_host < MAX_DATA_EVENTS:
+                rec.n_host += 1
+                rec.span.add_event("host.data", {"aioslirp.bytes": nbytes})
 
-def _batch_spans(batch, depth, t0, t1, first, n_stamped, wmax, wmin, recs) -> None:
-    from opentelemetry.trace import Link
+    @_safe
+    def on_syn_ack(self, flow, connect_time: float, immediate: bool) -> None:
+        """Trace point 2: the SYN-ACK of a new guest connection was queued (``conn.accept``).
 
-    ctx = recs[0].ctx if len(recs) == 1 else None
-    links = [Link(r.span.get_span_context()) for r in recs] if recs else None
-    sp = _tracer.start_span("drain_to_guest", context=ctx, links=links, start_time=t0,
-                            attributes={"aioslirp.frames": len(batch), "aioslirp.queue_depth": depth,
-                                        "aioslirp.drain_us": (t1 - t0) / 1000.0})
-    sp.end(end_time=t1)
-    if first is not None:
-        sp = _tracer.start_span("writer_wake", context=ctx, links=links, start_time=first,
-                                attributes={"aioslirp.frames": n_stamped, "aioslirp.wait_us.max": wmax / 1000.0,
-                                            "aioslirp.wait_us.min": wmin / 1000.0})
+        ``connect_time``: seconds the host connect took; ``immediate``: no host connect was needed.
+        """
+        t1 = _now()
+        t0 = t1 if immediate else t1 - int(connect_time * 1e9)
+        rec = self.records.get(flow)
+        connect_us = int(connect_time * 1e6)
+        if rec is not None and not immediate:
+            rec.span.add_event("host.connect", timestamp=t0)
+        attrs = {"client.port": flow.guest_port, "server.port": flow.dst_port,
+                 "aioslirp.connect.immediate": immediate, "aioslirp.connect_us": connect_us}
+        sp = self.otel.start_span("tcp.syn_ack", context=rec.ctx if rec is not None else None, attributes=attrs,
+                                  start_time=t0)
+        sp.end(end_time=t1)
+        if rec is not None:
+            rec.span.add_event("syn_ack.queued", {"aioslirp.connect_us": connect_us}, timestamp=t1)
+
+    # ------------------------------------------------------------------ guest frames
+    def on_batch_start(self) -> None:
+        """Guest frames are about to be processed: note the time and the inject queue's depth
+        (the start of the first frame's ``process_guest_frame``)."""
+        self._depth = len(self.queue)
+        self._mark = _now()
+
+    def on_guest_frame(self, frame) -> None:
+        """Trace point 1: guest ``frame`` was dispatched; record its ``process_guest_frame`` span."""
+        try:
+            self._frame_span(frame, _now())
+        finally:
+            self._mark = _now()  # the next frame's processing starts after this hook
+
+    @_safe
+    def _frame_span(self, frame, t1: int) -> None:
+        t0 = self._mark
+        depth = len(self.queue)
+        queued = depth - self._depth
+        self._depth = depth
+        key, transport, flags, _plen = _frame_key(frame, False)
+        flow = self.flows.get(key) if key is not None else None
+        rec = self.records.get(flow) if flow is not None else None
+        attrs = {"aioslirp.frame.bytes": len(frame), "aioslirp.frames_queued": max(queued, 0),
+                 "aioslirp.processing_us": (t1 - t0) / 1000.0}
+        if len(frame) >= 14:
+            et = (frame[12] << 8) | frame[13]
+            attrs["aioslirp.ethertype"] = et
+            if et == 0x0800:
+                attrs["network.type"] = "ipv4"
+            elif et == 0x86DD:
+                attrs["network.type"] = "ipv6"
+        if transport is not None:
+            attrs["network.transport"] = transport
+        if flags:
+            attrs["aioslirp.tcp.flags"] = _flags_text(flags)
+        sp = self.otel.start_span("process_guest_frame", context=rec.ctx if rec is not None else None,
+                                  attributes=attrs, start_time=t0)
         sp.end(end_time=t1)
 
+    # ------------------------------------------------------------------ frames for the guest
+    @_safe
+    def on_frame_queued(self, frame) -> None:
+        """``frame`` entered the inject queue: stamp its enqueue time and its flow."""
+        key, _transport, flags, plen = _frame_key(frame, True)
+        rec = None
+        kind = None
+        if key is not None:
+            flow = self.flows.get(key)
+            if flow is not None:
+                rec = self.records.get(flow)
+        if rec is not None:
+            if flags & RST:
+                kind = "rst.sent"
+            elif flags & SYN:
+                kind = "syn_ack.sent" if flags & ACK else "syn.sent"
+            elif flags & FIN:
+                kind = "fin.sent"
+            elif plen > 0:
+                kind = "data.sent"
+            rec.pending += 1
+        stamps = self.stamps
+        if len(stamps) >= _MAX_STAMPS:
+            self._discard_stamps()
+        old = stamps.get(id(frame))
+        if old is not None and old[2] is not None:
+            self._unpend(old[2])
+        stamps[id(frame)] = (frame, _now(), rec, kind)
 
-@_safe
-def stack_closed(stack) -> None:
-    """The stack closed: end the spans of its flows (some may still wait for queued frames
-    that will never be written) and forget the stamps of its frames."""
-    for k, st in list(_stamps.items()):
-        if st[2] is None or st[2].stack is stack:
-            del _stamps[k]
-    for rec in [r for r in _open if r.stack is stack]:
-        _end(rec)
+    def _unpend(self, rec: _FlowTrace) -> None:
+        rec.pending -= 1
+        if rec.closing and rec.pending <= 0:
+            self._end(rec)
+
+    def _discard_stamps(self) -> None:
+        """Forget every stamp (frames dropped without a write leave stale ones behind)."""
+        for _frame, _t, rec, _kind in list(self.stamps.values()):
+            if rec is not None:
+                self._unpend(rec)
+        self.stamps.clear()
+
+    @_safe
+    def on_discard(self, frames) -> None:
+        """``frames`` were dropped without a write: forget their stamps."""
+        pop = self.stamps.pop
+        for f in frames:
+            st = pop(id(f), None)
+            if st is not None and st[2] is not None:
+                self._unpend(st[2])
+
+    @_safe
+    def on_drain(self, batch, t0: int) -> None:
+        """Trace points 3 and 4: ``batch`` was handed to the transport (the write started at
+        ``t0``, ns); record ``drain_to_guest`` and ``writer_wake`` and stamp ``*.sent`` events
+        on the flows' spans."""
+        t1 = _now()
+        depth = len(batch) + len(self.queue)  # the batch left the queue before the write
+        first = None
+        n_stamped = 0
+        wmax = wmin = 0
+        recs: list = []  # distinct flows of this batch, in order
+        done: list = []  # one entry per stamped frame of a flow
+        pop = self.stamps.pop
+        for f in batch:
+            st = pop(id(f), None)
+            if st is None:
+                continue
+            _frame, tq, rec, kind = st
+            wait = t1 - tq
+            if first is None or tq < first:
+                first = tq
+            if n_stamped == 0 or wait > wmax:
+                wmax = wait
+            if n_stamped == 0 or wait < wmin:
+                wmin = wait
+            n_stamped += 1
+            if rec is not None:
+                done.append(rec)
+                if rec not in recs:
+                    recs.append(rec)
+                if kind is not None and (kind != "data.sent" or rec.n_sent < MAX_DATA_EVENTS):
+                    if kind == "data.sent":
+                        rec.n_sent += 1
+                    rec.span.add_event(kind, {"aioslirp.wait_us": wait / 1000.0}, timestamp=t1)
+        try:
+            self._batch_spans(batch, depth, t0, t1, first, n_stamped, wmax, wmin, recs)
+        finally:
+            for rec in done:
+                self._unpend(rec)
+
+    def _batch_spans(self, batch, depth, t0, t1, first, n_stamped, wmax, wmin, recs) -> None:
+        from opentelemetry.trace import Link
+
+        ctx = recs[0].ctx if len(recs) == 1 else None
+        links = [Link(r.span.get_span_context()) for r in recs] if recs else None
+        sp = self.otel.start_span("drain_to_guest", context=ctx, links=links, start_time=t0,
+                                  attributes={"aioslirp.frames": len(batch), "aioslirp.queue_depth": depth,
+                                              "aioslirp.drain_us": (t1 - t0) / 1000.0})
+        sp.end(end_time=t1)
+        if first is not None:
+            sp = self.otel.start_span("writer_wake", context=ctx, links=links, start_time=first,
+                                      attributes={"aioslirp.frames": n_stamped,
+                                                  "aioslirp.wait_us.max": wmax / 1000.0,
+                                                  "aioslirp.wait_us.min": wmin / 1000.0})
+            sp.end(end_time=t1)
+
+    # ------------------------------------------------------------------ the end
+    @_safe
+    def on_stack_closed(self) -> None:
+        """The stack closed: end its flows' spans (some may still wait for queued frames that
+        will never be written) and forget the stamps."""
+        self.end_all()
+
+    def end_all(self) -> None:
+        """End every flow span still open (call before shutting the tracer provider down)."""
+        self.stamps.clear()
+        self.records.clear()
+        for rec in list(self.open):
+            self._end(rec)
+
+
+# --------------------------------------------------------------------------- the default
+# For code written against the process-wide API (tracing.enable(tp) ... tracing.end_all()):
+# a stack made without tracer_provider= asks default_tracer() for its tracer.
+_default: list = []  # [provider] while enable() is in force
+_made: "weakref.WeakSet[Tracer]" = weakref.WeakSet()  # tracers made from it, for end_all()
+
+
+def enable(tracer_provider=None) -> None:
+    """Stacks made from now on without ``tracer_provider=`` trace through ``tracer_provider``
+    (default: the global one). Needs only ``opentelemetry-api``; without an SDK provider the
+    spans are non-recording."""
+    _default[:] = [tracer_provider]
+
+
+def disable() -> None:
+    """Stacks made from now on are not traced by default (stacks already made keep their tracer)."""
+    _default.clear()
+
+
+def default_tracer(flows, queue) -> Tracer | None:
+    """A :class:`Tracer` through the provider given to :func:`enable`, or ``None`` after
+    :func:`disable` (the default)."""
+    if not _default:
+        return None
+    tracer = Tracer(_default[0], flows, queue)
+    _made.add(tracer)
+    return tracer
 
 
 def end_all() -> None:
-    """End every flow span still open (call before shutting the tracer provider down)."""
-    _stamps.clear()
-    for rec in list(_open):
-        _end(rec)
+    """End every flow span still open in the tracers made through :func:`enable` (call before
+    shutting the tracer provider down)."""
+    for tracer in list(_made):
+        tracer.end_all()
+
+
+def span(name: str, attributes: dict | None = None):
+    """A context manager recording span ``name`` through the provider given to :func:`enable`
+    (a no-op context when there is none)."""
+    if not _default:
+        return contextlib.nullcontext()
+    from opentelemetry import trace
+
+    return trace.get_tracer("aioslirp", tracer_provider=_default[0]).start_as_current_span(name, attributes=attributes)
+
+
+def __getattr__(name: str):
+    # Read-only views kept for code written against the process-wide API.
+    if name == "enabled":  # stacks made now are traced
+        return bool(_default)
+    if name == "errors":  # hook failures in the tracers made through enable()
+        return sum(t.errors for t in list(_made))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -46,7 +46,6 @@ class UdpFlow:
     direction = "outbound"
     remote = None  # the host address is not kept (see aioslirp.flow.base.Flow)
     forward_id = None
-    trace = None
 
     def __init__(self, ctx, fam, key: tuple, remote: str, now: float | None = None) -> None:
         self.ctx = ctx

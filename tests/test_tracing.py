@@ -195,13 +195,20 @@ async def test_spans_for_one_crr_cycle_and_a_refused_connection(memory_tracing):
 async def test_tracing_off_records_nothing(memory_tracing):
     tracing.disable()
     server = EchoOnce()
+    stacks = []
+
+    def factory(config):
+        stacks.append(Stack(config))
+        return stacks[-1]
+
     try:
-        rc = await run_in_namespace(NetworkConfig(), [sys.executable, "-c", crr_script(server.port, 3)])
+        rc = await run_in_namespace(NetworkConfig(), [sys.executable, "-c", crr_script(server.port, 3)],
+                                    stack_factory=factory)
     finally:
         server.close()
     assert rc == 0 and server.accepted == 3
     assert memory_tracing.get_finished_spans() == ()
-    assert not tracing._stamps and not tracing._open
+    assert len(stacks) == 1 and stacks[0].tracer is None  # nothing to record into
 
 
 # ---------------------------------------------------------------------------- OTLP/HTTP
@@ -515,3 +522,69 @@ async def test_metrics_and_stats_read_the_counters():
     assert stats["flows"] == {} and stats["inject_queue"]["depth"] == 0
     assert stats["inject_queue"]["size"] == NetworkConfig().inject_queue_size
     json.dumps(stats)
+
+
+async def test_two_stacks_trace_into_their_own_providers_and_an_untraced_one_records_nothing():
+    """Three stacks in one process at once, each behind its own guest namespace: A traced into
+    exporter A, B into exporter B, C untraced (and no process-wide default). Each exporter holds
+    the spans of its own stack's connections and nothing else."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    assert not tracing.enabled
+    exporters, providers = [], []
+    for _ in range(2):
+        exporters.append(InMemorySpanExporter())
+        providers.append(TracerProvider())
+        providers[-1].add_span_processor(SimpleSpanProcessor(exporters[-1]))
+    servers = [EchoOnce() for _ in range(3)]
+    counts = [2, 3, 4]  # connections of the guests behind A, B, C
+    stacks: dict = {}
+
+    def factory_for(name, provider):
+        def factory(config):
+            stacks[name] = Stack(config) if provider is None else Stack(config, tracer_provider=provider)
+            return stacks[name]
+        return factory
+
+    try:
+        rcs = await asyncio.gather(*(
+            run_in_namespace(NetworkConfig(), [sys.executable, "-c", crr_script(srv.port, n)],
+                             stack_factory=factory_for(name, provider))
+            for name, srv, n, provider in zip("ABC", servers, counts, [*providers, None])))
+    finally:
+        for srv in servers:
+            srv.close()
+    try:
+        assert rcs == [0, 0, 0] and [s.accepted for s in servers] == counts
+        a, b, c = stacks["A"], stacks["B"], stacks["C"]
+        assert c.tracer is None
+        assert a.tracer is not None and b.tracer is not None and a.tracer is not b.tracer
+        for st in (a, b):
+            assert st.tracer.errors == 0 and not st.tracer.open and not st.tracer.stamps and not st.tracer.records
+        ports = [s.port for s in servers]
+        for exporter, port, n in zip(exporters, ports, counts):
+            spans = exporter.get_finished_spans()
+            flows = [s for s in spans if s.name == "tcp.flow"]
+            # its own connections, nothing of the other traced stack's nor of the untraced one's
+            assert [s.attributes["server.port"] for s in flows] == [port] * n
+            assert len({s.attributes["client.port"] for s in flows}) == n
+            assert all(s.attributes["aioslirp.tcp.outcome"] == "closed" for s in flows)
+            assert all(s.attributes["aioslirp.bytes.from_guest"] == 1 for s in flows)
+            by_id = {s.context.span_id for s in spans}
+            flow_ids = {s.context.span_id for s in flows}
+            children = [s for s in spans if s.parent is not None]
+            assert all(s.parent.span_id in by_id for s in children)  # no span parented elsewhere
+            syn_acks = [s for s in children if s.name == "tcp.syn_ack"]
+            assert len(syn_acks) == n and {s.parent.span_id for s in syn_acks} == flow_ids
+            assert all(s.attributes["server.port"] == port for s in syn_acks)
+            frames = [s for s in children if s.name == "process_guest_frame"]
+            # per connection at least SYN, the ACK of the SYN-ACK, the request, the guest's FIN
+            assert len(frames) >= 4 * n and {s.parent.span_id for s in frames} == flow_ids
+            assert {s.attributes["aioslirp.tcp.flags"] for s in frames} >= {"S", "FA"}
+            drains = [s for s in spans if s.name == "drain_to_guest"]
+            assert drains and all(link.context.span_id in flow_ids for s in drains for link in s.links)
+    finally:
+        for p in providers:
+            p.shutdown()

@@ -77,8 +77,9 @@ def _dns_stub(answer: str) -> tuple[socket.socket, int]:
     return sock, sock.getsockname()[1]
 
 
-async def demo(config: NetworkConfig | None = None) -> int:
-    """Run the demo; returns 0 when the guest fetched the page intact."""
+async def demo(config: NetworkConfig | None = None, stack_factory=None) -> int:
+    """Run the demo; returns 0 when the guest fetched the page intact. ``stack_factory(config)``
+    makes the stack (default: :class:`~aioslirp.stack.Stack`)."""
     from ..host.netns import run_in_namespace
     from ..stack import Stack
 
@@ -98,7 +99,7 @@ async def demo(config: NetworkConfig | None = None) -> int:
     stacks = []
 
     def factory(c):
-        s = Stack(c)
+        s = (stack_factory or Stack)(c)
         stacks.append(s)
         return s
 

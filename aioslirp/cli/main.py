@@ -637,12 +637,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     def prepare(config, obs):
         if args.pcap:
             raise ConfigError("--pcap", "not used by 'aioslirp demo'")
-        _stack_factory(args, obs, unused_by="demo")
+        factory = _stack_factory(args, obs, unused_by="demo")
 
         def start():
             from .demo import demo
 
-            return demo(config)
+            return demo(config, stack_factory=factory)
 
         return start
 

@@ -20,7 +20,6 @@ import itertools
 import logging
 import time
 
-from .. import tracing
 from ..wire.arp import ARP_REPLY, ARP_REQUEST, build_arp, parse_arp
 from ..wire.ethernet import ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6
 
@@ -40,10 +39,13 @@ class Link:
         ipv4: ``ipv4(frame, src_mac, trusted, now)``, the IPv4 input.
         ipv6: ``ipv6(frame, src_mac, trusted, now)``, the IPv6 input, or ``None`` (IPv6 off:
             such frames are dropped, ``drop.ipv6_disabled``).
-        owner: the :class:`~aioslirp.stack.Stack`, handed to the trace points.
+
+    Attributes:
+        tracer: the stack's :class:`~aioslirp.tracing.Tracer` (``ctx.tracer``), or ``None``:
+            told of each guest frame after its dispatch (``process_guest_frame``).
     """
 
-    def __init__(self, ctx, fam4, ipv4, ipv6=None, owner=None) -> None:
+    def __init__(self, ctx, fam4, ipv4, ipv6=None) -> None:
         self.ctx = ctx
         self.counters = ctx.counters
         self.drop = ctx.drop
@@ -53,7 +55,7 @@ class Link:
         self.neighbors = fam4.neighbors
         self.ipv4 = ipv4
         self.ipv6 = ipv6
-        self.owner = owner
+        self.tracer = ctx.tracer
 
     def on_frames(self, frames, csum_ok=None) -> None:
         """A batch of guest frames from the transport. ``csum_ok`` (offload TAP only): per frame,
@@ -63,22 +65,21 @@ class Link:
         q = self.queue
         q.hold = True  # the frames the batch queues leave below, at once (see aioslirp.inject)
         try:
-            if tracing.enabled:
-                process = self.process
-                for f, ok in zip(frames, _UNTRUSTED if csum_ok is None else csum_ok):
-                    process(f, ok, now)
-            else:
-                # process() inlined (one call less per frame; counters per batch)
-                counters = self.counters
-                counters["frames_in"] += len(frames)
-                counters["bytes_in"] += sum(map(len, frames))
-                dispatch = self.dispatch
-                for f, ok in zip(frames, _UNTRUSTED if csum_ok is None else csum_ok):
-                    try:
-                        dispatch(f, ok, now)
-                    except Exception:
-                        self.drop("internal_error")
-                        log.exception("internal error processing a guest frame")
+            counters = self.counters
+            counters["frames_in"] += len(frames)
+            counters["bytes_in"] += sum(map(len, frames))
+            dispatch = self.dispatch
+            tr = self.tracer
+            if tr is not None:
+                tr.on_batch_start()
+            for f, ok in zip(frames, _UNTRUSTED if csum_ok is None else csum_ok):
+                try:
+                    dispatch(f, ok, now)
+                except Exception:
+                    self.drop("internal_error")
+                    log.exception("internal error processing a guest frame")
+                if tr is not None:
+                    tr.on_guest_frame(f)
             self.flush()
         finally:
             q.hold = False
@@ -93,14 +94,16 @@ class Link:
         if now is None:
             loop = self.ctx.loop
             now = loop.time() if loop is not None else time.monotonic()
+        tr = self.tracer
+        if tr is not None:
+            tr.on_batch_start()
         try:
-            if tracing.enabled:
-                tracing.guest_frame(self.owner, frame, self.dispatch, trusted, now)
-            else:
-                self.dispatch(frame, trusted, now)
+            self.dispatch(frame, trusted, now)
         except Exception:
             self.drop("internal_error")
             log.exception("internal error processing a guest frame")
+        if tr is not None:
+            tr.on_guest_frame(frame)
 
     def dispatch(self, frame, trusted: bool, now: float) -> None:
         """Demultiplex one guest frame by EtherType (no counting of ``frames_in``)."""

@@ -50,7 +50,6 @@ class Flow(Protocol):
         last_active: loop time (seconds, ``loop.time()``) of its last activity.
         bytes_up, bytes_down: payload bytes guest -> host and host -> guest, ``None`` when not
             counted here (TCP flows: see their connection; echo flows).
-        trace: the tracing record of the flow (:mod:`aioslirp.tracing`), ``None`` when untraced.
     """
 
     key: tuple
@@ -67,7 +66,6 @@ class Flow(Protocol):
     last_active: float
     bytes_up: int | None
     bytes_down: int | None
-    trace: object
 
     def flush(self) -> None:
         """Send what is due (called once per batch of guest frames for a flow marked dirty)."""
@@ -106,10 +104,12 @@ class FlowContext:
             (:class:`~aioslirp.services.dns_tcp.DnsTcpHost`), so ``tcp/`` needs no service.
         offload: the transport being served takes offload frames (a TAP with ``IFF_VNET_HDR``).
         closed: the stack is closing: no new flow is started.
+        tracer: the stack's :class:`~aioslirp.tracing.Tracer`, or ``None`` (not traced): the
+            flows tell it what they did (``if tr is not None: tr.on_...(...)``, after the work).
     """
 
     __slots__ = ("config", "counters", "loop", "table", "guard", "queue", "inject", "tasks", "spawn", "icmp",
-                 "dns", "dns_host", "offload", "closed")
+                 "dns", "dns_host", "offload", "closed", "tracer")
 
     def __init__(self, config, counters) -> None:
         self.config = config
@@ -120,6 +120,7 @@ class FlowContext:
         self.tasks: set = set()
         self.offload = False
         self.closed = False
+        self.tracer = None
 
     def drop(self, reason: str) -> None:
         """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``.

@@ -6,7 +6,7 @@ Every flow of a stack, TCP, UDP and ICMP, both address families, guest-initiated
 port forward, lives in :attr:`FlowTable.flows` under its :func:`~aioslirp.flow.base.flow_key`.
 A flow enters with :meth:`FlowTable.add` and leaves with :meth:`FlowTable.remove`, which count
 ``flows.<proto_name>.opened`` / ``.closed`` and tell the :class:`~aioslirp.flow.guard.Guard` (its
-per-protocol counts stay exact) and the trace points.
+per-protocol counts stay exact) and the stack's tracer, if it has one.
 
 * **Dirty set.** A flow that took a guest segment adds itself to :attr:`FlowTable.dirty`;
   :meth:`FlowTable.flush` runs once at the end of the batch of guest frames and flushes each,
@@ -32,8 +32,6 @@ import asyncio
 import heapq
 import itertools
 import logging
-
-from .. import tracing
 
 __all__ = ["FlowTable", "IdleOrder", "sweep_interval"]
 
@@ -117,7 +115,8 @@ class FlowTable:
         config: the stack's ``NetworkConfig`` (``max_flows`` and the idle timeouts).
         counters: the stack's ``collections.Counter``.
         guard: the :class:`~aioslirp.flow.guard.Guard`, told of every flow entering and leaving.
-        owner: the :class:`~aioslirp.stack.Stack`, handed to the trace points.
+        tracer: the stack's :class:`~aioslirp.tracing.Tracer`, or ``None``: told of every
+            flow entering and leaving (after it did).
 
     Attributes:
         flows: ``dict`` key -> flow (see :class:`~aioslirp.flow.base.Flow`).
@@ -126,7 +125,7 @@ class FlowTable:
         dirty: flows to flush at the end of the batch (:meth:`flush`); a flow adds itself.
     """
 
-    def __init__(self, config, counters, guard, owner=None) -> None:
+    def __init__(self, config, counters, guard, tracer=None) -> None:
         self.max_flows = int(config.max_flows)
         self.counters = counters
         self.guard = guard
@@ -135,7 +134,7 @@ class FlowTable:
         self.idle_order = IdleOrder(self.flows)
         self.dirty: set = set()
         self.interval = sweep_interval(config)
-        self._owner = owner
+        self.tracer = tracer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
 
@@ -150,8 +149,9 @@ class FlowTable:
             self.idle_order.add(flow)
         self.counters[f"flows.{flow.proto_name}.opened"] += 1
         self.guard.opened(flow)
-        if tracing.enabled:
-            tracing.flow_opened(self._owner, flow)
+        tr = self.tracer
+        if tr is not None:
+            tr.on_flow_opened(flow)
 
     def remove(self, flow) -> None:
         """``flow`` leaves the table (counted ``flows.<proto_name>.closed`` if it was in it). Idempotent."""
@@ -160,8 +160,9 @@ class FlowTable:
             self.counters[f"flows.{flow.proto_name}.closed"] += 1
             self.guard.closed(flow)
         self.dirty.discard(flow)
-        if tracing.enabled:
-            tracing.flow_closed(flow)
+        tr = self.tracer
+        if tr is not None:
+            tr.on_flow_closed(flow)
 
     def rekey(self, flow, key: tuple) -> None:
         """Move ``flow`` (in the table) to ``key``, a key no guest packet looks up; ``flow.key`` is set."""

@@ -40,7 +40,6 @@ from ..wire.icmp import KIND_HOST, KIND_NET
 from ..wire.ip import PROTO_TCP
 from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6
 from ..wire.tcp import ACK, SYN, Segment, TcpFrameBuilder, parse_segment, reset_for, syn_options
-from .. import tracing
 from .connection import (CLOSE_WAIT, CLOSED, CLOSING, ESTABLISHED, LAST_ACK, LISTEN, SYN_RECEIVED, SYN_SENT,
                          TIME_WAIT, TcpConnection)
 from .hostsock import HostSocket, TransportHost, close_socket, connect_numeric, connect_start, wait_connected
@@ -74,7 +73,7 @@ class TcpFlow(asyncio.Protocol):
 
     proto = PROTO_TCP
     proto_name = "tcp"
-    direction, forward_id = "outbound", None  # see aioslirp.flow.base.Flow (trace: a slot)
+    direction, forward_id = "outbound", None  # see aioslirp.flow.base.Flow
     bytes_up = bytes_down = None  # counted by the connection
 
     __slots__ = (
@@ -83,8 +82,6 @@ class TcpFlow(asyncio.Protocol):
         "eof_sent", "host_closed", "_timer", "_timer_at", "_finished", "done", "_wake", "_upgrade_sock",
         "_upgrading", "_close_abort", "_pending_sock", "_connect_waiting", "_t0", "retired", "no_socket", "task",
         "_mark_dirty",
-        # the tracer's record of a traced flow (see aioslirp.flow.base.Flow)
-        "trace",
     )
 
     #: The stack's :class:`~aioslirp.flow.base.FlowContext` (flow table, counters, inject queue, config).
@@ -141,13 +138,10 @@ class TcpFlow(asyncio.Protocol):
     task: asyncio.Task
     #: The flow table's dirty set ``add``: :meth:`flush` runs after the batch of guest frames.
     _mark_dirty: object
-    #: The tracer's record while the flow is traced, else ``None``.
-    trace: object
 
     def __init__(self, ctx, fam, key: tuple, remote: str | None, syn: Segment | None, orig_header: bytes,
                  now: float) -> None:
         self.ctx, self.fam = ctx, fam
-        self.trace = None  # set by aioslirp.tracing while traced (FlowTable.add)
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.remote = remote
@@ -342,33 +336,36 @@ class TcpFlow(asyncio.Protocol):
         counters = self.ctx.counters
         if isinstance(exc, ConnectionRefusedError) or getattr(exc, "errno", None) == errno.ECONNREFUSED:
             counters["tcp_connect_refused"] += 1
-            if tracing.enabled:
-                tracing.connect_failed(self, "refused")
             self.conn.refuse()
+            tr = self.ctx.tracer
+            if tr is not None:
+                tr.on_connect_failed(self, "refused")
             self._emit()
             self._finish()
             return
         counters["tcp_connect_unreachable"] += 1
-        if tracing.enabled:
-            tracing.connect_failed(self, "unreachable")
+        tr = self.ctx.tracer
+        if tr is not None:
+            tr.on_connect_failed(self, "unreachable")
         log.debug("connect %s:%d failed: %r", self.remote, self.dst_port, exc)
         kind = KIND_NET if getattr(exc, "errno", None) == errno.ENETUNREACH else KIND_HOST
         self.fam.icmp_error(kind, self.orig_header)
         self._finish()
 
     def _accept(self, connect_time: float, immediate: bool) -> None:
-        if tracing.enabled:
-            tracing.syn_ack(self, connect_time, immediate)
-        else:
-            self.conn.accept(self.loop.time())
+        self.conn.accept(self.loop.time())
+        tr = self.ctx.tracer
+        if tr is not None:
+            tr.on_syn_ack(self, connect_time, immediate)
         self.flush()
 
     # ----------------------------------------------------------------- host socket callbacks (HostSocket)
     def data_received(self, data: bytes) -> None:
-        if tracing.enabled:
-            tracing.host_data(self, len(data))
         conn = self.conn
         conn.send(data)
+        tr = self.ctx.tracer
+        if tr is not None:
+            tr.on_host_data(self, len(data))
         if conn.send_space <= 0:  # tcp_buffer towards the guest is full
             if not self.reading_paused:
                 self.reading_paused = True
@@ -381,9 +378,10 @@ class TcpFlow(asyncio.Protocol):
         self.flush()
 
     def eof_received(self) -> bool:
-        if tracing.enabled:
-            tracing.flow_event(self, "fin.host")
         self.conn.shutdown_write()
+        tr = self.ctx.tracer
+        if tr is not None:
+            tr.on_flow_event(self, "fin.host")
         self.flush()
         return True
 
@@ -411,10 +409,10 @@ class TcpFlow(asyncio.Protocol):
         if seg.flags & SYN and not seg.flags & ACK and conn.state in _OVER:
             return False
         self.last_active = now
-        if tracing.enabled:
-            tracing.guest_segment(self, seg, now)
-        else:
-            conn.receive_segment(seg, now)
+        conn.receive_segment(seg, now)
+        tr = self.ctx.tracer
+        if tr is not None:
+            tr.on_segment(self, seg)
         self._mark_dirty(self)
         return True
 
@@ -443,11 +441,12 @@ class TcpFlow(asyncio.Protocol):
         self._emit()
         ev = conn.next_event()
         while ev is not None:
-            if tracing.enabled:
-                tracing.tcp_event(self, ev.name)
             if ev.__class__ is ResetEvent:
                 self.ctx.counters["tcp_resets"] += 1
                 self._close_host(abort=True)
+            tr = self.ctx.tracer
+            if tr is not None:
+                tr.on_conn_event(self, ev.name)
             ev = conn.next_event()
         state = conn.state
         if state is CLOSED:
