@@ -8,10 +8,10 @@ echo server on the host's 127.0.0.1 (through the gateway 10.0.2.2). The client t
 iteration with ``perf_counter_ns``; the first ``--warmup`` iterations are dropped. Modes
 are interleaved over ``--rounds`` rounds so drift hits them all alike.
 
-The cost of tracing *off* is below the noise of a CRR run, so it is also measured
-directly: a ``count`` mode replaces ``tracing.enabled`` by an object whose truthiness test
-counts itself, giving the number of call-site checks per CRR cycle, and ``timeit`` gives
-the cost of one ``if tracing.enabled:``; their product over the CRR p50 is the overhead.
+Tracing off is a ``None`` tracer: each trace point costs one attribute load and an ``is not
+None`` branch, below the noise of a CRR run; compare ``benchmarks/micro_crr.py`` of two trees
+for that. (An older ``count`` mode counted the module-level switch of the process-global
+tracer, which no longer exists.)
 
 Usage (root or rootless with user namespaces, from the repository root)::
 
@@ -33,7 +33,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import timeit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,7 +42,6 @@ WRAPPER = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from aioslirp import tracing
     mode = sys.argv[2]
-    counter = None
     if mode == "api":
         tracing.enable()  # no SDK installed as global provider: non-recording spans
     elif mode in ("sdk", "file"):
@@ -54,20 +52,10 @@ WRAPPER = textwrap.dedent("""
         exp = NoopSpanExporter() if mode == "sdk" else JsonLinesSpanExporter(sys.argv[3])
         tp.add_span_processor(BatchSpanProcessor(exp, max_queue_size=1 << 16, max_export_batch_size=2048))
         tracing.enable(tp)
-    elif mode == "count":
-        class Counting:
-            n = 0
-            def __bool__(self):
-                Counting.n += 1
-                return False
-        counter = Counting
-        tracing.enabled = Counting()
     from aioslirp.cli import main
     rc = main(sys.argv[4:])
     if mode in ("sdk", "file"):
         tracing.end_all(); tp.shutdown()
-    if counter is not None:
-        print(json.dumps({"checks": counter.n}), file=sys.stderr)
     sys.exit(rc)
 """)
 
@@ -129,38 +117,7 @@ def run_mode(mode: str, port: int, n: int, warmup: int, pin: str | None, trace_f
     p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         raise RuntimeError(f"{mode}: rc={p.returncode}\n{p.stderr[-2000:]}")
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    for line in p.stderr.splitlines():
-        if line.startswith('{"checks"'):
-            out.update(json.loads(line))
-    return out
-
-
-_CHECK_CODE = """
-from aioslirp import tracing
-
-def checked(n):
-    for _ in range(n):
-        if tracing.enabled:
-            pass
-
-def empty(n):
-    for _ in range(n):
-        pass
-"""
-
-
-def check_cost_ns(n: int = 1_000_000, repeat: int = 25) -> float:
-    """Nanoseconds of one ``if tracing.enabled:`` as the stack runs it (a module global, then its
-    attribute, then the branch), over the same loop without it; best of ``repeat``."""
-    ns: dict = {}
-    exec(compile(_CHECK_CODE, "<check>", "exec"), ns)
-    best = {}
-    for name in ("checked", "empty"):
-        fn = ns[name]
-        fn(1000)  # let the interpreter specialise the bytecode
-        best[name] = min(timeit.repeat(lambda: fn(n), number=1, repeat=repeat))
-    return max(best["checked"] - best["empty"], 0.0) / n * 1e9
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -185,25 +142,18 @@ def main() -> int:
                 res = run_mode(m, server.port, args.iterations, args.warmup, args.pin, trace_path)
                 results[m].append(res)
                 print(f"round {r + 1} {m:>4}: p50 {res['p50']:.1f} us p90 {res['p90']:.1f} us", file=sys.stderr)
-        small = run_mode("count", server.port, 100, 0, args.pin)
-        big = run_mode("count", server.port, 100 + args.iterations, 0, args.pin)
     finally:
         if os.path.exists(trace_path):
             os.unlink(trace_path)
-    checks_per_cycle = (big["checks"] - small["checks"]) / args.iterations
-    per_check = check_cost_ns()
     summary = {}
     for m in modes:
         p50s = [x["p50"] for x in results[m]]
         summary[m] = {"p50_median": statistics.median(p50s), "p50_min": min(p50s), "p50_max": max(p50s),
                       "p90_median": statistics.median(x["p90"] for x in results[m]), "runs": results[m]}
     base = summary["off"]["p50_median"]
-    off_cost_us = checks_per_cycle * per_check / 1000.0
     report = {
         "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds, "pin": args.pin,
         "cpus": os.cpu_count(), "python": sys.version.split()[0], "modes": summary,
-        "checks_per_crr_cycle": checks_per_cycle, "ns_per_check": per_check,
-        "tracing_off_cost_us_per_cycle": off_cost_us, "tracing_off_overhead_pct": 100.0 * off_cost_us / base,
     }
     print(f"\nCRR through `aioslirp run`, {args.iterations} iterations x {args.rounds} rounds per mode"
           f"{', pinned to CPU ' + args.pin if args.pin else ', unpinned'} (us)\n")
@@ -214,8 +164,6 @@ def main() -> int:
         s = summary[m]
         print(f"| {labels[m]} | {s['p50_median']:.1f} | {s['p50_min']:.1f}-{s['p50_max']:.1f} | {s['p90_median']:.1f} | "
               f"{100.0 * (s['p50_median'] - base) / base:+.1f}% |")
-    print(f"\ntracing off: {checks_per_cycle:.1f} `if tracing.enabled:` checks per CRR cycle x {per_check:.1f} ns "
-          f"= {off_cost_us * 1000:.0f} ns per cycle = {report['tracing_off_overhead_pct']:.3f}% of the off p50")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
