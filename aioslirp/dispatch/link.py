@@ -43,6 +43,25 @@ class Link:
         owner: the :class:`~aioslirp.stack.Stack`, handed to the trace points.
     """
 
+    __slots__ = ("ctx", "counters", "drop", "queue", "flush", "fam4", "neighbors", "ipv4", "ipv6", "owner", "tracer")
+
+    ctx: object
+    counters: dict[str, int]
+    #: ``ctx.drop``.
+    drop: object
+    #: The :class:`~aioslirp.inject.InjectQueue`.
+    queue: object
+    #: ``FlowTable.flush``: run once per batch of guest frames.
+    flush: object
+    fam4: object
+    #: The ARP cache (``fam4.neighbors``).
+    neighbors: dict
+    ipv4: object
+    ipv6: object
+    owner: object
+    #: The stack's tracer (``None``: not traced).
+    tracer: object
+
     def __init__(self, ctx, fam4, ipv4, ipv6=None, owner=None) -> None:
         self.ctx = ctx
         self.counters = ctx.counters
@@ -54,6 +73,7 @@ class Link:
         self.ipv4 = ipv4
         self.ipv6 = ipv6
         self.owner = owner
+        self.tracer = None
 
     def on_frames(self, frames, csum_ok=None) -> None:
         """A batch of guest frames from the transport. ``csum_ok`` (offload TAP only): per frame,
