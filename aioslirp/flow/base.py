@@ -109,7 +109,24 @@ class FlowContext:
     """
 
     __slots__ = ("config", "counters", "loop", "table", "guard", "queue", "inject", "tasks", "spawn", "icmp",
-                 "dns", "dns_host", "offload", "closed")
+                 "dns", "dns_host", "offload", "closed", "tracer")
+
+    config: object
+    counters: dict[str, int]
+    loop: object
+    table: object
+    guard: object
+    queue: object
+    inject: object
+    tasks: set
+    spawn: object
+    icmp: object
+    dns: object
+    dns_host: object
+    offload: bool
+    closed: bool
+    #: The stack's tracer (``None``: not traced).
+    tracer: object
 
     def __init__(self, config, counters) -> None:
         self.config = config
@@ -120,6 +137,7 @@ class FlowContext:
         self.tasks: set = set()
         self.offload = False
         self.closed = False
+        self.tracer = None
 
     def drop(self, reason: str) -> None:
         """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``.
