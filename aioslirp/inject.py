@@ -63,7 +63,19 @@ class InjectQueue:
     Not thread-safe: every method runs on the event loop's thread.
     """
 
-    __slots__ = ("maxsize", "transport", "hold", "_q", "_counters", "_owner", "_loop", "_waiter", "_task")
+    __slots__ = ("maxsize", "transport", "hold", "_q", "_counters", "_owner", "_loop", "_waiter", "_task", "tracer")
+
+    maxsize: int
+    transport: object
+    hold: bool
+    _q: deque
+    _counters: dict[str, int]
+    _owner: object
+    _loop: asyncio.AbstractEventLoop | None
+    _waiter: asyncio.Future | None
+    _task: asyncio.Task | None
+    #: The stack's tracer (``None``: not traced).
+    tracer: object
 
     def __init__(self, maxsize: int, counters, owner=None) -> None:
         self.maxsize = int(maxsize)
@@ -75,6 +87,7 @@ class InjectQueue:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
+        self.tracer = None
 
     def __len__(self) -> int:
         """Frames queued now."""
