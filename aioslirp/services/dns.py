@@ -224,6 +224,26 @@ class DnsForwarder:
     ``mismatched``, ``tcp_retries``, ``overload``, ``upstream_denied``.
     """
 
+    __slots__ = ("config", "resolv_conf", "resolv_check_interval", "max_inflight", "policy", "timeout", "max_udp_payload",
+                 "stats", "_resolv_sig", "_resolv_checked", "_resolv_upstreams", "_inflight", "_queries", "_tcp_tasks",
+                 "_closed")
+
+    config: NetworkConfig
+    resolv_conf: str
+    resolv_check_interval: float
+    max_inflight: int
+    policy: object
+    timeout: float
+    max_udp_payload: int
+    stats: dict[str, int]
+    _resolv_sig: tuple | None
+    _resolv_checked: float
+    _resolv_upstreams: list[tuple[str, int]]
+    _inflight: int
+    _queries: set[_UdpQuery]
+    _tcp_tasks: set[asyncio.Task]
+    _closed: bool
+
     def __init__(
         self,
         config: NetworkConfig,
@@ -463,6 +483,11 @@ class DnsTcpSession:
     """
 
     MAX_MESSAGE = 0xFFFF
+
+    __slots__ = ("_buf", "empty_frames")
+
+    _buf: bytearray
+    empty_frames: int
 
     def __init__(self) -> None:
         self._buf = bytearray()
