@@ -62,6 +62,27 @@ class PcapWriter:
     included).
     """
 
+    __slots__ = ("path", "max_bytes", "captured", "not_captured", "bytes_written", "_file", "_chunks", "_buffered",
+                 "_backlog", "_backlog_lock", "_full", "_timer", "_closed", "_q", "_thread")
+
+    path: str
+    max_bytes: int | None
+    captured: int
+    not_captured: int
+    bytes_written: int
+    _file: object
+    #: Records waiting on the loop's side for the next hand-over to the thread.
+    _chunks: list
+    _buffered: int
+    #: Bytes handed to the thread and not written yet.
+    _backlog: int
+    _backlog_lock: threading.Lock
+    _full: bool
+    _timer: object
+    _closed: bool
+    _q: queue.SimpleQueue
+    _thread: threading.Thread
+
     def __init__(self, path: str, *, max_bytes: int | None = None) -> None:
         self.path = path
         self.max_bytes = max_bytes
@@ -174,6 +195,13 @@ class PcapTransport(Transport):
     Implements the transport interface by delegation; :attr:`closed` is the inner
     transport's. ``OSError`` when ``path`` cannot be created.
     """
+
+    __slots__ = ("inner", "_own", "writer")
+
+    inner: Transport
+    #: The writer was made here (closed with this transport).
+    _own: bool
+    writer: PcapWriter
 
     def __init__(self, inner: Transport, path: str | None = None, *, max_bytes: int | None = None,
                  writer: PcapWriter | None = None) -> None:
