@@ -226,7 +226,7 @@ class DnsForwarder:
 
     __slots__ = ("config", "resolv_conf", "resolv_check_interval", "max_inflight", "policy", "timeout", "max_udp_payload",
                  "stats", "_resolv_sig", "_resolv_checked", "_resolv_upstreams", "_inflight", "_queries", "_tcp_tasks",
-                 "_closed")
+                 "_closed", "upstreams_off")
 
     config: NetworkConfig
     resolv_conf: str
@@ -243,6 +243,8 @@ class DnsForwarder:
     _queries: set[_UdpQuery]
     _tcp_tasks: set[asyncio.Task]
     _closed: bool
+    #: No upstream may be queried: every query gets SERVFAIL (``slirp4netns --disable-dns``).
+    upstreams_off: bool
 
     def __init__(
         self,
@@ -271,6 +273,7 @@ class DnsForwarder:
         self._queries: set[_UdpQuery] = set()
         self._tcp_tasks: set[asyncio.Task] = set()
         self._closed = False
+        self.upstreams_off = False
 
     # ------------------------------------------------------------------ upstreams
 
@@ -282,8 +285,11 @@ class DnsForwarder:
         upstream from resolv.conf is the operator's choice, e.g. a cloud resolver at
         169.254.169.254). ``disable_host_loopback`` deliberately does not apply either: a
         loopback resolver such as 127.0.0.53 is reached from the host side, which is correct,
-        and it only ever receives questions the forwarder parsed.
+        and it only ever receives questions the forwarder parsed. None may be queried (and
+        nothing is counted) while :attr:`upstreams_off` is set.
         """
+        if self.upstreams_off:
+            return False
         policy = self.policy
         if policy is None or policy.allows(addr[0], user_only=True):
             return True
