@@ -85,6 +85,11 @@ class _Drop(Exception):
 class _Lease:
     __slots__ = ("mac", "addr", "expires", "reserved_until")
 
+    mac: bytes | None
+    addr: int
+    expires: float
+    reserved_until: float
+
     def __init__(self, mac: bytes | None, addr: int) -> None:
         self.mac = mac  # None: quarantined after DHCPDECLINE
         self.addr = addr

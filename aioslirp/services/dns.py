@@ -183,6 +183,12 @@ class _UdpQuery:
 
     __slots__ = ("forwarder", "sock", "qid", "question", "done")
 
+    forwarder: DnsForwarder
+    sock: socket.socket
+    qid: int
+    question: tuple[bytes, int, int]
+    done: asyncio.Future[bytes]
+
     def __init__(self, forwarder: "DnsForwarder", sock: socket.socket, qid: int,
                  question: tuple[bytes, int, int]) -> None:
         self.forwarder = forwarder
