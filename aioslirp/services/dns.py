@@ -230,9 +230,9 @@ class DnsForwarder:
     ``mismatched``, ``tcp_retries``, ``overload``, ``upstream_denied``.
     """
 
-    __slots__ = ("config", "resolv_conf", "resolv_check_interval", "max_inflight", "policy", "timeout", "max_udp_payload",
-                 "stats", "_resolv_sig", "_resolv_checked", "_resolv_upstreams", "_inflight", "_queries", "_tcp_tasks",
-                 "_closed", "upstreams_off")
+    __slots__ = ("config", "resolv_conf", "resolv_check_interval", "max_inflight", "policy", "timeout",
+                 "max_udp_payload", "stats", "_resolv_sig", "_resolv_checked", "_resolv_upstreams", "_inflight",
+                 "_queries", "_tcp_tasks", "_closed", "upstreams_off")
 
     config: NetworkConfig
     resolv_conf: str
