@@ -181,6 +181,14 @@ def _reset_close(sock) -> None:
 class _Listener:
     """One active forward: its host socket and what serves it."""
 
+    __slots__ = ("fwd", "sock", "guest_ip", "clients", "closed")
+
+    fwd: PortForward
+    sock: socket.socket
+    guest_ip: bytes
+    clients: dict
+    closed: bool
+
     def __init__(self, fwd: PortForward, sock: socket.socket, guest_ip: bytes) -> None:
         self.fwd = fwd
         self.sock = sock
@@ -196,6 +204,18 @@ class Forwarder:
     ``ctx``: the stack's :class:`~aioslirp.flow.base.FlowContext`; ``fam``: its
     :class:`~aioslirp.dispatch.family.Family4` (the gateway address, the ARP cache, IPv4 output).
     """
+
+    __slots__ = ("ctx", "fam", "_listeners", "_next_id", "_next_port", "_resolving")
+
+    ctx: object
+    fam: object
+    #: Forward id -> its listener.
+    _listeners: dict[int, _Listener]
+    _next_id: int
+    #: The next source port to try for a forwarded connection (in ``SOURCE_PORTS``).
+    _next_port: int
+    #: Guest address -> the ARP resolution in progress.
+    _resolving: dict[bytes, asyncio.Future]
 
     def __init__(self, ctx, fam) -> None:
         self.ctx = ctx
@@ -448,6 +468,33 @@ class UdpForwardFlow:
     proto_name = "udp"
     state = "OPEN"
     direction = "inbound"
+
+    __slots__ = ("ctx", "fam", "forwarder", "listener", "peer", "forward_id", "guest_ip", "guest_port", "dst_ip",
+                 "dst_port", "key", "remote", "loop", "last_active", "bytes_up", "bytes_down", "closed", "_pending",
+                 "_timeout")
+
+    ctx: object
+    fam: object
+    forwarder: Forwarder
+    listener: _Listener
+    #: The host client's address.
+    peer: tuple
+    forward_id: int
+    guest_ip: bytes
+    guest_port: int
+    dst_ip: bytes
+    dst_port: int
+    key: tuple
+    #: ``host:port`` of the client.
+    remote: str
+    loop: asyncio.AbstractEventLoop
+    last_active: float
+    bytes_up: int
+    bytes_down: int
+    closed: bool
+    #: Datagrams waiting for the guest's address to resolve (ARP).
+    _pending: list
+    _timeout: float
 
     def __init__(self, forwarder: Forwarder, lst: _Listener, peer, sport: int) -> None:
         ctx = self.ctx = forwarder.ctx

@@ -21,6 +21,7 @@ protocol, message and reply builders, the reply type) comes from the flow's
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import socket
@@ -42,13 +43,35 @@ ICMP6_FILTER = 1  # <netinet/icmp6.h>, level IPPROTO_ICMPV6
 class IcmpFlow:
     """One proxied echo conversation; owned by :class:`IcmpEcho`."""
 
-    proto = PROTO_ICMP
     proto_name = "icmp"
     state = "OPEN"
     direction = "outbound"
     guest_port = dst_port = None  # echo flows have no ports (the identifier is in the key)
     forward_id = None
     bytes_up = bytes_down = None
+
+    __slots__ = ("echo", "fam", "key", "proto", "v6", "guest_ip", "dst_ip", "remote", "ident", "sock", "ctx", "loop",
+                 "last_active", "_timeout")
+
+    echo: IcmpEcho
+    #: The flow's family (``Family4``/``Family6``).
+    fam: object
+    key: tuple
+    #: ``PROTO_ICMP`` (1) or ``PROTO_ICMPV6`` (58): the family's.
+    proto: int
+    v6: bool
+    guest_ip: bytes
+    dst_ip: bytes
+    remote: str
+    #: The echo identifier of the guest.
+    ident: int
+    #: The per-flow ping socket, or ``None`` with the shared raw socket.
+    sock: socket.socket | None
+    ctx: object
+    loop: asyncio.AbstractEventLoop
+    #: Loop time of the last echo either way (the idle sweep reads it).
+    last_active: float
+    _timeout: float
 
     def __init__(self, echo: "IcmpEcho", fam, key, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, sock,
                  now: float) -> None:
@@ -153,6 +176,15 @@ class IcmpEcho:
     Args:
         ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
     """
+
+    __slots__ = ("ctx", "_mode", "_raw", "by_remote")
+
+    ctx: object
+    #: The echo mechanism by ``fam.v6``: ``None`` (not probed yet), ``"ping"``, ``"raw"`` or ``"none"``.
+    _mode: dict[bool, str | None]
+    #: The shared raw socket by ``fam.v6`` (mode ``"raw"``).
+    _raw: dict[bool, socket.socket | None]
+    by_remote: dict
 
     def __init__(self, ctx) -> None:
         self.ctx = ctx

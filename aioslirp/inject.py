@@ -64,6 +64,17 @@ class InjectQueue:
 
     __slots__ = ("maxsize", "transport", "hold", "_q", "_counters", "tracer", "_loop", "_waiter", "_task")
 
+    maxsize: int
+    transport: object
+    hold: bool
+    _q: deque
+    _counters: dict[str, int]
+    _loop: asyncio.AbstractEventLoop | None
+    _waiter: asyncio.Future | None
+    _task: asyncio.Task | None
+    #: The stack's tracer (``None``: not traced).
+    tracer: object
+
     def __init__(self, maxsize: int, counters, tracer=None) -> None:
         self.maxsize = int(maxsize)
         self.transport = None

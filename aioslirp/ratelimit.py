@@ -25,6 +25,11 @@ class TokenBucket:
 
     __slots__ = ("rate", "burst", "tokens", "stamp")
 
+    rate: float
+    burst: float
+    tokens: float
+    stamp: float | None
+
     def __init__(self, rate: float = ICMP_ERROR_RATE, burst: float = ICMP_ERROR_BURST,
                  now: float | None = None) -> None:
         self.rate = float(rate)

@@ -101,6 +101,50 @@ class Stack:
     #: offload frames when the transport offers it (:mod:`aioslirp.wire.offload`).
     supports_offload = True
 
+    __slots__ = ("config", "counters", "ctx", "guard", "table", "flows", "idle_order", "inject_queue", "inject",
+                 "write_now", "tasks", "_aux_tasks", "icmp", "dns", "l4", "neighbors", "family4", "ipv4", "v6",
+                 "family6", "link", "on_frames", "_on_frames", "gw_mac", "gw_ip", "dns_ip", "guest_ip", "mtu",
+                 "_transport", "_loop", "_closed", "_stopped", "transport_wrappers", "_forwarder", "tracer",
+                 # aioslirp.metrics holds a stack by weak reference
+                 "__weakref__")
+
+    config: NetworkConfig
+    counters: Counter
+    ctx: FlowContext
+    guard: Guard
+    table: FlowTable
+    flows: dict
+    idle_order: IdleOrder
+    inject_queue: InjectQueue
+    inject: object
+    write_now: object
+    tasks: set[asyncio.Task]
+    _aux_tasks: set[asyncio.Task]
+    icmp: IcmpEcho
+    dns: object
+    l4: L4
+    neighbors: NeighborCache
+    family4: Family4
+    ipv4: Ipv4Input
+    v6: object
+    family6: object
+    link: Link
+    on_frames: object
+    _on_frames: object
+    gw_mac: bytes
+    gw_ip: bytes
+    dns_ip: bytes
+    guest_ip: bytes
+    mtu: int
+    _transport: object
+    _loop: asyncio.AbstractEventLoop | None
+    _closed: bool
+    _stopped: asyncio.Future | None
+    transport_wrappers: list
+    _forwarder: object
+    #: The stack's tracer (``None``: not traced).
+    tracer: object
+
     def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None) -> None:
         self.config = cfg = (config if config is not None else NetworkConfig()).validate()
         self.counters: Counter = Counter()

@@ -12,6 +12,7 @@ unreachable.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import socket
@@ -46,6 +47,33 @@ class UdpFlow:
     direction = "outbound"
     remote = None  # the host address is not kept (see aioslirp.flow.base.Flow)
     forward_id = None
+
+    __slots__ = ("ctx", "fam", "key", "guest_ip", "guest_port", "dst_ip", "dst_port", "loop", "last_active", "_timeout",
+                 "last_header", "bytes_up", "bytes_down", "sock", "connect_error", "_build", "_inject")
+
+    #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
+    ctx: object
+    #: The flow's family (``Family4``/``Family6``).
+    fam: object
+    key: tuple
+    guest_ip: bytes
+    guest_port: int
+    dst_ip: bytes
+    dst_port: int
+    loop: asyncio.AbstractEventLoop
+    #: Loop time of the last datagram either way (the idle sweep reads it).
+    last_active: float
+    _timeout: float
+    #: The guest's last IP header + 8 bytes, quoted in ICMP errors.
+    last_header: bytes
+    bytes_up: int
+    bytes_down: int
+    #: The connected host socket (``None``: no flow could be made).
+    sock: socket.socket | None
+    connect_error: str | None
+    #: ``fam.build_udp`` and ``fam.inject_ip``.
+    _build: object
+    _inject: object
 
     def __init__(self, ctx, fam, key: tuple, remote: str, now: float | None = None) -> None:
         self.ctx = ctx

@@ -40,6 +40,7 @@ import sys
 import pytest
 
 from aioslirp import NetworkConfig, Stack
+from aioslirp.flow.table import FlowTable
 from aioslirp.netns import run_in_namespace
 from aioslirp.transport.base import Transport
 
@@ -125,18 +126,28 @@ class LossyLink(Transport):
 
 class RecordingStack(Stack):
     """A Stack that keeps, for every TCP flow leaving its table, the public counters of its
-    connection: ``(bytes_sent, bytes_received, retransmitted_segments)``."""
+    connection: ``(bytes_sent, bytes_received, retransmitted_segments)`` (with
+    :func:`record_finished_tcp` in force)."""
 
     def __init__(self, config) -> None:
         super().__init__(config)
         self.finished_tcp: list[tuple[int, int, int]] = []
-        self.table.remove = self.remove_flow  # every flow leaves the table through FlowTable.remove
 
-    def remove_flow(self, flow) -> None:
-        if flow.proto_name == "tcp" and self.flows.get(flow.key) is flow:
-            c = flow.conn
-            self.finished_tcp.append((c.bytes_sent, c.bytes_received, c.retransmitted_segments))
-        type(self.table).remove(self.table, flow)
+
+def record_finished_tcp(monkeypatch, stacks: list) -> None:
+    """Every flow leaves its table through ``FlowTable.remove`` (patched on the class: the table
+    has ``__slots__``): record the TCP flows leaving the table of a RecordingStack of ``stacks``."""
+    remove = FlowTable.remove
+
+    def remove_flow(table, flow) -> None:
+        for stack in stacks:
+            if isinstance(stack, RecordingStack) and stack.table is table:
+                if flow.proto_name == "tcp" and table.flows.get(flow.key) is flow:
+                    c = flow.conn
+                    stack.finished_tcp.append((c.bytes_sent, c.bytes_received, c.retransmitted_segments))
+        remove(table, flow)
+
+    monkeypatch.setattr(FlowTable, "remove", remove_flow)
 
 
 GUEST = r"""
@@ -177,7 +188,7 @@ print(json.dumps(out))
 """
 
 
-async def test_tcp_recovers_from_loss_and_reordering_both_ways(capfd):
+async def test_tcp_recovers_from_loss_and_reordering_both_ways(capfd, monkeypatch):
     """5 MB down and 5 MB up through LossyLink (5 % loss, 10 % reordered by 1 ms, each way): both
     byte-exact; the stack retransmitted towards the guest, the guest's kernel towards the stack.
 
@@ -190,6 +201,7 @@ async def test_tcp_recovers_from_loss_and_reordering_both_ways(capfd):
     data = DataServer()
     stacks: list = []
     links: list = []
+    record_finished_tcp(monkeypatch, stacks)
 
     def factory(cfg):
         stack = RecordingStack(cfg)

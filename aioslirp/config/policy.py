@@ -72,6 +72,14 @@ class EgressPolicy:
     :class:`ConfigError` for a malformed CIDR.
     """
 
+    __slots__ = ("_v4", "_v6", "empty", "_verdicts")
+
+    #: Rules per family, first match wins: ``(family, prefixlen, rank, net_int, mask_int, allowed, text, default)``.
+    _v4: list[tuple]
+    _v6: list[tuple]
+    empty: bool
+    _verdicts: dict[str, bool]
+
     def __init__(self, allow=(), deny=(), defaults=DEFAULT_DENY) -> None:
         rules = []  # (family, prefixlen, rank, net_int, mask_int, allowed, text)
         for texts, rank, allowed, name in ((defaults, _RANK_DEFAULT, False, "egress_default_deny"),

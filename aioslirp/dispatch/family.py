@@ -78,6 +78,25 @@ class Family4:
         dhcp_server: the :class:`~aioslirp.services.dhcp.DhcpServer` (set when the stack starts).
     """
 
+    __slots__ = ("ctx", "neighbors", "gw_mac", "gw", "dns", "ours", "bcast", "net_int", "mask_int", "mtu",
+                 "host_loopback", "err_bucket", "dhcp_server")
+
+    #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
+    ctx: object
+    #: The ARP cache (a :class:`~aioslirp.wire.neighbors.NeighborCache`): IPv4 -> guest MAC.
+    neighbors: dict
+    gw_mac: bytes
+    gw: bytes
+    dns: bytes
+    ours: tuple
+    bcast: bytes
+    net_int: int
+    mask_int: int
+    mtu: int
+    host_loopback: bool
+    err_bucket: TokenBucket
+    dhcp_server: object
+
     v6 = False
     af = socket.AF_INET
     #: Protocol number of echo flows in their keys, and for the ping/raw sockets.
@@ -212,6 +231,28 @@ class Family6:
         guest_mac: the MAC of the guest's last IPv6 frame (``None`` before the first), set by L3.
         err_bucket: the rate limiter of the ICMPv6 errors we send.
     """
+
+    __slots__ = ("ctx", "config6", "ndp", "dhcp6", "neighbors", "gw_mac", "gw", "dns", "link_local", "ours", "mtu",
+                 "host_loopback", "err_bucket", "guest_mac", "_solicited")
+
+    #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
+    ctx: object
+    config6: object
+    ndp: object
+    dhcp6: object
+    #: The NDP cache: IPv6 -> guest MAC.
+    neighbors: dict
+    gw_mac: bytes
+    gw: bytes
+    dns: bytes
+    link_local: bytes
+    ours: set[bytes]
+    mtu: int
+    host_loopback: bool
+    err_bucket: TokenBucket
+    guest_mac: bytes | None
+    #: Target address -> loop time of the last neighbor solicitation we sent for it.
+    _solicited: dict[bytes, float]
 
     v6 = True
     af = socket.AF_INET6

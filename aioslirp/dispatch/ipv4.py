@@ -38,6 +38,24 @@ class Ipv4Input:
         reassembler: the :class:`~aioslirp.wire.reassembly.Reassembler` (new one per :meth:`reset`).
     """
 
+    __slots__ = ("ctx", "fam", "counters", "drop", "neighbors", "net_int", "mask_int", "not_guest", "tcp", "udp",
+                 "echo", "reassembler")
+
+    ctx: object
+    fam: object
+    counters: dict[str, int]
+    #: ``ctx.drop``.
+    drop: object
+    neighbors: dict
+    net_int: int
+    mask_int: int
+    not_guest: tuple
+    #: The L4 handlers (``L4.tcp``, ``L4.udp``, ``L4.echo``).
+    tcp: object
+    udp: object
+    echo: object
+    reassembler: Reassembler
+
     def __init__(self, ctx, fam, l4) -> None:
         self.ctx = ctx
         self.fam = fam

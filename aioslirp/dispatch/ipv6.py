@@ -72,6 +72,32 @@ class Ipv6Path:
         gw6, dns6, link_local: our addresses (16 bytes).
     """
 
+    __slots__ = ("ctx", "counters", "drop", "config6", "mtu", "ndp", "dhcp6", "family", "reassembler", "gw6", "dns6",
+                 "link_local", "ours", "tcp", "udp", "echo", "_good_src", "_ra_task")
+
+    ctx: object
+    counters: dict[str, int]
+    #: ``ctx.drop``.
+    drop: object
+    config6: Ipv6Config
+    mtu: int
+    ndp: NdpResponder
+    dhcp6: Dhcpv6Server
+    family: Family6
+    reassembler: Ipv6Reassembler
+    gw6: bytes
+    dns6: bytes
+    link_local: bytes
+    ours: set[bytes]
+    #: The L4 handlers (``L4.tcp``, ``L4.udp``, ``L4.echo``).
+    tcp: object
+    udp: object
+    echo: object
+    #: Guest source addresses already checked.
+    _good_src: set[bytes]
+    #: The periodic router advertisement task.
+    _ra_task: asyncio.Task | None
+
     def __init__(self, ctx, l4) -> None:
         self.ctx = ctx
         cfg = ctx.config

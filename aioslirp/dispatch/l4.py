@@ -53,6 +53,20 @@ class L4:
         ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
     """
 
+    __slots__ = ("ctx", "counters", "drop", "handled", "table", "flows_get", "guard", "dns_tasks")
+
+    ctx: object
+    counters: dict[str, int]
+    #: ``ctx.drop`` and ``ctx.handled``: a guest frame's outcome.
+    drop: object
+    handled: object
+    #: The :class:`~aioslirp.flow.table.FlowTable`; ``flows_get`` is its ``get``.
+    table: object
+    flows_get: object
+    #: The :class:`~aioslirp.flow.guard.Guard`.
+    guard: object
+    dns_tasks: set
+
     def __init__(self, ctx) -> None:
         self.ctx = ctx
         self.counters = ctx.counters

@@ -45,6 +45,24 @@ class Link:
             told of each guest frame after its dispatch (``process_guest_frame``).
     """
 
+    __slots__ = ("ctx", "counters", "drop", "queue", "flush", "fam4", "neighbors", "ipv4", "ipv6", "tracer")
+
+    ctx: object
+    counters: dict[str, int]
+    #: ``ctx.drop``.
+    drop: object
+    #: The :class:`~aioslirp.inject.InjectQueue`.
+    queue: object
+    #: ``FlowTable.flush``: run once per batch of guest frames.
+    flush: object
+    fam4: object
+    #: The ARP cache (``fam4.neighbors``).
+    neighbors: dict
+    ipv4: object
+    ipv6: object
+    #: The stack's tracer (``None``: not traced).
+    tracer: object
+
     def __init__(self, ctx, fam4, ipv4, ipv6=None) -> None:
         self.ctx = ctx
         self.counters = ctx.counters

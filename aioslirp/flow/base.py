@@ -111,6 +111,23 @@ class FlowContext:
     __slots__ = ("config", "counters", "loop", "table", "guard", "queue", "inject", "tasks", "spawn", "icmp",
                  "dns", "dns_host", "offload", "closed", "tracer")
 
+    config: object
+    counters: dict[str, int]
+    loop: object
+    table: object
+    guard: object
+    queue: object
+    inject: object
+    tasks: set
+    spawn: object
+    icmp: object
+    dns: object
+    dns_host: object
+    offload: bool
+    closed: bool
+    #: The stack's tracer (``None``: not traced).
+    tracer: object
+
     def __init__(self, config, counters) -> None:
         self.config = config
         self.counters = counters

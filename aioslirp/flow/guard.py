@@ -135,6 +135,27 @@ class Guard:
         caps: the per-protocol caps from the config.
     """
 
+    __slots__ = ("config", "_drop", "policy", "caps", "active", "max_pending", "max_pending_dest", "_pending",
+                 "_pending_dest", "_pruned_at", "_new_bucket", "bucket", "fd_budget", "dns_fd_budget", "dns_inflight",
+                 "_logged")
+
+    config: object
+    _drop: object
+    policy: EgressPolicy
+    caps: dict[str, int]
+    active: dict[str, int]
+    max_pending: int
+    max_pending_dest: int
+    _pending: dict
+    _pending_dest: dict
+    _pruned_at: float
+    _new_bucket: object
+    bucket: object
+    fd_budget: int
+    dns_fd_budget: int
+    dns_inflight: int
+    _logged: set
+
     def __init__(self, config, drop, new_bucket=None) -> None:
         cfg = self.config = config
         self._drop = drop

@@ -69,6 +69,11 @@ class IdleOrder:
 
     __slots__ = ("_flows", "_heap", "_seq", "examined")
 
+    _flows: dict
+    _heap: list
+    _seq: itertools.count
+    examined: int
+
     def __init__(self, flows: dict) -> None:
         self._flows = flows  # the table; an entry counts while flows[flow.key] is its flow
         self._heap: list = []
@@ -124,6 +129,23 @@ class FlowTable:
         idle_order: the :class:`IdleOrder` of the evictable flows.
         dirty: flows to flush at the end of the batch (:meth:`flush`); a flow adds itself.
     """
+
+    __slots__ = ("max_flows", "counters", "guard", "flows", "get", "idle_order", "dirty", "interval", "_loop",
+                 "_timer", "tracer")
+
+    max_flows: int
+    counters: dict[str, int]
+    guard: object
+    flows: dict
+    get: object
+    idle_order: IdleOrder
+    dirty: set
+    #: Seconds between two idle sweeps (:func:`sweep_interval`).
+    interval: float
+    _loop: asyncio.AbstractEventLoop | None
+    _timer: asyncio.TimerHandle | None
+    #: The stack's tracer (``None``: not traced).
+    tracer: object
 
     def __init__(self, config, counters, guard, tracer=None) -> None:
         self.max_flows = int(config.max_flows)

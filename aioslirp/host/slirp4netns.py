@@ -138,7 +138,7 @@ async def serve(opts, config, tap_fd: int, ifname: str, *, stack_factory=None) -
             if opts.disable_dns:
                 dns = getattr(stack, "dns", None)
                 if dns is not None:
-                    dns.allow_upstream = lambda addr: False  # every query gets SERVFAIL, none leaves
+                    dns.upstreams_off = True  # every query gets SERVFAIL, none leaves
             if opts.api_socket:
                 from ..api import ApiServer, ApiSocketError
 

@@ -85,6 +85,11 @@ class _Drop(Exception):
 class _Lease:
     __slots__ = ("mac", "addr", "expires", "reserved_until")
 
+    mac: bytes | None
+    addr: int
+    expires: float
+    reserved_until: float
+
     def __init__(self, mac: bytes | None, addr: int) -> None:
         self.mac = mac  # None: quarantined after DHCPDECLINE
         self.addr = addr
@@ -190,6 +195,29 @@ class DhcpServer:
     ``dropped`` maps a reason (``"truncated"``, ``"bad_magic"``, ``"option_overrun"``, ...)
     to the number of guest messages ignored for it. ``sent`` counts replies by type name.
     """
+
+    __slots__ = ("config", "_net", "_server_id", "_excluded", "_pool_first", "_pool_last", "_cursor", "_by_mac",
+                 "_by_addr", "dropped", "sent", "_lease_time", "_common", "_optional", "_lease_opts")
+
+    config: NetworkConfig
+    _net: ipaddress.IPv4Network
+    _server_id: int
+    #: Addresses never leased: network, broadcast, gateway, DNS.
+    _excluded: set[int]
+    _pool_first: int
+    _pool_last: int
+    #: The lowest address never handed out yet.
+    _cursor: int
+    _by_mac: dict[bytes, _Lease]
+    _by_addr: dict[int, _Lease]
+    dropped: dict[str, int]
+    sent: dict[str, int]
+    _lease_time: int
+    #: Options of every reply, ``(code, value)``.
+    _common: list[tuple[int, bytes]]
+    #: Options dropped first when the reply is too big.
+    _optional: list[tuple[int, bytes]]
+    _lease_opts: list[tuple[int, bytes]]
 
     def __init__(self, config: NetworkConfig) -> None:
         if not isinstance(config.cidr, ipaddress.IPv4Network):

@@ -136,6 +136,18 @@ class Dhcpv6Server:
         duid: our DUID (10 bytes). ``sent``: replies by message name (``reply``, ``advertise``).
     """
 
+    __slots__ = ("config6", "duid", "sent", "_prefix8", "_dns_opt", "_domain_opt", "_irt_opt")
+
+    config6: object
+    duid: bytes
+    sent: Counter
+    #: The first 8 bytes of the guest prefix.
+    _prefix8: bytes
+    #: Encoded options of every reply.
+    _dns_opt: bytes
+    _domain_opt: bytes
+    _irt_opt: bytes
+
     def __init__(self, config6, gateway_mac: bytes) -> None:
         if not hasattr(config6.cidr6, "network_address"):
             config6.validate()

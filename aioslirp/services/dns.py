@@ -183,6 +183,12 @@ class _UdpQuery:
 
     __slots__ = ("forwarder", "sock", "qid", "question", "done")
 
+    forwarder: DnsForwarder
+    sock: socket.socket
+    qid: int
+    question: tuple[bytes, int, int]
+    done: asyncio.Future[bytes]
+
     def __init__(self, forwarder: "DnsForwarder", sock: socket.socket, qid: int,
                  question: tuple[bytes, int, int]) -> None:
         self.forwarder = forwarder
@@ -224,6 +230,28 @@ class DnsForwarder:
     ``mismatched``, ``tcp_retries``, ``overload``, ``upstream_denied``.
     """
 
+    __slots__ = ("config", "resolv_conf", "resolv_check_interval", "max_inflight", "policy", "timeout",
+                 "max_udp_payload", "stats", "_resolv_sig", "_resolv_checked", "_resolv_upstreams", "_inflight",
+                 "_queries", "_tcp_tasks", "_closed", "upstreams_off")
+
+    config: NetworkConfig
+    resolv_conf: str
+    resolv_check_interval: float
+    max_inflight: int
+    policy: object
+    timeout: float
+    max_udp_payload: int
+    stats: dict[str, int]
+    _resolv_sig: tuple | None
+    _resolv_checked: float
+    _resolv_upstreams: list[tuple[str, int]]
+    _inflight: int
+    _queries: set[_UdpQuery]
+    _tcp_tasks: set[asyncio.Task]
+    _closed: bool
+    #: No upstream may be queried: every query gets SERVFAIL (``slirp4netns --disable-dns``).
+    upstreams_off: bool
+
     def __init__(
         self,
         config: NetworkConfig,
@@ -251,6 +279,7 @@ class DnsForwarder:
         self._queries: set[_UdpQuery] = set()
         self._tcp_tasks: set[asyncio.Task] = set()
         self._closed = False
+        self.upstreams_off = False
 
     # ------------------------------------------------------------------ upstreams
 
@@ -262,8 +291,11 @@ class DnsForwarder:
         upstream from resolv.conf is the operator's choice, e.g. a cloud resolver at
         169.254.169.254). ``disable_host_loopback`` deliberately does not apply either: a
         loopback resolver such as 127.0.0.53 is reached from the host side, which is correct,
-        and it only ever receives questions the forwarder parsed.
+        and it only ever receives questions the forwarder parsed. None may be queried (and
+        nothing is counted) while :attr:`upstreams_off` is set.
         """
+        if self.upstreams_off:
+            return False
         policy = self.policy
         if policy is None or policy.allows(addr[0], user_only=True):
             return True
@@ -463,6 +495,11 @@ class DnsTcpSession:
     """
 
     MAX_MESSAGE = 0xFFFF
+
+    __slots__ = ("_buf", "empty_frames")
+
+    _buf: bytearray
+    empty_frames: int
 
     def __init__(self) -> None:
         self._buf = bytearray()

@@ -46,6 +46,25 @@ class DnsTcpHost:
     the messages, ``counters`` gets ``dns_queries_tcp``, ``tasks`` holds the answering task.
     """
 
+    __slots__ = ("flow", "forwarder", "_counters", "session", "_msgs", "_msg_bytes", "_out", "_eof", "_wake", "closed",
+                 "writing", "reading", "task")
+
+    #: The guest's :class:`~aioslirp.tcp.flow.TcpFlow`.
+    flow: object
+    #: The :class:`~aioslirp.services.dns.DnsForwarder`.
+    forwarder: object
+    _counters: dict[str, int]
+    session: DnsTcpSession
+    _msgs: deque[bytes]
+    _msg_bytes: int
+    _out: bytes | memoryview
+    _eof: bool
+    _wake: asyncio.Future | None
+    closed: bool
+    writing: bool
+    reading: bool
+    task: asyncio.Task
+
     def __init__(self, flow, forwarder, counters, tasks) -> None:
         self.flow = flow
         self.forwarder = forwarder

@@ -118,6 +118,25 @@ class NdpResponder:
             ``neighbors_evicted`` (an entry forgotten to make room).
     """
 
+    __slots__ = ("config6", "mac", "rng", "link_local", "gateway", "dns", "ours", "_router", "neighbors", "counters",
+                 "_last_mcast_ra", "_unsolicited", "_ra_body")
+
+    config6: Ipv6Config
+    mac: bytes
+    rng: random.Random
+    link_local: bytes
+    gateway: bytes
+    dns: bytes
+    ours: set[bytes]
+    #: The addresses router advertisements and redirects may come from (never the guest).
+    _router: set[bytes]
+    neighbors: NeighborCache
+    counters: Counter
+    _last_mcast_ra: float | None
+    _unsolicited: int
+    #: The router advertisement's ICMPv6 body (after the checksum field).
+    _ra_body: bytes
+
     def __init__(self, config6: Ipv6Config, gateway_mac: bytes, rng: random.Random | None = None) -> None:
         if not hasattr(config6.cidr6, "network_address"):
             config6.validate()

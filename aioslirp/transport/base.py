@@ -26,6 +26,16 @@ FrameSink = Callable[[list], None]
 class Transport:
     """Base class. Subclasses implement :meth:`_start_reading`, :meth:`send_frames`, :meth:`_close_io`."""
 
+    __slots__ = ("_on_frames", "_loop", "closed", "frames_in", "frames_out", "send_errors")
+
+    _on_frames: FrameSink | None
+    _loop: asyncio.AbstractEventLoop | None
+    #: Resolved (with the exception or ``None``) when the transport closed; ``None`` before :meth:`open`.
+    closed: asyncio.Future | None
+    frames_in: int
+    frames_out: int
+    send_errors: int
+
     def __init__(self) -> None:
         self._on_frames: FrameSink | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -69,6 +79,8 @@ class SocketTransport(Transport):
     ``self._fd`` (``-1``: already closed, :attr:`closed` completes at once) calling
     ``self._readable``; frames that cannot be sent are counted by reason in ``send_drops`` and
     ``send_errors``, and the first drop because more than ``max_buffer`` bytes wait is logged."""
+
+    __slots__ = ("_fd", "name", "max_buffer", "send_drops")
 
     _fd: int
     name: str

@@ -74,6 +74,28 @@ class DgramTransport(SocketTransport):
         ValueError: ``sock`` is not ``SOCK_DGRAM``.
     """
 
+    __slots__ = ("sock", "batch", "probe_interval", "on_guest_change", "unlink_path", "drop_foreign", "guests",
+                 "bytes_buffered", "_out", "_writing", "peer", "_peer_ino", "_probe", "_foreign_logged", "connected")
+
+    sock: socket.socket
+    batch: int
+    probe_interval: float
+    on_guest_change: Callable[[object, object], None] | None
+    unlink_path: str | None
+    drop_foreign: int
+    guests: int
+    bytes_buffered: int
+    _out: collections.deque
+    _writing: bool
+    #: The guest's address (bound mode), ``None`` when none is known.
+    peer: object
+    _peer_ino: int | None
+    #: The probe timer (bound mode).
+    _probe: object
+    _foreign_logged: set
+    #: The socket is connected (a socketpair / fd) rather than bound.
+    connected: bool
+
     def __init__(self, sock: socket.socket, *, batch: int = 64, max_buffer: int = 8 * 1024 * 1024,
                  probe_interval: float = 1.0, name: str | None = None,
                  on_guest_change: Callable[[object, object], None] | None = None,

@@ -59,6 +59,11 @@ class StreamDecoder:
 
     __slots__ = ("max_frame", "_buf", "_need", "_error")
 
+    max_frame: int
+    _buf: bytearray
+    _need: int
+    _error: FrameTooLarge | None
+
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self.max_frame = max_frame
         #: Bytes of an incomplete prefix or frame carried over to the next feed.

@@ -21,6 +21,8 @@ falls behind by more than :data:`MAX_BACKLOG` bytes, frames are left out of the 
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import queue
 import struct
@@ -61,6 +63,27 @@ class PcapWriter:
     reached or writer backlog), ``bytes_written`` (file size, bytes handed to the thread
     included).
     """
+
+    __slots__ = ("path", "max_bytes", "captured", "not_captured", "bytes_written", "_file", "_chunks", "_buffered",
+                 "_backlog", "_backlog_lock", "_full", "_timer", "_closed", "_q", "_thread")
+
+    path: str
+    max_bytes: int | None
+    captured: int
+    not_captured: int
+    bytes_written: int
+    _file: object
+    #: Records waiting on the loop's side for the next hand-over to the thread.
+    _chunks: list
+    _buffered: int
+    #: Bytes handed to the thread and not written yet.
+    _backlog: int
+    _backlog_lock: threading.Lock
+    _full: bool
+    _timer: object
+    _closed: bool
+    _q: queue.SimpleQueue
+    _thread: threading.Thread
 
     def __init__(self, path: str, *, max_bytes: int | None = None) -> None:
         self.path = path
@@ -175,6 +198,13 @@ class PcapTransport(Transport):
     transport's. ``OSError`` when ``path`` cannot be created.
     """
 
+    __slots__ = ("inner", "_own", "writer")
+
+    inner: Transport
+    #: The writer was made here (closed with this transport).
+    _own: bool
+    writer: PcapWriter
+
     def __init__(self, inner: Transport, path: str | None = None, *, max_bytes: int | None = None,
                  writer: PcapWriter | None = None) -> None:
         super().__init__()
@@ -187,7 +217,7 @@ class PcapTransport(Transport):
     async def open(self, on_frames) -> None:
         self._on_frames = on_frames
         await self.inner.open(self._from_guest)
-        self._loop = self.inner._loop
+        self._loop = asyncio.get_running_loop()  # the loop the inner transport opened on
         self.closed = self.inner.closed
 
     def _from_guest(self, frames, *extra) -> None:

@@ -19,6 +19,11 @@ log = logging.getLogger("aioslirp.transport")
 class SocketPairTransport(Transport):
     """Frames over a connected ``SOCK_SEQPACKET`` or ``SOCK_DGRAM`` socket (takes ownership)."""
 
+    __slots__ = ("sock", "batch")
+
+    sock: socket.socket
+    batch: int
+
     def __init__(self, sock: socket.socket, *, batch: int = 64) -> None:
         super().__init__()
         if sock.type not in (socket.SOCK_SEQPACKET, socket.SOCK_DGRAM):

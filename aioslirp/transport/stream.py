@@ -59,6 +59,19 @@ class StreamTransport(SocketTransport):
         ValueError: ``sock`` is not a ``SOCK_STREAM`` socket.
     """
 
+    __slots__ = ("sock", "read_size", "reads_per_wakeup", "decoder", "close_reason", "_out", "bytes_buffered",
+                 "_writing")
+
+    sock: socket.socket
+    read_size: int
+    reads_per_wakeup: int
+    decoder: StreamDecoder
+    close_reason: str | None
+    #: Buffers (bytes / memoryview) not yet sent.
+    _out: collections.deque
+    bytes_buffered: int
+    _writing: bool
+
     def __init__(self, sock: socket.socket, *, read_size: int = 256 * 1024, reads_per_wakeup: int = 4,
                  max_buffer: int = 8 * 1024 * 1024, max_frame: int = MAX_FRAME, name: str | None = None) -> None:
         super().__init__()

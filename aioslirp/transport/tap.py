@@ -89,6 +89,19 @@ class TapTransport(Transport):
     ``send_drops`` (dict reason -> count: ``eagain``, ``eio``, ``invalid``, ...).
     """
 
+    __slots__ = ("_fd", "ifname", "_batch", "_read_size", "_reading", "_pidfds", "send_drops", "vnet_hdr", "offload")
+
+    _fd: int
+    ifname: str | None
+    _batch: int
+    _read_size: int
+    _reading: bool
+    #: ``(pidfd, owned)``.
+    _pidfds: list[tuple[int, bool]]
+    send_drops: dict[str, int]
+    vnet_hdr: bool
+    offload: bool
+
     def __init__(self, fd: int, *, ifname: str | None = None, batch: int = 64, read_size: int = MAX_FRAME,
                  offload: bool = True) -> None:
         super().__init__()

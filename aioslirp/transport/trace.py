@@ -26,6 +26,12 @@ class TraceTransport(Transport):
     (``t0``: ``time.time_ns()`` before the write). Delegates everything else to ``inner``;
     :attr:`closed` is the inner transport's."""
 
+    __slots__ = ("inner", "tracer")
+
+    inner: Transport
+    #: The stack's :class:`~aioslirp.tracing.Tracer`.
+    tracer: object
+
     def __init__(self, inner: Transport, tracer) -> None:
         super().__init__()
         self.inner = inner
