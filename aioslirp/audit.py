@@ -54,15 +54,22 @@ def _cook(rec: dict) -> dict:
 
 
 class _Reader:
-    """One :meth:`AuditLog.events` iterator: its bounded queue and the future it waits on."""
+    """One reader of :meth:`AuditLog.events`: an async iterator over its own bounded queue.
 
-    __slots__ = ("queue", "waiter", "closed")
+    Subscribed from creation (records taken after ``events()`` returned are kept for it, even
+    before the first ``async for`` step); :meth:`aclose` unsubscribes, and the iteration ends
+    after the queued records once the log is closed.
+    """
 
+    __slots__ = ("log", "queue", "waiter", "closed")
+
+    log: AuditLog
     queue: collections.deque
     waiter: asyncio.Future | None
     closed: bool
 
-    def __init__(self, maxlen: int) -> None:
+    def __init__(self, audit: AuditLog, maxlen: int) -> None:
+        self.log = audit
         self.queue = collections.deque(maxlen=maxlen)
         self.waiter = None
         self.closed = False
@@ -71,6 +78,30 @@ class _Reader:
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
+
+    def __aiter__(self) -> "_Reader":
+        return self
+
+    async def __anext__(self) -> dict:
+        q = self.queue
+        while not q:
+            if self.closed:
+                raise StopAsyncIteration
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return _cook(q.popleft())
+
+    async def aclose(self) -> None:
+        """Stop reading: unsubscribe (what is queued is forgotten)."""
+        self.closed = True
+        self.queue.clear()
+        readers = self.log._readers
+        if self in readers:
+            readers.remove(self)
+        self.wake()
 
 
 class AuditLog:
@@ -253,22 +284,13 @@ class AuditLog:
         self._readers = []
 
     # ------------------------------------------------------------------ readers
-    async def events(self, maxlen: int = EVENTS_QUEUE):
-        """An async iterator of the records from now on (the same dicts as written, addresses as
-        text), until :meth:`close`. Its queue holds ``maxlen`` records; past that the oldest is
-        lost (:attr:`records_dropped`). Leaving the ``async for`` unsubscribes."""
-        r = _Reader(max(1, int(maxlen)))
-        self._readers.append(r)
-        try:
-            while True:
-                q = r.queue
-                while q:
-                    yield _cook(q.popleft())
-                if r.closed:
-                    return
-                r.waiter = asyncio.get_running_loop().create_future()
-                await r.waiter
-                r.waiter = None
-        finally:
-            if r in self._readers:
-                self._readers.remove(r)
+    def events(self, maxlen: int = EVENTS_QUEUE) -> _Reader:
+        """An async iterator of the records taken from now on (the same dicts as written,
+        addresses as text), until :meth:`close`. Its queue holds ``maxlen`` records; past that
+        the oldest is lost (:attr:`records_dropped`). ``await it.aclose()`` unsubscribes."""
+        r = _Reader(self, max(1, int(maxlen)))
+        if self.closed:
+            r.closed = True
+        else:
+            self._readers.append(r)
+        return r

@@ -492,7 +492,9 @@ class Stack:
         per denial, per DNS decision; fields in docs/sandbox.md), until :meth:`aclose`.
 
         Bounded: it holds ``maxlen`` records; a reader that falls behind loses the oldest,
-        counted ``audit.records_dropped``. Without an audit log, one without a file is started.
+        counted ``audit.records_dropped``. Subscribed when called (before the first ``async
+        for`` step); ``await it.aclose()`` unsubscribes. Without an audit log, one without a
+        file is started.
         """
         if self.audit is None:
             from .audit import AuditLog
