@@ -16,7 +16,7 @@ text). Log rotation: :meth:`AuditLog.reopen` (the CLI calls it on SIGHUP), and a
 file was renamed or removed is reopened at the next write (``logrotate`` without
 ``copytruncate`` works either way).
 
-The record format (every field and unit) is in docs/sandbox.md.
+The record format (every field and unit) is in docs/audit.md.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ class AuditLog:
 
     def flow_ended(self, flow) -> None:
         """The record of ``flow`` (a :class:`~aioslirp.flow.base.Flow`) leaving the flow table:
-        called once per flow by ``FlowTable.remove``. See docs/sandbox.md for the fields."""
+        called once per flow by ``FlowTable.remove``. See docs/audit.md for the fields."""
         loop = self._loop
         self.record({
             "event": "flow", "time": time.time(), "proto": flow.proto_name, "direction": flow.direction,

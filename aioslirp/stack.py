@@ -489,7 +489,7 @@ class Stack:
 
     def flow_events(self, maxlen: int = 4096):
         """An async iterator of the audit records from now on (``dict``: one per flow at its end,
-        per denial, per DNS decision; fields in docs/sandbox.md), until :meth:`aclose`.
+        per denial, per DNS decision; fields in docs/audit.md), until :meth:`aclose`.
 
         Bounded: it holds ``maxlen`` records; a reader that falls behind loses the oldest,
         counted ``audit.records_dropped``. Subscribed when called (before the first ``async

@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--audit-log",
         metavar="FILE",
         help="append one JSON line per flow at its end (and per denial, per DNS decision) to FILE ('-': "
-        "stderr); SIGHUP or a renamed FILE reopens it (logrotate). Format: docs/sandbox.md",
+        "stderr); SIGHUP or a renamed FILE reopens it (logrotate). Format: docs/audit.md",
     )
     obs = common.add_argument_group("observability")
     obs.add_argument("--pcap", metavar="FILE", help="write every frame both ways to a pcap file (tshark, tcpdump, dpkt)")

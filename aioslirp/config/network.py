@@ -152,11 +152,11 @@ class NetworkConfig:
     #: takes a unit (``"10mbit"``, ``"2MB"``, see :func:`~aioslirp.config.rates.parse_rate`).
     #: One bucket per direction for all the guest's flows, both families; TCP is paced (no
     #: loss), UDP datagrams over the cap are dropped (``drop.rate_limit_up`` / ``_down``).
-    #: See docs/sandbox.md.
+    #: See docs/audit.md.
     rate_up: float | str | None = None
     rate_down: float | str | None = None
     #: The audit log (``--audit-log``): a path (``"-"``: stderr) or a text file object; one
-    #: JSON line per flow at its end (docs/sandbox.md). ``None``: no audit log.
+    #: JSON line per flow at its end (docs/audit.md). ``None``: no audit log.
     audit_log: object = None
 
     def validate(self) -> "NetworkConfig":
