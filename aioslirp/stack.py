@@ -489,7 +489,9 @@ class Stack:
 
     def flow_events(self, maxlen: int = 4096):
         """An async iterator of the audit records from now on (``dict``: one per flow at its end,
-        per denial, per DNS decision; fields in docs/audit.md), until :meth:`aclose`.
+        per denial, per DNS decision; fields in docs/audit.md), until the audit log closes
+        (:meth:`aclose`, for a log the stack opened; an :class:`~aioslirp.audit.AuditLog` passed
+        in is only flushed there, and ends its readers at its own ``close()``).
 
         Bounded: it holds ``maxlen`` records; a reader that falls behind loses the oldest,
         counted ``audit.records_dropped``. Subscribed when called (before the first ``async

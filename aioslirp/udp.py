@@ -36,6 +36,10 @@ class UdpFlow:
         remote: the host address to connect to (text).
         now: loop time of the first datagram.
 
+    Under a rate cap (``ctx.rate_up`` / ``rate_down``) a datagram the bucket does not hold is
+    dropped, counted ``drop.rate_limit_up`` / ``drop.rate_limit_down`` (not a frame outcome: the
+    guest's datagram was handled).
+
     After construction ``sock`` is ``None`` when no flow could be made (counted as
     ``drop.udp_socket_error``, or ``drop.udp_connect_error`` with :attr:`connect_error` the
     unreachable kind to tell the guest); the flow is then not in the table.
