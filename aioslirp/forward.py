@@ -471,7 +471,7 @@ class UdpForwardFlow:
 
     __slots__ = ("ctx", "fam", "forwarder", "listener", "peer", "forward_id", "guest_ip", "guest_port", "dst_ip",
                  "dst_port", "key", "remote", "loop", "last_active", "bytes_up", "bytes_down", "closed", "_pending",
-                 "_timeout")
+                 "_timeout", "started", "outcome")
 
     ctx: object
     fam: object
@@ -495,6 +495,10 @@ class UdpForwardFlow:
     #: Datagrams waiting for the guest's address to resolve (ARP).
     _pending: list
     _timeout: float
+    #: Loop time of creation.
+    started: float
+    #: How it ended: ``"closed"``, ``"idle"``, ``"evicted"``.
+    outcome: str
 
     def __init__(self, forwarder: Forwarder, lst: _Listener, peer, sport: int) -> None:
         ctx = self.ctx = forwarder.ctx
@@ -510,7 +514,8 @@ class UdpForwardFlow:
         self.key = flow_key(PROTO_UDP, self.guest_ip, self.guest_port, self.dst_ip, sport)
         self.remote = f"{peer[0]}:{peer[1]}"
         self.loop = ctx.loop
-        self.last_active = self.loop.time()
+        self.last_active = self.started = self.loop.time()
+        self.outcome = "closed"
         self.bytes_up = self.bytes_down = 0
         self.closed = False
         self._pending: list = []
@@ -521,7 +526,11 @@ class UdpForwardFlow:
     def to_guest(self, data: bytes) -> None:
         """A datagram from the host client: send it to the guest (after ARP if needed)."""
         ctx = self.ctx
-        self.last_active = self.loop.time()
+        self.last_active = now = self.loop.time()
+        rate = ctx.rate_down
+        if rate is not None and not rate.take(len(data), now):
+            ctx.counters["drop.rate_limit_down"] += 1
+            return
         self.bytes_down += len(data)
         ctx.counters["udp_datagrams_down"] += 1
         if self.guest_ip in self.fam.neighbors and not self._pending:
@@ -554,6 +563,10 @@ class UdpForwardFlow:
         self.last_active = now
         sock = self.listener.sock
         if self.closed or sock.fileno() < 0:
+            return
+        rate = self.ctx.rate_up
+        if rate is not None and not rate.take(len(payload), now):
+            self.ctx.counters["drop.rate_limit_up"] += 1
             return
         try:
             sock.sendto(payload, self.peer)

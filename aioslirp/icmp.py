@@ -51,7 +51,7 @@ class IcmpFlow:
     bytes_up = bytes_down = None
 
     __slots__ = ("echo", "fam", "key", "proto", "v6", "guest_ip", "dst_ip", "remote", "ident", "sock", "ctx", "loop",
-                 "last_active", "_timeout")
+                 "last_active", "_timeout", "started", "outcome")
 
     echo: IcmpEcho
     #: The flow's family (``Family4``/``Family6``).
@@ -72,6 +72,10 @@ class IcmpFlow:
     #: Loop time of the last echo either way (the idle sweep reads it).
     last_active: float
     _timeout: float
+    #: Loop time of creation.
+    started: float
+    #: How it ended: ``"closed"``, ``"idle"``, ``"evicted"``.
+    outcome: str
 
     def __init__(self, echo: "IcmpEcho", fam, key, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, sock,
                  now: float) -> None:
@@ -85,7 +89,8 @@ class IcmpFlow:
         ctx = echo.ctx
         self.ctx = ctx
         self.loop = loop = ctx.loop
-        self.last_active = now
+        self.last_active = self.started = now
+        self.outcome = "closed"
         self._timeout = float(ctx.config.icmp_idle_timeout)
         ctx.table.add(self)
         if sock is not None:
@@ -96,6 +101,7 @@ class IcmpFlow:
         seconds before loop time ``now``. True when it did."""
         if now - self.last_active < self._timeout:
             return False
+        self.outcome = "idle"
         self.shutdown()
         return True
 

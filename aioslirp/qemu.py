@@ -320,6 +320,10 @@ async def serve_qemu(config, *, path: str | None = None, fd: int | None = None, 
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.add_signal_handler(sig, _stop, server, sig)
                     installed.append(sig)
+                reopen = getattr(stack, "reopen_audit_log", None)
+                if reopen is not None:  # SIGHUP: reopen the --audit-log file (log rotation)
+                    loop.add_signal_handler(signal.SIGHUP, reopen)
+                    installed.append(signal.SIGHUP)
             await server.serve()
         finally:
             for sig in installed:

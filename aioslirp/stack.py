@@ -46,6 +46,7 @@ from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importab
 from .icmp import IcmpEcho
 from .inject import InjectQueue
 from .lifecycle import farewell
+from .ratelimit import ByteBucket
 from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
 from .services.dns import DnsForwarder
@@ -86,15 +87,21 @@ class Stack:
         tasks: the flows' own tasks.
         tracer: the stack's own :class:`~aioslirp.tracing.Tracer` (its trace points as
             OpenTelemetry spans through ``tracer_provider``), or ``None``: not traced.
+        audit: the :class:`~aioslirp.audit.AuditLog`, or ``None`` (off; :meth:`flow_events`
+            starts one without a file).
 
     Args:
         config: the network (default: ``NetworkConfig()``).
         tracer_provider: an OpenTelemetry ``TracerProvider``: trace this stack through it.
             ``None``: traced through the provider given to :func:`aioslirp.tracing.enable`
             when that is in force, else not traced.
+        audit: the audit log: an :class:`~aioslirp.audit.AuditLog`, a path (``"-"``: stderr) or
+            a text file object; default ``config.audit_log``; ``None`` and no ``audit_log``: off.
+            A log the stack opened from a path or file object is closed by :meth:`aclose`.
 
     Raises:
         ConfigError: from the constructor when ``config`` is invalid.
+        OSError: from the constructor when the audit log's path cannot be opened.
     """
 
     #: Takes ``on_frames(frames, csum_ok)`` from a TAP with a virtio-net header and sends
@@ -104,7 +111,7 @@ class Stack:
     __slots__ = ("config", "counters", "ctx", "guard", "table", "flows", "idle_order", "inject_queue", "inject",
                  "write_now", "tasks", "_aux_tasks", "icmp", "dns", "l4", "neighbors", "family4", "ipv4", "v6",
                  "family6", "link", "on_frames", "_on_frames", "gw_mac", "gw_ip", "dns_ip", "guest_ip", "mtu",
-                 "_transport", "_loop", "_closed", "_stopped", "transport_wrappers", "_forwarder", "tracer",
+                 "_transport", "_loop", "_closed", "_stopped", "transport_wrappers", "_forwarder", "tracer", "audit", "_own_audit",
                  # aioslirp.metrics holds a stack by weak reference
                  "__weakref__")
 
@@ -144,8 +151,11 @@ class Stack:
     _forwarder: object
     #: The stack's tracer (``None``: not traced).
     tracer: object
+    #: The audit log (``None``: off).
+    audit: object
+    _own_audit: bool
 
-    def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None) -> None:
+    def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None, audit=None) -> None:
         self.config = cfg = (config if config is not None else NetworkConfig()).validate()
         self.counters: Counter = Counter()
         ctx = self.ctx = FlowContext(cfg, self.counters)
@@ -198,6 +208,19 @@ class Stack:
         #: (e.g. :class:`~aioslirp.transport.pcap.PcapTransport` for ``--pcap``).
         self.transport_wrappers: list = []
         self._forwarder = None
+        if cfg.rate_up is not None:
+            ctx.rate_up = ByteBucket(cfg.rate_up)
+        if cfg.rate_down is not None:
+            ctx.rate_down = ByteBucket(cfg.rate_down)
+        self.audit = None
+        self._own_audit = False
+        if audit is None:
+            audit = cfg.audit_log
+        if audit is not None:
+            from .audit import AuditLog
+
+            self._own_audit = not isinstance(audit, AuditLog)
+            self._set_audit(audit if isinstance(audit, AuditLog) else AuditLog(audit))
 
     # ------------------------------------------------------------------ state
     @property
@@ -263,6 +286,8 @@ class Stack:
                                               tasks=self.tasks)
         self.guard.start(self.dns, loop.time())
         self.table.start(loop)
+        if self.audit is not None:
+            self.audit.bind(loop, self.counters)
 
     def close(self) -> None:
         """Ask :meth:`serve` to return; flows are torn down by :meth:`aclose`."""
@@ -297,6 +322,11 @@ class Stack:
         if self._transport is not None:
             self._transport.close()
         self.table.clear()
+        if self.audit is not None:
+            if self._own_audit:
+                self.audit.close()
+            else:
+                self.audit.flush()
         tr = self.tracer
         if tr is not None:
             tr.on_stack_closed()
@@ -450,6 +480,35 @@ class Stack:
     def forwards(self) -> list:
         """The active :class:`PortForward` objects, in the order they were added."""
         return [] if self._forwarder is None else self._forwarder.list()
+
+    # -------------------------------------------------------------- audit
+    def _set_audit(self, audit) -> None:
+        self.audit = self.ctx.audit = self.table.audit = audit
+        if self._loop is not None:
+            audit.bind(self._loop, self.counters)
+
+    def flow_events(self, maxlen: int = 4096):
+        """An async iterator of the audit records from now on (``dict``: one per flow at its end,
+        per denial, per DNS decision; fields in docs/audit.md), until the audit log closes
+        (:meth:`aclose`, for a log the stack opened; an :class:`~aioslirp.audit.AuditLog` passed
+        in is only flushed there, and ends its readers at its own ``close()``).
+
+        Bounded: it holds ``maxlen`` records; a reader that falls behind loses the oldest,
+        counted ``audit.records_dropped``. Subscribed when called (before the first ``async
+        for`` step); ``await it.aclose()`` unsubscribes. Without an audit log, one without a
+        file is started.
+        """
+        if self.audit is None:
+            from .audit import AuditLog
+
+            self._own_audit = True
+            self._set_audit(AuditLog())
+        return self.audit.events(maxlen)
+
+    def reopen_audit_log(self) -> None:
+        """Reopen the audit log's file (log rotation; the CLI does it on SIGHUP). Nothing when off."""
+        if self.audit is not None:
+            self.audit.reopen()
 
     # -------------------------------------------------------------- stats
     def flow_stats(self) -> dict:

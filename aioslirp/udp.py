@@ -36,6 +36,10 @@ class UdpFlow:
         remote: the host address to connect to (text).
         now: loop time of the first datagram.
 
+    Under a rate cap (``ctx.rate_up`` / ``rate_down``) a datagram the bucket does not hold is
+    dropped, counted ``drop.rate_limit_up`` / ``drop.rate_limit_down`` (not a frame outcome: the
+    guest's datagram was handled).
+
     After construction ``sock`` is ``None`` when no flow could be made (counted as
     ``drop.udp_socket_error``, or ``drop.udp_connect_error`` with :attr:`connect_error` the
     unreachable kind to tell the guest); the flow is then not in the table.
@@ -49,7 +53,7 @@ class UdpFlow:
     forward_id = None
 
     __slots__ = ("ctx", "fam", "key", "guest_ip", "guest_port", "dst_ip", "dst_port", "loop", "last_active", "_timeout",
-                 "last_header", "bytes_up", "bytes_down", "sock", "connect_error", "_build", "_inject")
+                 "last_header", "bytes_up", "bytes_down", "sock", "connect_error", "_build", "_inject", "started", "outcome")
 
     #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
     ctx: object
@@ -74,6 +78,10 @@ class UdpFlow:
     #: ``fam.build_udp`` and ``fam.inject_ip``.
     _build: object
     _inject: object
+    #: Loop time of creation.
+    started: float
+    #: How it ended: ``"closed"``, ``"idle"``, ``"evicted"``.
+    outcome: str
 
     def __init__(self, ctx, fam, key: tuple, remote: str, now: float | None = None) -> None:
         self.ctx = ctx
@@ -81,7 +89,8 @@ class UdpFlow:
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.loop = loop = ctx.loop
-        self.last_active = loop.time() if now is None else now
+        self.last_active = self.started = loop.time() if now is None else now
+        self.outcome = "closed"
         self._timeout = float(ctx.config.udp_idle_timeout)
         self.last_header = b""
         self.bytes_up = self.bytes_down = 0
@@ -114,6 +123,7 @@ class UdpFlow:
         if now - self.last_active < self._timeout:
             return False
         self.ctx.counters["udp_idle_closed"] += 1
+        self.outcome = "idle"
         self.shutdown()
         return True
 
@@ -122,6 +132,10 @@ class UdpFlow:
         ICMP errors; ``now``: loop time."""
         self.last_active = now
         self.last_header = bytes(header)
+        rate = self.ctx.rate_up
+        if rate is not None and not rate.take(len(payload), now):
+            self.ctx.counters["drop.rate_limit_up"] += 1  # (the frame's outcome stays handled.udp)
+            return
         try:
             self.sock.send(payload)
             self.bytes_up += len(payload)
@@ -132,6 +146,7 @@ class UdpFlow:
 
     def _readable(self) -> None:
         counters = self.ctx.counters
+        rate = self.ctx.rate_down
         for _ in range(64):
             try:
                 data = self.sock.recv(65536)
@@ -140,7 +155,10 @@ class UdpFlow:
             except OSError as exc:
                 self._error(exc)
                 return
-            self.last_active = self.loop.time()
+            self.last_active = now = self.loop.time()
+            if rate is not None and not rate.take(len(data), now):
+                counters["drop.rate_limit_down"] += 1
+                continue
             self.bytes_down += len(data)
             counters["udp_datagrams_down"] += 1
             self._inject(self._build(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, data),

@@ -41,6 +41,8 @@ def main() -> int:
     ap.add_argument("--no-uvloop", action="store_true")
     ap.add_argument("--mode", choices=("crr", "rr"), default="crr",
                     help="rr: request/response round trips on one connection (--connections of them)")
+    ap.add_argument("--audit-log", metavar="FILE",
+                    help="measure with the audit log on, written to FILE (e.g. /dev/null)")
     args = ap.parse_args()
     if args.tree:
         sys.path.insert(0, args.tree)
@@ -77,7 +79,8 @@ def main() -> int:
         port = srv.getsockname()[1]
         inside = 0.0
         perf = time.perf_counter
-        async with Stack(NetworkConfig(dns_upstreams=[("127.0.0.1", 9)])) as stack:
+        extra = {"audit_log": args.audit_log} if args.audit_log else {}
+        async with Stack(NetworkConfig(dns_upstreams=[("127.0.0.1", 9)], **extra)) as stack:
             tr = Collect()
             serving = asyncio.ensure_future(stack.serve(tr))
             await asyncio.sleep(0)

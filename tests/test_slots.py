@@ -25,7 +25,8 @@ from aioslirp.flow.table import FlowTable, IdleOrder
 from aioslirp.forward import Forwarder, UdpForwardFlow, _Listener
 from aioslirp.icmp import IcmpEcho, IcmpFlow
 from aioslirp.inject import InjectQueue
-from aioslirp.ratelimit import TokenBucket
+from aioslirp.audit import AuditLog, _Reader
+from aioslirp.ratelimit import ByteBucket, TokenBucket
 from aioslirp.reassembly import Ipv6Reassembler, Reassembler, _Pending
 from aioslirp.services.dhcp import DhcpServer, _Lease
 from aioslirp.services.dhcpv6 import Dhcpv6Server
@@ -37,6 +38,7 @@ from aioslirp.tcp.buffers import ChunkQueue, SendQueue
 from aioslirp.tcp.connection import TcpConnection
 from aioslirp.tcp.flow import ForwardedTcpFlow, TcpFlow
 from aioslirp.tcp.hostsock import HostSocket, TransportHost
+from aioslirp.tcp.pacing import FlowPacing
 from aioslirp.tcp.output import Output
 from aioslirp.tcp.tcb import Tcb
 from aioslirp.transport.base import SocketTransport, Transport
@@ -62,6 +64,7 @@ PER_FRAME = [
     Transport, SocketTransport, TapTransport, StreamTransport, DgramTransport, SocketPairTransport,
     PcapWriter, PcapTransport, TraceTransport, StreamDecoder,
     Segment, TcpFrameBuilder, TcpOffloadBuilder, Ipv6,
+    ByteBucket, FlowPacing, AuditLog, _Reader,  # rate caps (per datagram / read), the audit log (per flow)
 ]
 
 #: Classes whose instances are held by weak reference (``aioslirp.metrics``).

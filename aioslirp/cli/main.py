@@ -21,6 +21,7 @@ from typing import Sequence
 
 from ..config import ConfigError, NetworkConfig, parse_hostport
 from ..config.limits import LIMIT_FIELDS, parse_limits
+from ..config.rates import parse_rate_limit
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -38,6 +39,9 @@ _FIELD_OPTION = {
     "dns_search": "--dns-search",
     "egress_allow": "--allow",
     "egress_deny": "--deny",
+    "rate_up": "--rate-limit up",
+    "rate_down": "--rate-limit down",
+    "audit_log": "--audit-log",
 }
 _FIELD_OPTION.update({name: f"--limit {name}" for name in LIMIT_FIELDS})
 
@@ -212,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
         "inject_queue_size, tcp_buffer, reassembly_max_datagrams, reassembly_max_fragments, "
         "reassembly_max_bytes, reassembly_timeout (s; IPv4 and IPv6 fragment reassembly, each family)",
     )
+    sec.add_argument(
+        "--rate-limit",
+        metavar="up=RATE,down=RATE",
+        help="cap the guest's traffic each way (either or both; e.g. up=10mbit,down=2MB; units B, kB, MB, GB, "
+        "KiB, MiB, GiB, bit, kbit, mbit, gbit, per second): TCP is paced without loss, UDP datagrams over the cap "
+        "are dropped (drop.rate_limit_up/down); bursts up to 64 KiB or 10 ms of the rate",
+    )
+    sec.add_argument(
+        "--audit-log",
+        metavar="FILE",
+        help="append one JSON line per flow at its end (and per denial, per DNS decision) to FILE ('-': "
+        "stderr); SIGHUP or a renamed FILE reopens it (logrotate). Format: docs/audit.md",
+    )
     obs = common.add_argument_group("observability")
     obs.add_argument("--pcap", metavar="FILE", help="write every frame both ways to a pcap file (tshark, tcpdump, dpkt)")
     obs.add_argument(
@@ -341,6 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_audit_path(path: str) -> None:
+    """``--audit-log FILE`` can be appended to (created if missing); else ConfigError."""
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ConfigError("--audit-log", f"cannot write {path!r}: {exc.strerror}") from None
+
+
 def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     """Build and validate the :class:`NetworkConfig` the options describe.
 
@@ -375,6 +401,15 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     if getattr(args, "deny", None):
         kwargs["egress_deny"] = list(args.deny)
     kwargs.update(parse_limits(getattr(args, "limit", None)))
+    if getattr(args, "rate_limit", None) is not None:
+        kwargs.update(parse_rate_limit(args.rate_limit, "--rate-limit"))
+    audit_log = getattr(args, "audit_log", None)
+    if audit_log is not None:
+        if not audit_log.strip():
+            raise ConfigError("--audit-log", "empty path")
+        if audit_log != "-":
+            _check_audit_path(audit_log)
+        kwargs["audit_log"] = audit_log
     if getattr(args, "stop_timeout", None) is not None and not args.stop_timeout >= 0:
         raise ConfigError("--stop-timeout", f"{args.stop_timeout!r} must be a number of seconds >= 0")
     config = NetworkConfig(**kwargs)

@@ -104,6 +104,11 @@ host sockets, no root needed.
 --macaddress=MAC         MAC address of TAPNAME (only with -c)
 --target-type=TYPE       netns (default); bess is not supported
 --log-level=LEVEL        (aioslirp) debug, info, warning (default) or error, on stderr
+--rate-limit=up=RATE,down=RATE
+                         (aioslirp) cap the guest's traffic each way, e.g. up=10mbit,down=2MB:
+                         TCP paced without loss, UDP over the cap dropped
+--audit-log=FILE         (aioslirp) one JSON line per flow at its end to FILE ('-': stderr);
+                         a renamed FILE is reopened at the next write
 -h, --help               show this help and exit
 -v, --version            show version and exit
 
@@ -172,6 +177,11 @@ class Options:
     disable_dns: bool = False
     macaddress: str | None = None
     log_level: str = "warning"
+    #: (aioslirp) ``--rate-limit``: bytes/s each way, ``None``: no cap.
+    rate_up: float | None = None
+    rate_down: float | None = None
+    #: (aioslirp) ``--audit-log`` path.
+    audit_log: str | None = None
     #: Extra positional arguments (ignored with a warning, as slirp4netns does).
     extra_args: list = dataclasses.field(default_factory=list)
 
@@ -224,6 +234,8 @@ def _parser():
     p.add_argument("--macaddress")
     p.add_argument("--target-type")
     p.add_argument("--log-level")
+    p.add_argument("--rate-limit")
+    p.add_argument("--audit-log")
     p.add_argument("positional", nargs="*")
     return p
 
@@ -380,6 +392,19 @@ def parse_args(argv: Sequence[str]) -> Options:
         if level not in _LOG_LEVELS:
             raise UsageError("--log-level", f"{ns.log_level!r} is not one of {', '.join(_LOG_LEVELS)}")
         opts.log_level = level
+    if ns.rate_limit is not None:
+        from ..config import ConfigError
+        from ..config.rates import parse_rate_limit
+
+        try:
+            rates = parse_rate_limit(ns.rate_limit, "--rate-limit")
+        except ConfigError as exc:
+            raise UsageError("--rate-limit", str(exc).split(": ", 1)[-1]) from None
+        opts.rate_up, opts.rate_down = rates.get("rate_up"), rates.get("rate_down")
+    if ns.audit_log is not None:
+        if not ns.audit_log:
+            raise UsageError("--audit-log", "empty path")
+        opts.audit_log = ns.audit_log
     return opts
 
 
@@ -396,6 +421,12 @@ def check_environment(opts: Options) -> None:
             os.fstat(fd)
         except OSError:
             raise UsageError(option, f"{fd} is not an open file descriptor") from None
+    if opts.audit_log is not None and opts.audit_log != "-":
+        try:
+            with open(opts.audit_log, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise UsageError("--audit-log", f"cannot write {opts.audit_log!r}: {exc.strerror}") from None
     if opts.netns_type == "path" and not os.path.exists(opts.target):
         raise UsageError("PATH", f"{opts.target}: no such network namespace file")
     if opts.userns_path is not None and not os.path.exists(opts.userns_path):
@@ -422,6 +453,9 @@ def build_config(opts: Options):
         mtu=opts.mtu,
         disable_host_loopback=opts.disable_host_loopback,
         ipv6=opts.enable_ipv6,  # slirp4netns's IPv6 defaults: fd00::/64, gateway ::2, DNS ::3
+        rate_up=opts.rate_up,
+        rate_down=opts.rate_down,
+        audit_log=opts.audit_log,
     )
     try:
         return config.validate()

@@ -6,7 +6,8 @@
   from a ``NetworkConfig``;
 * :mod:`.policy`: :class:`~aioslirp.config.policy.EgressPolicy`, the compiled ``--allow`` /
   ``--deny`` rules;
-* :mod:`.limits`: the ``--limit NAME=VALUE`` fields and their parsing.
+* :mod:`.limits`: the ``--limit NAME=VALUE`` fields and their parsing;
+* :mod:`.rates`: byte rates (``--rate-limit``, ``rate_up`` / ``rate_down``).
 
 They import only :mod:`aioslirp.errors` (where :class:`ConfigError` lives) and one another,
 never a layer above. ``from aioslirp.config import NetworkConfig, ConfigError`` keeps working.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError, not_a_network, not_an_address
 from .ipv6 import Ipv6Config
 from .policy import parse_rules
+from .rates import parse_rate
 
 __all__ = ["ConfigError", "NetworkConfig", "parse_hostport"]
 
@@ -146,6 +147,17 @@ class NetworkConfig:
     gateway6: str | ipaddress.IPv6Address | None = None
     #: IPv6 virtual DNS server (RA RDNSS option, DHCPv6). Default: prefix + 3.
     dns6: str | ipaddress.IPv6Address | None = None
+    #: Cap of the guest's traffic, bytes per second, guest -> host (``rate_up``) and host ->
+    #: guest (``rate_down``); ``None``: no cap (``--rate-limit up=RATE,down=RATE``). A string
+    #: takes a unit (``"10mbit"``, ``"2MB"``, see :func:`~aioslirp.config.rates.parse_rate`).
+    #: One bucket per direction for all the guest's flows, both families; TCP is paced (no
+    #: loss), UDP datagrams over the cap are dropped (``drop.rate_limit_up`` / ``_down``).
+    #: See docs/audit.md.
+    rate_up: float | str | None = None
+    rate_down: float | str | None = None
+    #: The audit log (``--audit-log``): a path (``"-"``: stderr) or a text file object; one
+    #: JSON line per flow at its end (docs/audit.md). ``None``: no audit log.
+    audit_log: object = None
 
     def validate(self) -> "NetworkConfig":
         """Check every field and normalise addresses. Returns ``self``; raises :class:`ConfigError`."""
@@ -234,6 +246,13 @@ class NetworkConfig:
         self.egress_default_deny = parse_rules(self.egress_default_deny, "egress_default_deny")
         if not 0.0 <= float(self.tcp_ack_delay) <= 0.5:
             raise ConfigError("tcp_ack_delay", f"{self.tcp_ack_delay!r} is out of range 0-0.5 seconds")
+        for name in ("rate_up", "rate_down"):
+            if getattr(self, name) is not None:
+                setattr(self, name, parse_rate(getattr(self, name), name))
+        log_to = self.audit_log
+        if log_to is not None and not (isinstance(log_to, str) and log_to.strip()) and not hasattr(log_to, "write"):
+            if not hasattr(log_to, "__fspath__"):
+                raise ConfigError("audit_log", f"{log_to!r} is neither a path nor a writable file object")
         self.ipv6 = bool(self.ipv6)
         if self.ipv6:
             c6 = Ipv6Config.from_network(self)

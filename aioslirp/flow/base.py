@@ -48,8 +48,14 @@ class Flow(Protocol):
             forward's client), ``None`` when not kept (UDP flows) or a local service (DNS over TCP).
         forward_id: the id of the port forward it belongs to, or ``None``.
         last_active: loop time (seconds, ``loop.time()``) of its last activity.
-        bytes_up, bytes_down: payload bytes guest -> host and host -> guest, ``None`` when not
-            counted here (TCP flows: see their connection; echo flows).
+        bytes_up, bytes_down: payload bytes guest -> host and host -> guest (TCP: in-order
+            payload accepted from the guest / sent to it, retransmissions excluded), ``None``
+            when not counted (echo flows).
+        started: loop time (seconds) the flow was created.
+        outcome: how it ended, read when it leaves the table (the audit log's ``end``): TCP
+            ``"closed"``, ``"reset"``, ``"refused"``, ``"unreachable"``, ``"timeout"`` (connect
+            or idle timeout), ``"evicted"``; UDP and echo flows ``"idle"``, ``"evicted"``,
+            ``"closed"``. Settable (the flow table sets ``"evicted"``).
     """
 
     key: tuple
@@ -66,6 +72,8 @@ class Flow(Protocol):
     last_active: float
     bytes_up: int | None
     bytes_down: int | None
+    started: float
+    outcome: str
 
     def flush(self) -> None:
         """Send what is due (called once per batch of guest frames for a flow marked dirty)."""
@@ -106,10 +114,16 @@ class FlowContext:
         closed: the stack is closing: no new flow is started.
         tracer: the stack's :class:`~aioslirp.tracing.Tracer`, or ``None`` (not traced): the
             flows tell it what they did (``if tr is not None: tr.on_...(...)``, after the work).
+        audit: the stack's :class:`~aioslirp.audit.AuditLog`, or ``None`` (no audit log):
+            ``audit.record(dict)`` for denials and DNS decisions; the flow table records each
+            flow's end itself.
+        rate_up, rate_down: the guest's :class:`~aioslirp.ratelimit.ByteBucket` each way
+            (``rate_up`` guest -> host), or ``None`` (no cap): TCP flows pace against them,
+            UDP flows drop what they do not hold.
     """
 
     __slots__ = ("config", "counters", "loop", "table", "guard", "queue", "inject", "tasks", "spawn", "icmp",
-                 "dns", "dns_host", "offload", "closed", "tracer")
+                 "dns", "dns_host", "offload", "closed", "tracer", "audit", "rate_up", "rate_down")
 
     config: object
     counters: dict[str, int]
@@ -127,6 +141,11 @@ class FlowContext:
     closed: bool
     #: The stack's tracer (``None``: not traced).
     tracer: object
+    #: The stack's audit log (``None``: off).
+    audit: object
+    #: The guest's byte-rate caps (``None``: none).
+    rate_up: object
+    rate_down: object
 
     def __init__(self, config, counters) -> None:
         self.config = config
@@ -138,6 +157,8 @@ class FlowContext:
         self.offload = False
         self.closed = False
         self.tracer = None
+        self.audit = None
+        self.rate_up = self.rate_down = None
 
     def drop(self, reason: str) -> None:
         """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``.

@@ -131,7 +131,7 @@ class FlowTable:
     """
 
     __slots__ = ("max_flows", "counters", "guard", "flows", "get", "idle_order", "dirty", "interval", "_loop",
-                 "_timer", "tracer")
+                 "_timer", "tracer", "audit")
 
     max_flows: int
     counters: dict[str, int]
@@ -146,6 +146,8 @@ class FlowTable:
     _timer: asyncio.TimerHandle | None
     #: The stack's tracer (``None``: not traced).
     tracer: object
+    #: The stack's :class:`~aioslirp.audit.AuditLog` (``None``: off): told of every flow leaving.
+    audit: object
 
     def __init__(self, config, counters, guard, tracer=None) -> None:
         self.max_flows = int(config.max_flows)
@@ -157,6 +159,7 @@ class FlowTable:
         self.dirty: set = set()
         self.interval = sweep_interval(config)
         self.tracer = tracer
+        self.audit = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
 
@@ -176,11 +179,16 @@ class FlowTable:
             tr.on_flow_opened(flow)
 
     def remove(self, flow) -> None:
-        """``flow`` leaves the table (counted ``flows.<proto_name>.closed`` if it was in it). Idempotent."""
+        """``flow`` leaves the table (counted ``flows.<proto_name>.closed`` if it was in it; then
+        one audit record, :meth:`AuditLog.flow_ended <aioslirp.audit.AuditLog.flow_ended>`, when
+        :attr:`audit` is set). Idempotent."""
         if self.flows.get(flow.key) is flow:
             del self.flows[flow.key]
             self.counters[f"flows.{flow.proto_name}.closed"] += 1
             self.guard.closed(flow)
+            audit = self.audit
+            if audit is not None:  # the one audit record of the flow's end
+                audit.flow_ended(flow)
         self.dirty.discard(flow)
         tr = self.tracer
         if tr is not None:
@@ -201,6 +209,7 @@ class FlowTable:
         if victim is None:
             return False
         self.counters["flows_evicted"] += 1
+        victim.outcome = "evicted"
         victim.shutdown()
         return True
 

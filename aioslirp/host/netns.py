@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 from ..config import NetworkConfig
 from ..lifecycle import farewell
 from ..transport.tap import TapTransport
-from .signals import DEFAULT_STOP_TIMEOUT, GracefulStop
+from .signals import DEFAULT_STOP_TIMEOUT, GracefulStop, reopen_audit_log
 
 __all__ = [
     "NamespaceError",
@@ -64,6 +64,14 @@ class NamespaceError(RuntimeError):
 
 StackFactory = Callable[[NetworkConfig], Any]
 
+
+
+def _hup(stack, send_signal) -> None:
+    """SIGHUP under ``aioslirp run``: reopen the ``--audit-log`` file, then pass it to the command."""
+    try:
+        reopen_audit_log(stack)
+    finally:
+        send_signal(signal.SIGHUP)
 
 def _default_stack_factory(config: NetworkConfig):
     from ..stack import Stack
@@ -405,6 +413,8 @@ async def run_in_namespace(
                 for sig in FORWARDED_SIGNALS:
                     if sig == signal.SIGTERM:
                         loop.add_signal_handler(sig, graceful)
+                    elif sig == signal.SIGHUP:  # the command's, and the --audit-log file is reopened
+                        loop.add_signal_handler(sig, _hup, stack, helper.send_signal)
                     else:
                         loop.add_signal_handler(sig, helper.send_signal, sig)
                     installed.append(sig)
@@ -494,6 +504,8 @@ async def attach(
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop)
                 installed.append(sig)
+            loop.add_signal_handler(signal.SIGHUP, reopen_audit_log, stack)  # log rotation
+            installed.append(signal.SIGHUP)
         try:
             helper = _Helper(spec)
             fd = None

@@ -22,6 +22,13 @@ DEFAULT_STOP_TIMEOUT = 10.0
 KILL_DELAY = 1.0
 
 
+def reopen_audit_log(stack) -> None:
+    """SIGHUP: reopen the stack's ``--audit-log`` file (log rotation); nothing without one."""
+    reopen = getattr(stack, "reopen_audit_log", None)
+    if reopen is not None:
+        reopen()
+
+
 class GracefulStop:
     """SIGTERM handling of ``aioslirp run`` (like ``docker stop``).
 

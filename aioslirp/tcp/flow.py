@@ -17,6 +17,12 @@ named like asyncio protocol callbacks):
   guest's ACKs make room.
 * a FIN from either side becomes ``shutdown(SHUT_WR)`` / a FIN towards the other side;
   the reverse direction stays open. A RST either way tears the flow down.
+* rate caps (``rate_up`` / ``rate_down``, the guest's shared
+  :class:`~aioslirp.ratelimit.ByteBucket` each way): towards the host, guest bytes are written
+  only while the bucket holds them; the rest waits in the connection (its window closes) and
+  a loop timer writes it when the bucket has refilled. Towards the guest, each host read is
+  spent from the bucket and reading pauses while it is in debt, resumed by the same timer.
+  Nothing is dropped; a capped flow stays on its :class:`HostSocket` (no move to a transport).
 
 Once both directions are closed the host socket is closed at once; TIME-WAIT towards the
 guest keeps only the flow-table entry. Guest bytes already ACKed that the host has not taken
@@ -42,6 +48,7 @@ from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6
 from ..wire.tcp import ACK, SYN, Segment, TcpFrameBuilder, parse_segment, reset_for, syn_options
 from .connection import (CLOSE_WAIT, CLOSED, CLOSING, ESTABLISHED, LAST_ACK, LISTEN, SYN_RECEIVED, SYN_SENT,
                          TIME_WAIT, TcpConnection)
+from .pacing import FlowPacing
 from .hostsock import HostSocket, TransportHost, close_socket, connect_numeric, connect_start, wait_connected
 from .tcb import ResetEvent
 
@@ -63,7 +70,7 @@ _OPEN_TOWARDS_GUEST = frozenset((ESTABLISHED, CLOSE_WAIT, SYN_RECEIVED))
 _RETIRED = itertools.count(1)  # serials that make the flow-table keys of retired flows unique
 
 
-class TcpFlow(asyncio.Protocol):
+class TcpFlow(FlowPacing, asyncio.Protocol):
     """One NAT'ed guest TCP connection. ``remote`` is the host address (``None``: the DNS service).
 
     ``ctx``: the stack's :class:`~aioslirp.flow.base.FlowContext`; ``fam``: the flow's family (Family4/6).
@@ -74,14 +81,13 @@ class TcpFlow(asyncio.Protocol):
     proto = PROTO_TCP
     proto_name = "tcp"
     direction, forward_id = "outbound", None  # see aioslirp.flow.base.Flow
-    bytes_up = bytes_down = None  # counted by the connection
 
     __slots__ = (
         "ctx", "fam", "key", "guest_ip", "guest_port", "dst_ip", "dst_port", "remote", "orig_header", "loop",
         "last_active", "eth", "v6", "offload", "_builder", "conn", "transport", "host_paused", "reading_paused",
         "eof_sent", "host_closed", "_timer", "_timer_at", "_finished", "done", "_wake", "_upgrade_sock",
         "_upgrading", "_close_abort", "_pending_sock", "_connect_waiting", "_t0", "retired", "no_socket", "task",
-        "_mark_dirty",
+        "_mark_dirty", "started", "_outcome", "rate_up", "rate_down", "rate_paused", "_rate_timer", "_rate_at",
     )
 
     #: The stack's :class:`~aioslirp.flow.base.FlowContext` (flow table, counters, inject queue, config).
@@ -138,6 +144,18 @@ class TcpFlow(asyncio.Protocol):
     task: asyncio.Task
     #: The flow table's dirty set ``add``: :meth:`flush` runs after the batch of guest frames.
     _mark_dirty: object
+    #: Loop time of creation (the guest's SYN).
+    started: float
+    #: How it ended when known before it leaves (refused, unreachable, timeout, evicted); see :attr:`outcome`.
+    _outcome: str | None
+    #: The guest's byte-rate caps each way (``ctx.rate_up`` / ``rate_down``), ``None``: none.
+    rate_up: object
+    rate_down: object
+    #: Reading the host socket is paused: the ``rate_down`` bucket is in debt.
+    rate_paused: bool
+    #: Loop timer (and its time) that resumes a flow held by a rate cap.
+    _rate_timer: asyncio.TimerHandle | None
+    _rate_at: float
 
     def __init__(self, ctx, fam, key: tuple, remote: str | None, syn: Segment | None, orig_header: bytes,
                  now: float) -> None:
@@ -148,7 +166,15 @@ class TcpFlow(asyncio.Protocol):
         self.orig_header = orig_header
         self.loop = loop = ctx.loop
         cfg = ctx.config
-        self.last_active = now
+        self.last_active = self.started = now
+        self._outcome = None
+        if remote is not None:
+            self.rate_up, self.rate_down = ctx.rate_up, ctx.rate_down
+        else:  # the DNS-over-TCP service is not capped
+            self.rate_up = self.rate_down = None
+        self.rate_paused = False
+        self._rate_timer = None
+        self._rate_at = 0.0
         self.eth = fam.eth_to(self.guest_ip)
         # IPv4 or IPv6 is chosen once per flow: frame builder, MSS (MTU - 40 / - 60), socket family.
         self.v6 = v6 = len(self.guest_ip) == 16
@@ -238,7 +264,8 @@ class TcpFlow(asyncio.Protocol):
         the lighter :class:`HostSocket` (CRR -6%). Guest bytes that arrive meanwhile wait in the
         connection (nothing ACKed is lost); see ``tests/test_hostsock.py``."""
         hs = self.transport
-        if self._upgrading or self.host_closed or self._finished or hs.__class__ is not HostSocket:
+        if (self._upgrading or self.host_closed or self._finished or hs.__class__ is not HostSocket
+                or self.rate_up is not None or self.rate_down is not None):  # a capped flow's reads stay bounded
             return
         self._upgrading = True
         self.ctx.counters["tcp_bulk_transport"] += 1
@@ -256,7 +283,7 @@ class TcpFlow(asyncio.Protocol):
             return
         transport.set_write_buffer_limits(high=512 * 1024)
         self.host_paused = False  # HostSocket's wait for writability ended with it
-        if self.reading_paused:
+        if self.reading_paused or self.rate_paused:
             # Enough for asyncio's transport (it starts reading after this callback and honours
             # the pause); uvloop starts reading regardless: data_received pauses it again.
             transport.pause_reading()
@@ -326,7 +353,7 @@ class TcpFlow(asyncio.Protocol):
             sock.close()
             self._finish()
             return
-        self.transport = HostSocket(self.loop, sock, self, self.ctx.queue.held())
+        self.transport = HostSocket(self.loop, sock, self, self.ctx.queue.held(), self.rate_down)
         self.ctx.guard.connected(self)
         self._accept(time.perf_counter() - self._t0, False)
 
@@ -335,6 +362,7 @@ class TcpFlow(asyncio.Protocol):
         sock.close()
         counters = self.ctx.counters
         if isinstance(exc, ConnectionRefusedError) or getattr(exc, "errno", None) == errno.ECONNREFUSED:
+            self._outcome = "refused"
             counters["tcp_connect_refused"] += 1
             self.conn.refuse()
             tr = self.ctx.tracer
@@ -344,6 +372,7 @@ class TcpFlow(asyncio.Protocol):
             self._finish()
             return
         counters["tcp_connect_unreachable"] += 1
+        self._outcome = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
         tr = self.ctx.tracer
         if tr is not None:
             tr.on_connect_failed(self, "unreachable")
@@ -375,6 +404,17 @@ class TcpFlow(asyncio.Protocol):
             # after that callback), so a flow that moved to a transport while paused would
             # otherwise read on without bound. At most one read lands past tcp_buffer.
             self.transport.pause_reading()
+        rate = self.rate_down
+        if rate is not None:  # --rate-limit down: spend the read, hold off reading while in debt
+            now = self.loop.time()
+            rate.spend(len(data), now)
+            wait = rate.wait(now)
+            if wait > 0:
+                if not self.rate_paused:
+                    self.rate_paused = True
+                    self.ctx.counters["tcp_rate_paused_down"] += 1
+                self.transport.pause_reading()
+                self._rate_wake(now + wait)
         self.flush()
 
     def eof_received(self) -> bool:
@@ -422,10 +462,17 @@ class TcpFlow(asyncio.Protocol):
         tr = self.transport
         if tr is not None and not self.host_closed:
             pending = conn.recv_pending  # in-order guest bytes not yet written to the host
+            rate = self.rate_up
             while pending and not self.host_paused:
                 data = conn.peek_chunk()
+                if rate is not None:  # --rate-limit up: write what the bucket holds, the rest waits
+                    data = self._rate_cut(rate, data)
+                    if data is None:
+                        break
                 n = tr.send(data)  # what the kernel took; the rest stays queued (window closes)
                 if n:
+                    if rate is not None:
+                        rate.spend(n, self.loop.time())
                     pending = conn.consume(n)
                 if n < len(data):
                     break
@@ -437,7 +484,8 @@ class TcpFlow(asyncio.Protocol):
                     tr.write_eof()
             if self.reading_paused and conn.send_space > 0:
                 self.reading_paused = False
-                tr.resume_reading()
+                if not self.rate_paused:
+                    tr.resume_reading()
         self._emit()
         ev = conn.next_event()
         while ev is not None:
@@ -550,6 +598,9 @@ class TcpFlow(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._rate_timer is not None:
+            self._rate_timer.cancel()
+            self._rate_timer = None
         self._close_host(abort=self.conn.reset)
         self.ctx.table.remove(self)
 
@@ -613,6 +664,7 @@ class TcpFlow(asyncio.Protocol):
         if not 0 < self.ctx.config.tcp_idle_timeout < now - self.last_active:
             return False
         self.ctx.counters["tcp_idle_closed"] += 1
+        self._outcome = "timeout"
         self.shutdown()
         return True
 
@@ -657,7 +709,7 @@ class ForwardedTcpFlow(TcpFlow):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        self.transport = HostSocket(self.loop, sock, self, self.ctx.queue.held())  # host bytes wait for the handshake
+        self.transport = HostSocket(self.loop, sock, self, self.ctx.queue.held(), self.rate_down)  # host bytes wait for the handshake
 
     async def _run(self) -> None:
         try:
@@ -700,6 +752,7 @@ class ForwardedTcpFlow(TcpFlow):
     def _connect_timeout(self) -> None:
         self._connect_timer = None
         if self.conn.state is SYN_SENT:
+            self._outcome = "timeout"
             self.ctx.counters["forward_connect_timeout"] += 1
             self.conn.abort()
             self._emit()

@@ -161,7 +161,7 @@ class HostSocket:
     close the socket and reach the flow as ``connection_lost(exc)``.
     """
 
-    __slots__ = ("loop", "sock", "fd", "flow", "batch", "reading", "writing", "closed")
+    __slots__ = ("loop", "sock", "fd", "flow", "batch", "reading", "writing", "closed", "cap")
 
     loop: asyncio.AbstractEventLoop
     sock: socket.socket
@@ -177,8 +177,11 @@ class HostSocket:
     #: A writer is registered (the last send was short): the flow is paused.
     writing: bool
     closed: bool
+    #: The guest's host -> guest :class:`~aioslirp.ratelimit.ByteBucket`, or ``None``: a read
+    #: takes at most what it holds (at least :data:`MIN_READ`), so bursts stay bounded.
+    cap: object
 
-    def __init__(self, loop, sock: socket.socket, flow, batch) -> None:
+    def __init__(self, loop, sock: socket.socket, flow, batch, cap=None) -> None:
         self.loop = loop
         self.batch = batch
         self.sock = sock
@@ -187,12 +190,18 @@ class HostSocket:
         self.closed = False
         self.writing = False
         self.reading = True
+        self.cap = cap
         loop.add_reader(self.fd, self._on_readable)
 
     # ------------------------------------------------------------------ reading
     def _on_readable(self) -> None:
         flow = self.flow
         room = flow.conn.send_space
+        cap = self.cap
+        if cap is not None:  # --rate-limit down: read no more than the bucket holds
+            tokens = int(cap.available(self.loop.time()))
+            if tokens < room:
+                room = tokens if tokens > MIN_READ else MIN_READ
         try:
             n = self.sock.recv_into(_RVIEW, READ_SIZE if room >= READ_SIZE else (room if room > MIN_READ else MIN_READ))
         except (BlockingIOError, InterruptedError):
