@@ -145,13 +145,13 @@ class Stack:
     #: The stack's tracer (``None``: not traced).
     tracer: object
 
-    def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None) -> None:
+    def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None, policy=None) -> None:
         self.config = cfg = (config if config is not None else NetworkConfig()).validate()
         self.counters: Counter = Counter()
         ctx = self.ctx = FlowContext(cfg, self.counters)
         rate = float(cfg.new_flow_rate)
         new_bucket = functools.partial(NewFlowBucket, rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
-        self.guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket)
+        self.guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket, ctx=ctx, hook=policy)
         self.table = ctx.table = FlowTable(cfg, self.counters, self.guard)
         self.flows: dict = self.table.flows
         self.idle_order: IdleOrder = self.table.idle_order
@@ -200,6 +200,12 @@ class Stack:
         self._forwarder = None
 
     # ------------------------------------------------------------------ state
+    @property
+    def policy(self):
+        """The egress policy (:class:`~aioslirp.flow.egress.Egress`): ``add(rule, allow=True)``,
+        ``remove(rule)``, ``list_rules()``, ``set_hook(callable)`` while the guest runs."""
+        return self.guard.policy
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop the stack runs on (``None`` before :meth:`start`)."""

@@ -106,10 +106,13 @@ class FlowContext:
         closed: the stack is closing: no new flow is started.
         tracer: the stack's :class:`~aioslirp.tracing.Tracer`, or ``None`` (not traced): the
             flows tell it what they did (``if tr is not None: tr.on_...(...)``, after the work).
+        audit: the stack's audit log (an object with ``record(rec: dict)``), or ``None`` (off): egress
+            denials and DNS decisions are recorded (``if a is not None: a.record({...})``, after the work).
     """
 
     __slots__ = ("config", "counters", "loop", "table", "guard", "queue", "inject", "tasks", "spawn", "icmp",
-                 "dns", "dns_host", "offload", "closed", "tracer")
+                 "dns", "dns_host", "offload", "closed", "tracer",
+                 "audit")
 
     config: object
     counters: dict[str, int]
@@ -127,6 +130,8 @@ class FlowContext:
     closed: bool
     #: The stack's tracer (``None``: not traced).
     tracer: object
+    #: The stack's audit log (``None``: off).
+    audit: object
 
     def __init__(self, config, counters) -> None:
         self.config = config
@@ -138,6 +143,7 @@ class FlowContext:
         self.offload = False
         self.closed = False
         self.tracer = None
+        self.audit = None
 
     def drop(self, reason: str) -> None:
         """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``.
