@@ -212,7 +212,7 @@ class L4:
             return
         if dst == fam.dns:
             if dport == 53:
-                return self.dns_udp(fam, bytes(payload), src, sport)
+                return self.dns_udp(fam, bytes(payload), src, sport, now)
             self.handled("udp_port_unreachable")
             return fam.icmp_error(KIND_PORT, pkt, now)
         if src == fam.unspecified:
@@ -254,20 +254,21 @@ class L4:
         return flow
 
     # -------------------------------------------------------------- DNS over UDP
-    def dns_udp(self, fam, query: bytes, src: bytes, sport: int) -> None:
-        """A query to the DNS address: answered by a task, at most ``dns_max_inflight`` at a time."""
+    def dns_udp(self, fam, query: bytes, src: bytes, sport: int, now: float | None = None) -> None:
+        """A query to the DNS address: answered by a task, at most ``dns_max_inflight`` at a time
+        (``now``: the batch's loop time, for the DNS name bindings)."""
         guard = self.guard
         if not guard.dns_admit():
             return self.drop("dns_too_many_queries")
         self.counters["dns_queries_udp"] += 1
         self.handled("dns")
-        task = self.ctx.spawn(self._dns_answer(fam, query, src, sport), name="aioslirp-dns")
+        task = self.ctx.spawn(self._dns_answer(fam, query, src, sport, now), name="aioslirp-dns")
         guard.dns_track(task)
         self.dns_tasks.add(task)
         task.add_done_callback(self.dns_tasks.discard)
 
-    async def _dns_answer(self, fam, query: bytes, src: bytes, sport: int) -> None:
-        reply = await self.ctx.dns.resolve(query)
+    async def _dns_answer(self, fam, query: bytes, src: bytes, sport: int, now: float | None = None) -> None:
+        reply = await self.ctx.dns.resolve(query, now=now, guest=(src, sport))
         if reply:
             fam.inject_ip(fam.build_udp(fam.dns, src, 53, sport, reply), src)
 

@@ -393,18 +393,22 @@ class Egress:
         return d
 
     # ------------------------------------------------------------------ DNS
-    def dns_verdict(self, name: str):
-        """May the guest resolve ``name`` (lower case, no trailing dot)? ``None``: yes; else
-        ``(ede_code, rule_text)``: answer NXDOMAIN, RFC 8914 code 15 (Blocked: a deny rule without
-        ports or protocol is the most specific match) or 18 (Prohibited: ``egress_default deny``
-        and no allow rule matches the name, no hook to ask)."""
+    def dns_verdict(self, name: str) -> tuple[int, str]:
+        """May the guest resolve ``name`` (lower case, no trailing dot)? ``(code, rule_text)``: code
+        0 for yes (the rule: the most specific allow rule matching the name, ``"egress-default
+        allow"`` or ``"policy hook"``), else the RFC 8914 INFO-CODE of the NXDOMAIN to answer: 15
+        (Blocked: a deny rule without ports or protocol is the most specific match) or 18
+        (Prohibited: ``egress_default deny``, no allow rule matches the name, no hook to ask).
+        Rules with ports or a protocol do not block a name: they decide its flows."""
         for r in self.rules.name_rules(name):
             if r.allow:
-                return None
+                return 0, r.text
             if r.unrestricted:
                 return 15, r.text
-        if self.default_allow or self.hook is not None:
-            return None
+        if self.hook is not None:
+            return 0, "policy hook"
+        if self.default_allow:
+            return 0, "egress-default allow"
         return 18, "egress-default deny"
 
     def bind_answer(self, name: str, addrs, now: float) -> int:
