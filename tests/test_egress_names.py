@@ -438,3 +438,65 @@ def test_decision_is_slotted():
     d = Decision(True, "r", "n", "rule")
     with pytest.raises(AttributeError):
         d.other = 1
+
+
+# ============================================================================ run-time changes over the API socket
+
+
+def test_api_add_list_remove_rules(tmp_path):
+    import json
+
+    from aioslirp.api import ApiServer
+    from aioslirp.stack import Stack
+
+    stack = Stack(NetworkConfig(egress_default="deny"))
+    api = ApiServer(stack, str(tmp_path / "api.sock"))
+
+    def call(execute, **arguments):
+        return json.loads(asyncio.run(api.handle(json.dumps({"execute": execute, "arguments": arguments}).encode())))
+
+    assert call("add_rule", rule="Allowed.test:8080") == {"return": {"rule": "allowed.test:8080"}}
+    assert call("add_rule", rule="192.0.2.0/24", verdict="deny") == {"return": {"rule": "192.0.2.0/24"}}
+    assert call("list_rules") == {"return": {"rules": [{"rule": "allowed.test:8080", "verdict": "allow"},
+                                                       {"rule": "192.0.2.0/24", "verdict": "deny"}],
+                                             "default": "deny"}}
+    assert stack.policy.dns_verdict("allowed.test")[0] == 0
+    err = call("add_rule", rule="x.org:99999")["error"]["desc"]
+    assert err == "bad request: add_rule: bad arguments.rule: 'x.org:99999': port 99999 is out of range 1-65535"
+    assert call("add_rule", rule="x.org", verdict="maybe")["error"]["desc"] == "bad request: add_rule: bad arguments.verdict"
+    assert call("add_rule")["error"]["desc"] == "bad request: add_rule: bad arguments.rule"
+    assert call("remove_rule", rule="nothere.test")["error"]["desc"] == "bad request: remove_rule: no such rule"
+    assert call("remove_rule", rule="allowed.test:8080", close="yes")["error"]["desc"] == \
+        "bad request: remove_rule: bad arguments.close"
+    assert call("remove_rule", rule="allowed.test:8080") == {"return": {"closed": 0}}
+    assert stack.policy.dns_verdict("allowed.test")[0] == EDE_PROHIBITED
+
+
+class FakeFlow:
+    direction, forward_id, remote = "outbound", None, "x"
+
+    def __init__(self, proto, dst, port):
+        self.proto, self.dst_ip, self.dst_port = proto, socket.inet_aton(dst), port
+        self.down = False
+
+    def shutdown(self):
+        self.down = True
+
+
+def test_removed_allow_closes_only_the_flows_it_alone_allowed_and_only_when_asked():
+    from aioslirp.stack import Stack
+
+    stack = Stack(NetworkConfig(egress_default="deny", egress_allow=["198.51.100.0/24:80", "198.51.100.7/32"]))
+    flows = {1: FakeFlow(TCP, "198.51.100.1", 80), 2: FakeFlow(UDP, "198.51.100.7", 80),
+             3: FakeFlow(TCP, "10.0.2.2", 80)}
+    stack.table.flows.update(flows)
+    try:
+        stack.policy.add("127.0.0.1/32")
+        assert stack.policy.remove("198.51.100.0/24:80").text == "198.51.100.0/24:80"
+        assert not any(f.down for f in flows.values())  # without close: open flows stay
+        stack.policy.add("198.51.100.0/24:80")
+        stack.policy.remove("198.51.100.0/24:80", close=True)
+        assert [f.down for f in flows.values()] == [True, False, False]  # .7 has its own rule; the gateway too
+        assert stack.counters["egress.flows_closed"] == 1
+    finally:
+        stack.table.flows.clear()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import ipaddress
 import logging
 import socket
 import time
@@ -255,12 +256,49 @@ class Egress:
         self.clear_cache()
         return out
 
-    def remove(self, text: str):
-        """Remove a user rule; returns the removed :class:`~aioslirp.config.policy.Rule` or ``None``."""
+    def remove(self, text: str, close: bool = False):
+        """Remove a user rule; returns the removed :class:`~aioslirp.config.policy.Rule` or ``None``.
+        ``close``: then end (:meth:`close_denied`) the open guest flows the rules no longer allow,
+        i.e. those a removed allow alone allowed. Raises ``ConfigError`` for a malformed text."""
         r = self.rules.remove(text)
         if r is not None:
             self.clear_cache()
+            if close:
+                self.close_denied()
         return r
+
+    def close_denied(self, now: float | None = None) -> int:
+        """End every open guest-initiated flow of the stack (``ctx.table``) that the policy now
+        denies (``flow.shutdown()``: a TCP flow is reset both ways); counted as
+        ``egress.flows_closed``. Returns how many. ``now``: loop time (default the loop's)."""
+        ctx = self.ctx
+        table = getattr(ctx, "table", None)
+        if table is None:
+            return 0
+        if now is None:
+            now = ctx.loop.time() if ctx.loop is not None else time.monotonic()
+        cfg = self.config
+        gws = {}
+        for attr, loop_text in (("gateway", "127.0.0.1"), ("gateway6", "::1")):
+            gw = getattr(cfg, attr, None)
+            if gw is not None:
+                gws[ipaddress.ip_address(str(gw)).packed] = loop_text
+        doomed = []
+        for flow in list(table.flows.values()):
+            if flow.direction != "outbound" or getattr(flow, "forward_id", None) is not None:
+                continue
+            dst = flow.dst_ip
+            if flow.proto == 6 and flow.remote is None:
+                continue  # DNS over TCP: a local service
+            remote = gws.get(dst) or socket.inet_ntop(socket.AF_INET if len(dst) == 4 else socket.AF_INET6, dst)
+            d = self.decide(flow.proto, remote, flow.dst_port or 0, now)
+            if not d.allowed and d.reason != "pending":
+                doomed.append(flow)
+        for flow in doomed:
+            flow.shutdown()
+        if doomed:
+            self.counters["egress.flows_closed"] = self.counters.get("egress.flows_closed", 0) + len(doomed)
+        return len(doomed)
 
     def list_rules(self) -> list[dict]:
         """The user's rules: ``[{"rule": text, "verdict": "allow"|"deny"}, ...]``."""
