@@ -274,3 +274,85 @@ def test_sandbox_with_name_allow_list(world, tmp_path):
     assert c["egress.dns_blocked"] >= 5 and c["drop.egress_denied"] >= 6
     assert c["drop.egress_denied"] == c.get("egress.denied_default", 0) + c.get("egress.denied_rule", 0)
     assert c.get("egress.denied_hook", 0) == 0
+
+
+# ============================================================================ the Python hook, in process
+
+
+def _listeners(fam) -> dict:
+    """``{port % 4: listening socket}`` for 0, 1 and 2, on explicit ports (bind(0) prefers one parity)."""
+    want: dict = {}
+    for port in range(23000, 23200):
+        if port % 4 == 3 or port % 4 in want:
+            continue
+        s = socket.socket(fam.af)
+        try:
+            s.bind((fam.loopback, port))
+            s.listen(8)
+        except OSError:
+            s.close()
+            continue
+        want[port % 4] = s
+        if len(want) == 3:
+            return want
+    for s in want.values():
+        s.close()
+    pytest.fail("no free listening ports")
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("fam_name", ["ipv4", "ipv6"])
+async def test_python_hook_decides_guest_syns(kind, fam_name):
+    """A hook allowing even ports: the SYN to an even port is answered SYN-ACK (an async hook: after
+    its verdict, the held SYN replayed), to an odd port ICMP administratively prohibited; an async
+    hook slower than policy_timeout gets the timeout verdict (deny)."""
+    from aioslirp.config import NetworkConfig
+    from stack_helpers import F4, F6, icmp_of, of_proto, recv_frames, served_stack, tcp_frame
+
+    fam = F4 if fam_name == "ipv4" else F6
+    if fam is F6:
+        need(have_ipv6_loopback(), "IPv6 on the test namespace's loopback")
+    asked = []
+
+    def sync_hook(req):
+        asked.append((req.proto, req.dst, req.port, req.guest))
+        return req.port % 2 == 0, "even ports"
+
+    async def async_hook(req):
+        asked.append((req.proto, req.dst, req.port, req.guest))
+        if req.port % 4 == 0:
+            await asyncio.sleep(5)
+        return req.port % 2 == 0, "even ports"
+
+    import asyncio
+
+    want = _listeners(fam)  # port % 4 -> listener: 2 allowed, 1 denied, 0 slow (async hook)
+    lsn = list(want.values())
+    even, odd, slow = (want[k].getsockname()[1] for k in (2, 1, 0))
+    cfg = NetworkConfig(dns_upstreams=[("127.0.0.1", 9)], policy=sync_hook if kind == "sync" else async_hook,
+                        policy_timeout=0.2)
+    try:
+        async with served_stack(cfg, settle=0.3) as (stack, guest, _first):
+            guest.send(tcp_frame(fam, 41000, even, 0x02, opts=b"\x02\x04\x05\xb4"))
+            frames = await recv_frames(guest, 1.0)
+            synack = [ip.data for _e, ip in of_proto(fam, frames, 6) if ip.data.flags & 0x12 == 0x12]
+            assert synack and synack[0].sport == even
+            guest.send(tcp_frame(fam, 41001, odd, 0x02))
+            errs = icmp_of(fam, await recv_frames(guest, 1.0), 3 if fam is F4 else 1)
+            assert errs and errs[0][2][1] == (13 if fam is F4 else 1)  # administratively prohibited
+            assert stack.counters["egress.denied_hook"] == 1 and stack.counters["drop.egress_denied"] == 1
+            assert asked[0][:3] == ("tcp", fam.loopback, even) and asked[0][3].endswith(":41000")
+            if kind == "async":
+                assert stack.counters["drop.egress_held"] == 2
+                if True:
+                    guest.send(tcp_frame(fam, 41002, slow, 0x02))
+                    errs = icmp_of(fam, await recv_frames(guest, 1.0), 3 if fam is F4 else 1)
+                    assert errs and stack.counters["egress.hook_timeouts"] == 1
+            n = len(asked)
+            guest.send(tcp_frame(fam, 41003, even, 0x02))  # the cached verdict: not asked again
+            await recv_frames(guest, 0.3)
+            assert len(asked) == n
+            assert stack.guard.held == 0
+    finally:
+        for s in lsn:
+            s.close()
