@@ -500,3 +500,11 @@ def test_removed_allow_closes_only_the_flows_it_alone_allowed_and_only_when_aske
         assert stack.counters["egress.flows_closed"] == 1
     finally:
         stack.table.flows.clear()
+
+
+def test_dns_upstream_check_uses_its_port_and_ignores_defaults_and_egress_default():
+    e = egress(egress_deny=["127.0.0.0/8:22", "192.0.2.0/24:53/udp"], egress_default="deny")
+    assert e.allows("127.0.0.53", user_only=True, port=53, proto=UDP)  # a deny of port 22 is not a deny of 53
+    assert not e.allows("192.0.2.1", user_only=True, port=53, proto=UDP)
+    assert e.allows("169.254.169.254", user_only=True, port=53, proto=UDP)  # the built-in defaults do not apply
+    assert e.allows("127.0.0.1")  # proto 0: rules with ports do not count

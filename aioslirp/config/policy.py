@@ -321,19 +321,20 @@ class EgressPolicy:
     # ------------------------------------------------------------------ matching
     def match_addr(self, addr: str, port: int = 0, proto: int = 0, *, user_only: bool = False) -> Rule | None:
         """The most specific CIDR rule for a flow of ``proto`` to ``addr`` (text) and ``port``;
-        with ``proto`` 0, ports and protocols are ignored (rules with them match too). ``None``: no rule."""
+        with ``proto`` 0, only rules without ports and protocol count. ``None``: no rule."""
         v = addr_int(addr)
         if v is None:
             return None
         value = v[1]
         for r in (self._v4 if v[0] == 4 else self._v6):
-            if value & r.mask == r.net and not (user_only and r.default) and (not proto or r.applies(port, proto)):
+            if value & r.mask == r.net and not (user_only and r.default) and (
+                    r.applies(port, proto) if proto else r.lo is None and r.proto is None):
                 return r
         return None
 
     def match_name(self, name: str, port: int = 0, proto: int = 0, *, skip_portless: bool = False) -> Rule | None:
         """The most specific name / wildcard rule for ``name`` (any case, a trailing dot ignored),
-        ``port`` and ``proto`` (0: ports and protocols ignored). ``skip_portless``: rules without
+        ``port`` and ``proto`` (0: ports and protocols ignored, for tests). ``skip_portless``: rules without
         ports do not count. ``None``: no rule."""
         name = name.lower().rstrip(".")
         for r in self._names:
@@ -352,11 +353,15 @@ class EgressPolicy:
         r = self.match_addr(addr, user_only=user_only)
         return None if r is None else (r.allow, r.text, r.default)
 
-    def allows(self, addr: str, *, user_only: bool = False) -> bool:
-        """True when no CIDR rule without ports denies host-side address ``addr`` (text); cached
-        per address (bounded)."""
+    def allows(self, addr: str, *, user_only: bool = False, port: int = 0, proto: int = 0) -> bool:
+        """True when the most specific CIDR rule for host-side address ``addr`` (text), ``port`` and
+        ``proto`` (0: only rules without ports and protocol count) does not deny it; cached per
+        address (bounded) when ``proto`` is 0 and the defaults count."""
         if self.empty:
             return True
+        if proto:
+            r = self.match_addr(addr, port, proto, user_only=user_only)
+            return r is None or r.allow
         if not user_only:
             v = self._verdicts.get(addr)
             if v is not None:

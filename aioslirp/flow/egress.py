@@ -239,9 +239,9 @@ class Egress:
         """DNS answers matter: name rules exist, the default is deny, or a hook may want names."""
         return self.rules.has_names or not self.default_allow or self.hook is not None
 
-    def allows(self, addr: str, *, user_only: bool = False) -> bool:
+    def allows(self, addr: str, *, user_only: bool = False, port: int = 0, proto: int = 0) -> bool:
         """:meth:`EgressPolicy.allows <aioslirp.config.policy.EgressPolicy.allows>` (DNS upstreams)."""
-        return self.rules.allows(addr, user_only=user_only)
+        return self.rules.allows(addr, user_only=user_only, port=port, proto=proto)
 
     def match(self, addr: str, *, user_only: bool = False):
         return self.rules.match(addr, user_only=user_only)

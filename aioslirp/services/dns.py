@@ -300,7 +300,7 @@ class DnsForwarder:
         if self.upstreams_off:
             return False
         policy = self.policy
-        if policy is None or policy.allows(addr[0], user_only=True):
+        if policy is None or policy.allows(addr[0], user_only=True, port=addr[1], proto=17):
             return True
         self.count("upstream_denied")
         return False
