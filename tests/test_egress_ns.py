@@ -190,6 +190,7 @@ out["getent_allowed"] = run("getent", "hosts", "allowed.test")
 out["getent_denied"] = run("getent", "hosts", "denied.test")
 out["dig_denied"] = run("dig", "+tries=1", "+time=3", "denied.test")
 out["dig_denied6"] = run("dig", "@fd00::3", "+tries=1", "+time=3", "AAAA", "denied.test")
+out["dig_denied_tcp"] = run("dig", "+tcp", "+tries=1", "+time=3", "denied.test")
 out["dig_other"] = run("dig", "+tries=1", "+time=3", "other.test")
 out["dig_evil"] = run("dig", "+tries=1", "+time=3", "evilallowed.test")
 out["dig_cdn_b"] = run("dig", "+tries=1", "+time=3", "cdn-b.test")
@@ -249,6 +250,7 @@ def test_sandbox_with_name_allow_list(world, tmp_path):
     assert r["getent_denied"][0] != 0
     rc, text = r["dig_denied"]
     assert "status: NXDOMAIN" in text and "EDE: 15 (Blocked): (denied.test)" in text, text
+    assert "EDE: 15 (Blocked): (denied.test)" in r["dig_denied_tcp"][1] and "(TCP)" in r["dig_denied_tcp"][1]
     rc, text = r["dig_denied6"]
     assert "status: NXDOMAIN" in text and "EDE: 15 (Blocked)" in text and "SERVER: fd00::3" in text, text
     for k in ("dig_other", "dig_evil", "dig_cdn_b"):

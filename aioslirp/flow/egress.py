@@ -40,7 +40,8 @@ log = logging.getLogger("aioslirp.limits")
 
 _INF = float("inf")
 _DNS_PORTS = (53, 853)
-#: Host addresses whose decisions are cached at most (then the cache starts over).
+#: Host addresses whose decisions are cached at most, and ``(port, protocol)`` pairs per address
+#: (then that cache starts over).
 VERDICT_CACHE = 4096
 #: Hook verdicts cached at most.
 HOOK_CACHE = 4096
@@ -331,6 +332,8 @@ class Egress:
             if len(self._cache) >= VERDICT_CACHE:
                 self._cache = {}
             per = self._cache[addr] = {}
+        elif len(per) >= VERDICT_CACHE:  # a guest walking the ports of one address
+            per.clear()
         per[(port, proto)] = (d, until)
         return d
 

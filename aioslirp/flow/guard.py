@@ -268,7 +268,7 @@ class Guard:
                     if d.reason == "pending":
                         if self.held >= self.max_pending:
                             return self._refuse("limit_pending_connects")
-                        self.counters["egress.held"] = self.counters.get("egress.held", 0) + 1
+                        self.held += 1  # until ask() returns
                         return HELD
                     self.deny(d, proto, remote, port, guest)
                     return DENIED
@@ -310,11 +310,10 @@ class Guard:
         ``policy_timeout``); a denial is counted and audited here (the caller answers ICMP
         administratively prohibited), an allowed flow goes through :meth:`admit` again (its
         verdict is cached now). Returns the verdict."""
-        self.held += 1
         try:
             d = await self.policy.ask(proto, remote, port, now, guest)
         finally:
-            self.held -= 1
+            self.held = max(0, self.held - 1)
         if not d.allowed:
             self.deny(d, proto, remote, port, guest)
         return d.allowed
