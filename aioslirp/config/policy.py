@@ -192,7 +192,8 @@ def parse_rule(value, field_name: str, *, allow: bool = True, default: bool = Fa
         length = net.prefixlen
     else:
         if ":" in target or "/" in target or target.replace(".", "").isdigit():
-            raise _bad(field_name, raw, _SHAPE if "/" in target or ":" in target else f"{target!r} is not an IP address")
+            raise _bad(field_name, raw, f"{target!r} is not a CIDR network (e.g. 192.0.2.0/24, 2001:db8::/32)"
+                       if "/" in target or ":" in target else f"{target!r} is not an IP address")
         r.kind, r.name = _name(target, raw, field_name)
         r.family, r.net, r.mask, r.plen = 0, 0, 0, 0
         tgt = r.name if r.kind == KIND_NAME else "*." + r.name
