@@ -81,7 +81,8 @@ def test_malformed_rule_names_field_and_rule_in_one_line(text, why):
 def test_config_fields_validated():
     c = NetworkConfig(egress_default="DENY", policy_timeout_verdict="Allow").validate()
     assert (c.egress_default, c.policy_timeout_verdict) == ("deny", "allow")
-    for kw, field in (({"egress_default": "maybe"}, "egress_default"), ({"dns_binding_ttl_min": -1}, "dns_binding_ttl_min"),
+    for kw, field in (({"egress_default": "maybe"}, "egress_default"),
+                      ({"dns_binding_ttl_min": -1}, "dns_binding_ttl_min"),
                       ({"dns_binding_ttl_min": 10, "dns_binding_ttl_max": 5}, "dns_binding_ttl_min"),
                       ({"max_dns_bindings": 0}, "max_dns_bindings"), ({"policy": 3}, "policy")):
         with pytest.raises(ConfigError) as err:
@@ -247,7 +248,8 @@ def answer(q: bytes, records) -> bytes:
         if kind == "A":
             an.append(dpkt.dns.DNS.RR(name=owner, type=1, cls=1, ttl=ttl, ip=socket.inet_aton(value)))
         elif kind == "AAAA":
-            an.append(dpkt.dns.DNS.RR(name=owner, type=28, cls=1, ttl=ttl, ip6=socket.inet_pton(socket.AF_INET6, value)))
+            an.append(dpkt.dns.DNS.RR(name=owner, type=28, cls=1, ttl=ttl,
+                                      ip6=socket.inet_pton(socket.AF_INET6, value)))
         else:
             an.append(dpkt.dns.DNS.RR(name=owner, type=5, cls=1, ttl=ttl, cname=value))
     r.an = an
@@ -464,7 +466,8 @@ def test_api_add_list_remove_rules(tmp_path):
     assert stack.policy.dns_verdict("allowed.test")[0] == 0
     err = call("add_rule", rule="x.org:99999")["error"]["desc"]
     assert err == "bad request: add_rule: bad arguments.rule: 'x.org:99999': port 99999 is out of range 1-65535"
-    assert call("add_rule", rule="x.org", verdict="maybe")["error"]["desc"] == "bad request: add_rule: bad arguments.verdict"
+    assert call("add_rule", rule="x.org", verdict="maybe")["error"]["desc"] == \
+        "bad request: add_rule: bad arguments.verdict"
     assert call("add_rule")["error"]["desc"] == "bad request: add_rule: bad arguments.rule"
     assert call("remove_rule", rule="nothere.test")["error"]["desc"] == "bad request: remove_rule: no such rule"
     assert call("remove_rule", rule="allowed.test:8080", close="yes")["error"]["desc"] == \

@@ -568,7 +568,8 @@ def test_parse_rules_normalises():
 def test_parse_rules_error_names_the_field():
     with pytest.raises(ConfigError) as err:
         parse_rules(["10.0.0.0/8", "bogus"], "egress_allow")
-    assert str(err.value).startswith("egress_allow: 'bogus': expected a CIDR network (e.g. 192.0.2.0/24, 2001:db8::/32)")
+    assert str(err.value).startswith("egress_allow: 'bogus': expected a CIDR network "
+                                     "(e.g. 192.0.2.0/24, 2001:db8::/32)")
     for kw, name in (("allow", "egress_allow"), ("deny", "egress_deny"), ("defaults", "egress_default_deny")):
         with pytest.raises(ConfigError) as err:
             EgressPolicy(**{kw: ["nope"]})

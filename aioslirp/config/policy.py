@@ -80,7 +80,8 @@ class Rule:
         key: the sort key, larger = more specific (the module's precedence order).
     """
 
-    __slots__ = ("text", "allow", "default", "kind", "family", "net", "mask", "plen", "name", "lo", "hi", "proto", "key")
+    __slots__ = ("text", "allow", "default", "kind", "family", "net", "mask", "plen", "name", "lo", "hi", "proto",
+                 "key")
 
     text: str
     allow: bool
