@@ -35,6 +35,18 @@ Commands (``{"execute": NAME, "arguments": {...}}``) and replies:
     (the remote for outbound flows, the host client for inbound ones); ``idle_s`` seconds
     since the flow's last activity.
 
+``add_rule``
+    ``arguments``: ``rule`` (egress rule text, e.g. ``"pypi.org:443"``, ``"10.0.0.0/8:8000-8999/tcp"``),
+    ``verdict`` (``"allow"``, the default, or ``"deny"``). Reply ``{"return":{"rule":CANONICAL}}``; the
+    verdict cache is cleared (:mod:`aioslirp.flow.egress`).
+``remove_rule``
+    ``arguments``: ``rule``, ``close`` (default false: flows already open stay; true: the open
+    flows the policy no longer allows are ended). Reply ``{"return":{"closed":N}}``; a rule that
+    is not there: ``bad request: remove_rule: no such rule``.
+``list_rules``
+    Reply ``{"return":{"rules":[{"rule","verdict"}...],"default":"allow"|"deny"}}``: the user's
+    rules in the order given (the built-in defaults are not listed).
+
 Errors are ``{"error":{"desc":"..."}}`` with slirp4netns's texts (``bad request: cannot
 parse JSON``, ``bad request: json_object() failed``, ``bad request: no execute found``,
 ``bad request: unknown execute``, ``bad request: add_hostfwd: bad arguments.proto``, ...).
@@ -248,6 +260,9 @@ class ApiServer:
             "remove_hostfwd": self._remove_hostfwd,
             "get_stats": self._get_stats,
             "list_flows": self._list_flows,
+            "add_rule": self._add_rule,
+            "remove_rule": self._remove_rule,
+            "list_rules": self._list_rules,
         }.get(execute)
         if handler is None:
             return _error("bad request: unknown execute")
@@ -311,6 +326,42 @@ class ApiServer:
         except KeyError:
             return _error("bad request: remove_hostfwd: bad arguments.id")
         return {"return": {}}
+
+    async def _add_rule(self, args: dict) -> dict:
+        pre = "bad request: add_rule: "
+        rule, verdict = args.get("rule"), args.get("verdict", "allow")
+        if not isinstance(rule, str) or not rule.strip():
+            return _error(pre + "bad arguments.rule")
+        if verdict not in ("allow", "deny"):
+            return _error(pre + "bad arguments.verdict")
+        try:
+            text = self.stack.policy.add(rule, allow=verdict == "allow")
+        except ConfigError as exc:
+            return _error(pre + f"bad arguments.rule: {str(exc).split(': ', 1)[-1]}")
+        log.info("egress policy: %s %s added over the API socket", verdict, text)
+        return {"return": {"rule": text}}
+
+    async def _remove_rule(self, args: dict) -> dict:
+        pre = "bad request: remove_rule: "
+        rule, close = args.get("rule"), args.get("close", False)
+        if not isinstance(rule, str) or not rule.strip():
+            return _error(pre + "bad arguments.rule")
+        if not isinstance(close, bool):
+            return _error(pre + "bad arguments.close")
+        policy = self.stack.policy
+        try:
+            removed = policy.remove(rule)
+        except ConfigError as exc:
+            return _error(pre + f"bad arguments.rule: {str(exc).split(': ', 1)[-1]}")
+        if removed is None:
+            return _error(pre + "no such rule")
+        closed = policy.close_denied() if close else 0
+        log.info("egress policy: %s removed over the API socket (%d flows closed)", removed.text, closed)
+        return {"return": {"closed": closed}}
+
+    async def _list_rules(self, args: dict) -> dict:
+        policy = self.stack.policy
+        return {"return": {"rules": policy.list_rules(), "default": "allow" if policy.default_allow else "deny"}}
 
     async def _get_stats(self, args: dict) -> dict:
         stack = self.stack

@@ -98,6 +98,9 @@ class Stack:
         audit: the audit log: an :class:`~aioslirp.audit.AuditLog`, a path (``"-"``: stderr) or
             a text file object; default ``config.audit_log``; ``None`` and no ``audit_log``: off.
             A log the stack opened from a path or file object is closed by :meth:`aclose`.
+        policy: a Python egress hook (sync or async callable given a
+            :class:`~aioslirp.flow.egress.PolicyRequest`, returning allow/deny), asked for what no
+            rule decided; default ``config.policy``. See docs/security.md.
 
     Raises:
         ConfigError: from the constructor when ``config`` is invalid.
@@ -155,13 +158,14 @@ class Stack:
     audit: object
     _own_audit: bool
 
-    def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None, audit=None) -> None:
+    def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None, audit=None,
+                 policy=None) -> None:
         self.config = cfg = (config if config is not None else NetworkConfig()).validate()
         self.counters: Counter = Counter()
         ctx = self.ctx = FlowContext(cfg, self.counters)
         rate = float(cfg.new_flow_rate)
         new_bucket = functools.partial(NewFlowBucket, rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
-        self.guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket)
+        self.guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket, ctx=ctx, hook=policy)
         self.table = ctx.table = FlowTable(cfg, self.counters, self.guard)
         self.flows: dict = self.table.flows
         self.idle_order: IdleOrder = self.table.idle_order
@@ -223,6 +227,12 @@ class Stack:
             self._set_audit(audit if isinstance(audit, AuditLog) else AuditLog(audit))
 
     # ------------------------------------------------------------------ state
+    @property
+    def policy(self):
+        """The egress policy (:class:`~aioslirp.flow.egress.Egress`): ``add(rule, allow=True)``,
+        ``remove(rule)``, ``list_rules()``, ``set_hook(callable)`` while the guest runs."""
+        return self.guard.policy
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop the stack runs on (``None`` before :meth:`start`)."""

@@ -252,7 +252,7 @@ def test_publish_same_port_different_protocol_or_family_is_fine():
         (["--dns", "junk"], "--dns", ["'junk' is not an IP address"]),
         (["--dns", "fd00::zz"], "--dns", ["is not an IP address"]),
         (["--dns", "1.2.3.4:0"], "--dns", ["out of range"]),
-        (["--allow", "junk"], "--allow", ["is not a CIDR network"]),
+        (["--allow", "junk"], "--allow", ["'junk'", "expected a CIDR network", "a domain name"]),
         (["--deny", "10.0.0.0/99"], "--deny", ["is not a CIDR network"]),
         (["-p", "1.2.3.400:80:80"], "--publish", ["is not an IP address"]),
     ],

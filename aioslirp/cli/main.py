@@ -42,6 +42,7 @@ _FIELD_OPTION = {
     "rate_up": "--rate-limit up",
     "rate_down": "--rate-limit down",
     "audit_log": "--audit-log",
+    "egress_default": "--egress-default",
 }
 _FIELD_OPTION.update({name: f"--limit {name}" for name in LIMIT_FIELDS})
 
@@ -194,17 +195,27 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument(
         "--deny",
         action="append",
-        metavar="CIDR",
-        help="refuse guest traffic to these host-side addresses (repeatable; ICMP 'administratively "
-        "prohibited'); 169.254.0.0/16, fe80::/10 and fd00:ec2::254 (cloud metadata) are denied by default. "
-        "The gateway's host side is 127.0.0.1 / ::1",
+        metavar="RULE",
+        help="refuse guest traffic to RULE = TARGET[:PORTS][/tcp|udp], TARGET a CIDR (host-side address; the "
+        "gateway's is 127.0.0.1 / ::1), a name (pypi.org) or a wildcard (*.example.org); e.g. pypi.org:443, "
+        "10.0.0.0/8:8000-8999/tcp, [fd00::/8]:53/udp (repeatable; ICMP 'administratively prohibited', DNS "
+        "NXDOMAIN for a denied name); 169.254.0.0/16, fe80::/10 and fd00:ec2::254 (cloud metadata) are denied "
+        "by default",
     )
     sec.add_argument(
         "--allow",
         action="append",
-        metavar="CIDR",
-        help="allow these host-side addresses (repeatable); the longest matching prefix wins, e.g. "
-        "--deny 0.0.0.0/0 --allow 192.0.2.0/24, or --allow 169.254.169.254/32 to reach a metadata service",
+        metavar="RULE",
+        help="allow RULE (as --deny; repeatable); the most specific rule wins (docs/security.md), e.g. "
+        "--egress-default deny --allow pypi.org:443 --allow '*.githubusercontent.com', or "
+        "--allow 169.254.169.254/32 to reach a metadata service",
+    )
+    sec.add_argument(
+        "--egress-default",
+        choices=("allow", "deny"),
+        default=None,
+        help="verdict for traffic no rule decides (default allow); under deny only names and addresses "
+        "an --allow rule matches are reachable and resolvable",
     )
     sec.add_argument(
         "--limit",
@@ -400,6 +411,8 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
         kwargs["egress_allow"] = list(args.allow)
     if getattr(args, "deny", None):
         kwargs["egress_deny"] = list(args.deny)
+    if getattr(args, "egress_default", None):
+        kwargs["egress_default"] = args.egress_default
     kwargs.update(parse_limits(getattr(args, "limit", None)))
     if getattr(args, "rate_limit", None) is not None:
         kwargs.update(parse_rate_limit(args.rate_limit, "--rate-limit"))

@@ -113,13 +113,33 @@ class NetworkConfig:
     new_flow_burst: int = 10000
     #: DNS queries being forwarded at once (UDP and TCP); beyond, a query gets no answer.
     dns_max_inflight: int = 512
-    #: Egress policy (``--allow`` / ``--deny``): CIDRs guest flows may / may not reach, matched
-    #: against the host-side address (the gateway is 127.0.0.1 / ::1); longest prefix wins.
+    #: Egress policy (``--allow`` / ``--deny``): rules ``TARGET[:PORTS][/PROTO]`` (a CIDR, matched against
+    #: the host-side address, the gateway being 127.0.0.1 / ::1; a name ``pypi.org``; a wildcard
+    #: ``*.example.org``) guest flows may / may not reach; the most specific wins (docs/security.md,
+    #: :mod:`aioslirp.config.policy`).
     egress_allow: list[str] = field(default_factory=list)
     egress_deny: list[str] = field(default_factory=list)
     #: Denied unless an ``egress_allow`` rule overrides: link-local (cloud metadata) ranges.
     egress_default_deny: list[str] = field(default_factory=lambda: ["169.254.0.0/16", "fe80::/10",
                                                                     "fd00:ec2::254/128"])
+    #: Verdict for a flow no rule decides (``--egress-default``): ``"allow"`` or ``"deny"``. Under
+    #: ``"deny"`` the virtual DNS answers NXDOMAIN for names no allow rule matches.
+    egress_default: str = "allow"
+    #: Seconds a DNS answer's address stays bound to the name asked: its TTL clamped to [min, max].
+    dns_binding_ttl_min: float = 30.0
+    dns_binding_ttl_max: float = 3600.0
+    #: (address, name) bindings kept at most (the oldest is evicted, ``egress.dns_bindings_evicted``),
+    #: and addresses bound from one DNS answer at most (more: ``egress.dns_bindings_capped``).
+    max_dns_bindings: int = 4096
+    max_dns_bindings_per_answer: int = 64
+    #: Python policy hook: ``policy(request) -> bool | (bool, reason)``, sync or async, asked for a
+    #: flow no rule decides (see :mod:`aioslirp.flow.egress`); ``None``: none.
+    policy: object = None
+    #: Seconds an async hook may take; then ``policy_timeout_verdict`` (``"allow"`` / ``"deny"``) applies.
+    policy_timeout: float = 1.0
+    policy_timeout_verdict: str = "deny"
+    #: Seconds a hook's verdict is reused for the same (name or address, port, protocol).
+    policy_cache_ttl: float = 10.0
     #: Bytes buffered from the host socket per TCP flow towards the guest (and our receive window).
     tcp_buffer: int = 1 << 20
     #: Frames the inject queue holds before producers wait.
@@ -217,7 +237,7 @@ class NetworkConfig:
         for name in ("lease_time", "max_flows", "tcp_buffer", "inject_queue_size", "max_tcp_flows",
                      "max_udp_flows", "max_icmp_flows", "max_pending_connects", "new_flow_burst",
                      "dns_max_inflight", "reassembly_max_datagrams", "reassembly_max_fragments",
-                     "reassembly_max_bytes"):
+                     "reassembly_max_bytes", "max_dns_bindings", "max_dns_bindings_per_answer"):
             try:
                 value = int(getattr(self, name))
             except (TypeError, ValueError):
@@ -244,6 +264,23 @@ class NetworkConfig:
         self.egress_allow = parse_rules(self.egress_allow, "egress_allow")
         self.egress_deny = parse_rules(self.egress_deny, "egress_deny")
         self.egress_default_deny = parse_rules(self.egress_default_deny, "egress_default_deny")
+        for name in ("egress_default", "policy_timeout_verdict"):
+            value = str(getattr(self, name)).strip().lower()
+            if value not in ("allow", "deny"):
+                raise ConfigError(name, f"{getattr(self, name)!r} is not allow or deny")
+            setattr(self, name, value)
+        for name in ("dns_binding_ttl_min", "dns_binding_ttl_max", "policy_timeout", "policy_cache_ttl"):
+            try:
+                value = float(getattr(self, name))
+            except (TypeError, ValueError):
+                raise ConfigError(name, f"{getattr(self, name)!r} is not a number of seconds") from None
+            if not 0 <= value < float("inf"):
+                raise ConfigError(name, f"{getattr(self, name)!r}: must be a number of seconds >= 0")
+            setattr(self, name, value)
+        if self.dns_binding_ttl_min > self.dns_binding_ttl_max:
+            raise ConfigError("dns_binding_ttl_min", f"{self.dns_binding_ttl_min} is above dns_binding_ttl_max")
+        if self.policy is not None and not callable(self.policy):
+            raise ConfigError("policy", f"{self.policy!r} is not callable")
         if not 0.0 <= float(self.tcp_ack_delay) <= 0.5:
             raise ConfigError("tcp_ack_delay", f"{self.tcp_ack_delay!r} is out of range 0-0.5 seconds")
         for name in ("rate_up", "rate_down"):

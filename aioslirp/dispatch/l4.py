@@ -30,7 +30,7 @@ import logging
 import struct
 
 from ..flow.base import flow_key
-from ..flow.guard import DENIED
+from ..flow.guard import DENIED, HELD
 from ..tcp.flow import TcpFlow
 from ..udp import UdpFlow  # module level: an import under EMFILE (the first UDP flow) would fail
 from ..wire.checksum import partial
@@ -133,10 +133,13 @@ class L4:
                     return
                 fam.icmp_error(KIND_HOST, orig, now)
                 return self.drop(fam.reason["tcp_unroutable_dst"])
-        verdict = self.guard.admit(PROTO_TCP, remote, dport, now)  # egress policy and bounds (flow/guard.py)
+        verdict = self.guard.admit(PROTO_TCP, remote, dport, now, (src, sport))  # egress policy and bounds
         if verdict is not None:
             if verdict == DENIED:
                 fam.icmp_error(KIND_ADMIN, orig, now)
+            elif verdict == HELD:  # an async policy hook decides: answer nothing until then
+                self._hold(PROTO_TCP, remote, dport, now, (src, sport), orig, fam,
+                           (self.tcp, fam, src, dst, bytes(l4), bytes(pkt), True))
             else:
                 self.reset_unknown(fam, src, dst, sport, dport, seg)
             return
@@ -145,6 +148,26 @@ class L4:
             return self.drop("flow_table_full")
         if not TcpFlow(self.ctx, fam, key, remote, seg, orig, now).no_socket:  # else refused, counted by the flow
             self.handled("tcp_syn")
+
+    def _hold(self, proto: int, remote: str, port: int, now: float, guest, quote: bytes, fam, replay) -> None:
+        """A new flow an async policy hook must decide (:data:`~aioslirp.flow.guard.HELD`): nothing is
+        answered until the verdict; then a denial gets ICMP administratively prohibited (quoting
+        ``quote``) and an allowed TCP SYN is handled again (``replay``: the call and its arguments,
+        the verdict now cached). A UDP datagram or echo request is dropped meanwhile (the guest
+        retries; its next one finds the verdict cached). Counted as ``drop.egress_held``."""
+        self.drop("egress_held")
+        self.ctx.spawn(self._held(proto, remote, port, now, guest, quote, fam, replay), name="aioslirp-policy")
+
+    async def _held(self, proto, remote, port, now, guest, quote, fam, replay) -> None:
+        allowed = await self.guard.ask(proto, remote, port, now, guest)
+        if self.ctx.closed:
+            return
+        t = self.ctx.loop.time()
+        if not allowed:
+            fam.icmp_error(KIND_ADMIN, quote, t)
+        elif replay is not None:
+            fn, *args = replay
+            fn(*args, t)
 
     def reset_unknown(self, fam, src: bytes, dst: bytes, sport: int, dport: int, seg) -> None:
         """RST for a segment that belongs to no flow (RFC 9293 3.10.7.1; see :func:`reset_for`)."""
@@ -189,7 +212,7 @@ class L4:
             return
         if dst == fam.dns:
             if dport == 53:
-                return self.dns_udp(fam, bytes(payload), src, sport)
+                return self.dns_udp(fam, bytes(payload), src, sport, now)
             self.handled("udp_port_unreachable")
             return fam.icmp_error(KIND_PORT, pkt, now)
         if src == fam.unspecified:
@@ -213,10 +236,12 @@ class L4:
                 return None
             self.drop(fam.reason["udp_unroutable_dst"])
             return None
-        verdict = self.guard.admit(PROTO_UDP, remote, dport, now)  # egress policy and bounds (flow/guard.py)
+        verdict = self.guard.admit(PROTO_UDP, remote, dport, now, (key[1], key[2]))  # egress policy and bounds
         if verdict is not None:
             if verdict == DENIED:
                 fam.icmp_error(KIND_ADMIN, pkt, now)
+            elif verdict == HELD:
+                self._hold(PROTO_UDP, remote, dport, now, (key[1], key[2]), bytes(pkt), fam, None)
             return None
         if not self.table.make_room():
             self.drop("flow_table_full")
@@ -229,20 +254,21 @@ class L4:
         return flow
 
     # -------------------------------------------------------------- DNS over UDP
-    def dns_udp(self, fam, query: bytes, src: bytes, sport: int) -> None:
-        """A query to the DNS address: answered by a task, at most ``dns_max_inflight`` at a time."""
+    def dns_udp(self, fam, query: bytes, src: bytes, sport: int, now: float | None = None) -> None:
+        """A query to the DNS address: answered by a task, at most ``dns_max_inflight`` at a time
+        (``now``: the batch's loop time, for the DNS name bindings)."""
         guard = self.guard
         if not guard.dns_admit():
             return self.drop("dns_too_many_queries")
         self.counters["dns_queries_udp"] += 1
         self.handled("dns")
-        task = self.ctx.spawn(self._dns_answer(fam, query, src, sport), name="aioslirp-dns")
+        task = self.ctx.spawn(self._dns_answer(fam, query, src, sport, now), name="aioslirp-dns")
         guard.dns_track(task)
         self.dns_tasks.add(task)
         task.add_done_callback(self.dns_tasks.discard)
 
-    async def _dns_answer(self, fam, query: bytes, src: bytes, sport: int) -> None:
-        reply = await self.ctx.dns.resolve(query)
+    async def _dns_answer(self, fam, query: bytes, src: bytes, sport: int, now: float | None = None) -> None:
+        reply = await self.ctx.dns.resolve(query, now=now, guest=(src, sport))
         if reply:
             fam.inject_ip(fam.build_udp(fam.dns, src, 53, sport, reply), src)
 
@@ -259,9 +285,11 @@ class L4:
         if remote is None:
             return self.drop(fam.reason["icmp_unroutable_dst"])
         if flow_key(fam.icmp_proto, src, ident, dst, 0) not in self.table.flows:  # a new echo flow
-            verdict = self.guard.admit(fam.icmp_proto, remote, 0, now)
+            verdict = self.guard.admit(fam.icmp_proto, remote, 0, now, (src, ident))
             if verdict is not None:
                 if verdict == DENIED:
                     fam.icmp_error(KIND_ADMIN, pkt, now)
+                elif verdict == HELD:
+                    self._hold(fam.icmp_proto, remote, 0, now, (src, ident), bytes(pkt), fam, None)
                 return
         self.ctx.icmp.echo(fam, src, dst, remote, ident, seq, payload, now)

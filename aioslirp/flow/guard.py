@@ -12,9 +12,15 @@ cost on the packet path of an existing flow is zero.
 
 :meth:`Guard.admit` checks, in this order, and the first that fails refuses the new flow:
 
-1. the egress policy (:mod:`aioslirp.policy`): a denied destination is answered with ICMP
+1. the egress policy (:mod:`aioslirp.flow.egress`: rules by address, name, port and protocol,
+   the DNS name bindings, the Python hook): a denied destination is answered with ICMP
    destination unreachable, *communication administratively prohibited* (ICMP type 3 code
-   13; ICMPv6 type 1 code 1), counted as ``drop.egress_denied``;
+   13; ICMPv6 type 1 code 1), counted as ``drop.egress_denied`` and by reason as
+   ``egress.denied_rule`` (a deny rule, the built-in defaults included), ``egress.denied_default``
+   (``egress_default deny``) or ``egress.denied_hook`` (the Python hook, its timeout or error).
+   While an async hook is asked, the flow is held (:data:`HELD`: a TCP SYN gets no answer yet,
+   a UDP datagram waits; at most ``max_pending_connects`` held at once, beyond: refused as
+   ``limit_pending_connects``). The decision of the last admitted flow is :attr:`Guard.decision`;
 2. the per-protocol flow caps ``max_tcp_flows`` / ``max_udp_flows`` / ``max_icmp_flows``
    (``drop.limit_tcp_flows``...), and the open-file limit: each flow may hold one host socket,
    and so may each DNS query in flight, so the process's soft ``RLIMIT_NOFILE`` is raised
@@ -57,14 +63,16 @@ import asyncio
 import logging
 import time
 
-from ..config.policy import EgressPolicy
+from .egress import Decision, Egress, guest_text, wall
 
-__all__ = ["DENIED", "FD_RESERVE", "PRUNE_INTERVAL", "Guard", "fd_budgets", "raise_fd_limit"]
+__all__ = ["DENIED", "FD_RESERVE", "HELD", "PRUNE_INTERVAL", "Guard", "fd_budgets", "raise_fd_limit"]
 
 log = logging.getLogger("aioslirp.limits")
 
 #: Verdict of :meth:`Guard.admit` for a destination the egress policy denies.
 DENIED = "egress_denied"
+#: Verdict of :meth:`Guard.admit` while an async policy hook decides (hold the packet, see :meth:`Guard.ask`).
+HELD = "egress_held"
 #: Seconds between two sweeps of the pending-connect set while a bound is reached.
 PRUNE_INTERVAL = 0.005
 _NAMES = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmp"}
@@ -129,19 +137,30 @@ class Guard:
             tokens at ``new_flow_rate`` per second, full at loop time ``now``), or ``None`` for
             no rate limit.
 
+        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext` (counters, ``ctx.audit``), or ``None``.
+        hook: the Python policy hook (``Stack(policy=...)``), default ``config.policy``.
+
     Attributes:
-        policy: the :class:`~aioslirp.policy.EgressPolicy` built from the config.
+        policy: the :class:`~aioslirp.flow.egress.Egress` built from the config (rules by CIDR,
+            name, port and protocol; ``add`` / ``remove`` / ``list_rules`` at run time).
+        decision: the :class:`~aioslirp.flow.egress.Decision` of the last flow :meth:`admit` let
+            through (``None`` before any, or with no policy).
         active: open flows by protocol name (``"tcp"``, ``"udp"``, ``"icmp"``), both families.
         caps: the per-protocol caps from the config.
     """
 
     __slots__ = ("config", "_drop", "policy", "caps", "active", "max_pending", "max_pending_dest", "_pending",
                  "_pending_dest", "_pruned_at", "_new_bucket", "bucket", "fd_budget", "dns_fd_budget", "dns_inflight",
-                 "_logged")
+                 "_logged", "ctx", "counters", "decision", "held")
 
     config: object
     _drop: object
-    policy: EgressPolicy
+    policy: Egress
+    ctx: object
+    counters: dict
+    decision: Decision | None
+    #: Flows held while an async hook decides.
+    held: int
     caps: dict[str, int]
     active: dict[str, int]
     max_pending: int
@@ -156,10 +175,15 @@ class Guard:
     dns_inflight: int
     _logged: set
 
-    def __init__(self, config, drop, new_bucket=None) -> None:
+    def __init__(self, config, drop, new_bucket=None, ctx=None, hook=None) -> None:
         cfg = self.config = config
         self._drop = drop
-        self.policy = EgressPolicy.from_config(cfg)
+        self.ctx = ctx
+        self.counters = ctx.counters if ctx is not None else {}
+        self.policy = Egress(cfg, self.counters, hook)
+        self.policy.ctx = ctx
+        self.decision = None
+        self.held = 0
         self.caps = {"tcp": int(cfg.max_tcp_flows), "udp": int(cfg.max_udp_flows), "icmp": int(cfg.max_icmp_flows)}
         self.active = {"tcp": 0, "udp": 0, "icmp": 0}
         self.max_pending = int(cfg.max_pending_connects)
@@ -219,29 +243,41 @@ class Guard:
         return len(self._pending)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, proto: int, remote: str | None, port: int = 0, now: float | None = None) -> str | None:
+    def admit(self, proto: int, remote: str | None, port: int = 0, now: float | None = None,
+              guest: str | None = None) -> str | None:
         """May the guest open a new flow of ``proto`` (6, 17, 1 or 58) to host address ``remote``
         (text; ``None`` for a local service such as DNS over TCP) and ``port``?
 
-        Returns ``None`` to admit, :data:`DENIED` when the egress policy denies ``remote`` (answer
-        ICMP administratively prohibited), or the name of the bound that was hit (answer a TCP SYN
-        with a RST, drop anything else). Each refusal is counted as ``drop.<verdict>``. ``now``:
-        seconds on the clock :meth:`start` was given (the loop's; default ``time.monotonic()``).
+        Returns ``None`` to admit (:attr:`decision` then says which rule and name allowed it),
+        :data:`DENIED` when the egress policy denies the flow (answer ICMP administratively
+        prohibited), :data:`HELD` while an async policy hook decides (answer nothing; see
+        :meth:`ask`), or the name of the bound that was hit (answer a TCP SYN with a RST, drop
+        anything else). Each refusal is counted as ``drop.<verdict>``. ``now``: seconds on the
+        clock :meth:`start` was given (the loop's; default ``time.monotonic()``). ``guest``: the
+        guest's endpoint, ``(address bytes, port)`` or ``"ip:port"``, for the hook and the audit log.
         """
-        if remote is not None and not self.policy.empty and not self.policy.allows(remote):
-            self._drop(DENIED)
-            if remote not in self._logged and len(self._logged) < _LOGGED_MAX:
-                self._logged.add(remote)
-                log.info("egress policy: guest traffic to %s denied", remote)
-            return DENIED
+        if now is None:
+            now = time.monotonic()
+        if remote is not None:
+            policy = self.policy
+            if policy.empty:
+                self.decision = None
+            else:
+                d = self.decision = policy.decide(proto, remote, port, now, guest)
+                if not d.allowed:
+                    if d.reason == "pending":
+                        if self.held >= self.max_pending:
+                            return self._refuse("limit_pending_connects")
+                        self.held += 1  # until ask() returns
+                        return HELD
+                    self.deny(d, proto, remote, port, guest)
+                    return DENIED
         name = _NAMES.get(proto, "tcp")
         active = self.active
         if active[name] >= self.caps[name]:
             return self._refuse("limit_" + name + "_flows")
         if active["tcp"] + active["udp"] + active["icmp"] >= self.fd_budget:
             return self._refuse("limit_fds")
-        if now is None:
-            now = time.monotonic()
         if name == "tcp" and remote is not None:
             dest = (remote, port)
             if len(self._pending) >= self.max_pending or self._pending_dest.get(dest, 0) >= self.max_pending_dest:
@@ -252,6 +288,35 @@ class Guard:
         if bucket is not None and not bucket.take(now):
             return self._refuse("limit_new_flow_rate")
         return None
+
+    def deny(self, d: Decision, proto: int, remote: str, port: int, guest: str | None) -> None:
+        """Count (``drop.egress_denied``, ``egress.denied_<reason>``), log once per address and
+        audit (``ctx.audit``) a denial by the egress policy."""
+        self._drop(DENIED)
+        key = "egress.denied_" + ("hook" if d.reason.startswith("hook") else d.reason)
+        c = self.counters
+        c[key] = c.get(key, 0) + 1
+        if remote not in self._logged and len(self._logged) < _LOGGED_MAX:
+            self._logged.add(remote)
+            log.info("egress policy: guest traffic to %s denied (%s)", remote, d.rule)
+        ctx = self.ctx
+        a = ctx.audit if ctx is not None else None
+        if a is not None:
+            a.record({"event": "deny", "time": wall(), "proto": _NAMES.get(proto, "tcp"), "guest": guest_text(guest),
+                      "dst": remote, "port": port, "name": d.name, "verdict": "deny", "rule": d.rule})
+
+    async def ask(self, proto: int, remote: str, port: int, now: float, guest: str | None = None) -> bool:
+        """A flow :meth:`admit` held (:data:`HELD`): await the async hook's verdict (bounded by
+        ``policy_timeout``); a denial is counted and audited here (the caller answers ICMP
+        administratively prohibited), an allowed flow goes through :meth:`admit` again (its
+        verdict is cached now). Returns the verdict."""
+        try:
+            d = await self.policy.ask(proto, remote, port, now, guest)
+        finally:
+            self.held = max(0, self.held - 1)
+        if not d.allowed:
+            self.deny(d, proto, remote, port, guest)
+        return d.allowed
 
     def _refuse(self, reason: str) -> str:
         self._drop(reason)

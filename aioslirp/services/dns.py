@@ -31,6 +31,8 @@ import struct
 import time
 
 from ..config import NetworkConfig
+from ..flow.egress import guest_text
+from .dns_policy import answer_addresses, blocked_response, has_edns, qname_text
 
 __all__ = ["DnsForwarder", "DnsTcpSession", "read_resolv_conf"]
 
@@ -227,7 +229,8 @@ class DnsForwarder:
     ``max_inflight`` (default ``config.dns_max_inflight``) bounds concurrent upstream queries
     (beyond it a query gets no answer, counted as ``overload``; the guest retries). ``stats`` counts ``queries``, ``answered``,
     ``timeouts``, ``failovers``, ``servfail``, ``malformed``, ``refused``, ``errors``,
-    ``mismatched``, ``tcp_retries``, ``overload``, ``upstream_denied``.
+    ``mismatched``, ``tcp_retries``, ``overload``, ``upstream_denied``, ``blocked`` (answered NXDOMAIN by the
+    egress policy).
     """
 
     __slots__ = ("config", "resolv_conf", "resolv_check_interval", "max_inflight", "policy", "timeout",
@@ -271,7 +274,7 @@ class DnsForwarder:
         self.max_udp_payload = max(512, int(config.mtu) - 28)
         self.stats: dict[str, int] = dict.fromkeys(
             ("queries", "answered", "timeouts", "failovers", "servfail", "malformed",
-             "refused", "errors", "mismatched", "tcp_retries", "overload", "upstream_denied"), 0)
+             "refused", "errors", "mismatched", "tcp_retries", "overload", "upstream_denied", "blocked"), 0)
         self._resolv_sig: tuple | None = None
         self._resolv_checked = float("-inf")
         self._resolv_upstreams: list[tuple[str, int]] = []
@@ -297,7 +300,7 @@ class DnsForwarder:
         if self.upstreams_off:
             return False
         policy = self.policy
-        if policy is None or policy.allows(addr[0], user_only=True):
+        if policy is None or policy.allows(addr[0], user_only=True, port=addr[1], proto=17):
             return True
         self.count("upstream_denied")
         return False
@@ -340,11 +343,20 @@ class DnsForwarder:
         except (ValueError, struct.error):
             return False
 
-    async def resolve(self, query: bytes, *, tcp: bool = False) -> bytes | None:
+    async def resolve(self, query: bytes, *, tcp: bool = False, now: float | None = None,
+                      guest=None) -> bytes | None:
         """Forward one DNS message; return the response to send back to the guest, or ``None``.
 
         ``tcp``: the guest asked over TCP (a truncated UDP answer is then retried over TCP;
-        the EDNS payload size is left alone). Returns FORMERR for a query with a readable
+        the EDNS payload size is left alone). ``now``: loop time of the query's batch (seconds;
+        default the running loop's), when the answer's addresses are bound to the name asked;
+        ``guest``: the guest's endpoint (``(address bytes, port)``), for the audit log.
+
+        Under the egress policy (:attr:`policy` with names on, :mod:`aioslirp.flow.egress`), a
+        query for a denied name is answered NXDOMAIN here with an Extended DNS Error when it
+        carried EDNS (:func:`~aioslirp.services.dns_policy.blocked_response`, RFC 8914), the
+        upstream never asked (``egress.dns_blocked``); an allowed answer's A / AAAA addresses are
+        bound to the name asked (``policy.bind_answer``). Returns FORMERR for a query with a readable
         header but no parsable single question, ``None`` for input shorter than a header,
         for messages that are responses (QR=1), after :meth:`close` and under overload, and
         SERVFAIL (same ID and question) when every upstream failed.
@@ -367,6 +379,17 @@ class DnsForwarder:
             return _error_response(query, RCODE_FORMERR)
         if self._closed:
             return None
+        policy = self.policy
+        rule = None
+        if policy is not None and getattr(policy, "names_on", False):
+            name = qname_text(question[0])
+            code, rule = policy.dns_verdict(name)
+            if code:
+                self.count("blocked")
+                reply = blocked_response(query, qend, code, rule, has_edns(query, qend, _read_name))
+                policy.counters["egress.dns_blocked"] = policy.counters.get("egress.dns_blocked", 0) + 1
+                self._audit(policy, name, guest, "deny", rule)
+                return reply
         if self._inflight >= self.max_inflight:
             self.count("overload")
             return None
@@ -381,7 +404,24 @@ class DnsForwarder:
             self.count("servfail")
             return _error_response(query, RCODE_SERVFAIL, query[HEADER_LEN:qend])
         self.count("answered")
+        if rule is not None:
+            if now is None:
+                now = asyncio.get_running_loop().time()
+            addrs = answer_addresses(reply, question[0], _read_name)
+            if addrs:
+                policy.bind_answer(qname_text(question[0]), addrs, now)
+            self._audit(policy, qname_text(question[0]), guest, "allow", rule)
         return _HDR.pack(qid, *_HDR.unpack_from(reply, 0)[1:]) + reply[HEADER_LEN:]
+
+    def _audit(self, policy, name: str, guest, verdict: str, rule: str) -> None:
+        ctx = getattr(policy, "ctx", None)
+        a = ctx.audit if ctx is not None else None
+        if a is not None:
+            v6 = guest is not None and not isinstance(guest, str) and len(guest[0]) == 16
+            dst = getattr(self.config, "dns6" if v6 else "dns", None)
+            a.record({"event": "dns", "time": time.time(), "proto": "dns", "guest": guest_text(guest),
+                      "dst": None if dst is None else str(dst), "port": 53, "name": name, "verdict": verdict,
+                      "rule": rule})
 
     async def _forward(self, query: bytes, question, tcp: bool) -> bytes | None:
         upstreams = [u for u in self.upstreams if self.allow_upstream(u)]

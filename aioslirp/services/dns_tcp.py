@@ -117,7 +117,7 @@ class DnsTcpHost:
                     continue
                 else:
                     msg = self._msgs[0]
-                    reply = await self.forwarder.resolve(msg, tcp=True)
+                    reply = await self.forwarder.resolve(msg, tcp=True, guest=(flow.guest_ip, flow.guest_port))
                     if self.closed:
                         return
                     self._msgs.popleft()
