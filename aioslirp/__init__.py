@@ -3,13 +3,14 @@
 Public names: :class:`Stack`, :class:`NetworkConfig`, :class:`ConfigError`, and the
 transports :class:`TapTransport`, :class:`SocketPairTransport`, :class:`StreamTransport`
 (QEMU ``-netdev stream``), :class:`DgramTransport` (QEMU ``-netdev dgram``); :class:`QemuServer`; port forwards
-:class:`PortForward` and :class:`ForwardError`.
+:class:`PortForward` and :class:`ForwardError`; :func:`spawn` (a command in its own network namespace
+behind its own stack; a :class:`Guest`) and :class:`NamespaceError`.
 """
 
 from .config import ConfigError, NetworkConfig
 
 __all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack", "SocketPairTransport", "TapTransport",
-           "StreamTransport", "DgramTransport", "QemuServer"]
+           "StreamTransport", "DgramTransport", "QemuServer", "spawn", "Guest", "NamespaceError"]
 __version__ = "0.1.0"
 
 
@@ -25,6 +26,9 @@ _LAZY = {
     "StreamTransport": ".transport.stream",
     "DgramTransport": ".transport.dgram",
     "QemuServer": ".qemu",
+    "spawn": ".host.spawn",
+    "Guest": ".host.spawn",
+    "NamespaceError": ".host.netns",
 }
 
 

@@ -1,0 +1,156 @@
+"""The embedding API: ``aioslirp.spawn`` (a command in its own namespaces behind its own stack),
+``Stack.flows()``, ``Stack.events()``; through the public API only.
+
+pytest runs in a loopback-only network namespace (conftest.py): the host servers listen on
+127.0.0.1 there and the guests reach them through the gateway 10.0.2.2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import os
+import sys
+import textwrap
+
+import pytest
+
+import aioslirp
+from conftest import need
+from hostservers import DataServer, pattern
+
+pytestmark = pytest.mark.netns
+
+need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
+
+PIPE = asyncio.subprocess.PIPE
+
+
+@pytest.fixture
+def server():
+    srv = DataServer()
+    yield srv
+    srv.close()
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def sleeping_pids(marker: str) -> list[int]:
+    """Pids of processes whose command line contains ``marker``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            out.append(int(name))
+    return out
+
+
+def rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_a_string_argv_raises_type_error_at_once():
+    with pytest.raises(TypeError, match="argv"):
+        aioslirp.spawn("true")
+    with pytest.raises(TypeError, match="argv"):
+        aioslirp.spawn(b"true")
+
+
+async def test_fetch_20mb_through_the_gateway_sha256_on_stdout(server):
+    n = 20 * 1024 * 1024
+    code = f"""
+        import hashlib, socket
+        s = socket.create_connection(("10.0.2.2", {server.port}))
+        s.sendall(b"DOWN {n} 7\\n")
+        h, got = hashlib.sha256(), 0
+        while True:
+            b = s.recv(1 << 20)
+            if not b:
+                break
+            h.update(b); got += len(b)
+        print(got, h.hexdigest())
+    """
+    async with aioslirp.spawn(py(code), stdout=PIPE) as guest:
+        out = await guest.stdout.read()
+        assert await guest.wait() == 0
+    got, digest = out.decode().split()
+    assert int(got) == n
+    assert digest == hashlib.sha256(pattern(n, 7)).hexdigest()
+
+
+@pytest.mark.parametrize("pid_namespace", [True, False])
+async def test_exit_status_is_passed_through(pid_namespace):
+    async with aioslirp.spawn(["sh", "-c", "exit 7"], pid_namespace=pid_namespace) as guest:
+        assert await guest.wait() == 7
+        assert guest.returncode == 7
+    async with aioslirp.spawn(["sleep", "100"], pid_namespace=pid_namespace) as guest:
+        guest.kill()
+        assert await guest.wait() == -9
+
+
+async def test_terminate_reaches_the_command_in_its_pid_namespace():
+    async with aioslirp.spawn(["sleep", "100"]) as guest:
+        await asyncio.sleep(0.2)
+        guest.terminate()
+        assert await asyncio.wait_for(guest.wait(), 5) == -15
+
+
+async def test_a_background_process_left_behind_does_not_outlive_the_block():
+    marker = "1000.25"  # a sleep argument nothing else uses
+    async with aioslirp.spawn(["sh", "-c", f"sleep {marker} & echo started; exit 0"], stdout=PIPE) as guest:
+        assert (await guest.stdout.readline()).strip() == b"started"
+        assert await guest.wait() == 0
+    for _ in range(50):
+        if not sleeping_pids(f"sleep {marker}"):
+            break
+        await asyncio.sleep(0.05)
+    assert sleeping_pids(f"sleep {marker}") == []
+
+
+async def test_env_and_cwd_reach_the_guest(tmp_path):
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "AIOSLIRP_TEST_VALUE": "forty-two"}
+    async with aioslirp.spawn(["sh", "-c", 'echo "$AIOSLIRP_TEST_VALUE"; pwd'], env=env, cwd=tmp_path,
+                              stdout=PIPE) as guest:
+        out, _ = await guest.communicate()
+    assert out.decode().split() == ["forty-two", str(tmp_path)]
+
+
+async def test_stdin_pipe_and_stderr():
+    async with aioslirp.spawn(["sh", "-c", "cat; echo oops >&2"], stdin=PIPE, stdout=PIPE, stderr=PIPE) as guest:
+        out, err = await guest.communicate(b"hello\n")
+    assert out == b"hello\n" and err == b"oops\n" and guest.returncode == 0
+
+
+async def test_a_missing_command_raises_file_not_found():
+    with pytest.raises(FileNotFoundError):
+        async with aioslirp.spawn(["aioslirp-no-such-command"]):
+            pass
+
+
+async def test_ten_spawns_leave_fds_and_rss_where_they_started():
+    async def once():
+        async with aioslirp.spawn(["true"], stdout=PIPE, stderr=PIPE) as guest:
+            await guest.communicate()
+
+    await once()  # warm up imports and caches
+    gc.collect()
+    fds, rss = len(os.listdir("/proc/self/fd")), rss_kb()
+    for _ in range(10):
+        await once()
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert rss_kb() - rss < 8 * 1024  # KiB
+    assert {t for t in asyncio.all_tasks() if t is not asyncio.current_task()} == set()
