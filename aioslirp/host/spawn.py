@@ -35,8 +35,8 @@ from typing import Any, Mapping, Sequence
 
 from ..config import NetworkConfig
 from ..lifecycle import farewell
-from .netns import (DEFAULT_SETUP_TIMEOUT, NamespaceError, _helper_argv, _iface_spec, _readable, _stop_serving,
-                    resolv_conf_text)
+from .netns import (DEFAULT_SETUP_TIMEOUT, NamespaceError, _helper_argv, _iface_spec, _log_serve_end, _readable,
+                    _stop_serving, resolv_conf_text)
 
 __all__ = ["DEFAULT_STOP_TIMEOUT", "Guest", "spawn"]
 
@@ -214,7 +214,7 @@ class _Spawn:
             self._own_stack = True
             await self.stack.start()
         stack = self.stack
-        config = stack.config
+        config = self.config if self.config is not None else stack.config
         offload = self.offload and bool(getattr(stack, "supports_offload", False))
         spec = dict(_iface_spec(config, self.ifname), mode="run", resolv_conf=resolv_conf_text(config),
                     argv=self.argv, pid_namespace=bool(self.pid_namespace), vnet_hdr=offload,
@@ -262,6 +262,7 @@ class _Spawn:
         transport = self._transport = TapTransport(fd, ifname=info["ifname"], offload=offload)
         guest.ifname = info["ifname"]
         self._serve_task = asyncio.create_task(stack.serve(transport))
+        self._serve_task.add_done_callback(_log_serve_end)
         await asyncio.sleep(0)  # serve() opens the transport (add_reader) before the command starts
         if self._serve_task.done():  # the transport could not be served (e.g. a TAP that is down)
             self._serve_task.result()
@@ -332,7 +333,7 @@ class _Spawn:
                         await asyncio.wait_for(guest.wait(), 5.0)
             transport = self._transport
             if self._serve_task is not None and transport is not None:
-                if stack.flows and not transport.closed.done():
+                if getattr(stack, "flows", None) and not transport.closed.done():
                     # processes left in the namespace (pid_namespace=False) may hold connections:
                     # reset them while the link is up, so none hangs on a stack that is gone
                     with contextlib.suppress(Exception):
@@ -375,7 +376,8 @@ def spawn(
     Args:
         argv: the command and its arguments, a sequence of ``str`` (looked up in ``PATH``).
         config: the :class:`~aioslirp.NetworkConfig` of a stack made for this guest (default
-            ``NetworkConfig()``); ignored when ``stack`` is given.
+            ``NetworkConfig()``). With ``stack``: what the guest's interface is configured with
+            (default ``stack.config``); it should be the stack's.
         stack: serve the guest with this started :class:`~aioslirp.Stack` (``async with Stack(...)``)
             instead of a new one; it is not closed at the end (its serving is: one guest per serve).
         stdin, stdout, stderr: ``None`` (inherit ours), ``asyncio.subprocess.PIPE``
@@ -404,7 +406,7 @@ def spawn(
             cannot be executed, as ``asyncio.create_subprocess_exec`` does.
     """
     args = _check_argv(argv)
-    if stack is None:
+    if stack is None or config is not None:
         config = (config if config is not None else NetworkConfig()).validate()
     for name, value in (("stdin", stdin), ("stdout", stdout), ("stderr", stderr)):
         if value == STDOUT and name != "stderr":
