@@ -4,13 +4,14 @@ Public names: :class:`Stack`, :class:`NetworkConfig`, :class:`ConfigError`, and 
 transports :class:`TapTransport`, :class:`SocketPairTransport`, :class:`StreamTransport`
 (QEMU ``-netdev stream``), :class:`DgramTransport` (QEMU ``-netdev dgram``); :class:`QemuServer`; port forwards
 :class:`PortForward` and :class:`ForwardError`; :func:`spawn` (a command in its own network namespace
-behind its own stack; a :class:`Guest`) and :class:`NamespaceError`.
+behind its own stack; a :class:`Guest`) and :class:`NamespaceError`; :class:`FlowInfo`, the records of
+``Stack.flows()``.
 """
 
 from .config import ConfigError, NetworkConfig
 
 __all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack", "SocketPairTransport", "TapTransport",
-           "StreamTransport", "DgramTransport", "QemuServer", "spawn", "Guest", "NamespaceError"]
+           "StreamTransport", "DgramTransport", "QemuServer", "spawn", "Guest", "NamespaceError", "FlowInfo"]
 __version__ = "0.1.0"
 
 
@@ -29,6 +30,7 @@ _LAZY = {
     "spawn": ".host.spawn",
     "Guest": ".host.spawn",
     "NamespaceError": ".host.netns",
+    "FlowInfo": ".flow.info",
 }
 
 

@@ -464,7 +464,7 @@ class UdpForwardFlow:
         self.key = flow_key(PROTO_UDP, self.guest_ip, self.guest_port, self.dst_ip, sport)
         self.remote = f"{peer[0]}:{peer[1]}"
         self.loop = ctx.loop
-        self.last_active = self.loop.time()
+        self.last_active = self.created_at = self.loop.time()
         self.bytes_up = self.bytes_down = 0
         self.closed = False
         self._pending: list = []

@@ -63,7 +63,7 @@ class IcmpFlow:
         ctx = echo.ctx
         self.ctx = ctx
         self.loop = loop = ctx.loop
-        self.last_active = now
+        self.last_active = self.created_at = now
         self._timeout = float(ctx.config.icmp_idle_timeout)
         ctx.table.add(self)
         if sock is not None:

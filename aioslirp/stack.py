@@ -42,6 +42,7 @@ from .dispatch.l4 import L4
 from .dispatch.link import Link
 from .flow.base import FlowContext
 from .flow.guard import Guard
+from .flow.info import FlowInfo, FlowMap  # noqa: F401  (FlowInfo: the records of stack.flows())
 from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importable from here as before)
 from .icmp import IcmpEcho
 from .inject import InjectQueue
@@ -69,7 +70,11 @@ class Stack:
         config: the validated :class:`NetworkConfig`.
         counters: ``collections.Counter`` of events: ``frames_in``, ``frames_out``,
             ``bytes_in``, ``bytes_out``, ``drop.<reason>``, ``flows.<proto>.opened``...
-        flows: the flow table, ``dict`` key -> flow (:class:`~aioslirp.flow.base.Flow`).
+        flows: the flow table, ``dict`` key -> flow (:class:`~aioslirp.flow.base.Flow`). Called,
+            ``stack.flows()`` returns a ``list`` of :class:`~aioslirp.flow.info.FlowInfo` records, one
+            per flow at that moment: protocol, guest and remote ``(address, port)``, DNS name (``None``
+            for now), state, bytes each way, age and idle time in seconds (what ``list_flows`` of the
+            API socket reports).
         idle_order: the :class:`~aioslirp.flow.table.IdleOrder` of its UDP/ICMP flows (the
             eviction candidates).
         table: the :class:`~aioslirp.flow.table.FlowTable` holding :attr:`flows`.
@@ -100,7 +105,7 @@ class Stack:
         new_bucket = functools.partial(NewFlowBucket, rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
         self.guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket)
         self.table = ctx.table = FlowTable(cfg, self.counters, self.guard, self)
-        self.flows: dict = self.table.flows
+        self.flows: FlowMap = self.table.flows
         self.idle_order: IdleOrder = self.table.idle_order
         self.inject_queue = ctx.queue = InjectQueue(cfg.inject_queue_size, self.counters, self)
         #: Queue one frame for the guest (:meth:`InjectQueue.put <aioslirp.inject.InjectQueue.put>`):
@@ -403,13 +408,40 @@ class Stack:
         return out
 
     def stats(self) -> dict:
-        """A JSON-ready snapshot of the stack's state, for the API socket's ``get_stats``.
+        """A JSON-ready snapshot of the stack's state (the API socket's ``get_stats`` is built from the same counters).
 
-        Shape: ``{"counters": {name: int}, "flows": flow_stats(), "inject_queue": {"depth": int,
-        "size": int}}``. ``counters`` holds every :attr:`counters` entry (``frames_in``,
-        ``frames_out``, ``bytes_in``, ``bytes_out``, ``drop.<reason>``, ``flows.<proto>.opened``
-        / ``.closed``...); the same values are exported as OpenTelemetry metrics by
-        :func:`aioslirp.metrics.register`.
+        Shape::
+
+            {"counters": {NAME: int, ...},                     # every counter, sorted by name
+             "flows": {"tcp": {STATE: int, ...}, "udp": int, "icmp": int},   # flows open now
+             "inject_queue": {"depth": int, "size": int}}      # frames queued for the guest / capacity
+
+        Fields:
+            counters: every entry of :attr:`counters` (monotonic event counts since the stack
+                was made; a name appears once it is first counted). The families:
+
+                * ``frames_in`` / ``frames_out``: Ethernet frames from / to the guest;
+                  ``bytes_in`` / ``bytes_out``: their bytes (frames, not payload);
+                * ``frames_dropped`` and ``drop.<reason>``: guest frames dropped, by reason
+                  (``drop.bad_checksum``, ``drop.inject_full``, ``drop.egress_denied``...);
+                  ``handled.<reason>``: guest frames handled, by kind; ``frames_in ==
+                  frames_dropped + sum(handled.*)`` (:meth:`frame_outcomes`);
+                * ``flows.<proto>.opened`` / ``flows.<proto>.closed`` (``tcp``, ``udp``, ``icmp``):
+                  flows entered into and removed from the flow table; ``flows_reset``,
+                  ``flows_reset_at_stop``: flows torn down by :meth:`reset_flows` / at a stop;
+                * ``tcp_*`` (``tcp_resets``, ``tcp_rst_sent``, ``tcp_idle_closed``,
+                  ``tcp_connect_refused``, ``tcp_connect_unreachable``, ``tcp_host_read_paused``,
+                  ``tcp_host_write_paused``...), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
+                  ``udp_idle_closed``), ``icmp_*`` (echo and error counts, ``icmp_errors_rate_limited``),
+                  ``ip_fragments`` / ``ip_reassembled``, ``arp.*``, ``ndp.*`` / ``ra_*`` / ``na_*``
+                  (IPv6 neighbour discovery), ``forward_*`` (port forwards), ``flow_errors``.
+            flows: the flows open now (:meth:`flow_stats`): TCP by RFC 9293 state name, UDP and
+                ICMP as one count each; ``{}`` when none. Per-flow detail: :meth:`flows() <flows>`.
+            inject_queue: ``depth``, frames queued for the guest and not yet written to the
+                transport; ``size``, the queue's capacity (``config.inject_queue_size``); frames
+                beyond it are dropped (``drop.inject_full``).
+
+        The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.metrics.register`.
         """
         return {
             "counters": {k: int(v) for k, v in sorted(self.counters.items())},

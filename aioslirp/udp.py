@@ -54,7 +54,7 @@ class UdpFlow:
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.loop = loop = ctx.loop
-        self.last_active = loop.time() if now is None else now
+        self.last_active = self.created_at = loop.time() if now is None else now
         self._timeout = float(ctx.config.udp_idle_timeout)
         self.last_header = b""
         self.bytes_up = self.bytes_down = 0

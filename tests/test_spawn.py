@@ -154,3 +154,32 @@ async def test_ten_spawns_leave_fds_and_rss_where_they_started():
     assert len(os.listdir("/proc/self/fd")) == fds
     assert rss_kb() - rss < 8 * 1024  # KiB
     assert {t for t in asyncio.all_tasks() if t is not asyncio.current_task()} == set()
+
+
+async def test_flows_show_a_long_lived_connection_with_its_bytes_growing(server):
+    code = f"""
+        import socket, sys, time
+        s = socket.create_connection(("10.0.2.2", {server.port}))
+        s.sendall(b"UP\\n")
+        print("connected", flush=True)
+        while True:
+            s.sendall(b"x" * 16384)
+            time.sleep(0.05)
+    """
+    async with aioslirp.spawn(py(code), stdout=PIPE) as guest:
+        assert (await guest.stdout.readline()).strip() == b"connected"
+
+        def ours():
+            found = [f for f in guest.stack.flows() if f.protocol == "tcp" and f.remote == ("10.0.2.2", server.port)]
+            assert len(found) == 1, guest.stack.flows()
+            return found[0]
+
+        first = ours()
+        await asyncio.sleep(0.5)
+        second = ours()
+        assert isinstance(first, aioslirp.FlowInfo)
+        assert first.state == second.state == "ESTABLISHED"
+        assert first.guest[0] == "10.0.2.15" and first.name is None and first.direction == "outbound"
+        assert second.bytes_from_guest > first.bytes_from_guest > 0
+        assert second.age > first.age >= 0
+        assert second.bytes_to_guest == 0

@@ -48,6 +48,8 @@ class Flow(Protocol):
             forward's client), ``None`` when not kept (UDP flows) or a local service (DNS over TCP).
         forward_id: the id of the port forward it belongs to, or ``None``.
         last_active: loop time (seconds, ``loop.time()``) of its last activity.
+        created_at: loop time it was opened (TCP flows: their connection's ``created_at``); read
+            by :func:`~aioslirp.flow.info.flow_info` when present.
         bytes_up, bytes_down: payload bytes guest -> host and host -> guest, ``None`` when not
             counted here (TCP flows: see their connection; echo flows).
         trace: the tracing record of the flow (:mod:`aioslirp.tracing`), ``None`` when untraced.
