@@ -46,7 +46,7 @@ from .flow.info import FlowInfo, FlowMap  # noqa: F401  (FlowInfo: the records o
 from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importable from here as before)
 from .icmp import IcmpEcho
 from .inject import InjectQueue
-from .lifecycle import farewell
+from .lifecycle import EventLog, farewell
 from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
 from .services.dns import DnsForwarder
@@ -145,6 +145,8 @@ class Stack:
         #: (e.g. :class:`~aioslirp.transport.pcap.PcapTransport` for ``--pcap``).
         self.transport_wrappers: list = []
         self._forwarder = None
+        #: The bounded record of lifecycle events (:class:`~aioslirp.lifecycle.EventLog`); see :meth:`events`.
+        self.event_log = EventLog()
 
     # ------------------------------------------------------------------ state
     @property
@@ -244,6 +246,7 @@ class Stack:
         if self._transport is not None:
             self._transport.close()
         self.table.clear()
+        self.event_log.close()
         if tracing.enabled:
             tracing.stack_closed(self)
 
@@ -286,7 +289,15 @@ class Stack:
             transport = wrap(transport)
         self._transport = self.inject_queue.transport = transport
         self.ctx.offload = bool(getattr(transport, "offload", False))
-        await transport.open(self.on_frames)
+        info = {"transport": type(transport).__name__}
+        if getattr(transport, "ifname", None):
+            info["ifname"] = transport.ifname
+        try:
+            await transport.open(self._first_frame_sink(transport, info))
+        except Exception as exc:
+            self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
+            raise
+        self.event_log.emit("ready", **info)
         if self.v6 is not None:
             self.v6.start_ra()  # an RA at once, then periodically (RFC 4861 6.2.4)
         try:
@@ -294,11 +305,59 @@ class Stack:
         finally:
             if self.v6 is not None:
                 self.v6.stop_ra()
+            reason = "closed" if transport.closed.done() else "stopped"
             try:
                 if self._stopped.done() and transport.closed is not None and not transport.closed.done():
                     await farewell(self)  # asked to stop, the guest still there: RST its flows first
             finally:
                 transport.close()
+                exc = transport.closed.result() if transport.closed.done() else None
+                if isinstance(exc, BaseException):
+                    self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
+                self.event_log.emit("guest_link_down", reason=reason, **info)
+
+    def _first_frame_sink(self, transport, info: dict):
+        """The sink ``transport`` is opened with: the first batch emits ``guest_link_up``, then the
+        transport gets :attr:`on_frames` itself (the wrapper stays only where it cannot be swapped)."""
+        sink = self.on_frames
+        seen = False
+
+        def first(*args):
+            nonlocal seen
+            if not seen:
+                seen = True
+                if getattr(transport, "_on_frames", None) is first:
+                    transport._on_frames = sink
+                self.event_log.emit("guest_link_up", **info)
+            return sink(*args)
+
+        return first
+
+    # ------------------------------------------------------------------ events
+    def events(self, history: bool = True):
+        """An async iterator of this stack's lifecycle events (:class:`~aioslirp.lifecycle.Event`).
+
+        Names: ``ready`` (:meth:`serve` started: the transport is open), ``guest_link_up`` (the
+        first guest frame on it), ``guest_link_down`` (it closed: ``data["reason"]`` ``"closed"``
+        when the guest went away, ``"stopped"`` after :meth:`close`), ``error`` (serving failed, or
+        the transport closed with an error; ``data["message"]`` is one line). With ``history``
+        (the default) the events already kept come first, so a reader that starts late still sees
+        ``ready``. At most :data:`~aioslirp.lifecycle.EVENT_HISTORY` events are kept: a reader that
+        falls further behind misses the oldest (counted in ``stack.event_log.dropped``); one that
+        never reads holds nothing. The iterator ends when the stack closes (:meth:`aclose`).
+
+        Usage::
+
+            async for ev in stack.events():
+                print(ev.name, ev.data)
+        """
+        return self.event_log.events(history)
+
+    def on_event(self, callback):
+        """Call ``callback(event)`` (:class:`~aioslirp.lifecycle.Event`) synchronously for every
+        lifecycle event from now on (see :meth:`events`); an exception it raises is logged.
+        Returns a function of no arguments that removes the callback."""
+        return self.event_log.on_event(callback)
 
     def spawn(self, coro, name: str | None = None) -> asyncio.Task:
         """Run an auxiliary coroutine owned by the stack (cancelled by :meth:`aclose`)."""

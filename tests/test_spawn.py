@@ -183,3 +183,43 @@ async def test_flows_show_a_long_lived_connection_with_its_bytes_growing(server)
         assert second.bytes_from_guest > first.bytes_from_guest > 0
         assert second.age > first.age >= 0
         assert second.bytes_to_guest == 0
+
+
+async def test_events_yield_ready_then_guest_link_up_then_down():
+    seen = []
+    async with aioslirp.spawn(["sh", "-c", "ping -c1 -W1 10.0.2.2 >/dev/null 2>&1; sleep 0.2"]) as guest:
+        remove = guest.stack.on_event(lambda ev: seen.append(ev.name))
+        names = []
+        async for ev in guest.stack.events():
+            names.append(ev.name)
+            if ev.name == "guest_link_up":
+                break
+        assert names == ["ready", "guest_link_up"]
+        assert await guest.wait() == 0
+    remove()
+    assert seen[-1:] == ["guest_link_down"]
+    history = [ev.name for ev in guest.stack.event_log.history()]
+    assert history[:2] == ["ready", "guest_link_up"] and history[-1] == "guest_link_down"
+
+
+async def test_the_event_history_is_bounded():
+    async with aioslirp.Stack() as stack:
+        for i in range(1000):
+            stack.event_log.emit("error", message=str(i))
+        kept = stack.event_log.history()
+        assert len(kept) < 1000 and kept[-1].data["message"] == "999"
+        assert stack.event_log.dropped == 1000 - len(kept)
+
+
+def test_cli_events_file_gets_json_lines(tmp_path):
+    import json
+    import subprocess
+
+    path = tmp_path / "events.jsonl"
+    p = subprocess.run([sys.executable, "-m", "aioslirp", "run", "--events", str(path), "--", "sh", "-c",
+                        "ping -c1 -W1 10.0.2.2 >/dev/null 2>&1; exit 0"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    names = [e["event"] for e in events]
+    assert names[:2] == ["ready", "guest_link_up"] and names[-1] == "guest_link_down", names
+    assert events[0]["gvproxy"] == "Ready" and events[0]["ifname"] == "tap0"
