@@ -281,10 +281,21 @@ class Stack:
 
         The transport is closed on return. One transport at a time; ``serve`` may be
         called again with a new transport once it returned (call :meth:`reset_flows`
-        in between when the new transport is a different guest).
+        in between when the new transport is a different guest). Raises at once what the
+        transport's ``preflight()`` raises, e.g. :class:`~aioslirp.transport.tap.TapError` for a
+        TAP that is down (``TAP tap0 is down ...: bring it up first (ip link set tap0 up) ...``),
+        and what its ``open()`` raises; both are also an ``error`` event (:meth:`events`).
         """
         if self._loop is None:
             await self.start()
+        preflight = getattr(transport, "preflight", None)
+        if preflight is not None:  # e.g. a TAP that is down: one clear error now, not a silent hang
+            try:
+                preflight()
+            except Exception as exc:
+                info = {"transport": type(transport).__name__, "message": " ".join(str(exc).split())}
+                self.event_log.emit("error", **info)
+                raise
         for wrap in self.transport_wrappers:
             transport = wrap(transport)
         self._transport = self.inject_queue.transport = transport

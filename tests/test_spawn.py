@@ -223,3 +223,40 @@ def test_cli_events_file_gets_json_lines(tmp_path):
     names = [e["event"] for e in events]
     assert names[:2] == ["ready", "guest_link_up"] and names[-1] == "guest_link_down", names
     assert events[0]["gvproxy"] == "Ready" and events[0]["ifname"] == "tap0"
+
+
+async def test_serving_a_tap_that_is_down_is_one_clear_error_at_once():
+    import subprocess
+
+    subprocess.run(["ip", "tuntap", "add", "dev", "aiodown0", "mode", "tap"], check=True)
+    try:
+        async with aioslirp.Stack() as stack:
+            transport = aioslirp.TapTransport.open_by_name("aiodown0")
+            with pytest.raises(OSError) as info:
+                await asyncio.wait_for(stack.serve(transport), 5)
+            transport.close()
+            assert "ip link set aiodown0 up" in str(info.value) and "\n" not in str(info.value)
+            assert [ev.name for ev in stack.event_log.history()] == ["error"]
+    finally:
+        subprocess.run(["ip", "tuntap", "del", "dev", "aiodown0", "mode", "tap"], check=True)
+
+
+def readme_example() -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    after = text[text.index("Embedding:"):]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start:after.index("```", start)]
+
+
+def test_the_readme_embedding_example_runs_as_written(tmp_path):
+    import subprocess
+
+    script = tmp_path / "example.py"
+    script.write_text(readme_example())
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "hello from the host" and lines[1] == "exit status 0", p.stdout
+    assert "'ready', 'guest_link_up'" in lines[2]
