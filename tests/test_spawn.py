@@ -260,3 +260,24 @@ def test_the_readme_embedding_example_runs_as_written(tmp_path):
     lines = p.stdout.splitlines()
     assert lines[0] == "hello from the host" and lines[1] == "exit status 0", p.stdout
     assert "'ready', 'guest_link_up'" in lines[2]
+
+
+async def test_attach_serves_an_existing_namespace_with_a_given_stack():
+    import subprocess
+
+    target = subprocess.Popen(["unshare", "--net", "sleep", "30"])
+    try:
+        await asyncio.sleep(0.2)
+        async with aioslirp.Stack() as stack:
+            task = asyncio.create_task(aioslirp.attach(stack.config, pid=target.pid, ifname="eth9", stack=stack))
+
+            async def first_event():
+                async for ev in stack.events():
+                    return ev.name
+
+            assert await asyncio.wait_for(first_event(), 10) == "ready"
+            stack.close()
+            assert await asyncio.wait_for(task, 10) == 0
+    finally:
+        target.kill()
+        target.wait()

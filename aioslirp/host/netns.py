@@ -445,8 +445,9 @@ async def attach(
     handle_signals: bool = False,
     setup_timeout: float = DEFAULT_SETUP_TIMEOUT,
     offload: bool = True,
+    stack=None,
 ) -> int:
-    """Serve an existing network namespace, like ``slirp4netns --configure``.
+    """Serve an existing network namespace, like ``slirp4netns --configure`` (``aioslirp.attach``).
 
     Give exactly one of ``netns_path`` (e.g. ``/run/netns/NAME`` or ``/proc/PID/ns/net``)
     or ``pid`` (its network namespace; when not root, also the user namespace owning it).
@@ -454,7 +455,11 @@ async def attach(
     MTU ``config.mtu`` and a default route via ``config.gateway``; then the stack serves it until cancelled, until
     SIGINT/SIGTERM (with ``handle_signals``), or until process ``pid`` exits. A namespace
     given only by path stays alive while we hold its TAP fd, so it never "goes away".
-    ``offload``: as for :func:`run_in_namespace`.
+    ``offload``: as for :func:`run_in_namespace`. ``stack``: serve with this started
+    :class:`~aioslirp.Stack` (``async with Stack(config) as stack``), which is not closed at the
+    end, instead of one made by ``stack_factory(config)``; so the caller can read
+    ``stack.flows()``, ``stack.events()`` and add port forwards while it runs (cancel the task, or
+    ``stack.close()``, to stop).
 
     Returns 0 on those clean ends. Raises :class:`NamespaceError` (one line) when the
     namespace cannot be entered or the TAP cannot be made, ``ValueError`` for bad arguments.
@@ -467,7 +472,7 @@ async def attach(
     factory = stack_factory or _default_stack_factory
     spec = dict(_iface_spec(config, ifname), mode="attach", netns_path=netns_path, pid=pid)
     loop = asyncio.get_running_loop()
-    async with factory(config) as stack:
+    async with (factory(config) if stack is None else contextlib.nullcontext(stack)) as stack:
         # Offload changes what the transport hands its sink (frames plus checksum flags): only
         # for stacks that say they take it (aioslirp.Stack does).
         offload = offload and bool(getattr(stack, "supports_offload", False))
