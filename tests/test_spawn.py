@@ -281,3 +281,14 @@ async def test_attach_serves_an_existing_namespace_with_a_given_stack():
     finally:
         target.kill()
         target.wait()
+
+
+async def test_a_namespace_that_cannot_be_set_up_is_one_line_at_once():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(aioslirp.NamespaceError) as info:
+        async with aioslirp.spawn(["true"], ifname="x" * 40):  # longer than IFNAMSIZ
+            pass
+    assert time.monotonic() - start < 10
+    assert "\n" not in str(info.value) and "x" * 15 in str(info.value)
