@@ -3,13 +3,15 @@
 Public names: :class:`Stack`, :class:`NetworkConfig`, :class:`ConfigError`, and the
 transports :class:`TapTransport`, :class:`SocketPairTransport`, :class:`StreamTransport`
 (QEMU ``-netdev stream``), :class:`DgramTransport` (QEMU ``-netdev dgram``); :class:`QemuServer`; port forwards
-:class:`PortForward` and :class:`ForwardError`.
+:class:`PortForward` and :class:`ForwardError`; :func:`spawn` (a command in its own network namespace
+behind its own stack; a :class:`Guest`), :func:`attach` (serve an existing namespace) and :class:`NamespaceError`; :class:`FlowInfo`, the records of
+``Stack.flows()``.
 """
 
 from .config import ConfigError, NetworkConfig
 
 __all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack", "SocketPairTransport", "TapTransport",
-           "StreamTransport", "DgramTransport", "QemuServer"]
+           "StreamTransport", "DgramTransport", "QemuServer", "spawn", "Guest", "attach", "NamespaceError", "FlowInfo"]
 __version__ = "0.1.0"
 
 
@@ -25,6 +27,11 @@ _LAZY = {
     "StreamTransport": ".transport.stream",
     "DgramTransport": ".transport.dgram",
     "QemuServer": ".qemu",
+    "spawn": ".host.spawn",
+    "Guest": ".host.spawn",
+    "NamespaceError": ".host.netns",
+    "attach": ".host.netns",
+    "FlowInfo": ".flow.info",
 }
 
 

@@ -102,14 +102,6 @@ def _port(value) -> int | None:
     return None
 
 
-def _ip(key: bytes) -> str:
-    if isinstance(key, bytes) and len(key) == 4:
-        return socket.inet_ntoa(key)
-    if isinstance(key, bytes) and len(key) == 16:
-        return socket.inet_ntop(socket.AF_INET6, key)
-    return str(key)
-
-
 def _socket_alive(path: str) -> bool:
     """True when something accepts connections on the UNIX socket ``path`` (a live server)."""
     import socket as _socket
@@ -388,24 +380,23 @@ class ApiServer:
         }}
 
     async def _list_flows(self, args: dict) -> dict:
-        loop = self.stack.loop
-        now = loop.time() if loop is not None else None  # every flow's last_active is loop time
         out = []
-        for f in list(self.stack.flows.values()):  # each a Flow (aioslirp/flow/base.py)
+        started = self.stack.loop is not None  # idle_s only once there is a loop clock
+        for info in self.stack.flows():  # FlowInfo records (aioslirp/flow/info.py)
             entry = {
-                "proto": f.proto_name,
-                "direction": f.direction,
-                "state": str(f.state),
-                "guest_addr": _ip(f.guest_ip),
-                "guest_port": f.guest_port,
-                "remote_addr": _ip(f.dst_ip),
-                "remote_port": f.dst_port,
-                "host": f.remote,
+                "proto": info.protocol,
+                "direction": info.direction,
+                "state": info.state,
+                "guest_addr": info.guest[0],
+                "guest_port": info.guest[1],
+                "remote_addr": info.remote[0],
+                "remote_port": info.remote[1],
+                "host": info.host,
             }
-            if now is not None:
-                entry["idle_s"] = round(max(0.0, now - f.last_active), 3)
-            if f.forward_id is not None:
-                entry["forward_id"] = f.forward_id
+            if started:
+                entry["idle_s"] = round(info.idle, 3)
+            if info.forward_id is not None:
+                entry["forward_id"] = info.forward_id
             out.append(entry)
         return {"return": {"flows": out}}
 

@@ -42,10 +42,11 @@ from .dispatch.l4 import L4
 from .dispatch.link import Link
 from .flow.base import FlowContext
 from .flow.guard import Guard
+from .flow.info import FlowInfo, FlowMap  # noqa: F401  (FlowInfo: the records of stack.flows())
 from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importable from here as before)
 from .icmp import IcmpEcho
 from .inject import InjectQueue
-from .lifecycle import farewell
+from .lifecycle import EventLog, farewell
 from .ratelimit import ByteBucket
 from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
@@ -71,7 +72,11 @@ class Stack:
         config: the validated :class:`NetworkConfig`.
         counters: ``collections.Counter`` of events: ``frames_in``, ``frames_out``,
             ``bytes_in``, ``bytes_out``, ``drop.<reason>``, ``flows.<proto>.opened``...
-        flows: the flow table, ``dict`` key -> flow (:class:`~aioslirp.flow.base.Flow`).
+        flows: the flow table, ``dict`` key -> flow (:class:`~aioslirp.flow.base.Flow`). Called,
+            ``stack.flows()`` returns a ``list`` of :class:`~aioslirp.flow.info.FlowInfo` records, one
+            per flow at that moment: protocol, guest and remote ``(address, port)``, DNS name (``None``
+            for now), state, bytes each way, age and idle time in seconds (what ``list_flows`` of the
+            API socket reports).
         idle_order: the :class:`~aioslirp.flow.table.IdleOrder` of its UDP/ICMP flows (the
             eviction candidates).
         table: the :class:`~aioslirp.flow.table.FlowTable` holding :attr:`flows`.
@@ -115,6 +120,7 @@ class Stack:
                  "write_now", "tasks", "_aux_tasks", "icmp", "dns", "l4", "neighbors", "family4", "ipv4", "v6",
                  "family6", "link", "on_frames", "_on_frames", "gw_mac", "gw_ip", "dns_ip", "guest_ip", "mtu",
                  "_transport", "_loop", "_closed", "_stopped", "transport_wrappers", "_forwarder", "tracer", "audit", "_own_audit",
+                 "event_log",
                  # aioslirp.metrics holds a stack by weak reference
                  "__weakref__")
 
@@ -156,6 +162,8 @@ class Stack:
     tracer: object
     #: The audit log (``None``: off).
     audit: object
+    #: The bounded record of lifecycle events (see :meth:`events`).
+    event_log: EventLog
     _own_audit: bool
 
     def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None, audit=None,
@@ -167,7 +175,7 @@ class Stack:
         new_bucket = functools.partial(NewFlowBucket, rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
         self.guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket, ctx=ctx, hook=policy)
         self.table = ctx.table = FlowTable(cfg, self.counters, self.guard)
-        self.flows: dict = self.table.flows
+        self.flows: FlowMap = self.table.flows
         self.idle_order: IdleOrder = self.table.idle_order
         self.inject_queue = ctx.queue = InjectQueue(cfg.inject_queue_size, self.counters)
         if tracer_provider is not None:
@@ -225,6 +233,8 @@ class Stack:
 
             self._own_audit = not isinstance(audit, AuditLog)
             self._set_audit(audit if isinstance(audit, AuditLog) else AuditLog(audit))
+        #: The bounded record of lifecycle events (:class:`~aioslirp.lifecycle.EventLog`); see :meth:`events`.
+        self.event_log = EventLog()
 
     # ------------------------------------------------------------------ state
     @property
@@ -337,6 +347,7 @@ class Stack:
                 self.audit.close()
             else:
                 self.audit.flush()
+        self.event_log.close()
         tr = self.tracer
         if tr is not None:
             tr.on_stack_closed()
@@ -372,17 +383,36 @@ class Stack:
 
         The transport is closed on return. One transport at a time; ``serve`` may be
         called again with a new transport once it returned (call :meth:`reset_flows`
-        in between when the new transport is a different guest).
+        in between when the new transport is a different guest). Raises at once what the
+        transport's ``preflight()`` raises, e.g. :class:`~aioslirp.transport.tap.TapError` for a
+        TAP that is down (``TAP tap0 is down ...: bring it up first (ip link set tap0 up) ...``),
+        and what its ``open()`` raises; both are also an ``error`` event (:meth:`events`).
         """
         if self._loop is None:
             await self.start()
+        preflight = getattr(transport, "preflight", None)
+        if preflight is not None:  # e.g. a TAP that is down: one clear error now, not a silent hang
+            try:
+                preflight()
+            except Exception as exc:
+                info = {"transport": type(transport).__name__, "message": " ".join(str(exc).split())}
+                self.event_log.emit("error", **info)
+                raise
         for wrap in self.transport_wrappers:
             transport = wrap(transport)
         if self.tracer is not None:  # the drain_to_guest / writer_wake trace points
             transport = TraceTransport(transport, self.tracer)
         self._transport = self.inject_queue.transport = transport
         self.ctx.offload = bool(getattr(transport, "offload", False))
-        await transport.open(self.on_frames)
+        info = {"transport": type(transport).__name__}
+        if getattr(transport, "ifname", None):
+            info["ifname"] = transport.ifname
+        try:
+            await transport.open(self._first_frame_sink(transport, info))
+        except Exception as exc:
+            self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
+            raise
+        self.event_log.emit("ready", **info)
         if self.v6 is not None:
             self.v6.start_ra()  # an RA at once, then periodically (RFC 4861 6.2.4)
         try:
@@ -390,11 +420,59 @@ class Stack:
         finally:
             if self.v6 is not None:
                 self.v6.stop_ra()
+            reason = "closed" if transport.closed.done() else "stopped"
             try:
                 if self._stopped.done() and transport.closed is not None and not transport.closed.done():
                     await farewell(self)  # asked to stop, the guest still there: RST its flows first
             finally:
                 transport.close()
+                exc = transport.closed.result() if transport.closed.done() else None
+                if isinstance(exc, BaseException):
+                    self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
+                self.event_log.emit("guest_link_down", reason=reason, **info)
+
+    def _first_frame_sink(self, transport, info: dict):
+        """The sink ``transport`` is opened with: the first batch emits ``guest_link_up``, then the
+        transport gets :attr:`on_frames` itself (the wrapper stays only where it cannot be swapped)."""
+        sink = self.on_frames
+        seen = False
+
+        def first(*args):
+            nonlocal seen
+            if not seen:
+                seen = True
+                if getattr(transport, "_on_frames", None) is first:
+                    transport._on_frames = sink
+                self.event_log.emit("guest_link_up", **info)
+            return sink(*args)
+
+        return first
+
+    # ------------------------------------------------------------------ events
+    def events(self, history: bool = True):
+        """An async iterator of this stack's lifecycle events (:class:`~aioslirp.lifecycle.Event`).
+
+        Names: ``ready`` (:meth:`serve` started: the transport is open), ``guest_link_up`` (the
+        first guest frame on it), ``guest_link_down`` (it closed: ``data["reason"]`` ``"closed"``
+        when the guest went away, ``"stopped"`` after :meth:`close`), ``error`` (serving failed, or
+        the transport closed with an error; ``data["message"]`` is one line). With ``history``
+        (the default) the events already kept come first, so a reader that starts late still sees
+        ``ready``. At most :data:`~aioslirp.lifecycle.EVENT_HISTORY` events are kept: a reader that
+        falls further behind misses the oldest (counted in ``stack.event_log.dropped``); one that
+        never reads holds nothing. The iterator ends when the stack closes (:meth:`aclose`).
+
+        Usage::
+
+            async for ev in stack.events():
+                print(ev.name, ev.data)
+        """
+        return self.event_log.events(history)
+
+    def on_event(self, callback):
+        """Call ``callback(event)`` (:class:`~aioslirp.lifecycle.Event`) synchronously for every
+        lifecycle event from now on (see :meth:`events`); an exception it raises is logged.
+        Returns a function of no arguments that removes the callback."""
+        return self.event_log.on_event(callback)
 
     def spawn(self, coro, name: str | None = None) -> asyncio.Task:
         """Run an auxiliary coroutine owned by the stack (cancelled by :meth:`aclose`)."""
@@ -533,13 +611,40 @@ class Stack:
         return out
 
     def stats(self) -> dict:
-        """A JSON-ready snapshot of the stack's state, for the API socket's ``get_stats``.
+        """A JSON-ready snapshot of the stack's state (the API socket's ``get_stats`` is built from the same counters).
 
-        Shape: ``{"counters": {name: int}, "flows": flow_stats(), "inject_queue": {"depth": int,
-        "size": int}}``. ``counters`` holds every :attr:`counters` entry (``frames_in``,
-        ``frames_out``, ``bytes_in``, ``bytes_out``, ``drop.<reason>``, ``flows.<proto>.opened``
-        / ``.closed``...); the same values are exported as OpenTelemetry metrics by
-        :func:`aioslirp.metrics.register`.
+        Shape::
+
+            {"counters": {NAME: int, ...},                     # every counter, sorted by name
+             "flows": {"tcp": {STATE: int, ...}, "udp": int, "icmp": int},   # flows open now
+             "inject_queue": {"depth": int, "size": int}}      # frames queued for the guest / capacity
+
+        Fields:
+            counters: every entry of :attr:`counters` (monotonic event counts since the stack
+                was made; a name appears once it is first counted). The families:
+
+                * ``frames_in`` / ``frames_out``: Ethernet frames from / to the guest;
+                  ``bytes_in`` / ``bytes_out``: their bytes (frames, not payload);
+                * ``frames_dropped`` and ``drop.<reason>``: guest frames dropped, by reason
+                  (``drop.bad_checksum``, ``drop.inject_full``, ``drop.egress_denied``...);
+                  ``handled.<reason>``: guest frames handled, by kind; ``frames_in ==
+                  frames_dropped + sum(handled.*)`` (:meth:`frame_outcomes`);
+                * ``flows.<proto>.opened`` / ``flows.<proto>.closed`` (``tcp``, ``udp``, ``icmp``):
+                  flows entered into and removed from the flow table; ``flows_reset``,
+                  ``flows_reset_at_stop``: flows torn down by :meth:`reset_flows` / at a stop;
+                * ``tcp_*`` (``tcp_resets``, ``tcp_rst_sent``, ``tcp_idle_closed``,
+                  ``tcp_connect_refused``, ``tcp_connect_unreachable``, ``tcp_host_read_paused``,
+                  ``tcp_host_write_paused``...), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
+                  ``udp_idle_closed``), ``icmp_*`` (echo and error counts, ``icmp_errors_rate_limited``),
+                  ``ip_fragments`` / ``ip_reassembled``, ``arp.*``, ``ndp.*`` / ``ra_*`` / ``na_*``
+                  (IPv6 neighbour discovery), ``forward_*`` (port forwards), ``flow_errors``.
+            flows: the flows open now (:meth:`flow_stats`): TCP by RFC 9293 state name, UDP and
+                ICMP as one count each; ``{}`` when none. Per-flow detail: :meth:`flows() <flows>`.
+            inject_queue: ``depth``, frames queued for the guest and not yet written to the
+                transport; ``size``, the queue's capacity (``config.inject_queue_size``); frames
+                beyond it are dropped (``drop.inject_full``).
+
+        The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.metrics.register`.
         """
         return {
             "counters": {k: int(v) for k, v in sorted(self.counters.items())},

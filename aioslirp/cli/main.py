@@ -246,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--pcap-max-bytes", type=_byte_count, metavar="BYTES", help="stop capturing when the pcap file reaches BYTES (e.g. 100M)"
     )
     obs.add_argument(
+        "--events",
+        metavar="FILE",
+        help="append the stack's lifecycle events to FILE as JSON lines: ready, guest_link_up, guest_link_down, "
+        "error (gvproxy's Ready, ConnectionEstablished, ConnectionClosed, HypervisorError)",
+    )
+    obs.add_argument(
         "--api-socket",
         metavar="PATH",
         help="serve the slirp4netns-compatible control API on a Unix socket (add_hostfwd, list_hostfwd, "
@@ -488,6 +494,44 @@ def _api_socket_problem(path: str) -> str | None:
     return problem
 
 
+def _events_factory(base, path: str):
+    """Wrap the stack factory ``base`` (``None``: :class:`~aioslirp.Stack`) so that every lifecycle
+    event of the stack is appended to ``path`` as one JSON line (:meth:`Event.to_json
+    <aioslirp.lifecycle.Event.to_json>`), flushed at once. ``ConfigError`` naming ``--events``
+    when ``path`` cannot be opened for appending."""
+    import contextlib
+    import json
+
+    if not path.strip():
+        raise ConfigError("--events", "empty path")
+    try:
+        out = open(path, "a", buffering=1, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("--events", f"cannot open {path}: {exc.strerror}") from None
+
+    @contextlib.asynccontextmanager
+    async def factory(config):
+        from ..stack import Stack
+
+        def write(ev) -> None:
+            try:
+                out.write(json.dumps(ev.to_json()) + "\n")
+            except (OSError, ValueError):  # a full disk, a closed file: the guest's session goes on
+                pass
+
+        try:
+            async with (base or Stack)(config) as stack:
+                remove = stack.on_event(write)
+                try:
+                    yield stack
+                finally:
+                    remove()
+        finally:
+            out.close()
+
+    return factory
+
+
 def _stack_factory(args: argparse.Namespace, obs, unused_by: str | None = None):
     """``stack_factory`` for the entry points: the observability's (``obs``: pcap, spans,
     metrics) when active, with ``--publish``/``--api-socket`` served on top when given; else None.
@@ -502,6 +546,11 @@ def _stack_factory(args: argparse.Namespace, obs, unused_by: str | None = None):
     forwards = [parse_publish(v, "--publish") for v in args.publish or ()]
     _check_publish_clashes(forwards)
     api_socket = getattr(args, "api_socket", None)
+    events = getattr(args, "events", None)
+    if events is not None and unused_by is not None:
+        raise ConfigError("--events", f"not used by 'aioslirp {unused_by}'")
+    if events is not None:
+        base = _events_factory(base, events)
     if not forwards and not api_socket:
         return base
     if unused_by is not None:

@@ -4,6 +4,8 @@ device or handles a process's signals.
 * :mod:`.tapdev`: open, create and configure TAP devices (the ``ioctl`` side of ``/dev/net/tun``);
 * :mod:`.netns`: ``aioslirp run`` and ``aioslirp attach`` (:func:`~aioslirp.host.netns.run_in_namespace`,
   :func:`~aioslirp.host.netns.attach`);
+* :mod:`.spawn`: :func:`aioslirp.spawn`, a command in its own namespaces behind its own stack
+  (a :class:`~aioslirp.host.spawn.Guest`);
 * :mod:`.nschild`: the one namespace/TAP child process behind ``run``, ``attach`` and the
   slirp4netns drop-in;
 * :mod:`.slirp4netns`: serving a namespace with slirp4netns's ready/exit fd protocol;

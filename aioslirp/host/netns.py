@@ -1,6 +1,7 @@
 """Namespace plumbing: ``aioslirp run`` and ``aioslirp attach``.
 
-``run_in_namespace`` starts a helper process (:mod:`aioslirp.host.nschild`) that creates a
+``run_in_namespace`` is ``aioslirp run``: a thin user of :func:`aioslirp.spawn`
+(:mod:`aioslirp.host.spawn`) with the CLI's signal handling. Spawn starts a helper process (:mod:`aioslirp.host.nschild`) that creates a
 network + mount namespace (plus a user namespace when not root, so it works rootless),
 puts a generated resolv.conf over ``/etc/resolv.conf`` there, brings ``lo`` up, creates and
 configures a TAP device (address ``config.guest``, default route via ``config.gateway``,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import logging
@@ -36,7 +38,6 @@ import sys
 from typing import Any, Callable, Sequence
 
 from ..config import NetworkConfig
-from ..lifecycle import farewell
 from ..transport.tap import TapTransport
 from .signals import DEFAULT_STOP_TIMEOUT, GracefulStop, reopen_audit_log
 
@@ -66,12 +67,13 @@ StackFactory = Callable[[NetworkConfig], Any]
 
 
 
-def _hup(stack, send_signal) -> None:
+def _hup(stack, send_signal) -> None:  # send_signal(): SIGHUP to the command
     """SIGHUP under ``aioslirp run``: reopen the ``--audit-log`` file, then pass it to the command."""
     try:
         reopen_audit_log(stack)
     finally:
-        send_signal(signal.SIGHUP)
+        send_signal()
+
 
 def _default_stack_factory(config: NetworkConfig):
     from ..stack import Stack
@@ -390,58 +392,58 @@ async def run_in_namespace(
     stack stops, so that none of them waits on a network that is gone.
     """
     config.validate()
+    from .spawn import spawn
+
     factory = stack_factory or _default_stack_factory
-    spec = dict(
-        _iface_spec(config, ifname),
-        mode="run",
-        resolv_conf=resolv_conf_text(config),
-        argv=list(argv or ()),
-    )
+    argv = list(argv or ()) or [os.environ.get("SHELL") or "/bin/sh"]
     loop = asyncio.get_running_loop()
     async with factory(config) as stack:
-        # Offload changes what the transport hands its sink (frames plus checksum flags): only
-        # for stacks that say they take it (aioslirp.Stack does).
-        offload = offload and bool(getattr(stack, "supports_offload", False))
-        spec["vnet_hdr"] = offload
-        helper = _Helper(spec)
+        guest = None
+        pending: list[int] = []  # signals that came before the command ran: passed on once it does
+
+        def send_signal(sig: int) -> None:
+            if guest is None:
+                pending.append(sig)
+            else:
+                guest.send_signal(sig)
+
         installed: list[int] = []
-        serve_task: asyncio.Task | None = None
-        transport: TapTransport | None = None
-        graceful = GracefulStop(stack, helper.send_signal, stop_timeout)
+        graceful = GracefulStop(stack, send_signal, stop_timeout)
         try:
             if forward_signals:
                 for sig in FORWARDED_SIGNALS:
                     if sig == signal.SIGTERM:
                         loop.add_signal_handler(sig, graceful)
                     elif sig == signal.SIGHUP:  # the command's, and the --audit-log file is reopened
-                        loop.add_signal_handler(sig, _hup, stack, helper.send_signal)
+                        loop.add_signal_handler(sig, _hup, stack, functools.partial(send_signal, sig))
                     else:
-                        loop.add_signal_handler(sig, helper.send_signal, sig)
+                        loop.add_signal_handler(sig, send_signal, sig)
                     installed.append(sig)
                 for sig in (signal.SIGINT, signal.SIGQUIT):
                     loop.add_signal_handler(sig, lambda: None)
                     installed.append(sig)
-            info, fd = await helper.receive(setup_timeout)
-            transport = TapTransport(fd, ifname=info["ifname"], offload=offload)
-            serve_task = asyncio.create_task(stack.serve(transport))
-            serve_task.add_done_callback(_log_serve_end)
-            await asyncio.sleep(0)  # serve() opens the transport (add_reader) before the command starts
-            # A stack that serves IPv6 sends its RA now: the helper waits (bounded) for the SLAAC address.
-            helper.go(wait_ipv6=bool(config.ipv6) and getattr(stack, "v6", None) is not None)
-            returncode = await helper.wait_exit()
-            if getattr(stack, "flows", None) and not transport.closed.done():
-                # The command is gone but processes it left in the namespace may still hold
-                # connections: reset them (RST) while the link is up, so none hangs on a dead stack.
-                await farewell(stack)
+            try:
+                async with spawn(argv, stack=stack, config=config, pid_namespace=False, setup_timeout=setup_timeout, ifname=ifname,
+                                 offload=offload, stop_timeout=stop_timeout) as guest:
+                    for sig in pending:
+                        guest.send_signal(sig)
+                    returncode = await guest.wait()
+            except OSError as exc:
+                if isinstance(exc, NamespaceError):
+                    raise
+                # the command could not be executed: one line and the shell's status, as before
+                name = argv[0]
+                if isinstance(exc, FileNotFoundError):
+                    print(f"aioslirp: {name}: command not found" + ("" if name else " (an empty command name)"),
+                          file=sys.stderr)
+                    returncode = 127
+                else:
+                    print(f"aioslirp: {name}: {exc.strerror}", file=sys.stderr)
+                    returncode = 126
         finally:
             graceful.cancel()
             for sig in installed:
                 loop.remove_signal_handler(sig)
-            helper.cleanup()
-            if serve_task is not None and transport is not None:
-                await _stop_serving(stack, serve_task, transport)
-            elif transport is not None:
-                transport.close()
     return exit_status(returncode)
 
 
@@ -455,8 +457,9 @@ async def attach(
     handle_signals: bool = False,
     setup_timeout: float = DEFAULT_SETUP_TIMEOUT,
     offload: bool = True,
+    stack=None,
 ) -> int:
-    """Serve an existing network namespace, like ``slirp4netns --configure``.
+    """Serve an existing network namespace, like ``slirp4netns --configure`` (``aioslirp.attach``).
 
     Give exactly one of ``netns_path`` (e.g. ``/run/netns/NAME`` or ``/proc/PID/ns/net``)
     or ``pid`` (its network namespace; when not root, also the user namespace owning it).
@@ -464,7 +467,11 @@ async def attach(
     MTU ``config.mtu`` and a default route via ``config.gateway``; then the stack serves it until cancelled, until
     SIGINT/SIGTERM (with ``handle_signals``), or until process ``pid`` exits. A namespace
     given only by path stays alive while we hold its TAP fd, so it never "goes away".
-    ``offload``: as for :func:`run_in_namespace`.
+    ``offload``: as for :func:`run_in_namespace`. ``stack``: serve with this started
+    :class:`~aioslirp.Stack` (``async with Stack(config) as stack``), which is not closed at the
+    end, instead of one made by ``stack_factory(config)``; so the caller can read
+    ``stack.flows()``, ``stack.events()`` and add port forwards while it runs (cancel the task, or
+    ``stack.close()``, to stop).
 
     Returns 0 on those clean ends. Raises :class:`NamespaceError` (one line) when the
     namespace cannot be entered or the TAP cannot be made, ``ValueError`` for bad arguments.
@@ -477,7 +484,7 @@ async def attach(
     factory = stack_factory or _default_stack_factory
     spec = dict(_iface_spec(config, ifname), mode="attach", netns_path=netns_path, pid=pid)
     loop = asyncio.get_running_loop()
-    async with factory(config) as stack:
+    async with (factory(config) if stack is None else contextlib.nullcontext(stack)) as stack:
         # Offload changes what the transport hands its sink (frames plus checksum flags): only
         # for stacks that say they take it (aioslirp.Stack does).
         offload = offload and bool(getattr(stack, "supports_offload", False))

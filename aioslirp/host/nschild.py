@@ -13,7 +13,13 @@ body, whatever started it; ``spec`` (a JSON-able dict) says what to do:
 0 when not root), ``/`` made rprivate, a generated resolv.conf bind-mounted over
 ``/etc/resolv.conf``, ``lo`` up, the TAP created and configured; the TAP fd is sent to the
 parent, then the helper waits for ``b"g"`` ("go") and execs the command; ``b"g6"`` means "go
-once the TAP has its SLAAC address in ``prefix6``" (bounded wait).
+once the TAP has its SLAAC address in ``prefix6``" (bounded wait). The command gets ``spec["cwd"]``
+and ``spec["env"]`` when given; when it cannot be executed the child sends
+``{"exec_error": ERRNO, "what": PATH}`` on the socket, which it keeps (close-on-exec) until the
+exec, so that the parent sees EOF once the command runs. With ``spec["pid_namespace"]`` the
+``unshare`` also makes a PID namespace: the helper forks its PID 1 (which mounts its ``/proc``
+when allowed, forks the command, passes signals on and reaps orphans, and exits with the
+command, killing everything left in the namespace) and ends as the command ended.
 
 ``attach`` mode: enter an existing network namespace (and its owning user namespace when
 not root), bring ``lo`` up (as ``slirp4netns --configure`` does; a failure is a warning),
@@ -44,6 +50,7 @@ This module imports only the standard library and :mod:`aioslirp` helpers (pyrou
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -54,6 +61,8 @@ import sys
 
 from .isolate import CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWUSER, set_loopback_up, unshare
 
+CLONE_NEWPID = 0x20000000
+
 __all__ = ["ForkedChild", "SetupError", "main", "run_child", "set_pdeathsig", "setns"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -62,6 +71,7 @@ PR_SET_PDEATHSIG = 1
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
 NS_GET_USERNS = 0xB701
 RESOLV_CONF = "/etc/resolv.conf"
 #: Seconds a forked child may take to open (and configure) the TAP.
@@ -79,10 +89,11 @@ def _errno_call(ret: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def set_pdeathsig(expected_ppid: int) -> None:
-    """Get SIGKILL when the parent dies; exit at once if it already has."""
+def set_pdeathsig(expected_ppid: int | None) -> None:
+    """Get SIGKILL when the parent dies; exit at once if it already has (not checked when
+    ``expected_ppid`` is ``None``: PID 1 of a new PID namespace sees its parent as 0)."""
     _errno_call(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
-    if os.getppid() != expected_ppid:
+    if expected_ppid is not None and os.getppid() != expected_ppid:
         os._exit(1)
 
 
@@ -97,17 +108,20 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int) -> No
     _errno_call(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), None), f"mount {target}")
 
 
-def _enter_new_namespaces() -> None:
-    """unshare net+mount (and user when not root) and map our ids to root."""
+def _enter_new_namespaces(pid_namespace: bool = False) -> None:
+    """unshare net+mount (and user when not root; and PID for our children with ``pid_namespace``)
+    and map our ids to root."""
+    pid_flag = CLONE_NEWPID if pid_namespace else 0
     if os.geteuid() == 0:
         try:
-            unshare(CLONE_NEWNET | CLONE_NEWNS)
+            unshare(CLONE_NEWNET | CLONE_NEWNS | pid_flag)
         except OSError as exc:
-            raise SetupError(f"cannot create network/mount namespaces: {os.strerror(exc.errno or 0)}") from None
+            raise SetupError(f"cannot create network/mount{'/PID' if pid_flag else ''} namespaces: "
+                             f"{os.strerror(exc.errno or 0)}") from None
         return
     uid, gid = os.geteuid(), os.getegid()
     try:
-        unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS)
+        unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS | pid_flag)
     except OSError as exc:
         if exc.errno in (errno.EPERM, errno.EACCES):
             raise SetupError(
@@ -323,25 +337,136 @@ def _send(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
         sock.send(data)
 
 
-def _exec(argv: list[str]) -> int:
-    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
+#: Signals the helper and PID 1 of a new PID namespace pass on to the command (SIGKILL cannot
+#: be caught: killing the helper kills PID 1 by PR_SET_PDEATHSIG, and with it the namespace).
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGCONT, signal.SIGWINCH, signal.SIGALRM)
+
+
+def _exec(argv: list[str], sock: socket.socket | None = None, spec: dict | None = None) -> int:
+    """Exec the command with ``spec``'s ``cwd`` and ``env``. When it cannot be executed:
+    with ``sock`` (kept open until the exec, close-on-exec) send ``{"exec_error": ERRNO,
+    "what": ...}`` to the parent; else print one line. Returns 127 (not found) or 126."""
+    spec = spec or {}
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ) + FORWARDED:
         signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE/SIGXFSZ; exec would keep SIG_IGN
-    if not argv or not argv[0]:
-        print("aioslirp: : command not found (an empty command name)", file=sys.stderr)
-        return 127
+    if sock is not None:
+        sock.set_inheritable(False)
+    what = argv[0] if argv else ""
     try:
-        os.execvp(argv[0], argv)
-    except FileNotFoundError:
-        print(f"aioslirp: {argv[0]}: command not found", file=sys.stderr)
-        return 127
+        if not argv or not argv[0]:
+            raise FileNotFoundError(errno.ENOENT, "command not found (an empty command name)")
+        if spec.get("cwd") is not None:
+            what = spec["cwd"]
+            os.chdir(spec["cwd"])
+            what = argv[0]
+        env = spec.get("env")
+        if env is None:
+            os.execvp(argv[0], argv)
+        else:
+            os.execvpe(argv[0], argv, env)
     except OSError as exc:
-        print(f"aioslirp: {argv[0]}: {exc.strerror}", file=sys.stderr)
-        return 126
+        code = 127 if isinstance(exc, FileNotFoundError) and what == (argv[0] if argv else "") else 126
+        if sock is not None:
+            try:
+                _send(sock, {"exec_error": exc.errno or errno.ENOENT, "what": what})
+                return code
+            except OSError:
+                pass
+        if what != (argv[0] if argv else ""):
+            print(f"aioslirp: cannot change to directory {what}: {exc.strerror}", file=sys.stderr)
+        elif isinstance(exc, FileNotFoundError):
+            print(f"aioslirp: {what}: command not found" + ("" if what else " (an empty command name)"),
+                  file=sys.stderr)
+        else:
+            print(f"aioslirp: {what}: {exc.strerror}", file=sys.stderr)
+        return code
     return 127  # not reached
 
 
+def _forward_to(pid: int) -> None:
+    """Pass :data:`FORWARDED` signals on to ``pid``."""
+
+    def handler(sig, _frame):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, handler)
+
+
+def _run_in_pid_namespace(argv: list[str], sock: socket.socket, spec: dict) -> int:
+    """Fork PID 1 of the PID namespace made by ``unshare`` (:func:`_pid1`), pass signals on to it,
+    wait for it and end as the command ended (its exit status, or death by the same signal)."""
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child, checked by the integration tests
+        status = 1
+        try:
+            os.close(r)
+            status = _pid1(argv, sock, spec, w)
+        finally:
+            os._exit(status)
+    os.close(w)
+    sock.close()
+    _forward_to(pid)
+    while True:
+        try:
+            _, pid1_status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            pid1_status = 1 << 8
+            break
+    data = os.read(r, 32)
+    os.close(r)
+    try:
+        code = os.waitstatus_to_exitcode(int(data)) if data else os.waitstatus_to_exitcode(pid1_status)
+    except ValueError:
+        code = 1
+    if code < 0:  # the command died of a signal: so do we, so that our parent sees it
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        return 128 - code
+    return code
+
+
+def _pid1(argv: list[str], sock: socket.socket, spec: dict, status_fd: int) -> int:
+    """PID 1 of the new PID namespace: mount its /proc (best effort), fork the command, pass
+    signals on to it, reap every orphan, and when the command ends write its raw wait status to
+    ``status_fd`` and exit, which kills whatever else is left in the namespace."""
+    set_pdeathsig(None)
+    with contextlib.suppress(OSError):
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    cmd = os.fork()
+    if cmd == 0:  # pragma: no cover - runs in the child
+        status = 127
+        try:
+            os.close(status_fd)
+            status = _exec(argv, sock, spec)
+        finally:
+            os._exit(status)
+    sock.close()
+    _forward_to(cmd)
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            status = 1 << 8
+            break
+        if pid == cmd:
+            break
+    os.write(status_fd, str(status).encode())
+    return 0
+
+
 def _enter_run(spec: dict, warnings: list[str]) -> None:
-    _enter_new_namespaces()
+    _enter_new_namespaces(bool(spec.get("pid_namespace")))
     set_pdeathsig(int(spec["ppid"]))  # credentials changed: set again to be sure
     if spec.get("resolv_conf") is not None:
         _install_resolv_conf(spec["resolv_conf"], warnings)
@@ -451,8 +576,8 @@ def run_child(sock: socket.socket, spec: dict) -> int:
         go = sock.recv(2)
     except OSError:
         go = b""
-    sock.close()
     if go not in (b"g", b"g6"):
+        sock.close()
         return 1  # parent went away or aborted: do not run the command
     if go == b"g6" and spec.get("prefix6") and os.path.isdir(f"/proc/sys/net/ipv6/conf/{ifname}"):
         from .netns import IPV6_ADDRESS_TIMEOUT, wait_ipv6_address
@@ -460,8 +585,10 @@ def run_child(sock: socket.socket, spec: dict) -> int:
         if wait_ipv6_address(ifname, spec["prefix6"]) is None:
             print(f"aioslirp: warning: {ifname} got no IPv6 address in {spec['prefix6']} within "
                   f"{IPV6_ADDRESS_TIMEOUT:g} s; starting the command anyway", file=sys.stderr)
-    argv = spec.get("argv") or [os.environ.get("SHELL") or "/bin/sh"]
-    return _exec(list(argv))
+    argv = list(spec.get("argv") or [os.environ.get("SHELL") or "/bin/sh"])
+    if spec.get("pid_namespace"):
+        return _run_in_pid_namespace(argv, sock, spec)
+    return _exec(argv, sock, spec)
 
 
 def main(args: list[str] | None = None) -> int:

@@ -186,3 +186,37 @@ def enable_offload(fd: int) -> None:
     """
     set_vnet_header_size(fd)
     set_offload(fd)
+
+
+TUNGETDEVNETNS = 0x54E3  # _IO('T', 227), Linux 5.9+
+SIOCGIFFLAGS = 0x8913
+IFF_UP = 0x1
+_IFREQ_SHORT = struct.Struct("16sH14x")
+
+
+def in_our_netns(fd: int) -> bool | None:
+    """Whether the TAP behind ``fd`` lives in the calling thread's network namespace
+    (``TUNGETDEVNETNS``); ``None`` when the kernel cannot tell (before 5.9, no
+    ``CAP_NET_ADMIN`` over its namespace, not a TAP fd)."""
+    try:
+        nsfd = fcntl.ioctl(fd, TUNGETDEVNETNS)
+    except OSError:
+        return None
+    try:
+        st, ours = os.fstat(nsfd), os.stat("/proc/thread-self/ns/net")
+        return (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino)
+    except OSError:
+        return None
+    finally:
+        os.close(nsfd)
+
+
+def link_is_up(name: str) -> bool | None:
+    """Whether interface ``name`` of the current network namespace is administratively up
+    (``SIOCGIFFLAGS`` ``IFF_UP``); ``None`` when there is no such interface or it cannot be read."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            res = fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, _IFREQ_SHORT.pack(check_ifname(name), 0))
+    except (OSError, ValueError):
+        return None
+    return bool(_IFREQ_SHORT.unpack(res)[1] & IFF_UP)

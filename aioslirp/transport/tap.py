@@ -39,7 +39,8 @@ import os
 from typing import Sequence
 
 # The device side (ioctls, creation) is host plumbing; its names stay importable from here.
-from ..host.tapdev import (IFF_VNET_HDR, TUN_PATH, TapError, create_tap, enable_offload, open_tap,  # noqa: F401
+from ..host.tapdev import (IFF_VNET_HDR, TUN_PATH, TapError, create_tap, enable_offload, in_our_netns,  # noqa: F401
+                           link_is_up, open_tap,
                            set_interface_mtu, set_offload, set_vnet_header_size, tap_flags)
 from ..wire.offload import VNET_HDR_LEN, VNET_NONE, OffloadFrame
 from .base import MAX_FRAME, Transport
@@ -155,6 +156,19 @@ class TapTransport(Transport):
     def fd(self) -> int:
         """The TAP fd, or -1 once closed."""
         return self._fd
+
+    def preflight(self) -> None:
+        """Check, before serving, that the device can carry frames (:meth:`Stack.serve
+        <aioslirp.stack.Stack.serve>` calls it). Raises :class:`TapError` (``ENETDOWN``, one line
+        naming the device and the fix) when the TAP is in this network namespace and is down: the
+        guest would send nothing and every frame for it would fail with ``EIO``. A TAP in another
+        namespace (``aioslirp run`` / ``attach``, the slirp4netns drop-in) is not checked."""
+        if self._fd < 0 or not self.ifname or in_our_netns(self._fd) is not True:
+            return
+        if link_is_up(self.ifname) is False:
+            raise TapError(errno.ENETDOWN, f"TAP {self.ifname} is down, so no frame can pass: bring it up first "
+                                           f"(ip link set {self.ifname} up) and give it an address "
+                                           f"(ip addr add 10.0.2.15/24 dev {self.ifname})")
 
     # -- Transport interface --------------------------------------------------------------
 

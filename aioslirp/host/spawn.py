@@ -1,0 +1,415 @@
+"""``aioslirp.spawn``: run a command in its own network namespace behind its own :class:`~aioslirp.Stack`.
+
+Usage::
+
+    async with aioslirp.spawn(["curl", "-s", "http://10.0.2.2:8000/"], stdout=asyncio.subprocess.PIPE) as guest:
+        body = await guest.stdout.read()
+        status = await guest.wait()
+
+The command (the *guest*) runs in a new network + mount namespace (plus a user namespace when
+not root), and by default a new PID namespace where it is PID 1's only child, so nothing it
+leaves behind outlives it. Its only network interface besides ``lo`` is a TAP device (``tap0``)
+served by the stack: address ``config.guest`` (10.0.2.15), gateway ``config.gateway``
+(10.0.2.2, which is the host's loopback), DNS ``config.dns`` (10.0.2.3, put in its
+``/etc/resolv.conf``), and with IPv6 on a SLAAC address in ``fd00::/64``.
+
+The namespace work is done by the one namespace child (:mod:`aioslirp.host.nschild`, ``run``
+mode): it creates the namespaces and the TAP, passes the TAP fd back, waits for "go" and then
+execs the command (in a PID namespace: forks a small PID 1 that forks the command, passes
+signals on and reaps orphans). :class:`Guest` is that child's handle, with
+``asyncio.subprocess.Process`` semantics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any, Mapping, Sequence
+
+from ..config import NetworkConfig
+from ..lifecycle import farewell
+from .netns import (DEFAULT_SETUP_TIMEOUT, NamespaceError, _helper_argv, _iface_spec, _log_serve_end, _readable,
+                    _stop_serving, resolv_conf_text)
+
+__all__ = ["DEFAULT_STOP_TIMEOUT", "Guest", "spawn"]
+
+log = logging.getLogger("aioslirp.spawn")
+
+#: Seconds :func:`spawn` waits after SIGTERM for the guest to exit before SIGKILL, when its block ends.
+DEFAULT_STOP_TIMEOUT = 5.0
+
+PIPE, DEVNULL, STDOUT = subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT
+
+
+class _WriteProtocol(asyncio.streams.FlowControlMixin):
+    """The protocol behind ``guest.stdin`` (``drain()`` flow control, ``wait_closed()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._closed = asyncio.get_running_loop().create_future()
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def _get_close_waiter(self, stream) -> asyncio.Future:
+        return self._closed
+
+
+class Guest:
+    """A command running behind its own stack (made by :func:`spawn`); like ``asyncio.subprocess.Process``.
+
+    Attributes:
+        stack: the :class:`~aioslirp.Stack` serving the guest's TAP (``stack.flows()``, ``stack.stats()``,
+            ``stack.add_forward()``, ``stack.events()``...).
+        pid: the process id (in the host's PID namespace) of the guest's top process: with
+            ``pid_namespace`` the namespace helper that passes signals on to the command, else the command.
+        stdin: an ``asyncio.StreamWriter`` when ``stdin=PIPE``, else ``None``.
+        stdout, stderr: ``asyncio.StreamReader`` when ``PIPE``, else ``None``.
+        ifname: the TAP device's name in the guest's namespace (``"tap0"``).
+    """
+
+    def __init__(self, stack, proc: subprocess.Popen, pidfd: int, ifname: str) -> None:
+        self.stack = stack
+        self.pid: int = proc.pid
+        self.ifname = ifname
+        self.stdin: asyncio.StreamWriter | None = None
+        self.stdout: asyncio.StreamReader | None = None
+        self.stderr: asyncio.StreamReader | None = None
+        self._proc = proc
+        self._pidfd = pidfd
+        self._loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future = self._loop.create_future()
+        self._pipes: list[asyncio.BaseTransport] = []
+        self._loop.add_reader(pidfd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        self._loop.remove_reader(self._pidfd)
+        rc = self._proc.wait()
+        if not self._exited.done():
+            self._exited.set_result(rc)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the guest exited (``-N`` when killed by signal N), else ``None``."""
+        return self._exited.result() if self._exited.done() else None
+
+    async def wait(self) -> int:
+        """Wait for the guest to exit; returns :attr:`returncode`. Read ``stdout``/``stderr`` meanwhile
+        (or use :meth:`communicate`) when they are pipes, or a guest writing a lot blocks."""
+        return await asyncio.shield(self._exited)
+
+    async def communicate(self, input: bytes | None = None) -> tuple[bytes | None, bytes | None]:
+        """Write ``input`` to stdin (then close it), read stdout and stderr to EOF, wait for the exit.
+        Returns ``(stdout, stderr)``, ``None`` for those that are not pipes."""
+
+        async def feed() -> None:
+            if self.stdin is not None:
+                if input:
+                    self.stdin.write(input)
+                    with contextlib.suppress(ConnectionError):
+                        await self.stdin.drain()
+                self.stdin.close()
+
+        async def read(stream):
+            return None if stream is None else await stream.read()
+
+        _, out, err = await asyncio.gather(feed(), read(self.stdout), read(self.stderr))
+        await self.wait()
+        return out, err
+
+    def send_signal(self, sig: int) -> None:
+        """Send signal ``sig`` to the guest (with ``pid_namespace``, passed on to the command by its
+        helper and PID 1; SIGKILL kills the whole PID namespace). No-op once it exited."""
+        if self._exited.done() or self._pidfd < 0:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self._pidfd, sig)
+
+    def terminate(self) -> None:
+        """Send SIGTERM."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """Send SIGKILL."""
+        self.send_signal(signal.SIGKILL)
+
+    def _close(self) -> None:
+        for tr in self._pipes:
+            tr.close()
+        self._pipes.clear()
+        if self._pidfd >= 0:
+            if not self._exited.done():
+                self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+
+def _check_argv(argv) -> list[str]:
+    if isinstance(argv, (str, bytes, bytearray)):
+        raise TypeError(f"argv must be a sequence of str, e.g. [{argv!r}], not {type(argv).__name__}")
+    try:
+        out = list(argv)
+    except TypeError:
+        raise TypeError(f"argv must be a sequence of str, not {type(argv).__name__}") from None
+    if not out:
+        raise ValueError("argv is empty: give the command to run, e.g. ['sh']")
+    for a in out:
+        if not isinstance(a, (str, os.PathLike)):
+            raise TypeError(f"argv items must be str, got {type(a).__name__} ({a!r})")
+    return [os.fspath(a) for a in out]
+
+
+def _child_end(spec: Any, name: str, is_input: bool) -> tuple[Any, int | None]:
+    """``(what Popen gets, our end of a pipe or None)`` for a stdin/stdout/stderr argument."""
+    if spec is None or spec == DEVNULL or (spec == STDOUT and name == "stderr"):
+        return spec, None
+    if spec == PIPE:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        return (r, w) if is_input else (w, r)
+    if isinstance(spec, int) and spec >= 0 or hasattr(spec, "fileno"):
+        return spec, None
+    raise ValueError(f"{name} must be None, PIPE, DEVNULL, a file descriptor or a file object, not {spec!r}")
+
+
+class _Spawn:
+    """The async context manager :func:`spawn` returns."""
+
+    def __init__(self, argv: list[str], config, stack, stdio, env, cwd, pid_namespace, stop_timeout, setup_timeout,
+                 ifname, offload) -> None:
+        self.argv, self.config, self.stack, self.stdio = argv, config, stack, stdio
+        self.env, self.cwd, self.pid_namespace = env, cwd, pid_namespace
+        self.stop_timeout, self.setup_timeout, self.ifname, self.offload = stop_timeout, setup_timeout, ifname, offload
+        self.guest: Guest | None = None
+        self._own_stack = False
+        self._serve_task: asyncio.Task | None = None
+        self._transport = None
+        self._sock: socket.socket | None = None
+
+    async def __aenter__(self) -> Guest:
+        try:
+            return await self._start()
+        except BaseException:
+            await self._stop()
+            raise
+
+    async def __aexit__(self, *exc) -> None:
+        await self._stop()
+
+    async def _start(self) -> Guest:
+        from ..transport.tap import TapTransport
+
+        if self.stack is None:
+            from ..stack import Stack
+
+            self.stack = Stack(self.config)
+            self._own_stack = True
+            await self.stack.start()
+        stack = self.stack
+        config = self.config if self.config is not None else stack.config
+        offload = self.offload and bool(getattr(stack, "supports_offload", False))
+        spec = dict(_iface_spec(config, self.ifname), mode="run", resolv_conf=resolv_conf_text(config),
+                    argv=self.argv, pid_namespace=bool(self.pid_namespace), vnet_hdr=offload,
+                    env=None if self.env is None else {str(k): str(v) for k, v in self.env.items()},
+                    cwd=None if self.cwd is None else os.fspath(self.cwd))
+        loop = asyncio.get_running_loop()
+        ours: list[int] = []
+        theirs: list[Any] = []
+        for name, value, is_input in (("stdin", self.stdio[0], True), ("stdout", self.stdio[1], False),
+                                      ("stderr", self.stdio[2], False)):
+            child, mine = _child_end(value, name, is_input)
+            theirs.append(child)
+            ours.append(mine)
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock = parent_sock
+        spec = dict(spec, sock=child_sock.fileno(), ppid=os.getpid())
+        try:
+            proc = subprocess.Popen(_helper_argv(spec), pass_fds=(child_sock.fileno(),), stdin=theirs[0],
+                                    stdout=theirs[1], stderr=theirs[2])
+        except OSError as exc:
+            for fd in ours:
+                if fd is not None:
+                    os.close(fd)
+            raise NamespaceError(f"cannot start the namespace helper ({sys.executable}): {exc.strerror}") from None
+        finally:
+            child_sock.close()
+            for child, mine in zip(theirs, ours):
+                if mine is not None:
+                    os.close(child)
+        guest = self.guest = Guest(stack, proc, os.pidfd_open(proc.pid), self.ifname)
+        for i, fd in enumerate(ours):
+            if fd is None:
+                continue
+            if i == 0:
+                wtr, proto = await loop.connect_write_pipe(_WriteProtocol, open(fd, "wb", 0))
+                guest.stdin = asyncio.StreamWriter(wtr, proto, None, loop)
+                guest._pipes.append(wtr)
+            else:
+                reader = asyncio.StreamReader(loop=loop)
+                rtr, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), open(fd, "rb", 0))
+                guest._pipes.append(rtr)
+                setattr(guest, "stdout" if i == 1 else "stderr", reader)
+        parent_sock.setblocking(False)
+        info, fd = await self._receive(parent_sock, guest)
+        transport = self._transport = TapTransport(fd, ifname=info["ifname"], offload=offload)
+        guest.ifname = info["ifname"]
+        self._serve_task = asyncio.create_task(stack.serve(transport))
+        self._serve_task.add_done_callback(_log_serve_end)
+        await asyncio.sleep(0)  # serve() opens the transport (add_reader) before the command starts
+        if self._serve_task.done():  # the transport could not be served (e.g. a TAP that is down)
+            self._serve_task.result()
+        wait_ipv6 = bool(config.ipv6) and getattr(stack, "v6", None) is not None
+        with contextlib.suppress(OSError):
+            parent_sock.send(b"g6" if wait_ipv6 else b"g")
+        await self._exec_result(parent_sock)
+        return guest
+
+    async def _receive(self, sock: socket.socket, guest: Guest) -> tuple[dict, int]:
+        waiter = asyncio.ensure_future(_readable(sock.fileno()))
+        try:
+            done, _ = await asyncio.wait([waiter, guest._exited], timeout=self.setup_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not done:
+            raise NamespaceError(f"namespace helper did not finish setting up within {self.setup_timeout:g} s")
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 4)
+        except BlockingIOError:
+            data, fds = b"", []
+        except OSError as exc:
+            raise NamespaceError(f"lost the namespace helper: {exc.strerror}") from None
+        msg: dict = {}
+        with contextlib.suppress(ValueError):
+            msg = json.loads(data) if data else {}
+        if not msg.get("ok") or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            if msg.get("error"):
+                raise NamespaceError(str(msg["error"]))
+            rc = await guest.wait()
+            how = f"died of signal {-rc}" if rc < 0 else f"exited with status {rc}"
+            raise NamespaceError(f"namespace helper {how} before creating the TAP device")
+        for warning in msg.get("warnings") or ():
+            log.warning("%s", warning)
+        return msg, fds[0]
+
+    async def _exec_result(self, sock: socket.socket) -> None:
+        """EOF on the socket: the command was executed (close-on-exec); a message: it could not be."""
+        try:
+            await asyncio.wait_for(_readable(sock.fileno()), self.setup_timeout)
+            data = sock.recv(65536)
+        except (asyncio.TimeoutError, OSError):
+            return  # it is running (or gone): wait() tells
+        finally:
+            sock.close()
+            self._sock = None
+        if not data:
+            return
+        with contextlib.suppress(ValueError):
+            msg = json.loads(data)
+            err = int(msg.get("exec_error") or 0)
+            await self.guest.wait()
+            raise OSError(err, os.strerror(err), msg.get("what"))
+
+    async def _stop(self) -> None:
+        guest, stack = self.guest, self.stack
+        try:
+            if guest is not None and guest.returncode is None:
+                guest.terminate()
+                try:
+                    await asyncio.wait_for(guest.wait(), self.stop_timeout)
+                except asyncio.TimeoutError:
+                    guest.kill()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(guest.wait(), 5.0)
+            transport = self._transport
+            if self._serve_task is not None and transport is not None:
+                if getattr(stack, "flows", None) and not transport.closed.done():
+                    # processes left in the namespace (pid_namespace=False) may hold connections:
+                    # reset them while the link is up, so none hangs on a stack that is gone
+                    with contextlib.suppress(Exception):
+                        await farewell(stack)
+                await _stop_serving(stack, self._serve_task, transport)
+            elif transport is not None:
+                transport.close()
+        finally:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            if guest is not None:
+                if guest.returncode is None:  # not even SIGKILL helped: reap it in a thread
+                    with contextlib.suppress(Exception):
+                        guest._proc.kill()
+                        await asyncio.to_thread(guest._proc.wait, 5)
+                guest._close()
+            if self._own_stack:
+                await stack.aclose()
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    config: NetworkConfig | None = None,
+    stack=None,
+    stdin: Any = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    pid_namespace: bool = True,
+    stop_timeout: float = DEFAULT_STOP_TIMEOUT,
+    setup_timeout: float = DEFAULT_SETUP_TIMEOUT,
+    ifname: str = "tap0",
+    offload: bool = True,
+) -> _Spawn:
+    """Run ``argv`` in a new network namespace behind its own stack: ``async with spawn(argv) as guest:``.
+
+    Args:
+        argv: the command and its arguments, a sequence of ``str`` (looked up in ``PATH``).
+        config: the :class:`~aioslirp.NetworkConfig` of a stack made for this guest (default
+            ``NetworkConfig()``). With ``stack``: what the guest's interface is configured with
+            (default ``stack.config``); it should be the stack's.
+        stack: serve the guest with this started :class:`~aioslirp.Stack` (``async with Stack(...)``)
+            instead of a new one; it is not closed at the end (its serving is: one guest per serve).
+        stdin, stdout, stderr: ``None`` (inherit ours), ``asyncio.subprocess.PIPE``
+            (``guest.stdin`` is a ``StreamWriter``, ``guest.stdout``/``stderr`` ``StreamReader``\\ s),
+            ``asyncio.subprocess.DEVNULL``, a file descriptor or a file object;
+            ``stderr=asyncio.subprocess.STDOUT`` too.
+        env: the command's whole environment (default: ours). cwd: its working directory.
+        pid_namespace: make the command the only child of PID 1 of a new PID namespace (its
+            ``/proc`` mounted there when allowed), so that everything it starts dies with it.
+        stop_timeout: seconds between SIGTERM and SIGKILL when the block ends with the guest running.
+        setup_timeout: seconds the namespace and the TAP may take.
+        ifname: the TAP device's name. offload: a TAP with checksum/segmentation offload.
+
+    Returns an async context manager whose ``__aenter__`` returns a :class:`Guest` once the
+    command was executed (its network is up; the IPv6 address, with ``config.ipv6``, too).
+    Leaving the block terminates the guest (SIGTERM, then SIGKILL after ``stop_timeout``),
+    resets its remaining connections and stops the stack: no fd, task or process is left.
+
+    Raises:
+        TypeError: at once, when ``argv`` is a ``str``/``bytes`` or holds a non-string.
+        ValueError: at once, for an empty ``argv`` or a bad stdio argument.
+        aioslirp.ConfigError: at once, for an invalid ``config``.
+        NamespaceError: on entering, with one line naming the cause and the fix, when the
+            namespace or the TAP cannot be made (no user namespaces, no ``/dev/net/tun``...).
+        FileNotFoundError, PermissionError (``OSError``): on entering, when the command (or ``cwd``)
+            cannot be executed, as ``asyncio.create_subprocess_exec`` does.
+    """
+    args = _check_argv(argv)
+    if stack is None or config is not None:
+        config = (config if config is not None else NetworkConfig()).validate()
+    for name, value in (("stdin", stdin), ("stdout", stdout), ("stderr", stderr)):
+        if value == STDOUT and name != "stderr":
+            raise ValueError(f"{name}=STDOUT is only valid for stderr")
+    return _Spawn(args, config, stack, (stdin, stdout, stderr), env, cwd, pid_namespace, float(stop_timeout),
+                  float(setup_timeout), ifname, offload)
