@@ -41,7 +41,7 @@ from aioslirp.tcp.hostsock import HostSocket, TransportHost
 from aioslirp.tcp.pacing import FlowPacing
 from aioslirp.tcp.output import Output
 from aioslirp.tcp.tcb import Tcb
-from aioslirp.transport.base import SocketTransport, Transport
+from aioslirp.transport.base import SocketTransport, Transport, TransportWrapper
 from aioslirp.transport.dgram import DgramTransport
 from aioslirp.transport.framing import StreamDecoder
 from aioslirp.transport.pcap import PcapTransport, PcapWriter
@@ -62,7 +62,7 @@ PER_FRAME = [
     TcpFlow, ForwardedTcpFlow, TcpConnection, Tcb, Arrival, Output, SendQueue, ChunkQueue, HostSocket, TransportHost,
     DnsForwarder, DnsTcpSession, _UdpQuery, DnsTcpHost, NdpResponder, DhcpServer, _Lease, Dhcpv6Server,
     Transport, SocketTransport, TapTransport, StreamTransport, DgramTransport, SocketPairTransport,
-    PcapWriter, PcapTransport, TraceTransport, StreamDecoder,
+    PcapWriter, PcapTransport, TraceTransport, TransportWrapper, StreamDecoder,
     Segment, TcpFrameBuilder, TcpOffloadBuilder, Ipv6,
     ByteBucket, FlowPacing, AuditLog, _Reader,  # rate caps (per datagram / read), the audit log (per flow)
 ]

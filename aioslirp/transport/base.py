@@ -73,6 +73,52 @@ class Transport:
                 self.closed.set_result(exc)
 
 
+class TransportWrapper(Transport):
+    """A transport in front of another one (middleware, as smoltcp's ``Tracer`` and
+    ``PcapWriter`` wrap a ``Device``): everything is delegated to ``inner`` (its :attr:`closed`,
+    counters and offload are this one's); a subclass overrides what it observes:
+    :meth:`_guest_sink` for frames from the guest, :meth:`send_frames` for frames to it."""
+
+    __slots__ = ("inner",)
+
+    inner: Transport
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__()
+        self.inner = inner
+
+    async def open(self, on_frames: FrameSink) -> None:
+        self._on_frames = on_frames
+        await self.inner.open(self._guest_sink(on_frames))
+        self._loop = asyncio.get_running_loop()  # the loop the inner transport opened on
+        self.closed = self.inner.closed
+
+    def _guest_sink(self, on_frames: FrameSink) -> FrameSink:
+        """The callback the inner transport delivers guest frames to (default: ``on_frames`` itself)."""
+        return on_frames
+
+    def send_frames(self, frames: Sequence[bytes]) -> None:
+        """Hand ``frames`` to the inner transport."""
+        self.inner.send_frames(frames)
+
+    @property
+    def offload(self) -> bool:
+        """The inner transport's checksum/segmentation offload (see :class:`~aioslirp.transport.tap.TapTransport`)."""
+        return bool(getattr(self.inner, "offload", False))
+
+    # The counters are the inner transport's (Transport.__init__ sets them: ignored here).
+    frames_in = property(lambda self: self.inner.frames_in, lambda self, value: None)  # type: ignore[assignment]
+    frames_out = property(lambda self: self.inner.frames_out, lambda self, value: None)  # type: ignore[assignment]
+    send_errors = property(lambda self: self.inner.send_errors, lambda self, value: None)  # type: ignore[assignment]
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Close the inner transport. Idempotent."""
+        self.inner.close(exc)
+
+    def _close_io(self) -> None:  # pragma: no cover - close() is overridden
+        self.inner.close()
+
+
 class SocketTransport(Transport):
     """Common part of the socket transports (:class:`~aioslirp.transport.stream.StreamTransport`,
     :class:`~aioslirp.transport.dgram.DgramTransport`): reading starts with ``add_reader`` on

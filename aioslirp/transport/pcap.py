@@ -21,7 +21,6 @@ falls behind by more than :data:`MAX_BACKLOG` bytes, frames are left out of the 
 
 from __future__ import annotations
 
-import asyncio
 
 import logging
 import queue
@@ -30,7 +29,7 @@ import threading
 import time
 from typing import Sequence
 
-from .base import Transport
+from .base import Transport, TransportWrapper
 
 log = logging.getLogger("aioslirp.transport.pcap")
 
@@ -189,66 +188,40 @@ class PcapWriter:
             log.warning("pcap %s: %d frames not captured", self.path, self.not_captured)
 
 
-class PcapTransport(Transport):
+class PcapTransport(TransportWrapper):
     """Wrap ``inner`` and record every frame both ways to a pcap file.
 
     Give ``path`` (a new :class:`PcapWriter` with ``max_bytes``, closed with this
     transport) or ``writer`` (a shared :class:`PcapWriter`, left open by :meth:`close`).
-    Implements the transport interface by delegation; :attr:`closed` is the inner
-    transport's. ``OSError`` when ``path`` cannot be created.
+    Implements the transport interface by delegation (:class:`~aioslirp.transport.base.TransportWrapper`);
+    :attr:`closed` is the inner transport's. ``OSError`` when ``path`` cannot be created.
     """
 
-    __slots__ = ("inner", "_own", "writer")
+    __slots__ = ("_own", "writer")
 
-    inner: Transport
     #: The writer was made here (closed with this transport).
     _own: bool
     writer: PcapWriter
 
     def __init__(self, inner: Transport, path: str | None = None, *, max_bytes: int | None = None,
                  writer: PcapWriter | None = None) -> None:
-        super().__init__()
         if (path is None) == (writer is None):
             raise ValueError("give exactly one of path or writer")
-        self.inner = inner
+        super().__init__(inner)
         self._own = writer is None
         self.writer = writer if writer is not None else PcapWriter(path, max_bytes=max_bytes)
 
-    async def open(self, on_frames) -> None:
-        self._on_frames = on_frames
-        await self.inner.open(self._from_guest)
-        self._loop = asyncio.get_running_loop()  # the loop the inner transport opened on
-        self.closed = self.inner.closed
+    def _guest_sink(self, on_frames):
+        return self._from_guest
 
     def _from_guest(self, frames, *extra) -> None:
         self.writer.record(frames, self._loop)
         self._on_frames(frames, *extra)  # extra: the per-frame checksum flags of an offload TAP
 
-    @property
-    def offload(self) -> bool:
-        """The inner transport's checksum/segmentation offload (see :class:`~aioslirp.transport.tap.TapTransport`)."""
-        return bool(getattr(self.inner, "offload", False))
-
     def send_frames(self, frames: Sequence[bytes]) -> None:
         """Hand ``frames`` to the inner transport, then record them."""
         self.inner.send_frames(frames)
         self.writer.record(frames, self._loop)
-
-    @property
-    def frames_in(self) -> int:  # type: ignore[override]
-        return self.inner.frames_in
-
-    @frames_in.setter
-    def frames_in(self, value) -> None:
-        pass
-
-    @property
-    def frames_out(self) -> int:  # type: ignore[override]
-        return self.inner.frames_out
-
-    @frames_out.setter
-    def frames_out(self, value) -> None:
-        pass
 
     def close(self, exc: BaseException | None = None) -> None:
         """Close the inner transport; write out and close the file when this transport owns it. Idempotent."""
@@ -259,6 +232,3 @@ class PcapTransport(Transport):
                 self.writer.close()
             else:
                 self.writer.flush()
-
-    def _close_io(self) -> None:  # pragma: no cover - close() is overridden
-        self.inner.close()

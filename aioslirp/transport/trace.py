@@ -14,72 +14,29 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from .base import Transport
+from .base import Transport, TransportWrapper
 
 __all__ = ["TraceTransport"]
 
 _now = time.time_ns
 
 
-class TraceTransport(Transport):
+class TraceTransport(TransportWrapper):
     """Wrap ``inner``; after each :meth:`send_frames`, call ``tracer.on_drain(frames, t0)``
-    (``t0``: ``time.time_ns()`` before the write). Delegates everything else to ``inner``;
-    :attr:`closed` is the inner transport's."""
+    (``t0``: ``time.time_ns()`` before the write). Delegates everything else to ``inner``
+    (:class:`~aioslirp.transport.base.TransportWrapper`); :attr:`closed` is the inner transport's."""
 
-    __slots__ = ("inner", "tracer")
+    __slots__ = ("tracer",)
 
-    inner: Transport
     #: The stack's :class:`~aioslirp.tracing.Tracer`.
     tracer: object
 
     def __init__(self, inner: Transport, tracer) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.tracer = tracer
-
-    async def open(self, on_frames) -> None:
-        self._on_frames = on_frames
-        await self.inner.open(on_frames)
-        self.closed = self.inner.closed
-
-    @property
-    def offload(self) -> bool:
-        """The inner transport's checksum/segmentation offload (see :class:`~aioslirp.transport.tap.TapTransport`)."""
-        return bool(getattr(self.inner, "offload", False))
 
     def send_frames(self, frames: Sequence[bytes]) -> None:
         """Hand ``frames`` to the inner transport, then tell the tracer."""
         t0 = _now()
         self.inner.send_frames(frames)
         self.tracer.on_drain(frames, t0)
-
-    @property
-    def frames_in(self) -> int:  # type: ignore[override]
-        return self.inner.frames_in
-
-    @frames_in.setter
-    def frames_in(self, value) -> None:
-        pass
-
-    @property
-    def frames_out(self) -> int:  # type: ignore[override]
-        return self.inner.frames_out
-
-    @frames_out.setter
-    def frames_out(self, value) -> None:
-        pass
-
-    @property
-    def send_errors(self) -> int:  # type: ignore[override]
-        return self.inner.send_errors
-
-    @send_errors.setter
-    def send_errors(self, value) -> None:
-        pass
-
-    def close(self, exc: BaseException | None = None) -> None:
-        """Close the inner transport. Idempotent."""
-        self.inner.close(exc)
-
-    def _close_io(self) -> None:  # pragma: no cover - close() is overridden
-        self.inner.close()
