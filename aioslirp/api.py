@@ -33,7 +33,8 @@ Commands (``{"execute": NAME, "arguments": {...}}``) and replies:
     "remote_addr","remote_port","host","idle_s"}...]}}``; ``direction`` is ``outbound``
     (the guest connected out) or ``inbound`` (a port forward); ``host`` is the host side
     (the remote for outbound flows, the host client for inbound ones); ``idle_s`` seconds
-    since the flow's last activity.
+    since the flow's last activity; ``name`` (the DNS name whose binding let the flow through
+    the egress policy) and ``rule`` (the egress rule that allowed it) when known.
 
 ``add_rule``
     ``arguments``: ``rule`` (egress rule text, e.g. ``"pypi.org:443"``, ``"10.0.0.0/8:8000-8999/tcp"``),
@@ -406,6 +407,10 @@ class ApiServer:
                 entry["idle_s"] = round(max(0.0, now - f.last_active), 3)
             if f.forward_id is not None:
                 entry["forward_id"] = f.forward_id
+            if f.name is not None:
+                entry["name"] = f.name
+            if f.rule is not None:
+                entry["rule"] = f.rule
             out.append(entry)
         return {"return": {"flows": out}}
 

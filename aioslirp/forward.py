@@ -468,6 +468,7 @@ class UdpForwardFlow:
     proto_name = "udp"
     state = "OPEN"
     direction = "inbound"
+    name = rule = None  # not admitted by the egress policy (see aioslirp.flow.base.Flow)
 
     __slots__ = ("ctx", "fam", "forwarder", "listener", "peer", "forward_id", "guest_ip", "guest_port", "dst_ip",
                  "dst_port", "key", "remote", "loop", "last_active", "bytes_up", "bytes_down", "closed", "_pending",
