@@ -15,7 +15,8 @@ Commands (``{"execute": NAME, "arguments": {...}}``) and replies:
 ``add_hostfwd``
     ``arguments``: ``proto`` (``"tcp"``/``"udp"``), ``host_addr`` (default ``127.0.0.1``;
     IPv6 accepted), ``host_port`` (1-65535), ``guest_addr`` (``""`` or absent: the
-    configured guest address), ``guest_port``. Reply ``{"return":{"id":N}}``, ids 1, 2, ...
+    configured guest address; an IPv6 address of the guest, e.g. ``"fd00::100"``, with or
+    without brackets, forwards to it from the IPv6 gateway), ``guest_port``. Reply ``{"return":{"id":N}}``, ids 1, 2, ...
 ``list_hostfwd``
     Reply ``{"return":{"entries":[E...]},"entries":[E...]}`` with
     ``E = {"id","proto","host_addr","host_port","guest_addr","guest_port"}``. slirp4netns
@@ -293,7 +294,7 @@ class ApiServer:
             if not isinstance(guest_addr, str):
                 return _error(pre + "bad arguments.guest_addr")
             try:
-                guest_addr = str(ipaddress.IPv4Address(guest_addr))
+                guest_addr = str(ipaddress.ip_address(guest_addr.strip().strip("[]")))
             except ValueError:
                 return _error(pre + "bad arguments.guest_addr")
         guest_port = _port(args.get("guest_port"))

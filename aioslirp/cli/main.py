@@ -194,9 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
         "-p",
         "--publish",
         action="append",
-        metavar="[HOST_IP:]HOST_PORT:GUEST_PORT[/tcp|udp]",
-        help="forward a host port into the guest (repeatable; HOST_IP defaults to 127.0.0.1, "
-        "IPv6 in brackets: [::1]:8080:80; protocol tcp by default)",
+        metavar="[HOST_IP:]HOST_PORT:[GUEST_IP:]GUEST_PORT[/tcp|udp]",
+        help="forward a host port into the guest (repeatable; HOST_IP defaults to 127.0.0.1, GUEST_IP to the "
+        "guest's address; IPv6 in brackets: [::1]:8080:[fd00::100]:80; protocol tcp by default)",
     )
     sec = common.add_argument_group("egress policy and limits (see docs/security.md)")
     sec.add_argument(

@@ -741,7 +741,8 @@ class ForwardedTcpFlow(TcpFlow):
             return
         if not await self._resolve(self.guest_ip):
             ctx.counters["forward_guest_unresolved"] += 1
-            log.info("forward to %s:%d: the guest does not answer ARP", socket.inet_ntoa(self.guest_ip),
+            log.info("forward to %s:%d: the guest does not answer ARP/NDP",
+                     socket.inet_ntop(socket.AF_INET6 if self.v6 else socket.AF_INET, self.guest_ip),
                      self.guest_port)
             self.conn.abort()
             self._close_host(abort=True)
