@@ -166,6 +166,13 @@ out["curl4"] = run("curl", "-s", "-o", "/dev/null", "--max-time", "10", "-4", f"
 out["curl6"] = run("curl", "-s", "-o", "/dev/null", "--max-time", "10", "-6", f"http://allowed.test:{port}/")
 a4 = socket.getaddrinfo("allowed.test", port, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
 a6 = socket.getaddrinfo("allowed.test", port, socket.AF_INET6, socket.SOCK_DGRAM)[0][4]
+# an open flow shows its name and rule in list_flows
+held = socket.create_connection(a4[:2], timeout=5)
+out["listed"] = [f for f in api("list_flows")["return"]["flows"] if f.get("name")]
+held.sendall(b"GET / HTTP/1.0\r\n\r\n")
+while held.recv(65536):
+    pass
+held.close()
 out["udp4"] = udp(socket.AF_INET, a4, b"x" * 1000)
 out["udp6"] = udp(socket.AF_INET6, a6, b"y" * 700)
 # denied: the allowed name's address on another port (default), a deny rule's address, a literal
@@ -235,7 +242,12 @@ def test_audit_records_agree_with_counters_and_servers(world, tmp_path):
     rule = f"allowed.test:{port}"
     named = [rec for rec in flows if rec["name"] == "allowed.test"]
     tcp = sorted((rec["bytes_up"], rec["bytes_down"]) for rec in named if rec["proto"] == "tcp")
-    assert tcp == sorted(srv.tcp) and len(tcp) == 2, (tcp, srv.tcp)
+    assert tcp == sorted(srv.tcp) and len(tcp) == 3, (tcp, srv.tcp)
+    listed = r["listed"]
+    open_ = [f for f in listed if f["state"] == "ESTABLISHED"]  # (curl's flows linger in TIME-WAIT)
+    assert [(f["proto"], f["remote_addr"], f["remote_port"], f["name"], f["rule"]) for f in open_] == [
+        ("tcp", "192.0.2.10", port, "allowed.test", rule)], listed
+    assert all(f["name"] == "allowed.test" and f["rule"] == rule for f in listed)
     assert {rec["dst"] for rec in named if rec["proto"] == "tcp"} == {"192.0.2.10", "2001:db8::10"}
     udp = sorted((rec["bytes_up"], rec["bytes_down"]) for rec in named if rec["proto"] == "udp")
     assert udp == [(700, 700), (1000, 1000)], udp
