@@ -16,7 +16,8 @@ Commands (``{"execute": NAME, "arguments": {...}}``) and replies:
     ``arguments``: ``proto`` (``"tcp"``/``"udp"``), ``host_addr`` (default ``127.0.0.1``;
     IPv6 accepted), ``host_port`` (1-65535), ``guest_addr`` (``""`` or absent: the
     configured guest address; an IPv6 address of the guest, e.g. ``"fd00::100"``, with or
-    without brackets, forwards to it from the IPv6 gateway), ``guest_port``. Reply ``{"return":{"id":N}}``, ids 1, 2, ...
+    without brackets, forwards to it from the IPv6 gateway), ``guest_port``.
+    Reply ``{"return":{"id":N}}``, ids 1, 2, ...
 ``list_hostfwd``
     Reply ``{"return":{"entries":[E...]},"entries":[E...]}`` with
     ``E = {"id","proto","host_addr","host_port","guest_addr","guest_port"}``. slirp4netns

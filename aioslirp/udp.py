@@ -54,8 +54,8 @@ class UdpFlow:
     forward_id = None
 
     __slots__ = ("ctx", "fam", "key", "guest_ip", "guest_port", "dst_ip", "dst_port", "loop", "last_active", "_timeout",
-                 "last_header", "bytes_up", "bytes_down", "sock", "connect_error", "_build", "_inject", "started", "outcome",
-                 "name", "rule")
+                 "last_header", "bytes_up", "bytes_down", "sock", "connect_error", "_build", "_inject", "started",
+                 "outcome", "name", "rule")
 
     #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
     ctx: object

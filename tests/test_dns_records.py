@@ -64,7 +64,8 @@ def test_records_answered_locally_both_types_never_upstream():
     assert any(rr.type == 41 for rr in aaaa.ar)  # EDNS in, OPT out
     assert nodata.rcode == 0 and nodata.an == [] and mx.an == []
     assert sorted(rr.type for rr in any_.an) == [1, 28]
-    assert host4.an[0].ip == socket.inet_aton("10.0.2.2") and host6.an[0].ip6 == socket.inet_pton(socket.AF_INET6, "fd00::2")
+    assert host4.an[0].ip == socket.inet_aton("10.0.2.2")
+    assert host6.an[0].ip6 == socket.inet_pton(socket.AF_INET6, "fd00::2")
     assert f.stats["local"] == 7
 
 

@@ -98,7 +98,8 @@ def test_parse_publish_guest_addresses():
     assert parse_publish("8080:10.0.2.100:80").guest_addr == "10.0.2.100"
     assert parse_publish("[::1]:8080:[fd00::100]:80").spec() == "[::1]:8080:[fd00::100]:80/tcp"
     for bad, why in (("8080:fd00::100:80", "expected"), ("[::1]:8080:fd00::1:80", "expected"),
-                     ("1:[nope]:2", "'nope' is not an IP address (guest)"), ("[::1]:[80]:80", "'80' is not an IP address (guest)"), ("[::1]:80:[81]", "not bracketed"),
+                     ("1:[nope]:2", "'nope' is not an IP address (guest)"),
+                     ("[::1]:[80]:80", "'80' is not an IP address (guest)"), ("[::1]:80:[81]", "not bracketed"),
                      ("[::1:8080:80", "unterminated"), ("::1:8080:80", "expected")):
         with pytest.raises(ConfigError) as ei:
             parse_publish(bad)
