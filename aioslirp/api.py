@@ -15,7 +15,9 @@ Commands (``{"execute": NAME, "arguments": {...}}``) and replies:
 ``add_hostfwd``
     ``arguments``: ``proto`` (``"tcp"``/``"udp"``), ``host_addr`` (default ``127.0.0.1``;
     IPv6 accepted), ``host_port`` (1-65535), ``guest_addr`` (``""`` or absent: the
-    configured guest address), ``guest_port``. Reply ``{"return":{"id":N}}``, ids 1, 2, ...
+    configured guest address; an IPv6 address of the guest, e.g. ``"fd00::100"``, with or
+    without brackets, forwards to it from the IPv6 gateway), ``guest_port``.
+    Reply ``{"return":{"id":N}}``, ids 1, 2, ...
 ``list_hostfwd``
     Reply ``{"return":{"entries":[E...]},"entries":[E...]}`` with
     ``E = {"id","proto","host_addr","host_port","guest_addr","guest_port"}``. slirp4netns
@@ -33,7 +35,8 @@ Commands (``{"execute": NAME, "arguments": {...}}``) and replies:
     "remote_addr","remote_port","host","idle_s"}...]}}``; ``direction`` is ``outbound``
     (the guest connected out) or ``inbound`` (a port forward); ``host`` is the host side
     (the remote for outbound flows, the host client for inbound ones); ``idle_s`` seconds
-    since the flow's last activity.
+    since the flow's last activity; ``name`` (the DNS name whose binding let the flow through
+    the egress policy) and ``rule`` (the egress rule that allowed it) when known.
 
 ``add_rule``
     ``arguments``: ``rule`` (egress rule text, e.g. ``"pypi.org:443"``, ``"10.0.0.0/8:8000-8999/tcp"``),
@@ -284,7 +287,7 @@ class ApiServer:
             if not isinstance(guest_addr, str):
                 return _error(pre + "bad arguments.guest_addr")
             try:
-                guest_addr = str(ipaddress.IPv4Address(guest_addr))
+                guest_addr = str(ipaddress.ip_address(guest_addr.strip().strip("[]")))
             except ValueError:
                 return _error(pre + "bad arguments.guest_addr")
         guest_port = _port(args.get("guest_port"))
@@ -397,6 +400,10 @@ class ApiServer:
                 entry["idle_s"] = round(info.idle, 3)
             if info.forward_id is not None:
                 entry["forward_id"] = info.forward_id
+            if info.name is not None:
+                entry["name"] = info.name
+            if info.rule is not None:
+                entry["rule"] = info.rule
             out.append(entry)
         return {"return": {"flows": out}}
 

@@ -238,7 +238,7 @@ class AuditLog:
         self.record({
             "event": "flow", "time": time.time(), "proto": flow.proto_name, "direction": flow.direction,
             "guest": flow.guest_ip, "guest_port": flow.guest_port, "dst": flow.dst_ip, "port": flow.dst_port,
-            "name": getattr(flow, "name", None), "verdict": "allow", "rule": None,
+            "name": flow.name, "verdict": "allow", "rule": flow.rule,
             "bytes_up": flow.bytes_up, "bytes_down": flow.bytes_down,
             "duration": (loop.time() - flow.started) if loop is not None else None, "end": flow.outcome,
         })

@@ -48,7 +48,6 @@ from .flow.base import flow_key
 from .udp import UdpFlow
 from .wire.arp import ARP_REQUEST, build_arp
 from .wire.ip import PROTO_TCP, PROTO_UDP
-from .wire.udp import build_udp_packet
 
 __all__ = ["PortForward", "ForwardError", "Forwarder", "UdpForwardFlow", "parse_publish"]
 
@@ -98,8 +97,10 @@ class PortForward:
         Host port, 1-65535; ``0`` asks the kernel for a free port (library only) and
         :meth:`Stack.add_forward` returns the port it got.
     ``guest_addr``
-        Guest IPv4 address (within the stack's network); ``None`` means the configured
-        guest address (``NetworkConfig.guest``, what ``aioslirp run`` gives the namespace).
+        Guest IPv4 address (within the stack's network, ``cidr``) or IPv6 address (within
+        ``cidr6``, e.g. the SLAAC address the guest took; the stack must serve IPv6); ``None``
+        means the configured guest address (``NetworkConfig.guest``, what ``aioslirp run``
+        gives the namespace). The host side may be either family whatever the guest's is.
     ``guest_port``
         Guest port, 1-65535.
     ``id``
@@ -114,21 +115,56 @@ class PortForward:
     id: int | None = None
 
     def spec(self) -> str:
-        """The forward as ``HOST_IP:HOST_PORT:GUEST_PORT/PROTO`` (``[v6]`` in brackets)."""
+        """The forward as ``HOST_IP:HOST_PORT:[GUEST_IP:]GUEST_PORT/PROTO`` (``[v6]`` in brackets),
+        the form :func:`parse_publish` reads."""
         host = f"[{self.host_addr}]" if ":" in self.host_addr else self.host_addr
-        guest = f" -> {self.guest_addr}" if self.guest_addr else ""
-        return f"{host}:{self.host_port}:{self.guest_port}/{self.proto}{guest}"
+        g = self.guest_addr
+        guest = "" if not g else (f"[{g}]:" if ":" in g else f"{g}:")
+        return f"{host}:{self.host_port}:{guest}{self.guest_port}/{self.proto}"
 
     def to_dict(self) -> dict:
         """A dict with the slirp4netns ``list_hostfwd`` entry fields (and ``id``)."""
         return asdict(self)
 
 
-def parse_publish(text: str, option: str = "--publish") -> PortForward:
-    """Parse ``[HOST_IP:]HOST_PORT:GUEST_PORT[/tcp|/udp]`` into a :class:`PortForward`.
+_PUBLISH_FORM = "[HOST_IP:]HOST_PORT:[GUEST_IP:]GUEST_PORT[/tcp|/udp] (IPv6 addresses in brackets)"
 
-    ``HOST_IP`` defaults to ``127.0.0.1``; an IPv6 address goes in brackets
-    (``[::1]:8080:80``). Raises :class:`~aioslirp.config.ConfigError` naming ``option``.
+
+def _fields(spec: str, option: str, text: str) -> list[tuple[str, bool]]:
+    """``spec`` split at ``:`` outside brackets: ``[(field, bracketed), ...]``."""
+    out = []
+    i, n = 0, len(spec)
+    while True:
+        if spec.startswith("[", i):
+            end = spec.find("]", i)
+            if end < 0:
+                raise ConfigError(option, f"{text!r}: unterminated '['; expected {_PUBLISH_FORM}")
+            out.append((spec[i + 1:end], True))
+            i = end + 1
+            if i < n and spec[i] != ":":
+                raise ConfigError(option, f"{text!r}: expected ':' after ']'; expected {_PUBLISH_FORM}")
+        else:
+            end = spec.find(":", i)
+            end = n if end < 0 else end
+            out.append((spec[i:end], False))
+            i = end
+        if i >= n:
+            return out
+        i += 1  # the ':'
+
+
+def _is_addr(field: tuple[str, bool]) -> bool:
+    return field[1] or "." in field[0]
+
+
+def parse_publish(text: str, option: str = "--publish") -> PortForward:
+    """Parse ``[HOST_IP:]HOST_PORT:[GUEST_IP:]GUEST_PORT[/tcp|/udp]`` into a :class:`PortForward`.
+
+    ``HOST_IP`` defaults to ``127.0.0.1``, ``GUEST_IP`` to the configured guest address; IPv6
+    addresses go in brackets: ``[::1]:8080:80``, ``[::1]:8080:[fd00::100]:80``,
+    ``8080:[fd00::100]:80`` (host 127.0.0.1 to the guest's IPv6 address),
+    ``0.0.0.0:8080:10.0.2.100:80/udp``. Raises :class:`~aioslirp.config.ConfigError` naming
+    ``option`` (one line).
     """
     spec = text.strip()
     proto = "tcp"
@@ -137,32 +173,39 @@ def parse_publish(text: str, option: str = "--publish") -> PortForward:
         proto = proto.lower()
         if proto not in PROTOS:
             raise ConfigError(option, f"{text!r}: protocol must be tcp or udp, not {proto!r}")
-    host = "127.0.0.1"
-    if spec.startswith("["):
-        end = spec.find("]")
-        if end < 0 or spec[end + 1:end + 2] != ":":
-            raise ConfigError(option, f"{text!r}: expected [IPV6]:HOST_PORT:GUEST_PORT")
-        host = spec[1:end]
-        spec = spec[end + 2:]
-        parts = spec.split(":")
-        if len(parts) != 2:
-            raise ConfigError(option, f"{text!r}: expected [IPV6]:HOST_PORT:GUEST_PORT")
+    fields = _fields(spec, option, text)
+    host, guest = ("127.0.0.1", False), None
+    if len(fields) == 4:
+        host, hport, guest, gport = fields
+    elif len(fields) == 3 and _is_addr(fields[1]):
+        hport, guest, gport = fields
+    elif len(fields) == 3:
+        host, hport, gport = fields
+    elif len(fields) == 2:
+        hport, gport = fields
     else:
-        parts = spec.split(":")
-        if len(parts) == 3:
-            host = parts.pop(0)
-        elif len(parts) != 2:
-            raise ConfigError(option, f"{text!r}: expected [HOST_IP:]HOST_PORT:GUEST_PORT[/tcp|/udp]"
-                                      " (IPv6 addresses in brackets)")
-    try:
-        host = str(ipaddress.ip_address(host))
-    except ValueError:
-        raise ConfigError(option, f"{text!r}: {host!r} is not an IP address") from None
-    hport, gport = (_port(p, option, text) for p in parts)
-    return PortForward(proto=proto, host_addr=host, host_port=hport, guest_port=gport)
+        raise ConfigError(option, f"{text!r}: expected {_PUBLISH_FORM}")
+    addrs = []
+    for what, field in (("host", host), ("guest", guest)):
+        if field is None:
+            addrs.append(None)
+            continue
+        try:
+            a = ipaddress.ip_address(field[0])
+        except ValueError:
+            raise ConfigError(option, f"{text!r}: {field[0]!r} is not an IP address ({what})") from None
+        if a.version == 6 and not field[1]:
+            raise ConfigError(option, f"{text!r}: the IPv6 address {a} needs brackets, [{a}]")
+        addrs.append(str(a))
+    if hport[1] or gport[1]:
+        raise ConfigError(option, f"{text!r}: a port is not bracketed; expected {_PUBLISH_FORM}")
+    hp, gp = _port(hport[0], option, text), _port(gport[0], option, text)
+    return PortForward(proto=proto, host_addr=addrs[0], host_port=hp, guest_addr=addrs[1], guest_port=gp)
 
 
 def _port(p: str, option: str, text: str) -> int:
+    if not p:
+        raise ConfigError(option, f"{text!r}: expected {_PUBLISH_FORM}")
     p = p.strip()
     if not p.isdigit() or not 1 <= int(p) <= 65535:
         raise ConfigError(option, f"{text!r}: port {p!r} is not a number in 1-65535")
@@ -181,18 +224,22 @@ def _reset_close(sock) -> None:
 class _Listener:
     """One active forward: its host socket and what serves it."""
 
-    __slots__ = ("fwd", "sock", "guest_ip", "clients", "closed")
+    __slots__ = ("fwd", "sock", "guest_ip", "fam", "clients", "closed")
 
     fwd: PortForward
     sock: socket.socket
+    #: The guest's address, 4 bytes (IPv4) or 16 (IPv6).
     guest_ip: bytes
+    #: The guest address's family (``Family4`` / ``Family6``): gateway, output, neighbours.
+    fam: object
     clients: dict
     closed: bool
 
-    def __init__(self, fwd: PortForward, sock: socket.socket, guest_ip: bytes) -> None:
+    def __init__(self, fwd: PortForward, sock: socket.socket, guest_ip: bytes, fam) -> None:
         self.fwd = fwd
         self.sock = sock
         self.guest_ip = guest_ip
+        self.fam = fam
         #: UDP: host client (addr, port) -> UdpForwardFlow.
         self.clients: dict = {}
         self.closed = False
@@ -202,13 +249,18 @@ class Forwarder:
     """The port forwards of one stack. Use it through :class:`~aioslirp.Stack`.
 
     ``ctx``: the stack's :class:`~aioslirp.flow.base.FlowContext`; ``fam``: its
-    :class:`~aioslirp.dispatch.family.Family4` (the gateway address, the ARP cache, IPv4 output).
+    :class:`~aioslirp.dispatch.family.Family4` (the gateway address, the ARP cache, IPv4 output);
+    ``fam6``: its :class:`~aioslirp.dispatch.family.Family6`, or ``None`` without IPv6 (then a
+    forward to an IPv6 guest address is refused). A forward to an IPv6 guest address comes from
+    the IPv6 gateway (``fd00::2``), the guest's link-layer address found by Neighbor Discovery
+    (RFC 4861 7.2) instead of ARP.
     """
 
-    __slots__ = ("ctx", "fam", "_listeners", "_next_id", "_next_port", "_resolving")
+    __slots__ = ("ctx", "fam", "fam6", "_listeners", "_next_id", "_next_port", "_resolving")
 
     ctx: object
     fam: object
+    fam6: object
     #: Forward id -> its listener.
     _listeners: dict[int, _Listener]
     _next_id: int
@@ -217,16 +269,17 @@ class Forwarder:
     #: Guest address -> the ARP resolution in progress.
     _resolving: dict[bytes, asyncio.Future]
 
-    def __init__(self, ctx, fam) -> None:
+    def __init__(self, ctx, fam, fam6=None) -> None:
         self.ctx = ctx
         self.fam = fam
+        self.fam6 = fam6
         self._listeners: dict[int, _Listener] = {}
         self._next_id = 1
         self._next_port = SOURCE_PORTS[0]
         self._resolving: dict[bytes, asyncio.Future] = {}
 
     # ------------------------------------------------------------------ management
-    def _check(self, fwd: PortForward) -> tuple[PortForward, bytes]:
+    def _check(self, fwd: PortForward) -> tuple[PortForward, bytes, object]:
         cfg = self.ctx.config
         if fwd.proto not in PROTOS:
             raise ConfigError("proto", f"{fwd.proto!r} is not tcp or udp")
@@ -240,20 +293,28 @@ class Forwarder:
             raise ConfigError("guest_port", f"{fwd.guest_port!r} is not a port number in 1-65535")
         guest = cfg.guest if fwd.guest_addr in (None, "") else fwd.guest_addr
         try:
-            gaddr = ipaddress.IPv4Address(str(guest))
+            gaddr = ipaddress.ip_address(str(guest).strip().strip("[]"))
         except ValueError:
-            raise ConfigError("guest_addr", f"{guest!r} is not an IPv4 address") from None
+            raise ConfigError("guest_addr", f"{guest!r} is not an IPv4 or IPv6 address") from None
+        if gaddr.version == 6:
+            if self.fam6 is None or not getattr(cfg, "ipv6", False):
+                raise ConfigError("guest_addr", f"{gaddr} is an IPv6 address and the stack does not serve IPv6")
+            net = ipaddress.IPv6Network(str(cfg.cidr6))
+            if gaddr not in net or gaddr == net.network_address or gaddr in (
+                    ipaddress.ip_address(str(cfg.gateway6)), ipaddress.ip_address(str(cfg.dns6))):
+                raise ConfigError("guest_addr", f"{gaddr} is not a guest address in {net}")
+            return replace(fwd, host_addr=host, guest_addr=str(gaddr)), gaddr.packed, self.fam6
         net = cfg.cidr
         if (gaddr not in net or gaddr in (net.network_address, net.broadcast_address)
                 or gaddr in (cfg.gateway, cfg.dns)):
             raise ConfigError("guest_addr", f"{gaddr} is not a guest address in {net}")
-        return replace(fwd, host_addr=host, guest_addr=str(gaddr)), gaddr.packed
+        return replace(fwd, host_addr=host, guest_addr=str(gaddr)), gaddr.packed, self.fam
 
     async def add(self, fwd: PortForward) -> PortForward:
         """Start listening for ``fwd``. Returns it with ``id`` (and a kernel-chosen
         ``host_port`` when 0). Raises ``ConfigError`` for bad fields and
         :class:`ForwardError` when the host socket cannot listen."""
-        fwd, guest_ip = self._check(fwd)
+        fwd, guest_ip, fam = self._check(fwd)
         family = socket.AF_INET6 if ":" in fwd.host_addr else socket.AF_INET
         stype = socket.SOCK_STREAM if fwd.proto == "tcp" else socket.SOCK_DGRAM
         sock = socket.socket(family, stype)
@@ -277,7 +338,7 @@ class Forwarder:
             raise ForwardError(f"cannot listen on {what}: {os.strerror(exc.errno or 0)}{hint}", exc.errno) from None
         fwd = replace(fwd, host_port=sock.getsockname()[1], id=self._next_id)
         self._next_id += 1
-        lst = _Listener(fwd, sock, guest_ip)
+        lst = _Listener(fwd, sock, guest_ip, fam)
         self._listeners[fwd.id] = lst
         ctx = self.ctx
         if fwd.proto == "tcp":
@@ -326,10 +387,11 @@ class Forwarder:
 
     # ------------------------------------------------------------------ helpers
     def source_port(self, proto: int, guest_ip: bytes, guest_port: int) -> int | None:
-        """A gateway-side source port giving a flow key not in use, round-robin; None if none is free."""
+        """A gateway-side source port giving a flow key not in use, round-robin; None if none is
+        free. The gateway is the one of ``guest_ip``'s family (4 or 16 bytes)."""
         lo, hi = SOURCE_PORTS
         flows = self.ctx.table.flows
-        gw = self.fam.gw
+        gw = (self.fam6 if len(guest_ip) == 16 else self.fam).gw
         port = self._next_port
         for _ in range(hi - lo + 1):
             candidate = port
@@ -341,10 +403,12 @@ class Forwarder:
 
     async def resolve_guest(self, ip4: bytes, timeout: float = ARP_TIMEOUT) -> bool:
         """Make sure the guest's MAC for ``ip4`` is known: ARP requests from the gateway
-        every ``ARP_RETRY`` s until it answers or ``timeout`` s pass. Concurrent callers
-        share one resolution. Returns True when the MAC is known."""
+        every ``ARP_RETRY`` s until it answers or ``timeout`` s pass (for a 16-byte IPv6
+        address: Neighbor Solicitations, RFC 4861 7.2.2, at most one a second). Concurrent
+        callers share one resolution. Returns True when the MAC is known."""
         ctx = self.ctx
-        if ip4 in self.fam.neighbors:
+        fam = self.fam6 if len(ip4) == 16 else self.fam
+        if ip4 in fam.neighbors:
             return True
         fut = self._resolving.get(ip4)
         if fut is None:
@@ -359,7 +423,9 @@ class Forwarder:
             raise
 
     async def _arp(self, ip4: bytes, timeout: float, fut: asyncio.Future) -> None:
-        ctx, fam = self.ctx, self.fam
+        ctx = self.ctx
+        v6 = len(ip4) == 16
+        fam = self.fam6 if v6 else self.fam
         loop = ctx.loop
         deadline = loop.time() + timeout
         next_request = 0.0
@@ -367,9 +433,11 @@ class Forwarder:
             while ip4 not in fam.neighbors:
                 now = loop.time()
                 if now >= deadline:
-                    ctx.counters["forward_arp_failed"] += 1
+                    ctx.counters["forward_ndp_failed" if v6 else "forward_arp_failed"] += 1
                     break
-                if now >= next_request:
+                if v6:
+                    fam.eth_to(ip4)  # a Neighbor Solicitation (rate-limited by the family)
+                elif now >= next_request:
                     ctx.counters["arp_requests"] += 1
                     ctx.inject(build_arp(ARP_REQUEST, fam.gw_mac, fam.gw, b"\x00" * 6, ip4))
                     next_request = now + ARP_RETRY
@@ -425,8 +493,8 @@ class Forwarder:
             counters["drop.forward_no_source_port"] += 1
             _reset_close(csock)
             return
-        key = flow_key(PROTO_TCP, lst.guest_ip, gport, self.fam.gw, sport)
-        ForwardedTcpFlow(ctx, self.fam, key, csock, peer, self.resolve_guest, lst.fwd.id)
+        key = flow_key(PROTO_TCP, lst.guest_ip, gport, lst.fam.gw, sport)
+        ForwardedTcpFlow(ctx, lst.fam, key, csock, peer, self.resolve_guest, lst.fwd.id)
 
     # ------------------------------------------------------------------ UDP
     def _udp_readable(self, lst: _Listener) -> None:
@@ -468,6 +536,7 @@ class UdpForwardFlow:
     proto_name = "udp"
     state = "OPEN"
     direction = "inbound"
+    name = rule = None  # not admitted by the egress policy (see aioslirp.flow.base.Flow)
 
     __slots__ = ("ctx", "fam", "forwarder", "listener", "peer", "forward_id", "guest_ip", "guest_port", "dst_ip",
                  "dst_port", "key", "remote", "loop", "last_active", "bytes_up", "bytes_down", "closed", "_pending",
@@ -502,7 +571,7 @@ class UdpForwardFlow:
 
     def __init__(self, forwarder: Forwarder, lst: _Listener, peer, sport: int) -> None:
         ctx = self.ctx = forwarder.ctx
-        self.fam = forwarder.fam
+        self.fam = lst.fam
         self.forwarder = forwarder
         self.listener = lst
         self.peer = peer
@@ -555,8 +624,8 @@ class UdpForwardFlow:
             self._inject(data)
 
     def _inject(self, data: bytes) -> None:
-        self.fam.inject_ip(build_udp_packet(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, data),
-                             self.guest_ip)
+        self.fam.inject_ip(self.fam.build_udp(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, data),
+                           self.guest_ip)
 
     def send(self, payload, header, now: float) -> None:
         """A guest datagram to our source port (``now``: loop time): pass it to the host client."""

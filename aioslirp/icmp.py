@@ -27,7 +27,7 @@ import logging
 import socket
 import struct
 
-from .flow.base import flow_key
+from .flow.base import admission, flow_key
 from .wire.icmp import ICMP6_ECHO_REPLY, ICMP_ECHO_REPLY
 from .wire.ip import PROTO_ICMP, PROTO_ICMPV6  # noqa: F401 - PROTO_ICMPV6: its old import path
 
@@ -51,7 +51,7 @@ class IcmpFlow:
     bytes_up = bytes_down = None
 
     __slots__ = ("echo", "fam", "key", "proto", "v6", "guest_ip", "dst_ip", "remote", "ident", "sock", "ctx", "loop",
-                 "last_active", "_timeout", "started", "outcome")
+                 "last_active", "_timeout", "started", "outcome", "name", "rule")
 
     echo: IcmpEcho
     #: The flow's family (``Family4``/``Family6``).
@@ -76,6 +76,9 @@ class IcmpFlow:
     started: float
     #: How it ended: ``"closed"``, ``"idle"``, ``"evicted"``.
     outcome: str
+    #: The egress decision's DNS name and rule (see :class:`~aioslirp.flow.base.Flow`).
+    name: str | None
+    rule: str | None
 
     def __init__(self, echo: "IcmpEcho", fam, key, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, sock,
                  now: float) -> None:
@@ -91,6 +94,7 @@ class IcmpFlow:
         self.loop = loop = ctx.loop
         self.last_active = self.started = now
         self.outcome = "closed"
+        self.name, self.rule = admission(ctx, self, remote)
         self._timeout = float(ctx.config.icmp_idle_timeout)
         ctx.table.add(self)
         if sock is not None:

@@ -538,7 +538,7 @@ class Stack:
         """The :class:`~aioslirp.forward.Forwarder` holding this stack's port forwards."""
         if self._forwarder is None:
             from .forward import Forwarder
-            self._forwarder = Forwarder(self.ctx, self.family4)
+            self._forwarder = Forwarder(self.ctx, self.family4, self.family6)
         return self._forwarder
 
     async def add_forward(self, fwd):

@@ -268,6 +268,12 @@ class Tracer:
             attrs["network.peer.address"] = remote
         elif name == "tcp" and remote is None:
             attrs["aioslirp.service"] = "dns"
+        dns_name = getattr(flow, "name", None)
+        if dns_name is not None:
+            attrs["aioslirp.egress.name"] = dns_name
+        rule = getattr(flow, "rule", None)
+        if rule is not None:
+            attrs["aioslirp.egress.rule"] = rule
         sp = self.otel.start_span(name + ".flow", attributes=attrs)
         rec = _FlowTrace(sp, trace.set_span_in_context(sp))
         self.records[flow] = rec

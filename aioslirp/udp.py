@@ -17,6 +17,7 @@ import errno
 import logging
 import socket
 
+from .flow.base import admission
 from .wire.icmp import KIND_HOST, KIND_NET, KIND_PORT
 from .wire.ip import PROTO_UDP
 
@@ -53,7 +54,8 @@ class UdpFlow:
     forward_id = None
 
     __slots__ = ("ctx", "fam", "key", "guest_ip", "guest_port", "dst_ip", "dst_port", "loop", "last_active", "_timeout",
-                 "last_header", "bytes_up", "bytes_down", "sock", "connect_error", "_build", "_inject", "started", "outcome")
+                 "last_header", "bytes_up", "bytes_down", "sock", "connect_error", "_build", "_inject", "started",
+                 "outcome", "name", "rule")
 
     #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
     ctx: object
@@ -82,6 +84,9 @@ class UdpFlow:
     started: float
     #: How it ended: ``"closed"``, ``"idle"``, ``"evicted"``.
     outcome: str
+    #: The egress decision's DNS name and rule (see :class:`~aioslirp.flow.base.Flow`).
+    name: str | None
+    rule: str | None
 
     def __init__(self, ctx, fam, key: tuple, remote: str, now: float | None = None) -> None:
         self.ctx = ctx
@@ -91,6 +96,7 @@ class UdpFlow:
         self.loop = loop = ctx.loop
         self.last_active = self.started = loop.time() if now is None else now
         self.outcome = "closed"
+        self.name, self.rule = admission(ctx, self, remote)
         self._timeout = float(ctx.config.udp_idle_timeout)
         self.last_header = b""
         self.bytes_up = self.bytes_down = 0

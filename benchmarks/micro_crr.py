@@ -16,6 +16,15 @@ noise than the end-to-end benchmark: use it to compare two versions of the code
     python benchmarks/micro_crr.py --connections 20000
     python benchmarks/micro_crr.py --tree /tmp/old-aioslirp     # DIR holds an aioslirp package
 
+``--policy-rules N`` measures with an egress policy of ``N`` generated rules (half CIDR deny
+rules ``198.18.X.Y/32:PORT/tcp``, half name allow rules ``svcI.example.test:443``; none matches
+the benchmark's flows and ``egress_default`` stays ``allow``, so each new flow is decided by the
+policy and allowed by default); with ``--audit-log FILE`` too, it is the configuration of issue
+15's cost target (a 100-rule policy with the audit log on, compared with neither)::
+
+    python benchmarks/micro_crr.py --connections 20000
+    python benchmarks/micro_crr.py --connections 20000 --policy-rules 100 --audit-log /dev/null
+
 ``--mode rr`` runs request/response round trips on one connection instead (1-byte request,
 1-byte answer, the guest's ACK). Prints microseconds per connection or round trip (median and
 best of ``--repeat`` runs) and the frames per cycle both ways. Needs no privileges; traffic
@@ -43,7 +52,11 @@ def main() -> int:
                     help="rr: request/response round trips on one connection (--connections of them)")
     ap.add_argument("--audit-log", metavar="FILE",
                     help="measure with the audit log on, written to FILE (e.g. /dev/null)")
+    ap.add_argument("--policy-rules", type=int, default=0, metavar="N",
+                    help="measure with an egress policy of N generated CIDR and name rules (default deny off)")
     args = ap.parse_args()
+    if args.policy_rules < 0:
+        ap.error("--policy-rules: must be >= 0")
     if args.tree:
         sys.path.insert(0, args.tree)
     from aioslirp import NetworkConfig, Stack
@@ -80,6 +93,10 @@ def main() -> int:
         inside = 0.0
         perf = time.perf_counter
         extra = {"audit_log": args.audit_log} if args.audit_log else {}
+        if args.policy_rules:
+            extra["egress_deny"] = [f"198.18.{i // 256 % 256}.{i % 256}/32:{1000 + i % 60000}/tcp"
+                                    for i in range(0, args.policy_rules, 2)]
+            extra["egress_allow"] = [f"svc{i}.example.test:443" for i in range(1, args.policy_rules, 2)]
         async with Stack(NetworkConfig(dns_upstreams=[("127.0.0.1", 9)], **extra)) as stack:
             tr = Collect()
             serving = asyncio.ensure_future(stack.serve(tr))
@@ -167,6 +184,8 @@ def main() -> int:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     results = [asyncio.run(run(args.connections)) for _ in range(args.repeat)]
     us = [r[0] for r in results]
+    if args.policy_rules or args.audit_log:
+        print(f"policy rules: {args.policy_rules}, audit log: {args.audit_log or 'off'}")
     print(f"{statistics.median(us):.1f} us per {'round trip' if args.mode == 'rr' else 'connection'}, best {min(us):.1f} (runs: {', '.join(f'{u:.1f}' for u in us)}); "
           f"frames per {'round trip' if args.mode == 'rr' else 'connection'}: {results[0][1]:.0f} in, "
           f"{results[0][2]:.1f} out")

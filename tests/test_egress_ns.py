@@ -99,8 +99,10 @@ class Dns:
                     continue
 
     def close(self) -> None:
-        self.udp.close()
-        self.tcp.close()
+        for s in (self.udp, self.tcp):  # shutdown wakes the thread blocked on it: port 53 is free again
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

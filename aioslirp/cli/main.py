@@ -22,6 +22,7 @@ from typing import Sequence
 from ..config import ConfigError, NetworkConfig, parse_hostport
 from ..config.limits import LIMIT_FIELDS, parse_limits
 from ..config.rates import parse_rate_limit
+from ..config.records import parse_dns_record
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -37,6 +38,7 @@ _FIELD_OPTION = {
     "mtu": "--mtu",
     "dns_upstreams": "--dns",
     "dns_search": "--dns-search",
+    "dns_records": "--dns-record",
     "egress_allow": "--allow",
     "egress_deny": "--deny",
     "rate_up": "--rate-limit up",
@@ -182,14 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--dns-search", action="append", metavar="DOMAIN", help="search domain handed to the guest (repeatable)"
     )
+    net.add_argument(
+        "--dns-record", action="append", metavar="NAME=ADDR",
+        help="answer NAME with ADDR in the virtual DNS (repeatable; A for IPv4, AAAA for IPv6; never sent "
+        "upstream, not subject to --deny/--egress-default; default host.aioslirp.internal=the gateway)",
+    )
     net.add_argument("--ifname", metavar="NAME", help="name of the TAP device in the namespace (default tap0)")
     net.add_argument(
         "-p",
         "--publish",
         action="append",
-        metavar="[HOST_IP:]HOST_PORT:GUEST_PORT[/tcp|udp]",
-        help="forward a host port into the guest (repeatable; HOST_IP defaults to 127.0.0.1, "
-        "IPv6 in brackets: [::1]:8080:80; protocol tcp by default)",
+        metavar="[HOST_IP:]HOST_PORT:[GUEST_IP:]GUEST_PORT[/tcp|udp]",
+        help="forward a host port into the guest (repeatable; HOST_IP defaults to 127.0.0.1, GUEST_IP to the "
+        "guest's address; IPv6 in brackets: [::1]:8080:[fd00::100]:80; protocol tcp by default)",
     )
     sec = common.add_argument_group("egress policy and limits (see docs/security.md)")
     sec.add_argument(
@@ -413,6 +420,8 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
                 raise ConfigError("--dns-search", f"{d!r} is not a domain name")
             domains.append(name)
         kwargs["dns_search"] = domains
+    if getattr(args, "dns_record", None):
+        kwargs["dns_records"] = [parse_dns_record(v, "--dns-record") for v in args.dns_record]
     if getattr(args, "allow", None):
         kwargs["egress_allow"] = list(args.allow)
     if getattr(args, "deny", None):

@@ -14,6 +14,7 @@ from ..errors import ConfigError, not_a_network, not_an_address
 from .ipv6 import Ipv6Config
 from .policy import parse_rules
 from .rates import parse_rate
+from .records import HOST_NAME, parse_dns_records
 
 __all__ = ["ConfigError", "NetworkConfig", "parse_hostport"]
 
@@ -83,6 +84,11 @@ class NetworkConfig:
     dns_upstreams: list[tuple[str, int]] | None = None
     #: Search domains handed out by DHCP (option 119) and written to the namespace's resolv.conf.
     dns_search: list[str] = field(default_factory=list)
+    #: Names the virtual DNS answers itself (``--dns-record NAME=ADDR``): ``{name: address or
+    #: [addresses]}``, A records for IPv4 addresses, AAAA for IPv6, TTL 60 s; never sent upstream,
+    #: not subject to the egress policy's name denials. ``host.aioslirp.internal`` is the gateway
+    #: (both families) unless given here. Validated to ``{name: (ipaddress addresses)}``.
+    dns_records: dict = field(default_factory=dict)
     #: DHCP lease time in seconds.
     lease_time: int = 86400
     #: MAC address of the gateway / DNS.
@@ -294,6 +300,11 @@ class NetworkConfig:
         if self.ipv6:
             c6 = Ipv6Config.from_network(self)
             self.cidr6, self.gateway6, self.dns6 = c6.cidr6, c6.gateway6, c6.dns6
+        records = parse_dns_records(self.dns_records, "dns_records")
+        if HOST_NAME not in records:
+            gws = (self.gateway, self.gateway6) if self.ipv6 else (self.gateway,)
+            records[HOST_NAME] = tuple(ipaddress.ip_address(str(g)) for g in gws)
+        self.dns_records = records
         return self
 
     @property

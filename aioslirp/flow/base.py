@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Flow", "FlowContext", "flow_key"]
+__all__ = ["Flow", "FlowContext", "admission", "flow_key"]
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -29,6 +29,17 @@ def flow_key(proto: int, guest_ip: bytes, guest_port: int, remote_ip: bytes, rem
     The per-segment look-ups of :mod:`aioslirp.dispatch.l4` build the same tuple inline.
     """
     return (proto, guest_ip, guest_port, remote_ip, remote_port)
+
+
+def admission(ctx, flow, remote: str | None) -> tuple[str | None, str | None]:
+    """``(name, rule)`` for a flow being created (its :attr:`Flow.name` and :attr:`Flow.rule`):
+    what the egress policy said when :meth:`Guard.admit <aioslirp.flow.guard.Guard.admit>` let
+    it through (:meth:`Guard.admitted <aioslirp.flow.guard.Guard.admitted>`); ``(None, None)``
+    with no guard, for an inbound flow or a local service (``remote`` ``None``)."""
+    guard = getattr(ctx, "guard", None)
+    if guard is None or remote is None:
+        return None, None
+    return guard.admitted(flow, remote)
 
 
 @runtime_checkable
@@ -56,6 +67,12 @@ class Flow(Protocol):
             ``"closed"``, ``"reset"``, ``"refused"``, ``"unreachable"``, ``"timeout"`` (connect
             or idle timeout), ``"evicted"``; UDP and echo flows ``"idle"``, ``"evicted"``,
             ``"closed"``. Settable (the flow table sets ``"evicted"``).
+        name: the DNS name (lower case, no trailing dot) whose binding to the destination address
+            let the flow through the egress policy (the virtual DNS answered it to the guest), or
+            ``None`` (no name decided, an inbound flow, a local service). Set at creation.
+        rule: the text of the egress rule that allowed the flow (``"pypi.org:443"``,
+            ``"10.0.0.0/8"``, ``"policy hook: ..."``), or ``None`` when no rule decided (``egress_default
+            allow``, inbound flows, local services). Set at creation (:func:`admission`).
     """
 
     key: tuple
@@ -74,6 +91,8 @@ class Flow(Protocol):
     bytes_down: int | None
     started: float
     outcome: str
+    name: str | None
+    rule: str | None
 
     def flush(self) -> None:
         """Send what is due (called once per batch of guest frames for a flow marked dirty)."""

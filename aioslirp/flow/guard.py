@@ -258,11 +258,10 @@ class Guard:
         """
         if now is None:
             now = time.monotonic()
+        self.decision = None
         if remote is not None:
             policy = self.policy
-            if policy.empty:
-                self.decision = None
-            else:
+            if not policy.empty:
                 d = self.decision = policy.decide(proto, remote, port, now, guest)
                 if not d.allowed:
                     if d.reason == "pending":
@@ -289,11 +288,26 @@ class Guard:
             return self._refuse("limit_new_flow_rate")
         return None
 
+    def admitted(self, flow, remote: str | None) -> tuple[str | None, str | None]:
+        """``(name, rule)`` a new guest-initiated ``flow`` (being created right after :meth:`admit`
+        let it through) carries: the DNS name its address is bound to and that decided (``None``
+        when none did), and the text of the rule (or ``"policy hook..."``) that allowed it
+        (``None`` when no rule decided, e.g. ``egress_default allow``). ``(None, None)`` for an
+        inbound flow (a port forward) or a local service (``remote`` ``None``). The decision is
+        taken: a second call returns ``(None, None)``."""
+        d = self.decision
+        if d is None or remote is None or flow.direction != "outbound":
+            return None, None
+        self.decision = None
+        return d.name, (d.rule or None)
+
     def deny(self, d: Decision, proto: int, remote: str, port: int, guest: str | None) -> None:
         """Count (``drop.egress_denied``, ``egress.denied_<reason>``), log once per address and
-        audit (``ctx.audit``) a denial by the egress policy."""
+        audit (``ctx.audit``: a ``deny`` record whose ``reason`` is that counter's suffix, ``rule``,
+        ``default`` or ``hook``) a denial by the egress policy."""
         self._drop(DENIED)
-        key = "egress.denied_" + ("hook" if d.reason.startswith("hook") else d.reason)
+        reason = "hook" if d.reason.startswith("hook") else d.reason
+        key = "egress.denied_" + reason
         c = self.counters
         c[key] = c.get(key, 0) + 1
         if remote not in self._logged and len(self._logged) < _LOGGED_MAX:
@@ -303,7 +317,8 @@ class Guard:
         a = ctx.audit if ctx is not None else None
         if a is not None:
             a.record({"event": "deny", "time": wall(), "proto": _NAMES.get(proto, "tcp"), "guest": guest_text(guest),
-                      "dst": remote, "port": port, "name": d.name, "verdict": "deny", "rule": d.rule})
+                      "dst": remote, "port": port, "name": d.name, "verdict": "deny", "rule": d.rule,
+                      "reason": reason})
 
     async def ask(self, proto: int, remote: str, port: int, now: float, guest: str | None = None) -> bool:
         """A flow :meth:`admit` held (:data:`HELD`): await the async hook's verdict (bounded by

@@ -33,7 +33,8 @@ class FlowInfo:
             ``"fd00::..."``); ``port`` is ``None`` for ICMP echo flows.
         remote: ``(address, port)`` of the other end as the guest sees it (the address it sent
             to; for a port forward, the gateway and the source port the stack chose).
-        name: the DNS name the guest resolved for ``remote``, when known; always ``None`` for now.
+        name: the DNS name the guest resolved for ``remote`` when an egress name rule admitted the
+            flow by it (the virtual DNS's name binding), else ``None``.
         state: the RFC 9293 state name of a TCP flow (``"ESTABLISHED"``...), ``"OPEN"`` for the others.
         bytes_from_guest, bytes_to_guest: payload bytes (TCP: in-order stream bytes; UDP:
             datagram payloads) guest -> host and host -> guest so far; ``None`` when not counted
@@ -44,6 +45,7 @@ class FlowInfo:
         host: the host side as text (the address connected to, or ``host:port`` of a port
             forward's client); ``None`` when not kept (UDP flows) or a local service (DNS over TCP).
         forward_id: the id of the port forward it belongs to, or ``None``.
+        rule: the egress rule that admitted the flow (its text), ``None`` when no rule decided.
     """
 
     protocol: str
@@ -58,6 +60,7 @@ class FlowInfo:
     direction: str = "outbound"
     host: str | None = None
     forward_id: int | None = None
+    rule: str | None = None
 
 
 def flow_info(flow, now: float) -> FlowInfo:
@@ -69,7 +72,8 @@ def flow_info(flow, now: float) -> FlowInfo:
         protocol=flow.proto_name,
         guest=(_addr(flow.guest_ip), flow.guest_port),
         remote=(_addr(flow.dst_ip), flow.dst_port),
-        name=getattr(flow, "name", None),  # the egress name binding, when the flow has one
+        name=flow.name,
+        rule=flow.rule,
         state=str(flow.state),
         bytes_from_guest=up,
         bytes_to_guest=down,

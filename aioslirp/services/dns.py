@@ -32,6 +32,7 @@ import time
 
 from ..config import NetworkConfig
 from ..flow.egress import guest_text
+from .dns_local import LocalRecords
 from .dns_policy import answer_addresses, blocked_response, has_edns, qname_text
 
 __all__ = ["DnsForwarder", "DnsTcpSession", "read_resolv_conf"]
@@ -230,12 +231,12 @@ class DnsForwarder:
     (beyond it a query gets no answer, counted as ``overload``; the guest retries). ``stats`` counts ``queries``, ``answered``,
     ``timeouts``, ``failovers``, ``servfail``, ``malformed``, ``refused``, ``errors``,
     ``mismatched``, ``tcp_retries``, ``overload``, ``upstream_denied``, ``blocked`` (answered NXDOMAIN by the
-    egress policy).
+    egress policy), ``local`` (answered from ``config.dns_records``, :attr:`local`).
     """
 
     __slots__ = ("config", "resolv_conf", "resolv_check_interval", "max_inflight", "policy", "timeout",
                  "max_udp_payload", "stats", "_resolv_sig", "_resolv_checked", "_resolv_upstreams", "_inflight",
-                 "_queries", "_tcp_tasks", "_closed", "upstreams_off")
+                 "_queries", "_tcp_tasks", "_closed", "upstreams_off", "local")
 
     config: NetworkConfig
     resolv_conf: str
@@ -254,6 +255,8 @@ class DnsForwarder:
     _closed: bool
     #: No upstream may be queried: every query gets SERVFAIL (``slirp4netns --disable-dns``).
     upstreams_off: bool
+    #: The names answered here (``config.dns_records``), or ``None`` when there are none.
+    local: LocalRecords | None
 
     def __init__(
         self,
@@ -274,7 +277,7 @@ class DnsForwarder:
         self.max_udp_payload = max(512, int(config.mtu) - 28)
         self.stats: dict[str, int] = dict.fromkeys(
             ("queries", "answered", "timeouts", "failovers", "servfail", "malformed",
-             "refused", "errors", "mismatched", "tcp_retries", "overload", "upstream_denied", "blocked"), 0)
+             "refused", "errors", "mismatched", "tcp_retries", "overload", "upstream_denied", "blocked", "local"), 0)
         self._resolv_sig: tuple | None = None
         self._resolv_checked = float("-inf")
         self._resolv_upstreams: list[tuple[str, int]] = []
@@ -283,6 +286,10 @@ class DnsForwarder:
         self._tcp_tasks: set[asyncio.Task] = set()
         self._closed = False
         self.upstreams_off = False
+        records = getattr(config, "dns_records", None)
+        host_side = {str(getattr(config, a)): lo for a, lo in (("gateway", "127.0.0.1"), ("gateway6", "::1"))
+                     if getattr(config, a, None) is not None}
+        self.local = LocalRecords(records, host_side=host_side) if records else None
 
     # ------------------------------------------------------------------ upstreams
 
@@ -380,6 +387,9 @@ class DnsForwarder:
         if self._closed:
             return None
         policy = self.policy
+        local = self.local
+        if local is not None and local.lookup(question[0]) is not None:
+            return self._local(local, query, qend, question, policy, now, guest)
         rule = None
         if policy is not None and getattr(policy, "names_on", False):
             name = qname_text(question[0])
@@ -412,6 +422,18 @@ class DnsForwarder:
                 policy.bind_answer(qname_text(question[0]), addrs, now)
             self._audit(policy, qname_text(question[0]), guest, "allow", rule)
         return _HDR.pack(qid, *_HDR.unpack_from(reply, 0)[1:]) + reply[HEADER_LEN:]
+
+    def _local(self, local: LocalRecords, query: bytes, qend: int, question, policy, now, guest) -> bytes:
+        """Answer a query for a local name (``config.dns_records``) here: never upstream, never
+        blocked by a name rule; its addresses are bound to the name under the policy."""
+        self.count("local")
+        reply, bind = local.answer(query, qend, question, has_edns(query, qend, _read_name))
+        if policy is not None and getattr(policy, "names_on", False):
+            name = qname_text(question[0])
+            if bind:
+                policy.bind_answer(name, bind, asyncio.get_running_loop().time() if now is None else now)
+            self._audit(policy, name, guest, "allow", "dns-record")
+        return reply
 
     def _audit(self, policy, name: str, guest, verdict: str, rule: str) -> None:
         ctx = getattr(policy, "ctx", None)

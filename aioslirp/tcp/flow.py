@@ -42,6 +42,7 @@ import random
 import socket
 import time
 
+from ..flow.base import admission
 from ..wire.icmp import KIND_HOST, KIND_NET
 from ..wire.ip import PROTO_TCP
 from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6
@@ -88,6 +89,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         "eof_sent", "host_closed", "_timer", "_timer_at", "_finished", "done", "_wake", "_upgrade_sock",
         "_upgrading", "_close_abort", "_pending_sock", "_connect_waiting", "_t0", "retired", "no_socket", "task",
         "_mark_dirty", "started", "_outcome", "rate_up", "rate_down", "rate_paused", "_rate_timer", "_rate_at",
+        "name", "rule",
     )
 
     #: The stack's :class:`~aioslirp.flow.base.FlowContext` (flow table, counters, inject queue, config).
@@ -156,6 +158,9 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
     #: Loop timer (and its time) that resumes a flow held by a rate cap.
     _rate_timer: asyncio.TimerHandle | None
     _rate_at: float
+    #: The egress decision's DNS name and rule (see :class:`~aioslirp.flow.base.Flow`).
+    name: str | None
+    rule: str | None
 
     def __init__(self, ctx, fam, key: tuple, remote: str | None, syn: Segment | None, orig_header: bytes,
                  now: float) -> None:
@@ -168,6 +173,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         cfg = ctx.config
         self.last_active = self.started = now
         self._outcome = None
+        self.name, self.rule = admission(ctx, self, remote)  # the egress decision's name and rule (Flow)
         if remote is not None:
             self.rate_up, self.rate_down = ctx.rate_up, ctx.rate_down
         else:  # the DNS-over-TCP service is not capped
@@ -735,7 +741,8 @@ class ForwardedTcpFlow(TcpFlow):
             return
         if not await self._resolve(self.guest_ip):
             ctx.counters["forward_guest_unresolved"] += 1
-            log.info("forward to %s:%d: the guest does not answer ARP", socket.inet_ntoa(self.guest_ip),
+            log.info("forward to %s:%d: the guest does not answer ARP/NDP",
+                     socket.inet_ntop(socket.AF_INET6 if self.v6 else socket.AF_INET, self.guest_ip),
                      self.guest_port)
             self.conn.abort()
             self._close_host(abort=True)

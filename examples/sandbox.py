@@ -1,0 +1,42 @@
+"""Run a command in a sandbox: default-deny egress, allowed by name, every flow audited."""
+import asyncio
+import sys
+
+from aioslirp import NetworkConfig, Stack
+from aioslirp.host.netns import run_in_namespace
+
+
+async def report(events):
+    """Print each denial as it happens (flows and DNS), and how many flows ran."""
+    flows = 0
+    async for rec in events:
+        if rec["verdict"] == "deny":
+            print(f"denied {rec['proto']}: {rec['name'] or rec['dst']}:{rec['port']} ({rec['rule']})", file=sys.stderr)
+        elif rec["event"] == "flow":
+            flows += 1
+    print(f"{flows} flows allowed", file=sys.stderr)
+
+
+async def sandbox(argv, allow, dns=None, audit_log="audit.jsonl"):
+    config = NetworkConfig(
+        egress_default="deny",  # reach only what a rule allows, resolve only allowed names
+        egress_allow=allow,  # "pypi.org:443": the addresses the virtual DNS answers for it
+        dns_upstreams=dns,  # None: the host's /etc/resolv.conf
+        audit_log=audit_log,  # one JSON line per flow, denial and DNS decision
+        rate_up="10mbit", rate_down="100mbit",  # per sandbox
+    )
+    readers = []
+
+    def make_stack(cfg):
+        stack = Stack(cfg)
+        readers.append(asyncio.create_task(report(stack.flow_events())))
+        return stack
+
+    status = await run_in_namespace(config, argv, stack_factory=make_stack)
+    await asyncio.gather(*readers)
+    return status
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:] or ["curl", "-sI", "https://pypi.org/simple/"]
+    sys.exit(asyncio.run(sandbox(argv, allow=["pypi.org:443", "files.pythonhosted.org:443"])))
