@@ -386,7 +386,10 @@ class Stack:
         in between when the new transport is a different guest). Raises at once what the
         transport's ``preflight()`` raises, e.g. :class:`~aioslirp.transport.tap.TapError` for a
         TAP that is down (``TAP tap0 is down ...: bring it up first (ip link set tap0 up) ...``),
-        and what its ``open()`` raises; both are also an ``error`` event (:meth:`events`).
+        and what its ``open()`` raises; both are also an ``error`` event (:meth:`events`). A
+        transport whose other end is gone before the guest's first frame (EOF, a failed read or
+        write) returns at once with one ``error`` event and one log line naming the cause and
+        what to check.
         """
         if self._loop is None:
             await self.start()
