@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["EVENT_NAMES", "Event", "EventLog", "farewell"]
+__all__ = ["EVENT_NAMES", "Event", "EventLog", "farewell", "gone_before_first_frame"]
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -70,6 +70,37 @@ EVENT_NAMES = {
 
 #: Events kept for :meth:`EventLog.events` (the oldest is dropped, and counted, beyond it).
 EVENT_HISTORY = 256
+
+#: What to check, by transport class, when its other end is gone before the guest sent a frame.
+_GONE_HINTS = {
+    "SocketPairTransport": "the other socket of the pair stays open in the guest (hand it over, e.g. with "
+                           "subprocess pass_fds=, before this process closes its copy)",
+    "StreamTransport": "QEMU (-netdev stream) is still running and connected to this socket (QEMU's own "
+                       "output says why it left), or that the other end of the socket is still open",
+    "DgramTransport": "QEMU (-netdev dgram) is running and its remote= address is this socket's",
+    "TapTransport": "the TAP device still exists (ip link show {ifname}) and the namespace holding it "
+                    "was not removed",
+}
+
+
+def gone_before_first_frame(transport, exc: BaseException | None = None) -> str | None:
+    """One line naming why ``transport`` ended before the guest sent a frame and what to check, or
+    ``None`` when the other end did not end it (:attr:`~aioslirp.transport.base.Transport.close_reason`
+    ``"closed"``: closed from this side; ``"guest_exited"``: the guest process ended)."""
+    why = getattr(transport, "close_reason", None)
+    if why not in ("eof", "error", "frame_too_large"):
+        return None
+    kind = type(transport).__name__
+    label = getattr(transport, "ifname", None) or getattr(transport, "name", None)
+    if why == "eof":
+        cause = "the other end closed (EOF)"
+    elif why == "frame_too_large":
+        cause = f"the guest sent a frame too large ({exc})"
+    else:
+        cause = f"{type(exc).__name__}: {exc}" if exc is not None else "a read or write failed"
+    hint = _GONE_HINTS.get(kind, "the guest holds the other end open").format(ifname=label or "IFNAME")
+    text = f"{kind}{f' {label}' if label else ''} closed before the guest sent a frame: {cause}; check that {hint}"
+    return " ".join(text.split())
 
 
 @dataclass(frozen=True, slots=True)

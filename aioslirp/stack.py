@@ -46,7 +46,7 @@ from .flow.info import FlowInfo, FlowMap  # noqa: F401  (FlowInfo: the records o
 from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importable from here as before)
 from .icmp import IcmpEcho
 from .inject import InjectQueue
-from .lifecycle import EventLog, farewell
+from .lifecycle import EventLog, farewell, gone_before_first_frame
 from .ratelimit import ByteBucket
 from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
@@ -386,7 +386,10 @@ class Stack:
         in between when the new transport is a different guest). Raises at once what the
         transport's ``preflight()`` raises, e.g. :class:`~aioslirp.transport.tap.TapError` for a
         TAP that is down (``TAP tap0 is down ...: bring it up first (ip link set tap0 up) ...``),
-        and what its ``open()`` raises; both are also an ``error`` event (:meth:`events`).
+        and what its ``open()`` raises; both are also an ``error`` event (:meth:`events`). A
+        transport whose other end is gone before the guest's first frame (EOF, a failed read or
+        write) returns at once with one ``error`` event and one log line naming the cause and
+        what to check.
         """
         if self._loop is None:
             await self.start()
@@ -398,6 +401,7 @@ class Stack:
                 info = {"transport": type(transport).__name__, "message": " ".join(str(exc).split())}
                 self.event_log.emit("error", **info)
                 raise
+        raw = transport
         for wrap in self.transport_wrappers:
             transport = wrap(transport)
         if self.tracer is not None:  # the drain_to_guest / writer_wake trace points
@@ -407,8 +411,9 @@ class Stack:
         info = {"transport": type(transport).__name__}
         if getattr(transport, "ifname", None):
             info["ifname"] = transport.ifname
+        seen: list = []  # the first guest frame arrived
         try:
-            await transport.open(self._first_frame_sink(transport, info))
+            await transport.open(self._first_frame_sink(transport, info, seen))
         except Exception as exc:
             self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
             raise
@@ -427,20 +432,23 @@ class Stack:
             finally:
                 transport.close()
                 exc = transport.closed.result() if transport.closed.done() else None
-                if isinstance(exc, BaseException):
+                gone = None if seen or reason != "closed" else gone_before_first_frame(
+                    raw, exc if isinstance(exc, BaseException) else None)
+                if gone is not None:  # the guest's end is gone already: say why and what to check, now
+                    log.error("%s", gone)
+                    self.event_log.emit("error", message=gone, **info)
+                elif isinstance(exc, BaseException):
                     self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
                 self.event_log.emit("guest_link_down", reason=reason, **info)
 
-    def _first_frame_sink(self, transport, info: dict):
+    def _first_frame_sink(self, transport, info: dict, seen: list):
         """The sink ``transport`` is opened with: the first batch emits ``guest_link_up``, then the
         transport gets :attr:`on_frames` itself (the wrapper stays only where it cannot be swapped)."""
         sink = self.on_frames
-        seen = False
 
         def first(*args):
-            nonlocal seen
             if not seen:
-                seen = True
+                seen.append(True)
                 if getattr(transport, "_on_frames", None) is first:
                     transport._on_frames = sink
                 self.event_log.emit("guest_link_up", **info)

@@ -380,16 +380,18 @@ def spawn(
             (default ``stack.config``); it should be the stack's.
         stack: serve the guest with this started :class:`~aioslirp.Stack` (``async with Stack(...)``)
             instead of a new one; it is not closed at the end (its serving is: one guest per serve).
-        stdin, stdout, stderr: ``None`` (inherit ours), ``asyncio.subprocess.PIPE``
-            (``guest.stdin`` is a ``StreamWriter``, ``guest.stdout``/``stderr`` ``StreamReader``\\ s),
-            ``asyncio.subprocess.DEVNULL``, a file descriptor or a file object;
-            ``stderr=asyncio.subprocess.STDOUT`` too.
-        env: the command's whole environment (default: ours). cwd: its working directory.
+        stdin: ``None`` (inherit ours), ``asyncio.subprocess.PIPE`` (``guest.stdin`` is a
+            ``StreamWriter``), ``asyncio.subprocess.DEVNULL``, a file descriptor or a file object.
+        stdout: as ``stdin`` (with ``PIPE``, ``guest.stdout`` is a ``StreamReader``).
+        stderr: as ``stdout``; ``asyncio.subprocess.STDOUT`` too.
+        env: the command's whole environment (default: ours).
+        cwd: its working directory.
         pid_namespace: make the command the only child of PID 1 of a new PID namespace (its
             ``/proc`` mounted there when allowed), so that everything it starts dies with it.
         stop_timeout: seconds between SIGTERM and SIGKILL when the block ends with the guest running.
         setup_timeout: seconds the namespace and the TAP may take.
-        ifname: the TAP device's name. offload: a TAP with checksum/segmentation offload.
+        ifname: the TAP device's name.
+        offload: a TAP with checksum/segmentation offload.
 
     Returns an async context manager whose ``__aenter__`` returns a :class:`Guest` once the
     command was executed (its network is up; the IPv6 address, with ``config.ipv6``, too).

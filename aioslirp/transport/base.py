@@ -26,12 +26,17 @@ FrameSink = Callable[[list], None]
 class Transport:
     """Base class. Subclasses implement :meth:`_start_reading`, :meth:`send_frames`, :meth:`_close_io`."""
 
-    __slots__ = ("_on_frames", "_loop", "closed", "frames_in", "frames_out", "send_errors")
+    __slots__ = ("_on_frames", "_loop", "closed", "close_reason", "frames_in", "frames_out", "send_errors")
 
     _on_frames: FrameSink | None
     _loop: asyncio.AbstractEventLoop | None
     #: Resolved (with the exception or ``None``) when the transport closed; ``None`` before :meth:`open`.
     closed: asyncio.Future | None
+    #: Why it closed: ``None`` while open; ``"closed"`` (:meth:`close` from outside: the stack, its
+    #: owner); set by the transport before it closes itself: ``"eof"`` (the other end closed),
+    #: ``"error"`` (a read or write failed), ``"frame_too_large"``, ``"guest_exited"`` (a watched
+    #: process ended).
+    close_reason: str | None
     frames_in: int
     frames_out: int
     send_errors: int
@@ -40,6 +45,7 @@ class Transport:
         self._on_frames: FrameSink | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed: asyncio.Future | None = None
+        self.close_reason: str | None = None
         #: Frames and bytes moved, for counters.
         self.frames_in = 0
         self.frames_out = 0
@@ -66,6 +72,8 @@ class Transport:
         """Stop I/O and release the fd/socket. Idempotent."""
         if self.closed is not None and self.closed.done():
             return
+        if getattr(self, "close_reason", None) is None:  # a subclass may not call __init__
+            self.close_reason = "closed"
         try:
             self._close_io()
         finally:

@@ -185,6 +185,7 @@ class DgramTransport(SocketTransport):
             if not self.connected and exc.errno in _GONE:
                 return  # an earlier send's error reported on read; handled by the send path
             log.info("%s: read failed (%s); closing", self.name, exc)
+            self.close_reason = "error"
             self.close(exc)
 
     def _deliver(self, frames: list) -> None:
@@ -301,6 +302,7 @@ class DgramTransport(SocketTransport):
             self._peer_lost(os.strerror(e))
         else:
             log.info("%s: write failed (%s); closing", self.name, exc)
+            self.close_reason = "error"
             self.close(exc)
 
     def _enqueue(self, frames: Sequence[bytes], start: int) -> None:

@@ -44,11 +44,13 @@ class SocketPairTransport(Transport):
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
+                self.close_reason = "error"
                 self.close(exc)
                 return
             if not data and self.sock.type == socket.SOCK_SEQPACKET:
                 if frames:
                     self._deliver(frames)
+                self.close_reason = "eof"
                 self.close()
                 return
             frames.append(data)
@@ -68,7 +70,8 @@ class SocketPairTransport(Transport):
             except (BlockingIOError, InterruptedError):
                 self.send_errors += 1
             except OSError as exc:
-                if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
+                if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF, errno.ECONNREFUSED):
+                    self.close_reason = "error"
                     self.close(exc)
                     return
                 self.send_errors += 1

@@ -59,7 +59,7 @@ class StreamTransport(SocketTransport):
         ValueError: ``sock`` is not a ``SOCK_STREAM`` socket.
     """
 
-    __slots__ = ("sock", "read_size", "reads_per_wakeup", "decoder", "close_reason", "_out", "bytes_buffered",
+    __slots__ = ("sock", "read_size", "reads_per_wakeup", "decoder", "_out", "bytes_buffered",
                  "_writing")
 
     sock: socket.socket

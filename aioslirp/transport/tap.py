@@ -209,6 +209,7 @@ class TapTransport(Transport):
                 sink(frames)
         if error is not None:
             log.info("TAP %s: read failed (%s); closing", self.ifname or fd, error)
+            self.close_reason = "error"
             self.close(error)
 
     def _on_readable_vnet(self) -> None:
@@ -244,6 +245,7 @@ class TapTransport(Transport):
                 sink(frames, csum_ok)
         if error is not None:
             log.info("TAP %s: read failed (%s); closing", self.ifname or fd, error)
+            self.close_reason = "error"
             self.close(error)
 
     def send_frames(self, frames: Sequence[bytes]) -> None:
@@ -277,6 +279,7 @@ class TapTransport(Transport):
                     self.frames_out += sent
                     self._drop("fatal", len(frames) - i)
                     log.warning("TAP %s: write failed (%s); closing", self.ifname or fd, exc)
+                    self.close_reason = "error"
                     self.close(exc)
                     return
                 self._drop(reason)
@@ -342,4 +345,5 @@ class TapTransport(Transport):
 
     def _on_pid_exit(self, pidfd: int) -> None:
         log.info("TAP %s: watched guest process exited; closing", self.ifname or self._fd)
+        self.close_reason = "guest_exited"
         self.close()
