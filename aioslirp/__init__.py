@@ -3,13 +3,13 @@
 Public names: :class:`Stack`, :class:`NetworkConfig`, :class:`ConfigError`, and the
 transports :class:`TapTransport`, :class:`SocketPairTransport`, :class:`StreamTransport`
 (QEMU ``-netdev stream``), :class:`DgramTransport` (QEMU ``-netdev dgram``); :class:`QemuServer`; port forwards
-:class:`PortForward` and :class:`ForwardError`.
+:class:`PortForward` and :class:`ForwardError`; flows to Python (docs/handlers.md): :func:`splice`, :class:`GuestFlow`.
 """
 
 from .config import ConfigError, NetworkConfig
 
 __all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack", "SocketPairTransport", "TapTransport",
-           "StreamTransport", "DgramTransport", "QemuServer"]
+           "StreamTransport", "DgramTransport", "QemuServer", "splice", "GuestFlow"]
 __version__ = "0.1.0"
 
 
@@ -25,6 +25,8 @@ _LAZY = {
     "StreamTransport": ".transport.stream",
     "DgramTransport": ".transport.dgram",
     "QemuServer": ".qemu",
+    "splice": ".handlers.splice",
+    "GuestFlow": ".handlers.streams",
 }
 
 
