@@ -104,8 +104,9 @@ class Stack:
             rule decided; default ``config.policy``. See docs/security.md.
         tcp_handler: ``async def handler(flow, reader, writer)`` taking every admitted guest TCP
             flow no route (:meth:`route`) takes; ``udp_handler``: ``async def handler(flow,
-            datagrams)`` for UDP flows. ``None``: NAT. A handled flow's SYN is answered at once,
-            with no host connect (see docs/handlers.md).
+            datagrams)`` for UDP flows. ``None``: NAT (or, for TCP, ``config.upstream_proxy``'s
+            :class:`~aioslirp.handlers.proxy.UpstreamProxy`). A handled flow's SYN is answered at
+            once, with no host connect (see docs/handlers.md).
 
     Raises:
         ConfigError: from the constructor when ``config`` is invalid.
@@ -192,6 +193,10 @@ class Stack:
         self._aux_tasks: set[asyncio.Task] = set()
         ctx.spawn = self.spawn
         self.icmp = ctx.icmp = IcmpEcho(ctx)
+        if tcp_handler is None and cfg.upstream_proxy is not None:  # --upstream-proxy
+            from .handlers.proxy import UpstreamProxy
+
+            tcp_handler = UpstreamProxy.from_config(cfg)
         self.router = ctx.router = Router(self.counters, self.guard.policy, tcp_handler, udp_handler)
         self.dns = None
         self.l4 = L4(ctx)

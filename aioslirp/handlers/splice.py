@@ -45,7 +45,7 @@ async def splice(r1, w1, r2, w2, *, tap=None) -> tuple[int, int]:
     raised (``ConnectionError``/``OSError``). Cancelling the caller aborts both. ``tap(side, data)``
     (optional) sees every chunk: ``side`` 0 for ``r1`` -> ``w2``, 1 for ``r2`` -> ``w1``.
     """
-    other = asyncio.ensure_future(_pump(r2, w1, tap, 1))
+    other = asyncio.get_running_loop().create_task(_pump(r2, w1, tap, 1), name="aioslirp-splice")
 
     def failed(t) -> None:  # the other direction failed: abort both, so the one below ends too
         if not t.cancelled() and t.exception() is not None:
