@@ -55,7 +55,7 @@ async def splice(r1, w1, r2, w2, *, tap=None) -> tuple[int, int]:
     try:
         up = await _pump(r1, w2, tap, 0)
         down = await other
-    except BaseException:
+    except (Exception, asyncio.CancelledError):  # (not GeneratorExit: a coroutine closed unfinished awaits nothing)
         _abort(w1, w2)
         if not other.done():
             other.cancel()
