@@ -568,3 +568,142 @@ async def test_upstream_proxy_chaining(kind, tmp_path):
         assert rec and rec[0].read_bytes() == pattern(3000000, 7) and base
         ups = [p for p in tmp_path.glob("*.up") if p.stat().st_size == 2000003]
         assert ups and ups[0].read_bytes()[3:] == random.Random(1).randbytes(2000000)
+
+
+# ============================================================================ in process (frames), units
+
+
+async def test_stack_exit_cancels_handlers_and_closes_their_upstreams():
+    """A TCP handler holding an upstream connection and a UDP handler, both waiting for ever: leaving
+    the Stack cancels both tasks, aborts the upstream (the server sees it end), resets the guest's
+    connection; no task, socket or fd is left."""
+    from stack_helpers import F4, of_proto, recv_frames, served_stack, tcp_frame, udp_frame
+
+    fds, tasks = fd_count(), asyncio.all_tasks()
+    lsn = socket.socket()
+    lsn.bind(("127.0.0.1", 0))
+    lsn.listen(4)
+    port = lsn.getsockname()[1]
+    started, cancelled = asyncio.Event(), []
+
+    async def hold(flow, reader, writer):
+        await flow.open_upstream()
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append("tcp")
+            raise
+
+    async def hold_udp(flow, datagrams):
+        try:
+            async for _d in datagrams:
+                flow.send(b"seen")
+        finally:
+            cancelled.append("udp")
+
+    async with served_stack(cfg(), settle=0.1) as (stack, guest, _first):
+        stack.route("*", hold)
+        stack.route("*/udp", hold_udp)
+        guest.send(tcp_frame(F4, 41000, port, 0x02, opts=b"\x02\x04\x05\xb4"))
+        guest.send(udp_frame(F4, 41001, 9999, b"x"))
+        await asyncio.wait_for(started.wait(), 5)
+        frames = await recv_frames(guest, 0.3)
+        assert [ip.data.flags & 0x12 for _e, ip in of_proto(F4, frames, 6)][:1] == [0x12]  # SYN-ACK at once
+        assert [bytes(ip.data.data) for _e, ip in of_proto(F4, frames, 17)] == [b"seen"]
+        conn, _ = lsn.accept()
+        assert len(stack.flows) == 2 and stack.counters["handler_flows.tcp"] == 1
+    guest.close()
+    assert sorted(cancelled) == ["tcp", "udp"]
+    conn.settimeout(5)
+    try:
+        assert conn.recv(10) == b""
+    except ConnectionResetError:
+        pass
+    conn.close()
+    lsn.close()
+    await asyncio.sleep(0.05)
+    assert asyncio.all_tasks() - tasks == set()
+    assert fd_count() == fds
+
+
+def test_routes_first_match_and_unroute():
+    """Route matches in egress-rule syntax; the first match wins, then the defaults; names from the
+    bindings; unroute by route, handler or match."""
+    from aioslirp.config import ConfigError
+    from aioslirp.flow.egress import Decision, Egress
+    from aioslirp.handlers.routes import Router
+
+    def a(): pass
+    def b(): pass
+    def c(): pass
+    eg = Egress(NetworkConfig())
+    r = Router({}, eg, tcp_handler=c)
+    r.add("192.0.2.0/24:80", a)
+    r.add("*.svc.test", b)
+    r.add("*/udp", b)
+    assert eg.names_on  # a route by name makes the virtual DNS bind names
+    assert r.pick(6, "192.0.2.7", 80, 0.0) == (a, None)
+    assert r.pick(6, "192.0.2.7", 81, 0.0) == (c, None)
+    eg.bindings.bind("192.0.2.7", "api.svc.test", 100.0)
+    assert r.pick(6, "192.0.2.7", 81, 1.0) == (b, "api.svc.test")
+    assert r.pick(6, "192.0.2.7", 81, 1.0, Decision(True, "x", "other.test")) == (c, "other.test")
+    assert r.pick(17, "2001:db8::1", 53, 0.0) == (b, None)
+    assert r.remove(b) == 2 and r.remove("192.0.2.0/24:80") == 1 and not r.routes
+    r.tcp_handler = None
+    r.remove(None)
+    assert r.pick(17, "192.0.2.7", 53, 0.0) is None
+    with pytest.raises(ConfigError):
+        r.add("not a rule!", a)
+    with pytest.raises(TypeError):
+        r.add("*", 42)
+
+
+def test_proxy_url_and_no_proxy():
+    from aioslirp.config import ConfigError
+    from aioslirp.config.upstream import NoProxy, parse_proxy_url
+
+    p = parse_proxy_url("http://u%40x:p%3Aw@proxy.test:8080")
+    assert (p.kind, p.host, p.port, p.user, p.password) == ("http", "proxy.test", 8080, "u@x", "p:w")
+    assert "p:w" not in repr(p)
+    p = parse_proxy_url("socks5h://[::1]:1081", env={"AIOSLIRP_PROXY_USER": "al", "AIOSLIRP_PROXY_PASSWORD": "pw"})
+    assert (p.kind, p.host, p.port, p.user, p.password) == ("socks5", "::1", 1081, "al", "pw")
+    assert parse_proxy_url("http://proxy.test", env={}).port == 3128 and parse_proxy_url("http://x", env={}).user is None
+    for bad in ("ftp://x:1", "http://:80", "http://x:1/path", "http://x:99999"):
+        with pytest.raises(ConfigError):
+            parse_proxy_url(bad, env={})
+    n = NoProxy(".corp.test, example.org:8443 10.0.0.0/8 [2001:db8::1]:443", env={})
+    assert n.excluded("a.corp.test", "192.0.2.1", 80) and n.excluded("corp.test", "192.0.2.1", 80)
+    assert not n.excluded("xcorp.test", "192.0.2.1", 80)
+    assert n.excluded("example.org", "192.0.2.1", 8443) and not n.excluded("example.org", "192.0.2.1", 443)
+    assert n.excluded(None, "10.1.2.3", 1) and not n.excluded(None, "11.1.2.3", 1)
+    assert n.excluded(None, "2001:db8::1", 443) and not n.excluded(None, "2001:db8::1", 80)
+    assert NoProxy(None, env={"NO_PROXY": "*"}).excluded(None, "192.0.2.1", 1)
+    assert not NoProxy(None, env={})
+
+
+async def test_upstream_proxy_names_the_destination():
+    """The proxy is given the destination's DNS name when the flow has one (HTTP and SOCKS5 ATYP 3),
+    with the credentials of the environment; a proxy that refuses ends the flow (counted in ``failures``)."""
+    from aioslirp.handlers.proxy import ProxyError, UpstreamProxy
+
+    class Flow:
+        destination, remote, name = ("192.0.2.80", 443), "192.0.2.80", "svc.test"
+        owned: list = []
+
+        def own(self, w):
+            self.owned.append(w)
+
+    env = {"AIOSLIRP_PROXY_USER": "alice", "AIOSLIRP_PROXY_PASSWORD": "s3cret"}
+    for cls, kind in ((ConnectProxy, "http"), (Socks5Proxy, "socks5")):
+        proxy = await cls(auth="alice:s3cret").start()
+        try:
+            up = UpstreamProxy(f"{kind}://127.0.0.1:{proxy.port}", env=env, no_proxy="")
+            with pytest.raises(ProxyError):  # the test proxy cannot resolve svc.test: it refuses
+                await up.connect(Flow())
+            assert proxy.seen[0][1] == "svc.test:443"
+        finally:
+            for w in Flow.owned:
+                w.close()
+            Flow.owned.clear()
+            await proxy.close()
