@@ -198,6 +198,11 @@ class Stack:
 
             tcp_handler = UpstreamProxy.from_config(cfg)
         self.router = ctx.router = Router(self.counters, self.guard.policy, tcp_handler, udp_handler)
+        if cfg.verify_sni:
+            from .handlers.sni import SniVerifier
+
+            self.router.set_verifier(SniVerifier(self.guard.policy, self.counters, tcp_handler,
+                                                 float(cfg.tcp_connect_timeout)))
         self.dns = None
         self.l4 = L4(ctx)
         self.neighbors = NeighborCache(MAX_NEIGHBORS)

@@ -707,3 +707,123 @@ async def test_upstream_proxy_names_the_destination():
                 w.close()
             Flow.owned.clear()
             await proxy.close()
+
+
+# ============================================================================ --verify-sni
+
+
+def client_hello(name: str | None) -> bytes:
+    """The ClientHello Python's ssl module sends for ``server_hostname=name``."""
+    import ssl
+
+    ctx = ssl.create_default_context()
+    i, o = ssl.MemoryBIO(), ssl.MemoryBIO()
+    t = ctx.wrap_bio(i, o, server_hostname=name) if name else \
+        ssl._create_unverified_context().wrap_bio(i, o, server_hostname=None)
+    with pytest.raises(ssl.SSLWantReadError):
+        t.do_handshake()
+    return o.read()
+
+
+def test_first_name_parses_client_hello_and_host():
+    from aioslirp.handlers.sni import first_name
+
+    ch = client_hello("api.svc.test")
+    assert first_name(ch) == ("name", "api.svc.test")
+    assert first_name(ch[:40]) == ("more", None) and first_name(ch[:5]) == ("more", None)
+    # the same handshake over two records
+    body = ch[5:]
+    split = ch[:1] + ch[1:3] + len(body[:30]).to_bytes(2, "big") + body[:30] + \
+        ch[:1] + ch[1:3] + len(body[30:]).to_bytes(2, "big") + body[30:]
+    assert first_name(split) == ("name", "api.svc.test")
+    assert first_name(client_hello(None)) == ("none", None)
+    assert first_name(b"\x16\x03\x01\x00\x05\x02\x00\x00\x01\x00") == ("bad", None)  # not a ClientHello
+    assert first_name(b"GET / HTTP/1.1\r\nHost: Svc.Test:8080\r\n\r\n") == ("name", "svc.test")
+    assert first_name(b"GET / HTTP/1.1\r\nHost: [2001:db8::1]:80\r\n\r\n") == ("name", "2001:db8::1")
+    assert first_name(b"GET / HTTP/1.1\r\nAccept: */*\r\n") == ("more", None)
+    assert first_name(b"GET / HTTP/1.1\r\n\r\n") == ("none", None)
+    assert first_name(b"SSH-2.0-OpenSSH\r\n") == ("bad", None) and first_name(b"\x00\x01") == ("bad", None)
+
+
+GUEST_SNI = r"""
+import errno, json, socket, ssl, subprocess, sys
+port = int(sys.argv[1])
+out = {}
+def hello(name):
+    i, o = ssl.MemoryBIO(), ssl.MemoryBIO()
+    t = ssl.create_default_context().wrap_bio(i, o, server_hostname=name)
+    try:
+        t.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return o.read()
+def ask(name, data):
+    try:
+        s = socket.create_connection(("allowed.test", port), timeout=10)
+        s.sendall(data)
+        got = s.recv(100)
+        s.close()
+        return got.decode() or "eof"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno, str(exc))
+out["same"] = ask("allowed.test", hello("allowed.test"))
+out["shared"] = ask("cdn.test", hello("cdn.test"))  # shares the address, no rule allows it
+out["no_sni"] = ask("-", b"\x16\x03\x01\x00\x04\x01\x00\x00\x00")
+out["garbage"] = ask("-", b"\x00" * 100)
+out["http"] = ask("-", b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+out["http_other"] = ask("-", b"GET / HTTP/1.1\r\nHost: cdn.test\r\n\r\n")
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def sni_world():
+    """192.0.2.10 on the test namespace's loopback (set up outside the event loop: pyroute2) and a
+    server there answering ``OK`` to the first bytes of each connection."""
+    from hostservers import namespace_address
+
+    with namespace_address("192.0.2.10"):
+        srv = socket.socket()
+        srv.bind(("192.0.2.10", 0))
+        srv.listen(8)
+
+        def serve():
+            while True:
+                try:
+                    c, _ = srv.accept()
+                except OSError:
+                    return
+                c.recv(65536)
+                c.sendall(b"OK")
+                c.close()
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        try:
+            yield srv.getsockname()[1]
+        finally:
+            srv.shutdown(socket.SHUT_RDWR)
+            srv.close()
+            t.join(5)
+
+
+async def test_verify_sni_with_a_real_guest(sni_world):
+    """``verify_sni`` and ``--egress-default deny --allow allowed.test:PORT``: a ClientHello (or HTTP Host)
+    naming allowed.test passes to the server; one naming cdn.test, which shares the address, one
+    without a name and bytes that are neither are reset, counted and audited."""
+    port = sni_world
+    names = Names({"allowed.test": "192.0.2.10", "cdn.test": "192.0.2.10"})
+    try:
+        import io
+        log = io.StringIO()
+        out, stack = await run_guest(cfg(dns_upstreams=[("127.0.0.1", names.port)], egress_default="deny",
+                                         egress_allow=[f"allowed.test:{port}"], verify_sni=True, audit_log=log),
+                                     GUEST_SNI, port)
+        events = [json.loads(line) for line in log.getvalue().splitlines()]
+    finally:
+        names.close()
+    assert out == {"same": "OK", "shared": "ECONNRESET", "no_sni": "ECONNRESET", "garbage": "ECONNRESET",
+                   "http": "OK", "http_other": "ECONNRESET"}, out
+    c = stack.counters
+    assert c["egress.sni_verified"] == 2 and c["egress.sni_denied"] == 4
+    assert [e["name"] for e in events if e.get("rule") == "verify-sni"] == ["cdn.test", None, None, "cdn.test"]

@@ -249,6 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
         "each optionally :PORT, or '*'; comma-separated (default: the NO_PROXY environment variable)",
     )
     sec.add_argument(
+        "--verify-sni",
+        action="store_true",
+        default=None,
+        help="a TCP flow a name rule (--allow NAME) let through must name an allowed name bound to its address "
+        "in its TLS ClientHello (SNI) or HTTP/1 Host header, else it is reset (egress.sni_denied); its "
+        "handshake is answered before the host connect",
+    )
+    sec.add_argument(
         "--audit-log",
         metavar="FILE",
         help="append one JSON line per flow at its end (and per denial, per DNS decision) to FILE ('-': "
@@ -430,6 +438,8 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     kwargs.update(parse_limits(getattr(args, "limit", None)))
     if getattr(args, "rate_limit", None) is not None:
         kwargs.update(parse_rate_limit(args.rate_limit, "--rate-limit"))
+    if getattr(args, "verify_sni", None):
+        kwargs["verify_sni"] = True
     if getattr(args, "upstream_proxy", None) is not None:
         kwargs["upstream_proxy"] = args.upstream_proxy
     if getattr(args, "no_proxy", None) is not None:

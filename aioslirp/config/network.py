@@ -187,6 +187,10 @@ class NetworkConfig:
     #: Destinations that bypass ``upstream_proxy`` (``--no-proxy``), ``NO_PROXY`` syntax; ``None``:
     #: the ``NO_PROXY`` environment variable.
     no_proxy: str | None = None
+    #: ``--verify-sni``: a TCP flow an egress *name* rule allowed is held until its TLS ClientHello's
+    #: SNI (or HTTP/1 ``Host``) names an allowed name bound to its address; else it is reset
+    #: (:mod:`aioslirp.handlers.sni`; its SYN is answered before the host connect).
+    verify_sni: bool = False
 
     def validate(self) -> "NetworkConfig":
         """Check every field and normalise addresses. Returns ``self``; raises :class:`ConfigError`."""

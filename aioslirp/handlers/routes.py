@@ -1,6 +1,7 @@
 """Which guest flows go to which Python handler: :class:`Router`, asked once per admitted new flow.
 
-A route is ``(match, handler)``; the first route whose match covers a new flow wins, then the
+A route is ``(match, handler)``; the first route whose match covers a new flow wins, then (with
+``verify_sni``) the SNI verifier for a TCP flow an egress name rule allowed, then the
 stack's default handler for the protocol (``Stack(tcp_handler=..., udp_handler=...)``), else
 the flow is NATed as usual. The egress policy decides first: a flow it denies (or holds for an
 async hook) never reaches a handler.
@@ -95,7 +96,7 @@ class Router:
         tcp_handler, udp_handler: the defaults after the routes (``None``: NAT).
     """
 
-    __slots__ = ("routes", "tcp_handler", "udp_handler", "counters", "egress", "active", "_logged")
+    __slots__ = ("routes", "tcp_handler", "udp_handler", "counters", "egress", "active", "_logged", "verifier")
 
     routes: list
     tcp_handler: object
@@ -105,6 +106,9 @@ class Router:
     #: Any route or default handler: new flows are looked up here.
     active: bool
     _logged: set
+    #: ``--verify-sni``'s :class:`~aioslirp.handlers.sni.SniVerifier`: takes the TCP flows a name rule
+    #: allowed that no route takes (``None``: off).
+    verifier: object
 
     def __init__(self, counters, egress, tcp_handler=None, udp_handler=None) -> None:
         self.routes: list = []
@@ -113,10 +117,17 @@ class Router:
         self.tcp_handler = tcp_handler
         self.udp_handler = udp_handler
         self._logged: set = set()
+        self.verifier = None
+        self._update()
+
+    def set_verifier(self, verifier) -> None:
+        """Install (``None``: remove) the ``--verify-sni`` handler."""
+        self.verifier = verifier
         self._update()
 
     def _update(self) -> None:
-        self.active = bool(self.routes) or self.tcp_handler is not None or self.udp_handler is not None
+        self.active = (bool(self.routes) or self.tcp_handler is not None or self.udp_handler is not None
+                       or self.verifier is not None)
         if self.egress is not None and any(r.names for r in self.routes):
             self.egress.names_wanted = True
 
@@ -153,6 +164,9 @@ class Router:
             ok, n = route.covers(proto, addr, port, names or ())
             if ok:
                 return route.handler, n or name or self._first_name(remote, now)
+        if (self.verifier is not None and proto == _TCP and decision is not None and decision.allowed
+                and name is not None and decision.reason == "rule"):  # a name rule allowed it: --verify-sni
+            return self.verifier, name
         default = self.tcp_handler if proto == _TCP else self.udp_handler if proto == _UDP else None
         if default is None:
             return None
