@@ -573,15 +573,20 @@ async def test_upstream_proxy_chaining(kind, tmp_path):
 # ============================================================================ in process (frames), units
 
 
-async def test_stack_exit_cancels_handlers_and_closes_their_upstreams():
-    """A TCP handler holding an upstream connection and a UDP handler, both waiting for ever: leaving
-    the Stack cancels both tasks, aborts the upstream (the server sees it end), resets the guest's
-    connection; no task, socket or fd is left."""
-    from stack_helpers import F4, of_proto, recv_frames, served_stack, tcp_frame, udp_frame
+@pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
+async def test_stack_exit_cancels_handlers_and_closes_their_upstreams(v6):
+    """A TCP handler holding an upstream connection (``open_upstream``: the gateway is the host's
+    loopback) and a UDP handler, both waiting for ever, each family: leaving the Stack cancels both
+    tasks, aborts the upstream (the server sees it end); no task, socket or fd is left."""
+    from conftest import have_ipv6_loopback
+    from stack_helpers import F4, F6, of_proto, recv_frames, served_stack, tcp_frame, udp_frame
 
+    if v6:
+        need(have_ipv6_loopback(), "IPv6 on the test namespace's loopback")
+    F = F6 if v6 else F4
     fds, tasks = fd_count(), asyncio.all_tasks()
-    lsn = socket.socket()
-    lsn.bind(("127.0.0.1", 0))
+    lsn = socket.socket(F.af)
+    lsn.bind((F.loopback, 0))
     lsn.listen(4)
     port = lsn.getsockname()[1]
     started, cancelled = asyncio.Event(), []
@@ -605,12 +610,12 @@ async def test_stack_exit_cancels_handlers_and_closes_their_upstreams():
     async with served_stack(cfg(), settle=0.1) as (stack, guest, _first):
         stack.route("*", hold)
         stack.route("*/udp", hold_udp)
-        guest.send(tcp_frame(F4, 41000, port, 0x02, opts=b"\x02\x04\x05\xb4"))
-        guest.send(udp_frame(F4, 41001, 9999, b"x"))
+        guest.send(tcp_frame(F, 41000, port, 0x02, opts=b"\x02\x04\x05\xb4"))
+        guest.send(udp_frame(F, 41001, 9999, b"x"))
         await asyncio.wait_for(started.wait(), 5)
         frames = await recv_frames(guest, 0.3)
-        assert [ip.data.flags & 0x12 for _e, ip in of_proto(F4, frames, 6)][:1] == [0x12]  # SYN-ACK at once
-        assert [bytes(ip.data.data) for _e, ip in of_proto(F4, frames, 17)] == [b"seen"]
+        assert [ip.data.flags & 0x12 for _e, ip in of_proto(F, frames, 6)][:1] == [0x12]  # SYN-ACK at once
+        assert [bytes(ip.data.data) for _e, ip in of_proto(F, frames, 17)] == [b"seen"]
         conn, _ = lsn.accept()
         assert len(stack.flows) == 2 and stack.counters["handler_flows.tcp"] == 1
     guest.close()
@@ -827,3 +832,15 @@ async def test_verify_sni_with_a_real_guest(sni_world):
     c = stack.counters
     assert c["egress.sni_verified"] == 2 and c["egress.sni_denied"] == 4
     assert [e["name"] for e in events if e.get("rule") == "verify-sni"] == ["cdn.test", None, None, "cdn.test"]
+
+
+async def test_udp_queue_is_bounded():
+    """At most QUEUE guest datagrams wait for a UDP handler; past it ``put`` refuses (the flow counts
+    ``handler_udp_dropped``); the iteration ends with the flow."""
+    from aioslirp.handlers.udp import QUEUE, Datagrams
+
+    d = Datagrams()
+    assert all(d.put(b"%d" % i) for i in range(QUEUE)) and not d.put(b"more") and len(d) == QUEUE
+    d.end()
+    got = [x async for x in d]
+    assert len(got) == QUEUE and got[0] == b"0" and not d.put(b"late")
