@@ -23,7 +23,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 
@@ -560,12 +559,10 @@ async def test_upstream_proxy_chaining(kind, tmp_path):
         assert all(a in ("Basic " + base64.b64encode(b"alice:s3cret").decode(), "alice") for _m, _t, a in proxy.seen)
     assert stack.counters["handler_errors"] == 0
     if kind == "http":
-        metas = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
-        downs = [m for m in metas if m["down"] == 3000000]
-        assert len(downs) == 1
-        base = str(tmp_path / downs[0]["guest"][0]).rsplit("/", 1)[0]
-        rec = [p for p in tmp_path.glob("*.down") if p.stat().st_size == 3000000]
-        assert rec and rec[0].read_bytes() == pattern(3000000, 7) and base
+        metas = {p: json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))}
+        downs = [p for p, m in metas.items() if m["down"] == 3000000]
+        assert len(downs) == 1 and metas[downs[0]]["destination"] == ["10.0.2.2", data.port]
+        assert downs[0].with_suffix(".down").read_bytes() == pattern(3000000, 7)
         ups = [p for p in tmp_path.glob("*.up") if p.stat().st_size == 2000003]
         assert ups and ups[0].read_bytes()[3:] == random.Random(1).randbytes(2000000)
 

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import os
 import time
 
 from .splice import splice
 
 __all__ = ["Recorder"]
-
-log = logging.getLogger("aioslirp.handlers")
 
 
 def _part(ap: tuple) -> str:

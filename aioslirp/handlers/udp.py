@@ -12,15 +12,12 @@ iteration then ends and its task is cancelled. A next datagram of the guest star
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import deque
 
 from ..wire.ip import PROTO_UDP
 from .streams import GuestFlow
 
 __all__ = ["Datagrams", "HandledUdpFlow", "QUEUE"]
-
-log = logging.getLogger("aioslirp.handlers")
 
 #: Guest datagrams a handled UDP flow holds for its handler at most.
 QUEUE = 256
