@@ -5,13 +5,15 @@ transports :class:`TapTransport`, :class:`SocketPairTransport`, :class:`StreamTr
 (QEMU ``-netdev stream``), :class:`DgramTransport` (QEMU ``-netdev dgram``); :class:`QemuServer`; port forwards
 :class:`PortForward` and :class:`ForwardError`; :func:`spawn` (a command in its own network namespace
 behind its own stack; a :class:`Guest`), :func:`attach` (serve an existing namespace) and :class:`NamespaceError`; :class:`FlowInfo`, the records of
-``Stack.flows()``.
+``Stack.flows()``; flows to Python (docs/handlers.md):
+:func:`splice`, :class:`GuestFlow`.
 """
 
 from .config import ConfigError, NetworkConfig
 
 __all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack", "SocketPairTransport", "TapTransport",
-           "StreamTransport", "DgramTransport", "QemuServer", "spawn", "Guest", "attach", "NamespaceError", "FlowInfo"]
+           "StreamTransport", "DgramTransport", "QemuServer", "spawn", "Guest", "attach", "NamespaceError", "FlowInfo",
+           "splice", "GuestFlow"]
 __version__ = "0.1.0"
 
 
@@ -32,6 +34,8 @@ _LAZY = {
     "NamespaceError": ".host.netns",
     "attach": ".host.netns",
     "FlowInfo": ".flow.info",
+    "splice": ".handlers.splice",
+    "GuestFlow": ".handlers.streams",
 }
 
 

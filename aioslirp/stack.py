@@ -41,6 +41,7 @@ from .dispatch.ipv4 import Ipv4Input
 from .dispatch.l4 import L4
 from .dispatch.link import Link
 from .flow.base import FlowContext
+from .handlers.routes import Router
 from .flow.guard import Guard
 from .flow.info import FlowInfo, FlowMap  # noqa: F401  (FlowInfo: the records of stack.flows())
 from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importable from here as before)
@@ -106,6 +107,11 @@ class Stack:
         policy: a Python egress hook (sync or async callable given a
             :class:`~aioslirp.flow.egress.PolicyRequest`, returning allow/deny), asked for what no
             rule decided; default ``config.policy``. See docs/security.md.
+        tcp_handler: ``async def handler(flow, reader, writer)`` taking every admitted guest TCP
+            flow no route (:meth:`route`) takes; ``udp_handler``: ``async def handler(flow,
+            datagrams)`` for UDP flows. ``None``: NAT (or, for TCP, ``config.upstream_proxy``'s
+            :class:`~aioslirp.handlers.proxy.UpstreamProxy`). A handled flow's SYN is answered at
+            once, with no host connect (see docs/handlers.md).
 
     Raises:
         ConfigError: from the constructor when ``config`` is invalid.
@@ -120,7 +126,7 @@ class Stack:
                  "write_now", "tasks", "_aux_tasks", "icmp", "dns", "l4", "neighbors", "family4", "ipv4", "v6",
                  "family6", "link", "on_frames", "_on_frames", "gw_mac", "gw_ip", "dns_ip", "guest_ip", "mtu",
                  "_transport", "_loop", "_closed", "_stopped", "transport_wrappers", "_forwarder", "tracer", "audit", "_own_audit",
-                 "event_log",
+                 "event_log", "router",
                  # aioslirp.metrics holds a stack by weak reference
                  "__weakref__")
 
@@ -165,9 +171,11 @@ class Stack:
     #: The bounded record of lifecycle events (see :meth:`events`).
     event_log: EventLog
     _own_audit: bool
+    #: The routes to Python flow handlers (:class:`~aioslirp.handlers.routes.Router`).
+    router: Router
 
     def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None, audit=None,
-                 policy=None) -> None:
+                 policy=None, tcp_handler=None, udp_handler=None) -> None:
         self.config = cfg = (config if config is not None else NetworkConfig()).validate()
         self.counters: Counter = Counter()
         ctx = self.ctx = FlowContext(cfg, self.counters)
@@ -193,6 +201,16 @@ class Stack:
         self._aux_tasks: set[asyncio.Task] = set()
         ctx.spawn = self.spawn
         self.icmp = ctx.icmp = IcmpEcho(ctx)
+        if tcp_handler is None and cfg.upstream_proxy is not None:  # --upstream-proxy
+            from .handlers.proxy import UpstreamProxy
+
+            tcp_handler = UpstreamProxy.from_config(cfg)
+        self.router = ctx.router = Router(self.counters, self.guard.policy, tcp_handler, udp_handler)
+        if cfg.verify_sni:
+            from .handlers.sni import SniVerifier
+
+            self.router.set_verifier(SniVerifier(self.guard.policy, self.counters, tcp_handler,
+                                                 float(cfg.tcp_connect_timeout)))
         self.dns = None
         self.l4 = L4(ctx)
         self.neighbors = NeighborCache(MAX_NEIGHBORS)
@@ -286,6 +304,26 @@ class Stack:
         """False: whether a frame's L4 checksum is trusted is an argument of each frame's dispatch
         (``csum_ok``), never state left between frames (kept for callers that checked it)."""
         return False
+
+    # ------------------------------------------------------------------ Python handlers
+    def route(self, match, handler):
+        """Hand the new guest flows ``match`` covers to ``handler`` (first matching route wins,
+        before ``tcp_handler`` / ``udp_handler``); the egress policy decides first.
+
+        ``match``: a rule text like the egress rules' (``"*:80/tcp"``, ``"example.com:443"``,
+        ``"10.0.0.0/8"``, ``"*.test/udp"``; without ``/udp`` a match covers TCP only), a list of
+        them, or ``None`` (every TCP flow). ``handler``: ``async def handler(flow, reader,
+        writer)`` (TCP) or ``async def handler(flow, datagrams)`` (UDP); see docs/handlers.md.
+        Returns the :class:`~aioslirp.handlers.routes.Route`. Raises
+        :class:`~aioslirp.config.ConfigError` for a match that does not parse. Flows already
+        open keep their host side.
+        """
+        return self.router.add(match, handler)
+
+    def unroute(self, what) -> int:
+        """Remove routes: ``what`` is a :class:`~aioslirp.handlers.routes.Route`, a handler, or a match
+        given to :meth:`route`. Returns how many went; flows already handled go on."""
+        return self.router.remove(what)
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Stack":

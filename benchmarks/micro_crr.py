@@ -25,6 +25,13 @@ policy and allowed by default); with ``--audit-log FILE`` too, it is the configu
     python benchmarks/micro_crr.py --connections 20000
     python benchmarks/micro_crr.py --connections 20000 --policy-rules 100 --audit-log /dev/null
 
+``--handler identity`` measures the same cycle through a Python flow handler that opens the
+natural upstream and splices (``flow.open_upstream()`` + ``aioslirp.splice``, docs/handlers.md);
+``--handler none`` the NAT path measured the same way. Both run the whole cycle on the loop (the
+handler's connect and streams need it) against an asyncio server in this process, and count the
+process's CPU time per connection (``time.process_time``: the server's and the guest driver's work
+included, idle waits excluded): compare the two with each other, not with the default mode's figure.
+
 ``--mode rr`` runs request/response round trips on one connection instead (1-byte request,
 1-byte answer, the guest's ACK). Prints microseconds per connection or round trip (median and
 best of ``--repeat`` runs) and the frames per cycle both ways. Needs no privileges; traffic
@@ -54,6 +61,9 @@ def main() -> int:
                     help="measure with the audit log on, written to FILE (e.g. /dev/null)")
     ap.add_argument("--policy-rules", type=int, default=0, metavar="N",
                     help="measure with an egress policy of N generated CIDR and name rules (default deny off)")
+    ap.add_argument("--handler", choices=("none", "identity"),
+                    help="crr through an identity flow handler (or 'none': the NAT path), CPU time per "
+                    "connection with an in-process asyncio server (see the module documentation)")
     args = ap.parse_args()
     if args.policy_rules < 0:
         ap.error("--policy-rules: must be >= 0")
@@ -179,6 +189,71 @@ def main() -> int:
         srv.close()
         return inside * 1e6 / n, frames_in / n, frames_out / n
 
+    async def run_handler(n: int) -> tuple[float, float, float]:
+        from aioslirp import splice
+
+        async def identity(flow, reader, writer):
+            up_r, up_w = await flow.open_upstream()
+            await splice(reader, writer, up_r, up_w)
+
+        async def serve(r, w):
+            await r.read(1)
+            w.write(b"a")
+            await r.read()  # the guest's FIN
+            w.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        kw = {"tcp_handler": identity} if args.handler == "identity" else {}
+        frames_in = frames_out = 0
+        async with Stack(NetworkConfig(dns_upstreams=[("127.0.0.1", 9)]), **kw) as stack:
+            tr = Collect()
+            serving = asyncio.ensure_future(stack.serve(tr))
+            await asyncio.sleep(0)
+            out = tr.out
+            ok = [True]
+            on_frames = stack._on_frames
+
+            def frame(sport, seq, ack, flags, payload=b""):
+                return [build_tcp(eth, guest, gw, sport, port, seq, ack, flags, 65535, b"", payload)]
+
+            def tcp(f):  # an IPv4 TCP frame to the guest (not an RA...)
+                return f[12:14] == b"\x08\x00" and f[23] == 6
+
+            async def until(pred):
+                for k in range(100000):
+                    if pred():
+                        return
+                    await asyncio.sleep(0 if k < 8 else 1e-4)  # then idle in the loop (no CPU) for timers
+                raise SystemExit("stalled")
+
+            t0 = time.process_time()
+            for i in range(n):
+                sport = 20000 + i % 40000
+                out.clear()
+                s = 1000
+                on_frames(frame(sport, s, 0, SYN), ok)
+                await until(lambda: any(tcp(f) and f[47] & SYN for f in out))
+                iss = seq_ack.unpack_from([f for f in out if tcp(f) and f[47] & SYN][0], 38)[0]
+                on_frames(frame(sport, s + 1, iss + 1, ACK), ok)
+                on_frames(frame(sport, s + 1, iss + 1, ACK | PSH, b"q"), ok)
+                await until(lambda: any(tcp(f) and len(f) > 54 and f[-1:] == b"a" for f in out))
+                on_frames(frame(sport, s + 2, iss + 2, ACK | FIN), ok)
+                await until(lambda: any(tcp(f) and f[47] & FIN for f in out))
+                on_frames(frame(sport, s + 3, iss + 3, ACK), ok)
+                key = (6, guest, sport, gw, port)
+                await until(lambda: key not in stack.flows)
+                frames_in += 5
+                frames_out += len(out)
+            wall = time.process_time() - t0  # CPU of this process: waits (timers, the loop idle) excluded
+            stack.close()
+            await serving
+        server.close()
+        await server.wait_closed()
+        return wall * 1e6 / n, frames_in / n, frames_out / n
+
+    if args.handler is not None:
+        run = run_handler  # noqa: F811
     if not args.no_uvloop:
         import uvloop
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

@@ -22,6 +22,9 @@ from aioslirp.dispatch.link import Link
 from aioslirp.flow.base import FlowContext
 from aioslirp.flow.guard import Guard
 from aioslirp.flow.table import FlowTable, IdleOrder
+from aioslirp.handlers.routes import Route, Router
+from aioslirp.handlers.streams import GuestFlow, GuestTransport, GuestWriter, TcpHandlerHost
+from aioslirp.handlers.udp import Datagrams, HandledUdpFlow
 from aioslirp.forward import Forwarder, UdpForwardFlow, _Listener
 from aioslirp.icmp import IcmpEcho, IcmpFlow
 from aioslirp.inject import InjectQueue
@@ -65,6 +68,9 @@ PER_FRAME = [
     PcapWriter, PcapTransport, TraceTransport, TransportWrapper, StreamDecoder,
     Segment, TcpFrameBuilder, TcpOffloadBuilder, Ipv6,
     ByteBucket, FlowPacing, AuditLog, _Reader,  # rate caps (per datagram / read), the audit log (per flow)
+    # flows handed to Python handlers (per segment / datagram of a handled flow; the router per new flow).
+    # GuestReader is an asyncio.StreamReader, which has no __slots__.
+    TcpHandlerHost, GuestFlow, GuestWriter, GuestTransport, HandledUdpFlow, Datagrams, Router, Route,
 ]
 
 #: Classes whose instances are held by weak reference (``aioslirp.metrics``).

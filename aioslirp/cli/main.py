@@ -44,6 +44,7 @@ _FIELD_OPTION = {
     "rate_up": "--rate-limit up",
     "rate_down": "--rate-limit down",
     "audit_log": "--audit-log",
+    "upstream_proxy": "--upstream-proxy",
     "egress_default": "--egress-default",
 }
 _FIELD_OPTION.update({name: f"--limit {name}" for name in LIMIT_FIELDS})
@@ -242,6 +243,27 @@ def build_parser() -> argparse.ArgumentParser:
         "are dropped (drop.rate_limit_up/down); bursts up to 64 KiB or 10 ms of the rate",
     )
     sec.add_argument(
+        "--upstream-proxy",
+        metavar="URL",
+        help="send the guest's TCP flows through an upstream proxy: http://HOST:PORT (CONNECT) or "
+        "socks5://HOST:PORT; credentials from AIOSLIRP_PROXY_USER / AIOSLIRP_PROXY_PASSWORD (or USER:PASSWORD@ in "
+        "the URL), never from the guest. A flow the proxy refuses is reset. See docs/handlers.md",
+    )
+    sec.add_argument(
+        "--no-proxy",
+        metavar="LIST",
+        help="destinations that bypass --upstream-proxy: names (example.com, .example.com), addresses, CIDRs, "
+        "each optionally :PORT, or '*'; comma-separated (default: the NO_PROXY environment variable)",
+    )
+    sec.add_argument(
+        "--verify-sni",
+        action="store_true",
+        default=None,
+        help="a TCP flow a name rule (--allow NAME) let through must name an allowed name bound to its address "
+        "in its TLS ClientHello (SNI) or HTTP/1 Host header, else it is reset (egress.sni_denied); its "
+        "handshake is answered before the host connect",
+    )
+    sec.add_argument(
         "--audit-log",
         metavar="FILE",
         help="append one JSON line per flow at its end (and per denial, per DNS decision) to FILE ('-': "
@@ -431,6 +453,14 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
     kwargs.update(parse_limits(getattr(args, "limit", None)))
     if getattr(args, "rate_limit", None) is not None:
         kwargs.update(parse_rate_limit(args.rate_limit, "--rate-limit"))
+    if getattr(args, "verify_sni", None):
+        kwargs["verify_sni"] = True
+    if getattr(args, "upstream_proxy", None) is not None:
+        kwargs["upstream_proxy"] = args.upstream_proxy
+    if getattr(args, "no_proxy", None) is not None:
+        if getattr(args, "upstream_proxy", None) is None:
+            raise ConfigError("--no-proxy", "used only with --upstream-proxy")
+        kwargs["no_proxy"] = args.no_proxy
     audit_log = getattr(args, "audit_log", None)
     if audit_log is not None:
         if not audit_log.strip():

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError, not_a_network, not_an_address
 from .ipv6 import Ipv6Config
 from .policy import parse_rules
+from .upstream import parse_proxy_url
 from .rates import parse_rate
 from .records import HOST_NAME, parse_dns_records
 
@@ -184,6 +185,18 @@ class NetworkConfig:
     #: The audit log (``--audit-log``): a path (``"-"``: stderr) or a text file object; one
     #: JSON line per flow at its end (docs/audit.md). ``None``: no audit log.
     audit_log: object = None
+    #: Send the guest's TCP flows through an upstream proxy (``--upstream-proxy``):
+    #: ``http://HOST:PORT`` (CONNECT) or ``socks5://HOST:PORT``; credentials in the URL or from
+    #: ``AIOSLIRP_PROXY_USER`` / ``AIOSLIRP_PROXY_PASSWORD`` (see :mod:`aioslirp.config.upstream`).
+    #: ``None``: NAT directly. Implemented as the stack's default TCP handler (docs/handlers.md).
+    upstream_proxy: str | None = None
+    #: Destinations that bypass ``upstream_proxy`` (``--no-proxy``), ``NO_PROXY`` syntax; ``None``:
+    #: the ``NO_PROXY`` environment variable.
+    no_proxy: str | None = None
+    #: ``--verify-sni``: a TCP flow an egress *name* rule allowed is held until its TLS ClientHello's
+    #: SNI (or HTTP/1 ``Host``) names an allowed name bound to its address; else it is reset
+    #: (:mod:`aioslirp.handlers.sni`; its SYN is answered before the host connect).
+    verify_sni: bool = False
 
     def validate(self) -> "NetworkConfig":
         """Check every field and normalise addresses. Returns ``self``; raises :class:`ConfigError`."""
@@ -292,6 +305,8 @@ class NetworkConfig:
         for name in ("rate_up", "rate_down"):
             if getattr(self, name) is not None:
                 setattr(self, name, parse_rate(getattr(self, name), name))
+        if self.upstream_proxy is not None:
+            parse_proxy_url(self.upstream_proxy, "upstream_proxy")
         log_to = self.audit_log
         if log_to is not None and not (isinstance(log_to, str) and log_to.strip()) and not hasattr(log_to, "write"):
             if not hasattr(log_to, "__fspath__"):

@@ -16,21 +16,25 @@ its *packet view*, positional arguments in this order:
 The views are valid during the call only: whatever outlives it is copied.
 
 TCP: a segment of a known flow goes to it (``handled.tcp``); a SYN opens a
-:class:`~aioslirp.tcp.flow.TcpFlow` (towards the host, or to the DNS service for the DNS
-address's port 53) once the :class:`~aioslirp.flow.guard.Guard` admits it; anything else gets
-a RST (RFC 9293 3.10.7.1). UDP: DHCP (``fam.dhcp``), DNS (answered by a task), or a
-:class:`~aioslirp.udp.UdpFlow`. Echo requests to remote addresses go to
+:class:`~aioslirp.tcp.flow.TcpFlow` (towards the host, to a Python handler the
+:class:`~aioslirp.handlers.routes.Router` picks, or to the DNS service for the DNS address's
+port 53) once the :class:`~aioslirp.flow.guard.Guard` admits it; anything else gets a RST
+(RFC 9293 3.10.7.1). UDP: DHCP (``fam.dhcp``), DNS (answered by a task), a handler's
+:class:`~aioslirp.handlers.udp.HandledUdpFlow` or a :class:`~aioslirp.udp.UdpFlow`. Echo requests to remote addresses go to
 :class:`~aioslirp.icmp.IcmpEcho`. Every refusal is a counted drop; the reasons whose name
 differs by family come from ``fam.reason``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 
 from ..flow.base import flow_key
 from ..flow.guard import DENIED, HELD
+from ..handlers.streams import run_handler
+from ..handlers.udp import HandledUdpFlow
 from ..tcp.flow import TcpFlow
 from ..udp import UdpFlow  # module level: an import under EMFILE (the first UDP flow) would fail
 from ..wire.checksum import partial
@@ -146,7 +150,14 @@ class L4:
         if not self.table.make_room():
             self.reset_unknown(fam, src, dst, sport, dport, seg)
             return self.drop("flow_table_full")
-        if not TcpFlow(self.ctx, fam, key, remote, seg, orig, now).no_socket:  # else refused, counted by the flow
+        host = None
+        router = self.ctx.router
+        if router is not None and router.active and remote is not None:  # a Python handler takes it?
+            got = router.pick(PROTO_TCP, remote, dport, now, self.guard.decision)
+            if got is not None:
+                self.counters["handler_flows.tcp"] += 1
+                host = functools.partial(run_handler, got[0], got[1], router.failed)
+        if not TcpFlow(self.ctx, fam, key, remote, seg, orig, now, host).no_socket:  # else refused, counted
             self.handled("tcp_syn")
 
     def _hold(self, proto: int, remote: str, port: int, now: float, guest, quote: bytes, fam, replay) -> None:
@@ -246,6 +257,12 @@ class L4:
         if not self.table.make_room():
             self.drop("flow_table_full")
             return None
+        router = self.ctx.router
+        if router is not None and router.active:  # a Python handler takes it?
+            got = router.pick(PROTO_UDP, remote, dport, now, self.guard.decision)
+            if got is not None:
+                self.counters["handler_flows.udp"] += 1
+                return HandledUdpFlow(self.ctx, fam, key, remote, now, got[0], got[1], router.failed)
         flow = UdpFlow(self.ctx, fam, key, remote, now)
         if flow.sock is None:  # counted by UdpFlow (drop.udp_socket_error / udp_connect_error)
             if flow.connect_error is not None:

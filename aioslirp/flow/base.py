@@ -139,10 +139,12 @@ class FlowContext:
         rate_up, rate_down: the guest's :class:`~aioslirp.ratelimit.ByteBucket` each way
             (``rate_up`` guest -> host), or ``None`` (no cap): TCP flows pace against them,
             UDP flows drop what they do not hold.
+        router: the :class:`~aioslirp.handlers.routes.Router` choosing Python handlers for new
+            flows (``None``: none).
     """
 
     __slots__ = ("config", "counters", "loop", "table", "guard", "queue", "inject", "tasks", "spawn", "icmp",
-                 "dns", "dns_host", "offload", "closed", "tracer", "audit", "rate_up", "rate_down")
+                 "dns", "dns_host", "offload", "closed", "tracer", "audit", "rate_up", "rate_down", "router")
 
     config: object
     counters: dict[str, int]
@@ -165,6 +167,8 @@ class FlowContext:
     #: The guest's byte-rate caps (``None``: none).
     rate_up: object
     rate_down: object
+    #: The stack's :class:`~aioslirp.handlers.routes.Router` (flows to Python handlers), or ``None``.
+    router: object
 
     def __init__(self, config, counters) -> None:
         self.config = config
@@ -178,6 +182,7 @@ class FlowContext:
         self.tracer = None
         self.audit = None
         self.rate_up = self.rate_down = None
+        self.router = None
 
     def drop(self, reason: str) -> None:
         """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``.

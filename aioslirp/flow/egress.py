@@ -179,7 +179,7 @@ class Egress:
 
     __slots__ = ("config", "counters", "rules", "bindings", "default_allow", "hook", "hook_async", "timeout",
                  "timeout_allow", "hook_ttl", "ttl_min", "ttl_max", "per_answer", "_cache", "_hook_cache",
-                 "_pending", "_default", "_version", "ctx")
+                 "_pending", "_default", "_version", "ctx", "names_wanted")
 
     config: object
     counters: dict
@@ -201,6 +201,8 @@ class Egress:
     _version: int
     #: The stack's FlowContext (for ``ctx.loop`` / ``ctx.audit``), or ``None``.
     ctx: object
+    #: Something besides the rules needs the name bindings (a flow handler's route by name).
+    names_wanted: bool
 
     def __init__(self, config, counters=None, hook=None) -> None:
         self.config = config
@@ -221,6 +223,7 @@ class Egress:
         self._pending: dict = {}  # hook key -> Future of the Decision
         self._version = self.rules.version
         self.ctx = None
+        self.names_wanted = False
 
     def set_hook(self, hook) -> None:
         """Install (or with ``None`` remove) the Python policy hook; forgets cached verdicts."""
@@ -237,8 +240,9 @@ class Egress:
 
     @property
     def names_on(self) -> bool:
-        """DNS answers matter: name rules exist, the default is deny, or a hook may want names."""
-        return self.rules.has_names or not self.default_allow or self.hook is not None
+        """DNS answers matter: name rules exist, the default is deny, a hook may want names, or a flow
+        handler is routed by name (:attr:`names_wanted`)."""
+        return self.rules.has_names or not self.default_allow or self.hook is not None or self.names_wanted
 
     def allows(self, addr: str, *, user_only: bool = False, port: int = 0, proto: int = 0) -> bool:
         """:meth:`EgressPolicy.allows <aioslirp.config.policy.EgressPolicy.allows>` (DNS upstreams)."""

@@ -74,6 +74,9 @@ _RETIRED = itertools.count(1)  # serials that make the flow-table keys of retire
 class TcpFlow(FlowPacing, asyncio.Protocol):
     """One NAT'ed guest TCP connection. ``remote`` is the host address (``None``: the DNS service).
 
+    ``host``: ``host(flow)`` returning the flow's in-process host side instead of a host socket (a
+    Python handler, :mod:`aioslirp.handlers`): then the SYN is answered at once, with no connect.
+
     ``ctx``: the stack's :class:`~aioslirp.flow.base.FlowContext`; ``fam``: the flow's family (Family4/6).
     ``key`` addresses are 4 bytes (IPv4) or 16 bytes (IPv6); ``orig_header`` is the guest's
     SYN packet (IPv4: header + 8 bytes; IPv6: up to 1232 bytes) quoted in ICMP errors.
@@ -90,6 +93,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         "_upgrading", "_close_abort", "_pending_sock", "_connect_waiting", "_t0", "retired", "no_socket", "task",
         "_mark_dirty", "started", "_outcome", "rate_up", "rate_down", "rate_paused", "_rate_timer", "_rate_at",
         "name", "rule",
+        "_host_factory",
     )
 
     #: The stack's :class:`~aioslirp.flow.base.FlowContext` (flow table, counters, inject queue, config).
@@ -161,9 +165,11 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
     #: The egress decision's DNS name and rule (see :class:`~aioslirp.flow.base.Flow`).
     name: str | None
     rule: str | None
+    #: ``host(flow)`` -> the in-process host side (DNS over TCP, a Python handler), or ``None``: a host socket.
+    _host_factory: object
 
     def __init__(self, ctx, fam, key: tuple, remote: str | None, syn: Segment | None, orig_header: bytes,
-                 now: float) -> None:
+                 now: float, host=None) -> None:
         self.ctx, self.fam = ctx, fam
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
@@ -212,8 +218,10 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         self._t0 = 0.0
         self.retired = False
         self.no_socket = False
+        # host: a Python handler's host side (aioslirp.handlers): the SYN is answered at once, no connect
+        self._host_factory = ctx.dns_host if remote is None else host
         sock = None
-        if syn is not None and remote is not None:
+        if syn is not None and remote is not None and host is None:
             sock = self._open_socket()
             if sock is None:  # refused with a RST: the flow never enters the table
                 return
@@ -231,8 +239,10 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
     # ----------------------------------------------------------------- task
     async def _run(self) -> None:
         try:
-            if self.remote is None:
-                self.transport = self.ctx.dns_host(self)
+            if self._host_factory is not None:
+                self.transport = self._host_factory(self)
+                if self.remote is not None:
+                    self.ctx.guard.connected(self)
                 self._accept(0.0, True)
             elif self._pending_sock is not None:
                 await self._connect_wait()
