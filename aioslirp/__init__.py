@@ -31,7 +31,7 @@ _LAZY = {
     "QemuServer": ".qemu",
     "spawn": ".host.spawn",
     "Guest": ".host.spawn",
-    "NamespaceError": ".host.netns",
+    "NamespaceError": ".host.nsbase",
     "attach": ".host.netns",
     "FlowInfo": ".flow.info",
     "splice": ".handlers.splice",

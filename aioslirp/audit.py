@@ -98,9 +98,7 @@ class _Reader:
         """Stop reading: unsubscribe (what is queued is forgotten)."""
         self.closed = True
         self.queue.clear()
-        readers = self.log._readers
-        if self in readers:
-            readers.remove(self)
+        self.log.unsubscribe(self)
         self.wake()
 
 
@@ -294,3 +292,8 @@ class AuditLog:
         else:
             self._readers.append(r)
         return r
+
+    def unsubscribe(self, reader: _Reader) -> None:
+        """Take ``reader`` (one of :meth:`events`) off this log; it gets no more records. Idempotent."""
+        if reader in self._readers:
+            self._readers.remove(reader)

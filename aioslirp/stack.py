@@ -487,8 +487,7 @@ class Stack:
         def first(*args):
             if not seen:
                 seen.append(True)
-                if getattr(transport, "_on_frames", None) is first:
-                    transport._on_frames = sink
+                transport.swap_sink(first, sink)
                 self.event_log.emit("guest_link_up", **info)
             return sink(*args)
 

@@ -18,7 +18,7 @@ from aioslirp.config.policy import EgressPolicy, parse_rule, parse_rules
 from aioslirp.errors import ConfigError
 from aioslirp.flow.egress import Decision, Egress, NameBindings
 from aioslirp.flow.guard import DENIED, HELD, Guard
-from aioslirp.services.dns import DnsForwarder, _question, _read_name
+from aioslirp.services.dns import DnsForwarder, _question, read_name
 from aioslirp.services.dns_policy import EDE_BLOCKED, EDE_PROHIBITED, answer_addresses, blocked_response, has_edns
 
 TCP, UDP, ICMP = 6, 17, 1
@@ -271,7 +271,7 @@ def test_blocked_response_carries_ede_only_with_edns():
     for edns in (True, False):
         q = query("denied.test", edns=edns)
         _, qend = _question(q)
-        assert has_edns(q, qend, _read_name) is edns
+        assert has_edns(q, qend, read_name) is edns
         r = blocked_response(q, qend, EDE_BLOCKED, "denied.test", edns)
         d = dpkt.dns.DNS(r)
         assert (d.id, d.qr, d.rcode, d.rd, d.qd[0].name, len(d.an)) == (0x4242, 1, 3, 1, "denied.test", 0)
@@ -284,8 +284,8 @@ def test_answer_addresses_follow_cname_chain_to_the_name_asked():
                    ("e1.cdn.test", "A", "198.51.100.7", 600), ("e1.cdn.test", "AAAA", "2001:db8::7", 20),
                    ("unrelated.test", "A", "198.51.100.66", 600)])
     qname = _question(q)[0][0]
-    assert answer_addresses(r, qname, _read_name) == [("198.51.100.7", 40), ("2001:db8::7", 20)]
-    assert answer_addresses(r[:40], qname, _read_name) == []  # malformed: nothing
+    assert answer_addresses(r, qname, read_name) == [("198.51.100.7", 40), ("2001:db8::7", 20)]
+    assert answer_addresses(r[:40], qname, read_name) == []  # malformed: nothing
 
 
 def forwarder(stack_counters, reply_for, **cfg):

@@ -148,13 +148,18 @@ class GuestFlow:
 class GuestReader(asyncio.StreamReader):
     """The guest's bytes (an ``asyncio.StreamReader``): every read that frees room lets the guest send more."""
 
-    _host: TcpHandlerHost
+    #: The flow's in-process host side, told when a read made room.
+    host: TcpHandlerHost
+
+    def __init__(self, host: TcpHandlerHost, limit: int) -> None:
+        super().__init__(limit=limit)
+        self.host = host
 
     def _maybe_resume_transport(self) -> None:
         # Called by every StreamReader read method after it consumed from the buffer (CPython
         # 3.11-3.13); the hook through which reading re-opens the guest's window.
         super()._maybe_resume_transport()
-        self._host.room()
+        self.host.room()
 
     @property
     def buffered(self) -> int:
@@ -307,8 +312,7 @@ class TcpHandlerHost:
         ctx = flow.ctx
         self.gflow = GuestFlow("tcp", flow, name, float(ctx.config.tcp_connect_timeout))
         self.cap = max(1, int(ctx.config.tcp_buffer))
-        reader = self.reader = GuestReader(limit=self.cap)
-        reader._host = self
+        self.reader = GuestReader(self, self.cap)
         self.writer = GuestWriter(self)
         self.out = bytearray()
         self.writing = False
@@ -401,7 +405,7 @@ class TcpHandlerHost:
     # ------------------------------------------------------------------ guest -> handler
     def room(self) -> None:
         """The handler read: let a paused flow offer its bytes again."""
-        if self.writing and not self.closed and len(self.reader._buffer) < self.cap:
+        if self.writing and not self.closed and self.reader.buffered < self.cap:
             self.writing = False
             self.flow.resume_writing()
 
@@ -425,7 +429,7 @@ class TcpHandlerHost:
         if self.discard:
             return len(data)
         reader = self.reader
-        take = min(len(data), self.cap - len(reader._buffer))
+        take = min(len(data), self.cap - reader.buffered)
         if take > 0:
             reader.feed_data(data[:take] if take < len(data) else data)
         else:

@@ -35,8 +35,8 @@ from typing import Any, Mapping, Sequence
 
 from ..config import NetworkConfig
 from ..lifecycle import farewell
-from .netns import (DEFAULT_SETUP_TIMEOUT, NamespaceError, _helper_argv, _iface_spec, _log_serve_end, _readable,
-                    _stop_serving, resolv_conf_text)
+from .nsbase import (DEFAULT_SETUP_TIMEOUT, NamespaceError, helper_argv, iface_spec, log_serve_end, readable,
+                     resolv_conf_text, stop_serving)
 
 __all__ = ["DEFAULT_STOP_TIMEOUT", "Guest", "spawn"]
 
@@ -142,7 +142,24 @@ class Guest:
         """Send SIGKILL."""
         self.send_signal(signal.SIGKILL)
 
-    def _close(self) -> None:
+    @property
+    def exited(self) -> asyncio.Future:
+        """A future that completes with the exit status when the guest exits (do not cancel it)."""
+        return self._exited
+
+    def adopt_pipe(self, transport: asyncio.BaseTransport) -> None:
+        """Own the pipe ``transport`` of a stdin/stdout/stderr stream: closed by :meth:`release`."""
+        self._pipes.append(transport)
+
+    async def reap(self, timeout: float = 5.0) -> None:
+        """SIGKILL the top process through its ``Popen`` and wait for it (in a thread, at most
+        ``timeout`` seconds): for a guest that outlived :meth:`kill`."""
+        with contextlib.suppress(Exception):
+            self._proc.kill()
+            await asyncio.to_thread(self._proc.wait, timeout)
+
+    def release(self) -> None:
+        """Close the guest's pipes and its pidfd (after it exited, or when giving up on it). Idempotent."""
         for tr in self._pipes:
             tr.close()
         self._pipes.clear()
@@ -216,7 +233,7 @@ class _Spawn:
         stack = self.stack
         config = self.config if self.config is not None else stack.config
         offload = self.offload and bool(getattr(stack, "supports_offload", False))
-        spec = dict(_iface_spec(config, self.ifname), mode="run", resolv_conf=resolv_conf_text(config),
+        spec = dict(iface_spec(config, self.ifname), mode="run", resolv_conf=resolv_conf_text(config),
                     argv=self.argv, pid_namespace=bool(self.pid_namespace), vnet_hdr=offload,
                     env=None if self.env is None else {str(k): str(v) for k, v in self.env.items()},
                     cwd=None if self.cwd is None else os.fspath(self.cwd))
@@ -232,7 +249,7 @@ class _Spawn:
         self._sock = parent_sock
         spec = dict(spec, sock=child_sock.fileno(), ppid=os.getpid())
         try:
-            proc = subprocess.Popen(_helper_argv(spec), pass_fds=(child_sock.fileno(),), stdin=theirs[0],
+            proc = subprocess.Popen(helper_argv(spec), pass_fds=(child_sock.fileno(),), stdin=theirs[0],
                                     stdout=theirs[1], stderr=theirs[2])
         except OSError as exc:
             for fd in ours:
@@ -251,18 +268,18 @@ class _Spawn:
             if i == 0:
                 wtr, proto = await loop.connect_write_pipe(_WriteProtocol, open(fd, "wb", 0))
                 guest.stdin = asyncio.StreamWriter(wtr, proto, None, loop)
-                guest._pipes.append(wtr)
+                guest.adopt_pipe(wtr)
             else:
                 reader = asyncio.StreamReader(loop=loop)
                 rtr, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), open(fd, "rb", 0))
-                guest._pipes.append(rtr)
+                guest.adopt_pipe(rtr)
                 setattr(guest, "stdout" if i == 1 else "stderr", reader)
         parent_sock.setblocking(False)
         info, fd = await self._receive(parent_sock, guest)
         transport = self._transport = TapTransport(fd, ifname=info["ifname"], offload=offload)
         guest.ifname = info["ifname"]
         self._serve_task = asyncio.create_task(stack.serve(transport))
-        self._serve_task.add_done_callback(_log_serve_end)
+        self._serve_task.add_done_callback(log_serve_end)
         await asyncio.sleep(0)  # serve() opens the transport (add_reader) before the command starts
         if self._serve_task.done():  # the transport could not be served (e.g. a TAP that is down)
             self._serve_task.result()
@@ -273,9 +290,9 @@ class _Spawn:
         return guest
 
     async def _receive(self, sock: socket.socket, guest: Guest) -> tuple[dict, int]:
-        waiter = asyncio.ensure_future(_readable(sock.fileno()))
+        waiter = asyncio.ensure_future(readable(sock.fileno()))
         try:
-            done, _ = await asyncio.wait([waiter, guest._exited], timeout=self.setup_timeout,
+            done, _ = await asyncio.wait([waiter, guest.exited], timeout=self.setup_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
@@ -305,7 +322,7 @@ class _Spawn:
     async def _exec_result(self, sock: socket.socket) -> None:
         """EOF on the socket: the command was executed (close-on-exec); a message: it could not be."""
         try:
-            await asyncio.wait_for(_readable(sock.fileno()), self.setup_timeout)
+            await asyncio.wait_for(readable(sock.fileno()), self.setup_timeout)
             data = sock.recv(65536)
         except (asyncio.TimeoutError, OSError):
             return  # it is running (or gone): wait() tells
@@ -338,7 +355,7 @@ class _Spawn:
                     # reset them while the link is up, so none hangs on a stack that is gone
                     with contextlib.suppress(Exception):
                         await farewell(stack)
-                await _stop_serving(stack, self._serve_task, transport)
+                await stop_serving(stack, self._serve_task, transport)
             elif transport is not None:
                 transport.close()
         finally:
@@ -347,10 +364,8 @@ class _Spawn:
                 self._sock = None
             if guest is not None:
                 if guest.returncode is None:  # not even SIGKILL helped: reap it in a thread
-                    with contextlib.suppress(Exception):
-                        guest._proc.kill()
-                        await asyncio.to_thread(guest._proc.wait, 5)
-                guest._close()
+                    await guest.reap()
+                guest.release()
             if self._own_stack:
                 await stack.aclose()
 

@@ -100,7 +100,7 @@ def _skip_name(msg: bytes, off: int) -> int:
         off += 1 + n
 
 
-def _read_name(msg: bytes, off: int) -> tuple[bytes, int]:
+def read_name(msg: bytes, off: int) -> tuple[bytes, int]:
     """The name at ``off`` lower-cased in wire form (pointers followed) and the offset past it."""
     labels: list[bytes] = []
     end = None
@@ -139,7 +139,7 @@ def _read_name(msg: bytes, off: int) -> tuple[bytes, int]:
 
 def _question(msg: bytes) -> tuple[tuple[bytes, int, int], int]:
     """The first question ``(qname_lower, qtype, qclass)`` and the offset past it."""
-    name, off = _read_name(msg, HEADER_LEN)
+    name, off = read_name(msg, HEADER_LEN)
     if off + 4 > len(msg):
         raise ValueError("truncated question")
     qtype, qclass = struct.unpack_from("!HH", msg, off)
@@ -396,7 +396,7 @@ class DnsForwarder:
             code, rule = policy.dns_verdict(name)
             if code:
                 self.count("blocked")
-                reply = blocked_response(query, qend, code, rule, has_edns(query, qend, _read_name))
+                reply = blocked_response(query, qend, code, rule, has_edns(query, qend, read_name))
                 policy.counters["egress.dns_blocked"] = policy.counters.get("egress.dns_blocked", 0) + 1
                 self._audit(policy, name, guest, "deny", rule)
                 return reply
@@ -417,7 +417,7 @@ class DnsForwarder:
         if rule is not None:
             if now is None:
                 now = asyncio.get_running_loop().time()
-            addrs = answer_addresses(reply, question[0], _read_name)
+            addrs = answer_addresses(reply, question[0], read_name)
             if addrs:
                 policy.bind_answer(qname_text(question[0]), addrs, now)
             self._audit(policy, qname_text(question[0]), guest, "allow", rule)
@@ -427,7 +427,7 @@ class DnsForwarder:
         """Answer a query for a local name (``config.dns_records``) here: never upstream, never
         blocked by a name rule; its addresses are bound to the name under the policy."""
         self.count("local")
-        reply, bind = local.answer(query, qend, question, has_edns(query, qend, _read_name))
+        reply, bind = local.answer(query, qend, question, has_edns(query, qend, read_name))
         if policy is not None and getattr(policy, "names_on", False):
             name = qname_text(question[0])
             if bind:

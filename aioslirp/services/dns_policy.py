@@ -7,7 +7,7 @@
   its CNAME chain (RFC 1034 3.6.2), each with the smallest TTL along the chain (seconds).
 * :func:`qname_text` — a wire-form name as lower-case text without the trailing dot.
 
-Everything here is bounded: names are read with :func:`~aioslirp.services.dns._read_name`
+Everything here is bounded: names are read with :func:`~aioslirp.services.dns.read_name`
 (pointer loops and length checked), records at most the message's counts, CNAME hops at most
 :data:`MAX_CNAME_HOPS`.
 """

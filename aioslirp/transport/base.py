@@ -58,6 +58,14 @@ class Transport:
         self._on_frames = on_frames
         await self._start_reading()
 
+    def swap_sink(self, old: FrameSink, new: FrameSink) -> bool:
+        """Deliver guest frames to ``new`` from now on if they go to ``old`` now; returns whether
+        it swapped (a wrapper's inner transport delivers to the wrapper, not to ``old``)."""
+        if self._on_frames is old:
+            self._on_frames = new
+            return True
+        return False
+
     async def _start_reading(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
