@@ -5,7 +5,8 @@
 * parsing: rates with units, one-line errors naming the field;
 * in-process: UDP datagrams over the cap are dropped and counted, each way;
 * real guest under ``aioslirp run``: TCP at the cap within +-10% both ways, every byte
-  delivered (SHA-256 checked).
+  delivered (SHA-256 checked); the same cap measured by iperf3 (``-R`` for down) against an
+  ``iperf3 -s -1`` on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import asyncio
 import collections
 import hashlib
 import json
+import socket
+import subprocess
+import time
 
 import pytest
 
@@ -22,7 +26,7 @@ from aioslirp.config import ConfigError
 from aioslirp.config.rates import parse_rate, parse_rate_limit
 from aioslirp.ratelimit import MIN_BYTE_BURST, ByteBucket, byte_burst
 from aioslirp.tcp.pacing import RATE_MIN_WRITE, FlowPacing
-from guest_helpers import run_guest
+from guest_helpers import need_tool, run_guest
 from hostservers import DataServer, DnsUpstream, UdpEcho, pattern
 from stack_helpers import F4, recv_frames, served_stack, udp_frame
 
@@ -235,3 +239,50 @@ def test_tcp_paced_at_the_cap_without_loss(direction):
         assert out["bytes"] == n // 256 * 256 and out["sha"] == out["sent_sha"]
     rate = out["bytes"] / out["seconds"]
     assert cap * 0.9 <= rate <= cap * 1.1, (rate, out)
+
+
+# ------------------------------------------------------------------ TCP under iperf3, a real guest
+def _iperf3_server() -> tuple[subprocess.Popen, int]:
+    """``iperf3 -s -1`` (one test, then exit) on 127.0.0.1 of the test namespace; (process, port)."""
+    with socket.socket() as probe:  # a free port (iperf3 reports none when given 0)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    srv = subprocess.Popen(["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    want = f"0100007F:{port:04X}"
+    for _ in range(250):  # until it listens (read from /proc: a probe connection would be its one test)
+        with open("/proc/net/tcp") as f:
+            if any(ln.split()[1] == want and ln.split()[3] == "0A" for ln in f.readlines()[1:]):
+                break
+        time.sleep(0.02)
+    return srv, port
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_iperf3_holds_the_cap_both_ways(direction):
+    """``--rate-limit {up,down}=20mbit`` and iperf3 in the guest (``-R`` for down): the rate the
+    receiver measured is the cap within +-10%, and the sender reports its retransmits."""
+    need_tool("iperf3", "iperf3")
+    dns = DnsUpstream()
+    srv, port = _iperf3_server()
+    cap_bps = 20_000_000
+    cmd = ["iperf3", "-c", "10.0.2.2", "-p", str(port), "-t", "4", "-J"] + (["-R"] if direction == "down" else [])
+    try:
+        p = run_guest({"dns": dns}, "", "--rate-limit", f"{direction}=20mbit", cmd=cmd, timeout=60)
+        srv.wait(timeout=10)
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+            srv.wait()
+        dns.close()
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    res = json.loads(p.stdout)
+    assert "error" not in res, (res.get("error"), srv.stderr.read()[-2000:] if srv.stderr else b"")
+    end = res["end"]
+    received = end["sum_received"]["bits_per_second"]
+    sent = end["sum_sent"]
+    assert cap_bps * 0.9 <= received <= cap_bps * 1.1, (received, sent)
+    assert end["sum_received"]["seconds"] >= 3.5
+    assert isinstance(sent["retransmits"], int) and sent["retransmits"] >= 0  # the sender (guest or host) reports them
+    assert res["start"]["test_start"]["reverse"] == (1 if direction == "down" else 0)
+    print(f"iperf3 {direction}: {received / 1e6:.2f} Mbit/s received, {sent['retransmits']} retransmits")
