@@ -179,7 +179,7 @@ def test_interpreter_record_from_sysconfig():
                                       extension=True)
     assert (flags["pgo"], flags["lto"], flags["extension"]) == (True, True, True)
     plain = report.interpreter_record("3.11.7", "CPython", "/x/.venv/bin/python",
-                                      {"CONFIG_ARGS": "'--prefix=/root/.pyenv/versions/3.11.7' '--enable-shared'",
+                                      {"CONFIG_ARGS": "'--prefix=/opt/python-3.11.7' '--enable-shared'",
                                        "PY_CFLAGS": "-O3 -Wall"}, extension=False)
     assert (plain["pgo"], plain["lto"], plain["executable"]) == (False, False, "python")
     # a distribution's build does not show its PGO/LTO in sysconfig: unknown, not "no"
