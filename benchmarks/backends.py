@@ -9,7 +9,9 @@ servers:
 * ``slirp4netns-1500`` / ``slirp4netns-65520``: ``slirp4netns --configure --mtu M
   --netns-type=path NS tap0``; 10.0.2.2 reaches 127.0.0.1 (host loopback is allowed by
   default, i.e. no ``--disable-host-loopback``).
-* ``pasta``: ``pasta -f --runas 0:0 --config-net -a 10.0.2.15 -n 24 -g 10.0.2.2 --netns NS`` with its
+* ``pasta`` (the one in PATH, Debian's) and ``pasta-RELEASE`` for each ``--pasta PATH`` (e.g.
+  ``pasta-2026_07_16``, built by ``../shared/peers/build.sh``): ``pasta -f --runas 0:0 --config-net
+  -a 10.0.2.15 -n 24 -g 10.0.2.2 --netns NS`` with its
   default MTU 65520 and no automatic port forwarding (``-t/-u/-T/-U none``); connections
   to the gateway address are mapped to the host's loopback (pasta's default; ``--no-map-gw``
   would turn that off).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,21 +178,70 @@ class Slirp4netns(Backend):
         return _dpkg_version("slirp4netns")
 
 
+def pasta_version(binary: str) -> str:
+    """The release a pasta binary reports (``pasta 2026_07_16.090d739`` -> ``2026_07_16.090d739``), or ""."""
+    try:
+        p = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    first = (p.stdout or p.stderr).strip().splitlines()[:1]
+    words = first[0].split() if first else []
+    return words[1] if len(words) >= 2 and words[0] in ("pasta", "passt") else ""
+
+
+def pasta_name(version: str) -> str:
+    """Backend name of a pasta build: ``pasta-`` and its release date
+    (``2026_07_16.090d739`` -> ``pasta-2026_07_16``)."""
+    return "pasta-" + (version.split(".")[0] or "custom") if version else "pasta-custom"
+
+
 class Pasta(Backend):
-    def __init__(self, mtu: int = 65520) -> None:
+    """pasta: the one in PATH (Debian's, named ``pasta``) or the binary ``binary`` (named by its
+    ``--version``, e.g. ``pasta-2026_07_16``, unless ``name`` is given)."""
+
+    def __init__(self, mtu: int = 65520, binary: str | None = None, name: str | None = None) -> None:
         super().__init__()
         self.mtu = mtu
-        self.name = "pasta" if mtu == 65520 else f"pasta-{mtu}"
+        self.binary = binary
+        self._version = pasta_version(binary) if binary else None
+        if name:
+            self.name = name
+        elif binary:
+            self.name = pasta_name(self._version or "")
+        else:
+            self.name = "pasta" if mtu == 65520 else f"pasta-{mtu}"
         self.description = f"pasta --config-net (MTU {mtu}, gateway mapped to host loopback)"
+        if binary:
+            self.description += f", built from upstream ({os.path.basename(binary)} {self._version or '?'})"
+
+    def available(self) -> bool:
+        if self.binary:
+            return os.access(self.binary, os.X_OK)
+        return shutil.which("pasta") is not None
 
     def argv(self, ns: str) -> list[str]:
         # As root pasta would switch to "nobody", which may not setns() into our namespace.
-        return ["pasta", "-f", "-q", "--runas", "0:0", "-4", "--config-net", "-a", GUEST, "-n", str(PREFIX), "-g", GW,
-                "-m", str(self.mtu), "-I", "tap0", "-t", "none", "-u", "none", "-T", "none", "-U", "none",
-                "--netns", ns]
+        return [self.binary or "pasta", "-f", "-q", "--runas", "0:0", "-4", "--config-net", "-a", GUEST, "-n",
+                str(PREFIX), "-g", GW, "-m", str(self.mtu), "-I", "tap0", "-t", "none", "-u", "none", "-T", "none",
+                "-U", "none", "--netns", ns]
 
     def version(self) -> str:
+        if self.binary:
+            return self._version or "unknown"
         return _dpkg_version("passt")
+
+
+def pasta_from_spec(spec: str, taken: Sequence[str] = ()) -> Pasta:
+    """A pasta backend from ``PATH`` or ``NAME=PATH``; a name already in ``taken`` gets a suffix."""
+    name, sep, path = spec.partition("=")
+    if not sep:
+        name, path = "", spec
+    b = Pasta(binary=os.path.abspath(path), name=name or None)
+    base, i = b.name, 2
+    while b.name in taken:
+        b.name = f"{base}-{i}"
+        i += 1
+    return b
 
 
 class Veth(Backend):

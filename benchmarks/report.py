@@ -1,4 +1,4 @@
-"""Summaries, markdown tables (ratios to pasta), the PNG plot and the docs update.
+"""Summaries, markdown tables (ratios to the faster pasta per figure), the PNG plot and the docs update.
 
 ``summarize(records)`` takes the medians over rounds of each metric per placement and
 backend; ``markdown(doc)`` renders them; ``plot(doc, path)`` draws them with matplotlib
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REFERENCE = "pasta"
+REFERENCE = "pasta"  # Debian's pasta; pasta-RELEASE backends (--pasta PATH) are references too
 
 #: metric -> (label, unit, lower_is_better)
 METRICS = {
@@ -51,6 +51,95 @@ METRICS.update({
     "idle_fds": ("fds with idle flows", "", True),
     "idle_setup_s": ("time to open idle flows", "s", True),
 })
+
+
+def is_pasta(backend: str) -> bool:
+    """Debian's ``pasta`` and every ``pasta-...`` backend (other builds, other MTUs)."""
+    return backend == REFERENCE or backend.startswith(REFERENCE + "-")
+
+
+def references(summary: dict) -> dict:
+    """``{placement: {metric: backend}}``: for each figure, the pasta that did best (lowest latency,
+    CPU and retransmits; highest throughput and rate). Ratios and targets are to that one."""
+    out: dict = {}
+    for pl, per_b in summary.items():
+        names: dict = {}
+        for key in {k for s in per_b.values() for k in s if k in METRICS}:
+            lower = METRICS[key][2]
+            best = None
+            for b, s in per_b.items():
+                v = s.get(key)
+                if not is_pasta(b) or v is None:
+                    continue
+                if best is None or (v < best[0] if lower else v > best[0]):
+                    best = (v, b)
+            if best is not None:
+                names[key] = best[1]
+        out[pl] = names
+    return out
+
+
+def reference_values(summary_pl: dict) -> dict:
+    """``{metric: value}`` of the faster pasta per figure in one placement's summary."""
+    names = references({"_": summary_pl})["_"]
+    return {key: summary_pl[b][key] for key, b in names.items()}
+
+
+#: Markers of an optimised CPython build in its ``sysconfig`` variables.
+PGO_MARKERS = ("--enable-optimizations", "-fprofile-use", "-fprofile-instr-use")
+LTO_MARKERS = ("--with-lto", "-flto")
+FLAG_VARS = ("CONFIG_ARGS", "PY_CFLAGS", "PY_CFLAGS_NODIST", "PY_LDFLAGS_NODIST", "OPT", "CFLAGS", "LDFLAGS")
+
+
+def interpreter_record(version: str, implementation: str, executable: str, config_vars: dict,
+                       extension: bool) -> dict:
+    """What the results say about the interpreter that ran aioslirp.
+
+    ``pgo``/``lto`` are True when a marker shows in the build's ``sysconfig`` variables
+    (``CONFIG_ARGS``, ``PY_CFLAGS``, ...), False when it does not, and None ("not shown") for a
+    distribution's build (``--prefix=/usr``): Debian and Ubuntu build ``python3`` with PGO and LTO
+    from their packaging rules, which ``sysconfig`` does not record.
+    """
+    flags = " ".join(str(config_vars.get(k) or "") for k in FLAG_VARS)
+    distro = "'--prefix=/usr'" in str(config_vars.get("CONFIG_ARGS") or "")
+
+    def seen(markers: tuple) -> bool | None:
+        if any(m in flags for m in markers):
+            return True
+        return None if distro else False
+
+    return {"version": version, "implementation": implementation, "executable": os.path.basename(executable),
+            "pgo": seen(PGO_MARKERS), "lto": seen(LTO_MARKERS), "distribution_build": distro,
+            "extension": bool(extension)}
+
+
+def current_interpreter() -> dict:
+    """``interpreter_record`` of this process; ``extension`` is ``aioslirp._compiled`` (False if absent)."""
+    import sysconfig
+
+    try:
+        import aioslirp
+
+        extension = bool(getattr(aioslirp, "_compiled", False))
+    except ImportError:
+        extension = False
+    return interpreter_record(platform.python_version(), platform.python_implementation(), sys.executable,
+                              sysconfig.get_config_vars(), extension)
+
+
+def interpreter_text(rec: dict | None) -> str:
+    """``Python 3.11.2 (CPython, python3, PGO+LTO, no compiled extension)`` for the header line."""
+    if not rec:
+        return "Python ?"
+    if rec.get("error"):
+        return f"Python ? ({rec.get('executable')}: {rec['error']})"
+    opt = [name for name in ("PGO", "LTO") if rec.get(name.lower())]
+    unknown = [name for name in ("PGO", "LTO") if rec.get(name.lower()) is None]
+    build = "+".join(opt) if opt else ("no PGO/LTO" if not unknown else "")
+    if unknown:
+        build = (build + ", " if build else "") + "/".join(unknown) + " not shown by sysconfig (distribution build)"
+    ext = "compiled extension loaded" if rec.get("extension") else "no compiled extension"
+    return (f"Python {rec.get('version')} ({rec.get('implementation')}, {rec.get('executable')}, {build}, {ext})")
 
 
 def _run(cmd: list[str], cwd: Path | None = None) -> str:
@@ -181,7 +270,7 @@ def _cell(s: dict, ref: dict, key: str, ratio: bool = True) -> str:
 def targets(summary_pl: dict) -> list[tuple]:
     """Issue 7 targets for each aioslirp variant: (backend, target, value, limit, met)."""
     rows = []
-    ref = summary_pl.get(REFERENCE, {})
+    ref = reference_values(summary_pl)
     s4n = summary_pl.get("slirp4netns-65520", {})
     for b, s in summary_pl.items():
         if not b.startswith("aioslirp"):
@@ -205,13 +294,23 @@ def targets(summary_pl: dict) -> list[tuple]:
     return rows
 
 
+def reference_note(summary_pl: dict, keys: tuple) -> list[str]:
+    """With more than one pasta: a line naming the faster pasta of each of ``keys`` (else nothing)."""
+    if sum(1 for b in summary_pl if is_pasta(b)) < 2:
+        return []
+    names = references({"_": summary_pl})["_"]
+    parts = [f"{METRICS[k][0]} {names[k]}" for k in keys if k in names]
+    return ["", "Ratios to the faster pasta per figure: " + "; ".join(parts) + "."] if parts else []
+
+
 def markdown(doc: dict) -> str:
     meta, summary = doc["meta"], doc["summary"]
     order = list(meta.get("backends", {}).keys())
     la0, la1 = meta.get("loadavg_start"), meta.get("loadavg_end")
+    interp = interpreter_text(meta["interpreter"]) if meta.get("interpreter") else f"Python {meta.get('python')}"
     lines = [
         f"Run {meta.get('started', '?')} on {meta.get('cpu_model', '?')} ({meta.get('ncpu')} CPUs), "
-        f"kernel {meta.get('kernel')}, Python {meta.get('python')}, aioslirp commit {meta.get('commit')}; "
+        f"kernel {meta.get('kernel')}, {interp}, aioslirp commit {meta.get('commit')}; "
         f"{meta['profile']['rounds']} interleaved round(s)"
         f"{' (unpinned: ' + str(meta['profile'].get('unpinned_rounds')) + ')' if 'unpinned' in meta['profile'].get('placements', []) else ''}"
         f", medians; load average "
@@ -224,19 +323,21 @@ def markdown(doc: dict) -> str:
         + f"; iperf3 {meta.get('iperf3')}; client and servers: {meta.get('client_impl', 'python')} "
         "(benchmarks/bench.c, or client.py/hostserver.py).",
         "",
-        "Ratios in parentheses are to pasta in the same run and placement (for latency and CPU, "
-        "lower is better; for throughput and rates, higher is better).",
+        "Ratios in parentheses are to the faster pasta per figure in the same run and placement (for latency "
+        "and CPU, lower is better; for throughput and rates, higher is better); with more than one pasta, "
+        "each table names which one that was.",
     ]
     for pl in ("pinned", "unpinned"):
         if pl not in summary:
             continue
         S = summary[pl]
-        ref = S.get(REFERENCE, {})
+        ref = reference_values(S)
         bs = [b for b in order if b in S] + [b for b in S if b not in order]
         where = (f"client, servers and backend pinned to CPU {meta.get('pinned_cpu')}" if pl == "pinned"
                  else f"no pinning (CPUs {meta.get('allowed_cpus')})")
         lines += ["", f"### {pl.capitalize()}: {where}", "",
-                  "Latency in microseconds (p50 / p90 / p99), ratio of p50 to pasta; backend CPU per 1,000 CRR connections.",
+                  "Latency in microseconds (p50 / p90 / p99), ratio of p50 to the faster pasta; backend CPU per "
+                  "1,000 CRR connections.",
                   "",
                   "| backend | CRR | RR | UDP RR | CRR backend CPU ms/1000 |",
                   "| --- | --- | --- | --- | --- |"]
@@ -251,6 +352,7 @@ def markdown(doc: dict) -> str:
                                 f"{_ratio(s.get(t + '_p50'), ref.get(t + '_p50'))}")
             cols.append(_cell(s, ref, "crr_cpu_ms_per_1k"))
             lines.append(f"| {b} | " + " | ".join(cols) + " |")
+        lines += reference_note(S, ("crr_p50", "rr_p50", "udprr_p50", "crr_cpu_ms_per_1k"))
         lines += ["", "TCP bulk (iperf3, one stream): throughput, backend CPU seconds per GB moved, sender retransmits.",
                   "",
                   "| backend | ns->host Gbit/s | CPU s/GB | retr | host->ns Gbit/s | CPU s/GB | retr |",
@@ -260,6 +362,7 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {b} | {_cell(s, ref, 'up_gbps')} | {_cell(s, ref, 'up_cpu_s_per_gb')} | "
                          f"{_count(s.get('up_retrans'))} | {_cell(s, ref, 'down_gbps')} | "
                          f"{_cell(s, ref, 'down_cpu_s_per_gb')} | {_count(s.get('down_retrans'))} |")
+        lines += reference_note(S, ("up_gbps", "up_cpu_s_per_gb", "down_gbps", "down_cpu_s_per_gb"))
         lines += ["", "Concurrent CRR: connections per second (p50 latency us) with 1, 8 and 64 connections in flight "
                   "from one client process; backend CPU per 1,000 connections at 64.", "",
                   "| backend | x1 conn/s (p50) | x8 conn/s (p50) | x64 conn/s (p50) | x64 CPU ms/1000 |",
@@ -273,6 +376,7 @@ def markdown(doc: dict) -> str:
                             f"{_fmt(rate)}{_ratio(rate, ref.get(f'ccrr{n}_rate'))} ({_fmt(s.get(f'ccrr{n}_p50'))})")
             cols.append(_cell(s, ref, "ccrr64_cpu_ms_per_1k"))
             lines.append(f"| {b} | " + " | ".join(cols) + " |")
+        lines += reference_note(S, ("ccrr1_rate", "ccrr8_rate", "ccrr64_rate", "ccrr64_cpu_ms_per_1k"))
     idle_rows = []
     for pl, S in summary.items():
         for b in [b for b in order if b in S] + [b for b in S if b not in order]:
@@ -296,7 +400,8 @@ def markdown(doc: dict) -> str:
         rows = targets(summary[pl])
         if not rows:
             continue
-        lines += ["", f"### Issue 7 targets ({pl})", "", "| backend | target | value | limit | met |",
+        lines += ["", f"### Issue 7 targets ({pl}; pasta = the faster pasta per figure)", "",
+                  "| backend | target | value | limit | met |",
                   "| --- | --- | --- | --- | --- |"]
         for b, name, val, lim, met in rows:
             lines.append(f"| {b} | {name} | {_fmt(val)} | {lim} | {'–' if met is None else ('yes' if met else '**no**')} |")
@@ -370,6 +475,9 @@ def update_docs(page: Path, md: str, with_plot: bool) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--interpreter"]:  # run.py asks the --python interpreter this way
+        print(json.dumps(current_interpreter()))
+        sys.exit(0)
     d = json.loads(Path(sys.argv[1]).read_text())
     if "records" not in d:
         d["records"] = []

@@ -6,6 +6,7 @@ Run as root from the repository (needs ``pasta``, ``slirp4netns``, ``iperf3``, `
 
     sudo .venv/bin/python benchmarks/run.py            # full run, under 10 minutes
     sudo .venv/bin/python benchmarks/run.py --quick    # 1-2 minutes, fewer/shorter repetitions
+    sudo .venv/bin/python benchmarks/run.py --pasta "$(../shared/peers/build.sh)"   # and today's upstream pasta
 
 What it does (see docs/performance.md for the method):
 
@@ -21,7 +22,8 @@ What it does (see docs/performance.md for the method):
    Backend CPU time comes from ``/proc/PID/task/*/sched`` (``se.sum_exec_runtime``).
 3. Writes ``benchmarks/results/run-STAMP.json`` (every record), and for full runs
    ``latest.json``/``latest.md``/``latest.png`` plus the results section of
-   docs/performance.md (medians over rounds, ratios to pasta).
+   docs/performance.md (medians over rounds, ratios to the faster pasta per figure; the JSON's
+   ``references`` names it, ``meta.interpreter`` records the Python that ran aioslirp).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ TCP_PORT = 7001
 UDP_PORT = 7002
 IPERF_PORT = 5201
 CLIENT = str(HERE / "client.py")
+#: Builds upstream pasta from the source shipped beside the repository; prints the pasta path.
+PEERS_BUILD = REPO.parent / "shared" / "peers" / "build.sh"
 SERVER = str(HERE / "hostserver.py")
 NOFILE = 65536
 
@@ -80,6 +84,31 @@ def build_c_tools(out_dir: Path) -> str | None:
             log(f"cannot compile bench.c, using the Python client and server: {p.stderr.strip()[:300]}")
             return None
     return str(exe)
+
+
+def build_peers(script: str) -> str | None:
+    """Run the peers build script (from the repository, so its output lands in .cache/peers); the pasta path."""
+    if not os.path.exists(script):
+        print(f"run.py: error: --build-peers: {script} not found", file=sys.stderr)
+        return None
+    log(f"building upstream pasta with {script} (about a minute the first time)")
+    p = subprocess.run(["sh", script], cwd=REPO, capture_output=True, text=True)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines:
+        print(f"run.py: error: --build-peers: {script} failed: {(p.stderr or p.stdout).strip()[-400:]}",
+              file=sys.stderr)
+        return None
+    return lines[-1]
+
+
+def interpreter_of(python: str) -> dict:
+    """``report.interpreter_record`` as seen by the interpreter that runs aioslirp (``--python``)."""
+    try:
+        p = subprocess.run([python, str(HERE / "report.py"), "--interpreter"], capture_output=True, text=True,
+                           timeout=60, cwd="/")
+        return json.loads(p.stdout)
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        return {"executable": os.path.basename(python), "error": f"{type(exc).__name__}: {exc}"[:200]}
 
 
 def log(msg: str) -> None:
@@ -431,6 +460,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-latest", action="store_true",
                     help="do not update latest.* and docs/performance.md (only a full default run does: not "
                          "--quick, nor one narrowed by --backends/--tests/--rounds/--placements/--idle-flows)")
+    ap.add_argument("--pasta", action="append", default=[], metavar="[NAME=]PATH",
+                    help="add a pasta backend running the binary PATH, named NAME or pasta-RELEASE from its "
+                         "--version (e.g. pasta-2026_07_16); repeatable. Debian's pasta (in PATH) stays 'pasta'. "
+                         "Ratios are to the faster pasta per figure")
+    ap.add_argument("--build-peers", nargs="?", const=str(PEERS_BUILD), metavar="SCRIPT",
+                    help="build today's upstream pasta with SCRIPT (default ../shared/peers/build.sh beside the "
+                         "repository; output in .cache/peers) and add it as with --pasta")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME[:TREE][=ARGS]",
                     help="add an aioslirp backend named aioslirp-NAME for A/B runs: TREE is a directory holding "
                          "another aioslirp package to run (e.g. a copy of the code before a change), ARGS extra "
@@ -449,6 +485,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.idle_flows is not None:
         prof["idle_flows"] = args.idle_flows
     lineup = B.all_backends(args.python)
+    pasta_specs = list(args.pasta)
+    if args.build_peers:
+        built = build_peers(args.build_peers)
+        if built is None:
+            return 2
+        pasta_specs.append(built)
+    at = next((i + 1 for i, b in enumerate(lineup) if isinstance(b, B.Pasta)), len(lineup))
+    for spec in pasta_specs:
+        extra_pasta = B.pasta_from_spec(spec, [b.name for b in lineup])
+        lineup.insert(at, extra_pasta)
+        at += 1
     for spec in args.variant:
         head, _, extra = spec.partition("=")
         vname, _, tree = head.partition(":")
@@ -463,6 +510,11 @@ def main(argv: list[str] | None = None) -> int:
         lineup = [b for b in lineup if b.name in wanted]
     missing = {"pasta": "passt", "slirp4netns": "slirp4netns"}
     for b in list(lineup):
+        if isinstance(b, B.Pasta) and b.binary:
+            if not b.available():
+                print(f"run.py: error: --pasta: {b.binary} is not an executable", file=sys.stderr)
+                return 2
+            continue
         tool = b.name.split("-")[0]
         if tool in missing and not shutil.which(tool):
             log(f"skipping {b.name}: {tool} not installed (apt-get install {missing[tool]})")
@@ -491,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     cbench = build_c_tools(Path(args.out) / ".bin") if args.impl == "c" else None
     meta = report.host_meta(lineup, REPO)
     meta["client_impl"] = "c" if cbench else "python"
+    meta["interpreter"] = interpreter_of(args.python)
     meta.update(profile=prof, tests=tests, pinned_cpu=pin_cpu, allowed_cpus=allowed, quick=args.quick,
                 loadavg_start=os.getloadavg(), started=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                 rlimit_nofile=_raise_nofile(), argv=sys.argv[1:])
@@ -535,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["duration_s"] = round(time.monotonic() - t_start, 1)
     summary = report.summarize(records)
     out = Path(args.out)
-    doc = {"meta": meta, "summary": summary, "records": records}
+    doc = {"meta": meta, "summary": summary, "references": report.references(summary), "records": records}
     run_path = out / f"run-{stamp}{'-quick' if args.quick else ''}.json"
     run_path.write_text(json.dumps(doc, indent=1))
     md = report.markdown(doc)
@@ -543,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {run_path} ({meta['duration_s']} s, load average at the end {meta['loadavg_end']})")
     complete = not (args.quick or args.backends or args.tests or args.rounds or args.placements or args.idle_flows)
     if complete and not args.no_latest:
-        (out / "latest.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+        (out / "latest.json").write_text(json.dumps({"meta": meta, "summary": summary,
+                                                     "references": doc["references"]}, indent=1))
         (out / "latest.md").write_text(md)
         png = report.plot(doc, out / "latest.png")
         docs_png = None

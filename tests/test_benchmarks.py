@@ -8,6 +8,7 @@ No timing is asserted: only counts, protocol results and arithmetic on given num
 from __future__ import annotations
 
 import json
+import platform
 import shutil
 import signal
 import socket
@@ -166,3 +167,70 @@ def test_run_py_rejects_bad_options_with_one_line():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["run.py: error: --backends: unknown nosuch"]
+
+
+def test_interpreter_record_from_sysconfig():
+    source_opt = {"CONFIG_ARGS": "'--prefix=/opt/py' '--enable-optimizations' '--with-lto'", "PY_CFLAGS": "-O3"}
+    rec = report.interpreter_record("3.11.7", "CPython", "/opt/py/bin/python3.11", source_opt, extension=False)
+    assert rec == {"version": "3.11.7", "implementation": "CPython", "executable": "python3.11", "pgo": True,
+                   "lto": True, "distribution_build": False, "extension": False}
+    # the compiler flags alone are enough, and the extension flag is passed through
+    flags = report.interpreter_record("3.12.1", "CPython", "python", {"PY_CFLAGS_NODIST": "-flto -fprofile-use"},
+                                      extension=True)
+    assert (flags["pgo"], flags["lto"], flags["extension"]) == (True, True, True)
+    plain = report.interpreter_record("3.11.7", "CPython", "/x/.venv/bin/python",
+                                      {"CONFIG_ARGS": "'--prefix=/opt/python-3.11.7' '--enable-shared'",
+                                       "PY_CFLAGS": "-O3 -Wall"}, extension=False)
+    assert (plain["pgo"], plain["lto"], plain["executable"]) == (False, False, "python")
+    # a distribution's build does not show its PGO/LTO in sysconfig: unknown, not "no"
+    distro = report.interpreter_record("3.11.2", "CPython", "/usr/bin/python3",
+                                       {"CONFIG_ARGS": "'--enable-shared' '--prefix=/usr'"}, extension=False)
+    assert (distro["pgo"], distro["lto"], distro["distribution_build"]) == (None, None, True)
+    assert report.interpreter_text(rec) == \
+        "Python 3.11.7 (CPython, python3.11, PGO+LTO, no compiled extension)"
+    assert "no PGO/LTO" in report.interpreter_text(plain)
+    assert "not shown by sysconfig" in report.interpreter_text(distro)
+    now = report.current_interpreter()
+    assert now["extension"] is False and now["version"] == platform.python_version()
+
+
+def test_ratios_to_the_faster_pasta_per_figure():
+    summary = {"pinned": {
+        "aioslirp": {"crr_p50": 600.0, "crr_cpu_ms_per_1k": 400.0, "up_gbps": 4.0, "down_gbps": 4.5},
+        "pasta": {"crr_p50": 300.0, "crr_cpu_ms_per_1k": 200.0, "up_gbps": 9.0, "down_gbps": 5.0},
+        "pasta-2026_07_16": {"crr_p50": 400.0, "crr_cpu_ms_per_1k": 100.0, "up_gbps": 0.5, "down_gbps": 6.0},
+        "slirp4netns-65520": {"crr_p50": 100.0, "up_gbps": 20.0},  # not a pasta: never the reference
+    }}
+    refs = report.references(summary)["pinned"]
+    assert refs == {"crr_p50": "pasta", "crr_cpu_ms_per_1k": "pasta-2026_07_16", "up_gbps": "pasta",
+                    "down_gbps": "pasta-2026_07_16"}
+    assert report.reference_values(summary["pinned"]) == {"crr_p50": 300.0, "crr_cpu_ms_per_1k": 100.0,
+                                                          "up_gbps": 9.0, "down_gbps": 6.0}
+    rows = {name: (val, met) for b, name, val, _l, met in report.targets(summary["pinned"]) if b == "aioslirp"}
+    assert rows["CRR p50 <= 2.0x pasta"] == (600.0, True)  # 600 <= 2 x 300 (the faster pasta's CRR)
+    meta = {"backends": {b: {"version": "0"} for b in summary["pinned"]},
+            "profile": {"rounds": 1, "placements": ["pinned"]}, "pinned_cpu": 1, "ncpu": 2,
+            "interpreter": report.interpreter_record("3.11.2", "CPython", "/usr/bin/python3", {}, False)}
+    md = report.markdown({"meta": meta, "summary": summary, "records": []})
+    assert "| aioslirp | 600 / – / – (2.00x) | – | – | 400 (4.00x) |" in md
+    assert "| pasta-2026_07_16 | 400 / – / – (1.33x) | – | – | 100 (1.00x) |" in md  # both pastas shown
+    assert "| pasta | 9.00 (1.00x) | – | – | 5.00 (0.83x) |" in md
+    assert "Ratios to the faster pasta per figure: CRR p50 pasta; CRR backend CPU pasta-2026_07_16." in md
+    assert "TCP ns->host pasta; TCP host->ns pasta-2026_07_16." in md
+    assert "Python 3.11.2 (CPython, python3, no PGO/LTO, no compiled extension)" in md
+    # one pasta: the same ratios, no note
+    one = {"pinned": {b: s for b, s in summary["pinned"].items() if b != "pasta-2026_07_16"}}
+    meta1 = dict(meta, backends={b: {"version": "0"} for b in one["pinned"]})
+    assert "faster pasta per figure:" not in report.markdown({"meta": meta1, "summary": one, "records": []})
+
+
+def test_pasta_backends_are_named_by_release():
+    import backends as B
+
+    assert B.pasta_name("2026_07_16.090d739") == "pasta-2026_07_16"
+    assert B.pasta_name("") == "pasta-custom"
+    assert B.Pasta().name == "pasta"
+    b = B.pasta_from_spec("new=/nonexistent/pasta", ["pasta"])
+    assert (b.name, b.binary, b.available()) == ("new", "/nonexistent/pasta", False)
+    assert b.argv("NS")[0] == "/nonexistent/pasta"
+    assert B.pasta_from_spec("/nonexistent/pasta", ["pasta-custom"]).name == "pasta-custom-2"
