@@ -8,6 +8,7 @@ No timing is asserted: only counts, protocol results and arithmetic on given num
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import signal
@@ -234,3 +235,20 @@ def test_pasta_backends_are_named_by_release():
     assert (b.name, b.binary, b.available()) == ("new", "/nonexistent/pasta", False)
     assert b.argv("NS")[0] == "/nonexistent/pasta"
     assert B.pasta_from_spec("/nonexistent/pasta", ["pasta-custom"]).name == "pasta-custom-2"
+
+
+@pytest.mark.netns
+def test_handler_bulk_smoke(tmp_path):
+    """benchmarks/handler_bulk.py end to end with tiny transfers: the 4 rows, every byte checked (figures are noise)."""
+    need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
+    out = tmp_path / "hb.json"
+    p = subprocess.run([sys.executable, str(BENCH / "handler_bulk.py"), "--size", "2", "--rounds", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == "| mode | direction | Gbit/s (median) | CPU s/GB (median) |"
+    rows = [line.split(" | ")[:2] for line in lines[2:] if line.startswith("| ")]
+    assert rows == [["| nat", "download"], ["| nat", "upload"], ["| identity", "download"], ["| identity", "upload"]]
+    result = json.loads(out.read_text())
+    assert len(result["records"]) == 4
+    assert all(r["bytes"] == 2_000_000 and r["gbps"] > 0 and r["cpu_s"] >= 0 for r in result["records"])
