@@ -6,14 +6,14 @@ transports :class:`TapTransport`, :class:`SocketPairTransport`, :class:`StreamTr
 :class:`PortForward` and :class:`ForwardError`; :func:`spawn` (a command in its own network namespace
 behind its own stack; a :class:`Guest`), :func:`attach` (serve an existing namespace) and :class:`NamespaceError`; :class:`FlowInfo`, the records of
 ``Stack.flows()``; flows to Python (docs/handlers.md):
-:func:`splice`, :class:`GuestFlow`.
+:func:`splice`, :class:`GuestFlow`; :class:`TapError` (a TAP that cannot be opened or served).
 """
 
 from .config import ConfigError, NetworkConfig
 
 __all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack", "SocketPairTransport", "TapTransport",
            "StreamTransport", "DgramTransport", "QemuServer", "spawn", "Guest", "attach", "NamespaceError", "FlowInfo",
-           "splice", "GuestFlow"]
+           "splice", "GuestFlow", "TapError"]
 __version__ = "0.1.0"
 
 
@@ -36,6 +36,7 @@ _LAZY = {
     "FlowInfo": ".flow.info",
     "splice": ".handlers.splice",
     "GuestFlow": ".handlers.streams",
+    "TapError": ".host.tapdev",
 }
 
 

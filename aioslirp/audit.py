@@ -30,6 +30,8 @@ import socket
 import sys
 import time
 
+from .ratelimit import TokenBucket
+
 __all__ = ["AuditLog", "FLUSH_INTERVAL", "FLUSH_LINES", "EVENTS_QUEUE"]
 
 log = logging.getLogger("aioslirp.audit")
@@ -40,6 +42,13 @@ FLUSH_INTERVAL = 0.2
 FLUSH_LINES = 256
 #: Default bound of each :meth:`AuditLog.events` reader's queue, records.
 EVENTS_QUEUE = 4096
+#: Denial and DNS records (``deny``, ``dns``) per second a guest can cause, and the burst
+#: saved: beyond them such records are not written but counted (``audit.records_suppressed``),
+#: so a guest flooding denied destinations or DNS queries cannot grow the log without bound
+#: (each denial is still counted by the policy: ``drop.egress_denied``, ``egress.*``). Flow
+#: records are never suppressed (their rate is the new-flow rate's).
+DECISION_RATE = 100.0
+DECISION_BURST = 200.0
 
 _ADDR_FIELDS = ("guest", "dst")
 
@@ -123,7 +132,7 @@ class AuditLog:
     """
 
     __slots__ = ("path", "_file", "_own", "_ino", "_pending", "_timer", "_loop", "_readers", "flush_interval",
-                 "flush_lines", "records", "records_dropped", "counters", "closed")
+                 "flush_lines", "records", "records_dropped", "counters", "closed", "_decisions")
 
     path: str | None
     _file: object
@@ -139,6 +148,8 @@ class AuditLog:
     records_dropped: int
     counters: dict
     closed: bool
+    #: The bucket of ``deny`` / ``dns`` records (:data:`DECISION_RATE`).
+    _decisions: TokenBucket
 
     def __init__(self, target=None, *, flush_interval: float = FLUSH_INTERVAL, flush_lines: int = FLUSH_LINES) -> None:
         self.path = None
@@ -164,6 +175,7 @@ class AuditLog:
         self.records_dropped = 0
         self.counters = collections.Counter()
         self.closed = False
+        self._decisions = TokenBucket(DECISION_RATE, DECISION_BURST)
 
     # ------------------------------------------------------------------ set-up
     def bind(self, loop: asyncio.AbstractEventLoop | None, counters=None) -> None:
@@ -212,6 +224,9 @@ class AuditLog:
         addresses as 4 or 16 bytes). Never raises for the sink: write errors are logged and
         counted ``audit.write_errors``."""
         if self.closed:
+            return
+        if rec.get("event") != "flow" and not self._decisions.take(time.monotonic()):
+            self.counters["audit.records_suppressed"] += 1  # over DECISION_RATE: counted, not written
             return
         self.records += 1
         if self._file is not None:

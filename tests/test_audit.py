@@ -220,3 +220,25 @@ def test_audit_log_cli_under_run_with_curl(tmp_path):
         assert r["bytes_up"] > len(request)
         assert (r["dst"], r["guest"], r["end"], r["verdict"]) == ("10.0.2.2", "10.0.2.15", "closed", "allow")
     assert hashlib.sha256(pattern(10, 1)).hexdigest()  # (the server's body generator, as curl read it)
+
+
+def test_a_flood_of_denials_is_written_at_a_bounded_rate_and_counted():
+    """A guest sending to denied destinations (or flooding DNS queries) makes one deny / dns
+    record each: beyond DECISION_RATE (burst DECISION_BURST) they are counted as
+    audit.records_suppressed, not written, so the log cannot grow without bound; flow records
+    are never suppressed."""
+    from aioslirp.audit import DECISION_BURST, AuditLog
+
+    out = io.StringIO()
+    log = AuditLog(out)
+    for i in range(300):
+        log.record({"event": "deny", "time": 0.0, "proto": "udp", "dst": "192.0.2.1", "port": 9 + i})
+    for i in range(50):
+        log.record({"event": "flow", "time": 0.0, "proto": "udp", "dst": "192.0.2.2", "port": 9 + i})
+    log.close()
+    lines = out.getvalue().splitlines()
+    denies = sum('"deny"' in line for line in lines)
+    suppressed = log.counters["audit.records_suppressed"]
+    assert DECISION_BURST <= denies <= DECISION_BURST + 5  # the burst, plus what refilled meanwhile
+    assert denies + suppressed == 300
+    assert sum('"flow"' in line for line in lines) == 50

@@ -363,11 +363,16 @@ def test_denials_are_counted_by_reason_and_audited():
     c = ctx.counters
     assert (c["drop.egress_denied"], c["egress.denied_default"], c["egress.denied_rule"]) == (3, 1, 2)
     recs = ctx.audit.records
-    assert [(r["event"], r["proto"], r["guest"], r["dst"], r["port"], r["name"], r["verdict"], r["rule"])
-            for r in recs] == [
-        ("deny", "tcp", "10.0.2.15:4001", "198.51.100.1", 81, None, "deny", "egress-default deny"),
-        ("deny", "udp", "[fd00::15]:5", "192.0.2.1", 9, None, "deny", "192.0.2.0/24"),
-        ("deny", "tcp", None, "169.254.169.254", 80, None, "deny", "169.254.0.0/16 (default)")]
+    # the same guest fields as a flow record: address and port apart
+    assert [(r["event"], r["proto"], r["guest"], r["guest_port"], r["dst"], r["port"], r["name"], r["verdict"],
+             r["rule"]) for r in recs] == [
+        ("deny", "tcp", "10.0.2.15", 4001, "198.51.100.1", 81, None, "deny", "egress-default deny"),
+        ("deny", "udp", "fd00::15", 5, "192.0.2.1", 9, None, "deny", "192.0.2.0/24"),
+        ("deny", "tcp", None, None, "169.254.169.254", 80, None, "deny", "169.254.0.0/16 (default)")]
+    # the destination as the guest sent to it (the gateway), the host address the policy decided on apart
+    assert g.admit(TCP, "127.0.0.1", 8080, 1.0, (socket.inet_aton("10.0.2.15"), 4002), socket.inet_aton("10.0.2.2")) \
+        == DENIED
+    assert (recs[-1]["dst"], recs[-1]["host"], recs[-1]["port"]) == (socket.inet_aton("10.0.2.2"), "127.0.0.1", 8080)
     assert all(isinstance(r["time"], float) for r in recs)
 
 
@@ -512,3 +517,29 @@ def test_dns_upstream_check_uses_its_port_and_ignores_defaults_and_egress_defaul
     assert not e.allows("192.0.2.1", user_only=True, port=53, proto=UDP)
     assert e.allows("169.254.169.254", user_only=True, port=53, proto=UDP)  # the built-in defaults do not apply
     assert e.allows("127.0.0.1")  # proto 0: rules with ports do not count
+
+
+def test_an_upstream_answer_never_binds_the_hosts_loopback_or_link_local():
+    """DNS rebinding: whoever controls an allowed name's DNS answers 127.0.0.1 (or ::1, a
+    link-local, unspecified or multicast address); bound, the name rule would open the host's own
+    loopback services through the gateway. Refused and counted; the owner's --dns-record (trusted)
+    still binds the gateway's host address."""
+    g, ctx = guard(egress_allow=["a.test:80", "gw.test:80"], egress_default="deny")
+    answer_addrs = [("127.0.0.1", 60), ("127.1.2.3", 60), ("::1", 60), ("::ffff:127.0.0.1", 60), ("0.0.0.0", 60),
+                    ("169.254.169.254", 60), ("fe80::1", 60), ("224.0.0.1", 60), ("198.51.100.1", 60)]
+    assert g.policy.bind_answer("a.test", answer_addrs, 0.0) == 1
+    assert g.policy.counters["egress.dns_bindings_refused"] == 8
+    guest = (socket.inet_aton("10.0.2.15"), 4000)
+    assert g.admit(TCP, "127.0.0.1", 80, 1.0, guest) == DENIED  # the gateway's host side stays shut
+    assert g.admit(TCP, "::1", 80, 1.0, guest) == DENIED
+    assert g.admit(TCP, "198.51.100.1", 80, 1.0, guest) is None and g.decision.name == "a.test"
+    assert g.policy.bind_answer("gw.test", [("127.0.0.1", 60)], 1.0, trusted=True) == 1
+    assert g.admit(TCP, "127.0.0.1", 80, 2.0, guest) is None and g.decision.name == "gw.test"
+
+
+def test_policy_cache_ttl_must_be_positive():
+    """A held flow is replayed with the verdict its hook just gave: with no cache it would be
+    held and asked again for ever (one SYN: ~19,000 hook calls a second)."""
+    with pytest.raises(ConfigError, match="policy_cache_ttl"):
+        NetworkConfig(policy_cache_ttl=0).validate()
+    assert NetworkConfig(policy_cache_ttl=0.5).validate().policy_cache_ttl == 0.5

@@ -747,6 +747,38 @@ def test_first_name_parses_client_hello_and_host():
     assert first_name(b"SSH-2.0-OpenSSH\r\n") == ("bad", None) and first_name(b"\x00\x01") == ("bad", None)
 
 
+
+def raw_hello(exts: bytes) -> bytes:
+    """A minimal TLS 1.3 ClientHello record carrying the extension bytes ``exts``."""
+    body = b"\x03\x03" + bytes(32) + b"\x00" + b"\x00\x02\x13\x01" + b"\x01\x00" + len(exts).to_bytes(2, "big") + exts
+    hs = b"\x01" + len(body).to_bytes(3, "big") + body
+    return b"\x16\x03\x01" + len(hs).to_bytes(2, "big") + hs
+
+
+def sni_ext(*names: bytes) -> bytes:
+    """A server_name extension (RFC 6066 3) listing ``names`` as host_name entries."""
+    lst = b"".join(b"\x00" + len(n).to_bytes(2, "big") + n for n in names)
+    data = len(lst).to_bytes(2, "big") + lst
+    return b"\x00\x00" + len(data).to_bytes(2, "big") + data
+
+
+def test_first_name_refuses_what_a_server_would_read_differently():
+    """Each request here reaches another name than its first Host / SNI on some server: the
+    absolute-form target wins over Host (RFC 9112 3.2.2); a second Host, an obs-fold line or
+    whitespace before the colon is a 400 to a strict server and a guess to a lenient one; two
+    server_name extensions or two host_names in one are refused by OpenSSL and BoringSSL."""
+    from aioslirp.handlers.sni import first_name
+
+    assert first_name(raw_hello(sni_ext(b"a.test"))) == ("name", "a.test")
+    assert first_name(raw_hello(sni_ext(b"a.test") + sni_ext(b"b.test"))) == ("bad", None)
+    assert first_name(raw_hello(sni_ext(b"a.test", b"b.test"))) == ("bad", None)
+    assert first_name(b"GET http://other.test/x HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == ("name", "other.test")
+    assert first_name(b"GET http://u@other.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == ("bad", None)
+    assert first_name(b"GET / HTTP/1.1\r\nHost: allowed.test\r\nHost: other.test\r\n\r\n") == ("bad", None)
+    assert first_name(b"GET / HTTP/1.1\r\nX-A: 1\r\n Host: allowed.test\r\n\r\n") == ("bad", None)
+    assert first_name(b"GET / HTTP/1.1\r\nHost : allowed.test\r\n\r\n") == ("bad", None)
+    assert first_name(b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == ("name", "allowed.test")
+
 GUEST_SNI = r"""
 import errno, json, socket, ssl, subprocess, sys
 port = int(sys.argv[1])

@@ -241,6 +241,20 @@ async def test_serving_a_tap_that_is_down_is_one_clear_error_at_once():
         subprocess.run(["ip", "tuntap", "del", "dev", "aiodown0", "mode", "tap"], check=True)
 
 
+async def test_serving_a_tap_name_that_did_not_exist_says_so():
+    """A mistyped name: opening it makes a new, unattached TAP; serving it says the name did not
+    exist (not "bring it up", which would not help)."""
+    async with aioslirp.Stack() as stack:
+        transport = aioslirp.TapTransport.open_by_name("aionosuch0")
+        try:
+            with pytest.raises(aioslirp.TapError) as info:
+                await asyncio.wait_for(stack.serve(transport), 5)
+        finally:
+            transport.close()
+        msg = str(info.value)
+        assert "no interface aionosuch0 existed" in msg and "ip tuntap add dev aionosuch0" in msg, msg
+        assert "\n" not in msg
+
 def readme_example() -> str:
     from pathlib import Path
 

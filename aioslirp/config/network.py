@@ -296,6 +296,9 @@ class NetworkConfig:
             if not 0 <= value < float("inf"):
                 raise ConfigError(name, f"{getattr(self, name)!r}: must be a number of seconds >= 0")
             setattr(self, name, value)
+        if not self.policy_cache_ttl > 0:
+            # a held flow is replayed with the verdict the hook just gave: it must still be cached
+            raise ConfigError("policy_cache_ttl", f"{self.policy_cache_ttl!r}: must be a number of seconds > 0")
         if self.dns_binding_ttl_min > self.dns_binding_ttl_max:
             raise ConfigError("dns_binding_ttl_min", f"{self.dns_binding_ttl_min} is above dns_binding_ttl_max")
         if self.policy is not None and not callable(self.policy):

@@ -137,12 +137,12 @@ class L4:
                     return
                 fam.icmp_error(KIND_HOST, orig, now)
                 return self.drop(fam.reason["tcp_unroutable_dst"])
-        verdict = self.guard.admit(PROTO_TCP, remote, dport, now, (src, sport))  # egress policy and bounds
+        verdict = self.guard.admit(PROTO_TCP, remote, dport, now, (src, sport), dst)  # egress policy and bounds
         if verdict is not None:
             if verdict == DENIED:
                 fam.icmp_error(KIND_ADMIN, orig, now)
             elif verdict == HELD:  # an async policy hook decides: answer nothing until then
-                self._hold(PROTO_TCP, remote, dport, now, (src, sport), orig, fam,
+                self._hold(PROTO_TCP, remote, dport, now, (src, sport), dst, orig, fam,
                            (self.tcp, fam, src, dst, bytes(l4), bytes(pkt), True))
             else:
                 self.reset_unknown(fam, src, dst, sport, dport, seg)
@@ -160,17 +160,18 @@ class L4:
         if not TcpFlow(self.ctx, fam, key, remote, seg, orig, now, host).no_socket:  # else refused, counted
             self.handled("tcp_syn")
 
-    def _hold(self, proto: int, remote: str, port: int, now: float, guest, quote: bytes, fam, replay) -> None:
+    def _hold(self, proto: int, remote: str, port: int, now: float, guest, seen: bytes, quote: bytes, fam,
+              replay) -> None:
         """A new flow an async policy hook must decide (:data:`~aioslirp.flow.guard.HELD`): nothing is
         answered until the verdict; then a denial gets ICMP administratively prohibited (quoting
         ``quote``) and an allowed TCP SYN is handled again (``replay``: the call and its arguments,
         the verdict now cached). A UDP datagram or echo request is dropped meanwhile (the guest
         retries; its next one finds the verdict cached). Counted as ``drop.egress_held``."""
         self.drop("egress_held")
-        self.ctx.spawn(self._held(proto, remote, port, now, guest, quote, fam, replay), name="aioslirp-policy")
+        self.ctx.spawn(self._held(proto, remote, port, now, guest, seen, quote, fam, replay), name="aioslirp-policy")
 
-    async def _held(self, proto, remote, port, now, guest, quote, fam, replay) -> None:
-        allowed = await self.guard.ask(proto, remote, port, now, guest)
+    async def _held(self, proto, remote, port, now, guest, seen, quote, fam, replay) -> None:
+        allowed = await self.guard.ask(proto, remote, port, now, guest, seen)
         if self.ctx.closed:
             return
         t = self.ctx.loop.time()
@@ -247,12 +248,12 @@ class L4:
                 return None
             self.drop(fam.reason["udp_unroutable_dst"])
             return None
-        verdict = self.guard.admit(PROTO_UDP, remote, dport, now, (key[1], key[2]))  # egress policy and bounds
+        verdict = self.guard.admit(PROTO_UDP, remote, dport, now, (key[1], key[2]), dst)  # egress policy and bounds
         if verdict is not None:
             if verdict == DENIED:
                 fam.icmp_error(KIND_ADMIN, pkt, now)
             elif verdict == HELD:
-                self._hold(PROTO_UDP, remote, dport, now, (key[1], key[2]), bytes(pkt), fam, None)
+                self._hold(PROTO_UDP, remote, dport, now, (key[1], key[2]), dst, bytes(pkt), fam, None)
             return None
         if not self.table.make_room():
             self.drop("flow_table_full")
@@ -302,11 +303,11 @@ class L4:
         if remote is None:
             return self.drop(fam.reason["icmp_unroutable_dst"])
         if flow_key(fam.icmp_proto, src, ident, dst, 0) not in self.table.flows:  # a new echo flow
-            verdict = self.guard.admit(fam.icmp_proto, remote, 0, now, (src, ident))
+            verdict = self.guard.admit(fam.icmp_proto, remote, 0, now, (src, ident), dst)
             if verdict is not None:
                 if verdict == DENIED:
                     fam.icmp_error(KIND_ADMIN, pkt, now)
                 elif verdict == HELD:
-                    self._hold(fam.icmp_proto, remote, 0, now, (src, ident), bytes(pkt), fam, None)
+                    self._hold(fam.icmp_proto, remote, 0, now, (src, ident), dst, bytes(pkt), fam, None)
                 return
         self.ctx.icmp.echo(fam, src, dst, remote, ident, seq, payload, now)

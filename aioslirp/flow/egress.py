@@ -456,13 +456,21 @@ class Egress:
             return 0, "egress-default allow"
         return 18, "egress-default deny"
 
-    def bind_answer(self, name: str, addrs, now: float) -> int:
+    def bind_answer(self, name: str, addrs, now: float, trusted: bool = False) -> int:
         """Bind the ``(address text, ttl seconds)`` pairs of an allowed answer for ``name`` at loop
         time ``now`` (each TTL clamped to ``[dns_binding_ttl_min, dns_binding_ttl_max]``); at most
         ``max_dns_bindings_per_answer`` of them (the rest: ``egress.dns_bindings_capped``). Returns
-        how many were bound."""
+        how many were bound.
+
+        An upstream answer (``trusted`` False) never binds a loopback, unspecified, link-local or
+        multicast address (counted ``egress.dns_bindings_refused``): otherwise whoever controls an
+        allowed name's DNS could open the host's own loopback services through the gateway (DNS
+        rebinding). Only the owner's ``dns_records`` (``trusted``) and CIDR rules open those."""
         n = 0
         for addr, ttl in addrs:
+            if not trusted and _rebinding_target(addr):
+                self.counters["egress.dns_bindings_refused"] = self.counters.get("egress.dns_bindings_refused", 0) + 1
+                continue
             if n >= self.per_answer:
                 self.counters["egress.dns_bindings_capped"] = self.counters.get("egress.dns_bindings_capped", 0) + 1
                 break
@@ -470,6 +478,17 @@ class Egress:
             self.bindings.bind(addr, name, now + ttl)
             n += 1
         return n
+
+
+def _rebinding_target(addr: str) -> bool:
+    """True for an address an upstream DNS answer must not bind (see :meth:`Egress.bind_answer`)."""
+    try:
+        ip = ipaddress.ip_address(addr.split("%", 1)[0])
+    except ValueError:
+        return True
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified or ip.is_link_local or ip.is_multicast
 
 
 def guest_text(guest) -> str | None:
@@ -480,6 +499,19 @@ def guest_text(guest) -> str | None:
     if len(ip) == 4:
         return f"{socket.inet_ntop(socket.AF_INET, ip)}:{port}"
     return f"[{socket.inet_ntop(socket.AF_INET6, ip)}]:{port}"
+
+
+def guest_fields(guest) -> tuple[str | None, int | None]:
+    """``(address text, port)`` of a guest endpoint given as ``(address bytes, port)``, as
+    ``"ip:port"`` / ``"[v6]:port"`` text, or ``None`` -- the ``guest`` and ``guest_port`` of an
+    audit record, as in the flow records."""
+    if guest is None:
+        return None, None
+    if isinstance(guest, str):
+        host, _, port = guest.rpartition(":")
+        return host.strip("[]"), int(port) if port.isdigit() else None
+    ip, port = guest
+    return socket.inet_ntop(socket.AF_INET if len(ip) == 4 else socket.AF_INET6, ip), port
 
 
 def wall() -> float:

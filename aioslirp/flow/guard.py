@@ -63,7 +63,7 @@ import asyncio
 import logging
 import time
 
-from .egress import Decision, Egress, guest_text, wall
+from .egress import Decision, Egress, guest_fields, wall
 
 __all__ = ["DENIED", "FD_RESERVE", "HELD", "PRUNE_INTERVAL", "Guard", "fd_budgets", "raise_fd_limit"]
 
@@ -244,7 +244,7 @@ class Guard:
 
     # ------------------------------------------------------------------ admission
     def admit(self, proto: int, remote: str | None, port: int = 0, now: float | None = None,
-              guest: str | None = None) -> str | None:
+              guest: str | None = None, seen: bytes | None = None) -> str | None:
         """May the guest open a new flow of ``proto`` (6, 17, 1 or 58) to host address ``remote``
         (text; ``None`` for a local service such as DNS over TCP) and ``port``?
 
@@ -254,7 +254,8 @@ class Guard:
         :meth:`ask`), or the name of the bound that was hit (answer a TCP SYN with a RST, drop
         anything else). Each refusal is counted as ``drop.<verdict>``. ``now``: seconds on the
         clock :meth:`start` was given (the loop's; default ``time.monotonic()``). ``guest``: the
-        guest's endpoint, ``(address bytes, port)`` or ``"ip:port"``, for the hook and the audit log.
+        guest's endpoint, ``(address bytes, port)`` or ``"ip:port"``, for the hook and the audit log;
+        ``seen``: the destination address as the guest sent to it (bytes), for the audit log.
         """
         if now is None:
             now = time.monotonic()
@@ -269,7 +270,7 @@ class Guard:
                             return self._refuse("limit_pending_connects")
                         self.held += 1  # until ask() returns
                         return HELD
-                    self.deny(d, proto, remote, port, guest)
+                    self.deny(d, proto, remote, port, guest, seen)
                     return DENIED
         name = _NAMES.get(proto, "tcp")
         active = self.active
@@ -301,7 +302,7 @@ class Guard:
         self.decision = None
         return d.name, (d.rule or None)
 
-    def deny(self, d: Decision, proto: int, remote: str, port: int, guest: str | None) -> None:
+    def deny(self, d: Decision, proto: int, remote: str, port: int, guest, seen: bytes | None = None) -> None:
         """Count (``drop.egress_denied``, ``egress.denied_<reason>``), log once per address and
         audit (``ctx.audit``: a ``deny`` record whose ``reason`` is that counter's suffix, ``rule``,
         ``default`` or ``hook``) a denial by the egress policy."""
@@ -316,11 +317,12 @@ class Guard:
         ctx = self.ctx
         a = ctx.audit if ctx is not None else None
         if a is not None:
-            a.record({"event": "deny", "time": wall(), "proto": _NAMES.get(proto, "tcp"), "guest": guest_text(guest),
-                      "dst": remote, "port": port, "name": d.name, "verdict": "deny", "rule": d.rule,
-                      "reason": reason})
+            g, gport = guest_fields(guest)
+            a.record({"event": "deny", "time": wall(), "proto": _NAMES.get(proto, "tcp"), "guest": g,
+                      "guest_port": gport, "dst": seen if seen is not None else remote, "port": port, "host": remote,
+                      "name": d.name, "verdict": "deny", "rule": d.rule, "reason": reason})
 
-    async def ask(self, proto: int, remote: str, port: int, now: float, guest: str | None = None) -> bool:
+    async def ask(self, proto: int, remote: str, port: int, now: float, guest=None, seen: bytes | None = None) -> bool:
         """A flow :meth:`admit` held (:data:`HELD`): await the async hook's verdict (bounded by
         ``policy_timeout``); a denial is counted and audited here (the caller answers ICMP
         administratively prohibited), an allowed flow goes through :meth:`admit` again (its
@@ -330,7 +332,7 @@ class Guard:
         finally:
             self.held = max(0, self.held - 1)
         if not d.allowed:
-            self.deny(d, proto, remote, port, guest)
+            self.deny(d, proto, remote, port, guest, seen)
         return d.allowed
 
     def _refuse(self, reason: str) -> str:

@@ -78,21 +78,26 @@ def _client_hello(data: bytes):
         if end > len(b):
             return "bad", None
         p += 2
+        found = None  # the host_name of the server_name extension once seen ("" when none in it)
         while p + 4 <= end:
             etype, elen = struct.unpack_from("!HH", b, p)
             p += 4
-            if etype == 0:  # server_name: ServerNameList
+            if etype == 0:  # server_name: ServerNameList (RFC 6066 3: one name per type)
+                if found is not None:
+                    return "bad", None  # a second server_name extension (RFC 8446 4.2: at most one)
                 q, qend = p + 2, p + 2 + int.from_bytes(b[p:p + 2], "big")
+                found = ""
                 while q + 3 <= min(qend, p + elen):
                     ntype, nlen = b[q], int.from_bytes(b[q + 1:q + 3], "big")
                     if ntype == 0:
                         name = b[q + 3:q + 3 + nlen]
-                        if len(name) != nlen:
-                            return "bad", None
-                        return NAME, name.decode("ascii").lower().rstrip(".")
+                        if len(name) != nlen or found:
+                            return "bad", None  # truncated, or a second host_name (RFC 6066 3)
+                        found = name.decode("ascii").lower().rstrip(".")
                     q += 3 + nlen
-                return NONE, None
             p += elen
+        if found:
+            return NAME, found
     except (IndexError, UnicodeDecodeError):
         return "bad", None
     return NONE, None
@@ -109,14 +114,32 @@ def _http_host(data: bytes):
     if end < 0:
         return MORE, None
     lines = data[:end].split(b"\r\n")
+    target = parts[1]
+    if b"://" in target:  # absolute-form (RFC 9112 3.2.2): the server takes the host from it
+        authority = target.split(b"://", 1)[1].split(b"/", 1)[0].split(b"?", 1)[0]
+        if b"@" in authority:
+            return "bad", None
+        return NAME, _host_text(authority)
+    found = None
     for line in lines[1:]:
+        if line[:1] in (b" ", b"\t"):
+            return "bad", None  # obs-fold (RFC 9112 5.2): refused rather than guessed at
         k, sep, v = line.partition(b":")
-        if sep and k.strip().lower() == b"host":
-            host = v.strip().decode("ascii", "replace").lower()
-            if host.startswith("["):
-                return NAME, host[1:host.find("]")] if "]" in host else host
-            return NAME, host.rsplit(":", 1)[0].rstrip(".") if host.count(":") == 1 else host.rstrip(".")
-    return NONE, None
+        if not sep or k != k.strip():
+            return "bad", None  # no colon, or whitespace around the field name (RFC 9112 5.1: 400)
+        if k.lower() == b"host":
+            if found is not None:
+                return "bad", None  # a second Host (RFC 9112 3.2: 400)
+            found = _host_text(v.strip())
+    return (NAME, found) if found is not None else (NONE, None)
+
+
+def _host_text(host: bytes) -> str:
+    """``host[:port]`` (or ``[v6][:port]``) as a lower-case name without the port and trailing dot."""
+    h = host.decode("ascii", "replace").lower()
+    if h.startswith("["):
+        return h[1:h.find("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0].rstrip(".") if h.count(":") == 1 else h.rstrip(".")
 
 
 def _guest(g: tuple) -> str:

@@ -31,11 +31,14 @@ import struct
 import time
 
 from ..config import NetworkConfig
-from ..flow.egress import guest_text
+from ..flow.egress import guest_fields
 from .dns_local import LocalRecords
 from .dns_policy import answer_addresses, blocked_response, has_edns, qname_text
 
 __all__ = ["DnsForwarder", "DnsTcpSession", "read_resolv_conf"]
+
+#: Query types named in audit records (others: the number).
+_QTYPES = {1: "A", 5: "CNAME", 12: "PTR", 15: "MX", 16: "TXT", 28: "AAAA", 33: "SRV", 65: "HTTPS", 255: "ANY"}
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +401,7 @@ class DnsForwarder:
                 self.count("blocked")
                 reply = blocked_response(query, qend, code, rule, has_edns(query, qend, read_name))
                 policy.counters["egress.dns_blocked"] = policy.counters.get("egress.dns_blocked", 0) + 1
-                self._audit(policy, name, guest, "deny", rule)
+                self._audit(policy, name, guest, "deny", rule, question[1], "blocked")
                 return reply
         if self._inflight >= self.max_inflight:
             self.count("overload")
@@ -412,6 +415,8 @@ class DnsForwarder:
             if self._closed:
                 return None
             self.count("servfail")
+            if rule is not None:  # allowed, but no upstream answered
+                self._audit(policy, qname_text(question[0]), guest, "allow", rule, question[1], "servfail")
             return _error_response(query, RCODE_SERVFAIL, query[HEADER_LEN:qend])
         self.count("answered")
         if rule is not None:
@@ -420,7 +425,7 @@ class DnsForwarder:
             addrs = answer_addresses(reply, question[0], read_name)
             if addrs:
                 policy.bind_answer(qname_text(question[0]), addrs, now)
-            self._audit(policy, qname_text(question[0]), guest, "allow", rule)
+            self._audit(policy, qname_text(question[0]), guest, "allow", rule, question[1])
         return _HDR.pack(qid, *_HDR.unpack_from(reply, 0)[1:]) + reply[HEADER_LEN:]
 
     def _local(self, local: LocalRecords, query: bytes, qend: int, question, policy, now, guest) -> bytes:
@@ -431,19 +436,22 @@ class DnsForwarder:
         if policy is not None and getattr(policy, "names_on", False):
             name = qname_text(question[0])
             if bind:
-                policy.bind_answer(name, bind, asyncio.get_running_loop().time() if now is None else now)
-            self._audit(policy, name, guest, "allow", "dns-record")
+                policy.bind_answer(name, bind, asyncio.get_running_loop().time() if now is None else now, trusted=True)
+            self._audit(policy, name, guest, "allow", "dns-record", question[1])
         return reply
 
-    def _audit(self, policy, name: str, guest, verdict: str, rule: str) -> None:
+    def _audit(self, policy, name: str, guest, verdict: str, rule: str, qtype: int, answer: str = "answered") -> None:
+        """One ``dns`` audit record (docs/audit.md): the name asked, its type, the verdict and rule,
+        and ``answer``: ``"answered"``, ``"blocked"`` (NXDOMAIN + EDE) or ``"servfail"``."""
         ctx = getattr(policy, "ctx", None)
         a = ctx.audit if ctx is not None else None
         if a is not None:
             v6 = guest is not None and not isinstance(guest, str) and len(guest[0]) == 16
             dst = getattr(self.config, "dns6" if v6 else "dns", None)
-            a.record({"event": "dns", "time": time.time(), "proto": "dns", "guest": guest_text(guest),
-                      "dst": None if dst is None else str(dst), "port": 53, "name": name, "verdict": verdict,
-                      "rule": rule})
+            g, gport = guest_fields(guest)
+            a.record({"event": "dns", "time": time.time(), "proto": "dns", "guest": g, "guest_port": gport,
+                      "dst": None if dst is None else str(dst), "port": 53, "name": name,
+                      "qtype": _QTYPES.get(qtype, qtype), "verdict": verdict, "rule": rule, "answer": answer})
 
     async def _forward(self, query: bytes, question, tcp: bool) -> bytes | None:
         upstreams = [u for u in self.upstreams if self.allow_upstream(u)]

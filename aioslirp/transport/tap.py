@@ -36,6 +36,7 @@ import asyncio
 import errno
 import logging
 import os
+import socket
 from typing import Sequence
 
 # The device side (ioctls, creation) is host plumbing; its names stay importable from here.
@@ -90,7 +91,8 @@ class TapTransport(Transport):
     ``send_drops`` (dict reason -> count: ``eagain``, ``eio``, ``invalid``, ...).
     """
 
-    __slots__ = ("_fd", "ifname", "_batch", "_read_size", "_reading", "_pidfds", "send_drops", "vnet_hdr", "offload")
+    __slots__ = ("_fd", "ifname", "_batch", "_read_size", "_reading", "_pidfds", "send_drops", "vnet_hdr", "offload",
+                 "created")
 
     _fd: int
     ifname: str | None
@@ -102,6 +104,8 @@ class TapTransport(Transport):
     send_drops: dict[str, int]
     vnet_hdr: bool
     offload: bool
+    #: :meth:`open_by_name` made the device (no interface had that name): nothing else is attached to it.
+    created: bool
 
     def __init__(self, fd: int, *, ifname: str | None = None, batch: int = 64, read_size: int = MAX_FRAME,
                  offload: bool = True) -> None:
@@ -119,6 +123,7 @@ class TapTransport(Transport):
         self.vnet_hdr = False
         #: Checksum and TCP segmentation offload are on: the stack may write OffloadFrames.
         self.offload = False
+        self.created = False
         try:
             self.vnet_hdr = bool(tap_flags(fd) & IFF_VNET_HDR)
         except OSError:  # not a TAP fd (tests pass other fds): plain frames
@@ -149,8 +154,15 @@ class TapTransport(Transport):
         [user USER]``. Raises :class:`TapError` (one line: missing driver, ``/dev/net/tun``
         not 0666 for rootless use, no permission, device busy).
         """
+        try:
+            socket.if_nametoindex(name)
+            existed = True
+        except OSError:
+            existed = False
         fd, actual = open_tap(name)
-        return cls(fd, ifname=actual, **kwargs)
+        t = cls(fd, ifname=actual, **kwargs)
+        t.created = not existed
+        return t
 
     @property
     def fd(self) -> int:
@@ -165,6 +177,11 @@ class TapTransport(Transport):
         namespace (``aioslirp run`` / ``attach``, the slirp4netns drop-in) is not checked."""
         if self._fd < 0 or not self.ifname or in_our_netns(self._fd) is not True:
             return
+        if link_is_up(self.ifname) is False and self.created:
+            raise TapError(errno.ENODEV, f"no interface {self.ifname} existed: a new TAP of that name was made, but "
+                                         f"nothing is attached to it; check the name (ip link show), or make the "
+                                         f"device first (ip tuntap add dev {self.ifname} mode tap; "
+                                         f"ip link set {self.ifname} up)")
         if link_is_up(self.ifname) is False:
             raise TapError(errno.ENETDOWN, f"TAP {self.ifname} is down, so no frame can pass: bring it up first "
                                            f"(ip link set {self.ifname} up) and give it an address "
