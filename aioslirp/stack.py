@@ -46,6 +46,7 @@ from .flow.guard import Guard
 from .flow.info import FlowInfo, FlowMap  # noqa: F401  (FlowInfo: the records of stack.flows())
 from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importable from here as before)
 from .icmp import IcmpEcho
+from .heap import keep_freed_heap
 from .inject import InjectQueue
 from .lifecycle import EventLog, farewell, gone_before_first_frame
 from .ratelimit import ByteBucket
@@ -336,6 +337,7 @@ class Stack:
     async def start(self) -> None:
         """Start the writer task, the idle sweep and the services. Called by ``async with``."""
         loop = self._loop = self.ctx.loop = asyncio.get_running_loop()
+        keep_freed_heap()  # no page-fault churn around every bulk batch (aioslirp.heap)
         self._stopped = loop.create_future()
         self.inject_queue.start(loop)
         self.family4.dhcp_server = DhcpServer(self.config)
