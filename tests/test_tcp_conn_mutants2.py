@@ -1,0 +1,70 @@
+"""Sans-IO TCP endpoint: the cases the second mutation run (over the split modules
+aioslirp/tcp/{tcb,arrival,output,connection,buffers}.py, see "Mutation testing" in
+docs/testing.md) found untested.
+
+Same shape as test_tcp_conn_mutants.py: connections driven through the real handshake, guest
+segments from templates, a fake clock, exact values compared. Each test names the rule it
+pins down and the mutants it kills.
+"""
+
+from __future__ import annotations
+
+from aioslirp.tcp.conn import ACK, FIN, PSH, RST, SYN, Segment, TcpConnection
+from test_tcp_conn import (
+    GWND,
+    GWS,
+    MSS,
+    RCV_BUF,
+    X,
+    L,
+    R,
+    established,
+    events,
+    new_conn,
+    recv,
+    send,
+    seg,
+    syn,
+)
+from test_tcp_conn_mutants import active
+
+
+# ============================================================================ opening
+
+
+def test_active_open_accepts_data_before_our_ack_went_out():
+    """RFC 9293 3.10.7.3: after the guest's SYN-ACK, RCV.WND is what our SYN offered
+    (min(rcv_buf, 65535)) at once, even before segments_to_send() sent our ACK: data that
+    arrives in between is accepted whole. (Kills arrival _syn_sent_input ``rcv_nxt - window``.)"""
+    c = active()
+    assert c.rcv_wnd == RCV_BUF
+    send(c, seg(payload=X))
+    assert c.bytes_received == 100
+    assert c.rcv_nxt == R(101)
+    assert recv(c) == [Segment(L(1), R(101), ACK, RCV_BUF - 100)]
+
+
+# ============================================================================ persist
+
+
+def test_persist_interval_backoff_stops_at_2_to_the_16():
+    """RFC 9293 3.8.6.1 probes back off exponentially; from the 16th doubling on the
+    interval is rto_max (the shift is not taken further), even when rto * 2**16 < rto_max.
+    (Kills output _persist_interval ``backoff <= 16`` and ``< 17``.)"""
+    c = established(rto_min=0.001, rto_max=1000.0, max_retries=1)
+    assert c.rto == 0.001
+    send(c, seg(wnd=0))
+    c.send(X)
+    assert recv(c) == []
+    gaps = []
+    t = 0.0
+    for _ in range(18):
+        nxt = c.get_timer()
+        gaps.append(round(nxt - t, 9))
+        t = nxt
+        c.handle_timer(t)
+        assert recv(c, t) == [Segment(L(1), R(1), ACK, RCV_BUF, b"x")]
+        send(c, seg(wnd=0), t)
+    assert gaps[:16] == [round(0.001 * 2**k, 9) for k in range(16)]
+    assert gaps[16:] == [1000.0, 1000.0]
+    assert c.state == "ESTABLISHED"
