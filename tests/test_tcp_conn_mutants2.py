@@ -68,3 +68,34 @@ def test_persist_interval_backoff_stops_at_2_to_the_16():
     assert gaps[:16] == [round(0.001 * 2**k, 9) for k in range(16)]
     assert gaps[16:] == [1000.0, 1000.0]
     assert c.state == "ESTABLISHED"
+
+
+# ============================================================================ receive window
+
+
+def test_scaled_window_never_offers_more_than_the_buffer():
+    """A guest that never fills the window exactly (each segment leaves one byte of it) while
+    the host reads nothing: the window closes at rcv_buf. Rounding the scaled window field up
+    past the buffer moved the edge right by up to 2**rcv_wscale - 1 bytes per ACK, for ever;
+    RFC 7323 appendix F lets the receiver retract the window by less than 2**rcv_wscale
+    instead, as long as it still accepts everything up to the edge it advertised."""
+    c = established(rcv_buf=1 << 20)
+    assert c.rcv_wscale == 5
+    sent = 0
+    for _ in range(3000):
+        w = c.rcv_wnd
+        if not w:
+            break
+        n = max(1, min(w - 1, 65000))
+        send(c, seg(seq=R(1 + sent), payload=b"g" * n))
+        sent += n
+        assert c.bytes_received == sent  # everything up to the advertised edge is accepted
+        for s in recv(c):
+            assert s.ack == R(1 + sent)
+            assert sent + (s.wnd << 5) <= 1 << 20  # never offered past the buffer
+        assert c.recv_buffered <= 1 << 20
+    assert c.rcv_wnd == 0
+    assert (1 << 20) - 32 < sent <= 1 << 20
+    send(c, seg(seq=R(1 + sent), payload=b"z"))
+    assert c.bytes_received == sent
+    assert recv(c) == [Segment(L(1), R(1 + sent), ACK, 0)]
