@@ -99,3 +99,30 @@ def test_scaled_window_never_offers_more_than_the_buffer():
     send(c, seg(seq=R(1 + sent), payload=b"z"))
     assert c.bytes_received == sent
     assert recv(c) == [Segment(L(1), R(1 + sent), ACK, 0)]
+
+
+def test_consume_returns_the_bytes_still_held():
+    """consume(n) returns recv_pending after the n bytes are gone.
+    (Kills connection consume ``held + n``.)"""
+    c = established()
+    send(c, seg(payload=b"a" * 300))
+    assert c.consume(100) == 200
+    assert c.consume(0) == 200
+    assert c.consume(200) == 0
+    assert c.recv_pending == 0
+
+
+def test_fin_after_old_data_keeps_the_duplicate_acks_owed():
+    """RFC 5681 4.2: one immediate duplicate ACK per out-of-order segment. A segment that
+    brings no new in-order byte (old data ending at RCV.NXT, then the FIN) does not cancel
+    the ones owed: two out-of-order segments, then that FIN, draw two ACKs.
+    (Kills arrival _on_text ``n >= 0``.)"""
+    c = established()
+    send(c, seg(payload=X))
+    assert recv(c) == [Segment(L(1), R(101), ACK, RCV_BUF - 100)]
+    send(c, seg(seq=R(201), payload=X))
+    send(c, seg(seq=R(301), payload=X))
+    send(c, seg(seq=R(1), payload=X, flags=ACK | FIN))
+    assert c.fin_received and c.state == "CLOSE-WAIT"
+    assert c.bytes_received == 100
+    assert recv(c) == [Segment(L(1), R(102), ACK, RCV_BUF - 100)] * 2
