@@ -126,3 +126,22 @@ def test_fin_after_old_data_keeps_the_duplicate_acks_owed():
     assert c.fin_received and c.state == "CLOSE-WAIT"
     assert c.bytes_received == 100
     assert recv(c) == [Segment(L(1), R(102), ACK, RCV_BUF - 100)] * 2
+
+
+# ============================================================================ fast retransmit
+
+
+def test_fast_retransmit_before_our_fin_went_out_carries_no_fin():
+    """RFC 5681 3.2: the fast retransmit resends the first unacknowledged segment as it was.
+    shutdown_write() queued our FIN, but it has not gone out yet: the retransmitted data
+    carries no FIN; the FIN follows in its own segment. (Kills output _output
+    ``fin_q or off_max > sqlen`` and ``off_max >= sqlen``.)"""
+    c = established()
+    c.send(X)
+    assert recv(c) == [Segment(L(1), R(1), ACK | PSH, RCV_BUF, X)]
+    c.shutdown_write()
+    for _ in range(3):
+        send(c, seg())
+    assert recv(c) == [Segment(L(1), R(1), ACK | PSH, RCV_BUF, X), Segment(L(101), R(1), ACK | FIN, RCV_BUF)]
+    assert c.retransmitted_segments == 1
+    assert c.state == "FIN-WAIT-1"
