@@ -9,6 +9,8 @@ pins down and the mutants it kills.
 
 from __future__ import annotations
 
+import pytest
+
 from aioslirp.tcp.conn import ACK, FIN, PSH, RST, SYN, Segment, TcpConnection
 from test_tcp_conn import (
     GWND,
@@ -18,6 +20,7 @@ from test_tcp_conn import (
     X,
     L,
     R,
+    close_wait,
     established,
     events,
     new_conn,
@@ -145,3 +148,79 @@ def test_fast_retransmit_before_our_fin_went_out_carries_no_fin():
     assert recv(c) == [Segment(L(1), R(1), ACK | PSH, RCV_BUF, X), Segment(L(101), R(1), ACK | FIN, RCV_BUF)]
     assert c.retransmitted_segments == 1
     assert c.state == "FIN-WAIT-1"
+
+
+# ============================================================================ counting and misuse
+
+
+def test_ack_of_our_fin_in_last_ack_closes_and_returns():
+    """RFC 9293 3.10.7.4 fifth check, LAST-ACK: "if our FIN is now acknowledged, delete the
+    TCB, enter the CLOSED state, and return": the text the segment also carries is not looked
+    at (not counted as dropped, nothing answered). (Kills arrival _on_ack ``return True``
+    after the close.)"""
+    c = close_wait()
+    c.shutdown_write()
+    assert recv(c) == [Segment(L(1), R(2), ACK | FIN, RCV_BUF)]
+    send(c, seg(seq=R(2), ack=L(2), payload=b"late"))
+    assert c.state == "CLOSED" and not c.reset
+    assert c.dropped_segments == 0
+    assert recv(c) == []
+    assert events(c) == [("closed",)]
+
+
+def test_rejected_ack_with_data_in_syn_received_is_counted_once():
+    """SYN-RECEIVED before accept(): a segment with an ACK (and data) is dropped, and counted
+    once, not again as text. (Kills arrival _on_ack_of_syn ``return True``.)"""
+    c = new_conn()
+    c.on_syn(syn(), 0.0)
+    send(c, seg(payload=X))
+    send(c, seg(payload=X, flags=ACK | FIN))
+    assert c.dropped_segments == 2
+    assert c.state == "SYN-RECEIVED" and c.bytes_received == 0
+    assert recv(c) == []
+
+
+def test_syn_retransmissions_are_each_counted():
+    """RFC 6298 5.4: each retransmission timeout resends our SYN; each resent SYN counts.
+    (Kills output _syn_sent ``retransmitted_segments = 1``.)"""
+    c = new_conn()
+    c.connect(0.0)
+    assert [s.flags for s in recv(c)] == [SYN]
+    for k in (1, 2, 3):
+        t = c.get_timer()
+        c.handle_timer(t)
+        assert [(s.seq, s.flags) for s in recv(c, t)] == [(L(0), SYN)]
+        assert c.retransmitted_segments == k
+
+
+def test_accept_misuse_message_names_the_call_and_state():
+    """(Kills connection accept ``RuntimeError(None)``.)"""
+    c = established()
+    with pytest.raises(RuntimeError, match=r"^accept\(\) in state ESTABLISHED$"):
+        c.accept(0.0)
+
+
+# ============================================================================ window update at the 16-bit cap
+
+
+def test_window_update_needs_the_window_to_double_at_the_16_bit_cap():
+    """Unscaled windows (the guest offered no window scale) are capped at 65535 bytes even
+    when rcv_buf is larger. consume() schedules a window update only when the window at least
+    doubles: 32768 -> 65535 does not; 32767 -> 65535 does. (Kills tcb _avail ``65536 << shift``
+    and the cap removed.)"""
+    for cur, update in ((32768, False), (32767, True)):
+        c = new_conn(rcv_buf=70000)
+        c.on_syn(syn(wscale=None), 0.0)
+        c.accept(0.0)
+        assert recv(c)[0].wnd == 65535
+        send(c, seg(wnd=65535))
+        assert c.rcv_wscale == 0
+        held = 70000 - cur
+        send(c, seg(payload=b"d" * held))
+        assert recv(c) == [Segment(L(1), R(1 + held), ACK, cur)]  # the buffer's space, < 65535
+        c.consume(held)
+        assert c.rcv_wnd == cur
+        if update:
+            assert recv(c) == [Segment(L(1), R(1 + held), ACK, 65535)]
+        else:
+            assert recv(c) == []
