@@ -22,6 +22,7 @@ from test_tcp_conn import (
     R,
     close_wait,
     established,
+    fin_wait_2,
     events,
     new_conn,
     recv,
@@ -224,3 +225,81 @@ def test_window_update_needs_the_window_to_double_at_the_16_bit_cap():
             assert recv(c) == [Segment(L(1), R(1 + held), ACK, 65535)]
         else:
             assert recv(c) == []
+
+
+# ============================================================================ on_syn, the SYN-ACK
+
+
+def test_on_syn_in_listen_takes_only_a_bare_syn():
+    """RFC 9293 3.10.7.2, when the glue hands the flow's first segment to on_syn(): a SYN
+    with ACK (or RST), or a segment without SYN, is dropped and the state stays LISTEN; an
+    ACK draws <SEQ=SEG.ACK><CTL=RST>. (Kills arrival on_syn ``... and not SYN``,
+    ``RST & ACK`` and ``not flags | SYN``.)"""
+    c = new_conn()
+    c.on_syn(syn(flags=SYN | ACK, ack=L(9)), 0.0)
+    assert c.state == "LISTEN"
+    assert recv(c) == [Segment(L(9), 0, RST, 0)]
+    c.on_syn(syn(flags=SYN | RST), 0.0)
+    c.on_syn(syn(flags=FIN, payload=b"data"), 0.0)
+    c.on_syn(syn(flags=0), 0.0)
+    assert c.state == "LISTEN" and c.irs is None
+    assert recv(c) == []
+    assert c.dropped_segments == 4
+    c.on_syn(syn(), 0.0)
+    assert c.state == "SYN-RECEIVED" and c.irs == R(0)
+
+
+def test_on_syn_records_the_unscaled_syn_window():
+    """RFC 7323 2.2: the window of a SYN is never scaled: after on_syn() SND.WND is the
+    SYN's window field as is, whatever shift the guest offers. (Kills arrival on_syn
+    ``snd_wnd = None``.)"""
+    c = new_conn()
+    c.on_syn(syn(wnd=64240, wscale=7), 0.0)
+    assert c.snd_wnd == 64240
+    assert c.snd_wscale == 7
+
+
+def test_passive_open_guest_wscale_zero_means_unscaled_windows():
+    """RFC 7323 2.3: a window-scale option of 0 is scaling on with shift 0 (passive open).
+    (Kills arrival on_syn ``max(seg.wscale, 1)``.)"""
+    c = established(rcv_buf=1 << 20, syn_kw=dict(wscale=0))
+    assert (c.snd_wscale, c.rcv_wscale) == (0, 5)
+    send(c, seg(wnd=1000))
+    assert c.snd_wnd == 1000
+
+
+def test_on_syn_after_listen_is_receive_segment_at_that_time():
+    """on_syn() outside LISTEN is receive_segment() with the same clock: a SYN in TIME-WAIT
+    restarts TIME-WAIT from ``now`` and draws an ACK. (Kills arrival on_syn
+    ``receive_segment(seg, None)``.)"""
+    c = fin_wait_2()
+    send(c, seg(ack=L(2), flags=ACK | FIN), 1.0)
+    assert recv(c, 1.0) == [Segment(L(2), R(2), ACK, RCV_BUF)]
+    assert c.state == "TIME-WAIT" and c.get_timer() == 2.0
+    c.on_syn(syn(seq=R(5000)), 1.5)
+    assert c.state == "TIME-WAIT" and c.get_timer() == 2.5
+    assert recv(c, 1.5) == [Segment(L(2), R(2), ACK, RCV_BUF)]
+
+
+def test_synack_window_is_at_most_65535():
+    """RFC 7323 2.2: the SYN-ACK's window is not scaled, so it offers at most 65535 bytes even
+    when rcv_buf (65536, shift 1) holds more. (Kills output segments_to_send ``w > 65536``.)"""
+    c = new_conn(rcv_buf=65536)
+    c.on_syn(syn(), 0.0)
+    c.accept(0.0)
+    assert recv(c) == [Segment(L(0), R(1), SYN | ACK, 65535, mss=MSS, wscale=1)]
+    assert c.rcv_wnd == 65535
+
+
+def test_no_ack_answers_the_handshake_ack():
+    """Nothing may be sent in SYN-RECEIVED but the SYN-ACK; an output call while waiting for
+    the guest's ACK owes nothing afterwards: the handshake ACK draws no ACK. (Kills output
+    segments_to_send SYN-RECEIVED ``_ack_pending = True``.)"""
+    c = new_conn()
+    c.on_syn(syn(), 0.0)
+    c.accept(0.0)
+    assert [s.flags for s in recv(c)] == [SYN | ACK]
+    assert recv(c) == []
+    send(c, seg())
+    assert c.state == "ESTABLISHED"
+    assert recv(c) == []
