@@ -303,3 +303,80 @@ def test_no_ack_answers_the_handshake_ack():
     send(c, seg())
     assert c.state == "ESTABLISHED"
     assert recv(c) == []
+
+
+# ============================================================================ probes, duplicate ACKs, window edge
+
+
+def test_ack_beyond_the_probe_byte_is_unacceptable():
+    """RFC 9293 3.10.7.4: an ACK of something not yet sent is dropped and answered with an
+    ACK. The window probe sent one byte: an ACK of two is beyond it. (Kills output
+    segments_to_send probe ``end = (seq + 1) | MASK`` and ``seq + 2``.)"""
+    c = established()
+    send(c, seg(wnd=0))
+    c.send(b"y" * 10)
+    assert recv(c) == []
+    t = c.get_timer()
+    c.handle_timer(t)
+    assert recv(c, t) == [Segment(L(1), R(1), ACK, RCV_BUF, b"y")]
+    send(c, seg(ack=L(3), wnd=0), t)
+    assert c.dropped_segments == 1
+    assert c.snd_una == L(1) and c.send_buffered == 10
+    assert recv(c, t) == [Segment(L(1), R(1), ACK, RCV_BUF)]
+    send(c, seg(ack=L(2), wnd=0), t)
+    assert c.snd_una == L(2) and c.send_buffered == 9 and c.bytes_sent == 1
+
+
+def test_duplicate_acks_are_at_most_16_per_call_and_settle_the_ack_owed():
+    """RFC 5681 4.2: one immediate duplicate ACK per out-of-order segment, at most
+    MAX_DUPACKS_OUT (16) from one segments_to_send() call; they carry RCV.NXT, so no further
+    ACK is owed. (Kills output segments_to_send the cap removed and ``_ack_pending = True``
+    after the duplicates.)"""
+    c = established()
+    for i in range(20):
+        send(c, seg(seq=R(101 + 200 * i), payload=X))
+    assert recv(c) == [Segment(L(1), R(1), ACK, RCV_BUF)] * 16
+    assert recv(c) == []
+    send(c, seg(seq=R(5001), payload=X))
+    assert recv(c) == [Segment(L(1), R(1), ACK, RCV_BUF)]
+    assert recv(c) == []
+
+
+def test_delayed_ack_count_starts_again_after_each_ack():
+    """RFC 1122 4.2.3.2: the ACK at once comes at two full-sized segments (2840 bytes)
+    received since our last ACK, counted from zero again after each ACK. (Kills output
+    segments_to_send ``_rcv_unacked = 1``.)"""
+    c = established(ack_delay=0.1)
+    send(c, seg(payload=b"a" * 100), 1.0)
+    assert recv(c, 1.0) == []
+    c.handle_timer(1.1)
+    assert recv(c, 1.1) == [Segment(L(1), R(101), ACK, RCV_BUF - 100)]
+    send(c, seg(seq=R(101), payload=b"b" * 2839), 1.2)
+    assert recv(c, 1.2) == []
+    assert c.get_timer() == 1.2 + 0.1
+    send(c, seg(seq=R(2940), payload=b"c"), 1.25)
+    assert recv(c, 1.25) == [Segment(L(1), R(2941), ACK, RCV_BUF - 2940)]
+
+
+def test_window_edge_moves_right_by_one_byte():
+    """The right edge advertised is committed whenever it moves right, even by one byte: the
+    guest's FIN takes one sequence number, the ACK of it offers the whole buffer again, and
+    RCV.WND is what that ACK offered. (Kills output segments_to_send ``1 < edge - rcv_adv``.)"""
+    c = close_wait()
+    assert c.rcv_wnd == RCV_BUF
+
+
+def test_default_max_retries_is_12():
+    """RFC 9293 3.8.3 R2 / RFC 6298: by default the connection gives up after 12 retransmission
+    timeouts in a row (then RST). (Kills connection __init__ ``max_retries = 13``.)"""
+    c = TcpConnection(iss=L(0), mss=MSS, rcv_buf=RCV_BUF, snd_buf=1000, now=0.0)
+    c.connect(0.0)
+    assert [s.flags for s in c.segments_to_send(0.0)] == [SYN]
+    for _ in range(12):
+        t = c.get_timer()
+        c.handle_timer(t)
+        assert [s.flags for s in c.segments_to_send(t)] == [SYN]
+    t = c.get_timer()
+    c.handle_timer(t)
+    assert [s.flags for s in c.segments_to_send(t)] == [RST]
+    assert c.state == "CLOSED" and c.retransmitted_segments == 12
