@@ -380,3 +380,55 @@ def test_default_max_retries_is_12():
     c.handle_timer(t)
     assert [s.flags for s in c.segments_to_send(t)] == [RST]
     assert c.state == "CLOSED" and c.retransmitted_segments == 12
+
+
+def test_default_rto_bounds():
+    """RFC 6298 2.1 / 2.4 / 2.5 defaults: the first RTO is 1 s, it doubles up to rto_max = 60 s;
+    an RTT sample of 0 gives rto_min = 0.2 s. (Kills connection __init__ ``rto_max = 61.0``.)"""
+    c = TcpConnection(iss=L(0), mss=MSS, rcv_buf=RCV_BUF, snd_buf=1000, now=0.0)
+    c.connect(0.0)
+    c.segments_to_send(0.0)
+    gaps = []
+    t = 0.0
+    for _ in range(9):
+        nxt = c.get_timer()
+        gaps.append(nxt - t)
+        t = nxt
+        c.handle_timer(t)
+        c.segments_to_send(t)
+    assert gaps == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+    c = TcpConnection(iss=L(0), mss=MSS, rcv_buf=RCV_BUF, snd_buf=1000, now=0.0)
+    c.on_syn(syn(), 0.0)
+    c.accept(0.0)
+    c.segments_to_send(0.0)
+    c.receive_segment(seg(), 0.0)
+    assert c.state == "ESTABLISHED" and c.rto == 0.2
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(mss=63), r"^mss must be 64\.\.65535, got 63$"),
+    (dict(mss=65536), r"^mss must be 64\.\.65535, got 65536$"),
+    (dict(ack_delay=-0.001), r"^ack_delay must be 0\.\.0\.5 seconds, got -0\.001$"),
+    (dict(ack_delay=0.501), r"^ack_delay must be 0\.\.0\.5 seconds, got 0\.501$"),
+    (dict(max_segment=63), r"^max_segment must be 64\.\.65535, got 63$"),
+    (dict(max_segment=65536), r"^max_segment must be 64\.\.65535, got 65536$"),
+    (dict(rcv_buf=0), r"^rcv_buf must be >= 1 and snd_buf >= 0$"),
+    (dict(snd_buf=-1), r"^rcv_buf must be >= 1 and snd_buf >= 0$"),
+    (dict(rto_min=0.0), r"^need 0 < rto_min <= rto_max$"),
+    (dict(rto_min=2.0, rto_max=1.0), r"^need 0 < rto_min <= rto_max$"),
+])
+def test_constructor_rejects_values_just_outside_the_bounds(kw, message):
+    """(Kills connection __init__ bound checks moved by one, and their messages.)"""
+    with pytest.raises(ValueError, match=message):
+        new_conn(**kw)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mss=64), dict(mss=65535), dict(ack_delay=0.0), dict(ack_delay=0.5), dict(max_segment=64),
+    dict(max_segment=65535), dict(rcv_buf=1), dict(snd_buf=0), dict(rto_min=1.0, rto_max=1.0),
+])
+def test_constructor_takes_the_bounds_themselves(kw):
+    c = new_conn(**kw)
+    for name, value in kw.items():
+        assert getattr(c, name) == value
+    assert c.state == "LISTEN"
