@@ -14,6 +14,8 @@ import pytest
 from aioslirp.tcp.conn import ACK, FIN, PSH, RST, SYN, Segment, TcpConnection
 from test_tcp_conn import (
     GWND,
+    ISS,
+    SND_BUF,
     GWS,
     MSS,
     RCV_BUF,
@@ -432,3 +434,28 @@ def test_constructor_takes_the_bounds_themselves(kw):
     for name, value in kw.items():
         assert getattr(c, name) == value
     assert c.state == "LISTEN"
+
+
+def test_new_connection_status_before_any_segment():
+    """The public status of a new connection (LISTEN), before any segment: every sequence
+    variable at the ISS, no window either way, no RTT sample (RTO 1 s, RFC 6298 2.1), the
+    default send MSS (536, RFC 9293 3.7.1) until the guest's MSS option is known.
+    (Kills connection __init__ initial values replaced.)"""
+    c = new_conn(now=7.5)
+    assert c.state == "LISTEN"
+    assert c.iss == c.snd_una == c.snd_nxt == c.snd_max == ISS
+    assert c.irs is None
+    assert (c.snd_wnd, c.rcv_nxt, c.rcv_wnd) == (0, 0, 0)
+    assert c.fin_received is False and c.reset is False
+    assert c.established_at is None and c.created_at == 7.5
+    assert (c.bytes_received, c.bytes_sent, c.dropped_segments, c.retransmitted_segments) == (0, 0, 0, 0)
+    assert c.srtt is None and c.rttvar == 0.0 and c.rto == 1.0
+    assert c.effective_mss == 536
+    assert (c.snd_wscale, c.rcv_wscale) == (0, 0)
+    assert (c.send_buffered, c.recv_buffered, c.recv_pending, c.send_space) == (0, 0, 0, SND_BUF)
+    assert not c.has_events and c.next_event() is None
+    assert c.get_timer() is None
+    assert c.peek() == b"" and c.peek_chunk() == b""
+    assert repr(c) == f"<TcpConnection LISTEN snd_una={ISS} snd_nxt={ISS} snd_wnd=0 rcv_nxt=0 rcv_wnd=0>"
+    assert new_conn(mss=500).effective_mss == 500
+    assert TcpConnection(iss=2**32 + 5, mss=MSS, rcv_buf=1, snd_buf=0, now=0.0).iss == 5
