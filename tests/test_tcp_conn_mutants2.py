@@ -345,19 +345,67 @@ def test_duplicate_acks_are_at_most_16_per_call_and_settle_the_ack_owed():
 
 
 def test_delayed_ack_count_starts_again_after_each_ack():
-    """RFC 1122 4.2.3.2: the ACK at once comes at two full-sized segments (2840 bytes)
-    received since our last ACK, counted from zero again after each ACK. (Kills output
-    segments_to_send ``_rcv_unacked = 1``.)"""
+    """RFC 1122 4.2.3.2: the ACK at once comes at two full-sized segments (2 * (1460 - 40) =
+    2840 bytes) received since our last ACK (none before the first data), counted from zero
+    again after each ACK. (Kills output segments_to_send ``_rcv_unacked = 1``, connection
+    __init__ ``_rcv_unacked = 1`` and ``2 * (mss - 41)``.)"""
     c = established(ack_delay=0.1)
-    send(c, seg(payload=b"a" * 100), 1.0)
+    send(c, seg(payload=b"a" * 2839), 1.0)
     assert recv(c, 1.0) == []
+    assert c.get_timer() == 1.0 + 0.1
     c.handle_timer(1.1)
-    assert recv(c, 1.1) == [Segment(L(1), R(101), ACK, RCV_BUF - 100)]
-    send(c, seg(seq=R(101), payload=b"b" * 2839), 1.2)
+    assert recv(c, 1.1) == [Segment(L(1), R(2840), ACK, RCV_BUF - 2839)]
+    send(c, seg(seq=R(2840), payload=b"b" * 2839), 1.2)
     assert recv(c, 1.2) == []
     assert c.get_timer() == 1.2 + 0.1
-    send(c, seg(seq=R(2940), payload=b"c"), 1.25)
-    assert recv(c, 1.25) == [Segment(L(1), R(2941), ACK, RCV_BUF - 2940)]
+    send(c, seg(seq=R(5679), payload=b"c"), 1.25)
+    assert recv(c, 1.25) == [Segment(L(1), R(5680), ACK, RCV_BUF - 5679)]
+
+
+def test_delayed_ack_threshold_is_at_most_16_kb():
+    """With a large MSS (jumbo frames) the ACK at once still comes every 16384 bytes.
+    (Kills connection __init__ ``16385``.)"""
+    c = established(mss=9000, ack_delay=0.1)
+    send(c, seg(payload=b"a" * 16383), 1.0)
+    assert recv(c, 1.0) == []
+    send(c, seg(seq=R(16384), payload=b"b"), 1.0)
+    assert recv(c, 1.0) == [Segment(L(1), R(16385), ACK, RCV_BUF - 16384)]
+
+
+def test_fast_retransmit_needs_three_duplicates_from_the_start():
+    """RFC 5681 3.2: the third duplicate ACK triggers the fast retransmit, counted from the
+    handshake on (two are not enough). (Kills connection __init__ ``_dupacks = 1``.)"""
+    c = established()
+    c.send(b"a" * 3000)
+    assert [len(s.payload) for s in recv(c)] == [1460, 1460, 80]
+    for _ in range(2):
+        send(c, seg())
+    assert recv(c) == []
+    send(c, seg())
+    assert recv(c) == [Segment(L(1), R(1), ACK, RCV_BUF, b"a" * 1460)]
+
+
+def test_zero_window_from_the_handshake_ack_probes_after_the_persist_time():
+    """RFC 9293 3.8.6.1: the guest's handshake ACK offers a zero window; host data then waits
+    for the persist timer (no probe at once), and max_retries unanswered probes are sent
+    before the connection gives up. (Kills connection __init__ ``_probe_pending = True``,
+    ``_probes_unanswered = 1`` and ``None``.)"""
+    c = new_conn(max_retries=2)
+    c.on_syn(syn(), 0.0)
+    c.accept(0.0)
+    assert [s.flags for s in recv(c)] == [SYN | ACK]
+    send(c, seg(wnd=0))
+    assert c.state == "ESTABLISHED" and c.snd_wnd == 0
+    c.send(X)
+    assert recv(c) == []
+    assert c.get_timer() == 0.2
+    probes = []
+    for _ in range(3):
+        t = c.get_timer()
+        c.handle_timer(t)
+        probes.append((t, [(s.flags, bytes(s.payload)) for s in recv(c, t)]))
+    assert [t for t, _ in probes] == pytest.approx([0.2, 0.6, 1.4])
+    assert [out for _, out in probes] == [[(ACK, b"x")], [(ACK, b"x")], [(RST | ACK, b"")]]
 
 
 def test_window_edge_moves_right_by_one_byte():
