@@ -507,3 +507,18 @@ def test_new_connection_status_before_any_segment():
     assert repr(c) == f"<TcpConnection LISTEN snd_una={ISS} snd_nxt={ISS} snd_wnd=0 rcv_nxt=0 rcv_wnd=0>"
     assert new_conn(mss=500).effective_mss == 500
     assert TcpConnection(iss=2**32 + 5, mss=MSS, rcv_buf=1, snd_buf=0, now=0.0).iss == 5
+
+
+def test_scaled_window_held_by_receiver_sws_is_not_rounded_up():
+    """RFC 9293 3.8.6.2.2 receiver SWS avoidance: while the free space grew by less than
+    min(rcv_buf / 2, MSS), the window offered is what is left of the last one, exactly when it
+    is a multiple of 2**rcv_wscale (no rounding up by one unit). (Kills output _window_field
+    ``(field >> shift) < cur``.)"""
+    c = established(rcv_buf=1 << 20)
+    send(c, seg(payload=b"a" * 64))
+    assert recv(c) == [Segment(L(1), R(65), ACK, ((1 << 20) - 64) >> 5)]
+    c.consume(64)
+    assert recv(c) == []  # 64 more bytes free: below the SWS step, no window update
+    send(c, seg(seq=R(65), payload=b"b" * 64))
+    assert recv(c) == [Segment(L(1), R(129), ACK, ((1 << 20) - 128) >> 5)]
+    assert c.rcv_wnd == (1 << 20) - 128
