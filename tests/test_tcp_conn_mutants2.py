@@ -522,3 +522,18 @@ def test_scaled_window_held_by_receiver_sws_is_not_rounded_up():
     send(c, seg(seq=R(65), payload=b"b" * 64))
     assert recv(c) == [Segment(L(1), R(129), ACK, ((1 << 20) - 128) >> 5)]
     assert c.rcv_wnd == (1 << 20) - 128
+
+
+def test_scaled_window_rounds_up_when_the_buffer_has_exactly_the_room():
+    """The field is rounded up (rather than retract the edge already advertised) whenever the
+    rounded-up window fits the free space, also when it fills it exactly. (Kills output
+    _window_field ``((field + 1) << shift) < avail``.)"""
+    c = established(rcv_buf=1 << 20)
+    send(c, seg(payload=b"a" * 64))
+    assert recv(c) == [Segment(L(1), R(65), ACK, ((1 << 20) - 64) >> 5)]
+    c.consume(1)
+    assert recv(c) == []
+    send(c, seg(seq=R(65), payload=b"b"))
+    # 1048511 bytes left of the window, 1048512 free: rounding up to 32766 << 5 fits exactly.
+    assert recv(c) == [Segment(L(1), R(66), ACK, 32766)]
+    assert c.rcv_wnd == 32766 << 5 == (1 << 20) - c.recv_buffered
