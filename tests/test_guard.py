@@ -663,3 +663,31 @@ def test_verdict_cache_is_bounded():
         tracemalloc.stop()
     assert held - base < 1_000_000  # at most 4096 verdicts (40000 would be about 4 MB)
     assert not p.allows("169.254.169.254")  # still right after clearing
+
+
+# ============================================================================ second mutation run (docs/testing.md)
+
+
+def test_a_first_connect_to_a_destination_does_not_spend_the_sweep():
+    """The pending-connect sweep runs only when a bound is reached: admitting the first
+    connect to a destination does not run it, so a sweep that is needed soon after still
+    happens. (Kills Guard.admit ``_pending_dest.get(dest, 1)``.)"""
+    g, _ = guard(max_pending_connects=4, new_flow_rate=0)  # 1 per destination
+    assert g.admit(TCP, HOST, 1, now=0.0) is None
+    a = Flow(dst_port=1)
+    g.opened(a)
+    a.transport = object()  # connected, but connected() was not called
+    assert g.admit(TCP, HOST, 1, now=PRUNE_INTERVAL / 2) is None  # the first sweep forgets it
+    assert g.pending == 0
+
+
+def test_start_without_now_fills_the_rate_limiter_at_the_monotonic_time():
+    """start(now=None): the new-flow rate limiter is full at time.monotonic(), as documented.
+    (Kills Guard.start always passing ``now``.)"""
+    import time
+
+    g, _ = guard(start=False, new_flow_rate=5, new_flow_burst=1)
+    before = time.monotonic()
+    g.start()
+    assert before <= g.bucket.stamp <= time.monotonic()
+    assert g.bucket.tokens == 1.0

@@ -83,9 +83,11 @@ In-order data goes to the receive buffer, read with :meth:`~TcpConnection.peek` 
 with :meth:`~TcpConnection.consume`. The window we advertise is ``rcv_buf`` minus what we
 hold, so a host socket that does not drain closes the window instead of making us drop
 data: nothing we have acknowledged is ever discarded (unless the connection is reset).
-The right edge of the window never moves left (RFC 9293 3.8.6.2.2; with window scaling
-the field is rounded *up* when rounding down would shrink it, so we may hold up to
-``2**rcv_wscale - 1`` bytes past ``rcv_buf``). Receiver silly-window avoidance: the edge
+The right edge of the window never moves left (RFC 9293 3.8.6.2.2): what was once offered
+stays acceptable. With window scaling the field is rounded up when rounding down would pull
+the edge left and the buffer has room for it; otherwise the advertised window retracts by
+less than ``2**rcv_wscale`` bytes (RFC 7323 appendix F), so we never hold more than ``rcv_buf``.
+Receiver silly-window avoidance: the edge
 only advances by at least ``min(rcv_buf / 2, MSS)``; :meth:`~TcpConnection.consume`
 schedules a window update when that lets the advertised window at least double.
 Out-of-order segments inside the window are kept (bounded by the window) and merged when

@@ -138,8 +138,11 @@ class Output(Tcb):
             wnd = avail if avail - cur >= self._sws_threshold() else cur
         shift = self._rcv_wscale
         field = wnd >> shift
-        if (field << shift) < cur:
-            field += 1  # round up rather than shrink the edge already advertised
+        if (field << shift) < cur and ((field + 1) << shift) <= avail:
+            field += 1  # round up rather than retract the edge already advertised, within the buffer
+        # Otherwise the scaled field retracts the edge by less than 2**shift bytes (RFC 7323
+        # appendix F): rounding up past the buffer would move the edge right on every ACK, for
+        # ever. Segments up to the edge advertised before (_rcv_adv) are still accepted.
         return field if field < 0xFFFF else 0xFFFF
 
     def _output(self, out: list[Segment], now: float, ack: int, wnd: int) -> None:
