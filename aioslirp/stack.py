@@ -319,7 +319,22 @@ class Stack:
         :class:`~aioslirp.config.ConfigError` for a match that does not parse. Flows already
         open keep their host side.
         """
-        return self.router.add(match, handler)
+        route = self.router.add(match, handler)
+        self._warn_guest_side(route)
+        return route
+
+    def _warn_guest_side(self, route) -> None:
+        """One warning for a route whose address is the gateway or DNS server as the guest sees it:
+        routes (like egress rules) match the host side (``127.0.0.1`` / ``::1`` for the gateway), so
+        such a route would silently match nothing."""
+        cfg = self.config
+        guest_side = {(a.version, int(a)): str(a) for a in (cfg.gateway, cfg.dns, cfg.gateway6, cfg.dns6)
+                      if a is not None}
+        for r in route.rules:
+            if r.kind == 0 and r.plen == (32 if r.family == 4 else 128) and (r.family, r.net) in guest_side:
+                log.warning("route %r: %s is an address of the virtual network as the guest sees it; routes "
+                            "match the host side (the gateway is the host's loopback, 127.0.0.1 or ::1), so "
+                            "this one matches nothing", route.match, guest_side[(r.family, r.net)])
 
     def unroute(self, what) -> int:
         """Remove routes: ``what`` is a :class:`~aioslirp.handlers.routes.Route`, a handler, or a match

@@ -366,7 +366,8 @@ def test_denials_are_counted_by_reason_and_audited():
     # the same guest fields as a flow record: address and port apart
     assert [(r["event"], r["proto"], r["guest"], r["guest_port"], r["dst"], r["port"], r["name"], r["verdict"],
              r["rule"]) for r in recs] == [
-        ("deny", "tcp", "10.0.2.15", 4001, "198.51.100.1", 81, None, "deny", "egress-default deny"),
+        # the port a.test's rule does not allow: the record still names the name the address is bound to
+        ("deny", "tcp", "10.0.2.15", 4001, "198.51.100.1", 81, "a.test", "deny", "egress-default deny"),
         ("deny", "udp", "fd00::15", 5, "192.0.2.1", 9, None, "deny", "192.0.2.0/24"),
         ("deny", "tcp", None, None, "169.254.169.254", 80, None, "deny", "169.254.0.0/16 (default)")]
     # the destination as the guest sent to it (the gateway), the host address the policy decided on apart

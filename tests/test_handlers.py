@@ -873,3 +873,22 @@ async def test_udp_queue_is_bounded():
     d.end()
     got = [x async for x in d]
     assert len(got) == QUEUE and got[0] == b"0" and not d.put(b"late")
+
+
+def test_a_route_to_the_guest_side_gateway_address_is_warned_about(caplog):
+    """Routes match the host side: "10.0.2.2:8000" (the gateway as the guest sees it) would match
+    nothing, silently; it is accepted with one warning naming the address, "127.0.0.1:8000" without."""
+    import logging
+
+    async def h(flow, reader, writer):
+        writer.close()
+
+    stack = Stack(NetworkConfig())
+    with caplog.at_level(logging.WARNING, logger="aioslirp.stack"):
+        stack.route("10.0.2.2:8000", h)
+        stack.route("[fd00::2]:8000", h)
+        stack.route("127.0.0.1:8000", h)
+        stack.route("*", h)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2, msgs
+    assert "10.0.2.2 is an address of the virtual network" in msgs[0] and "fd00::2" in msgs[1]

@@ -270,7 +270,7 @@ class Guard:
                             return self._refuse("limit_pending_connects")
                         self.held += 1  # until ask() returns
                         return HELD
-                    self.deny(d, proto, remote, port, guest, seen)
+                    self.deny(d, proto, remote, port, guest, seen, now)
                     return DENIED
         name = _NAMES.get(proto, "tcp")
         active = self.active
@@ -302,10 +302,13 @@ class Guard:
         self.decision = None
         return d.name, (d.rule or None)
 
-    def deny(self, d: Decision, proto: int, remote: str, port: int, guest, seen: bytes | None = None) -> None:
+    def deny(self, d: Decision, proto: int, remote: str, port: int, guest, seen: bytes | None = None,
+             now: float | None = None) -> None:
         """Count (``drop.egress_denied``, ``egress.denied_<reason>``), log once per address and
         audit (``ctx.audit``: a ``deny`` record whose ``reason`` is that counter's suffix, ``rule``,
-        ``default`` or ``hook``) a denial by the egress policy."""
+        ``default`` or ``hook``) a denial by the egress policy. The record's ``name`` is the
+        deciding name, else a name the address is bound to at ``now`` (the first in order): a
+        port the name's rule does not allow still says which name the guest meant."""
         self._drop(DENIED)
         reason = "hook" if d.reason.startswith("hook") else d.reason
         key = "egress.denied_" + reason
@@ -318,9 +321,13 @@ class Guard:
         a = ctx.audit if ctx is not None else None
         if a is not None:
             g, gport = guest_fields(guest)
+            name = d.name
+            if name is None and now is not None:
+                bound = self.policy.bindings.names(remote, now)
+                name = min(bound) if bound else None
             a.record({"event": "deny", "time": wall(), "proto": _NAMES.get(proto, "tcp"), "guest": g,
                       "guest_port": gport, "dst": seen if seen is not None else remote, "port": port, "host": remote,
-                      "name": d.name, "verdict": "deny", "rule": d.rule, "reason": reason})
+                      "name": name, "verdict": "deny", "rule": d.rule, "reason": reason})
 
     async def ask(self, proto: int, remote: str, port: int, now: float, guest=None, seen: bytes | None = None) -> bool:
         """A flow :meth:`admit` held (:data:`HELD`): await the async hook's verdict (bounded by
@@ -332,7 +339,7 @@ class Guard:
         finally:
             self.held = max(0, self.held - 1)
         if not d.allowed:
-            self.deny(d, proto, remote, port, guest, seen)
+            self.deny(d, proto, remote, port, guest, seen, now)
         return d.allowed
 
     def _refuse(self, reason: str) -> str:
