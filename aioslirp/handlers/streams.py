@@ -189,9 +189,11 @@ class GuestTransport:
         return True
 
     def write_eof(self) -> None:
+        """FIN towards the guest after the bytes written (half-close: reading goes on)."""
         self._host.h_eof()
 
     def close(self) -> None:
+        """FIN after the bytes written; guest bytes that still come are dropped."""
         self._host.h_close()
 
     def abort(self) -> None:
@@ -206,46 +208,27 @@ class GuestTransport:
         return len(self._host.out)
 
     def get_extra_info(self, name, default=None):
+        """``"peername"``: the guest's ``(address, port)``; ``"sockname"``: the destination's."""
         return self._host.extra(name, default)
 
 
-class GuestWriter:
-    """``asyncio.StreamWriter``-like writer towards the guest (see the module documentation).
+class GuestWriter(GuestTransport):
+    """``asyncio.StreamWriter``-like writer towards the guest (see the module documentation): the
+    transport's ``write``/``writelines``/``write_eof``/``close``/``is_closing``/``get_extra_info``
+    (a StreamWriter forwards them to its transport), plus :meth:`drain` and :meth:`wait_closed`.
 
     ``drain()`` raises ``ConnectionResetError`` once the guest reset the connection or the flow
     ended; ``write()`` after ``close()`` is ignored.
     """
 
-    __slots__ = ("transport", "_host")
+    __slots__ = ("transport",)
 
     #: The :class:`GuestTransport` (``abort()``: RST).
     transport: GuestTransport
-    _host: TcpHandlerHost
 
     def __init__(self, host) -> None:
-        self._host = host
+        super().__init__(host)
         self.transport = GuestTransport(host)
-
-    def write(self, data) -> None:
-        self._host.h_write(data)
-
-    def writelines(self, lines) -> None:
-        for d in lines:
-            self._host.h_write(d)
-
-    def can_write_eof(self) -> bool:
-        return True
-
-    def write_eof(self) -> None:
-        """FIN towards the guest after the bytes written (half-close: reading goes on)."""
-        self._host.h_eof()
-
-    def close(self) -> None:
-        """FIN after the bytes written; guest bytes that still come are dropped."""
-        self._host.h_close()
-
-    def is_closing(self) -> bool:
-        return self._host.closing
 
     async def wait_closed(self) -> None:
         """Wait until the flow has closed its host side (the guest ACKed our FIN and closed, or a RST)."""
@@ -255,10 +238,6 @@ class GuestWriter:
         """Wait until every byte written is in the connection's send buffer (at most ``tcp_buffer``
         bytes towards the guest are held there). Raises ``ConnectionResetError`` when the flow ended."""
         await self._host.h_drain()
-
-    def get_extra_info(self, name, default=None):
-        """``"peername"``: the guest's ``(address, port)``; ``"sockname"``: the destination's."""
-        return self._host.extra(name, default)
 
     def __repr__(self) -> str:
         return f"<GuestWriter {self._host.gflow!r}>"
