@@ -269,7 +269,10 @@ def test_the_readme_embedding_example_runs_as_written(tmp_path):
 
     script = tmp_path / "example.py"
     script.write_text(readme_example())
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    # In a network namespace of its own: the example listens on the fixed port 8000, which another
+    # test (in random order) may still hold in the suite's shared namespace.
+    p = subprocess.run(["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" "$1"', sys.executable,
+                        str(script)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0] == "hello from the host" and lines[1] == "exit status 0", p.stdout
