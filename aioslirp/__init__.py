@@ -9,7 +9,11 @@ behind its own stack; a :class:`Guest`), :func:`attach` (serve an existing names
 :func:`splice`, :class:`GuestFlow`; :class:`TapError` (a TAP that cannot be opened or served).
 """
 
-from .config import ConfigError, NetworkConfig
+from .compiled import install_source_finder as _install_source_finder
+
+_install_source_finder()  # AIOSLIRP_NO_EXTENSIONS=1: the .py sources even where compiled modules exist
+
+from .config import ConfigError, NetworkConfig  # noqa: E402
 
 __all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack", "SocketPairTransport", "TapTransport",
            "StreamTransport", "DgramTransport", "QemuServer", "spawn", "Guest", "attach", "NamespaceError", "FlowInfo",

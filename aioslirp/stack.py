@@ -35,6 +35,7 @@ import logging
 from collections import Counter
 
 from . import tracing
+from .compiled import notice as compiled_notice
 from .config import NetworkConfig
 from .dispatch.family import Family4
 from .dispatch.ipv4 import Ipv4Input
@@ -679,7 +680,8 @@ class Stack:
 
             {"counters": {NAME: int, ...},                     # every counter, sorted by name
              "flows": {"tcp": {STATE: int, ...}, "udp": int, "icmp": int},   # flows open now
-             "inject_queue": {"depth": int, "size": int}}      # frames queued for the guest / capacity
+             "inject_queue": {"depth": int, "size": int},      # frames queued for the guest / capacity
+             "compiled": str}                                  # one line: is the compiled path loaded
 
         Fields:
             counters: every entry of :attr:`counters` (monotonic event counts since the stack
@@ -705,6 +707,8 @@ class Stack:
             inject_queue: ``depth``, frames queued for the guest and not yet written to the
                 transport; ``size``, the queue's capacity (``config.inject_queue_size``); frames
                 beyond it are dropped (``drop.inject_full``).
+            compiled: :func:`aioslirp.compiled.notice`, e.g. ``"compiled per-frame path: on (8/8
+                modules)"``, or off and why (``AIOSLIRP_NO_EXTENSIONS``, not built, a stale build).
 
         The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.metrics.register`.
         """
@@ -712,5 +716,6 @@ class Stack:
             "counters": {k: int(v) for k, v in sorted(self.counters.items())},
             "flows": self.flow_stats(),
             "inject_queue": {"depth": len(self.inject_queue), "size": self.config.inject_queue_size},
+            "compiled": compiled_notice(),
         }
 

@@ -8,11 +8,16 @@ without them, fails here rather than silently bringing back per-instance dicts.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import inspect
+import os
+import sys
 
 import pytest
 
-from aioslirp import NetworkConfig, Stack
+from aioslirp import NetworkConfig, Stack, compiled
+from aioslirp.compiled import COMPILED
 from aioslirp.config.policy import EgressPolicy
 from aioslirp.dispatch.family import Family4, Family6
 from aioslirp.dispatch.ipv4 import Ipv4Input
@@ -81,12 +86,33 @@ def _name(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _native(cls) -> bool:
+    """A class of a module the compiled build made native (mypyc): a C struct per instance, no
+    ``__slots__`` entry and no ``__dict__`` (its layout comes from the annotations)."""
+    return cls.__module__ in COMPILED and compiled.loaded(cls.__module__)
+
+
+@functools.cache
+def _source_module(name: str):
+    """Module ``name`` executed from its ``.py`` source (not entered in ``sys.modules``)."""
+    path = os.path.join(os.path.dirname(sys.modules[name].__file__), name.rsplit(".", 1)[1] + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _source_class(cls):
+    """The uncompiled twin of a native class, read from its source."""
+    return getattr(_source_module(cls.__module__), cls.__qualname__)
+
+
 @pytest.mark.parametrize("cls", PER_FRAME, ids=_name)
 def test_every_class_in_the_mro_has_slots(cls):
     """No class of the MRO (but ``object``) lacks its own ``__slots__``, so instances have no
     ``__dict__``; ``__weakref__`` only where a weak reference is taken."""
     for c in cls.__mro__[:-1]:
-        assert "__slots__" in c.__dict__, f"{_name(c)} (in the MRO of {_name(cls)}) has no __slots__"
+        assert "__slots__" in c.__dict__ or _native(c), f"{_name(c)} (in the MRO of {_name(cls)}) has no __slots__"
     assert not any("__dict__" in c.__dict__ for c in cls.__mro__), f"{_name(cls)} instances get a __dict__"
     has_weakref = any("__weakref__" in c.__dict__ for c in cls.__mro__)
     assert has_weakref == (cls in WEAKREF), _name(cls)
@@ -96,6 +122,8 @@ def test_every_class_in_the_mro_has_slots(cls):
 def test_every_slot_is_annotated(cls):
     """Each slot a class declares has a class-level annotation (PEP 526) in that class, and no
     class attribute shadows a slot (a slotted class cannot have a default of the slot's name)."""
+    if _native(cls):  # compiled: the annotations are the layout (checked on the source, uncompiled)
+        cls = _source_class(cls)
     slots = cls.__dict__["__slots__"]
     slots = (slots,) if isinstance(slots, str) else tuple(slots)
     annotations = inspect.get_annotations(cls)

@@ -56,6 +56,22 @@ def _terminate(signum, _frame) -> None:
     raise SystemExit(128 + signum)
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the version, then one line on the compiled per-frame path (imported only here)."""
+
+    def __init__(self, option_strings, version: str, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help=None) -> None:  # noqa: A002 - argparse's name
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+        self.version = version
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from ..compiled import notice
+
+        print(self.version.replace("%(prog)s", parser.prog))
+        print(notice())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser for ``aioslirp`` (sub-commands ``run`` and ``attach``)."""
     from .. import __version__
@@ -68,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="run 'aioslirp run --help', 'aioslirp attach --help' or 'aioslirp qemu --help' for examples.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action=_VersionAction, version=f"%(prog)s {__version__}",
+                        help="print the version and whether the compiled per-frame path is loaded, then exit")
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 

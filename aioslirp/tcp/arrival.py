@@ -1,6 +1,9 @@
 """Segment arrival (RFC 9293 3.10.7): what a guest segment does to a connection.
 
-:class:`Arrival` is the input half of :class:`~aioslirp.tcp.connection.TcpConnection`. Per
+:class:`Arrival` is the input half of :class:`~aioslirp.tcp.connection.TcpConnection`, built on
+the output half: one chain ``Tcb`` -> ``Output`` -> ``Arrival`` -> ``TcpConnection`` (the method
+order of the former ``TcpConnection(Arrival, Output)``, with single inheritance so that the
+compiled build makes each a native class, see docs/performance.md). Per
 state (3.10.7.1 CLOSED, 3.10.7.2 LISTEN, 3.10.7.3 SYN-SENT, 3.10.7.4 the rest) a segment is
 checked and used in the RFC's order; for the synchronized states each check is one method:
 
@@ -26,7 +29,8 @@ from .seq import SEQ_MASK as _MASK
 from .seq import SEQ_MOD as _MOD
 from .tcb import (CLOCK_GRANULARITY, CLOSE_WAIT, CLOSED, CLOSING, DUPACK_THRESHOLD, ESTABLISHED, FIN_WAIT_1,
                   FIN_WAIT_2, LAST_ACK, LISTEN, MAX_OOO_SEGMENTS, MAX_WSCALE, RECEIVING, SYN_RECEIVED, SYN_SENT,
-                  SYN_TIMEOUT_RTO, TIME_WAIT, EstablishedEvent, FinEvent, Tcb)
+                  SYN_TIMEOUT_RTO, TIME_WAIT, EstablishedEvent, FinEvent)
+from .output import Output
 
 __all__ = ["Arrival", "wscale_for"]
 
@@ -39,7 +43,7 @@ def wscale_for(rcv_buf: int) -> int:
     return shift
 
 
-class Arrival(Tcb):
+class Arrival(Output):
     """Guest segments in, per RFC 9293 3.10.7 (see the module docstring)."""
 
     __slots__ = ()

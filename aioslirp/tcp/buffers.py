@@ -28,7 +28,7 @@ class SendQueue:
 
     __slots__ = ("_chunks", "_ends", "_i0", "_base", "_total", "views")
 
-    _chunks: list[bytes | None]
+    _chunks: list[bytes]  # b"" where a chunk was dropped (freed)
     _ends: list[int]
     _i0: int
     _base: int
@@ -88,7 +88,7 @@ class SendQueue:
                 k += 1
                 chunk = self._chunks[k]
                 cstart, cend = cend, ends[k]
-                parts.append(memoryview(chunk)[:b - cstart] if b < cend else chunk)
+                parts.append(memoryview(chunk)[:b - cstart] if b < cend else memoryview(chunk))
             v = memoryview(b"".join(parts))
         self.views.append(v)
         return v
@@ -101,7 +101,7 @@ class SendQueue:
         i = self._i0
         last = len(ends)
         while i < last and ends[i] <= base:
-            chunks[i] = None
+            chunks[i] = b""
             i += 1
         if i >= 64 and i * 2 >= last:
             del chunks[:i]
@@ -132,7 +132,7 @@ class ChunkQueue:
 
     __slots__ = ("_chunks", "_i0", "_head", "nbytes")
 
-    _chunks: list[bytes | memoryview | None]
+    _chunks: list[bytes | memoryview]  # b"" where a chunk was dropped (freed)
     _i0: int
     _head: int
     #: Bytes held (read-only outside the class; ``len()`` says the same).
@@ -177,7 +177,8 @@ class ChunkQueue:
             chunks.clear()
             chunks.append(whole)
             self._i0 = self._head = 0
-        return chunks[self._i0]
+            return whole
+        return chunks[i0]  # type: ignore[return-value]  # the one chunk, checked to be bytes above
 
     def drop(self, n: int) -> None:
         """Forget the first ``n`` bytes (``0 <= n <= len``)."""
@@ -191,7 +192,7 @@ class ChunkQueue:
         h = self._head + n
         while h >= len(chunks[i]):
             h -= len(chunks[i])
-            chunks[i] = None
+            chunks[i] = b""
             i += 1
         if i >= 64 and i * 2 >= len(chunks):
             del chunks[:i]

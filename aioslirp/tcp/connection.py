@@ -129,7 +129,6 @@ from collections import deque
 from ..wire.tcp import ACK, RST, Segment
 from .arrival import Arrival, wscale_for
 from .buffers import ChunkQueue, SendQueue
-from .output import Output
 from .seq import SEQ_MASK as _MASK
 from .tcb import (CLOSE_WAIT, CLOSED, CLOSING, DEFAULT_MSS, ESTABLISHED, FIN_WAIT_1, FIN_WAIT_2, INITIAL_RTO,
                   LAST_ACK, LISTEN, MIN_MSS, RECEIVING, SYN_RECEIVED, SYN_SENT, TIME_WAIT, TcpEvent)
@@ -142,7 +141,7 @@ __all__ = [
 ]
 
 
-class TcpConnection(Arrival, Output):
+class TcpConnection(Arrival):
     """One TCP connection with the guest; we are the guest's remote peer. See the module docstring.
 
     Keyword arguments:

@@ -244,7 +244,7 @@ class TcpFrameBuilder:
         offload = self.offload
         # Headers first, then the payload appended: no zero-filling of a 64 KB buffer that is
         # overwritten at once (measured 1.4 vs 3.5 us per 64 KB frame).
-        buf = OffloadFrame(l4 + thl) if offload else bytearray(l4 + thl)
+        buf: bytearray = OffloadFrame(l4 + thl) if offload else bytearray(l4 + thl)
         buf[0:14] = self.eth
         if self.v6:
             IPV6.pack_into(buf, 14, VTF6, tcp_len, PROTO_TCP, DEFAULT_HLIM, self.src, self.dst)
@@ -262,9 +262,10 @@ class TcpFrameBuilder:
             buf += payload
         if offload:
             if gso_size and plen > gso_size:
-                buf.vnet = VNET.pack(F_NEEDS_CSUM, self._gso_type, l4 + thl, gso_size, l4, 16, 0)
+                vnet = VNET.pack(F_NEEDS_CSUM, self._gso_type, l4 + thl, gso_size, l4, 16, 0)
             else:
-                buf.vnet = VNET.pack(F_NEEDS_CSUM, GSO_NONE, l4 + thl, 0, l4, 16, 0)
+                vnet = VNET.pack(F_NEEDS_CSUM, GSO_NONE, l4 + thl, 0, l4, 16, 0)
+            buf.vnet = vnet  # type: ignore[attr-defined]  # an OffloadFrame
         else:
             # The field holds the pseudo-header sum: the sum over the segment with it is the full sum.
             _H.pack_into(buf, l4 + 16, finish(partial(memoryview(buf)[l4:])))

@@ -1,0 +1,140 @@
+"""The optional compiled per-frame path (aioslirp.compiled, setup.py): loaded when built, switched
+off by ``AIOSLIRP_NO_EXTENSIONS=1`` and by a stale build, and bit-for-bit the same as the
+pure-Python modules (the same frames out of the same lossy two-way transfer)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from aioslirp import compiled
+
+HERE = Path(__file__).resolve().parent
+PKG = Path(compiled.__file__).resolve().parent
+
+#: A lossy, reordering transfer both ways between two TcpConnections (the simulation of
+#: test_tcp_conn), every segment also built into a frame and parsed back; prints a digest of all
+#: of it, the transferred bytes' hashes and the compiled notice.
+SCENARIO = r"""
+import hashlib, random, sys
+sys.path.insert(0, sys.argv[1])
+from aioslirp import compiled
+from aioslirp.tcp.connection import TcpConnection
+from aioslirp.wire.tcp import TcpFrameBuilder, parse_segment, syn_options, SYN
+from test_tcp_conn import _App, _Link, MSS
+
+rng = random.Random(5)
+size = 1 << 17
+host_data, guest_data = rng.randbytes(size), rng.randbytes(size)
+stack = TcpConnection(iss=2**32 - 500_000, mss=MSS, rcv_buf=128 * 1024, snd_buf=64 * 1024, now=0.0)
+guest = TcpConnection(iss=2**32 - 700_000, mss=MSS, rcv_buf=256 * 1024, snd_buf=64 * 1024, now=0.0)
+to_stack, to_guest = _Link(rng, 0.05, 0.001, 0.002), _Link(rng, 0.05, 0.001, 0.002)
+apps = (_App(stack, host_data, rng), _App(guest, guest_data, rng))
+b4 = TcpFrameBuilder(b"e" * 14, bytes([10, 0, 2, 2]), bytes([10, 0, 2, 15]), 80, 40000)
+b6 = TcpFrameBuilder(b"e" * 14, bytes(range(16)), bytes(range(16, 32)), 80, 40000, True)
+h = hashlib.sha256()
+now, accepted = 0.0, False
+guest.connect(now)
+for _ in range(200_000):
+    for s in to_stack.due(now):
+        stack.on_syn(s, now) if stack.state == "LISTEN" else stack.receive_segment(s, now)
+    for s in to_guest.due(now):
+        guest.receive_segment(s, now)
+    for c in (stack, guest):
+        t = c.get_timer()
+        if t is not None and t <= now:
+            c.handle_timer(now)
+    if stack.state == "SYN-RECEIVED" and not accepted:
+        stack.accept(now)
+        accepted = True
+    for a in apps:
+        a.step()
+    out = stack.segments_to_send(now)
+    for s in out:
+        opts = syn_options(s) if s.flags & SYN else b""
+        f4 = b4.build(s.seq, s.ack, s.flags, s.wnd, opts, s.payload)
+        f6 = b6.build(s.seq, s.ack, s.flags, s.wnd, opts, s.payload, 1400)
+        h.update(f4); h.update(f6); h.update(f6.vnet)
+        h.update(repr(parse_segment(memoryview(bytes(f4))[34:])).encode())
+    to_guest.put(now, out)
+    to_stack.put(now, guest.segments_to_send(now))
+    h.update(repr((now, stack.state, guest.state, stack.snd_una, stack.rcv_nxt, stack.get_timer())).encode())
+    if stack.state == "CLOSED" and guest.state == "CLOSED":
+        break
+    times = [t for t in (to_stack.next_time(), to_guest.next_time(), stack.get_timer(), guest.get_timer()) if t is not None]
+    now = max(now, min(times))
+for a in apps:
+    a.drain()
+print(h.hexdigest(), hashlib.sha256(apps[0].received).hexdigest() == hashlib.sha256(guest_data).hexdigest(),
+      hashlib.sha256(apps[1].received).hexdigest() == hashlib.sha256(host_data).hexdigest(), stack.retransmitted_segments)
+print(compiled.notice())
+"""
+
+
+def _run(env_extra: dict, pythonpath: Path | None = None) -> list[str]:
+    env = dict(os.environ)
+    env.pop(compiled.ENV, None)
+    env.update(env_extra)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    out = subprocess.run([sys.executable, "-c", SCENARIO, str(HERE)], env=env, capture_output=True, text=True,
+                         timeout=240, check=True, cwd=pythonpath or HERE)
+    return out.stdout.splitlines()
+
+
+def _built() -> bool:
+    return any(p.name.startswith("tcb.") and p.suffix == ".so" for p in (PKG / "tcp").iterdir())
+
+
+def test_the_build_is_loaded_unless_switched_off():
+    """With a C compiler the install built the extension (CI installs gcc), and this process
+    loaded every compiled module from it; under AIOSLIRP_NO_EXTENSIONS=1 (the pure CI pass)
+    none."""
+    st = compiled.status()
+    assert set(st) == set(compiled.COMPILED)
+    if compiled.disabled():
+        assert not any(st.values())
+        assert compiled.notice() == "compiled per-frame path: off (AIOSLIRP_NO_EXTENSIONS is set); pure Python"
+    elif shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc") and not compiled.stale():
+        assert all(st.values()), st
+        assert compiled.notice() == f"compiled per-frame path: on ({len(st)}/{len(st)} modules)"
+    else:
+        pytest.skip("no C compiler, or an edit since the build: nothing compiled to check")
+
+
+def test_compiled_and_pure_give_the_same_frames():
+    """The same seeded lossy transfer, compiled and pure: the same segments, frames (IPv4 complete
+    checksums; IPv6 offload with GSO and its virtio-net header), timers and states, step by step."""
+    if not _built():
+        pytest.skip("the extension is not built here")
+    compiled_run = _run({})
+    pure_run = _run({compiled.ENV: "1"})
+    assert compiled_run[1].startswith("compiled per-frame path: on")
+    assert pure_run[1] == "compiled per-frame path: off (AIOSLIRP_NO_EXTENSIONS is set); pure Python"
+    digest, up_ok, down_ok, retransmitted = compiled_run[0].split()
+    assert up_ok == down_ok == "True" and int(retransmitted) > 0
+    assert compiled_run[0] == pure_run[0]
+
+
+def test_an_edit_after_the_build_runs_the_source(tmp_path):
+    """A compiled module's ``.py`` newer than its native module (an edit since pip install -e .):
+    every compiled module loads from source and the notice says to rebuild."""
+    if not _built():
+        pytest.skip("the extension is not built here")
+    copy = tmp_path / "aioslirp"
+    shutil.copytree(PKG, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for lib in PKG.parent.glob("aioslirp__mypyc*.so"):
+        shutil.copy2(lib, tmp_path)
+    src = copy / "tcp" / "output.py"
+    src.write_text(src.read_text() + "\n# an edit\n")
+    later = max(p.stat().st_mtime for p in copy.rglob("*.so")) + 10
+    os.utime(src, (later, later))
+    lines = _run({}, pythonpath=tmp_path)
+    assert lines[1] == ("compiled per-frame path: off (stale build: aioslirp.tcp.output.py changed since; "
+                        "rebuild with pip install -e .); pure Python")
