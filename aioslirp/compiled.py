@@ -1,8 +1,9 @@
 """Which modules run compiled (the optional mypyc build of the per-frame path), and the switch.
 
 :data:`COMPILED` lists the modules that ``setup.py`` compiles with mypyc when a C compiler is
-present: the frame builders and parsers (:mod:`aioslirp.wire`) and the TCP state machine
-(:mod:`aioslirp.tcp`). They are ordinary ``.py`` files; the build puts a native module beside
+present: the TCP frame builder and parser (:mod:`aioslirp.wire.tcp`), the TCP state machine
+(:mod:`aioslirp.tcp`), the dispatch of guest frames (:mod:`aioslirp.dispatch`) and the inject
+queue. They are ordinary ``.py`` files; the build puts a native module beside
 each (``tcp.cpython-311-x86_64-linux-gnu.so`` next to ``tcp.py``), which Python imports first.
 
 ``AIOSLIRP_NO_EXTENSIONS=1`` in the environment (any non-empty value) makes every
@@ -38,6 +39,10 @@ COMPILED: tuple[str, ...] = (
     "aioslirp.tcp.output",
     "aioslirp.tcp.arrival",
     "aioslirp.tcp.connection",
+    "aioslirp.dispatch.link",
+    "aioslirp.dispatch.ipv4",
+    "aioslirp.dispatch.l4",
+    "aioslirp.inject",
 )
 
 

@@ -34,6 +34,8 @@ gone or not there yet).
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncio
 from collections import deque
 
@@ -65,7 +67,7 @@ class InjectQueue:
     __slots__ = ("maxsize", "transport", "hold", "_q", "_counters", "tracer", "_loop", "_waiter", "_task")
 
     maxsize: int
-    transport: object
+    transport: Any
     hold: bool
     _q: deque
     _counters: dict[str, int]
@@ -73,7 +75,7 @@ class InjectQueue:
     _waiter: asyncio.Future | None
     _task: asyncio.Task | None
     #: The stack's tracer (``None``: not traced).
-    tracer: object
+    tracer: Any
 
     def __init__(self, maxsize: int, counters, tracer=None) -> None:
         self.maxsize = int(maxsize)
@@ -195,6 +197,7 @@ class InjectQueue:
     async def _writer(self) -> None:
         q = self._q
         loop = self._loop
+        assert loop is not None, "InjectQueue.start() first"
         try:
             while True:
                 if not q:

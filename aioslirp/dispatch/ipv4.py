@@ -14,6 +14,8 @@ ignored (``icmp_ignored``).
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..reassembly import Reassembler
 from ..wire.checksum import partial
 from ..wire.icmp import ICMP, build_icmp_packet
@@ -41,19 +43,19 @@ class Ipv4Input:
     __slots__ = ("ctx", "fam", "counters", "drop", "neighbors", "net_int", "mask_int", "not_guest", "tcp", "udp",
                  "echo", "reassembler")
 
-    ctx: object
-    fam: object
+    ctx: Any
+    fam: Any
     counters: dict[str, int]
     #: ``ctx.drop``.
-    drop: object
-    neighbors: dict
+    drop: Any
+    neighbors: Any
     net_int: int
     mask_int: int
     not_guest: tuple
     #: The L4 handlers (``L4.tcp``, ``L4.udp``, ``L4.echo``).
-    tcp: object
-    udp: object
-    echo: object
+    tcp: Any
+    udp: Any
+    echo: Any
     reassembler: Reassembler
 
     def __init__(self, ctx, fam, l4) -> None:

@@ -27,6 +27,8 @@ differs by family come from ``fam.reason``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import functools
 import logging
 import struct
@@ -59,16 +61,16 @@ class L4:
 
     __slots__ = ("ctx", "counters", "drop", "handled", "table", "flows_get", "guard", "dns_tasks")
 
-    ctx: object
+    ctx: Any
     counters: dict[str, int]
     #: ``ctx.drop`` and ``ctx.handled``: a guest frame's outcome.
-    drop: object
-    handled: object
+    drop: Any
+    handled: Any
     #: The :class:`~aioslirp.flow.table.FlowTable`; ``flows_get`` is its ``get``.
-    table: object
-    flows_get: object
+    table: Any
+    flows_get: Any
     #: The :class:`~aioslirp.flow.guard.Guard`.
-    guard: object
+    guard: Any
     dns_tasks: set
 
     def __init__(self, ctx) -> None:
@@ -160,7 +162,7 @@ class L4:
         if not TcpFlow(self.ctx, fam, key, remote, seg, orig, now, host).no_socket:  # else refused, counted
             self.handled("tcp_syn")
 
-    def _hold(self, proto: int, remote: str, port: int, now: float, guest, seen: bytes, quote: bytes, fam,
+    def _hold(self, proto: int, remote: Any, port: int, now: float, guest, seen: bytes, quote: bytes, fam,
               replay) -> None:
         """A new flow an async policy hook must decide (:data:`~aioslirp.flow.guard.HELD`): nothing is
         answered until the verdict; then a denial gets ICMP administratively prohibited (quoting

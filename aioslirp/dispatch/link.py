@@ -16,6 +16,8 @@ valid IPv4 packet (:mod:`aioslirp.dispatch.ipv4`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import itertools
 import logging
 import time
@@ -47,21 +49,21 @@ class Link:
 
     __slots__ = ("ctx", "counters", "drop", "queue", "flush", "fam4", "neighbors", "ipv4", "ipv6", "tracer")
 
-    ctx: object
+    ctx: Any
     counters: dict[str, int]
     #: ``ctx.drop``.
-    drop: object
+    drop: Any
     #: The :class:`~aioslirp.inject.InjectQueue`.
-    queue: object
+    queue: Any
     #: ``FlowTable.flush``: run once per batch of guest frames.
-    flush: object
-    fam4: object
+    flush: Any
+    fam4: Any
     #: The ARP cache (``fam4.neighbors``).
-    neighbors: dict
-    ipv4: object
-    ipv6: object
+    neighbors: Any
+    ipv4: Any
+    ipv6: Any
     #: The stack's tracer (``None``: not traced).
-    tracer: object
+    tracer: Any
 
     def __init__(self, ctx, fam4, ipv4, ipv6=None) -> None:
         self.ctx = ctx

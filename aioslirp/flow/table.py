@@ -28,6 +28,8 @@ per-protocol counts stay exact) and the stack's tracer, if it has one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncio
 import heapq
 import itertools
@@ -138,9 +140,9 @@ class FlowTable:
 
     max_flows: int
     counters: dict[str, int]
-    guard: object
+    guard: Any
     flows: dict
-    get: object
+    get: Any
     idle_order: IdleOrder
     dirty: set
     #: Seconds between two idle sweeps (:func:`sweep_interval`).
@@ -148,9 +150,9 @@ class FlowTable:
     _loop: asyncio.AbstractEventLoop | None
     _timer: asyncio.TimerHandle | None
     #: The stack's tracer (``None``: not traced).
-    tracer: object
+    tracer: Any
     #: The stack's :class:`~aioslirp.audit.AuditLog` (``None``: off): told of every flow leaving.
-    audit: object
+    audit: Any
 
     def __init__(self, config, counters, guard, tracer=None) -> None:
         self.max_flows = int(config.max_flows)
