@@ -1078,6 +1078,10 @@ class StackMachine(RuleBasedStateMachine):
 
 StackMachine.TestCase.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+    # Under CI the examples follow a fixed seed: the reach check above (a random walk reaches the
+    # ICMP flow limit in most runs, not all: 2 of 10 local runs missed one counter) must not fail a
+    # landing by chance. Local runs stay random and explore; AIOSLIRP_FUZZ_RANDOM=1 forces that.
+    derandomize=bool(os.environ.get("CI")) and not os.environ.get("AIOSLIRP_FUZZ_RANDOM"),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 TestStackMachine = StackMachine.TestCase
