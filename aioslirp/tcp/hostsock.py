@@ -471,7 +471,13 @@ class TransportHost:
         self.tr.write_eof()
 
     def pause_reading(self) -> None:
-        self.tr.pause_reading()
+        """Stop reading. Bytes may arrive although the transport says it is paused already: asyncio
+        (3.11) starts reading after ``connection_made`` whatever that callback did (uvloop too), so
+        its ``pause_reading`` would then do nothing; resuming first makes the pause take effect."""
+        tr = self.tr
+        if not tr.is_reading():
+            tr.resume_reading()
+        tr.pause_reading()
 
     def resume_reading(self) -> None:
         self.tr.resume_reading()
