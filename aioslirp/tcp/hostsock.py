@@ -210,15 +210,15 @@ class HostPoller:
         ``ValueError`` once closed."""
         try:
             self._ep.register(fd, select.EPOLLIN)
-        except FileExistsError:
-            # A stale registration: a closed socket's open file description (kept by a forked
-            # child, say) still in the set under this fd number, which a new socket now has.
+        except FileExistsError:  # this very socket is in the set already: take it as a re-arm
             self._ep.modify(fd, select.EPOLLIN)
         self._callbacks[fd] = callback
 
     def remove_reader(self, fd: int) -> bool:
-        """Stop watching ``fd`` (before it is closed or handed over); True when it was
-        registered. No callback for ``fd`` follows, not even from the batch being dispatched."""
+        """Stop watching ``fd``; True when it was registered. No callback for ``fd`` follows, not
+        even from the batch being dispatched. Call it *before* closing the socket: epoll keeps
+        watching a closed fd's open file while another process holds it (a child forked
+        meanwhile), and its events would then come under a number a new socket may have."""
         if self._callbacks.pop(fd, None) is None:
             return False
         try:
