@@ -55,6 +55,7 @@ from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
 from .services.dns import DnsForwarder
 from .services.dns_tcp import DnsTcpHost
+from .tcp.hostsock import HostPoller
 from .transport.trace import TraceTransport
 from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
 
@@ -360,6 +361,7 @@ class Stack:
         self.dns = self.ctx.dns = DnsForwarder(self.config)
         self.ctx.dns_host = functools.partial(DnsTcpHost, forwarder=self.dns, counters=self.counters,
                                               tasks=self.tasks)
+        self.ctx.host_poller = HostPoller(loop)  # one epoll for the TCP flows' host sockets
         self.guard.start(self.dns, loop.time())
         self.table.start(loop)
         if self.audit is not None:
@@ -398,6 +400,8 @@ class Stack:
         if self._transport is not None:
             self._transport.close()
         self.table.clear()
+        if self.ctx.host_poller is not None:  # every host socket left it as its flow ended
+            self.ctx.host_poller.close()
         if self.audit is not None:
             if self._own_audit:
                 self.audit.close()

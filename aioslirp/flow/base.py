@@ -129,6 +129,8 @@ class FlowContext:
         dns: the :class:`~aioslirp.services.dns.DnsForwarder` (``None`` until started).
         dns_host: ``dns_host(flow)``: the host side of a TCP flow to the DNS address
             (:class:`~aioslirp.services.dns_tcp.DnsTcpHost`), so ``tcp/`` needs no service.
+        host_poller: the :class:`~aioslirp.tcp.hostsock.HostPoller` (one epoll) reading the TCP
+            flows' host sockets (``None`` until ``Stack.start``; closed by ``Stack.aclose``).
         offload: the transport being served takes offload frames (a TAP with ``IFF_VNET_HDR``).
         closed: the stack is closing: no new flow is started.
         tracer: the stack's :class:`~aioslirp.tracing.Tracer`, or ``None`` (not traced): the
@@ -144,7 +146,7 @@ class FlowContext:
     """
 
     __slots__ = ("config", "counters", "loop", "table", "guard", "queue", "inject", "tasks", "spawn", "icmp",
-                 "dns", "dns_host", "offload", "closed", "tracer", "audit", "rate_up", "rate_down", "router")
+                 "dns", "dns_host", "host_poller", "offload", "closed", "tracer", "audit", "rate_up", "rate_down", "router")
 
     config: object
     counters: dict[str, int]
@@ -158,6 +160,7 @@ class FlowContext:
     icmp: object
     dns: object
     dns_host: object
+    host_poller: object
     offload: bool
     closed: bool
     #: The stack's tracer (``None``: not traced).
@@ -175,7 +178,7 @@ class FlowContext:
         self.counters = counters
         self.loop = None
         self.table = self.guard = self.queue = self.inject = self.spawn = self.icmp = None
-        self.dns = self.dns_host = None
+        self.dns = self.dns_host = self.host_poller = None
         self.tasks: set = set()
         self.offload = False
         self.closed = False

@@ -4,8 +4,9 @@ One :class:`TcpFlow` per guest connection, owned by the stack's flow table. Its 
 connects the host socket first and only then lets the connection answer the guest's SYN
 (SYN-ACK after the host connect; RST when refused; ICMP unreachable when the host or
 network is unreachable or the connect times out). Data then moves through the callbacks of
-a :class:`~aioslirp.tcp.hostsock.HostSocket` (``add_reader``/``add_writer`` on the socket,
-named like asyncio protocol callbacks):
+a :class:`~aioslirp.tcp.hostsock.HostSocket` (read through the stack's own epoll, a
+:class:`~aioslirp.tcp.hostsock.HostPoller`; ``add_writer`` after a short send), named like
+asyncio protocol callbacks:
 
 * guest -> host: segments are fed to the connection; at the end of each batch of guest
   frames :meth:`TcpFlow.flush` writes the in-order bytes to the host socket. What the
@@ -369,7 +370,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
             sock.close()
             self._finish()
             return
-        self.transport = HostSocket(self.loop, sock, self, self.ctx.queue.held(), self.rate_down)
+        self.transport = HostSocket(self.ctx.host_poller, sock, self, self.ctx.queue.held(), self.rate_down)
         self.ctx.guard.connected(self)
         self._accept(time.perf_counter() - self._t0, False)
 
@@ -725,7 +726,7 @@ class ForwardedTcpFlow(TcpFlow):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        self.transport = HostSocket(self.loop, sock, self, self.ctx.queue.held(), self.rate_down)  # host bytes wait for the handshake
+        self.transport = HostSocket(self.ctx.host_poller, sock, self, self.ctx.queue.held(), self.rate_down)  # host bytes wait for the handshake
 
     async def _run(self) -> None:
         try:

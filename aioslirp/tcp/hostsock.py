@@ -1,4 +1,5 @@
-"""The host side of a TCP flow: a connected non-blocking socket driven by ``add_reader``/``add_writer``.
+"""The host side of a TCP flow: a connected non-blocking socket read through the stack's own
+epoll (:class:`HostPoller`), written with ``add_writer`` after a short send.
 
 :class:`HostSocket` stands where an asyncio transport stood (``loop.create_connection(sock=...)``)
 and offers the subset :class:`~aioslirp.tcp.flow.TcpFlow` uses. It keeps no write buffer of its
@@ -29,10 +30,11 @@ import asyncio
 import errno
 import logging
 import os
+import select
 import socket
 import struct
 
-__all__ = ["HostSocket", "TransportHost", "READ_SIZE", "connect_start", "connect_numeric", "wait_connected",
+__all__ = ["HostPoller", "HostSocket", "TransportHost", "READ_SIZE", "connect_start", "connect_numeric", "wait_connected",
            "close_socket", "linger_zero"]
 
 log = logging.getLogger("aioslirp.tcp")
@@ -41,6 +43,9 @@ log = logging.getLogger("aioslirp.tcp")
 READ_SIZE = 256 * 1024
 #: Smallest ``recv`` size, bytes (used when the flow's send buffer is nearly full).
 MIN_READ = 4096
+#: Most readiness events (one per socket) taken from the :class:`HostPoller` epoll per loop
+#: callback; more ready sockets keep its fd readable, and the rest come on the next iteration.
+POLL_MAX_EVENTS = 256
 #: Reads up to this size (bytes) have their frames written to the guest before the callback
 #: returns (no writer task wake-up: request/response latency); larger ones leave it to the writer.
 SYNC_WRITE_MAX = 16384
@@ -150,8 +155,115 @@ async def wait_connected(loop: asyncio.AbstractEventLoop, sock: socket.socket, t
         raise OSError(err, os.strerror(err))
 
 
+class HostPoller:
+    """Read readiness of the host sockets through one ``epoll`` of our own, watched by ``loop``.
+
+    The epoll's fd is registered once with the loop (``loop.add_reader``); when it is readable
+    :meth:`dispatch` takes up to :data:`POLL_MAX_EVENTS` ready fds (``epoll_wait`` with no wait)
+    and calls each one's callback. A socket then costs one ``EPOLL_CTL_ADD`` to start and one
+    ``EPOLL_CTL_DEL`` to stop, where the loop's ``add_reader``/``remove_reader`` (uvloop's
+    ``uv_poll``) cost about 7 system calls per socket (``epoll_ctl`` ADD and DEL probes, an
+    ``ioctl(FIONBIO)``, ``DEL`` calls answered ``ENOENT`` on stop and close).
+
+    Level-triggered, ``EPOLLIN`` only. Stopping is a ``DEL``, not a ``MOD`` to an empty event
+    mask: epoll reports ``EPOLLHUP``/``EPOLLERR`` whatever the mask, so a paused socket whose
+    peer hung up would keep the epoll readable and the loop spinning.
+
+    Callbacks are looked up when the batch is dispatched (a dict fd -> callback), so one that
+    stops or closes another socket of the same batch also stops its delivery. An exception
+    from a callback is logged and the rest of the batch is still delivered (a failing flow
+    ends itself, never its siblings). One per :class:`~aioslirp.stack.Stack`
+    (``FlowContext.host_poller``), made when it starts and closed by its ``aclose``.
+    Not thread-safe: all methods on ``loop``'s thread.
+    """
+
+    __slots__ = ("loop", "_ep", "_callbacks", "_fd")
+
+    loop: asyncio.AbstractEventLoop
+    _ep: select.epoll
+    #: fd -> its read callback (no arguments): the fds registered in the epoll.
+    _callbacks: dict
+    #: The epoll's own fd (registered with ``loop``), or -1 once closed.
+    _fd: int
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._ep = select.epoll()
+        self._callbacks = {}
+        self._fd = self._ep.fileno()
+        loop.add_reader(self._fd, self.dispatch)
+
+    @property
+    def registered(self) -> int:
+        """How many fds are registered (being read) now."""
+        return len(self._callbacks)
+
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` ran: the epoll is closed and no longer watched by the loop."""
+        return self._fd < 0
+
+    def add_reader(self, fd: int, callback) -> None:
+        """Call ``callback()`` (no arguments) whenever ``fd`` is readable, until
+        :meth:`remove_reader`. ``fd`` not yet registered. Raises ``OSError`` from ``epoll_ctl``
+        (``EBADF`` for a closed fd, ``EPERM`` for a file that epoll cannot watch) and
+        ``ValueError`` once closed."""
+        try:
+            self._ep.register(fd, select.EPOLLIN)
+        except FileExistsError:  # this very socket is in the set already: take it as a re-arm
+            self._ep.modify(fd, select.EPOLLIN)
+        self._callbacks[fd] = callback
+
+    def remove_reader(self, fd: int) -> bool:
+        """Stop watching ``fd``; True when it was registered. No callback for ``fd`` follows, not
+        even from the batch being dispatched. Call it *before* closing the socket: epoll keeps
+        watching a closed fd's open file while another process holds it (a child forked
+        meanwhile), and its events would then come under a number a new socket may have."""
+        if self._callbacks.pop(fd, None) is None:
+            return False
+        try:
+            self._ep.unregister(fd)
+        except (OSError, ValueError):  # fd already closed, or the epoll is
+            pass
+        return True
+
+    def dispatch(self) -> None:
+        """Deliver the ready fds' callbacks (the loop calls this when the epoll is readable)."""
+        try:
+            events = self._ep.poll(0, POLL_MAX_EVENTS)
+        except (InterruptedError, ValueError):  # a signal; closed meanwhile
+            return
+        callbacks = self._callbacks
+        for fd, _ in events:
+            cb = callbacks.get(fd)
+            if cb is None:  # stopped or closed by an earlier callback of this batch
+                continue
+            try:
+                cb()
+            except Exception:  # one socket's failure does not cost the others their turn
+                log.exception("host socket read callback failed (fd %d)", fd)
+
+    def close(self) -> int:
+        """Stop watching the epoll, close it and forget the registered fds (those still open are
+        not closed). Returns how many fds were still registered (their owners should have
+        removed them: logged as a warning). Idempotent (0 the next times)."""
+        if self._fd < 0:
+            return 0
+        left = len(self._callbacks)
+        if left:
+            log.warning("host poller closed with %d sockets still registered", left)
+        self._callbacks.clear()
+        self.loop.remove_reader(self._fd)
+        self._fd = -1
+        self._ep.close()
+        return left
+
+
 class HostSocket:
     """A connected, non-blocking host socket (``sock``) serving ``flow``; readable at once.
+
+    ``poller``: the stack's :class:`HostPoller`, which watches the socket for reading (its
+    ``loop`` runs everything else: the writer for a short send, ``call_soon``, the clock).
 
     ``batch``: a context manager (the stack's ``InjectQueue.held()``) entered around each small
     read (at most :data:`SYNC_WRITE_MAX` bytes), so that the frames it produces are written to
@@ -161,9 +273,11 @@ class HostSocket:
     close the socket and reach the flow as ``connection_lost(exc)``.
     """
 
-    __slots__ = ("loop", "sock", "fd", "flow", "batch", "reading", "writing", "closed", "cap")
+    __slots__ = ("loop", "poller", "sock", "fd", "flow", "batch", "reading", "writing", "closed", "cap")
 
     loop: asyncio.AbstractEventLoop
+    #: The :class:`HostPoller` the socket is registered with while :attr:`reading`.
+    poller: HostPoller
     sock: socket.socket
     #: ``sock.fileno()``.
     fd: int
@@ -172,7 +286,7 @@ class HostSocket:
     #: The guest-side batch context (``InjectQueue.held()``): frames the flow queues while it
     #: is held leave together when it ends, in the same loop iteration.
     batch: object
-    #: A reader is registered.
+    #: Registered with :attr:`poller` for reading.
     reading: bool
     #: A writer is registered (the last send was short): the flow is paused.
     writing: bool
@@ -181,8 +295,9 @@ class HostSocket:
     #: takes at most what it holds (at least :data:`MIN_READ`), so bursts stay bounded.
     cap: object
 
-    def __init__(self, loop, sock: socket.socket, flow, batch, cap=None) -> None:
-        self.loop = loop
+    def __init__(self, poller: HostPoller, sock: socket.socket, flow, batch, cap=None) -> None:
+        self.poller = poller
+        self.loop = poller.loop
         self.batch = batch
         self.sock = sock
         self.fd = sock.fileno()
@@ -191,7 +306,7 @@ class HostSocket:
         self.writing = False
         self.reading = True
         self.cap = cap
-        loop.add_reader(self.fd, self._on_readable)
+        poller.add_reader(self.fd, self._on_readable)
 
     # ------------------------------------------------------------------ reading
     def _on_readable(self) -> None:
@@ -231,13 +346,13 @@ class HostSocket:
         """Stop reading the host socket (the flow's send buffer is full)."""
         if self.reading and not self.closed:
             self.reading = False
-            self.loop.remove_reader(self.fd)
+            self.poller.remove_reader(self.fd)
 
     def resume_reading(self) -> None:
         """Read the host socket again."""
         if not self.reading and not self.closed:
             self.reading = True
-            self.loop.add_reader(self.fd, self._on_readable)
+            self.poller.add_reader(self.fd, self._on_readable)
 
     # ------------------------------------------------------------------ writing
     def send(self, data) -> int:
@@ -290,7 +405,7 @@ class HostSocket:
         self.closed = True
         if self.reading:
             self.reading = False
-            self.loop.remove_reader(self.fd)
+            self.poller.remove_reader(self.fd)
         if self.writing:
             self.writing = False
             self.loop.remove_writer(self.fd)
@@ -356,7 +471,13 @@ class TransportHost:
         self.tr.write_eof()
 
     def pause_reading(self) -> None:
-        self.tr.pause_reading()
+        """Stop reading. Bytes may arrive although the transport says it is paused already: asyncio
+        (3.11) starts reading after ``connection_made`` whatever that callback did (uvloop too), so
+        its ``pause_reading`` would then do nothing; resuming first makes the pause take effect."""
+        tr = self.tr
+        if not tr.is_reading():
+            tr.resume_reading()
+        tr.pause_reading()
 
     def resume_reading(self) -> None:
         self.tr.resume_reading()
