@@ -34,10 +34,9 @@ gone or not there yet).
 
 from __future__ import annotations
 
-from typing import Any
-
 import asyncio
 from collections import deque
+from typing import Any
 
 __all__ = ["BATCH", "InjectQueue"]
 

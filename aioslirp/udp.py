@@ -16,6 +16,7 @@ import asyncio
 import errno
 import logging
 import socket
+from typing import Any
 
 from .flow.base import admission
 from .wire.icmp import KIND_HOST, KIND_NET, KIND_PORT
@@ -24,7 +25,7 @@ from .wire.ip import PROTO_UDP
 log = logging.getLogger("aioslirp.udp")
 
 #: Host socket errors -> the destination unreachable kind told to the guest (see aioslirp.dispatch.family).
-_ERR_KINDS = {errno.ECONNREFUSED: KIND_PORT, errno.EHOSTUNREACH: KIND_HOST, errno.ENETUNREACH: KIND_NET}
+_ERR_KINDS: dict[Any, str] = {errno.ECONNREFUSED: KIND_PORT, errno.EHOSTUNREACH: KIND_HOST, errno.ENETUNREACH: KIND_NET}
 
 
 class UdpFlow:
@@ -58,9 +59,9 @@ class UdpFlow:
                  "outcome", "name", "rule")
 
     #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
-    ctx: object
+    ctx: Any
     #: The flow's family (``Family4``/``Family6``).
-    fam: object
+    fam: Any
     key: tuple
     guest_ip: bytes
     guest_port: int
@@ -75,11 +76,11 @@ class UdpFlow:
     bytes_up: int
     bytes_down: int
     #: The connected host socket (``None``: no flow could be made).
-    sock: socket.socket | None
+    sock: Any  # socket.socket, or None when no flow could be made (typed Any for the compiled build)
     connect_error: str | None
     #: ``fam.build_udp`` and ``fam.inject_ip``.
-    _build: object
-    _inject: object
+    _build: Any
+    _inject: Any
     #: Loop time of creation.
     started: float
     #: How it ended: ``"closed"``, ``"idle"``, ``"evicted"``.

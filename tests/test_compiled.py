@@ -81,10 +81,10 @@ def _run(env_extra: dict, pythonpath: Path | None = None) -> list[str]:
     env = dict(os.environ)
     env.pop(compiled.ENV, None)
     env.update(env_extra)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
+    pythonpath = pythonpath or PKG.parent  # the aioslirp this process imported, whatever is installed
+    env["PYTHONPATH"] = str(pythonpath)
     out = subprocess.run([sys.executable, "-c", SCENARIO, str(HERE)], env=env, capture_output=True, text=True,
-                         timeout=240, check=True, cwd=pythonpath or HERE)
+                         timeout=240, check=True, cwd=pythonpath)
     return out.stdout.splitlines()
 
 

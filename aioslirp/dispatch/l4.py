@@ -27,11 +27,10 @@ differs by family come from ``fam.reason``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import functools
 import logging
 import struct
+from typing import Any
 
 from ..flow.base import flow_key
 from ..flow.guard import DENIED, HELD

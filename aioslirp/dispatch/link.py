@@ -16,11 +16,10 @@ valid IPv4 packet (:mod:`aioslirp.dispatch.ipv4`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import itertools
 import logging
 import time
+from typing import Any
 
 from ..wire.arp import ARP_REPLY, ARP_REQUEST, build_arp, parse_arp
 from ..wire.ethernet import ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6

@@ -28,12 +28,11 @@ per-protocol counts stay exact) and the stack's tracer, if it has one.
 
 from __future__ import annotations
 
-from typing import Any
-
 import asyncio
 import heapq
 import itertools
 import logging
+from typing import Any
 
 from .info import FlowMap
 

@@ -33,6 +33,7 @@ import os
 import select
 import socket
 import struct
+from typing import Any
 
 __all__ = ["HostPoller", "HostSocket", "TransportHost", "READ_SIZE", "connect_start", "connect_numeric", "wait_connected",
            "close_socket", "linger_zero"]
@@ -282,10 +283,10 @@ class HostSocket:
     #: ``sock.fileno()``.
     fd: int
     #: The :class:`~aioslirp.tcp.flow.TcpFlow` served (a no-op stand-in once closed).
-    flow: object
+    flow: Any
     #: The guest-side batch context (``InjectQueue.held()``): frames the flow queues while it
     #: is held leave together when it ends, in the same loop iteration.
-    batch: object
+    batch: Any
     #: Registered with :attr:`poller` for reading.
     reading: bool
     #: A writer is registered (the last send was short): the flow is paused.
@@ -293,7 +294,7 @@ class HostSocket:
     closed: bool
     #: The guest's host -> guest :class:`~aioslirp.ratelimit.ByteBucket`, or ``None``: a read
     #: takes at most what it holds (at least :data:`MIN_READ`), so bursts stay bounded.
-    cap: object
+    cap: Any
 
     def __init__(self, poller: HostPoller, sock: socket.socket, flow, batch, cap=None) -> None:
         self.poller = poller
