@@ -114,13 +114,15 @@ def interpreter_record(version: str, implementation: str, executable: str, confi
 
 
 def current_interpreter() -> dict:
-    """``interpreter_record`` of this process; ``extension`` is ``aioslirp._compiled`` (False if absent)."""
+    """``interpreter_record`` of this process; ``extension``: every module of the compiled per-frame
+    path loaded native (``aioslirp.compiled.status()``; False without it or where the package
+    predates it)."""
     import sysconfig
 
     try:
-        import aioslirp
+        from aioslirp import compiled
 
-        extension = bool(getattr(aioslirp, "_compiled", False))
+        extension = all(compiled.status().values())
     except ImportError:
         extension = False
     return interpreter_record(platform.python_version(), platform.python_implementation(), sys.executable,
@@ -476,6 +478,7 @@ def update_docs(page: Path, md: str, with_plot: bool) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--interpreter"]:  # run.py asks the --python interpreter this way
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's aioslirp, as run.py runs it
         print(json.dumps(current_interpreter()))
         sys.exit(0)
     d = json.loads(Path(sys.argv[1]).read_text())
