@@ -141,8 +141,14 @@ class Aioslirp(Backend):
         return [self.python, *self.python_args, "-m", "aioslirp", "attach", "--netns", ns, *mtu, *self.extra, "tap0"]
 
     def version(self) -> str:
+        """``0.1.0 (compiled)`` / ``0.1.0 (pure Python)``: the first line of ``aioslirp --version``
+        and whether its second says the compiled per-frame path is on."""
         p = subprocess.run([self.python, "-m", "aioslirp", "--version"], capture_output=True, text=True)
-        return (p.stdout.strip() or "unknown").split()[-1]
+        lines = p.stdout.strip().splitlines() or ["unknown"]
+        version = lines[0].split()[-1]
+        if len(lines) > 1:
+            version += " (compiled)" if ": on" in lines[1] else " (pure Python)"
+        return version
 
 
 class Slirp4netns(Backend):
