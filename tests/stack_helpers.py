@@ -19,6 +19,7 @@ import struct
 import dpkt
 
 from aioslirp import SocketPairTransport, Stack
+from aioslirp.transport.base import Transport
 from ipv6_helpers import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, a6, checksum_valid, icmp6_frame,
                           raw6, udp6_frame)
 
@@ -26,6 +27,26 @@ GUEST4 = socket.inet_aton("10.0.2.15")
 GW4 = socket.inet_aton("10.0.2.2")
 DNS4 = socket.inet_aton("10.0.2.3")
 DNS_A, DNS_AAAA = "10.0.2.99", "2001:db8::99"  # what tests' DnsUpstream(aaaa=DNS_AAAA) answers
+
+
+class CollectTransport(Transport):
+    """A transport with offload that only collects the frames written to the guest (``out``),
+    for tests that drive ``Stack._on_frames`` themselves (the guest side of micro_crr)."""
+
+    offload = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out: list = []
+
+    async def _start_reading(self) -> None:
+        pass
+
+    def send_frames(self, frames) -> None:
+        self.out.extend(frames)
+
+    def _close_io(self) -> None:
+        pass
 
 
 def fd_count() -> int:

@@ -27,7 +27,7 @@ sys.path.insert(0, sys.argv[1])
 from aioslirp import compiled
 from aioslirp.tcp.connection import TcpConnection
 from aioslirp.wire.tcp import TcpFrameBuilder, parse_segment, syn_options, SYN
-from test_tcp_conn import _App, _Link, MSS
+from test_tcp_conn import _App, _Link, MSS, run_transfer
 
 rng = random.Random(5)
 size = 1 << 17
@@ -39,36 +39,19 @@ apps = (_App(stack, host_data, rng), _App(guest, guest_data, rng))
 b4 = TcpFrameBuilder(b"e" * 14, bytes([10, 0, 2, 2]), bytes([10, 0, 2, 15]), 80, 40000)
 b6 = TcpFrameBuilder(b"e" * 14, bytes(range(16)), bytes(range(16, 32)), 80, 40000, True)
 h = hashlib.sha256()
-now, accepted = 0.0, False
-guest.connect(now)
-for _ in range(200_000):
-    for s in to_stack.due(now):
-        stack.on_syn(s, now) if stack.state == "LISTEN" else stack.receive_segment(s, now)
-    for s in to_guest.due(now):
-        guest.receive_segment(s, now)
-    for c in (stack, guest):
-        t = c.get_timer()
-        if t is not None and t <= now:
-            c.handle_timer(now)
-    if stack.state == "SYN-RECEIVED" and not accepted:
-        stack.accept(now)
-        accepted = True
-    for a in apps:
-        a.step()
-    out = stack.segments_to_send(now)
+
+
+def on_step(now, out):
     for s in out:
         opts = syn_options(s) if s.flags & SYN else b""
         f4 = b4.build(s.seq, s.ack, s.flags, s.wnd, opts, s.payload)
         f6 = b6.build(s.seq, s.ack, s.flags, s.wnd, opts, s.payload, 1400)
         h.update(f4); h.update(f6); h.update(f6.vnet)
         h.update(repr(parse_segment(memoryview(bytes(f4))[34:])).encode())
-    to_guest.put(now, out)
-    to_stack.put(now, guest.segments_to_send(now))
     h.update(repr((now, stack.state, guest.state, stack.snd_una, stack.rcv_nxt, stack.get_timer())).encode())
-    if stack.state == "CLOSED" and guest.state == "CLOSED":
-        break
-    times = [t for t in (to_stack.next_time(), to_guest.next_time(), stack.get_timer(), guest.get_timer()) if t is not None]
-    now = max(now, min(times))
+
+
+run_transfer(stack, guest, to_stack, to_guest, apps, on_step)
 for a in apps:
     a.drain()
 print(h.hexdigest(), hashlib.sha256(apps[0].received).hexdigest() == hashlib.sha256(guest_data).hexdigest(),

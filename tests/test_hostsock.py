@@ -21,33 +21,15 @@ import struct
 from aioslirp import NetworkConfig, Stack
 from aioslirp.tcp.flow import TransportHost
 from aioslirp.tcp.hostsock import READ_SIZE, HostSocket
-
-from stack_helpers import fd_count  # after a gc: earlier tests' garbage does not close mid-count
-from aioslirp.transport.base import Transport
 from aioslirp.wire.ipv4 import build_tcp
+
+from stack_helpers import CollectTransport as Collect, fd_count  # after a gc: earlier tests' garbage does not close mid-count
 
 GUEST_MAC, GW_MAC = bytes.fromhex("525400123456"), bytes.fromhex("52550a000202")
 ETH = GW_MAC + GUEST_MAC + b"\x08\x00"
 GUEST, GW = socket.inet_aton("10.0.2.15"), socket.inet_aton("10.0.2.2")
 SEQ_ACK = struct.Struct("!II")
 SYN, FIN, RST, PSH, ACK = 0x02, 0x01, 0x04, 0x08, 0x10
-
-
-class Collect(Transport):
-    offload = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.out: list = []
-
-    async def _start_reading(self) -> None:
-        pass
-
-    def send_frames(self, frames) -> None:
-        self.out.extend(frames)
-
-    def _close_io(self) -> None:
-        pass
 
 
 

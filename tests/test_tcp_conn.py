@@ -1111,24 +1111,11 @@ class _App:
         self.conn.consume(len(view))
 
 
-@pytest.mark.parametrize(
-    "seed, size, loss, jitter",
-    [
-        (20240607, 1 << 20, 0.10, 0.0),  # 1 MB each way, 10 % loss both ways
-        (7, 1 << 18, 0.02, 0.004),  # jitter 4x the latency: heavy reordering, some loss
-    ],
-)
-def test_simulated_bulk_transfer_both_ways_with_loss(seed, size, loss, jitter):
-    rng = random.Random(seed)
-    host_data = rng.randbytes(size)
-    guest_data = rng.randbytes(size)
-    stack = TcpConnection(iss=2**32 - 500_000, mss=MSS, rcv_buf=128 * 1024, snd_buf=64 * 1024, now=0.0)
-    guest = TcpConnection(iss=2**32 - 700_000, mss=MSS, rcv_buf=256 * 1024, snd_buf=64 * 1024, now=0.0)
-    to_stack = _Link(rng, loss, 0.001, jitter)
-    to_guest = _Link(rng, loss, 0.001, jitter)
-    stack_app = _App(stack, host_data, rng)
-    guest_app = _App(guest, guest_data, rng)
-
+def run_transfer(stack: TcpConnection, guest: TcpConnection, to_stack: _Link, to_guest: _Link, apps,
+                 on_step=None) -> float:
+    """Drive ``guest``'s active open to ``stack`` (passive) and both apps until both are CLOSED
+    (at most 200,000 steps); ``on_step(now, segs)`` sees the stack's segments of each step before
+    they enter the link. Returns the simulated time at the end."""
     now = 0.0
     guest.connect(now)
     accepted = False
@@ -1147,9 +1134,12 @@ def test_simulated_bulk_transfer_both_ways_with_loss(seed, size, loss, jitter):
         if stack.state == "SYN-RECEIVED" and not accepted:
             stack.accept(now)
             accepted = True
-        stack_app.step()
-        guest_app.step()
-        to_guest.put(now, stack.segments_to_send(now))
+        for app in apps:
+            app.step()
+        out = stack.segments_to_send(now)
+        if on_step is not None:
+            on_step(now, out)
+        to_guest.put(now, out)
         to_stack.put(now, guest.segments_to_send(now))
         if stack.state == "CLOSED" and guest.state == "CLOSED":
             break
@@ -1157,6 +1147,28 @@ def test_simulated_bulk_transfer_both_ways_with_loss(seed, size, loss, jitter):
                  if t is not None]
         assert times, (stack, guest)
         now = max(now, min(times))
+    return now
+
+
+@pytest.mark.parametrize(
+    "seed, size, loss, jitter",
+    [
+        (20240607, 1 << 20, 0.10, 0.0),  # 1 MB each way, 10 % loss both ways
+        (7, 1 << 18, 0.02, 0.004),  # jitter 4x the latency: heavy reordering, some loss
+    ],
+)
+def test_simulated_bulk_transfer_both_ways_with_loss(seed, size, loss, jitter):
+    rng = random.Random(seed)
+    host_data = rng.randbytes(size)
+    guest_data = rng.randbytes(size)
+    stack = TcpConnection(iss=2**32 - 500_000, mss=MSS, rcv_buf=128 * 1024, snd_buf=64 * 1024, now=0.0)
+    guest = TcpConnection(iss=2**32 - 700_000, mss=MSS, rcv_buf=256 * 1024, snd_buf=64 * 1024, now=0.0)
+    to_stack = _Link(rng, loss, 0.001, jitter)
+    to_guest = _Link(rng, loss, 0.001, jitter)
+    stack_app = _App(stack, host_data, rng)
+    guest_app = _App(guest, guest_data, rng)
+
+    run_transfer(stack, guest, to_stack, to_guest, (stack_app, guest_app))
     assert stack.state == "CLOSED" and guest.state == "CLOSED", (stack, guest)
     assert not stack.reset and not guest.reset
     # Drain what the apps have not read yet (graceful close keeps it).
