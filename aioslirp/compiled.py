@@ -1,9 +1,10 @@
 """Which modules run compiled (the optional mypyc build of the per-frame path), and the switch.
 
 :data:`COMPILED` lists the modules that ``setup.py`` compiles with mypyc when a C compiler is
-present: the IPv4, UDP and TCP frame builders and parsers (:mod:`aioslirp.wire`), the TCP state
-machine and the host sockets of TCP flows (:mod:`aioslirp.tcp`), UDP flows, the dispatch of guest
-frames (:mod:`aioslirp.dispatch`) and the inject queue. They are ordinary ``.py`` files; the build puts a native module beside
+present: the TCP frame builder and parser and the checksum (:mod:`aioslirp.wire`) and the TCP
+state machine (:mod:`aioslirp.tcp`), which carry most of the gain (docs/performance.md); the
+dispatch, the inject queue, the host sockets and UDP flows type-check for mypyc too but are left
+out to keep ``pip install`` short (each module adds seconds of C compilation). They are ordinary ``.py`` files; the build puts a native module beside
 each (``tcp.cpython-311-x86_64-linux-gnu.so`` next to ``tcp.py``), which Python imports first.
 
 ``AIOSLIRP_NO_EXTENSIONS=1`` in the environment (any non-empty value) makes every
@@ -32,8 +33,6 @@ ENV = "AIOSLIRP_NO_EXTENSIONS"
 #: Modules compiled by the optional build (dotted names), in the order of the per-frame path.
 COMPILED: tuple[str, ...] = (
     "aioslirp.wire.checksum",
-    "aioslirp.wire.ipv4",
-    "aioslirp.wire.udp",
     "aioslirp.wire.tcp",
     "aioslirp.tcp.seq",
     "aioslirp.tcp.buffers",
@@ -41,12 +40,6 @@ COMPILED: tuple[str, ...] = (
     "aioslirp.tcp.output",
     "aioslirp.tcp.arrival",
     "aioslirp.tcp.connection",
-    "aioslirp.tcp.hostsock",
-    "aioslirp.udp",
-    "aioslirp.dispatch.link",
-    "aioslirp.dispatch.ipv4",
-    "aioslirp.dispatch.l4",
-    "aioslirp.inject",
 )
 
 
