@@ -26,6 +26,8 @@ METRICS = {
     "crr_p99": ("CRR p99", "us", True),
     "crr_rate": ("CRR rate", "conn/s", False),
     "crr_cpu_ms_per_1k": ("CRR backend CPU", "ms/1000 conn", True),
+    "crr_cpu_user_ms_per_1k": ("CRR backend CPU, user", "ms/1000 conn", True),
+    "crr_cpu_sys_ms_per_1k": ("CRR backend CPU, system", "ms/1000 conn", True),
     "rr_p50": ("RR p50", "us", True),
     "rr_p90": ("RR p90", "us", True),
     "rr_p99": ("RR p99", "us", True),
@@ -206,6 +208,9 @@ def metrics_of(rec: dict) -> dict:
                 out[f"{test}_{k}"] = r[k]
         if rec.get("cpu_ms_per_1k_conn") is not None:
             out[f"{test}_cpu_ms_per_1k"] = rec["cpu_ms_per_1k_conn"]
+        if test == "crr" and rec.get("cpu_user_ms_per_1k_conn") is not None:
+            out["crr_cpu_user_ms_per_1k"] = rec["cpu_user_ms_per_1k_conn"]
+            out["crr_cpu_sys_ms_per_1k"] = rec["cpu_sys_ms_per_1k_conn"]
     elif test in ("tcp_up", "tcp_down"):
         d = "up" if test == "tcp_up" else "down"
         out[f"{d}_gbps"] = r.get("gbps")
@@ -296,6 +301,47 @@ def targets(summary_pl: dict) -> list[tuple]:
     return rows
 
 
+def targets16(summary_pl: dict, idle_flows: int | None = None) -> list[tuple]:
+    """Issue 16 targets for each aioslirp variant: (backend, target, value, limit, met).
+
+    Ratios are to the faster pasta per figure (:func:`reference_values`); the throughput floor is
+    0.8x Debian's ``pasta`` and slirp4netns-65520, whichever is higher. ``met`` is ``None`` where
+    the run lacks the figure or its reference. The idle target counts only a run of 10,000 flows.
+    """
+    rows = []
+    ref = reference_values(summary_pl)
+    bookworm = summary_pl.get(REFERENCE, {})
+    s4n = summary_pl.get("slirp4netns-65520", {})
+    for b, s in summary_pl.items():
+        if not b.startswith("aioslirp"):
+            continue
+
+        def add(name, val, limit, ok_fn, fmt_limit):
+            met = None if val is None or limit is None else ok_fn(val, limit)
+            rows.append((b, name, val, fmt_limit, met))
+
+        for key, factor, label, unit in (("crr_p50", 1.5, "CRR p50 <= 1.5x pasta", "us"),
+                                         ("rr_p50", 1.5, "RR p50 <= 1.5x pasta", "us"),
+                                         ("udprr_p50", 1.5, "UDP RR p50 <= 1.5x pasta", "us"),
+                                         ("crr_cpu_ms_per_1k", 2.0, "CPU per connection <= 2.0x pasta", "ms/1000"),
+                                         ("up_cpu_s_per_gb", 2.0, "CPU/GB ns->host <= 2.0x pasta", "s/GB"),
+                                         ("down_cpu_s_per_gb", 2.0, "CPU/GB host->ns <= 2.0x pasta", "s/GB")):
+            lim = ref[key] * factor if ref.get(key) else None
+            add(label, s.get(key), lim, lambda v, l: v <= l, f"{_fmt(lim)} {unit}")
+        lim = ref["ccrr64_rate"] * 0.7 if ref.get("ccrr64_rate") else None
+        add("64 concurrent connections >= 0.7x pasta's rate", s.get("ccrr64_rate"), lim,
+            lambda v, l: v >= l, f"{_fmt(lim)} conn/s")
+        for key, label in (("up_gbps", "TCP ns->host >= 0.8x pasta (bookworm) and >= slirp4netns-65520"),
+                           ("down_gbps", "TCP host->ns >= 0.8x pasta (bookworm) and >= slirp4netns-65520")):
+            floors = [v for v in (bookworm.get(key) and bookworm[key] * 0.8, s4n.get(key)) if v]
+            lim = max(floors) if len(floors) == 2 else None
+            add(label, s.get(key), lim, lambda v, l: v >= l, f"{_fmt(lim)} Gbit/s")
+        if idle_flows == 10000 and s.get("idle_rss_mb") is not None:
+            add("10,000 idle flows < 100 MB RSS", s["idle_rss_mb"], 100.0,
+                lambda v, l: v < l and s.get("idle_open") == idle_flows, "100 MB")
+    return rows
+
+
 def reference_note(summary_pl: dict, keys: tuple) -> list[str]:
     """With more than one pasta: a line naming the faster pasta of each of ``keys`` (else nothing)."""
     if sum(1 for b in summary_pl if is_pasta(b)) < 2:
@@ -341,8 +387,8 @@ def markdown(doc: dict) -> str:
                   "Latency in microseconds (p50 / p90 / p99), ratio of p50 to the faster pasta; backend CPU per "
                   "1,000 CRR connections.",
                   "",
-                  "| backend | CRR | RR | UDP RR | CRR backend CPU ms/1000 |",
-                  "| --- | --- | --- | --- | --- |"]
+                  "| backend | CRR | RR | UDP RR | CRR backend CPU ms/1000 | of which user / system |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for b in bs:
             s = S[b]
             cols = []
@@ -353,6 +399,8 @@ def markdown(doc: dict) -> str:
                     cols.append(f"{_fmt(s.get(t + '_p50'))} / {_fmt(s.get(t + '_p90'))} / {_fmt(s.get(t + '_p99'))}"
                                 f"{_ratio(s.get(t + '_p50'), ref.get(t + '_p50'))}")
             cols.append(_cell(s, ref, "crr_cpu_ms_per_1k"))
+            cols.append("–" if s.get("crr_cpu_user_ms_per_1k") is None else
+                        f"{_fmt(s['crr_cpu_user_ms_per_1k'])} / {_fmt(s['crr_cpu_sys_ms_per_1k'])}")
             lines.append(f"| {b} | " + " | ".join(cols) + " |")
         lines += reference_note(S, ("crr_p50", "rr_p50", "udprr_p50", "crr_cpu_ms_per_1k"))
         lines += ["", "TCP bulk (iperf3, one stream): throughput, backend CPU seconds per GB moved, sender retransmits.",
@@ -413,6 +461,17 @@ def markdown(doc: dict) -> str:
                 lines.append(f"| {b} | {meta['profile'].get('idle_flows')} idle flows < 300 MB RSS | "
                              f"{_fmt(s['idle_rss_mb'])} MB ({_fmt(s.get('idle_open'))} open) | 300 MB | "
                              f"{'yes' if met else '**no**'} |")
+    for pl in ("pinned", "unpinned"):
+        if pl not in summary:
+            continue
+        rows = targets16(summary[pl], meta["profile"].get("idle_flows"))
+        if not rows:
+            continue
+        lines += ["", f"### Issue 16 targets ({pl}; pasta = the faster pasta per figure)", "",
+                  "| backend | target | value | limit | met |",
+                  "| --- | --- | --- | --- | --- |"]
+        for b, name, val, lim, met in rows:
+            lines.append(f"| {b} | {name} | {_fmt(val)} | {lim} | {'–' if met is None else ('yes' if met else '**no**')} |")
     failures = [r for r in doc.get("records", []) if not r.get("ok")]
     if failures:
         lines += ["", "Failures:", ""]

@@ -180,7 +180,8 @@ def make_preexec(cpus: set[int]):
 
 def proc_cpu(pid: int | None) -> dict | None:
     """Backend CPU seconds: ``sched`` (sum of se.sum_exec_runtime over live threads, ns
-    resolution) and ``stat`` (utime+stime, clock ticks, includes exited threads)."""
+    resolution), ``stat`` (utime+stime, clock ticks, includes exited threads) and its two parts
+    ``user`` (utime) and ``sys`` (stime: the kernel's work for the backend's system calls)."""
     if pid is None:
         return None
     sched = 0.0
@@ -194,10 +195,11 @@ def proc_cpu(pid: int | None) -> dict | None:
                             break
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        stat = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        tck = os.sysconf("SC_CLK_TCK")
+        user, system = int(fields[11]) / tck, int(fields[12]) / tck
     except OSError:
         return None
-    return {"sched": sched, "stat": stat}
+    return {"sched": sched, "stat": user + system, "user": user, "sys": system}
 
 
 def cpu_delta(before: dict | None, after: dict | None) -> float | None:
@@ -252,6 +254,7 @@ class Session:
     def __init__(self, backend: B.Backend, placement: str, cpus: set[int], workdir: str, logdir: str,
                  python: str, index: int, cbench: str | None = None) -> None:
         self.backend = backend
+        self.last_split: tuple[float, float] | None = None  # (user, sys) CPU seconds of the last measured()
         self.placement = placement
         self.cpus = cpus
         self.preexec = make_preexec(cpus)
@@ -331,7 +334,12 @@ class Session:
         t0 = time.monotonic()
         result = fn()
         wall = time.monotonic() - t0
-        return result, cpu_delta(before, proc_cpu(pid)), wall
+        after = proc_cpu(pid)
+        if before and after:
+            self.last_split = (after["user"] - before["user"], after["sys"] - before["sys"])
+        else:
+            self.last_split = None
+        return result, cpu_delta(before, after), wall
 
     # --- tests ------------------------------------------------------------------------
 
@@ -350,6 +358,9 @@ class Session:
         total = res.get("total")
         if cpu is not None and total:
             rec["cpu_ms_per_1k_conn"] = cpu * 1000.0 / (total / 1000.0)
+            if self.last_split is not None:  # user / system split (clock ticks)
+                rec["cpu_user_ms_per_1k_conn"] = self.last_split[0] * 1000.0 / (total / 1000.0)
+                rec["cpu_sys_ms_per_1k_conn"] = self.last_split[1] * 1000.0 / (total / 1000.0)
         return rec
 
     def test_iperf(self, reverse: bool, seconds: float) -> dict:

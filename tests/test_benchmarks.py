@@ -215,8 +215,8 @@ def test_ratios_to_the_faster_pasta_per_figure():
             "profile": {"rounds": 1, "placements": ["pinned"]}, "pinned_cpu": 1, "ncpu": 2,
             "interpreter": report.interpreter_record("3.11.2", "CPython", "/usr/bin/python3", {}, False)}
     md = report.markdown({"meta": meta, "summary": summary, "records": []})
-    assert "| aioslirp | 600 / – / – (2.00x) | – | – | 400 (4.00x) |" in md
-    assert "| pasta-2026_07_16 | 400 / – / – (1.33x) | – | – | 100 (1.00x) |" in md  # both pastas shown
+    assert "| aioslirp | 600 / – / – (2.00x) | – | – | 400 (4.00x) | – |" in md
+    assert "| pasta-2026_07_16 | 400 / – / – (1.33x) | – | – | 100 (1.00x) | – |" in md  # both pastas shown
     assert "| pasta | 9.00 (1.00x) | – | – | 5.00 (0.83x) |" in md
     assert "Ratios to the faster pasta per figure: CRR p50 pasta; CRR backend CPU pasta-2026_07_16." in md
     assert "TCP ns->host pasta; TCP host->ns pasta-2026_07_16." in md
@@ -254,3 +254,41 @@ def test_handler_bulk_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert len(result["records"]) == 4
     assert all(r["bytes"] == 2_000_000 and r["gbps"] > 0 and r["cpu_s"] >= 0 for r in result["records"])
+
+
+def test_issue16_targets_to_the_faster_pasta_and_the_cpu_split():
+    records = [
+        _rec("aioslirp", "crr", result={"p50": 300.0, "p90": 1, "p99": 1, "rate": 1.0, "total": 2000},
+             cpu_ms_per_1k_conn=300.0, cpu_user_ms_per_1k_conn=180.0, cpu_sys_ms_per_1k_conn=120.0),
+        _rec("pasta", "crr", result={"p50": 210.0, "p90": 1, "p99": 1, "rate": 1.0}, cpu_ms_per_1k_conn=160.0),
+        _rec("pasta-2026", "crr", result={"p50": 190.0, "p90": 1, "p99": 1, "rate": 1.0}, cpu_ms_per_1k_conn=140.0),
+        _rec("aioslirp", "rr", result={"p50": 60.0, "rate": 1.0}),
+        _rec("pasta", "rr", result={"p50": 40.0, "rate": 1.0}),
+        _rec("aioslirp", "ccrr64", result={"p50": 9.0, "rate": 700.0}),
+        _rec("pasta-2026", "ccrr64", result={"p50": 9.0, "rate": 1000.0}),
+        _rec("aioslirp", "tcp_up", result={"gbps": 5.0}, cpu_s_per_gb=0.9),
+        _rec("pasta", "tcp_up", result={"gbps": 6.0}, cpu_s_per_gb=0.5),
+        _rec("slirp4netns-65520", "tcp_up", result={"gbps": 4.9}),
+        _rec("aioslirp", "idle", result={"client": {"open": 10000, "setup_s": 3.0}},
+             backend_before={"VmRSS_mb": 30.0}, backend_loaded={"VmRSS_mb": 99.0, "fds": 10016}),
+    ]
+    summary = report.summarize(records)["pinned"]
+    assert (summary["aioslirp"]["crr_cpu_user_ms_per_1k"], summary["aioslirp"]["crr_cpu_sys_ms_per_1k"]) == (180.0, 120.0)
+    rows = {name: (val, lim, met) for b, name, val, lim, met in report.targets16(summary, 10000)}
+    assert rows["CRR p50 <= 1.5x pasta"] == (300.0, "285 us", False)  # 1.5 x 190 (pasta-2026, the faster)
+    assert rows["RR p50 <= 1.5x pasta"] == (60.0, "60.0 us", True)  # 60 <= 1.5 x 40
+    assert rows["UDP RR p50 <= 1.5x pasta"] == (None, "– us", None)  # no figures: no verdict
+    assert rows["CPU per connection <= 2.0x pasta"] == (300.0, "280 ms/1000", False)  # 2 x 140
+    assert rows["64 concurrent connections >= 0.7x pasta's rate"] == (700.0, "700 conn/s", True)
+    # 0.8 x 6.0 = 4.8 Gbit/s is below slirp4netns-65520's 4.9: the higher floor counts
+    assert rows["TCP ns->host >= 0.8x pasta (bookworm) and >= slirp4netns-65520"] == (5.0, "4.90 Gbit/s", True)
+    assert rows["CPU/GB ns->host <= 2.0x pasta"] == (0.9, "1.00 s/GB", True)
+    assert rows["10,000 idle flows < 100 MB RSS"] == (99.0, "100 MB", True)
+    assert "10,000 idle flows < 100 MB RSS" not in {r[1] for r in report.targets16(summary, 2000)}  # quick runs
+    meta = {"backends": {b: {"version": "0"} for b in summary}, "profile": {"rounds": 1, "placements": ["pinned"],
+            "idle_flows": 10000}, "pinned_cpu": 1, "ncpu": 2,
+            "interpreter": report.interpreter_record("3.11.2", "CPython", "/usr/bin/python3", {}, False)}
+    md = report.markdown({"meta": meta, "summary": {"pinned": summary}, "records": []})
+    assert "### Issue 16 targets (pinned; pasta = the faster pasta per figure)" in md
+    assert "| aioslirp | CPU per connection <= 2.0x pasta | 300 | 280 ms/1000 | **no** |" in md
+    assert "(2.14x) | 180 / 120 |" in md  # CRR CPU 300 / 140, then its user / system parts
