@@ -452,6 +452,14 @@ def run_session(sess: Session, tests: list[str], prof: dict, with_idle: bool, re
         log(f"  {base['backend']:<18} {test:<8} {report.one_line(rec)}")
 
 
+def portable_argv(argv: list[str]) -> list[str]:
+    """``argv`` as recorded in the results: paths inside this checkout relative to it, paths beside
+    it (``../shared``) relative too, so that a committed result names no directory of the machine."""
+    root = str(REPO) + os.sep
+    parent = str(REPO.parent) + os.sep
+    return [a.replace(root, "").replace(parent, ".." + os.sep) for a in argv]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -557,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["interpreter"] = interpreter_of(args.python)
     meta.update(profile=prof, tests=tests, pinned_cpu=pin_cpu, allowed_cpus=allowed, quick=args.quick,
                 loadavg_start=os.getloadavg(), started=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                rlimit_nofile=_raise_nofile(), argv=sys.argv[1:])
+                rlimit_nofile=_raise_nofile(), argv=portable_argv(sys.argv[1:]))
     log(f"load average {meta['loadavg_start']}; {len(lineup)} backends x {len(prof['placements'])} placements "
         f"x {prof['rounds']} rounds")
 

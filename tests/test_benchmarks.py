@@ -292,3 +292,12 @@ def test_issue16_targets_to_the_faster_pasta_and_the_cpu_split():
     assert "### Issue 16 targets (pinned; pasta = the faster pasta per figure)" in md
     assert "| aioslirp | CPU per connection <= 2.0x pasta | 300 | 280 ms/1000 | **no** |" in md
     assert "(2.14x) | 180 / 120 |" in md  # CRR CPU 300 / 140, then its user / system parts
+
+
+def test_recorded_argv_names_no_directory_of_the_machine():
+    import run  # benchmarks/run.py (imports nothing that needs root)
+    repo = str(BENCH.parent)
+    argv = ["--pasta", f"new={repo}/.cache/peers/passt/pasta", "--build-peers",
+            f"{os.path.dirname(repo)}/shared/peers/build.sh", "--rounds", "3"]
+    assert run.portable_argv(argv) == ["--pasta", "new=.cache/peers/passt/pasta", "--build-peers",
+                                       "../shared/peers/build.sh", "--rounds", "3"]
