@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import io
+import json
 import os
 import pstats
 import shutil
@@ -87,6 +88,42 @@ def _short(frame: str) -> str:
     return f"{name} ({'/'.join(fname.split('/')[-2:])})"
 
 
+def proc_counts(pid: int) -> dict:
+    """The backend's counters that need no tracer: context switches (``/proc/PID/status``: a
+    voluntary one is the process going to sleep, i.e. one wait of its event loop), read and write
+    system calls (``/proc/PID/io`` syscr/syscw: read, recv*, readv / write, send*, writev...) and
+    user and system CPU (``/proc/PID/stat``, clock ticks), summed over its threads."""
+    out = {"voluntary_ctxt_switches": 0, "nonvoluntary_ctxt_switches": 0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in out:
+                    out[k] += int(v)
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("syscr", "syscw"):
+                out[k] = int(v)
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tck = os.sysconf("SC_CLK_TCK")
+    out["user_s"], out["sys_s"] = int(fields[11]) / tck, int(fields[12]) / tck
+    return out
+
+
+def report_counts(path: Path, iterations: int) -> str:
+    """Per iteration (connection or round trip): the counters of :func:`proc_counts`."""
+    d = json.loads(path.read_text())
+    if not iterations:
+        return json.dumps(d) + "\n"
+    lines = [f"{iterations} iterations; per iteration:"]
+    for k, v in d.items():
+        lines.append(f"  {k:28s} {v * 1e6 / iterations:8.1f} us" if k.endswith("_s") else
+                     f"  {k:28s} {v / iterations:8.2f}")
+    return "\n".join(lines) + "\n"
+
+
 def report_perf(path: Path, top: int) -> str:
     """On-CPU share by shared object (interpreter, uvloop, kernel...) and by symbol, from ``perf report``."""
     out = io.StringIO()
@@ -135,7 +172,7 @@ def report_pstats(path: Path, top: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=("crr", "rr", "udprr", "ccrr8", "ccrr64", "tcp_up", "tcp_down"))
-    ap.add_argument("--tool", choices=("py-spy", "cprofile", "strace", "perf"), default="py-spy",
+    ap.add_argument("--tool", choices=("py-spy", "cprofile", "strace", "perf", "counts"), default="py-spy",
                     help="strace: system calls per connection/iteration (strace -c), any --backend; "
                     "perf: on-CPU samples (perf record -e cpu-clock) by shared object and symbol, any --backend")
     ap.add_argument("--backend", choices=("aioslirp", "pasta"), default="aioslirp",
@@ -153,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("profile.py: error: run as root", file=sys.stderr)
         return 2
-    if args.backend != "aioslirp" and args.tool not in ("strace", "perf"):
-        print("profile.py: error: --backend pasta needs --tool strace or perf", file=sys.stderr)
+    if args.backend != "aioslirp" and args.tool not in ("strace", "perf", "counts"):
+        print("profile.py: error: --backend pasta needs --tool strace, perf or counts", file=sys.stderr)
         return 2
     pyspy = shutil.which("py-spy") or str(Path(args.python).parent / "py-spy")
     if args.tool == "py-spy" and not os.path.exists(pyspy):
@@ -164,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     tag = f"{args.mode}-{'' if args.backend == 'aioslirp' else args.backend + '-'}{args.tool}{'-native' if args.native else ''}-mtu{args.mtu or 'default'}{'-pinned' if args.pinned else ''}-{stamp}"
-    prof_file = out / f"{tag}.{ {'py-spy': 'raw', 'cprofile': 'prof', 'strace': 'strace', 'perf': 'perf'}[args.tool]}"
+    prof_file = out / f"{tag}.{ {'py-spy': 'raw', 'cprofile': 'prof', 'strace': 'strace', 'perf': 'perf', 'counts': 'json'}[args.tool]}"
     cbench = R.build_c_tools(HERE / "results" / ".bin")
 
     R.enter_sandbox(need_default_route=args.backend == "pasta")
@@ -196,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                 spy = subprocess.Popen(["strace", "-c", "-f", "-o", str(prof_file), "-p", str(backend.pid)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 time.sleep(0.5)
+            before = proc_counts(backend.pid) if args.tool == "counts" else None
             result = workload(sess, args.mode, args.seconds)
+            if before is not None:
+                after = proc_counts(backend.pid)
+                prof_file.write_text(json.dumps({k: after[k] - before[k] for k in before}))
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 try:
@@ -212,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         text = report_strace(prof_file, args.top, ((result or {}).get("result") or {}).get("total") or 0)
     elif args.tool == "perf":
         text = report_perf(prof_file, args.top)
+    elif args.tool == "counts":
+        text = report_counts(prof_file, ((result or {}).get("result") or {}).get("total") or 0)
     else:
         text = (report_raw(prof_file, args.top) if args.tool == "py-spy" else report_pstats(prof_file, args.top))
     head = f"aioslirp profile: {args.mode}, {args.tool}, MTU {args.mtu or 'default'}, " \

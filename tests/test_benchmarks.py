@@ -301,3 +301,20 @@ def test_recorded_argv_names_no_directory_of_the_machine():
             f"{os.path.dirname(repo)}/shared/peers/build.sh", "--rounds", "3"]
     assert run.portable_argv(argv) == ["--pasta", "new=.cache/peers/passt/pasta", "--build-peers",
                                        "../shared/peers/build.sh", "--rounds", "3"]
+
+
+def test_profile_counts_per_iteration(tmp_path):
+    import importlib.util  # benchmarks/profile.py by its path: the stdlib has a module "profile" too
+    spec = importlib.util.spec_from_file_location("bench_profile", BENCH / "profile.py")
+    bench_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_profile)
+    counts = bench_profile.proc_counts(os.getpid())  # this process: the same files a backend has
+    assert {"voluntary_ctxt_switches", "nonvoluntary_ctxt_switches", "syscr", "syscw", "user_s", "sys_s"} <= set(counts)
+    assert counts["syscr"] > 0 and counts["user_s"] > 0
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"syscr": 8680, "voluntary_ctxt_switches": 530, "user_s": 0.2501}))
+    text = bench_profile.report_counts(f, 1000)
+    assert text.splitlines() == ["1000 iterations; per iteration:",
+                                 "  syscr                            8.68",
+                                 "  voluntary_ctxt_switches          0.53",
+                                 "  user_s                          250.1 us"]
