@@ -274,19 +274,28 @@ def _cell(s: dict, ref: dict, key: str, ratio: bool = True) -> str:
     return _fmt(v) + (_ratio(v, ref.get(key)) if ratio else "")
 
 
-def targets(summary_pl: dict) -> list[tuple]:
-    """Issue 7 targets for each aioslirp variant: (backend, target, value, limit, met)."""
-    rows = []
-    ref = reference_values(summary_pl)
-    s4n = summary_pl.get("slirp4netns-65520", {})
+def _target_rows(summary_pl: dict, check) -> list[tuple]:
+    """``check(s, add)`` for each aioslirp variant's figures ``s``; ``add(name, value, limit, ok_fn,
+    limit_text)`` records one verdict row (``met`` ``None`` without a value or a limit)."""
+    rows: list[tuple] = []
     for b, s in summary_pl.items():
         if not b.startswith("aioslirp"):
             continue
 
-        def add(name, val, limit, ok_fn, fmt_limit):
+        def add(name, val, limit, ok_fn, fmt_limit, b=b):
             met = None if val is None or limit is None else ok_fn(val, limit)
             rows.append((b, name, val, fmt_limit, met))
 
+        check(s, add)
+    return rows
+
+
+def targets(summary_pl: dict) -> list[tuple]:
+    """Issue 7 targets for each aioslirp variant: (backend, target, value, limit, met)."""
+    ref = reference_values(summary_pl)
+    s4n = summary_pl.get("slirp4netns-65520", {})
+
+    def check(s, add):
         for key, label in (("crr_p50", "CRR p50 <= 2.0x pasta"), ("rr_p50", "RR p50 <= 2.0x pasta")):
             lim = ref.get(key) * 2 if ref.get(key) else None
             add(label, s.get(key), lim, lambda v, l: v <= l, f"{_fmt(lim)} us")
@@ -298,7 +307,8 @@ def targets(summary_pl: dict) -> list[tuple]:
                            ("down_cpu_s_per_gb", "CPU/GB host->ns <= 3x pasta")):
             lim = ref.get(key) * 3 if ref.get(key) else None
             add(label, s.get(key), lim, lambda v, l: v <= l, f"{_fmt(lim)} s/GB")
-    return rows
+
+    return _target_rows(summary_pl, check)
 
 
 def targets16(summary_pl: dict, idle_flows: int | None = None) -> list[tuple]:
@@ -308,18 +318,11 @@ def targets16(summary_pl: dict, idle_flows: int | None = None) -> list[tuple]:
     0.8x Debian's ``pasta`` and slirp4netns-65520, whichever is higher. ``met`` is ``None`` where
     the run lacks the figure or its reference. The idle target counts only a run of 10,000 flows.
     """
-    rows = []
     ref = reference_values(summary_pl)
     bookworm = summary_pl.get(REFERENCE, {})
     s4n = summary_pl.get("slirp4netns-65520", {})
-    for b, s in summary_pl.items():
-        if not b.startswith("aioslirp"):
-            continue
 
-        def add(name, val, limit, ok_fn, fmt_limit):
-            met = None if val is None or limit is None else ok_fn(val, limit)
-            rows.append((b, name, val, fmt_limit, met))
-
+    def check(s, add):
         for key, factor, label, unit in (("crr_p50", 1.5, "CRR p50 <= 1.5x pasta", "us"),
                                          ("rr_p50", 1.5, "RR p50 <= 1.5x pasta", "us"),
                                          ("udprr_p50", 1.5, "UDP RR p50 <= 1.5x pasta", "us"),
@@ -339,7 +342,8 @@ def targets16(summary_pl: dict, idle_flows: int | None = None) -> list[tuple]:
         if idle_flows == 10000 and s.get("idle_rss_mb") is not None:
             add("10,000 idle flows < 100 MB RSS", s["idle_rss_mb"], 100.0,
                 lambda v, l: v < l and s.get("idle_open") == idle_flows, "100 MB")
-    return rows
+
+    return _target_rows(summary_pl, check)
 
 
 def reference_note(summary_pl: dict, keys: tuple) -> list[str]:
@@ -444,34 +448,28 @@ def markdown(doc: dict) -> str:
                   f"{(meta.get('rlimit_nofile') or ['?'])[0]} (pasta needs two fds per flow).", "",
                   "| backend | flows open | RSS before MB | RSS with flows MB | fds | seconds to open |",
                   "| --- | --- | --- | --- | --- | --- |", *idle_rows]
-    for pl in ("pinned", "unpinned"):
-        if pl not in summary:
-            continue
-        rows = targets(summary[pl])
-        if not rows:
-            continue
-        lines += ["", f"### Issue 7 targets ({pl}; pasta = the faster pasta per figure)", "",
-                  "| backend | target | value | limit | met |",
-                  "| --- | --- | --- | --- | --- |"]
-        for b, name, val, lim, met in rows:
-            lines.append(f"| {b} | {name} | {_fmt(val)} | {lim} | {'–' if met is None else ('yes' if met else '**no**')} |")
-        for b, s in summary[pl].items():
-            if b.startswith("aioslirp") and s.get("idle_rss_mb") is not None:
-                met = s["idle_rss_mb"] < 300 and s.get("idle_open") == meta["profile"].get("idle_flows")
-                lines.append(f"| {b} | {meta['profile'].get('idle_flows')} idle flows < 300 MB RSS | "
-                             f"{_fmt(s['idle_rss_mb'])} MB ({_fmt(s.get('idle_open'))} open) | 300 MB | "
-                             f"{'yes' if met else '**no**'} |")
-    for pl in ("pinned", "unpinned"):
-        if pl not in summary:
-            continue
-        rows = targets16(summary[pl], meta["profile"].get("idle_flows"))
-        if not rows:
-            continue
-        lines += ["", f"### Issue 16 targets ({pl}; pasta = the faster pasta per figure)", "",
-                  "| backend | target | value | limit | met |",
-                  "| --- | --- | --- | --- | --- |"]
-        for b, name, val, lim, met in rows:
-            lines.append(f"| {b} | {name} | {_fmt(val)} | {lim} | {'–' if met is None else ('yes' if met else '**no**')} |")
+    for issue, rows_of in (("7", lambda S: targets(S)),
+                           ("16", lambda S: targets16(S, meta["profile"].get("idle_flows")))):
+        for pl in ("pinned", "unpinned"):
+            if pl not in summary:
+                continue
+            rows = rows_of(summary[pl])
+            if not rows:
+                continue
+            lines += ["", f"### Issue {issue} targets ({pl}; pasta = the faster pasta per figure)", "",
+                      "| backend | target | value | limit | met |",
+                      "| --- | --- | --- | --- | --- |"]
+            for b, name, val, lim, met in rows:
+                lines.append(f"| {b} | {name} | {_fmt(val)} | {lim} | "
+                             f"{'–' if met is None else ('yes' if met else '**no**')} |")
+            if issue != "7":
+                continue
+            for b, s in summary[pl].items():
+                if b.startswith("aioslirp") and s.get("idle_rss_mb") is not None:
+                    met = s["idle_rss_mb"] < 300 and s.get("idle_open") == meta["profile"].get("idle_flows")
+                    lines.append(f"| {b} | {meta['profile'].get('idle_flows')} idle flows < 300 MB RSS | "
+                                 f"{_fmt(s['idle_rss_mb'])} MB ({_fmt(s.get('idle_open'))} open) | 300 MB | "
+                                 f"{'yes' if met else '**no**'} |")
     failures = [r for r in doc.get("records", []) if not r.get("ok")]
     if failures:
         lines += ["", "Failures:", ""]
