@@ -92,7 +92,7 @@ def proc_counts(pid: int) -> dict:
     """The backend's counters that need no tracer: context switches (``/proc/PID/status``: a
     voluntary one is the process going to sleep, i.e. one wait of its event loop), read and write
     system calls (``/proc/PID/io`` syscr/syscw: read, recv*, readv / write, send*, writev...) and
-    user and system CPU (``/proc/PID/stat``, clock ticks), summed over its threads."""
+    user and system CPU (:func:`run.proc_cpu`), summed over its threads."""
     out = {"voluntary_ctxt_switches": 0, "nonvoluntary_ctxt_switches": 0}
     for tid in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{tid}/status") as f:
@@ -105,10 +105,8 @@ def proc_counts(pid: int) -> dict:
             k, _, v = line.partition(":")
             if k in ("syscr", "syscw"):
                 out[k] = int(v)
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    tck = os.sysconf("SC_CLK_TCK")
-    out["user_s"], out["sys_s"] = int(fields[11]) / tck, int(fields[12]) / tck
+    cpu = R.proc_cpu(pid)
+    out["user_s"], out["sys_s"] = cpu["user"], cpu["sys"]
     return out
 
 

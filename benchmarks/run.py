@@ -254,7 +254,6 @@ class Session:
     def __init__(self, backend: B.Backend, placement: str, cpus: set[int], workdir: str, logdir: str,
                  python: str, index: int, cbench: str | None = None) -> None:
         self.backend = backend
-        self.last_split: tuple[float, float] | None = None  # (user, sys) CPU seconds of the last measured()
         self.placement = placement
         self.cpus = cpus
         self.preexec = make_preexec(cpus)
@@ -328,18 +327,17 @@ class Session:
             return json.loads(p.stdout)
         return json.loads(lines[-1])
 
-    def measured(self, fn) -> tuple[dict, float | None, float]:
+    def measured(self, fn) -> tuple[dict, float | None, float, tuple[float, float] | None]:
+        """``fn()``'s result, the backend's CPU seconds meanwhile (:func:`cpu_delta`), the wall
+        seconds, and the CPU's ``(user, sys)`` parts in clock ticks' resolution (``None``: unread)."""
         pid = self.backend.pid
         before = proc_cpu(pid)
         t0 = time.monotonic()
         result = fn()
         wall = time.monotonic() - t0
         after = proc_cpu(pid)
-        if before and after:
-            self.last_split = (after["user"] - before["user"], after["sys"] - before["sys"])
-        else:
-            self.last_split = None
-        return result, cpu_delta(before, after), wall
+        split = (after["user"] - before["user"], after["sys"] - before["sys"]) if before and after else None
+        return result, cpu_delta(before, after), wall, split
 
     # --- tests ------------------------------------------------------------------------
 
@@ -353,20 +351,20 @@ class Session:
             args = [mode, self.backend.gateway, port, "--duration", str(duration), "--warmup", str(warmup)]
             args += ["--parallel", str(parallel)] if parallel else []
             call = lambda: self.client(args, timeout=duration + warmup + 60)  # noqa: E731
-        res, cpu, wall = self.measured(call)
+        res, cpu, wall, split = self.measured(call)
         rec = {"result": res, "backend_cpu_s": cpu, "wall_s": round(wall, 3)}
         total = res.get("total")
         if cpu is not None and total:
             rec["cpu_ms_per_1k_conn"] = cpu * 1000.0 / (total / 1000.0)
-            if self.last_split is not None:  # user / system split (clock ticks)
-                rec["cpu_user_ms_per_1k_conn"] = self.last_split[0] * 1000.0 / (total / 1000.0)
-                rec["cpu_sys_ms_per_1k_conn"] = self.last_split[1] * 1000.0 / (total / 1000.0)
+            if split is not None:
+                rec["cpu_user_ms_per_1k_conn"] = split[0] * 1000.0 / (total / 1000.0)
+                rec["cpu_sys_ms_per_1k_conn"] = split[1] * 1000.0 / (total / 1000.0)
         return rec
 
     def test_iperf(self, reverse: bool, seconds: float) -> dict:
         cmd = ["iperf3", "-c", self.backend.gateway, "-p", str(IPERF_PORT), "-t", str(seconds), "-J",
                *(["-R"] if reverse else [])]
-        res, cpu, wall = self.measured(lambda: self.client([], timeout=seconds + 60, cmd=cmd))
+        res, cpu, wall, _ = self.measured(lambda: self.client([], timeout=seconds + 60, cmd=cmd))
         end = res.get("end", {})
         recv = end.get("sum_received", {})
         sent = end.get("sum_sent", {})
