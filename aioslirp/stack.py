@@ -626,11 +626,9 @@ class Stack:
         """Stop a forward, given its ``id`` or the :class:`PortForward` returned by
         :meth:`add_forward`: its host socket closes at once (new connections are
         refused); forwarded TCP connections already open carry on. Returns the removed
-        :class:`PortForward`; raises ``KeyError`` when there is no such forward."""
-        fid = fwd if isinstance(fwd, int) else getattr(fwd, "id", None)
-        if fid is None or self._forwarder is None:
-            raise KeyError(fwd)
-        return self._forwarder.remove(fid)
+        :class:`PortForward`; raises :class:`~aioslirp.forward.UnknownForwardError` naming the id
+        when there is no such forward (a ``ForwardError``, and a ``KeyError`` as before)."""
+        return self.forwarder.remove(fwd if isinstance(fwd, int) else getattr(fwd, "id", None))
 
     def forwards(self) -> list:
         """The active :class:`PortForward` objects, in the order they were added."""
