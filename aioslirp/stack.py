@@ -700,7 +700,8 @@ class Stack:
                   ``flows_reset_at_stop``: flows torn down by :meth:`reset_flows` / at a stop;
                 * ``tcp_*`` (``tcp_resets``, ``tcp_rst_sent``, ``tcp_idle_closed``,
                   ``tcp_connect_refused``, ``tcp_connect_unreachable``, ``tcp_host_read_paused``,
-                  ``tcp_host_write_paused``...), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
+                  ``tcp_host_write_paused``, ``tcp_host_lost``: a host socket failed, e.g. the host
+                  peer reset, the guest got a RST...), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
                   ``udp_idle_closed``), ``icmp_*`` (echo and error counts, ``icmp_errors_rate_limited``),
                   ``ip_fragments`` / ``ip_reassembled``, ``arp.*``, ``ndp.*`` / ``ra_*`` / ``na_*``
                   (IPv6 neighbour discovery), ``forward_*`` (port forwards), ``flow_errors``.
