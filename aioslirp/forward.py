@@ -49,7 +49,7 @@ from .udp import UdpFlow
 from .wire.arp import ARP_REQUEST, build_arp
 from .wire.ip import PROTO_TCP, PROTO_UDP
 
-__all__ = ["PortForward", "ForwardError", "Forwarder", "UdpForwardFlow", "parse_publish"]
+__all__ = ["PortForward", "ForwardError", "UnknownForwardError", "Forwarder", "UdpForwardFlow", "parse_publish"]
 
 log = logging.getLogger("aioslirp.forward")
 
@@ -80,6 +80,21 @@ class ForwardError(OSError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class UnknownForwardError(ForwardError, KeyError):
+    """:meth:`Stack.remove_forward` of a forward the stack does not have. ``str(err)`` names the id
+    asked and the active ids; ``err.forward_id`` is the id (or what was given). ``errno`` is
+    ``ENOENT``.
+
+    It is a :class:`ForwardError`, and also a ``KeyError`` (what ``remove_forward`` raised up to
+    0.1.0), so code written for either catches it.
+    """
+
+    def __init__(self, forward_id, active: list[int]) -> None:
+        ids = ", ".join(map(str, active)) or "none"
+        super().__init__(f"remove_forward: no forward with id {forward_id!r} (active ids: {ids})", errno.ENOENT)
+        self.forward_id = forward_id
 
 
 @dataclass(frozen=True)
@@ -350,8 +365,11 @@ class Forwarder:
         return fwd
 
     def remove(self, fwd_id: int) -> PortForward:
-        """Stop forward ``fwd_id``: close its listener. Raises ``KeyError`` when unknown."""
-        lst = self._listeners.pop(fwd_id)
+        """Stop forward ``fwd_id``: close its listener. Raises :class:`UnknownForwardError` (a
+        ``ForwardError`` and a ``KeyError``) when unknown."""
+        lst = self._listeners.pop(fwd_id, None)
+        if lst is None:
+            raise UnknownForwardError(fwd_id, list(self._listeners))
         self._close_listener(lst)
         self.ctx.counters[f"forwards.{lst.fwd.proto}.removed"] += 1
         log.info("removed forward %s", lst.fwd.spec())

@@ -626,11 +626,9 @@ class Stack:
         """Stop a forward, given its ``id`` or the :class:`PortForward` returned by
         :meth:`add_forward`: its host socket closes at once (new connections are
         refused); forwarded TCP connections already open carry on. Returns the removed
-        :class:`PortForward`; raises ``KeyError`` when there is no such forward."""
-        fid = fwd if isinstance(fwd, int) else getattr(fwd, "id", None)
-        if fid is None or self._forwarder is None:
-            raise KeyError(fwd)
-        return self._forwarder.remove(fid)
+        :class:`PortForward`; raises :class:`~aioslirp.forward.UnknownForwardError` naming the id
+        when there is no such forward (a ``ForwardError``, and a ``KeyError`` as before)."""
+        return self.forwarder.remove(fwd if isinstance(fwd, int) else getattr(fwd, "id", None))
 
     def forwards(self) -> list:
         """The active :class:`PortForward` objects, in the order they were added."""
@@ -702,7 +700,8 @@ class Stack:
                   ``flows_reset_at_stop``: flows torn down by :meth:`reset_flows` / at a stop;
                 * ``tcp_*`` (``tcp_resets``, ``tcp_rst_sent``, ``tcp_idle_closed``,
                   ``tcp_connect_refused``, ``tcp_connect_unreachable``, ``tcp_host_read_paused``,
-                  ``tcp_host_write_paused``...), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
+                  ``tcp_host_write_paused``, ``tcp_host_lost``: a host socket failed, e.g. the host
+                  peer reset, the guest got a RST...), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
                   ``udp_idle_closed``), ``icmp_*`` (echo and error counts, ``icmp_errors_rate_limited``),
                   ``ip_fragments`` / ``ip_reassembled``, ``arp.*``, ``ndp.*`` / ``ra_*`` / ``na_*``
                   (IPv6 neighbour discovery), ``forward_*`` (port forwards), ``flow_errors``.

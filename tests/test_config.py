@@ -48,3 +48,42 @@ def test_nan_and_infinite_durations_are_refused_naming_the_field(field, value):
     with pytest.raises(ConfigError) as err:
         NetworkConfig(**{field: value}).validate()
     assert str(err.value).startswith(field + ":")
+
+
+# ------------------------------------------------------------------ egress_deny_builtin (issue 29)
+def test_builtin_deny_list_new_name_without_warning(recwarn):
+    from aioslirp.config.policy import EgressPolicy
+
+    c = NetworkConfig(egress_deny_builtin=["169.254.169.254"]).validate()
+    assert c.egress_deny_builtin == ["169.254.169.254/32"]
+    assert NetworkConfig().validate().egress_deny_builtin == ["169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128"]
+    p = EgressPolicy.from_config(c)
+    assert not p.allows("169.254.169.254") and p.allows("169.254.1.1")
+    assert [w for w in recwarn if issubclass(w.category, DeprecationWarning)] == []
+    with pytest.raises(ConfigError) as err:
+        NetworkConfig(egress_deny_builtin=["nope"]).validate()
+    assert err.value.field == "egress_deny_builtin"
+
+
+def test_builtin_deny_list_old_name_still_works_with_a_deprecation_warning():
+    from aioslirp.config.policy import EgressPolicy
+
+    with pytest.warns(DeprecationWarning, match=r"egress_default_deny is deprecated: it is now egress_deny_builtin") as w:
+        c = NetworkConfig(egress_default_deny=["169.254.169.254"])
+    assert w[0].filename == __file__  # points at the caller
+    assert c.validate().egress_deny_builtin == ["169.254.169.254/32"]
+    assert not EgressPolicy.from_config(c).allows("169.254.169.254")
+    assert EgressPolicy.from_config(c).allows("169.254.1.1")
+    with pytest.warns(DeprecationWarning, match="egress_deny_builtin") as w:
+        assert c.egress_default_deny == ["169.254.169.254/32"]  # the attribute too
+    assert w[0].filename == __file__
+    with pytest.warns(DeprecationWarning):
+        c.egress_default_deny = []
+    assert c.egress_deny_builtin == [] and EgressPolicy.from_config(c).allows("169.254.169.254")
+
+
+def test_builtin_deny_list_both_names_is_one_line_error():
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as err:
+        NetworkConfig(egress_default_deny=[], egress_deny_builtin=[])
+    assert err.value.field == "egress_default_deny" and "egress_deny_builtin" in str(err.value)
+    assert "\n" not in str(err.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import struct
@@ -198,6 +199,46 @@ async def test_all_upstreams_dead_servfail(silent):
     assert msg.an == []
     assert resp[12:] == q[12:]  # question copied verbatim
     assert fwd.stats["servfail"] == 1 and fwd.stats["failovers"] == 2
+    await fwd.close()
+
+
+async def test_down_upstream_logged_once_with_its_cause_and_again_after_recovery(caplog):
+    """An upstream with nothing listening: one WARNING naming it and the cause (not one per
+    query), one INFO when it answers again, and a WARNING again when it fails after that."""
+    caplog.set_level(logging.DEBUG, logger="aioslirp.services.dns")
+    port = closed_port()
+    fwd = forwarder(port, timeout=0.3)
+    down = f"DNS upstream 127.0.0.1:{port} unreachable: connection refused; answering SERVFAIL"
+
+    def said(level: int) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == level]
+
+    for qid in range(3):
+        assert dpkt.dns.DNS(await fwd.resolve(query(qid=qid))).rcode == dpkt.dns.DNS_RCODE_SERVFAIL
+    assert said(logging.WARNING) == [down]
+    assert fwd.stats["refused"] == 3 and fwd.down == {("127.0.0.1", port): "connection refused"}
+    transport, _, _ = await udp_upstream(lambda req: [answer(req)], port=port)
+    try:
+        check_answer(await fwd.resolve(query()))
+        check_answer(await fwd.resolve(query()))
+    finally:
+        transport.close()
+        await asyncio.sleep(0)  # the transport closes its socket in the next loop iteration
+    assert said(logging.INFO) == [f"DNS upstream 127.0.0.1:{port} answers again"] and fwd.down == {}
+    for qid in range(2):
+        assert dpkt.dns.DNS(await fwd.resolve(query(qid=qid))).rcode == dpkt.dns.DNS_RCODE_SERVFAIL
+    assert said(logging.WARNING) == [down, down]
+    await fwd.close()
+
+
+async def test_down_upstream_before_a_good_one_says_it_fails_over(good, silent, caplog):
+    caplog.set_level(logging.INFO, logger="aioslirp.services.dns")
+    fwd = forwarder(silent[1], good[1], timeout=0.2)
+    for _ in range(2):
+        check_answer(await fwd.resolve(query()))
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"DNS upstream 127.0.0.1:{silent[1]} unreachable: no answer within 0.2 s; trying the next upstream"]
+    assert fwd.stats["timeouts"] == 2
     await fwd.close()
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from aioslirp import ConfigError, ForwardError, NetworkConfig, PortForward, SocketPairTransport, Stack
 from aioslirp.api import ApiServer
-from aioslirp.forward import SOURCE_PORTS, parse_publish
+from aioslirp.forward import SOURCE_PORTS, UnknownForwardError, parse_publish
 
 from conftest import have_ipv6_loopback, need
 
@@ -158,6 +158,21 @@ async def test_add_list_remove_forwards(stack_guest):
     stack.remove_forward(f2)
     assert stack.forwards() == []
     assert stack.counters["forwards.tcp.added"] == 1 and stack.counters["forwards.udp.removed"] == 1
+
+
+async def test_remove_unknown_forward_names_the_id(stack_guest):
+    stack, _ = stack_guest
+    for fid in (99, PortForward(guest_port=80)):  # never added: an id, a forward without one
+        with pytest.raises(ForwardError) as ei:
+            stack.remove_forward(fid)
+        assert isinstance(ei.value, KeyError) and isinstance(ei.value, UnknownForwardError)
+        assert ei.value.errno == errno.ENOENT
+    assert str(ei.value) == "remove_forward: no forward with id None (active ids: none)"  # never added: no id
+    f1 = await stack.add_forward(PortForward(host_port=0, guest_port=80))
+    with pytest.raises(KeyError) as ei:  # what callers caught before still works
+        stack.remove_forward(99)
+    assert str(ei.value) == "remove_forward: no forward with id 99 (active ids: 1)" and ei.value.forward_id == 99
+    stack.remove_forward(f1)
 
 
 async def test_ipv6_host_address(stack_guest):

@@ -270,7 +270,7 @@ def test_admit_remote_none_skips_the_policy(monkeypatch):
 
 
 def test_admit_empty_policy_allows_everything(monkeypatch):
-    g, _ = guard(egress_default_deny=[])
+    g, _ = guard(egress_deny_builtin=[])
     assert g.policy.empty
     assert g.admit(TCP, "169.254.169.254", 80) is None
 
@@ -570,7 +570,7 @@ def test_parse_rules_error_names_the_field():
         parse_rules(["10.0.0.0/8", "bogus"], "egress_allow")
     assert str(err.value).startswith("egress_allow: 'bogus': expected a CIDR network "
                                      "(e.g. 192.0.2.0/24, 2001:db8::/32)")
-    for kw, name in (("allow", "egress_allow"), ("deny", "egress_deny"), ("defaults", "egress_default_deny")):
+    for kw, name in (("allow", "egress_allow"), ("deny", "egress_deny"), ("defaults", "egress_deny_builtin")):
         with pytest.raises(ConfigError) as err:
             EgressPolicy(**{kw: ["nope"]})
         assert err.value.field == name
@@ -619,12 +619,12 @@ def test_tie_at_one_prefix_length():
 
 
 def test_from_config_and_defaults():
-    cfg = NetworkConfig(egress_allow=["192.0.2.0/24"], egress_deny=["0.0.0.0/0"], egress_default_deny=[], ipv6=False)
+    cfg = NetworkConfig(egress_allow=["192.0.2.0/24"], egress_deny=["0.0.0.0/0"], egress_deny_builtin=[], ipv6=False)
     p = EgressPolicy.from_config(cfg)
     assert p.describe() == ["allow 192.0.2.0/24", "deny 0.0.0.0/0"]
     bare = EgressPolicy.from_config(types.SimpleNamespace())  # an object without the fields: the defaults
     assert bare.describe() == EgressPolicy().describe()
-    none = EgressPolicy.from_config(types.SimpleNamespace(egress_allow=None, egress_deny=None, egress_default_deny=None))
+    none = EgressPolicy.from_config(types.SimpleNamespace(egress_allow=None, egress_deny=None, egress_deny_builtin=None))
     assert none.empty and none.describe() == []
 
 

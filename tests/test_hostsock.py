@@ -18,6 +18,8 @@ import select
 import socket
 import struct
 
+import pytest
+
 from aioslirp import NetworkConfig, Stack
 from aioslirp.tcp.flow import TransportHost
 from aioslirp.tcp.hostsock import READ_SIZE, HostSocket
@@ -199,3 +201,76 @@ def test_bulk_receiver_moves_to_a_transport_and_no_byte_is_lost():
 
 def _readable(sock) -> bool:
     return bool(select.select([sock], [], [], 0)[0])
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_host_peer_gone_mid_write_on_a_transport_is_counted_not_logged(caplog, loop):
+    """Guest -> host in bulk on an asyncio transport (what iperf3 -R through a forward does), and
+    the host peer resets while guest segments keep coming: asyncio's transport would log
+    ``socket.send() raised exception.`` for each write after the 5th to the lost connection,
+    naming no flow. The flow stops writing once the transport is closing, the loss is counted
+    (``tcp_host_lost``), the guest gets a RST, and the asyncio logger stays quiet."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="asyncio")
+
+    async def body(stack, tr, flow, host, guest, sport, iss):
+        pos = 0
+        chunk = os.urandom(1400)
+        # the host does not read: a partial send moves the flow to a transport
+        deadline = asyncio.get_running_loop().time() + 20
+        while not isinstance(flow.transport, TransportHost):
+            assert asyncio.get_running_loop().time() < deadline, pos
+            last = tr.out[-1]
+            ack, = struct.unpack_from("!I", last, 42)
+            wnd, = struct.unpack_from("!H", last, 48)
+            while pos < (ack - 1001) + wnd:
+                guest(sport, 1001 + pos, iss + 1, ACK, chunk)
+                pos += len(chunk)
+            await asyncio.sleep(0)
+        while flow.transport.tr.get_write_buffer_size() or _readable(host):  # drain it all:
+            assert asyncio.get_running_loop().time() < deadline  # the next write goes to the kernel
+            while _readable(host) and host.recv(1 << 20):
+                pass
+            await asyncio.sleep(0.001)
+        host.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        host.close()  # RST to the stack's host socket (on loopback: there before close() returns)
+        tr.out.clear()
+        for _ in range(40):  # segments in one go, before the loop sees the reset on the read side
+            guest(sport, 1001 + pos, iss + 1, ACK, chunk)
+            pos += len(chunk)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        seen["lost"] = stack.counters["tcp_host_lost"]
+        seen["rst"] = any(f[47] & RST for f in tr.out)  # the guest hears the host side is gone
+
+    seen = {}
+    if loop == "uvloop":  # what the CLI runs on
+        uvloop = pytest.importorskip("uvloop")
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(_first_broken_pipe())
+            runner.run(_session(body))
+    else:
+        asyncio.run(_session(body))
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert not [m for m in lines if "socket.send() raised exception" in m], lines
+    assert seen == {"lost": 1, "rst": True}
+
+
+async def _first_broken_pipe() -> None:
+    """uvloop opens a descriptor (``/dev/null``) for good the first time a transport of its loop
+    loses its connection on a write: do that once before a session, on the session's loop, so
+    that the session's fd comparison sees only what it opened itself."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    c = socket.create_connection(srv.getsockname())
+    peer, _ = srv.accept()
+    srv.close()
+    tr, _ = await asyncio.get_running_loop().create_connection(asyncio.Protocol, sock=c)
+    peer.close()
+    while not tr.is_closing():
+        tr.write(b"x" * 65536)
+        await asyncio.sleep(0.001)
+    for _ in range(5):
+        await asyncio.sleep(0)

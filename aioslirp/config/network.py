@@ -7,7 +7,9 @@ tools written for libslirp, slirp4netns or passt work unchanged.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import warnings
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError, not_a_network, not_an_address
@@ -126,8 +128,11 @@ class NetworkConfig:
     #: :mod:`aioslirp.config.policy`).
     egress_allow: list[str] = field(default_factory=list)
     egress_deny: list[str] = field(default_factory=list)
-    #: Denied unless an ``egress_allow`` rule overrides: link-local (cloud metadata) ranges.
-    egress_default_deny: list[str] = field(default_factory=lambda: ["169.254.0.0/16", "fe80::/10",
+    #: The built-in deny list, denied unless a more specific ``egress_allow`` CIDR rule overrides:
+    #: link-local (cloud metadata) ranges. Not to be confused with ``egress_default``, the verdict
+    #: for what no rule decides. Named ``egress_default_deny`` up to 0.1.0: that name still works,
+    #: as keyword and attribute, with a ``DeprecationWarning``, until the release after next.
+    egress_deny_builtin: list[str] = field(default_factory=lambda: ["169.254.0.0/16", "fe80::/10",
                                                                     "fd00:ec2::254/128"])
     #: Verdict for a flow no rule decides (``--egress-default``): ``"allow"`` or ``"deny"``. Under
     #: ``"deny"`` the virtual DNS answers NXDOMAIN for names no allow rule matches.
@@ -282,7 +287,7 @@ class NetworkConfig:
             raise ConfigError("new_flow_rate", f"{self.new_flow_rate!r}: must be 0 (no limit) or a positive rate")
         self.egress_allow = parse_rules(self.egress_allow, "egress_allow")
         self.egress_deny = parse_rules(self.egress_deny, "egress_deny")
-        self.egress_default_deny = parse_rules(self.egress_default_deny, "egress_default_deny")
+        self.egress_deny_builtin = parse_rules(self.egress_deny_builtin, "egress_deny_builtin")
         for name in ("egress_default", "policy_timeout_verdict"):
             value = str(getattr(self, name)).strip().lower()
             if value not in ("allow", "deny"):
@@ -326,6 +331,17 @@ class NetworkConfig:
         return self
 
     @property
+    def egress_default_deny(self) -> list:
+        """Deprecated name of :attr:`egress_deny_builtin` (``DeprecationWarning``)."""
+        _renamed("egress_default_deny", "egress_deny_builtin", 2)
+        return self.egress_deny_builtin
+
+    @egress_default_deny.setter
+    def egress_default_deny(self, value) -> None:
+        _renamed("egress_default_deny", "egress_deny_builtin", 2)
+        self.egress_deny_builtin = value
+
+    @property
     def gateway_mac_bytes(self) -> bytes:
         """The gateway MAC as 6 bytes."""
         return bytes.fromhex(self.gateway_mac.replace(":", ""))
@@ -333,3 +349,31 @@ class NetworkConfig:
     @property
     def netmask(self) -> ipaddress.IPv4Address:
         return self.cidr.netmask  # type: ignore[union-attr]
+
+
+#: Keywords of ``NetworkConfig`` that were renamed: old name -> new name (kept one release).
+RENAMED = {"egress_default_deny": "egress_deny_builtin"}
+
+
+def _renamed(old: str, new: str, stacklevel: int) -> None:
+    warnings.warn(f"NetworkConfig.{old} is deprecated: it is now {new} (the old name goes in the next "
+                  "release)", DeprecationWarning, stacklevel=stacklevel + 1)
+
+
+def _accept_renamed(init):
+    """Wrap the dataclass ``__init__`` so that a renamed keyword still works, with a warning."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        for old, new in RENAMED.items():
+            if old in kwargs:
+                _renamed(old, new, 2)
+                if new in kwargs:
+                    raise ConfigError(old, f"given together with {new}, its new name: give only {new}")
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+NetworkConfig.__init__ = _accept_renamed(NetworkConfig.__init__)  # type: ignore[method-assign]

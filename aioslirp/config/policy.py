@@ -27,7 +27,7 @@ Precedence: the **most specific matching rule wins**, compared in this order:
 3. then the protocol: a rule naming one beats one that does not;
 4. then the verdict: a user's ``deny`` beats a user's ``allow``, which beats a built-in default.
 
-Exception: the built-in defaults (:data:`DEFAULT_DENY`, ``NetworkConfig.egress_default_deny``) are
+Exception: the built-in defaults (:data:`DEFAULT_DENY`, ``NetworkConfig.egress_deny_builtin``) are
 lifted only by a more specific *CIDR* rule: no name rule opens the cloud-metadata range, whatever
 a DNS answer says. A destination no rule decides goes to the Python hook (``NetworkConfig.policy``)
 if any, else to ``egress_default`` (``allow``, today's behaviour, or ``deny``). So
@@ -269,7 +269,7 @@ class EgressPolicy:
     _verdicts: dict[str, bool]
 
     def __init__(self, allow=(), deny=(), defaults=DEFAULT_DENY) -> None:
-        self._defaults = [parse_rule(t, "egress_default_deny", allow=False, default=True) for t in
+        self._defaults = [parse_rule(t, "egress_deny_builtin", allow=False, default=True) for t in
                           ([defaults] if isinstance(defaults, str) else list(defaults or ()))]
         self._user = {}
         self.version = 0
@@ -295,9 +295,9 @@ class EgressPolicy:
     @classmethod
     def from_config(cls, cfg) -> "EgressPolicy":
         """The policy of a :class:`~aioslirp.config.NetworkConfig` (``egress_allow``, ``egress_deny``,
-        ``egress_default_deny``)."""
+        ``egress_deny_builtin``)."""
         return cls(getattr(cfg, "egress_allow", ()) or (), getattr(cfg, "egress_deny", ()) or (),
-                   getattr(cfg, "egress_default_deny", DEFAULT_DENY) or ())
+                   getattr(cfg, "egress_deny_builtin", DEFAULT_DENY) or ())
 
     # ------------------------------------------------------------------ changes
     def add(self, text: str, allow: bool = True) -> str:

@@ -177,6 +177,12 @@ def _clamp_edns(msg: bytes, limit: int) -> bytes:
     return msg
 
 
+def _hostport(upstream: tuple[str, int]) -> str:
+    """``127.0.0.1:53``, ``[::1]:53``."""
+    host, port = upstream
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _sockaddr(upstream: tuple[str, int], kind: int) -> tuple[int, tuple]:
     """``(family, sockaddr)`` of a numeric ``(address, port)`` upstream (an IPv6 scope kept);
     raises ``OSError`` (``socket.gaierror``) for anything but a numeric address."""
@@ -239,7 +245,7 @@ class DnsForwarder:
 
     __slots__ = ("config", "resolv_conf", "resolv_check_interval", "max_inflight", "policy", "timeout",
                  "max_udp_payload", "stats", "_resolv_sig", "_resolv_checked", "_resolv_upstreams", "_inflight",
-                 "_queries", "_tcp_tasks", "_closed", "upstreams_off", "local")
+                 "_queries", "_tcp_tasks", "_closed", "upstreams_off", "local", "down")
 
     config: NetworkConfig
     resolv_conf: str
@@ -260,6 +266,9 @@ class DnsForwarder:
     upstreams_off: bool
     #: The names answered here (``config.dns_records``), or ``None`` when there are none.
     local: LocalRecords | None
+    #: Upstreams whose last query failed -> why (``"connection refused"``...): each is logged once
+    #: (WARNING) when it goes down and once (INFO) when it answers again, not once per query.
+    down: dict[tuple[str, int], str]
 
     def __init__(
         self,
@@ -289,6 +298,7 @@ class DnsForwarder:
         self._tcp_tasks: set[asyncio.Task] = set()
         self._closed = False
         self.upstreams_off = False
+        self.down = {}
         records = getattr(config, "dns_records", None)
         host_side = {str(getattr(config, a)): lo for a, lo in (("gateway", "127.0.0.1"), ("gateway6", "::1"))
                      if getattr(config, a, None) is not None}
@@ -464,20 +474,23 @@ class DnsForwarder:
                 self.count("failovers")
             qid = secrets.randbits(16)
             wire = _LEN.pack(qid) + query[2:]
+            last = i == len(upstreams) - 1
             try:
                 reply = await self._udp(upstream, wire, qid, question)
             except asyncio.TimeoutError:
                 self.count("timeouts")
-                log.debug("DNS: upstream %s timed out", upstream)
+                self._went_down(upstream, f"no answer within {self.timeout:g} s", last)
                 continue
             except ConnectionRefusedError:
                 self.count("refused")
-                log.debug("DNS: upstream %s refused", upstream)
+                self._went_down(upstream, "connection refused", last)
                 continue
             except (OSError, ValueError) as exc:  # unreachable, bad address, closed socket, ...
                 self.count("errors")
-                log.debug("DNS: upstream %s failed: %s", upstream, exc)
+                self._went_down(upstream, getattr(exc, "strerror", None) or str(exc), last)
                 continue
+            if self.down.pop(upstream, None) is not None:
+                log.info("DNS upstream %s answers again", _hostport(upstream))
             if tcp and _HDR.unpack_from(reply, 0)[1] & FLAG_TC:
                 self.count("tcp_retries")
                 qid = secrets.randbits(16)
@@ -488,6 +501,17 @@ class DnsForwarder:
                     log.debug("DNS: TCP retry to %s failed: %s; returning truncated answer", upstream, exc)
             return reply
         return None
+
+    def _went_down(self, upstream: tuple[str, int], cause: str, last: bool) -> None:
+        """Log an upstream's failure once, when it goes down (:attr:`down`); DEBUG afterwards."""
+        if self._closed or upstream in self.down:
+            log.debug("DNS upstream %s failed: %s", _hostport(upstream), cause)
+            return
+        if len(self.down) >= 64:  # bounded: upstreams replaced in resolv.conf are forgotten
+            self.down.clear()
+        self.down[upstream] = cause
+        log.warning("DNS upstream %s unreachable: %s; %s", _hostport(upstream), cause,
+                    "answering SERVFAIL" if last else "trying the next upstream")
 
     async def _udp(self, upstream: tuple[str, int], wire: bytes, qid: int, question) -> bytes:
         loop = asyncio.get_running_loop()

@@ -443,7 +443,13 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         return True
 
     def connection_lost(self, exc) -> None:
+        """The host socket is closed: ``exc`` None after our own close or the peer's end of stream,
+        else the error (the host peer reset, a broken pipe...): normal network events, counted
+        (``tcp_host_lost``) and logged at DEBUG with the flow, the guest told with a RST."""
         self.host_closed = True
+        if exc is not None:
+            self.ctx.counters["tcp_host_lost"] += 1
+            log.debug("TCP flow %s: host connection lost: %s", self.key, exc)
         if not self._finished:
             if exc is not None:
                 self.conn.abort()

@@ -462,7 +462,15 @@ class TransportHost:
         self.tr = tr
 
     def send(self, data) -> int:
-        self.tr.write(data)  # bytes, or a view of immutable bytes: no copy needed
+        """Hand ``data`` to the transport; returns ``len(data)``, or 0 once the transport is closing:
+        a write failed (the host peer reset, a broken pipe) and asyncio calls ``connection_lost``
+        on the next loop iteration. Writing on would do nothing but make asyncio's selector transport
+        log ``socket.send() raised exception.`` from the 6th such write on, naming no flow (uvloop
+        drops them silently)."""
+        tr = self.tr
+        if tr.is_closing():
+            return 0
+        tr.write(data)  # bytes, or a view of immutable bytes: no copy needed
         return len(data)
 
     def can_write_eof(self) -> bool:
