@@ -40,7 +40,7 @@ _LAZY = {
     "FlowInfo": ".flow.info",
     "splice": ".handlers.splice",
     "GuestFlow": ".handlers.streams",
-    "TapError": ".host.tapdev",
+    "TapError": ".transport.tapdev",
 }
 
 

@@ -444,7 +444,7 @@ class Stack:
         The transport is closed on return. One transport at a time; ``serve`` may be
         called again with a new transport once it returned (call :meth:`reset_flows`
         in between when the new transport is a different guest). Raises at once what the
-        transport's ``preflight()`` raises, e.g. :class:`~aioslirp.transport.tap.TapError` for a
+        transport's ``preflight()`` raises, e.g. :class:`~aioslirp.transport.tapdev.TapError` for a
         TAP that is down (``TAP tap0 is down ...: bring it up first (ip link set tap0 up) ...``),
         and what its ``open()`` raises; both are also an ``error`` event (:meth:`events`). A
         transport whose other end is gone before the guest's first frame (EOF, a failed read or

@@ -30,7 +30,8 @@ import pytest
 
 from aioslirp.config import NetworkConfig
 from aioslirp.netns import NamespaceError, attach, resolv_conf_text, run_in_namespace
-from aioslirp.transport.tap import TapError, TapTransport, create_tap, open_tap
+from aioslirp.transport.tap import TapTransport
+from aioslirp.transport.tapdev import TapError, create_tap, open_tap
 
 from conftest import need
 

@@ -412,7 +412,7 @@ def _check_qemu_args(args: argparse.Namespace) -> None:
 
 
 def _ifname(args: argparse.Namespace, positional: str | None) -> str:
-    from ..host.tapdev import TapError, check_ifname
+    from ..transport.tapdev import TapError, check_ifname
 
     if args.ifname and positional and args.ifname != positional:
         raise ConfigError("IFNAME", f"{positional!r} conflicts with --ifname {args.ifname!r}")
@@ -597,7 +597,7 @@ def _serve(args: argparse.Namespace, prepare, *, socket_errors: bool = False) ->
     from ..api import ApiSocketError
     from ..forward import ForwardError
     from ..host.netns import NamespaceError
-    from ..host.tapdev import TapError
+    from ..transport.tapdev import TapError
 
     coro = start()
     try:

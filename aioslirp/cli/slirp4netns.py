@@ -326,7 +326,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         opts.tapname = pos[1]
         opts.extra_args = pos[2:]
     if opts.tapname is not None:
-        from ..host.tapdev import TapError, check_ifname
+        from ..transport.tapdev import TapError, check_ifname
 
         try:
             check_ifname(opts.tapname)
