@@ -289,7 +289,7 @@ class Stack:
 
     @property
     def reassembler(self):
-        """The IPv4 fragment :class:`~aioslirp.wire.reassembly.Reassembler`."""
+        """The IPv4 fragment :class:`~aioslirp.reassembly.Reassembler`."""
         return self.ipv4.reassembler
 
     @property
@@ -318,7 +318,7 @@ class Stack:
         them, or ``None`` (every TCP flow). ``handler``: ``async def handler(flow, reader,
         writer)`` (TCP) or ``async def handler(flow, datagrams)`` (UDP); see docs/handlers.md.
         Returns the :class:`~aioslirp.handlers.routes.Route`. Raises
-        :class:`~aioslirp.config.ConfigError` for a match that does not parse. Flows already
+        :class:`~aioslirp.errors.ConfigError` for a match that does not parse. Flows already
         open keep their host side.
         """
         route = self.router.add(match, handler)
@@ -614,7 +614,7 @@ class Stack:
         Needs a started stack (inside ``async with``); may be called before or while
         :meth:`serve` runs. Returns the :class:`PortForward` as added, with its ``id``
         (1, 2, ... per stack) and the bound ``host_port`` (when 0 was asked). Raises
-        :class:`~aioslirp.config.ConfigError` for a bad field (proto, ports, a guest address
+        :class:`~aioslirp.errors.ConfigError` for a bad field (proto, ports, a guest address
         outside the network) and :class:`~aioslirp.forward.ForwardError` (an ``OSError``)
         when the host address/port cannot be bound, e.g. already in use.
         """

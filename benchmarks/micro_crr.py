@@ -71,7 +71,7 @@ def main() -> int:
         sys.path.insert(0, args.tree)
     from aioslirp import NetworkConfig, Stack
     from aioslirp.transport.base import Transport
-    from aioslirp.wire.ipv4 import build_tcp
+    from aioslirp.wire.tcp import build_tcp
 
     class Collect(Transport):
         offload = True

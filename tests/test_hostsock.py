@@ -19,9 +19,8 @@ import socket
 import struct
 
 from aioslirp import NetworkConfig, Stack
-from aioslirp.tcp.flow import TransportHost
-from aioslirp.tcp.hostsock import READ_SIZE, HostSocket
-from aioslirp.wire.ipv4 import build_tcp
+from aioslirp.tcp.hostsock import READ_SIZE, HostSocket, TransportHost
+from aioslirp.wire.tcp import build_tcp
 
 from stack_helpers import CollectTransport as Collect, fd_count  # after a gc: earlier tests' garbage does not close mid-count
 

@@ -24,7 +24,7 @@ import pytest
 
 from aioslirp import NetworkConfig, Stack
 from aioslirp.tcp.hostsock import HostPoller, HostSocket
-from aioslirp.wire.ipv4 import build_tcp
+from aioslirp.wire.tcp import build_tcp
 
 from stack_helpers import CollectTransport as Collect, fd_count
 
