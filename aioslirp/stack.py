@@ -127,7 +127,7 @@ class Stack:
 
     __slots__ = ("config", "counters", "ctx", "guard", "table", "flows", "idle_order", "inject_queue", "inject",
                  "write_now", "tasks", "_aux_tasks", "icmp", "dns", "l4", "neighbors", "family4", "ipv4", "v6",
-                 "family6", "link", "on_frames", "_on_frames", "gw_mac", "gw_ip", "dns_ip", "guest_ip", "mtu",
+                 "family6", "link", "on_frames", "gw_mac", "gw_ip", "dns_ip", "guest_ip", "mtu",
                  "_transport", "_loop", "_closed", "_stopped", "transport_wrappers", "_forwarder", "tracer", "audit", "_own_audit",
                  "event_log", "router",
                  # aioslirp.metrics holds a stack by weak reference
@@ -155,7 +155,6 @@ class Stack:
     family6: object
     link: Link
     on_frames: object
-    _on_frames: object
     gw_mac: bytes
     gw_ip: bytes
     dns_ip: bytes
@@ -227,7 +226,7 @@ class Stack:
             self.family6 = self.v6.family
         self.link = link = Link(ctx, self.family4, self.ipv4.input, self.v6.dispatch if self.v6 is not None else None)
         #: The transport's sink, a batch of guest frames (:meth:`aioslirp.dispatch.link.Link.on_frames`).
-        self.on_frames = self._on_frames = link.on_frames
+        self.on_frames = link.on_frames
         self.gw_mac = cfg.gateway_mac_bytes
         self.gw_ip = self.family4.gw
         self.dns_ip = self.family4.dns
@@ -301,12 +300,6 @@ class Stack:
     @icmp_errors.setter
     def icmp_errors(self, bucket) -> None:
         self.family4.err_bucket = bucket
-
-    @property
-    def _l4_trusted(self) -> bool:
-        """False: whether a frame's L4 checksum is trusted is an argument of each frame's dispatch
-        (``csum_ok``), never state left between frames (kept for callers that checked it)."""
-        return False
 
     # ------------------------------------------------------------------ Python handlers
     def route(self, match, handler):

@@ -45,7 +45,7 @@ async def _session(body) -> None:
             await asyncio.sleep(0)
 
             def guest(sport, seq, ack, flags, payload=b"", wnd=65535):
-                stack._on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, wnd, b"", payload)], [True])
+                stack.on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, wnd, b"", payload)], [True])
 
             sport = 40100
             guest(sport, 1000, 0, SYN)
