@@ -13,7 +13,8 @@ from .compiled import install_source_finder as _install_source_finder
 
 _install_source_finder()  # AIOSLIRP_NO_EXTENSIONS=1: the .py sources even where compiled modules exist
 
-from .config import ConfigError, NetworkConfig  # noqa: E402
+from .config import NetworkConfig  # noqa: E402
+from .errors import ConfigError  # noqa: E402
 
 __all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack", "SocketPairTransport", "TapTransport",
            "StreamTransport", "DgramTransport", "QemuServer", "spawn", "Guest", "attach", "NamespaceError", "FlowInfo",
@@ -40,7 +41,7 @@ _LAZY = {
     "FlowInfo": ".flow.info",
     "splice": ".handlers.splice",
     "GuestFlow": ".handlers.streams",
-    "TapError": ".host.tapdev",
+    "TapError": ".transport.tapdev",
 }
 
 

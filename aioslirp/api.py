@@ -67,7 +67,7 @@ import os
 import socket
 import stat
 
-from .config import ConfigError
+from .errors import ConfigError
 from .forward import ForwardError, PortForward
 
 __all__ = ["ApiServer", "ApiSocketError", "MAX_REQUEST", "REQUEST_TIMEOUT"]

@@ -43,7 +43,7 @@ import os
 import socket
 from dataclasses import asdict, dataclass, replace
 
-from .config import ConfigError
+from .errors import ConfigError
 from .flow.base import flow_key
 from .udp import UdpFlow
 from .wire.arp import ARP_REQUEST, build_arp

@@ -36,18 +36,14 @@ __all__ = ["EVENT_NAMES", "Event", "EventLog", "farewell", "gone_before_first_fr
 
 log = logging.getLogger("aioslirp.stack")
 
-#: Former longest wait, in seconds, for the inject queue to drain after the RSTs were queued;
-#: kept for callers of :func:`farewell` (the queue is now written out at once, nothing waits).
-DRAIN_TIMEOUT = 0.25
 
-
-async def farewell(stack, timeout: float = DRAIN_TIMEOUT) -> int:
+async def farewell(stack) -> int:
     """Reset every flow towards the guest, withdraw the IPv6 router, let the writer flush.
 
     Returns the number of flows torn down. Never raises for a flow that fails to shut down
     (logged by :meth:`Stack.reset_flows`). The transport must still be open for the guest to
-    see anything; closing it is the caller's job. ``timeout`` is accepted for compatibility and
-    unused: the frames are written to the transport without waiting.
+    see anything; closing it is the caller's job. The frames are written to the transport without
+    waiting.
     """
     n = stack.reset_flows()
     stack.counters["flows_reset_at_stop"] += n

@@ -18,7 +18,7 @@ Trace file format: one JSON object per line, one line per finished span::
      "events": [{"name": ..., "time_ns": ..., "attributes": {...}}],
      "links": [{"trace_id": ..., "span_id": ...}], "status": "UNSET"}
 
-``aioslirp trace-report FILE`` reads it (:mod:`aioslirp.trace_report`).
+``aioslirp trace-report FILE`` reads it (:mod:`aioslirp.cli.trace_report`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import stat
 import threading
 import urllib.parse
 
-from .config import ConfigError
+from .errors import ConfigError
 
 log = logging.getLogger("aioslirp.observe")
 
@@ -465,7 +465,7 @@ class Observability:
         self.tracer_provider = tp  # each stack of stack_factory() traces through it
 
     def stack_factory(self, base=None):
-        """A ``stack_factory(config)`` for :func:`aioslirp.netns.run_in_namespace` / ``attach``:
+        """A ``stack_factory(config)`` for :func:`aioslirp.host.netns.run_in_namespace` / ``attach``:
         builds the stack with ``base`` (default :class:`~aioslirp.stack.Stack`), traced through
         :attr:`tracer_provider` when there is one, then adds the pcap wrapper and registers the
         metrics."""

@@ -1,6 +1,6 @@
 """Token buckets, for every rate the stack limits.
 
-:class:`TokenBucket` (events) is used for the new-flow rate of :class:`aioslirp.limits.Guard` (``new_flow_rate`` /
+:class:`TokenBucket` (events) is used for the new-flow rate of :class:`aioslirp.flow.guard.Guard` (``new_flow_rate`` /
 ``new_flow_burst``) and for the ICMP and ICMPv6 errors the stack sends, one bucket per family
 (RFC 4443 2.4 (f), RFC 1812 4.3.2.8). The caller passes the time, in seconds on any one
 monotonic clock, so the bucket never reads a clock itself. :class:`ByteBucket` (bytes) caps

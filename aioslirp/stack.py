@@ -127,7 +127,7 @@ class Stack:
 
     __slots__ = ("config", "counters", "ctx", "guard", "table", "flows", "idle_order", "inject_queue", "inject",
                  "write_now", "tasks", "_aux_tasks", "icmp", "dns", "l4", "neighbors", "family4", "ipv4", "v6",
-                 "family6", "link", "on_frames", "_on_frames", "gw_mac", "gw_ip", "dns_ip", "guest_ip", "mtu",
+                 "family6", "link", "on_frames", "gw_mac", "gw_ip", "dns_ip", "guest_ip", "mtu",
                  "_transport", "_loop", "_closed", "_stopped", "transport_wrappers", "_forwarder", "tracer", "audit", "_own_audit",
                  "event_log", "router",
                  # aioslirp.metrics holds a stack by weak reference
@@ -155,7 +155,6 @@ class Stack:
     family6: object
     link: Link
     on_frames: object
-    _on_frames: object
     gw_mac: bytes
     gw_ip: bytes
     dns_ip: bytes
@@ -227,7 +226,7 @@ class Stack:
             self.family6 = self.v6.family
         self.link = link = Link(ctx, self.family4, self.ipv4.input, self.v6.dispatch if self.v6 is not None else None)
         #: The transport's sink, a batch of guest frames (:meth:`aioslirp.dispatch.link.Link.on_frames`).
-        self.on_frames = self._on_frames = link.on_frames
+        self.on_frames = link.on_frames
         self.gw_mac = cfg.gateway_mac_bytes
         self.gw_ip = self.family4.gw
         self.dns_ip = self.family4.dns
@@ -289,7 +288,7 @@ class Stack:
 
     @property
     def reassembler(self):
-        """The IPv4 fragment :class:`~aioslirp.wire.reassembly.Reassembler`."""
+        """The IPv4 fragment :class:`~aioslirp.reassembly.Reassembler`."""
         return self.ipv4.reassembler
 
     @property
@@ -302,12 +301,6 @@ class Stack:
     def icmp_errors(self, bucket) -> None:
         self.family4.err_bucket = bucket
 
-    @property
-    def _l4_trusted(self) -> bool:
-        """False: whether a frame's L4 checksum is trusted is an argument of each frame's dispatch
-        (``csum_ok``), never state left between frames (kept for callers that checked it)."""
-        return False
-
     # ------------------------------------------------------------------ Python handlers
     def route(self, match, handler):
         """Hand the new guest flows ``match`` covers to ``handler`` (first matching route wins,
@@ -318,7 +311,7 @@ class Stack:
         them, or ``None`` (every TCP flow). ``handler``: ``async def handler(flow, reader,
         writer)`` (TCP) or ``async def handler(flow, datagrams)`` (UDP); see docs/handlers.md.
         Returns the :class:`~aioslirp.handlers.routes.Route`. Raises
-        :class:`~aioslirp.config.ConfigError` for a match that does not parse. Flows already
+        :class:`~aioslirp.errors.ConfigError` for a match that does not parse. Flows already
         open keep their host side.
         """
         route = self.router.add(match, handler)
@@ -444,7 +437,7 @@ class Stack:
         The transport is closed on return. One transport at a time; ``serve`` may be
         called again with a new transport once it returned (call :meth:`reset_flows`
         in between when the new transport is a different guest). Raises at once what the
-        transport's ``preflight()`` raises, e.g. :class:`~aioslirp.transport.tap.TapError` for a
+        transport's ``preflight()`` raises, e.g. :class:`~aioslirp.transport.tapdev.TapError` for a
         TAP that is down (``TAP tap0 is down ...: bring it up first (ip link set tap0 up) ...``),
         and what its ``open()`` raises; both are also an ``error`` event (:meth:`events`). A
         transport whose other end is gone before the guest's first frame (EOF, a failed read or
@@ -614,7 +607,7 @@ class Stack:
         Needs a started stack (inside ``async with``); may be called before or while
         :meth:`serve` runs. Returns the :class:`PortForward` as added, with its ``id``
         (1, 2, ... per stack) and the bound ``host_port`` (when 0 was asked). Raises
-        :class:`~aioslirp.config.ConfigError` for a bad field (proto, ports, a guest address
+        :class:`~aioslirp.errors.ConfigError` for a bad field (proto, ports, a guest address
         outside the network) and :class:`~aioslirp.forward.ForwardError` (an ``OSError``)
         when the host address/port cannot be bound, e.g. already in use.
         """

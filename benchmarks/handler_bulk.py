@@ -1,6 +1,6 @@
 """Bulk TCP throughput and backend CPU per GB through an identity handler vs the plain NAT path (issue 17).
 
-1. Moves itself into a fresh network namespace with only loopback (``aioslirp._isolate``;
+1. Moves itself into a fresh network namespace with only loopback (``aioslirp.host.isolate``;
    ``--no-isolate`` to stay), so nothing leaves the machine, and starts a small host data
    server in a **separate process** (``python3 -c``) on 127.0.0.1, so its CPU is not counted.
 2. For each round and each mode (interleaved), in this process: an embedded ``aioslirp.Stack``,
@@ -226,7 +226,7 @@ def main() -> int:
     if args.size < 1 or args.rounds < 1:
         ap.error("--size and --rounds must be >= 1")
     if not args.no_isolate:
-        from aioslirp._isolate import isolate_network
+        from aioslirp.host.isolate import isolate_network
 
         isolate_network()
     result = asyncio.run(run(args))

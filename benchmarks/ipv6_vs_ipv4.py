@@ -1,6 +1,6 @@
 """TCP throughput over IPv6 against IPv4 through ``aioslirp run`` (issue 5).
 
-1. Moves itself into a fresh network namespace with only loopback (``aioslirp._isolate``),
+1. Moves itself into a fresh network namespace with only loopback (``aioslirp.host.isolate``),
    so nothing leaves the machine; starts one threaded TCP data server on 127.0.0.1 and one on
    ``::1`` (``tests/hostservers.py``: ``DOWN n seed`` / ``UP``).
 2. For each family and each placement (unpinned; ``--pin CPU``: aioslirp and the guest on one
@@ -92,7 +92,7 @@ def main() -> int:
                     help="extra option for 'aioslirp run' (repeatable), e.g. --run-opt=--no-offload")
     args = ap.parse_args()
 
-    from aioslirp._isolate import isolate_network
+    from aioslirp.host.isolate import isolate_network
     from hostservers import DataServer
 
     isolate_network()

@@ -6,7 +6,7 @@ the TAP of ``aioslirp attach``); the script plays the guest (frames built with
 :func:`aioslirp.wire.ipv4.build_tcp`, checksums flagged as trusted) and the host server (a
 listening socket on 127.0.0.1 in this process) and runs the connect / 1-byte request /
 1-byte response / close cycle of the CRR benchmark, calling the stack's entry points
-directly: ``_on_frames`` for guest frames (one batch per frame, as they mostly arrive),
+directly: ``on_frames`` for guest frames (one batch per frame, as they mostly arrive),
 the host socket's read callback for the answer and the EOF, one loop pass for the flow task.
 Only the time spent inside those calls is counted (the guest's and the server's work is
 not), so the figure is the stack's Python + system-call cost per connection, with far less
@@ -71,7 +71,7 @@ def main() -> int:
         sys.path.insert(0, args.tree)
     from aioslirp import NetworkConfig, Stack
     from aioslirp.transport.base import Transport
-    from aioslirp.wire.ipv4 import build_tcp
+    from aioslirp.wire.tcp import build_tcp
 
     class Collect(Transport):
         offload = True
@@ -113,7 +113,7 @@ def main() -> int:
             await asyncio.sleep(0)
             out = tr.out
             ok = [True]
-            on_frames = stack._on_frames
+            on_frames = stack.on_frames
 
             def frame(sport, seq, ack, flags, payload=b""):
                 return [build_tcp(eth, guest, gw, sport, port, seq, ack, flags, 65535, b"", payload)]
@@ -212,7 +212,7 @@ def main() -> int:
             await asyncio.sleep(0)
             out = tr.out
             ok = [True]
-            on_frames = stack._on_frames
+            on_frames = stack.on_frames
 
             def frame(sport, seq, ack, flags, payload=b""):
                 return [build_tcp(eth, guest, gw, sport, port, seq, ack, flags, 65535, b"", payload)]

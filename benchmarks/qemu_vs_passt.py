@@ -10,7 +10,7 @@ the guest kernel + initramfs come from ../shared/guestvm, built into ``$GUESTVM_
 
 What it does:
 
-1. Moves itself into a fresh network namespace with only loopback (``aioslirp._isolate``),
+1. Moves itself into a fresh network namespace with only loopback (``aioslirp.host.isolate``),
    so neither backend can reach anything but this machine's loopback. passt refuses to start
    without an external interface, so a veth pair with both ends inside this namespace and a
    default route into it (TEST-NET-1, nothing answers) stands in for one.
@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))
 import qemu_guest  # noqa: E402  (tests/qemu_guest.py)
 from hostservers import DataServer, pattern  # noqa: E402
 
-from aioslirp._isolate import isolate_network  # noqa: E402
+from aioslirp.host.isolate import isolate_network  # noqa: E402
 
 SIZE = 20 * 1024 * 1024
 TICK = os.sysconf("SC_CLK_TCK")

@@ -10,7 +10,7 @@ Run as root from the repository (needs ``pasta``, ``slirp4netns``, ``iperf3``, `
 
 What it does (see docs/performance.md for the method):
 
-1. Moves itself into a fresh network namespace with only loopback (``aioslirp._isolate``) and
+1. Moves itself into a fresh network namespace with only loopback (``aioslirp.host.isolate``) and
    a private mount namespace, so nothing it starts can reach anything outside this machine.
    pasta refuses to start without a default route, so a veth pair with both ends inside
    this private namespace serves as a black-hole default route (TEST-NET 192.0.2.0/24).
@@ -121,7 +121,7 @@ def log(msg: str) -> None:
 
 def enter_sandbox(need_default_route: bool) -> None:
     """Loopback-only network namespace + private mount namespace for the whole harness."""
-    from aioslirp._isolate import isolate_network
+    from aioslirp.host.isolate import isolate_network
 
     isolate_network()
     if _libc.unshare(CLONE_NEWNS) != 0:

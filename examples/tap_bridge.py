@@ -25,7 +25,8 @@ import signal
 import sys
 
 from aioslirp import ConfigError, NetworkConfig, Stack
-from aioslirp.transport.tap import TapError, TapTransport
+from aioslirp.transport.tap import TapTransport
+from aioslirp.transport.tapdev import TapError
 
 
 async def serve(ifname: str, config: NetworkConfig) -> None:

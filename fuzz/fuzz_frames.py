@@ -210,7 +210,7 @@ def _instrument(atheris, obj, modname: str) -> None:
 def isolate() -> None:
     if os.environ.get("AIOSLIRP_TEST_ISOLATED") or os.environ.get("AIOSLIRP_TEST_NO_ISOLATE") == "1":
         return
-    from aioslirp._isolate import isolate_network
+    from aioslirp.host.isolate import isolate_network
 
     isolate_network()
     os.environ["AIOSLIRP_TEST_ISOLATED"] = "1"

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from aioslirp._isolate import isolate_network
+from aioslirp.host.isolate import isolate_network
 
 
 def pytest_configure(config):

@@ -31,7 +31,7 @@ DNS_A, DNS_AAAA = "10.0.2.99", "2001:db8::99"  # what tests' DnsUpstream(aaaa=DN
 
 class CollectTransport(Transport):
     """A transport with offload that only collects the frames written to the guest (``out``),
-    for tests that drive ``Stack._on_frames`` themselves (the guest side of micro_crr)."""
+    for tests that drive ``Stack.on_frames`` themselves (the guest side of micro_crr)."""
 
     offload = True
 

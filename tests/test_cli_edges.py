@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from aioslirp.config import ConfigError, NetworkConfig
+from aioslirp.config import NetworkConfig
+from aioslirp.errors import ConfigError
 
 from conftest import importable, need
 

@@ -7,7 +7,7 @@ import struct
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from aioslirp.config6 import Ipv6Config
+from aioslirp.config.ipv6 import Ipv6Config
 from aioslirp.services.dhcpv6 import Dhcpv6Server, duid_ll, encode_domain_list
 
 from ipv6_helpers import DNS6, GW_MAC, a6

@@ -1,5 +1,5 @@
 """Admission control (aioslirp.flow.guard), the idle sweep's timer (aioslirp.flow.table) and the
-egress policy (aioslirp.policy), sans-IO.
+egress policy (aioslirp.config.policy), sans-IO.
 
 The :class:`~aioslirp.flow.guard.Guard` is driven through its own interface only
 (``Guard(config, drop, new_bucket)``, ``start(dns, now)``, ``admit(..., now)``, the flow-table
@@ -21,12 +21,13 @@ import types
 import pytest
 
 from aioslirp import NetworkConfig
-from aioslirp import limits
-from aioslirp.config import ConfigError
+from aioslirp.config.limits import parse_limits
+from aioslirp.config.policy import DEFAULT_DENY, EgressPolicy, parse_rules
+from aioslirp.errors import ConfigError
 from aioslirp.flow import guard as guard_mod
+from aioslirp.flow.guard import DENIED, FD_RESERVE, PRUNE_INTERVAL, Guard, fd_budgets
 from aioslirp.flow.table import FlowTable, sweep_interval
-from aioslirp.limits import DENIED, FD_RESERVE, PRUNE_INTERVAL, Guard, TokenBucket, fd_budgets, parse_limits
-from aioslirp.policy import DEFAULT_DENY, EgressPolicy, parse_rules
+from aioslirp.ratelimit import TokenBucket
 
 TCP, UDP, ICMP, ICMP6 = 6, 17, 1, 58
 HOST = "127.0.0.1"
@@ -168,11 +169,11 @@ def test_raise_fd_limit_raises_up_to_the_hard_limit_and_never_lowers():
     low = hard - 10
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
-        assert limits.raise_fd_limit(1) == low  # never lowers
+        assert guard_mod.raise_fd_limit(1) == low  # never lowers
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (low, hard)
-        assert limits.raise_fd_limit(low + 1) == low + 1
+        assert guard_mod.raise_fd_limit(low + 1) == low + 1
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (low + 1, hard)
-        assert limits.raise_fd_limit(hard + 1000) == hard  # never above the hard limit
+        assert guard_mod.raise_fd_limit(hard + 1000) == hard  # never above the hard limit
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

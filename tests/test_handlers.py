@@ -30,7 +30,7 @@ import dpkt
 import pytest
 
 from aioslirp import NetworkConfig, Stack, splice
-from aioslirp.netns import run_in_namespace
+from aioslirp.host.netns import run_in_namespace
 from conftest import need
 from guest_helpers import need_tool
 from hostservers import DataServer, pattern
@@ -632,7 +632,7 @@ async def test_stack_exit_cancels_handlers_and_closes_their_upstreams(v6):
 def test_routes_first_match_and_unroute():
     """Route matches in egress-rule syntax; the first match wins, then the defaults; names from the
     bindings; unroute by route, handler or match."""
-    from aioslirp.config import ConfigError
+    from aioslirp.errors import ConfigError
     from aioslirp.flow.egress import Decision, Egress
     from aioslirp.handlers.routes import Router
 
@@ -662,7 +662,7 @@ def test_routes_first_match_and_unroute():
 
 
 def test_proxy_url_and_no_proxy():
-    from aioslirp.config import ConfigError
+    from aioslirp.errors import ConfigError
     from aioslirp.config.upstream import NoProxy, parse_proxy_url
 
     p = parse_proxy_url("http://u%40x:p%3Aw@proxy.test:8080")

@@ -21,8 +21,8 @@ import dpkt
 import pytest
 
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
-from aioslirp.limits import TokenBucket
-from aioslirp.policy import EgressPolicy
+from aioslirp.config.policy import EgressPolicy
+from aioslirp.ratelimit import TokenBucket
 
 from hostservers import DnsUpstream, UdpEcho
 from ipv6_helpers import GUEST6, a6
@@ -398,12 +398,12 @@ async def test_stop_resets_guest_flows_before_the_link_closes():
 #: Run in a child process (its RLIMIT_NOFILE is lowered for real; pytest's stays as it is):
 #: soft 100, hard FD_RESERVE + 4. The stack raises the soft limit to the hard one, which
 #: leaves 4 fds beyond the reserve: 1 for DNS queries (its share is at least one,
-#: limits.fd_budgets) and 3 for flows: 3 SYNs get a SYN-ACK (a real host socket each), the 4th a RST.
+#: aioslirp.flow.guard.fd_budgets) and 3 for flows: 3 SYNs get a SYN-ACK (a real host socket each), the 4th a RST.
 FD_LIMIT_CHILD = r"""
 import asyncio, json, resource, sys
 
 sys.path.insert(0, sys.argv[1])
-from aioslirp.limits import FD_RESERVE
+from aioslirp.flow.guard import FD_RESERVE
 from test_hardening import RST, SYN, Guest, listener, serving, tcp
 
 resource.setrlimit(resource.RLIMIT_NOFILE, (100, FD_RESERVE + 4))

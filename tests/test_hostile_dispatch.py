@@ -21,7 +21,7 @@ import struct
 import dpkt
 import pytest
 
-from aioslirp.wire.ipv6 import TokenBucket
+from aioslirp.ratelimit import TokenBucket
 from aioslirp.wire.neighbors import MAX_NEIGHBORS
 
 from hostservers import DnsUpstream

@@ -27,7 +27,7 @@ import sys
 
 import dpkt
 
-from aioslirp.limits import FD_RESERVE
+from aioslirp.flow.guard import FD_RESERVE
 from aioslirp.services.dns_tcp import MAX_HELD, MAX_QUEUED
 from aioslirp.services.dns import DnsTcpSession
 
@@ -236,7 +236,7 @@ def _child(scenario: str) -> None:
     import resource
     import socket
 
-    from aioslirp._isolate import isolate_network
+    from aioslirp.host.isolate import isolate_network
 
     isolate_network()  # a namespace of its own, so that the ping target below is local to it
     ping = subprocess.run(["ip", "addr", "add", PING_TARGET + "/32", "dev", "lo"], capture_output=True).returncode == 0

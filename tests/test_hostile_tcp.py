@@ -23,11 +23,8 @@ import struct
 import pytest
 import uvloop
 
-from aioslirp.tcp.conn import ACK, FIN, PSH, RST, SYN
-from aioslirp.tcp.flow import TransportHost
-from aioslirp.tcp.hostsock import READ_SIZE
-from aioslirp.wire.ipv4 import build_tcp
-from aioslirp.wire.ipv6 import build_tcp6
+from aioslirp.tcp.hostsock import READ_SIZE, TransportHost
+from aioslirp.wire.tcp import ACK, FIN, PSH, RST, SYN, build_tcp
 
 from ipv6_helpers import GUEST6, GUEST_MAC, GW6, GW_MAC
 from test_hardening import GUEST, GW, listener, serving, until
@@ -140,7 +137,7 @@ class GuestConn:
         self.sport, self.dport, self.v6 = sport, dport, v6
         self.src, self.dst = (GUEST6, GW6) if v6 else (GUEST, GW)
         self.eth = GW_MAC + GUEST_MAC + (b"\x86\xdd" if v6 else b"\x08\x00")
-        self.build = build_tcp6 if v6 else build_tcp
+        self.build = build_tcp  # the family follows from the addresses
         self.snd_nxt = isn
         self.rcv_nxt: int | None = None
         self.peer_ack = isn

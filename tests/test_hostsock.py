@@ -21,9 +21,8 @@ import struct
 import pytest
 
 from aioslirp import NetworkConfig, Stack
-from aioslirp.tcp.flow import TransportHost
-from aioslirp.tcp.hostsock import READ_SIZE, HostSocket
-from aioslirp.wire.ipv4 import build_tcp
+from aioslirp.tcp.hostsock import READ_SIZE, HostSocket, TransportHost
+from aioslirp.wire.tcp import build_tcp
 
 from stack_helpers import CollectTransport as Collect, fd_count  # after a gc: earlier tests' garbage does not close mid-count
 
@@ -48,7 +47,7 @@ async def _session(body) -> None:
             await asyncio.sleep(0)
 
             def guest(sport, seq, ack, flags, payload=b"", wnd=65535):
-                stack._on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, wnd, b"", payload)], [True])
+                stack.on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, wnd, b"", payload)], [True])
 
             sport = 40100
             guest(sport, 1000, 0, SYN)

@@ -24,7 +24,7 @@ import pytest
 
 from aioslirp import NetworkConfig, Stack
 from aioslirp.tcp.hostsock import HostPoller, HostSocket
-from aioslirp.wire.ipv4 import build_tcp
+from aioslirp.wire.tcp import build_tcp
 
 from stack_helpers import CollectTransport as Collect, fd_count
 
@@ -104,7 +104,7 @@ def test_connections_register_once_and_the_epoll_is_closed_with_the_stack(new_lo
             assert epoll_targets(epfd) == 0
 
             def guest(sport, seq, ack, flags, data=b""):
-                stack._on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, 65535, b"", data)], [True])
+                stack.on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, 65535, b"", data)], [True])
 
             n = 12
             for i in range(n):
@@ -163,7 +163,7 @@ def test_a_paused_flow_gets_no_read_callback_until_resumed(new_loop):
             poller = stack.ctx.host_poller
 
             def guest(seq, ack, flags, data=b""):
-                stack._on_frames([build_tcp(ETH, GUEST, GW, 41500, port, seq, ack, flags, 65535, b"", data)], [True])
+                stack.on_frames([build_tcp(ETH, GUEST, GW, 41500, port, seq, ack, flags, 65535, b"", data)], [True])
 
             guest(1000, 0, SYN)
             iss = SEQ_ACK.unpack_from(tr.out[-1], 38)[0]

@@ -13,12 +13,15 @@ import dpkt
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from aioslirp.config import ConfigError
-from aioslirp.config6 import Ipv6Config
-from aioslirp.wire.ipv6 import (ALL_NODES, Ipv6, Ipv6Reassembler, TokenBucket, build_icmp6_error,
-                                build_icmp6_packet, build_tcp6, build_udp6_packet, echo_reply6, eth6, fragment6,
-                                icmp6_error_allowed, l4_checksum_ok, link_local_from_mac, multicast_mac,
+from aioslirp.config.ipv6 import Ipv6Config
+from aioslirp.errors import ConfigError
+from aioslirp.ratelimit import TokenBucket
+from aioslirp.reassembly import Ipv6Reassembler
+from aioslirp.wire.icmp import build_icmp6_error, build_icmp6_packet, echo_reply6, icmp6_error_allowed
+from aioslirp.wire.ipv6 import (ALL_NODES, Ipv6, eth6, fragment6, l4_checksum_ok, link_local_from_mac, multicast_mac,
                                 parse_ipv6, pseudo_sum6, solicited_node)
+from aioslirp.wire.tcp import build_tcp
+from aioslirp.wire.udp import build_udp
 from aioslirp.wire.checksum import finish, partial
 
 from ipv6_helpers import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, UNSPEC, a6, checksum_valid, eth,
@@ -54,14 +57,14 @@ def test_pseudo_header_checksum_matches_reference(data, nh):
 
 
 def test_udp_zero_checksum_refused_over_ipv6():
-    pkt = bytearray(build_udp6_packet(REMOTE, GUEST6, 53, 5353, b"abc"))
+    pkt = bytearray(build_udp(REMOTE, GUEST6, 53, 5353, b"abc"))
     pkt[46:48] = b"\0\0"
     assert not l4_checksum_ok(REMOTE, GUEST6, 17, memoryview(pkt)[40:])
 
 
 def test_build_udp6_packet_fields_and_checksum():
     payload = os.urandom(777)
-    pkt = bytes(build_udp6_packet(REMOTE, GUEST6, 53, 40000, payload))
+    pkt = bytes(build_udp(REMOTE, GUEST6, 53, 40000, payload))
     ip = dpkt.ip6.IP6(pkt)
     assert (ip.v, ip.plen, ip.nxt, ip.hlim, ip.src, ip.dst) == (6, 785, 17, 64, REMOTE, GUEST6)
     assert (ip.data.sport, ip.data.dport, ip.data.ulen, bytes(ip.data.data)) == (53, 40000, 785, payload)
@@ -75,7 +78,7 @@ def test_build_udp6_packet_fields_and_checksum():
 def test_build_tcp6_frame_mirrors_ipv4_signature():
     e = eth6(GUEST_MAC, GW_MAC)
     payload = os.urandom(1001)
-    frame = bytes(build_tcp6(e, REMOTE, GUEST6, 80, 40000, 0xFFFFFFF0, 12345, 0x18, 512, b"\x02\x04\x05\x8c", payload))
+    frame = bytes(build_tcp(e, REMOTE, GUEST6, 80, 40000, 0xFFFFFFF0, 12345, 0x18, 512, b"\x02\x04\x05\x8c", payload))
     assert frame[:14] == e and len(frame) == 14 + 40 + 24 + 1001
     ip = dpkt.ethernet.Ethernet(frame).data
     t = ip.data
@@ -84,7 +87,7 @@ def test_build_tcp6_frame_mirrors_ipv4_signature():
     assert bytes(t.opts) == b"\x02\x04\x05\x8c" and bytes(t.data) == payload
     assert checksum_valid(REMOTE, GUEST6, 6, frame[54:])
     # odd option length is padded with zeros to 4 bytes
-    f2 = bytes(build_tcp6(e, REMOTE, GUEST6, 1, 2, 0, 0, 0x02, 100, b"\x01\x03\x03\x07"[:3]))
+    f2 = bytes(build_tcp(e, REMOTE, GUEST6, 1, 2, 0, 0, 0x02, 100, b"\x01\x03\x03\x07"[:3]))
     assert f2[74:78] == b"\x01\x03\x03\x00" and checksum_valid(REMOTE, GUEST6, 6, f2[54:])
 
 
@@ -200,7 +203,7 @@ def test_parse_never_raises_and_stays_in_bounds(body, nh, plen):
 # ------------------------------------------------------------------ fragmentation and reassembly
 def test_fragment6_and_reassemble_round_trip_out_of_order():
     payload = os.urandom(5000)
-    pkt = bytes(build_udp6_packet(REMOTE, GUEST6, 53, 5353, payload))
+    pkt = bytes(build_udp(REMOTE, GUEST6, 53, 5353, payload))
     frags = fragment6(pkt, 1280)
     assert len(frags) == 5 and all(len(f) <= 1280 for f in frags)
     parsed = [parse_ipv6(f, 0) for f in frags]
@@ -217,7 +220,7 @@ def test_fragment6_and_reassemble_round_trip_out_of_order():
 
 
 def test_reassembly_overlap_discards_whole_datagram_rfc5722():
-    pkt = bytes(build_udp6_packet(REMOTE, GUEST6, 53, 5353, os.urandom(3000)))
+    pkt = bytes(build_udp(REMOTE, GUEST6, 53, 5353, os.urandom(3000)))
     frags = fragment6(pkt, 1280)
     p = [parse_ipv6(f, 0) for f in frags]
     r = Ipv6Reassembler()
@@ -235,7 +238,7 @@ def test_reassembly_overlap_discards_whole_datagram_rfc5722():
 
 
 def test_reassembly_exact_duplicate_ignored_and_timeout():
-    pkt = bytes(build_udp6_packet(REMOTE, GUEST6, 53, 5353, os.urandom(2000)))
+    pkt = bytes(build_udp(REMOTE, GUEST6, 53, 5353, os.urandom(2000)))
     frags = fragment6(pkt, 1280)
     p = [parse_ipv6(f, 0) for f in frags]
     r = Ipv6Reassembler(timeout=15.0)
@@ -250,7 +253,7 @@ def test_reassembly_exact_duplicate_ignored_and_timeout():
 
 
 def test_reassembly_keeps_unfragmentable_headers_and_patches_next_header():
-    udp = bytes(build_udp6_packet(REMOTE, GUEST6, 1, 2, os.urandom(100)))[40:]
+    udp = bytes(build_udp(REMOTE, GUEST6, 1, 2, os.urandom(100)))[40:]
     hbh = ext(44, b"\x05\x02\x00\x00")
     f0 = raw6(REMOTE, GUEST6, 0, hbh + struct.pack("!BxHI", 17, 0 | 1, 77) + udp[:64])
     f1 = raw6(REMOTE, GUEST6, 0, hbh + struct.pack("!BxHI", 17, 64, 77) + udp[64:])
@@ -264,7 +267,7 @@ def test_reassembly_keeps_unfragmentable_headers_and_patches_next_header():
 
 
 def test_atomic_fragment_processed_in_isolation_rfc6946():
-    udp = bytes(build_udp6_packet(REMOTE, GUEST6, 1, 2, b"x" * 20))[40:]
+    udp = bytes(build_udp(REMOTE, GUEST6, 1, 2, b"x" * 20))[40:]
     f = raw6(REMOTE, GUEST6, 44, struct.pack("!BxHI", 17, 0, 5) + udp)
     ip = parse_ipv6(f, 0)
     assert ip.frag == (0, False, 5)
@@ -292,7 +295,7 @@ def test_reassembly_bounded_datagrams():
 
 # ------------------------------------------------------------------ ICMPv6 errors and echo
 def test_dest_unreachable_quotes_as_much_as_fits_in_1280():
-    orig = bytes(build_udp6_packet(GUEST6, REMOTE, 5000, 9, os.urandom(1400)))
+    orig = bytes(build_udp(GUEST6, REMOTE, 5000, 9, os.urandom(1400)))
     err = bytes(build_icmp6_error(1, 4, orig))
     assert len(err) == 1280
     ip = dpkt.ip6.IP6(err)
@@ -300,32 +303,32 @@ def test_dest_unreachable_quotes_as_much_as_fits_in_1280():
     assert err[40:44] == b"\x01\x04" + err[42:44] and err[44:48] == bytes(4)
     assert err[48:] == orig[:1232]
     assert checksum_valid(REMOTE, GUEST6, 58, err[40:])
-    small = bytes(build_udp6_packet(GUEST6, REMOTE, 5000, 9, b"hi"))
+    small = bytes(build_udp(GUEST6, REMOTE, 5000, 9, b"hi"))
     err2 = bytes(build_icmp6_error(1, 3, small, src=GW6))
     assert err2[48:] == small and err2[8:24] == GW6 and len(err2) == 48 + len(small)
 
 
 def test_packet_too_big_carries_mtu():
-    orig = bytes(build_udp6_packet(GUEST6, REMOTE, 5000, 9, bytes(2000)))
+    orig = bytes(build_udp(GUEST6, REMOTE, 5000, 9, bytes(2000)))
     err = bytes(build_icmp6_error(2, 0, orig, src=GW6, param=1500))
     assert err[40] == 2 and err[41] == 0 and struct.unpack_from("!I", err, 44)[0] == 1500
     assert checksum_valid(GW6, GUEST6, 58, err[40:])
     # PTB is allowed about multicast destinations (RFC 4443 2.4 (e.3))
-    mc = bytes(build_udp6_packet(GUEST6, a6("ff0e::1"), 5000, 9, bytes(2000)))
+    mc = bytes(build_udp(GUEST6, a6("ff0e::1"), 5000, 9, bytes(2000)))
     assert build_icmp6_error(2, 0, mc, src=GW6, param=1500) is not None
     assert build_icmp6_error(1, 4, mc) is None
 
 
 def test_icmp6_errors_never_about_errors_or_unspecified_sources():
-    err = bytes(build_icmp6_error(1, 4, bytes(build_udp6_packet(GUEST6, REMOTE, 1, 2, b"x"))))
+    err = bytes(build_icmp6_error(1, 4, bytes(build_udp(GUEST6, REMOTE, 1, 2, b"x"))))
     assert not icmp6_error_allowed(err, 1, 4)
     assert build_icmp6_error(1, 4, err) is None
     redirect = bytes(build_icmp6_packet(GUEST6, REMOTE, 137, 0, bytes(36)))
     assert build_icmp6_error(1, 0, redirect) is None
     echo = bytes(build_icmp6_packet(GUEST6, REMOTE, 128, 0, bytes(8)))
     assert build_icmp6_error(1, 0, echo) is not None
-    assert build_icmp6_error(1, 0, bytes(build_udp6_packet(UNSPEC, REMOTE, 1, 2, b"x"))) is None
-    assert build_icmp6_error(1, 0, bytes(build_udp6_packet(GUEST6, REMOTE, 1, 2, b"x")), link_multicast=True) is None
+    assert build_icmp6_error(1, 0, bytes(build_udp(UNSPEC, REMOTE, 1, 2, b"x"))) is None
+    assert build_icmp6_error(1, 0, bytes(build_udp(GUEST6, REMOTE, 1, 2, b"x")), link_multicast=True) is None
     assert build_icmp6_error(1, 0, b"short") is None
 
 

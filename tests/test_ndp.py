@@ -15,10 +15,11 @@ import dpkt
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from aioslirp.config6 import Ipv6Config
+from aioslirp.config.ipv6 import Ipv6Config
+from aioslirp.reassembly import Ipv6Reassembler
 from aioslirp.services.dhcpv6 import Dhcpv6Server
 from aioslirp.services.ndp import NdpResponder, parse_nd_options
-from aioslirp.wire.ipv6 import Ipv6, Ipv6Reassembler, l4_checksum_ok, parse_ipv6, solicited_node
+from aioslirp.wire.ipv6 import Ipv6, l4_checksum_ok, parse_ipv6, solicited_node
 
 from ipv6_helpers import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, UNSPEC, a6, checksum_valid,
                           icmp6_frame)

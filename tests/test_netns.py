@@ -1,4 +1,4 @@
-"""Namespace and TAP plumbing: aioslirp.netns, aioslirp.transport.tap, the CLI.
+"""Namespace and TAP plumbing: aioslirp.host.netns, aioslirp.transport.tap, the CLI.
 
 pytest runs as root inside a loopback-only network namespace (conftest.py); every
 namespace made here is a child of that one and only talks to our own handlers, so no
@@ -29,8 +29,10 @@ import dpkt
 import pytest
 
 from aioslirp.config import NetworkConfig
-from aioslirp.netns import NamespaceError, attach, resolv_conf_text, run_in_namespace
-from aioslirp.transport.tap import TapError, TapTransport, create_tap, open_tap
+from aioslirp.host.netns import attach, run_in_namespace
+from aioslirp.host.nsbase import NamespaceError, resolv_conf_text
+from aioslirp.transport.tap import TapTransport
+from aioslirp.transport.tapdev import TapError, create_tap, open_tap
 
 from conftest import need
 
@@ -313,13 +315,13 @@ def test_command_dies_with_aioslirp():
 
 _RESOLV_SCRIPT = """
 import json, os, sys
-from aioslirp import _nschild
-from aioslirp._isolate import CLONE_NEWNS, unshare
+from aioslirp.host import nschild
+from aioslirp.host.isolate import CLONE_NEWNS, unshare
 link, target = sys.argv[1], sys.argv[2]
-_nschild.RESOLV_CONF = link
+nschild.RESOLV_CONF = link
 unshare(CLONE_NEWNS)
 warnings = []
-_nschild._install_resolv_conf("nameserver 10.0.2.3\\n", warnings)
+nschild._install_resolv_conf("nameserver 10.0.2.3\\n", warnings)
 print(json.dumps({"seen": open(link).read() if os.path.exists(link) else None, "warnings": warnings}))
 """
 
@@ -689,7 +691,7 @@ def as_nobody(argv, work: Path, timeout: float = 40) -> subprocess.CompletedProc
 _ROOTLESS_DRIVER = r'''
 import asyncio, json, os, subprocess, sys, time
 from aioslirp.config import NetworkConfig
-from aioslirp.netns import attach, run_in_namespace
+from aioslirp.host.netns import attach, run_in_namespace
 
 OUT = sys.argv[1]
 

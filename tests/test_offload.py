@@ -1,7 +1,7 @@
 """Checksum/segmentation offload on the TAP (IFF_VNET_HDR) and the delayed ACK, against real peers.
 
 * wire: :class:`TcpOffloadBuilder` frames, once their partial checksum is completed, equal the
-  frames :func:`build_tcp`/:func:`build_tcp6` compute in full; the virtio-net header fields.
+  frames :func:`build_tcp` computes in full; the virtio-net header fields.
 * stack: a frame the guest's kernel flagged (``csum_ok``) is not checksum-verified, an
   unflagged one still is.
 * end to end (``aioslirp run``, the guest's Linux TCP behind our TAP): bulk both ways over IPv4
@@ -29,10 +29,9 @@ from aioslirp.config import NetworkConfig
 from aioslirp.stack import Stack
 from aioslirp.transport.base import Transport
 from aioslirp.wire.checksum import partial
-from aioslirp.wire.ipv4 import build_tcp
-from aioslirp.wire.ipv6 import build_tcp6
 from aioslirp.wire.offload import (F_NEEDS_CSUM, GSO_NONE, GSO_TCPV4, GSO_TCPV6, VNET, OffloadFrame,
-                                   TcpOffloadBuilder, complete_checksum)
+                                   complete_checksum)
+from aioslirp.wire.tcp import TcpOffloadBuilder, build_tcp
 from hostservers import DataServer, DnsUpstream, pattern
 
 ETH4 = b"\x52\x54\x00\x12\x34\x56" + b"\x52\x55\x0a\x00\x02\x02" + b"\x08\x00"
@@ -68,7 +67,7 @@ def test_ipv6_offload_frame_completes_to_the_full_checksum_frame(plen):
     payload = pattern(plen, 3)
     opts = b"\x02\x04\x05\x8c\x01\x03\x03\x07"  # MSS 1420, window scale 7 (as on a SYN-ACK)
     f = TcpOffloadBuilder(ETH6, R6, G6, 443, 50000).build(1, 2, 0x12, 65535, opts, payload, 1420)
-    full = build_tcp6(ETH6, R6, G6, 443, 50000, 1, 2, 0x12, 65535, opts, payload)
+    full = build_tcp(ETH6, R6, G6, 443, 50000, 1, 2, 0x12, 65535, opts, payload)
     assert complete_checksum(f) == full
     flags, gso_type, hdr_len, gso_size, csum_start, csum_offset, _nb = VNET.unpack(f.vnet)
     assert (flags, csum_start, csum_offset, hdr_len) == (F_NEEDS_CSUM, 54, 16, 54 + 28)
@@ -102,14 +101,13 @@ def test_stack_trusts_only_flagged_frames():
             tr = _NullTransport()
             task = asyncio.ensure_future(stack.serve(tr))
             await asyncio.sleep(0)
-            stack._on_frames([_guest_tcp_ack(True)], [False])
+            stack.on_frames([_guest_tcp_ack(True)], [False])
             assert stack.counters["drop.bad_tcp_checksum"] == 1
             # flagged by the guest's kernel (NEEDS_CSUM): not verified, so it reaches TCP (no flow: RST)
-            stack._on_frames([memoryview(_guest_tcp_ack(True))], [True])
+            stack.on_frames([memoryview(_guest_tcp_ack(True))], [True])
             assert stack.counters["drop.bad_tcp_checksum"] == 1
             assert stack.counters["drop.tcp_no_flow"] == 1 and stack.counters["tcp_rst_sent"] == 1
-            assert stack._l4_trusted is False
-            stack._on_frames([_guest_tcp_ack(True)])  # a transport without flags: verified
+            stack.on_frames([_guest_tcp_ack(True)])  # a transport without flags: verified
             assert stack.counters["drop.bad_tcp_checksum"] == 2
             stack.close()
             await task

@@ -37,7 +37,7 @@ from aioslirp import NetworkConfig, PortForward, Stack
 from aioslirp import api as api_module
 from aioslirp.api import ApiServer, MAX_REQUEST
 from aioslirp.flow.table import FlowTable
-from aioslirp.netns import run_in_namespace
+from aioslirp.host.netns import run_in_namespace
 from aioslirp.tcp.flow import TcpFlow
 
 from hostservers import DataServer, DnsUpstream, UdpEcho, namespace_address, pattern
@@ -722,7 +722,7 @@ async def test_a_flow_that_raises_is_reset_and_ends_and_its_sibling_carries_on(p
     ``guest_segment``: ``TcpConnection.receive_segment`` raises for the victim (guest data).
 
     Mutant (timer): ``TcpFlow._on_timer`` logging without ``self.fail()``: no RST, the flow stays."""
-    from aioslirp.tcp.conn import TcpConnection
+    from aioslirp.tcp.connection import TcpConnection
 
     loop = asyncio.get_running_loop()
 

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from aioslirp import NetworkConfig
-from aioslirp.config import ConfigError
+from aioslirp.errors import ConfigError
 from aioslirp.config.rates import parse_rate, parse_rate_limit
 from aioslirp.ratelimit import MIN_BYTE_BURST, ByteBucket, byte_burst
 from aioslirp.tcp.pacing import RATE_MIN_WRITE, FlowPacing

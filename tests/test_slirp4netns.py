@@ -3,7 +3,7 @@
 * Parser: the exact argv RootlessKit 1.1.0 and Podman 4.3.1 pass (see
   ``../shared/containers/README.md``), the forms getopt accepts, and one-line errors
   (exit status 2) naming the option.
-* fd protocol in-process: :func:`aioslirp.slirp4netns.serve` with a socket pair standing in
+* fd protocol in-process: :func:`aioslirp.cli.slirp4netns.serve` with a socket pair standing in
   for the TAP and the real :class:`~aioslirp.Stack`: the ready byte is written once, after
   the transport reads, after the API socket listens; an exit-fd hang-up ends it (status 0).
 * The binary in real namespaces (as root, inside pytest's loopback-only namespace): TAP
@@ -34,8 +34,8 @@ from pathlib import Path
 import dpkt
 import pytest
 
-from aioslirp import slirp4netns as s4
-from aioslirp.slirp4netns import HELP, UsageError, build_config, parse_args
+from aioslirp.cli import slirp4netns as s4
+from aioslirp.cli.slirp4netns import HELP, UsageError, build_config, parse_args
 
 from hostservers import DataServer, DnsUpstream, pattern
 from conftest import need
@@ -162,7 +162,7 @@ def test_help_is_an_api(capsys):
 
 def test_help_is_fast_and_light():
     """Clients run --help before every start: it must not import the stack."""
-    code = "import sys; from aioslirp.slirp4netns import main; main(['--help']); print(sorted(m for m in sys.modules if m.startswith(('aioslirp.stack', 'pyroute2', 'uvloop', 'dpkt'))))"
+    code = "import sys; from aioslirp.cli.slirp4netns import main; main(['--help']); print(sorted(m for m in sys.modules if m.startswith(('aioslirp.stack', 'pyroute2', 'uvloop', 'dpkt'))))"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == "[]"

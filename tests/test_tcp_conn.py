@@ -1,4 +1,4 @@
-"""Tests of the sans-IO guest-facing TCP endpoint (aioslirp.tcp.conn).
+"""Tests of the sans-IO guest-facing TCP endpoint (aioslirp.tcp.connection).
 
 Shape borrowed from smoltcp's socket tests: connections are built directly in the state a
 test needs (by driving the real handshake, so no internals are poked), segments are written
@@ -17,7 +17,8 @@ import random
 
 import pytest
 
-from aioslirp.tcp.conn import ACK, FIN, PSH, RST, SYN, Segment, TcpConnection
+from aioslirp.tcp.connection import TcpConnection
+from aioslirp.wire.tcp import ACK, FIN, PSH, RST, SYN, Segment
 from aioslirp.tcp.seq import (
     SEQ_MASK,
     seq_add,

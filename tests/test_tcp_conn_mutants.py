@@ -1,4 +1,4 @@
-"""Sans-IO TCP endpoint (aioslirp.tcp.conn): the cases a mutation run (mutmut, see
+"""Sans-IO TCP endpoint (aioslirp.tcp.connection): the cases a mutation run (mutmut, see
 docs/testing.md) found untested.
 
 Same shape as test_tcp_conn.py, whose helpers are reused: connections driven through the real
@@ -12,7 +12,8 @@ import tracemalloc
 
 import pytest
 
-from aioslirp.tcp.conn import ACK, FIN, PSH, RST, SYN, Segment, TcpConnection
+from aioslirp.tcp.connection import TcpConnection
+from aioslirp.wire.tcp import ACK, FIN, PSH, RST, SYN, Segment
 from test_tcp_conn import (
     GWND,
     GWS,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from aioslirp.tcp.conn import ACK, FIN, PSH, RST, SYN, Segment, TcpConnection
+from aioslirp.tcp.connection import TcpConnection
+from aioslirp.wire.tcp import ACK, FIN, PSH, RST, SYN, Segment
 from test_tcp_conn import (
     GWND,
     ISS,

@@ -1,4 +1,4 @@
-"""Delayed ACK and large (offload) segments of the sans-IO TCP endpoint (aioslirp.tcp.conn).
+"""Delayed ACK and large (offload) segments of the sans-IO TCP endpoint (aioslirp.tcp.connection).
 
 Same shape as test_tcp_conn.py (whose helpers are reused): a connection driven through the
 real handshake, guest segments from templates, a fake clock.
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from aioslirp.tcp.conn import ACK, FIN, PSH, Segment, TcpConnection
+from aioslirp.tcp.connection import TcpConnection
+from aioslirp.wire.tcp import ACK, FIN, PSH, Segment
 from test_tcp_conn import MSS, RCV_BUF, L, R, X, events, recv, send, seg, syn
 
 DELAY = 0.002

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from aioslirp import NetworkConfig, SocketPairTransport, Stack, tracing
-from aioslirp.netns import run_in_namespace
+from aioslirp.host.netns import run_in_namespace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -371,7 +371,7 @@ def test_trace_file_and_report_show_the_real_gaps(tmp_path):
     The report built from the stack's own --trace file must show these gaps: each at least as
     long as what caused it (no upper bounds: a loaded machine only makes them longer), and the
     idle gap the largest stage."""
-    from aioslirp.trace_report import IDLE_STAGE, build_report, load_spans, percentile
+    from aioslirp.cli.trace_report import IDLE_STAGE, build_report, load_spans, percentile
 
     server = EchoOnce(delay=0.040)
     trace = tmp_path / "crr.jsonl"

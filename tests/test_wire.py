@@ -9,8 +9,10 @@ import dpkt
 from hypothesis import given, settings, strategies as st
 
 from aioslirp.wire.checksum import checksum, partial
-from aioslirp.wire.ipv4 import build_tcp, build_udp_packet, fragment, IP_MF
-from aioslirp.wire.reassembly import Reassembler
+from aioslirp.reassembly import Reassembler
+from aioslirp.wire.ipv4 import IP_MF, fragment
+from aioslirp.wire.tcp import build_tcp
+from aioslirp.wire.udp import build_udp
 
 
 def ref_checksum(data: bytes) -> int:
@@ -54,7 +56,7 @@ def test_built_tcp_frame_parses_and_verifies_with_dpkt():
 def test_fragment_and_reassemble_round_trip():
     src, dst = socket.inet_aton("10.0.2.2"), socket.inet_aton("10.0.2.15")
     payload = os.urandom(60000)
-    pkt = build_udp_packet(src, dst, 53, 5353, payload)
+    pkt = build_udp(src, dst, 53, 5353, payload)
     frags = fragment(pkt, 1500)
     assert len(frags) == 41 and all(len(f) <= 1500 for f in frags)
     r = Reassembler()

@@ -19,10 +19,11 @@ import signal
 import sys
 from typing import Sequence
 
-from ..config import ConfigError, NetworkConfig, parse_hostport
+from ..config import NetworkConfig, parse_hostport
 from ..config.limits import LIMIT_FIELDS, parse_limits
 from ..config.rates import parse_rate_limit
 from ..config.records import parse_dns_record
+from ..errors import ConfigError
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -412,7 +413,7 @@ def _check_qemu_args(args: argparse.Namespace) -> None:
 
 
 def _ifname(args: argparse.Namespace, positional: str | None) -> str:
-    from ..host.tapdev import TapError, check_ifname
+    from ..transport.tapdev import TapError, check_ifname
 
     if args.ifname and positional and args.ifname != positional:
         raise ConfigError("IFNAME", f"{positional!r} conflicts with --ifname {args.ifname!r}")
@@ -596,8 +597,8 @@ def _serve(args: argparse.Namespace, prepare, *, socket_errors: bool = False) ->
 
     from ..api import ApiSocketError
     from ..forward import ForwardError
-    from ..host.netns import NamespaceError
-    from ..host.tapdev import TapError
+    from ..host.nsbase import NamespaceError
+    from ..transport.tapdev import TapError
 
     coro = start()
     try:

@@ -326,7 +326,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         opts.tapname = pos[1]
         opts.extra_args = pos[2:]
     if opts.tapname is not None:
-        from ..host.tapdev import TapError, check_ifname
+        from ..transport.tapdev import TapError, check_ifname
 
         try:
             check_ifname(opts.tapname)
@@ -393,7 +393,7 @@ def parse_args(argv: Sequence[str]) -> Options:
             raise UsageError("--log-level", f"{ns.log_level!r} is not one of {', '.join(_LOG_LEVELS)}")
         opts.log_level = level
     if ns.rate_limit is not None:
-        from ..config import ConfigError
+        from ..errors import ConfigError
         from ..config.rates import parse_rate_limit
 
         try:
@@ -441,7 +441,8 @@ def build_config(opts: Options):
     ``add_hostfwd``), ``--mtu``, ``--disable-host-loopback``. Raises
     :class:`UsageError` when the stack refuses a value.
     """
-    from ..config import ConfigError, NetworkConfig
+    from ..config import NetworkConfig
+    from ..errors import ConfigError
 
     net = ipaddress.IPv4Network(opts.cidr)
     base = net.network_address

@@ -10,10 +10,10 @@
 * :mod:`.rates`: byte rates (``--rate-limit``, ``rate_up`` / ``rate_down``).
 
 They import only :mod:`aioslirp.errors` (where :class:`ConfigError` lives) and one another,
-never a layer above. ``from aioslirp.config import NetworkConfig, ConfigError`` keeps working.
+never a layer above. The error they raise, :class:`~aioslirp.errors.ConfigError`, is
+``aioslirp.ConfigError``.
 """
 
-from ..errors import ConfigError, not_a_network, not_an_address  # noqa: F401 - their old import path
 from .network import DEFAULT_GATEWAY_MAC, NetworkConfig, parse_hostport  # noqa: F401
 
-__all__ = ["ConfigError", "NetworkConfig", "parse_hostport"]
+__all__ = ["NetworkConfig", "parse_hostport"]

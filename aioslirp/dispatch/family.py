@@ -38,8 +38,8 @@ from ..wire.icmp import (ICMP6_ECHO_REPLY, ICMP6_ECHO_REQUEST, ICMP_ECHO, ICMP_E
 from ..wire.ip import PROTO_ICMP
 from ..wire.ipv4 import fragment, pseudo_sum
 from ..wire.ipv6 import NH_ICMPV6, UNSPECIFIED, fragment6, multicast_mac, pseudo_sum6, solicited_node
-from ..wire.tcp import build_tcp, build_tcp6
-from ..wire.udp import build_udp_packet, build_udp6_packet
+from ..wire.tcp import build_tcp
+from ..wire.udp import build_udp
 
 __all__ = ["ALL_DHCP", "Family4", "Family6", "KINDS", "UNREACH4", "UNREACH6"]
 
@@ -109,9 +109,10 @@ class Family4:
     reason = {k: k for k in _REASONS6}
     #: ``pseudo_sum(src, dst, proto, length)``: partial checksum of the pseudo-header (RFC 9293 3.1).
     pseudo_sum = staticmethod(pseudo_sum)
-    #: Frame / packet builders (:mod:`aioslirp.wire.ipv4`).
+    #: Frame / packet builders (:mod:`aioslirp.wire.tcp`, :mod:`aioslirp.wire.udp`; the family follows from the
+    #: address length).
     build_tcp = staticmethod(build_tcp)
-    build_udp = staticmethod(build_udp_packet)
+    build_udp = staticmethod(build_udp)
 
     def __init__(self, ctx, neighbors) -> None:
         cfg = ctx.config
@@ -209,7 +210,7 @@ class Family4:
         dst_ip = socket.inet_aton(reply_destination(reply, broadcast))
         if dst_ip == _ZERO4:
             dst_ip = b"\xff\xff\xff\xff"
-        pkt = build_udp_packet(self.gw, dst_ip, 67, 68, reply)
+        pkt = build_udp(self.gw, dst_ip, 67, 68, reply)
         eth = ETH.pack(BROADCAST if broadcast else src_mac, self.gw_mac, ETHERTYPE_IPV4)
         inject = ctx.inject
         for p in fragment(pkt, self.mtu):
@@ -222,7 +223,7 @@ class Family6:
 
     Args:
         ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
-        config6: the :class:`~aioslirp.config6.Ipv6Config`.
+        config6: the :class:`~aioslirp.config.ipv6.Ipv6Config`.
         ndp: the :class:`~aioslirp.services.ndp.NdpResponder` (its ``neighbors`` cache, our addresses).
         dhcp6: the :class:`~aioslirp.services.dhcpv6.Dhcpv6Server`.
 
@@ -263,8 +264,8 @@ class Family6:
     dhcp_port = 547
     reason = _REASONS6
     pseudo_sum = staticmethod(pseudo_sum6)
-    build_tcp = staticmethod(build_tcp6)
-    build_udp = staticmethod(build_udp6_packet)
+    build_tcp = staticmethod(build_tcp)
+    build_udp = staticmethod(build_udp)
 
     def __init__(self, ctx, config6, ndp, dhcp6) -> None:
         self.ctx = ctx
@@ -371,7 +372,7 @@ class Family6:
     # ------------------------------------------------------------------ routing
     def remote_for(self, dst: bytes) -> str | None:
         """Host address (text) a guest destination maps to, or ``None``
-        (:meth:`Ipv6Config.remote_for <aioslirp.config6.Ipv6Config.remote_for>`)."""
+        (:meth:`Ipv6Config.remote_for <aioslirp.config.ipv6.Ipv6Config.remote_for>`)."""
         return self.config6.remote_for(dst, self.host_loopback)
 
     def quote(self, pkt) -> bytes:
@@ -396,7 +397,7 @@ class Family6:
             return True
         ctx.counters["dhcpv6_replies"] += 1
         ctx.handled("dhcpv6")
-        pkt = build_udp6_packet(self.link_local, src, 547, sport, res)
+        pkt = build_udp(self.link_local, src, 547, sport, res)
         eth = ETH.pack(src_mac, self.gw_mac, ETHERTYPE_IPV6)
         inject = ctx.inject
         for p in fragment6(pkt, self.mtu):

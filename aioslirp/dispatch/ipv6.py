@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import struct
 
-from ..config6 import Ipv6Config
+from ..config.ipv6 import Ipv6Config
 from ..services.dhcpv6 import Dhcpv6Server
 from ..services.ndp import NdpResponder
 from ..reassembly import Ipv6Reassembler
@@ -63,7 +63,7 @@ class Ipv6Path:
         l4: the :class:`~aioslirp.dispatch.l4.L4` dispatch.
 
     Attributes:
-        config6: the validated :class:`~aioslirp.config6.Ipv6Config` (from the stack's config).
+        config6: the validated :class:`~aioslirp.config.ipv6.Ipv6Config` (from the stack's config).
         family: the :class:`~aioslirp.dispatch.family.Family6` (IPv6 output).
         ndp: the :class:`~aioslirp.services.ndp.NdpResponder`; ``ndp.neighbors`` is the
             neighbour cache (16-byte address -> 6-byte MAC).

@@ -133,7 +133,7 @@ class Router:
 
     def add(self, match, handler) -> Route:
         """Append a route (last in order; see the module documentation for ``match``). Returns it.
-        Raises :class:`~aioslirp.config.ConfigError` for a match that does not parse,
+        Raises :class:`~aioslirp.errors.ConfigError` for a match that does not parse,
         ``TypeError`` when ``handler`` is not callable."""
         if not callable(handler):
             raise TypeError(f"handler {handler!r} is not callable")

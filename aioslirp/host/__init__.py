@@ -1,7 +1,6 @@
 """Process and namespace plumbing: everything that forks, enters a namespace, creates a
 device or handles a process's signals.
 
-* :mod:`.tapdev`: open, create and configure TAP devices (the ``ioctl`` side of ``/dev/net/tun``);
 * :mod:`.netns`: ``aioslirp run`` and ``aioslirp attach`` (:func:`~aioslirp.host.netns.run_in_namespace`,
   :func:`~aioslirp.host.netns.attach`);
 * :mod:`.spawn`: :func:`aioslirp.spawn`, a command in its own namespaces behind its own stack
@@ -13,7 +12,8 @@ device or handles a process's signals.
   ``--enable-sandbox`` / ``--enable-seccomp``;
 * :mod:`.signals`: :class:`~aioslirp.host.signals.GracefulStop`, ``aioslirp run``'s SIGTERM.
 
-Nothing below :mod:`aioslirp.stack` imports this package, except :class:`~aioslirp.transport.tap.TapTransport`,
-which drives a TAP fd with :mod:`.tapdev`'s ioctls (the import-linter contract in
-``pyproject.toml`` says so).
+Nothing below :mod:`aioslirp.stack` imports this package (the import-linter contract in
+``pyproject.toml`` says so). The TAP device's ioctls are on the transport floor,
+:mod:`aioslirp.transport.tapdev`, next to :class:`~aioslirp.transport.tap.TapTransport`, which
+drives the fd; the namespace children import them from there.
 """

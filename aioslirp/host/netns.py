@@ -39,16 +39,13 @@ from typing import Any, Callable, Sequence
 
 from ..config import NetworkConfig
 from ..transport.tap import TapTransport
-from .nsbase import DEFAULT_SETUP_TIMEOUT, NamespaceError, resolv_conf_text  # noqa: F401  (importable from here as before)
-from .nsbase import helper_argv, iface_spec, readable
+from .nsbase import DEFAULT_SETUP_TIMEOUT, NamespaceError, helper_argv, iface_spec, readable
 from .signals import DEFAULT_STOP_TIMEOUT, GracefulStop, reopen_audit_log
 from .spawn import spawn
 
 __all__ = [
-    "NamespaceError",
     "run_in_namespace",
     "attach",
-    "resolv_conf_text",
     "configure_interface",
     "exit_status",
 ]
@@ -307,7 +304,7 @@ async def run_in_namespace(
     the whole process group); this needs the main thread.
 
     Returns the command's exit status (``128 + N`` when killed by signal N; 127 when not
-    found). Raises :class:`aioslirp.config.ConfigError` for a bad ``config`` and
+    found). Raises :class:`aioslirp.errors.ConfigError` for a bad ``config`` and
     :class:`NamespaceError` (one line) when the namespace or TAP cannot be set up. If this
     process dies the command gets SIGKILL (``PR_SET_PDEATHSIG``). With ``forward_signals``, a
     command still running ``stop_timeout`` seconds after SIGTERM (at once after a second

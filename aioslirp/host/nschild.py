@@ -488,7 +488,7 @@ def _enter_join(spec: dict, warnings: list[str]) -> None:
 def _create_tap(spec: dict, warnings: list[str]) -> tuple[int, str]:
     """``run`` / ``attach``: create the TAP with its MTU, set its IPv6 sysctls, address and route."""
     from .netns import configure_interface, configure_ipv6_sysctls
-    from .tapdev import create_tap
+    from ..transport.tapdev import create_tap
 
     fd, ifname = create_tap(spec["ifname"], spec["mtu"], vnet_hdr=bool(spec.get("vnet_hdr")))
     try:
@@ -509,7 +509,7 @@ def _create_tap(spec: dict, warnings: list[str]) -> tuple[int, str]:
 
 def _open_tap(spec: dict, warnings: list[str]) -> tuple[int, str]:
     """``join``: attach to (or create) the TAP; configure it only with ``spec["configure"]``."""
-    from .tapdev import open_tap
+    from ..transport.tapdev import open_tap
 
     offload = bool(spec.get("vnet_hdr"))
     try:

@@ -128,7 +128,7 @@ class Dhcpv6Server:
     """Stateless DHCPv6 server of one virtual link.
 
     Args:
-        config6: a validated :class:`~aioslirp.config6.Ipv6Config` (``dns6``, ``dns_search``,
+        config6: a validated :class:`~aioslirp.config.ipv6.Ipv6Config` (``dns6``, ``dns_search``,
             ``cidr6``, ``info_refresh_time``).
         gateway_mac: 6-byte MAC for the DUID-LL.
 

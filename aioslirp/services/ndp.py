@@ -37,7 +37,7 @@ import random
 import struct
 from collections import Counter
 
-from ..config6 import Ipv6Config
+from ..config.ipv6 import Ipv6Config
 from ..wire.icmp import (ICMP6_ECHO_REQUEST, ND_NEIGHBOR_ADVERT, ND_NEIGHBOR_SOLICIT, ND_REDIRECT, ND_ROUTER_ADVERT,
                          ND_ROUTER_SOLICIT, build_icmp6_packet, echo_reply6)
 from ..wire.ipv6 import (ALL_NODES, NH_ICMPV6, UNSPECIFIED, Ipv6, eth6, fragment6, is_multicast, l4_checksum_ok,
@@ -100,7 +100,7 @@ class NdpResponder:
     """The gateway's NDP state for one guest link.
 
     Args:
-        config6: a validated :class:`~aioslirp.config6.Ipv6Config` (it is validated if not yet).
+        config6: a validated :class:`~aioslirp.config.ipv6.Ipv6Config` (it is validated if not yet).
         gateway_mac: the gateway's 6-byte MAC (``NetworkConfig.gateway_mac_bytes``).
         rng: ``random.Random`` for the RA interval jitter (tests pass a seeded one).
 

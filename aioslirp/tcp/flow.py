@@ -47,19 +47,14 @@ from ..flow.base import admission
 from ..wire.icmp import KIND_HOST, KIND_NET
 from ..wire.ip import PROTO_TCP
 from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6
-from ..wire.tcp import ACK, SYN, Segment, TcpFrameBuilder, parse_segment, reset_for, syn_options
+from ..wire.tcp import ACK, SYN, Segment, TcpFrameBuilder, syn_options
 from .connection import (CLOSE_WAIT, CLOSED, CLOSING, ESTABLISHED, LAST_ACK, LISTEN, SYN_RECEIVED, SYN_SENT,
                          TIME_WAIT, TcpConnection)
 from .pacing import FlowPacing
-from .hostsock import HostSocket, TransportHost, close_socket, connect_numeric, connect_start, wait_connected
+from .hostsock import HostSocket, TransportHost, close_socket, connect_start, wait_connected
 from .tcb import ResetEvent
 
-__all__ = [
-    "TcpFlow", "ForwardedTcpFlow",
-    # importable from here as before: the stack's parsing helpers (aioslirp.wire.tcp) and the
-    # host side (aioslirp.tcp.hostsock)
-    "parse_segment", "reset_for", "TransportHost", "connect_start", "connect_numeric", "wait_connected",
-]
+__all__ = ["TcpFlow", "ForwardedTcpFlow"]
 
 log = logging.getLogger("aioslirp.tcp")
 

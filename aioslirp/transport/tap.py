@@ -25,9 +25,10 @@ segments and completes. Measured gains are in ``docs/performance.md``.
 
 Rootless use needs ``/dev/net/tun`` to be world read-writable (mode 0666) and
 ``CAP_NET_ADMIN`` in the user namespace that owns the network namespace. Opening, creating
-and configuring the device (:func:`open_tap`, :func:`create_tap`, :func:`set_interface_mtu`,
-:func:`enable_offload`, :class:`TapError`) is in :mod:`aioslirp.host.tapdev`; those names stay
-importable from here.
+and configuring the device (:func:`~aioslirp.transport.tapdev.open_tap`,
+:func:`~aioslirp.transport.tapdev.create_tap`, :func:`~aioslirp.transport.tapdev.set_interface_mtu`,
+:func:`~aioslirp.transport.tapdev.enable_offload`, :class:`~aioslirp.transport.tapdev.TapError`) is
+in :mod:`aioslirp.transport.tapdev`.
 """
 
 from __future__ import annotations
@@ -39,23 +40,12 @@ import os
 import socket
 from typing import Sequence
 
-# The device side (ioctls, creation) is host plumbing; its names stay importable from here.
-from ..host.tapdev import (IFF_VNET_HDR, TUN_PATH, TapError, create_tap, enable_offload, in_our_netns,  # noqa: F401
-                           link_is_up, open_tap,
-                           set_interface_mtu, set_offload, set_vnet_header_size, tap_flags)
 from ..wire.offload import VNET_HDR_LEN, VNET_NONE, OffloadFrame
 from .base import MAX_FRAME, Transport
+from .tapdev import (IFF_VNET_HDR, TapError, in_our_netns, link_is_up, open_tap, set_offload, set_vnet_header_size,
+                     tap_flags)
 
-__all__ = [
-    "TapError",
-    "TapTransport",
-    "open_tap",
-    "create_tap",
-    "set_interface_mtu",
-    "enable_offload",
-    "tap_flags",
-    "TUN_PATH",
-]
+__all__ = ["TapTransport"]
 
 log = logging.getLogger("aioslirp.transport.tap")
 

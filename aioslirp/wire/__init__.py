@@ -19,7 +19,7 @@ Contract (smoltcp's ``wire/mod.rs``, in Python):
   datagrams we originate (:func:`~aioslirp.wire.ipv4.next_ident`,
   :func:`~aioslirp.wire.ipv6.next_ident6`), and one stateful helper that is to move up with
   the dispatch: :mod:`~aioslirp.wire.neighbors` (the neighbour caches). The ICMP error rate
-  limit is :class:`aioslirp.ratelimit.TokenBucket` (``wire.ipv6`` re-exports it).
+  limit is :class:`aioslirp.ratelimit.TokenBucket`, which the dispatch holds.
 
 One module per protocol, each defining its constants once:
 
@@ -37,8 +37,4 @@ One module per protocol, each defining its constants once:
 ``checksum``    the Internet checksum (RFC 1071)
 ``offload``     virtio-net headers for checksum/segmentation offload
 =============== ===========================================================================
-
-Names that moved between these modules stay importable from their old places
-(``aioslirp.wire.ipv4.build_tcp``, ``aioslirp.wire.ipv6.build_icmp6_error``,
-``aioslirp.wire.reassembly.Reassembler``...).
 """

@@ -3,8 +3,7 @@
 Parsing is eager ``struct.Struct.unpack_from`` over the received buffer (the dispatch does it
 in line); payloads stay ``memoryview`` slices. The transport layers build on this:
 :mod:`aioslirp.wire.tcp`, :mod:`aioslirp.wire.udp` and :mod:`aioslirp.wire.icmp` (their
-structs and builders used to live here and are still importable from here). Addresses are
-4-byte ``bytes``.
+structs and builders live there). Addresses are 4-byte ``bytes``.
 """
 
 from __future__ import annotations
@@ -12,9 +11,7 @@ from __future__ import annotations
 import itertools
 import struct
 
-from ._moved import moved_names
 from .checksum import finish, partial
-from .ip import PROTO_ICMP, PROTO_TCP, PROTO_UDP
 
 #: ``(ver_ihl, tos, total_len, ident, flags_frag, ttl, proto, csum, src, dst)`` — 20 bytes.
 IPV4 = struct.Struct("!BBHHHBBH4s4s")
@@ -69,13 +66,3 @@ def fragment(packet, mtu: int) -> list:
         out.append(frag)
     return out
 
-
-# Moved to the transport-layer modules (which import this one); importable from here as before.
-__getattr__ = moved_names(__name__, {
-    "TCP": ("aioslirp.wire.tcp", "TCP"),
-    "build_tcp": ("aioslirp.wire.tcp", "build_tcp"),
-    "UDP": ("aioslirp.wire.udp", "UDP"),
-    "build_udp_packet": ("aioslirp.wire.udp", "build_udp"),
-    "ICMP": ("aioslirp.wire.icmp", "ICMP"),
-    "build_icmp_packet": ("aioslirp.wire.icmp", "build_icmp_packet"),
-})

@@ -25,8 +25,7 @@ parses again with :func:`parse_ipv6`.
 Building: :func:`ip6_header` and :func:`fragment6`; checksums use the RFC 8200 section 8.1
 pseudo-header (:func:`pseudo_sum6`). The transport layers build on this module:
 :mod:`aioslirp.wire.tcp`, :mod:`aioslirp.wire.udp` and :mod:`aioslirp.wire.icmp` (ICMPv6 types
-and codes, echo replies and errors). Their names used to live here and are still importable
-from here, as is ``Ipv6Reassembler``. Addresses are 16-byte ``bytes`` throughout.
+and codes, echo replies and errors). Addresses are 16-byte ``bytes`` throughout.
 """
 
 from __future__ import annotations
@@ -34,16 +33,12 @@ from __future__ import annotations
 import itertools
 import struct
 
-from ._moved import moved_names
 from .checksum import partial
 from .ethernet import ETH, ETH_HLEN, ETHERTYPE_IPV6
 from .ip import PROTO_ICMPV6, PROTO_TCP, PROTO_UDP
-from ..ratelimit import ICMP_ERROR_BURST, ICMP_ERROR_RATE, TokenBucket  # noqa: F401 - their old import path
 
 __all__ = [
-    "IPV6", "Ipv6", "Ipv6Reassembler", "TokenBucket", "parse_ipv6", "walk_ext", "pseudo_sum6",
-    "l4_checksum_ok", "ip6_header", "build_tcp6", "build_udp6_packet", "build_icmp6_packet",
-    "build_icmp6_error", "icmp6_error_allowed", "echo_reply6", "fragment6", "eth6",
+    "IPV6", "Ipv6", "parse_ipv6", "walk_ext", "pseudo_sum6", "l4_checksum_ok", "ip6_header", "fragment6", "eth6",
     "multicast_mac", "solicited_node", "link_local_from_mac", "is_multicast", "is_link_local",
     "UNSPECIFIED", "ALL_NODES", "ALL_ROUTERS", "MIN_MTU",
 ]
@@ -336,22 +331,3 @@ def fragment6(packet, mtu: int) -> list:
         out.append(frag)
     return out
 
-
-# Moved to the transport-layer modules (which import this one) and to aioslirp.reassembly (state
-# leaves the wire layer); importable from here as before.
-_ICMP = "aioslirp.wire.icmp"
-__getattr__ = moved_names(__name__, {
-    "TCP": ("aioslirp.wire.tcp", "TCP"),
-    "build_tcp6": ("aioslirp.wire.tcp", "build_tcp"),
-    "UDP": ("aioslirp.wire.udp", "UDP"),
-    "build_udp6_packet": ("aioslirp.wire.udp", "build_udp"),
-    "Ipv6Reassembler": ("aioslirp.reassembly", "Ipv6Reassembler"),
-    **{name: (_ICMP, name) for name in (
-        "ICMP6", "ICMP6_DST_UNREACH", "ICMP6_PACKET_TOO_BIG", "ICMP6_TIME_EXCEEDED", "ICMP6_PARAM_PROB",
-        "ICMP6_ECHO_REQUEST", "ICMP6_ECHO_REPLY", "ND_ROUTER_SOLICIT", "ND_ROUTER_ADVERT", "ND_NEIGHBOR_SOLICIT",
-        "ND_NEIGHBOR_ADVERT", "ND_REDIRECT", "build_icmp6_packet", "echo_reply6", "icmp6_error_allowed",
-        "build_icmp6_error")},
-    # the ICMPv6 Destination Unreachable codes (RFC 4443 3.1), named UNREACH6_* there
-    **{"UNREACH_" + name: (_ICMP, "UNREACH6_" + name) for name in (
-        "NOROUTE", "ADMIN", "BEYONDSCOPE", "ADDR", "PORT", "POLICY", "REJECT")},
-})

@@ -41,13 +41,12 @@ from __future__ import annotations
 
 import struct
 
-from ._moved import moved_names
 from .checksum import finish, partial
 from .ip import PROTO_TCP
 
 __all__ = [
     "VNET", "VNET_HDR_LEN", "VNET_NONE", "F_NEEDS_CSUM", "F_DATA_VALID", "GSO_NONE", "GSO_TCPV4",
-    "GSO_UDP", "GSO_TCPV6", "GSO_ECN", "OffloadFrame", "TcpOffloadBuilder", "MAX_TSO_PAYLOAD4",
+    "GSO_UDP", "GSO_TCPV6", "GSO_ECN", "OffloadFrame", "MAX_TSO_PAYLOAD4",
     "MAX_TSO_PAYLOAD6",
 ]
 
@@ -97,6 +96,3 @@ def complete_checksum(frame) -> bytearray:
     _H.pack_into(buf, l4 + 16, finish(partial(memoryview(buf)[l4:])))
     return buf
 
-
-# Moved to aioslirp.wire.tcp (the one TCP frame builder); importable from here as before.
-__getattr__ = moved_names(__name__, {"TcpOffloadBuilder": ("aioslirp.wire.tcp", "TcpOffloadBuilder")})

@@ -31,7 +31,7 @@ from .offload import F_NEEDS_CSUM, GSO_NONE, GSO_TCPV4, GSO_TCPV6, VNET, Offload
 
 __all__ = [
     "FIN", "SYN", "RST", "PSH", "ACK", "URG", "TCP", "TCP_HLEN", "Segment", "parse_segment", "reset_for",
-    "syn_options", "TcpFrameBuilder", "TcpOffloadBuilder", "build_tcp", "build_tcp6",
+    "syn_options", "TcpFrameBuilder", "TcpOffloadBuilder", "build_tcp",
 ]
 
 #: Flag bits of the TCP header (RFC 9293 3.1); ECE/CWR (RFC 3168) are not used.
@@ -291,6 +291,3 @@ def build_tcp(eth: bytes, src: bytes, dst: bytes, sport: int, dport: int, seq: i
     """
     return TcpFrameBuilder(eth, src, dst, sport, dport).build(seq, ack, flags, wnd, options, payload)
 
-
-#: The IPv6 name of :func:`build_tcp` (the family follows from the addresses).
-build_tcp6 = build_tcp

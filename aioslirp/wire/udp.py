@@ -15,7 +15,7 @@ from .ip import PROTO_UDP
 from .ipv4 import DEFAULT_TTL, ip_header, next_ident
 from .ipv6 import IPV6, IPV6_HLEN, VTF6
 
-__all__ = ["UDP", "UDP_HLEN", "build_udp", "build_udp_packet", "build_udp6_packet"]
+__all__ = ["UDP", "UDP_HLEN", "build_udp"]
 
 #: ``(sport, dport, length, csum)`` — 8 bytes.
 UDP = struct.Struct("!HHHH")
@@ -48,8 +48,3 @@ def build_udp(src: bytes, dst: bytes, sport: int, dport: int, payload, hlim: int
         ip_header(buf, 0, src, dst, PROTO_UDP, 20 + ulen, next_ident(), 0, hlim)
     return buf
 
-
-#: The IPv4 name of :func:`build_udp`.
-build_udp_packet = build_udp
-#: The IPv6 name of :func:`build_udp`.
-build_udp6_packet = build_udp
