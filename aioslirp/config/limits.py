@@ -1,7 +1,7 @@
 """``--limit NAME=VALUE``: the resource bounds of :class:`~aioslirp.config.NetworkConfig` that
 the command line may set, and their parsing.
 
-The bounds themselves are enforced by :class:`aioslirp.limits.Guard` (admission of new flows)
+The bounds themselves are enforced by :class:`aioslirp.flow.guard.Guard` (admission of new flows)
 and the stack (see ``docs/security.md``); this module only turns text into typed values.
 """
 

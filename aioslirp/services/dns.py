@@ -15,7 +15,7 @@ restored in the reply.
 Open files: a query holds at most one upstream socket at a time, opened and closed by the
 query itself (plain non-blocking sockets, closed synchronously, not asyncio transports whose
 close waits for the next loop iteration), so the sockets held never exceed the queries in
-flight, :attr:`DnsForwarder.max_inflight`. The stack's :class:`~aioslirp.limits.Guard` lowers
+flight, :attr:`DnsForwarder.max_inflight`. The stack's :class:`~aioslirp.flow.guard.Guard` lowers
 that cap to its DNS share of the open-file limit.
 """
 
@@ -282,7 +282,7 @@ class DnsForwarder:
         self.resolv_conf = resolv_conf
         self.resolv_check_interval = resolv_check_interval
         self.max_inflight = int(max_inflight if max_inflight is not None else getattr(config, "dns_max_inflight", 512))
-        #: The stack's :class:`~aioslirp.policy.EgressPolicy` (set by its Guard), or None.
+        #: The stack's :class:`~aioslirp.config.policy.EgressPolicy` (set by its Guard), or None.
         self.policy = None
         self.timeout = float(config.dns_timeout)
         # Largest UDP answer the guest link carries without IP fragmentation.
