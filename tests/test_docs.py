@@ -88,3 +88,44 @@ def test_readme_has_the_two_commands():
     assert "'.[docs]'" in readme and "mkdocs serve" in readme
     ci = (REPO / ".ci" / "run").read_text()
     assert ".venv/bin/python -m pytest" in ci
+
+
+def _prereq_packages() -> set[str]:
+    p = subprocess.run(["bash", str(REPO / ".ci" / "prereqs"), "--list"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    return set(p.stdout.split())
+
+
+def test_the_test_command_starts_with_the_prerequisites():
+    """The README's test command is preceded by the one script that installs what the suite
+    drives, the script .ci/run runs too; it installs every package a test's need_tool() names."""
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("## Run the tests"):]
+    block = block[block.index("```sh"):block.index("```", block.index("```sh") + 5)]
+    lines = [line for line in block.splitlines()[1:] if line.strip()]
+    assert lines[0].startswith("bash .ci/prereqs") and lines[1].endswith(".venv/bin/python -m pytest"), lines
+    assert "\nbash .ci/prereqs\n" in (REPO / ".ci" / "run").read_text()
+    packages = _prereq_packages()
+    named = set()
+    for test in (REPO / "tests").glob("*.py"):
+        named.update(re.findall(r'need_tool\("[^"]+", "([^"]+)"\)', test.read_text()))
+    assert {"curl", "bind9-dnsutils", "iputils-ping", "iproute2", "iperf3"} <= named
+    assert named <= packages, named - packages
+    assert {"gcc", "tshark", "tinyproxy", "iptables"} <= packages
+
+
+def test_one_package_name_for_dig():
+    """dig is in Debian's bind9-dnsutils (dnsutils is a transitional package): that one name
+    everywhere (README, docs, .ci, tests' need_tool() messages, the code; this file aside)."""
+    bare = re.compile(r"(?<![\w-])dnsutils\b")
+    found = []
+    for path in [REPO / "README.md", *(REPO / ".ci").iterdir(), *REPO.glob("docs/**/*.md"),
+                 *REPO.glob("tests/**/*.py"), *REPO.glob("aioslirp/**/*.py"), *REPO.glob("benchmarks/*.py"),
+                 *REPO.glob("examples/*.py")]:
+        if path == pathlib.Path(__file__).resolve():
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if bare.search(line):
+                found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+    assert "bind9-dnsutils" in _prereq_packages()
