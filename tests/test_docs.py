@@ -129,3 +129,30 @@ def test_one_package_name_for_dig():
                 found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert not found, "\n".join(found)
     assert "bind9-dnsutils" in _prereq_packages()
+
+
+def test_api_reference_renders_cross_references(site):
+    """The docstrings' Sphinx roles (:class:`~aioslirp.NetworkConfig`) reach the API page as links
+    (docs/griffe_sphinx_roles.py): no role text is left, the public classes are linked by their
+    canonical anchors (an exported name followed to its module, a relative name resolved in its
+    class), and every link on the page lands on an anchor that exists."""
+    page = (site / "api" / "index.html").read_text()
+    left = re.findall(r".{0,60}:(?:class|meth|func|mod|attr|data|exc|obj):.{0,60}", page)
+    assert not left, left[:5]
+    links = re.findall(r'<a class="autorefs autorefs-internal"[^>]*href="([^"]*)"[^>]*><code>([^<]*)</code></a>', page)
+    linked = set(links)
+    assert ("#aioslirp.config.network.NetworkConfig", "NetworkConfig") in linked  # :class:`~aioslirp.NetworkConfig`
+    assert ("#aioslirp.stack.Stack", "Stack") in linked
+    assert ("#aioslirp.host.spawn.Guest", "Guest") in linked  # :class:`Guest` in spawn's module
+    assert ("#aioslirp.host.spawn.Guest.returncode", "returncode") in linked  # :attr: in a method of Guest
+    assert ("#aioslirp.host.spawn.spawn", "spawn()") in linked
+    assert len(links) >= 50, len(links)
+    ids = set(re.findall(r'id="([^"]+)"', page))
+    for href, _ in links:
+        page_part, _, anchor = href.partition("#")
+        if page_part:  # another page of the site, relative to api/
+            target = (site / "api" / page_part / "index.html").resolve() if not page_part.endswith(".html") else \
+                (site / "api" / page_part).resolve()
+            assert target.is_file() and f'id="{anchor}"' in target.read_text(), href
+        else:
+            assert anchor in ids, href
