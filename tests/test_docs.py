@@ -156,3 +156,13 @@ def test_api_reference_renders_cross_references(site):
             assert target.is_file() and f'id="{anchor}"' in target.read_text(), href
         else:
             assert anchor in ids, href
+
+
+def test_the_slirp4netns_venv_is_made_by_the_system_python():
+    """docs/slirp4netns.md makes the container user's venv with /usr/bin/python3, by its path,
+    and says why (a venv's bin/python links to the interpreter that made it, pyenv's under
+    /root); no bare `python3 -m venv` there."""
+    doc = (REPO / "docs" / "slirp4netns.md").read_text()
+    commands = re.findall(r"^# (\S+) -m venv ", doc, re.M)
+    assert commands == ["/usr/bin/python3"], commands
+    assert "symbolic link to the interpreter" in doc and "pyenv" in doc
