@@ -6,10 +6,16 @@ is skipped (``AIOSLIRP_NO_EXTENSIONS=1`` at install time), fails (no compiler, n
 warning, then a pure-Python install), or is switched off at run time (``AIOSLIRP_NO_EXTENSIONS=1``,
 see :mod:`aioslirp.compiled`). The list lives in ``aioslirp/compiled.py``; docs/performance.md
 has the measurements behind it.
+
+Beside the native modules the build writes ``aioslirp/compiled.sha256``: the SHA-256 of each
+source that mypyc translated, in ``sha256sum`` format, so that ``aioslirp.compiled.stale()``
+can tell an edited source by content (an install writes files in no particular order, so their
+times say nothing).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,12 +26,20 @@ from setuptools.command.build_ext import build_ext
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _compiled_modules() -> list[str]:
+def _compiled_list() -> dict:
     path = os.path.join(HERE, "aioslirp", "compiled.py")
     ns: dict = {"__file__": path, "__name__": "aioslirp_compiled_list"}
     with open(path, encoding="utf-8") as f:
         exec(compile(f.read(), path, "exec"), ns)  # no package import at build time
-    return [m.replace(".", "/") + ".py" for m in ns["COMPILED"]]
+    return ns
+
+
+def _compiled_modules() -> list[str]:
+    return [m.replace(".", "/") + ".py" for m in _compiled_list()["COMPILED"]]
+
+
+#: ``(module, sha256 of its source)`` for each module mypyc translates, taken as it reads them.
+_TRANSLATED: list[tuple[str, str]] = []
 
 
 class OptionalBuildExt(build_ext):
@@ -38,12 +52,20 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:  # noqa: BLE001 - any build failure means: no extension
             self._skip(exc)
             return
-        # A native module left as it was (its C did not change) still matches the source just
-        # translated: give it the build's time, which aioslirp.compiled.stale() compares with.
-        for ext in self.extensions:
-            path = self.get_ext_fullpath(ext.name)
-            if os.path.exists(path):
-                os.utime(path)
+        self._write_record()
+
+    def _write_record(self) -> None:
+        """``aioslirp/compiled.sha256`` beside the native modules (in the build tree, which goes
+        into the wheel, or in the source tree for ``pip install -e .``): one line per module
+        built, the hash of the source it was translated from."""
+        if not _TRANSLATED:
+            return
+        # The package's directory as this build lays it out: where a native aioslirp.compiled would go.
+        pkg_dir = os.path.dirname(self.get_ext_fullpath("aioslirp.compiled"))
+        lines = [f"{digest}  {name.replace('.', '/')}.py\n" for name, digest in _TRANSLATED
+                 if os.path.exists(self.get_ext_fullpath(name))]
+        with open(os.path.join(pkg_dir, _compiled_list()["RECORD"]), "w", encoding="ascii") as f:
+            f.writelines(lines)
 
     def build_extension(self, ext) -> None:
         compile_one = self.compiler.compile
@@ -80,11 +102,15 @@ def _ext_modules() -> list:
               file=sys.stderr)
         return []
     os.chdir(HERE)  # mypycify takes paths relative to the project
+    sources = _compiled_modules()
+    for path in sources:  # hashed before mypyc reads them: an edit meanwhile shows as stale
+        with open(path, "rb") as f:
+            _TRANSLATED.append((path[:-3].replace("/", "."), hashlib.sha256(f.read()).hexdigest()))
     # -O1, one C file per module compiled in parallel: the install stays short (about 15 s of
     # build on 2 CPUs instead of 60 s at -O3 in one file) for 0.5% more instructions per
     # connection (docs/performance.md).
     return mypycify(
-        _compiled_modules() + ["--ignore-missing-imports", "--follow-imports=skip"],
+        sources + ["--ignore-missing-imports", "--follow-imports=skip"],
         opt_level="1",
         multi_file=True,
         group_name="aioslirp",

@@ -76,13 +76,70 @@ def _open_io_fds() -> dict:
     return out
 
 
+#: The io fds open before the first test (the interpreter's and pytest's own), set by
+#: :func:`no_leaked_fds_after_suite`; ``None`` until then.
+_fds_before_suite: dict | None = None
+
+#: fd -> (target, node id of the test during whose setup, call or teardown it appeared), for every
+#: fd the tests opened that is still open; brought up to date after each phase of each test.
+_fd_opened_by: dict[int, tuple[str, str]] = {}
+
+#: The node id of the test being run (its setup, call or teardown).
+_current_test = ""
+
+
+def _track_fds(nodeid: str) -> None:
+    """Forget the fds closed since the last look; charge the new ones to test ``nodeid``."""
+    if _fds_before_suite is None:
+        return
+    now = _open_io_fds()
+    for fd, (target, _) in list(_fd_opened_by.items()):
+        if now.get(fd) != target:
+            del _fd_opened_by[fd]
+    for fd, target in now.items():
+        if fd not in _fd_opened_by and _fds_before_suite.get(fd) != target:
+            _fd_opened_by[fd] = (target, nodeid)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    global _current_test
+    _current_test = item.nodeid
+    try:
+        return (yield)
+    finally:
+        _track_fds(item.nodeid)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    try:
+        return (yield)
+    finally:
+        _track_fds(item.nodeid)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        _track_fds(item.nodeid)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_fds_after_suite():
-    """After the whole suite: no socket, TAP or pidfd opened by the tests is left open."""
+    """After the whole suite: no socket, TAP or pidfd opened by the tests is left open. Each one
+    left is reported with the test during which it was opened (a fixture's setup or teardown
+    counts for the test that ran it), so a leak names its test even when that test failed."""
     import gc
 
-    before = _open_io_fds()
+    global _fds_before_suite
+    _fds_before_suite = before = _open_io_fds()
     yield
     gc.collect()
+    _track_fds(_current_test)  # what this last test's teardown opened before this point
     leaked = {fd: t for fd, t in _open_io_fds().items() if before.get(fd) != t}
-    assert not leaked, f"leaked fds after the suite: {leaked}"
+    lines = [f"fd {fd} {t} opened during {_fd_opened_by.get(fd, (t, 'an unknown test'))[1]}"
+             for fd, t in sorted(leaked.items())]
+    assert not leaked, "leaked fds after the suite:\n" + "\n".join(lines)

@@ -42,7 +42,7 @@ def guest_json(servers, script: str, *opts: str, timeout: float = 120) -> dict:
 def need_tool(tool: str, package: str) -> None:
     """Fail (not skip) when a guest tool is missing."""
     if not shutil.which(tool):
-        pytest.fail(f"{tool} is required (apt-get install {package})")
+        pytest.fail(f"{tool} is required (apt-get install {package}; bash .ci/prereqs installs every tool the suite drives)")
 
 
 #: Guest-side snippet: ``link_mtu(sock)``, the MTU of tap0 (SIOCGIFMTU; /sys is the host's here).

@@ -41,7 +41,7 @@ def ensure_built(timeout: float = 600) -> Path:
     """Return the cache folder holding ``vmlinuz`` and ``initramfs.cpio.gz``; build it if missing.
 
     Runs the kit's ``build.sh --no-install`` (host packages must be installed: qemu-system-x86,
-    cpio, iperf3; ``.ci/run`` installs them and builds before pytest). The kernel and busybox
+    cpio, iperf3; ``.ci/prereqs`` installs them and builds before pytest). The kernel and busybox
     .debs are reused from ``$GUESTVM_CACHE/debs`` or, if present, the kit's default cache
     ``~/.cache/guestvm/debs`` (pytest runs without network). Raises ``RuntimeError`` with
     the build log's tail when the build fails.
@@ -50,7 +50,7 @@ def ensure_built(timeout: float = 600) -> Path:
     if _built(cache):
         return cache
     if shutil.which(QEMU) is None:
-        raise RuntimeError(f"{QEMU} not found: apt-get install qemu-system-x86 (see .ci/run)")
+        raise RuntimeError(f"{QEMU} not found: apt-get install qemu-system-x86 (bash .ci/prereqs installs it)")
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -66,7 +66,7 @@ def ensure_built(timeout: float = 600) -> Path:
         p = subprocess.run([str(KIT / "build.sh"), "--no-install"], env=env, capture_output=True, text=True,
                            timeout=timeout)
         if p.returncode != 0 or not _built(cache):
-            raise RuntimeError(f"guestvm build failed (rc={p.returncode}); run .ci/run or "
+            raise RuntimeError(f"guestvm build failed (rc={p.returncode}); run bash .ci/prereqs or "
                                f"GUESTVM_CACHE={cache} {KIT}/build.sh as root:\n{p.stderr[-3000:]}")
     return cache
 

@@ -4,6 +4,8 @@ pure-Python modules (the same frames out of the same lossy two-way transfer)."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.machinery
 import os
 import shutil
 import subprocess
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from aioslirp import compiled
+from conftest import need
 
 HERE = Path(__file__).resolve().parent
 PKG = Path(compiled.__file__).resolve().parent
@@ -85,6 +88,8 @@ def test_the_build_is_loaded_unless_switched_off():
         assert not any(st.values())
         assert compiled.notice() == "compiled per-frame path: off (AIOSLIRP_NO_EXTENSIONS is set); pure Python"
     elif shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc") and not compiled.stale():
+        # A tree on PYTHONPATH that no install built (a git worktree) has nothing compiled.
+        need(_built(), "the compiled modules are not built here: pip install -e . (with gcc)")
         assert all(st.values()), st
         assert compiled.notice() == f"compiled per-frame path: on ({len(st)}/{len(st)} modules)"
     else:
@@ -106,8 +111,9 @@ def test_compiled_and_pure_give_the_same_frames():
 
 
 def test_an_edit_after_the_build_runs_the_source(tmp_path):
-    """A compiled module's ``.py`` newer than its native module (an edit since pip install -e .):
-    every compiled module loads from source and the notice says to rebuild."""
+    """A compiled module's ``.py`` that is not the source its native module was built from (an
+    edit since the install): every compiled module loads from source and the notice says to
+    rebuild; a copy outside a checkout is an installed package, to be reinstalled."""
     if not _built():
         pytest.skip("the extension is not built here")
     copy = tmp_path / "aioslirp"
@@ -116,8 +122,62 @@ def test_an_edit_after_the_build_runs_the_source(tmp_path):
         shutil.copy2(lib, tmp_path)
     src = copy / "tcp" / "output.py"
     src.write_text(src.read_text() + "\n# an edit\n")
-    later = max(p.stat().st_mtime for p in copy.rglob("*.so")) + 10
-    os.utime(src, (later, later))
     lines = _run({}, pythonpath=tmp_path)
     assert lines[1] == ("compiled per-frame path: off (stale build: aioslirp.tcp.output.py changed since; "
-                        "rebuild with pip install -e .); pure Python")
+                        "rebuild by reinstalling aioslirp (pip install --force-reinstall --no-deps)); pure Python")
+
+
+def _fake_build(root: Path, record: bool = True) -> Path:
+    """``root/aioslirp``: the compiled modules' sources as they are, an (empty) native module
+    beside each, and the build's record of their hashes; returns the package directory."""
+    pkg = root / "aioslirp"
+    lines = []
+    for name in compiled.COMPILED:
+        rel = name.replace(".", "/") + ".py"
+        src = root / rel
+        src.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(PKG.parent / rel, src)
+        src.with_suffix(importlib.machinery.EXTENSION_SUFFIXES[0]).write_bytes(b"")
+        lines.append(f"{hashlib.sha256(src.read_bytes()).hexdigest()}  {rel}\n")
+    if record:
+        (pkg / compiled.RECORD).write_text("".join(lines))
+    return pkg
+
+
+def test_stale_goes_by_content_not_by_time(tmp_path, monkeypatch):
+    """An install writes the native modules before the sources (newer times, same content): not
+    stale. A ``touch`` long after the build: not stale. A changed byte: stale, that module only."""
+    pkg = _fake_build(tmp_path)
+    monkeypatch.setattr(compiled, "_PKG_DIR", str(pkg))
+    assert compiled.stale() == []
+    tcb = pkg / "tcp" / "tcb.py"
+    later = tcb.stat().st_mtime + 3600
+    for src in pkg.rglob("*.py"):
+        os.utime(src, (later, later))
+    assert compiled.stale() == []
+    tcb.write_bytes(tcb.read_bytes().replace(b"\n", b"\n ", 1)[:-1] + b"\n")  # same size, other bytes
+    old = pkg.stat().st_mtime - 3600
+    os.utime(tcb, (old, old))  # older than its native module: the time would say current
+    assert compiled.stale() == ["aioslirp.tcp.tcb"]
+
+
+def test_stale_without_a_record_or_a_native_module(tmp_path, monkeypatch):
+    """Native modules with no record (a build by an older setup.py) cannot be checked: stale.
+    Sources with no native module beside them (a pure install): nothing stale."""
+    pkg = _fake_build(tmp_path, record=False)
+    monkeypatch.setattr(compiled, "_PKG_DIR", str(pkg))
+    assert compiled.stale() == list(compiled.COMPILED)
+    for so in pkg.rglob("*" + importlib.machinery.EXTENSION_SUFFIXES[0]):
+        so.unlink()
+    assert compiled.stale() == []
+
+
+def test_the_remedy_names_the_kind_of_install(tmp_path, monkeypatch):
+    """In a source checkout (setup.py and pyproject.toml beside the package, an editable install)
+    the remedy is ``pip install -e .``; elsewhere (site-packages) a reinstall."""
+    pkg = _fake_build(tmp_path)
+    monkeypatch.setattr(compiled, "_PKG_DIR", str(pkg))
+    assert compiled._rebuild() == "rebuild by reinstalling aioslirp (pip install --force-reinstall --no-deps)"
+    (tmp_path / "setup.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text("")
+    assert compiled._rebuild() == "rebuild with pip install -e ."

@@ -9,7 +9,7 @@ clients are real and unmodified; the checks move data both ways and compare md5 
 aioslirp must pass every check, including the one that is only ``KNOWN`` (not counted)
 for slirp4netns: replies to a forwarded UDP port under ``--disable-host-loopback``.
 
-Needs root and ``setup.sh`` run once (``.ci/run`` does it): the packages, the test user
+Needs root and ``setup.sh`` run once (``.ci/prereqs`` does it): the packages, the test user
 ``ckit`` and the busybox root filesystem. Missing prerequisites skip these tests, except
 under CI (``CI`` set), where they fail. BINARY is the console script of a virtualenv every
 user can run (``tests/worldvenv.py``): the test user cannot read a venv under /root.

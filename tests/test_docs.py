@@ -88,3 +88,81 @@ def test_readme_has_the_two_commands():
     assert "'.[docs]'" in readme and "mkdocs serve" in readme
     ci = (REPO / ".ci" / "run").read_text()
     assert ".venv/bin/python -m pytest" in ci
+
+
+def _prereq_packages() -> set[str]:
+    p = subprocess.run(["bash", str(REPO / ".ci" / "prereqs"), "--list"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    return set(p.stdout.split())
+
+
+def test_the_test_command_starts_with_the_prerequisites():
+    """The README's test command is preceded by the one script that installs what the suite
+    drives, the script .ci/run runs too; it installs every package a test's need_tool() names."""
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("## Run the tests"):]
+    block = block[block.index("```sh"):block.index("```", block.index("```sh") + 5)]
+    lines = [line for line in block.splitlines()[1:] if line.strip()]
+    assert lines[0].startswith("bash .ci/prereqs") and lines[1].endswith(".venv/bin/python -m pytest"), lines
+    assert "\nbash .ci/prereqs\n" in (REPO / ".ci" / "run").read_text()
+    packages = _prereq_packages()
+    named = set()
+    for test in (REPO / "tests").glob("*.py"):
+        named.update(re.findall(r'need_tool\("[^"]+", "([^"]+)"\)', test.read_text()))
+    assert {"curl", "bind9-dnsutils", "iputils-ping", "iproute2", "iperf3"} <= named
+    assert named <= packages, named - packages
+    assert {"gcc", "tshark", "tinyproxy", "iptables"} <= packages
+
+
+def test_one_package_name_for_dig():
+    """dig is in Debian's bind9-dnsutils (dnsutils is a transitional package): that one name
+    everywhere (README, docs, .ci, tests' need_tool() messages, the code; this file aside)."""
+    bare = re.compile(r"(?<![\w-])dnsutils\b")
+    found = []
+    for path in [REPO / "README.md", *(REPO / ".ci").iterdir(), *REPO.glob("docs/**/*.md"),
+                 *REPO.glob("tests/**/*.py"), *REPO.glob("aioslirp/**/*.py"), *REPO.glob("benchmarks/*.py"),
+                 *REPO.glob("examples/*.py")]:
+        if path == pathlib.Path(__file__).resolve():
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if bare.search(line):
+                found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+    assert "bind9-dnsutils" in _prereq_packages()
+
+
+def test_api_reference_renders_cross_references(site):
+    """The docstrings' Sphinx roles (:class:`~aioslirp.NetworkConfig`) reach the API page as links
+    (docs/griffe_sphinx_roles.py): no role text is left, the public classes are linked by their
+    canonical anchors (an exported name followed to its module, a relative name resolved in its
+    class), and every link on the page lands on an anchor that exists."""
+    page = (site / "api" / "index.html").read_text()
+    left = re.findall(r".{0,60}:(?:class|meth|func|mod|attr|data|exc|obj):.{0,60}", page)
+    assert not left, left[:5]
+    links = re.findall(r'<a class="autorefs autorefs-internal"[^>]*href="([^"]*)"[^>]*><code>([^<]*)</code></a>', page)
+    linked = set(links)
+    assert ("#aioslirp.config.network.NetworkConfig", "NetworkConfig") in linked  # :class:`~aioslirp.NetworkConfig`
+    assert ("#aioslirp.stack.Stack", "Stack") in linked
+    assert ("#aioslirp.host.spawn.Guest", "Guest") in linked  # :class:`Guest` in spawn's module
+    assert ("#aioslirp.host.spawn.Guest.returncode", "returncode") in linked  # :attr: in a method of Guest
+    assert ("#aioslirp.host.spawn.spawn", "spawn()") in linked
+    assert len(links) >= 50, len(links)
+    ids = set(re.findall(r'id="([^"]+)"', page))
+    for href, _ in links:
+        page_part, _, anchor = href.partition("#")
+        if page_part:  # another page of the site, relative to api/
+            target = (site / "api" / page_part / "index.html").resolve() if not page_part.endswith(".html") else \
+                (site / "api" / page_part).resolve()
+            assert target.is_file() and f'id="{anchor}"' in target.read_text(), href
+        else:
+            assert anchor in ids, href
+
+
+def test_the_slirp4netns_venv_is_made_by_the_system_python():
+    """docs/slirp4netns.md makes the container user's venv with /usr/bin/python3, by its path,
+    and says why (a venv's bin/python links to the interpreter that made it, pyenv's under
+    /root); no bare `python3 -m venv` there."""
+    doc = (REPO / "docs" / "slirp4netns.md").read_text()
+    commands = re.findall(r"^# (\S+) -m venv ", doc, re.M)
+    assert commands == ["/usr/bin/python3"], commands
+    assert "symbolic link to the interpreter" in doc and "pyenv" in doc

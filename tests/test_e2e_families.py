@@ -218,7 +218,7 @@ def test_closed_port_refused_fast(servers, fam):
 def test_dns_udp_and_tcp_via_dig(servers, fam):
     """dig over the family's transport: its own record type over UDP and TCP, the other
     family's over UDP; the TCP query is forwarded over UDP (no truncation)."""
-    need_tool("dig", "dnsutils")
+    need_tool("dig", "bind9-dnsutils")
     other = "A" if fam.dns_qtype == "AAAA" else "AAAA"
     dig = f"dig +short +time=3 +tries=1 {fam.flag} @{fam.dns}"
     before_udp, before_tcp = servers["dns"].udp_queries, servers["dns"].tcp_queries

@@ -100,7 +100,7 @@ def test_pcap_of_a_namespace_run_has_handshake_and_payload(tmp_path):
 
     tshark = shutil.which("tshark")
     if tshark is None:
-        pytest.fail("tshark is required (apt-get install tshark; .ci/run installs it)")
+        pytest.fail("tshark is required (apt-get install tshark; .ci/prereqs installs it)")
     t = subprocess.run([tshark, "-r", str(cap), "-T", "fields", "-e", "frame.number", "-e", "tcp.flags.syn",
                         "-e", "tcp.flags.ack", "-e", "tcp.srcport", "-e", "tcp.len"],
                        capture_output=True, text=True, timeout=120)

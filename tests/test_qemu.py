@@ -4,7 +4,7 @@ guest killed mid-transfer.
 
 Each test boots one or two guests under TCG (a few seconds each) with a hard time bound. The
 kernel and initramfs are built on first use into ``$GUESTVM_CACHE`` (default
-``<repo>/.cache/guestvm``; ``.ci/run`` builds it before pytest). Figures (boot-to-download,
+``<repo>/.cache/guestvm``; ``.ci/prereqs`` builds it before pytest). Figures (boot-to-download,
 iperf3) are printed: see them with ``pytest -rP tests/test_qemu.py``.
 """
 
