@@ -203,8 +203,7 @@ def _http_request(data: bytes):
     if len(lines) == 1 and end < 0:  # no complete request line yet
         return (MORE, None, None) if len(data) < MAX_REQUEST_LINE else "a request line over 8 KiB"
     parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[2] not in (b"HTTP/1.0", b"HTTP/1.1") or not parts[0] or \
-            parts[0].translate(None, _TCHAR):
+    if len(parts) != 3 or parts[2] not in (b"HTTP/1.0", b"HTTP/1.1") or parts[0].translate(None, _TCHAR):
         return "not an HTTP/1 request line (RFC 9112 3)"
     method, target = parts[0], parts[1]
     if target.translate(None, _TARGET_CHAR):
@@ -353,7 +352,7 @@ class SniVerifier:
             self._logged.add(key)
             log.info("verify-sni: guest flow to %s:%d (allowed as %s) %s: reset", flow.remote, flow.destination[1],
                      flow.name, why)
-        ctx = getattr(self.egress, "ctx", None)
+        ctx = self.egress.ctx
         audit = ctx.audit if ctx is not None else None
         if audit is not None:
             audit.record({"event": "deny", "time": time.time(), "proto": "tcp", "guest": _guest(flow.guest),
