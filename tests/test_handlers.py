@@ -14,6 +14,8 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import http.client
+import io
 import json
 import os
 import random
@@ -714,71 +716,6 @@ async def test_upstream_proxy_names_the_destination():
 # ============================================================================ --verify-sni
 
 
-def client_hello(name: str | None) -> bytes:
-    """The ClientHello Python's ssl module sends for ``server_hostname=name``."""
-    import ssl
-
-    ctx = ssl.create_default_context()
-    i, o = ssl.MemoryBIO(), ssl.MemoryBIO()
-    t = ctx.wrap_bio(i, o, server_hostname=name) if name else \
-        ssl._create_unverified_context().wrap_bio(i, o, server_hostname=None)
-    with pytest.raises(ssl.SSLWantReadError):
-        t.do_handshake()
-    return o.read()
-
-
-def test_first_name_parses_client_hello_and_host():
-    from aioslirp.handlers.sni import first_name
-
-    ch = client_hello("api.svc.test")
-    assert first_name(ch) == ("name", "api.svc.test")
-    assert first_name(ch[:40]) == ("more", None) and first_name(ch[:5]) == ("more", None)
-    # the same handshake over two records
-    body = ch[5:]
-    split = ch[:1] + ch[1:3] + len(body[:30]).to_bytes(2, "big") + body[:30] + \
-        ch[:1] + ch[1:3] + len(body[30:]).to_bytes(2, "big") + body[30:]
-    assert first_name(split) == ("name", "api.svc.test")
-    assert first_name(client_hello(None)) == ("none", None)
-    assert first_name(b"\x16\x03\x01\x00\x05\x02\x00\x00\x01\x00") == ("bad", None)  # not a ClientHello
-    assert first_name(b"GET / HTTP/1.1\r\nHost: Svc.Test:8080\r\n\r\n") == ("name", "svc.test")
-    assert first_name(b"GET / HTTP/1.1\r\nHost: [2001:db8::1]:80\r\n\r\n") == ("name", "2001:db8::1")
-    assert first_name(b"GET / HTTP/1.1\r\nAccept: */*\r\n") == ("more", None)
-    assert first_name(b"GET / HTTP/1.1\r\n\r\n") == ("none", None)
-    assert first_name(b"SSH-2.0-OpenSSH\r\n") == ("bad", None) and first_name(b"\x00\x01") == ("bad", None)
-
-
-
-def raw_hello(exts: bytes) -> bytes:
-    """A minimal TLS 1.3 ClientHello record carrying the extension bytes ``exts``."""
-    body = b"\x03\x03" + bytes(32) + b"\x00" + b"\x00\x02\x13\x01" + b"\x01\x00" + len(exts).to_bytes(2, "big") + exts
-    hs = b"\x01" + len(body).to_bytes(3, "big") + body
-    return b"\x16\x03\x01" + len(hs).to_bytes(2, "big") + hs
-
-
-def sni_ext(*names: bytes) -> bytes:
-    """A server_name extension (RFC 6066 3) listing ``names`` as host_name entries."""
-    lst = b"".join(b"\x00" + len(n).to_bytes(2, "big") + n for n in names)
-    data = len(lst).to_bytes(2, "big") + lst
-    return b"\x00\x00" + len(data).to_bytes(2, "big") + data
-
-
-def test_first_name_refuses_what_a_server_would_read_differently():
-    """Each request here reaches another name than its first Host / SNI on some server: the
-    absolute-form target wins over Host (RFC 9112 3.2.2); a second Host, an obs-fold line or
-    whitespace before the colon is a 400 to a strict server and a guess to a lenient one; two
-    server_name extensions or two host_names in one are refused by OpenSSL and BoringSSL."""
-    from aioslirp.handlers.sni import first_name
-
-    assert first_name(raw_hello(sni_ext(b"a.test"))) == ("name", "a.test")
-    assert first_name(raw_hello(sni_ext(b"a.test") + sni_ext(b"b.test"))) == ("bad", None)
-    assert first_name(raw_hello(sni_ext(b"a.test", b"b.test"))) == ("bad", None)
-    assert first_name(b"GET http://other.test/x HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == ("name", "other.test")
-    assert first_name(b"GET http://u@other.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == ("bad", None)
-    assert first_name(b"GET / HTTP/1.1\r\nHost: allowed.test\r\nHost: other.test\r\n\r\n") == ("bad", None)
-    assert first_name(b"GET / HTTP/1.1\r\nX-A: 1\r\n Host: allowed.test\r\n\r\n") == ("bad", None)
-    assert first_name(b"GET / HTTP/1.1\r\nHost : allowed.test\r\n\r\n") == ("bad", None)
-    assert first_name(b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n") == ("name", "allowed.test")
-
 GUEST_SNI = r"""
 import errno, json, socket, ssl, subprocess, sys
 port = int(sys.argv[1])
@@ -806,6 +743,11 @@ out["no_sni"] = ask("-", b"\x16\x03\x01\x00\x04\x01\x00\x00\x00")
 out["garbage"] = ask("-", b"\x00" * 100)
 out["http"] = ask("-", b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
 out["http_other"] = ask("-", b"GET / HTTP/1.1\r\nHost: cdn.test\r\n\r\n")
+# issue 24 item 3: lines end at LF for the server (http.server, nginx): it reads Host: cdn.test
+out["smuggled"] = ask("-", b"GET / HTTP/1.1\r\nX-Pad: 1\nHost: cdn.test\n\r\nHost: allowed.test\r\n\r\n")
+# item 6: a CONNECT asks for its target, not for its Host
+out["connect_other"] = ask("-", b"CONNECT cdn.test:%d HTTP/1.1\r\nHost: allowed.test\r\n\r\n" % port)
+out["connect_same"] = ask("-", b"CONNECT allowed.test:%d HTTP/1.1\r\nHost: allowed.test:%d\r\n\r\n" % (port, port))
 print(json.dumps(out))
 """
 
@@ -813,7 +755,9 @@ print(json.dumps(out))
 @pytest.fixture
 def sni_world():
     """192.0.2.10 on the test namespace's loopback (set up outside the event loop: pyroute2) and a
-    server there answering ``OK`` to the first bytes of each connection."""
+    server there answering ``OK`` to the first bytes of each connection, ``OK HOST`` to an HTTP/1
+    head, HOST being the Host that Python's HTTP server code reads in it (``http.client.parse_headers``,
+    as ``http.server`` does)."""
     from hostservers import namespace_address
 
     with namespace_address("192.0.2.10"):
@@ -827,8 +771,12 @@ def sni_world():
                     c, _ = srv.accept()
                 except OSError:
                     return
-                c.recv(65536)
-                c.sendall(b"OK")
+                data = c.recv(65536)
+                reply = b"OK"
+                if data[:1].isupper():
+                    _, _, rest = data.partition(b"\n")
+                    reply += b" " + str(http.client.parse_headers(io.BytesIO(rest)).get("Host")).encode()
+                c.sendall(reply)
                 c.close()
 
         t = threading.Thread(target=serve, daemon=True)
@@ -844,11 +792,12 @@ def sni_world():
 async def test_verify_sni_with_a_real_guest(sni_world):
     """``verify_sni`` and ``--egress-default deny --allow allowed.test:PORT``: a ClientHello (or HTTP Host)
     naming allowed.test passes to the server; one naming cdn.test, which shares the address, one
-    without a name and bytes that are neither are reset, counted and audited."""
+    without a name and bytes that are neither are reset, counted and audited. So are a head the server
+    reads as ``Host: cdn.test`` (bare LFs, issue 24 item 3) and ``CONNECT cdn.test`` with ``Host:
+    allowed.test`` (item 6)."""
     port = sni_world
     names = Names({"allowed.test": "192.0.2.10", "cdn.test": "192.0.2.10"})
     try:
-        import io
         log = io.StringIO()
         out, stack = await run_guest(cfg(dns_upstreams=[("127.0.0.1", names.port)], egress_default="deny",
                                          egress_allow=[f"allowed.test:{port}"], verify_sni=True, audit_log=log),
@@ -857,10 +806,12 @@ async def test_verify_sni_with_a_real_guest(sni_world):
     finally:
         names.close()
     assert out == {"same": "OK", "shared": "ECONNRESET", "no_sni": "ECONNRESET", "garbage": "ECONNRESET",
-                   "http": "OK", "http_other": "ECONNRESET"}, out
+                   "http": "OK allowed.test", "http_other": "ECONNRESET", "smuggled": "ECONNRESET",
+                   "connect_other": "ECONNRESET", "connect_same": f"OK allowed.test:{port}"}, out
     c = stack.counters
-    assert c["egress.sni_verified"] == 2 and c["egress.sni_denied"] == 4
-    assert [e["name"] for e in events if e.get("rule") == "verify-sni"] == ["cdn.test", None, None, "cdn.test"]
+    assert c["egress.sni_verified"] == 3 and c["egress.sni_denied"] == 6
+    assert [e["name"] for e in events if e.get("rule") == "verify-sni"] == ["cdn.test", None, None, "cdn.test",
+                                                                            None, None]
 
 
 async def test_udp_queue_is_bounded():

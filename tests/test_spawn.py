@@ -309,3 +309,111 @@ async def test_a_namespace_that_cannot_be_set_up_is_one_line_at_once():
             pass
     assert time.monotonic() - start < 10
     assert "\n" not in str(info.value) and "x" * 15 in str(info.value)
+
+
+# ---------------------------------------------------------------------------- what helpers publish
+
+
+def descendants(root: int) -> dict[int, tuple[bytes, bytes]]:
+    """``{pid: (cmdline, environ)}`` of every process below ``root`` (from ``/proc/*/stat``'s ppid)."""
+    parent = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    parent[int(name)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    below, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p and c not in below]
+        below.update(kids)
+        todo += kids
+    out = {}
+    for pid in below:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        out[pid] = (cmd, env)
+    return out
+
+
+class ProcWatch:
+    """A thread polling :func:`descendants` of ``root`` every millisecond: ``seen`` is every distinct
+    ``(pid, cmdline, environ)`` met, so a helper's short-lived states (before it execs) are caught too."""
+
+    def __init__(self, root: int) -> None:
+        import threading
+
+        self.root, self.seen, self._stop = root, set(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stop.is_set():
+            for pid, (cmd, env) in descendants(self.root).items():
+                self.seen.add((pid, cmd, env))
+            time.sleep(0.001)
+
+    def stop(self) -> set:
+        self._stop.set()
+        self._thread.join(10)
+        return self.seen
+
+
+def helpers_showing(seen: set, secret: bytes, guest: tuple) -> tuple[list, list]:
+    """``(helper command lines seen, those of them whose cmdline or environ holds secret)``: helpers are
+    every process seen but the guest's own (its cmdline's first word is in ``guest``)."""
+    helpers = [(pid, cmd, env) for pid, cmd, env in seen if cmd.split(b"\0", 1)[0] not in guest]
+    return [cmd for _, cmd, _ in helpers], [cmd for _, cmd, env in helpers if secret in cmd or secret in env]
+
+
+@pytest.mark.parametrize("pid_namespace", [True, False])
+async def test_argv_env_and_config_never_show_in_a_helpers_proc_entries(pid_namespace):
+    """Issue 24 item 7: what a caller hands spawn() (argv, env, a config value that ends up in the
+    guest's resolv.conf) is readable by every host user in a process's ``/proc/PID/cmdline`` (and
+    by its owner in ``environ``): no helper process (the namespace child, the PID 1 it forks, in
+    any state before the exec) shows it, while the guest still gets all of it."""
+    secret = os.urandom(6).hex()
+    watch = ProcWatch(os.getpid())
+    try:
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "API_KEY": f"env-{secret}"}
+        config = aioslirp.NetworkConfig(dns_search=[f"cfg-{secret}.test"])
+        argv = ["sh", "-c", 'echo "$API_KEY" "$1"; grep ^search /etc/resolv.conf; sleep 0.5', "sh", f"arg-{secret}"]
+        async with aioslirp.spawn(argv, config=config, env=env, stdout=PIPE, pid_namespace=pid_namespace) as guest:
+            out, _ = await guest.communicate()
+    finally:
+        seen = watch.stop()
+    assert out.decode().split() == [f"env-{secret}", f"arg-{secret}", "search", f"cfg-{secret}.test"]
+    cmds, leaks = helpers_showing(seen, secret.encode(), (b"sh", b"grep", b"sleep"))
+    assert any(b"aioslirp.host.nschild" in c for c in cmds), cmds  # the watch did see the helper
+    assert leaks == []
+
+
+def test_aioslirp_run_helpers_show_nothing_of_the_command_or_config():
+    """The same for ``aioslirp run``: its own command line holds what its user typed, its helper's
+    holds none of it."""
+    import subprocess
+
+    secret = os.urandom(6).hex()
+    watch = ProcWatch(os.getpid())
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "aioslirp", "run", "--dns-search", f"cfg-{secret}.test", "--",
+                              "sh", "-c", 'echo "$1"; grep ^search /etc/resolv.conf', "sh", f"arg-{secret}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = p.communicate(timeout=60)
+    finally:
+        seen = watch.stop()
+    assert p.returncode == 0, err
+    assert out.split() == [f"arg-{secret}", "search", f"cfg-{secret}.test"]
+    seen = {s for s in seen if s[0] != p.pid}  # aioslirp run itself
+    cmds, leaks = helpers_showing(seen, secret.encode(), (b"sh", b"grep"))
+    assert any(b"aioslirp.host.nschild" in c for c in cmds), cmds
+    assert leaks == []

@@ -33,13 +33,12 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 from typing import Any, Callable, Sequence
 
 from ..config import NetworkConfig
 from ..transport.tap import TapTransport
-from .nsbase import DEFAULT_SETUP_TIMEOUT, NamespaceError, helper_argv, iface_spec, readable
+from .nsbase import DEFAULT_SETUP_TIMEOUT, NamespaceError, iface_spec, readable, start_helper
 from .signals import DEFAULT_STOP_TIMEOUT, GracefulStop, reopen_audit_log
 from .spawn import spawn
 
@@ -198,9 +197,9 @@ class _Helper:
 
     def __init__(self, spec: dict) -> None:
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        spec = dict(spec, sock=child_sock.fileno(), ppid=os.getpid())
+        spec = dict(spec, ppid=os.getpid())
         try:
-            self.proc = subprocess.Popen(helper_argv(spec), pass_fds=(child_sock.fileno(),))
+            self.proc = start_helper(spec, child_sock.fileno())
         except OSError as exc:
             parent_sock.close()
             raise NamespaceError(f"cannot start the namespace helper ({sys.executable}): {exc.strerror}") from None

@@ -13,12 +13,13 @@ import ipaddress
 import json
 import logging
 import os
+import subprocess
 import sys
 
 from ..config import NetworkConfig
 
 __all__ = ["DEFAULT_SETUP_TIMEOUT", "NamespaceError", "helper_argv", "iface_spec", "log_serve_end", "readable",
-           "resolv_conf_text", "stop_serving"]
+           "resolv_conf_text", "start_helper", "stop_serving"]
 
 log = logging.getLogger("aioslirp.netns")
 
@@ -41,16 +42,38 @@ def resolv_conf_text(config: NetworkConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def helper_argv(spec: dict) -> list[str]:
-    """The argv of the namespace child (:mod:`aioslirp.host.nschild`) for ``spec``, run by the same
-    interpreter and the same aioslirp package as this process."""
+def helper_argv(sock_fd: int, spec_fd: int) -> list[str]:
+    """The argv of the namespace child (:mod:`aioslirp.host.nschild`), run by the same interpreter
+    and the same aioslirp package as this process: only the numbers of its two inherited fds (the
+    socket, the spec), never the spec itself (see :func:`start_helper`)."""
     # Run the same aioslirp package the parent runs, whatever sys.path made it importable.
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = (
         f"import sys; sys.path.insert(0, {pkg_parent!r}); "
         "from aioslirp.host.nschild import main; sys.exit(main())"
     )
-    return [sys.executable or "python3", "-c", code, json.dumps(spec)]
+    return [sys.executable or "python3", "-c", code, str(sock_fd), str(spec_fd)]
+
+
+def start_helper(spec: dict, sock_fd: int, **popen_kw) -> subprocess.Popen:
+    """Start the namespace child for ``spec`` with ``sock_fd`` (its end of the socket pair) inherited.
+
+    ``spec`` (argv, env, cwd, resolv.conf, the interface) is handed over in an anonymous memory
+    file (``memfd_create(2)``) the child inherits, reads and closes before anything else: none of
+    it is on the child's command line or in its environment (``/proc/PID/cmdline`` and
+    ``environ`` are readable by every user of the host, and callers put secrets in ``env``).
+    ``popen_kw`` go to ``subprocess.Popen``. Raises ``OSError`` when the child cannot be started.
+    """
+    data = json.dumps(spec).encode()
+    spec_fd = os.memfd_create("aioslirp-spec", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(spec_fd, view):]
+        os.lseek(spec_fd, 0, os.SEEK_SET)
+        return subprocess.Popen(helper_argv(sock_fd, spec_fd), pass_fds=(sock_fd, spec_fd), **popen_kw)
+    finally:
+        os.close(spec_fd)
 
 
 async def readable(fd: int) -> None:

@@ -35,9 +35,12 @@ the IPv6 sysctls, the MTU, the address and the default route. Send the fd, exit 
 
 Two ways to start it, one body:
 
-* **spawned** (``run``, ``attach``; :mod:`aioslirp.host.netns`): ``python -c`` running
-  :func:`main` with ``SPEC_JSON``, the socket's fd number in the spec. The parent already runs
-  an event loop (and maybe threads), and ``run`` must exec the command afterwards;
+* **spawned** (``run``, ``attach``; :mod:`aioslirp.host.spawn`, :mod:`aioslirp.host.netns`):
+  ``python -c`` running :func:`main` with two inherited fd numbers, the socket's and that of a
+  memory file holding the spec as JSON (read and closed first): the spec (the command's argv,
+  env and cwd, resolv.conf) is never on a command line or in an environment, where every user
+  of the host could read it. The parent already runs an event loop (and maybe threads), and
+  ``run`` must exec the command afterwards;
 * **forked** (``join``; :class:`ForkedChild`): ``os.fork`` at the drop-in's start-up, before
   any thread or event loop exists, so that the parent imports the stack meanwhile.
 
@@ -591,17 +594,31 @@ def run_child(sock: socket.socket, spec: dict) -> int:
     return _exec(argv, sock, spec)
 
 
+def _read_spec(fd: int) -> dict:
+    """The spec in the inherited memory file ``fd`` (written by :func:`aioslirp.host.nsbase.start_helper`),
+    read to its end; ``fd`` is closed, so that the command never inherits it."""
+    chunks = []
+    try:
+        while True:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return json.loads(b"".join(chunks))
+
+
 def main(args: list[str] | None = None) -> int:
-    """Entry point of the spawned child: ``args`` is ``[SPEC_JSON]``; the spec's ``sock`` is the
-    inherited fd of our end of the socket pair. Returns the exit status."""
+    """Entry point of the spawned child: ``args`` is ``[SOCK_FD, SPEC_FD]``, the inherited fds of our
+    end of the socket pair and of the memory file holding the spec (JSON). Returns the exit status."""
     args = sys.argv[1:] if args is None else args
-    if len(args) != 1:
+    if len(args) != 2 or not all(a.isdigit() for a in args):
         print("aioslirp.host.nschild is internal to aioslirp (started by 'aioslirp run' / 'aioslirp attach')",
               file=sys.stderr)
         return 2
-    spec = json.loads(args[0])
-    sock = socket.socket(fileno=int(spec["sock"]))
-    return run_child(sock, spec)
+    sock = socket.socket(fileno=int(args[0]))
+    return run_child(sock, _read_spec(int(args[1])))
 
 
 class ForkedChild:

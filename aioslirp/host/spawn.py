@@ -35,8 +35,8 @@ from typing import Any, Mapping, Sequence
 
 from ..config import NetworkConfig
 from ..lifecycle import farewell
-from .nsbase import (DEFAULT_SETUP_TIMEOUT, NamespaceError, helper_argv, iface_spec, log_serve_end, readable,
-                     resolv_conf_text, stop_serving)
+from .nsbase import (DEFAULT_SETUP_TIMEOUT, NamespaceError, iface_spec, log_serve_end, readable, resolv_conf_text,
+                     start_helper, stop_serving)
 
 __all__ = ["DEFAULT_STOP_TIMEOUT", "Guest", "spawn"]
 
@@ -247,10 +247,9 @@ class _Spawn:
             ours.append(mine)
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = parent_sock
-        spec = dict(spec, sock=child_sock.fileno(), ppid=os.getpid())
+        spec = dict(spec, ppid=os.getpid())
         try:
-            proc = subprocess.Popen(helper_argv(spec), pass_fds=(child_sock.fileno(),), stdin=theirs[0],
-                                    stdout=theirs[1], stderr=theirs[2])
+            proc = start_helper(spec, child_sock.fileno(), stdin=theirs[0], stdout=theirs[1], stderr=theirs[2])
         except OSError as exc:
             for fd in ours:
                 if fd is not None:
