@@ -7,6 +7,13 @@ transports :class:`TapTransport`, :class:`SocketPairTransport`, :class:`StreamTr
 behind its own stack; a :class:`Guest`), :func:`attach` (serve an existing namespace) and :class:`NamespaceError`; :class:`FlowInfo`, the records of
 ``Stack.flows()``; flows to Python (docs/handlers.md):
 :func:`splice`, :class:`GuestFlow`; :class:`TapError` (a TAP that cannot be opened or served).
+
+The types an embedder is handed or hands over: :class:`Event` and :class:`EventLog` (``Stack.events()``,
+``Stack.event_log``), :class:`AuditLog` (``Stack(audit=...)``), :class:`PolicyRequest` (what the egress
+hook ``Stack(policy=...)`` is asked), :class:`Route` (``Stack.route()``), :class:`GuestReader`,
+:class:`GuestWriter` and :class:`Datagrams` (a handler's arguments), :class:`UpstreamProxy` (a built-in
+handler), :class:`Transport` and :class:`TransportWrapper` (the bases of a transport of one's own),
+:class:`PcapTransport` (a wrapper for ``Stack.transport_wrappers``).
 """
 
 from .compiled import install_source_finder as _install_source_finder
@@ -18,7 +25,10 @@ from .errors import ConfigError  # noqa: E402
 
 __all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack", "SocketPairTransport", "TapTransport",
            "StreamTransport", "DgramTransport", "QemuServer", "spawn", "Guest", "attach", "NamespaceError", "FlowInfo",
-           "splice", "GuestFlow", "TapError"]
+           "splice", "GuestFlow", "TapError",
+           # the types an embedder is handed or hands over
+           "Event", "EventLog", "AuditLog", "PolicyRequest", "Route", "GuestReader", "GuestWriter", "Datagrams",
+           "UpstreamProxy", "Transport", "TransportWrapper", "PcapTransport"]
 __version__ = "0.1.0"
 
 
@@ -42,6 +52,18 @@ _LAZY = {
     "splice": ".handlers.splice",
     "GuestFlow": ".handlers.streams",
     "TapError": ".transport.tapdev",
+    "Event": ".lifecycle",
+    "EventLog": ".lifecycle",
+    "AuditLog": ".audit",
+    "PolicyRequest": ".flow.egress",
+    "Route": ".handlers.routes",
+    "GuestReader": ".handlers.streams",
+    "GuestWriter": ".handlers.streams",
+    "Datagrams": ".handlers.udp",
+    "UpstreamProxy": ".handlers.proxy",
+    "Transport": ".transport.base",
+    "TransportWrapper": ".transport.base",
+    "PcapTransport": ".transport.pcap",
 }
 
 

@@ -362,11 +362,8 @@ class ApiServer:
         stack = self.stack
         c = stack.counters
         drops = {k[5:]: v for k, v in sorted(c.items()) if k.startswith("drop.")}
-        active: dict = {}
-        for f in list(stack.flows.values()):  # each a Flow (aioslirp/flow/base.py)
-            d = active.setdefault(f.proto_name, {})
-            st = str(f.state)
-            d[st] = d.get(st, 0) + 1
+        # by proto and state; UDP and ICMP flows are all "OPEN"
+        active = {proto: v if isinstance(v, dict) else {"OPEN": v} for proto, v in stack.stats()["flows"].items()}
         totals: dict = {}
         for k, v in c.items():
             parts = k.split(".")
@@ -384,7 +381,7 @@ class ApiServer:
 
     async def _list_flows(self, args: dict) -> dict:
         out = []
-        started = self.stack.loop is not None  # idle_s only once there is a loop clock
+        started = self.stack.parts.loop is not None  # idle_s only once there is a loop clock
         for info in self.stack.flows():  # FlowInfo records (aioslirp/flow/info.py)
             entry = {
                 "proto": info.protocol,
@@ -392,8 +389,8 @@ class ApiServer:
                 "state": info.state,
                 "guest_addr": info.guest[0],
                 "guest_port": info.guest[1],
-                "remote_addr": info.remote[0],
-                "remote_port": info.remote[1],
+                "remote_addr": info.destination[0],
+                "remote_port": info.destination[1],
                 "host": info.host,
             }
             if started:

@@ -5,7 +5,7 @@ An :class:`AuditLog` takes records (``dict``, JSON-ready) through :meth:`AuditLo
 * writes each as one JSON line to its sink, a path (``"-"``: stderr) or a text file object,
   buffered: lines leave in one ``write`` when :data:`FLUSH_LINES` are pending or
   :data:`FLUSH_INTERVAL` seconds after the first one (a loop timer), and at :meth:`close`;
-* offers each to the async iterators of :meth:`AuditLog.events` (``Stack.flow_events()``),
+* offers each to the async iterators of :meth:`AuditLog.events` (``Stack.audit_records()``),
   each with a bounded queue: a reader that falls behind loses the *oldest* records, counted in
   :attr:`AuditLog.records_dropped` and the stack counter ``audit.records_dropped``.
 

@@ -1,8 +1,8 @@
 """Ending a guest's session cleanly.
 
 :func:`farewell` runs while the guest's link is still up, when the stack is asked to stop
-(SIGINT/SIGTERM of ``aioslirp attach`` / ``aioslirp qemu``, :meth:`Stack.close
-<aioslirp.stack.Stack.close>`, the grace period of ``aioslirp run`` running out): every TCP
+(SIGINT/SIGTERM of ``aioslirp attach`` / ``aioslirp qemu``, :meth:`Stack.stop
+<aioslirp.stack.Stack.stop>`, the grace period of ``aioslirp run`` running out): every TCP
 flow is reset towards the guest (an RST the guest's applications see as ECONNRESET instead
 of a connection that hangs until its own timeout) and its host socket is closed with a RST
 to the host peer; UDP and ICMP flows close their sockets; with IPv6 the final Router
@@ -12,6 +12,9 @@ caller closes afterwards.
 
 When the guest itself went away (the TAP's process exited, QEMU disconnected) there is no
 one to tell: the flows are torn down without it (:meth:`Stack.aclose`, :meth:`Stack.reset_flows`).
+
+The front ends ask a stack to stop with :func:`request_stop`, which also stops a stack of one's
+own written for 0.1 (``close()``).
 
 :class:`EventLog` is a stack's bounded record of its lifecycle events (:class:`Event`:
 ``ready``, ``guest_link_up``, ``guest_link_down``, ``error``), followed with
@@ -28,11 +31,12 @@ import asyncio
 import contextlib
 import logging
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["EVENT_NAMES", "Event", "EventLog", "farewell", "gone_before_first_frame"]
+__all__ = ["EVENT_NAMES", "Event", "EventLog", "farewell", "gone_before_first_frame", "request_stop"]
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -47,10 +51,26 @@ async def farewell(stack) -> int:
     """
     n = stack.reset_flows()
     stack.counters["flows_reset_at_stop"] += n
-    if stack.v6 is not None:
-        stack.v6.final_ra()
-    await stack.inject_queue.drain()  # written to the transport now, then one loop iteration
+    parts = stack.parts
+    if parts.v6 is not None:
+        parts.v6.final_ra()
+    await parts.inject_queue.drain()  # written to the transport now, then one loop iteration
     return n
+
+
+def request_stop(stack) -> None:
+    """Ask ``stack`` to make its ``serve()`` return: :meth:`Stack.stop <aioslirp.stack.Stack.stop>`.
+
+    A stack of one's own (the ``stack_factory`` of ``attach``, ``run_in_namespace``, ``aioslirp
+    qemu``) written for 0.1 has ``close()`` instead: it is called, with a ``DeprecationWarning``,
+    until the next release.
+    """
+    stop = getattr(stack, "stop", None)
+    if stop is None:
+        warnings.warn(f"{type(stack).__name__} has no stop(): a stack's close() is now stop() (close() is "
+                      "called instead until the next release)", DeprecationWarning, stacklevel=2)
+        stop = stack.close
+    stop()
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,7 +129,7 @@ class Event:
         time: wall-clock time, seconds since the epoch (``time.time()``).
         data: details, JSON-ready: ``transport`` (its class name) for all; ``ifname`` when known;
             ``reason`` for ``guest_link_down`` (``"closed"``: the transport closed, the guest went
-            away; ``"stopped"``: :meth:`Stack.close <aioslirp.stack.Stack.close>`); ``message``
+            away; ``"stopped"``: :meth:`Stack.stop <aioslirp.stack.Stack.stop>`); ``message``
             (one line) for ``error``.
     """
 

@@ -81,7 +81,7 @@ def register(stack, meter_provider=None) -> list:
         if s is None:
             return []
         out = []
-        for proto, v in s.flow_stats().items():
+        for proto, v in s.stats()["flows"].items():
             if isinstance(v, dict):
                 for state, n in v.items():
                     out.append(Observation(n, {"network.transport": proto, "aioslirp.tcp.state": state}))

@@ -33,6 +33,7 @@ import os
 import socket
 import stat
 
+from .lifecycle import request_stop
 from .transport.dgram import DgramTransport
 from .transport.stream import StreamTransport
 
@@ -219,7 +220,7 @@ class QemuServer:
         finally:
             if not serve.done():
                 if self._stopping.done():  # stopping (SIGINT/SIGTERM): the guest is told first
-                    stack.close()  # serve() resets the guest's flows, then closes the transport
+                    request_stop(stack)  # serve() resets the guest's flows, then closes the transport
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(asyncio.shield(serve), 2.0)
                 transport.close()
@@ -234,7 +235,7 @@ class QemuServer:
             self._reset(transport.name)
 
     def _stack_stopped(self) -> bool:
-        stopped = getattr(self.stack, "_stopped", None)  # set by Stack.close()
+        stopped = getattr(self.stack, "_stopped", None)  # set by Stack.stop()
         return stopped is not None and stopped.done()
 
     def _reset(self, label: str) -> None:

@@ -57,7 +57,7 @@ class TokenBucket:
         self.tokens = tokens - 1.0
         return True
 
-    #: The name the ICMP error paths use (``stack.icmp_errors.allow(now)``): the same method.
+    #: The name the ICMP error paths use (``family.err_bucket.allow(now)``): the same method.
     allow = take
 
 

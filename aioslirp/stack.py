@@ -18,6 +18,10 @@ once started, the flow table, the inject queue, ``spawn``) and none reading the 
 * the services (DHCP, DNS, NDP, DHCPv6) and the ICMP echo proxy; the port forwards
   (:mod:`aioslirp.forward`).
 
+The parts hold direct references to one another; the stack keeps them in one read-only
+:class:`~aioslirp.stack_parts.StackParts` (``stack.parts``), which tests and debugging read
+and no frame goes through.
+
 A batch of guest frames is processed with one clock reading (``loop.time()``), the TCP flows it
 touched are flushed once at its end (many guest segments give one ACK and one socket write),
 and the frames it produced are written to the transport in the same loop iteration.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import warnings
 from collections import Counter
 
 from . import tracing
@@ -44,12 +49,13 @@ from .dispatch.link import Link
 from .flow.base import FlowContext
 from .handlers.routes import Router
 from .flow.guard import Guard
-from .flow.info import FlowInfo, FlowMap  # noqa: F401  (FlowInfo: the records of stack.flows())
-from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importable from here as before)
+from .flow.info import FlowInfo, FlowRecords  # noqa: F401  (FlowInfo: the records of stack.flows())
+from .flow.table import FlowTable
 from .icmp import IcmpEcho
 from .heap import keep_freed_heap
 from .inject import InjectQueue
 from .lifecycle import EventLog, farewell, gone_before_first_frame
+from .stack_parts import StackParts
 from .ratelimit import ByteBucket
 from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
@@ -61,7 +67,30 @@ from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
 
 log = logging.getLogger("aioslirp.stack")
 
-__all__ = ["Stack"]
+__all__ = ["Stack", "RENAMED", "MOVED"]
+
+#: :class:`Stack` names renamed in 0.2: old name -> new. The old name still works until the next
+#: release, with a ``DeprecationWarning``; it is no longer listed by ``dir()`` nor in the reference.
+RENAMED = {
+    "close": "stop",  # asks serve() to return; aclose() tears everything down
+    "spawn": "spawn_task",  # an auxiliary task, not aioslirp.spawn (a guest command)
+    "flow_events": "audit_records",  # the audit log's records
+    "flow_stats": 'stats()["flows"]',  # the same figures, one way to get them
+}
+
+#: Where the parts that were ``Stack`` attributes up to 0.1 are now (named in the AttributeError).
+MOVED = {name: f"parts.{name}" for name in (
+    "ctx", "table", "idle_order", "guard", "inject_queue", "tasks", "icmp", "router", "dns", "dhcp", "l4",
+    "link", "ipv4", "family4", "v6", "family6", "neighbors", "reassembler", "audit", "loop", "closed", "offload")}
+MOVED.update({
+    "inject": "parts.inject_queue.put", "write_now": "parts.inject_queue.write_now",
+    "inject_room": "parts.inject_queue.room", "on_frames": "parts.link.on_frames",
+    "drop": "parts.ctx.drop", "handled": "parts.ctx.handled", "eth_to": "parts.family4.eth_to (IPv6: family6)",
+    "inject_ip": "parts.family4.inject_ip", "inject_ip6": "parts.family6.inject_ip",
+    "icmp_errors": "parts.family4.err_bucket", "gw_mac": "parts.family4.gw_mac", "gw_ip": "parts.family4.gw",
+    "dns_ip": "parts.family4.dns", "guest_ip": "config.guest.packed", "mtu": "config.mtu",
+    "_on_frames": "parts.link.on_frames",
+})
 
 
 class Stack:
@@ -70,34 +99,41 @@ class Stack:
     Usage::
 
         async with Stack(NetworkConfig()) as stack:
-            await stack.serve(transport)   # returns when the transport closes
+            await stack.serve(transport)   # returns when the transport closes (or stack.stop())
+
+    Its names (docs/library.md says more of each):
+
+    * lifecycle: ``async with`` (:meth:`start`, then :meth:`aclose`), :meth:`serve`,
+      :meth:`stop`, :meth:`reset_flows`;
+    * state: :attr:`config`, :attr:`counters`, :meth:`stats`, :meth:`flows`,
+      :meth:`frame_outcomes`;
+    * events and audit: :meth:`events`, :meth:`on_event`, :attr:`event_log`,
+      :meth:`audit_records`, :meth:`reopen_audit_log`;
+    * egress and Python handlers: :attr:`policy`, :meth:`route`, :meth:`unroute`;
+    * port forwards: :meth:`add_forward`, :meth:`remove_forward`, :meth:`forwards`;
+    * frames without a transport: :meth:`process_guest_frame`, :meth:`flush`;
+    * extension: :meth:`spawn_task`, :attr:`tracer`, :attr:`transport_wrappers`,
+      :attr:`supports_offload`;
+    * the internals, for tests and debugging: :attr:`parts`
+      (:class:`~aioslirp.stack_parts.StackParts`).
+
+    Renamed in 0.2 (:data:`RENAMED`; the old name works until the next release, with a
+    ``DeprecationWarning``): ``close()`` is :meth:`stop`, ``spawn()`` is :meth:`spawn_task`,
+    ``flow_events()`` is :meth:`audit_records`, ``flow_stats()`` is ``stats()["flows"]``;
+    ``stack.flows`` is no longer the live table (a ``dict``; ``stack.parts.flows``).
 
     Attributes:
         config: the validated :class:`NetworkConfig`.
         counters: ``collections.Counter`` of events: ``frames_in``, ``frames_out``,
             ``bytes_in``, ``bytes_out``, ``drop.<reason>``, ``flows.<proto>.opened``...
-        flows: the flow table, ``dict`` key -> flow (:class:`~aioslirp.flow.base.Flow`). Called,
-            ``stack.flows()`` returns a ``list`` of :class:`~aioslirp.flow.info.FlowInfo` records, one
-            per flow at that moment: protocol, guest and remote ``(address, port)``, DNS name (``None``
-            for now), state, bytes each way, age and idle time in seconds (what ``list_flows`` of the
-            API socket reports).
-        idle_order: the :class:`~aioslirp.flow.table.IdleOrder` of its UDP/ICMP flows (the
-            eviction candidates).
-        table: the :class:`~aioslirp.flow.table.FlowTable` holding :attr:`flows`.
-        guard: the :class:`~aioslirp.flow.guard.Guard` (egress policy and bounds).
-        inject_queue: the :class:`~aioslirp.inject.InjectQueue`; :attr:`inject` is its ``put``.
-        neighbors: the ARP cache, IPv4 (4 bytes) -> guest MAC (a
-            :class:`~aioslirp.wire.neighbors.NeighborCache` of at most ``MAX_NEIGHBORS`` = 1024,
-            as for IPv6; one more forgets the entry learned longest ago, ``arp.neighbors_evicted``).
-        family4: the :class:`~aioslirp.dispatch.family.Family4`.
-        v6: the IPv6 half (:class:`~aioslirp.dispatch.ipv6.Ipv6Path`: NDP/RA, DHCPv6, IPv6
-            input), ``None`` when ``config.ipv6`` is off; ``family6`` its family.
-        dns, icmp: the DNS forwarder (``None`` until started) and the ICMP echo proxy.
-        tasks: the flows' own tasks.
+            (the families: :meth:`stats`).
+        event_log: the bounded record of lifecycle events
+            (:class:`~aioslirp.lifecycle.EventLog`: ``history()``, ``dropped``); see :meth:`events`.
         tracer: the stack's own :class:`~aioslirp.tracing.Tracer` (its trace points as
-            OpenTelemetry spans through ``tracer_provider``), or ``None``: not traced.
-        audit: the :class:`~aioslirp.audit.AuditLog`, or ``None`` (off; :meth:`flow_events`
-            starts one without a file).
+            OpenTelemetry spans through ``tracer_provider``; ``end_all()``, ``errors``), or
+            ``None``: not traced.
+        transport_wrappers: callables ``wrap(transport) -> transport`` that :meth:`serve`
+            applies in order (e.g. :class:`~aioslirp.transport.pcap.PcapTransport` for ``--pcap``).
 
     Args:
         config: the network (default: ``NetworkConfig()``).
@@ -122,116 +158,77 @@ class Stack:
     """
 
     #: Takes ``on_frames(frames, csum_ok)`` from a TAP with a virtio-net header and sends
-    #: offload frames when the transport offers it (:mod:`aioslirp.wire.offload`).
+    #: offload frames when the transport offers it (:mod:`aioslirp.wire.offload`). A stack of
+    #: one's own given to ``spawn``/``attach`` says so with this name.
     supports_offload = True
 
-    __slots__ = ("config", "counters", "ctx", "guard", "table", "flows", "idle_order", "inject_queue", "inject",
-                 "write_now", "tasks", "_aux_tasks", "icmp", "dns", "l4", "neighbors", "family4", "ipv4", "v6",
-                 "family6", "link", "on_frames", "gw_mac", "gw_ip", "dns_ip", "guest_ip", "mtu",
-                 "_transport", "_loop", "_closed", "_stopped", "transport_wrappers", "_forwarder", "tracer", "audit", "_own_audit",
-                 "event_log", "router",
+    __slots__ = ("config", "counters", "event_log", "tracer", "transport_wrappers", "_parts", "_flows",
+                 "_aux_tasks", "_transport", "_loop", "_closed", "_stopped", "_forwarder", "_own_audit",
                  # aioslirp.metrics holds a stack by weak reference
                  "__weakref__")
 
     config: NetworkConfig
     counters: Counter
-    ctx: FlowContext
-    guard: Guard
-    table: FlowTable
-    flows: dict
-    idle_order: IdleOrder
-    inject_queue: InjectQueue
-    inject: object
-    write_now: object
-    tasks: set[asyncio.Task]
+    #: The bounded record of lifecycle events (see :meth:`events`).
+    event_log: EventLog
+    #: The stack's tracer (``None``: not traced).
+    tracer: object
+    transport_wrappers: list
+    _parts: StackParts
+    _flows: FlowRecords
     _aux_tasks: set[asyncio.Task]
-    icmp: IcmpEcho
-    dns: object
-    l4: L4
-    neighbors: NeighborCache
-    family4: Family4
-    ipv4: Ipv4Input
-    v6: object
-    family6: object
-    link: Link
-    on_frames: object
-    gw_mac: bytes
-    gw_ip: bytes
-    dns_ip: bytes
-    guest_ip: bytes
-    mtu: int
     _transport: object
     _loop: asyncio.AbstractEventLoop | None
     _closed: bool
     _stopped: asyncio.Future | None
-    transport_wrappers: list
     _forwarder: object
-    #: The stack's tracer (``None``: not traced).
-    tracer: object
-    #: The audit log (``None``: off).
-    audit: object
-    #: The bounded record of lifecycle events (see :meth:`events`).
-    event_log: EventLog
     _own_audit: bool
-    #: The routes to Python flow handlers (:class:`~aioslirp.handlers.routes.Router`).
-    router: Router
 
     def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None, audit=None,
                  policy=None, tcp_handler=None, udp_handler=None) -> None:
         self.config = cfg = (config if config is not None else NetworkConfig()).validate()
         self.counters: Counter = Counter()
-        ctx = self.ctx = FlowContext(cfg, self.counters)
+        ctx = FlowContext(cfg, self.counters)
         rate = float(cfg.new_flow_rate)
         new_bucket = functools.partial(NewFlowBucket, rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
-        self.guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket, ctx=ctx, hook=policy)
-        self.table = ctx.table = FlowTable(cfg, self.counters, self.guard)
-        self.flows: FlowMap = self.table.flows
-        self.idle_order: IdleOrder = self.table.idle_order
-        self.inject_queue = ctx.queue = InjectQueue(cfg.inject_queue_size, self.counters)
+        guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket, ctx=ctx, hook=policy)
+        table = ctx.table = FlowTable(cfg, self.counters, guard)
+        queue = ctx.queue = InjectQueue(cfg.inject_queue_size, self.counters)
         if tracer_provider is not None:
-            tracer = tracing.Tracer(tracer_provider, self.table, self.inject_queue)
+            tracer = tracing.Tracer(tracer_provider, table, queue)
         else:
-            tracer = tracing.default_tracer(self.table, self.inject_queue)
+            tracer = tracing.default_tracer(table, queue)
         # handed to whoever records a trace point (the Link reads ctx.tracer)
-        self.tracer = ctx.tracer = self.table.tracer = self.inject_queue.tracer = tracer
-        #: Queue one frame for the guest (:meth:`InjectQueue.put <aioslirp.inject.InjectQueue.put>`):
-        #: False (counted ``drop.inject_full``) when the queue is full.
-        self.inject = ctx.inject = self.inject_queue.put
-        #: Write every queued frame now (:meth:`InjectQueue.write_now <aioslirp.inject.InjectQueue.write_now>`).
-        self.write_now = self.inject_queue.write_now
-        self.tasks: set[asyncio.Task] = ctx.tasks
+        self.tracer = ctx.tracer = table.tracer = queue.tracer = tracer
+        ctx.inject = queue.put
         self._aux_tasks: set[asyncio.Task] = set()
-        ctx.spawn = self.spawn
-        self.icmp = ctx.icmp = IcmpEcho(ctx)
+        ctx.spawn = self.spawn_task
+        icmp = ctx.icmp = IcmpEcho(ctx)
         if tcp_handler is None and cfg.upstream_proxy is not None:  # --upstream-proxy
             from .handlers.proxy import UpstreamProxy
 
             tcp_handler = UpstreamProxy.from_config(cfg)
-        self.router = ctx.router = Router(self.counters, self.guard.policy, tcp_handler, udp_handler)
+        router = ctx.router = Router(self.counters, guard.policy, tcp_handler, udp_handler)
         if cfg.verify_sni:
             from .handlers.sni import SniVerifier
 
-            self.router.set_verifier(SniVerifier(self.guard.policy, self.counters, tcp_handler,
-                                                 float(cfg.tcp_connect_timeout)))
-        self.dns = None
-        self.l4 = L4(ctx)
-        self.neighbors = NeighborCache(MAX_NEIGHBORS)
-        self.family4 = Family4(ctx, self.neighbors)
-        self.ipv4 = Ipv4Input(ctx, self.family4, self.l4)
-        self.v6 = self.family6 = None
+            router.set_verifier(SniVerifier(guard.policy, self.counters, tcp_handler,
+                                            float(cfg.tcp_connect_timeout)))
+        l4 = L4(ctx)
+        neighbors = NeighborCache(MAX_NEIGHBORS)
+        family4 = Family4(ctx, neighbors)
+        ipv4 = Ipv4Input(ctx, family4, l4)
+        v6 = family6 = None
         if cfg.ipv6:
             from .dispatch.ipv6 import Ipv6Path  # only with IPv6: NDP, DHCPv6, config6
 
-            self.v6 = Ipv6Path(ctx, self.l4)
-            self.family6 = self.v6.family
-        self.link = link = Link(ctx, self.family4, self.ipv4.input, self.v6.dispatch if self.v6 is not None else None)
-        #: The transport's sink, a batch of guest frames (:meth:`aioslirp.dispatch.link.Link.on_frames`).
-        self.on_frames = link.on_frames
-        self.gw_mac = cfg.gateway_mac_bytes
-        self.gw_ip = self.family4.gw
-        self.dns_ip = self.family4.dns
-        self.guest_ip = cfg.guest.packed
-        self.mtu = cfg.mtu
+            v6 = Ipv6Path(ctx, l4)
+            family6 = v6.family
+        link = Link(ctx, family4, ipv4.input, v6.dispatch if v6 is not None else None)
+        self._parts = StackParts(ctx=ctx, table=table, flows=table.flows, idle_order=table.idle_order, guard=guard,
+                                 inject_queue=queue, tasks=ctx.tasks, icmp=icmp, router=router, link=link, l4=l4,
+                                 ipv4=ipv4, family4=family4, v6=v6, family6=family6, neighbors=neighbors)
+        self._flows = FlowRecords(table.flows, ctx)
         self._transport = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -244,7 +241,6 @@ class Stack:
             ctx.rate_up = ByteBucket(cfg.rate_up)
         if cfg.rate_down is not None:
             ctx.rate_down = ByteBucket(cfg.rate_down)
-        self.audit = None
         self._own_audit = False
         if audit is None:
             audit = cfg.audit_log
@@ -258,48 +254,40 @@ class Stack:
 
     # ------------------------------------------------------------------ state
     @property
+    def parts(self) -> StackParts:
+        """The stack's internals, read-only (:class:`~aioslirp.stack_parts.StackParts`: ``ctx``,
+        ``table``, ``flows``, ``guard``, ``dns``, ``link``, ...), for tests and debugging; not the
+        embedder's interface (their names follow the code)."""
+        return self._parts
+
+    @property
+    def flows(self) -> FlowRecords:
+        """``stack.flows()``: a ``list`` of :class:`~aioslirp.flow.info.FlowInfo` records, one per
+        flow at that moment, in table order: protocol, guest and destination ``(address, port)``,
+        DNS name, state, bytes each way, age and idle time in seconds (what ``list_flows`` of the
+        API socket reports). The live table itself is ``stack.parts.flows``; reading
+        ``stack.flows`` as that ``dict`` (``len``, ``in``, ``[key]``, ``values()``...) still works
+        until the next release, with a ``DeprecationWarning``."""
+        return self._flows
+
+    @property
     def policy(self):
         """The egress policy (:class:`~aioslirp.flow.egress.Egress`): ``add(rule, allow=True)``,
         ``remove(rule)``, ``list_rules()``, ``set_hook(callable)`` while the guest runs."""
-        return self.guard.policy
+        return self._parts.guard.policy
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop | None:
-        """The event loop the stack runs on (``None`` before :meth:`start`)."""
-        return self._loop
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`aclose` began."""
-        return self._closed
-
-    @property
-    def offload(self) -> bool:
-        """The transport being served offers checksum/TCP segmentation offload (a TAP with
-        ``IFF_VNET_HDR``): TCP flows opened while it is served send ~64 KB segments with
-        partial checksums (:mod:`aioslirp.wire.offload`). Set by :meth:`serve`."""
-        return self.ctx.offload
-
-    @property
-    def dhcp(self):
-        """The :class:`~aioslirp.services.dhcp.DhcpServer` (``None`` until started; a new one per
-        :meth:`reset_flows`)."""
-        return self.family4.dhcp_server
-
-    @property
-    def reassembler(self):
-        """The IPv4 fragment :class:`~aioslirp.reassembly.Reassembler`."""
-        return self.ipv4.reassembler
-
-    @property
-    def icmp_errors(self):
-        """Rate limiter of the ICMP errors we send (RFC 1812 4.3.2.8): the same class and rate as
-        the ICMPv6 one (100 errors/s, burst 50); over the rate, ``icmp_errors_rate_limited``."""
-        return self.family4.err_bucket
-
-    @icmp_errors.setter
-    def icmp_errors(self, bucket) -> None:
-        self.family4.err_bucket = bucket
+    def __getattr__(self, name: str):
+        # only for names the class does not have: the renamed ones (warned), else a clear error
+        new = RENAMED.get(name)
+        if new is None:
+            where = MOVED.get(name)
+            hint = f": it is stack.{where} now (the internals are under stack.parts)" if where else ""
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}{hint}")
+        warnings.warn(f"Stack.{name} is deprecated: it is now Stack.{new} (the old name goes in the next release)",
+                      DeprecationWarning, stacklevel=2)
+        if name == "flow_stats":
+            return self._flow_stats
+        return getattr(self, new)
 
     # ------------------------------------------------------------------ Python handlers
     def route(self, match, handler):
@@ -314,7 +302,7 @@ class Stack:
         :class:`~aioslirp.errors.ConfigError` for a match that does not parse. Flows already
         open keep their host side.
         """
-        route = self.router.add(match, handler)
+        route = self._parts.router.add(match, handler)
         self._warn_guest_side(route)
         return route
 
@@ -334,7 +322,7 @@ class Stack:
     def unroute(self, what) -> int:
         """Remove routes: ``what`` is a :class:`~aioslirp.handlers.routes.Route`, a handler, or a match
         given to :meth:`route`. Returns how many went; flows already handled go on."""
-        return self.router.remove(what)
+        return self._parts.router.remove(what)
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Stack":
@@ -346,22 +334,25 @@ class Stack:
 
     async def start(self) -> None:
         """Start the writer task, the idle sweep and the services. Called by ``async with``."""
-        loop = self._loop = self.ctx.loop = asyncio.get_running_loop()
+        p = self._parts
+        ctx = p.ctx
+        loop = self._loop = ctx.loop = asyncio.get_running_loop()
         keep_freed_heap()  # no page-fault churn around every bulk batch (aioslirp.heap)
         self._stopped = loop.create_future()
-        self.inject_queue.start(loop)
-        self.family4.dhcp_server = DhcpServer(self.config)
-        self.dns = self.ctx.dns = DnsForwarder(self.config)
-        self.ctx.dns_host = functools.partial(DnsTcpHost, forwarder=self.dns, counters=self.counters,
-                                              tasks=self.tasks)
-        self.ctx.host_poller = HostPoller(loop)  # one epoll for the TCP flows' host sockets
-        self.guard.start(self.dns, loop.time())
-        self.table.start(loop)
-        if self.audit is not None:
-            self.audit.bind(loop, self.counters)
+        p.inject_queue.start(loop)
+        p.family4.dhcp_server = DhcpServer(self.config)
+        dns = ctx.dns = DnsForwarder(self.config)
+        ctx.dns_host = functools.partial(DnsTcpHost, forwarder=dns, counters=self.counters, tasks=ctx.tasks)
+        ctx.host_poller = HostPoller(loop)  # one epoll for the TCP flows' host sockets
+        p.guard.start(dns, loop.time())
+        p.table.start(loop)
+        if ctx.audit is not None:
+            ctx.audit.bind(loop, self.counters)
 
-    def close(self) -> None:
-        """Ask :meth:`serve` to return; flows are torn down by :meth:`aclose`."""
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return (it resets the guest's flows first while the guest is still
+        there, then closes the transport); the stack stays usable: :meth:`serve` may be called
+        again. Everything is torn down by :meth:`aclose`. Named ``close()`` up to 0.1."""
         if self._stopped is not None and not self._stopped.done():
             self._stopped.set_result(None)
 
@@ -369,37 +360,40 @@ class Stack:
         """Reset every flow towards the guest, close all host sockets, stop all tasks."""
         if self._closed:
             return
-        self._closed = self.ctx.closed = True
-        self.close()
+        p = self._parts
+        ctx = p.ctx
+        self._closed = ctx.closed = True
+        self.stop()
         if self._forwarder is not None:
             self._forwarder.close()
-        self.table.close()
-        self.table.shutdown_all()
-        tasks = [t for t in self.tasks if not t.done()]
+        p.table.close()
+        p.table.shutdown_all()
+        tasks = [t for t in p.tasks if not t.done()]
         for t in tasks:
             t.cancel()
         for t in list(self._aux_tasks):
             t.cancel()
         await asyncio.gather(*tasks, *self._aux_tasks, return_exceptions=True)
-        if self.v6 is not None and self._loop is not None:
-            self.v6.final_ra()  # withdraw the router and the prefix (RFC 4861 6.2.5)
+        if p.v6 is not None and self._loop is not None:
+            p.v6.final_ra()  # withdraw the router and the prefix (RFC 4861 6.2.5)
         # write the final RSTs out while the guest is still there
         if self._loop is not None and self._transport is not None and not self._transport.closed.done():
-            await self.inject_queue.drain()
-        await self.inject_queue.stop()
-        self.icmp.close()
-        if self.dns is not None:
-            await self.dns.close()
+            await p.inject_queue.drain()
+        await p.inject_queue.stop()
+        p.icmp.close()
+        if ctx.dns is not None:
+            await ctx.dns.close()
         if self._transport is not None:
             self._transport.close()
-        self.table.clear()
-        if self.ctx.host_poller is not None:  # every host socket left it as its flow ended
-            self.ctx.host_poller.close()
-        if self.audit is not None:
+        p.table.clear()
+        if ctx.host_poller is not None:  # every host socket left it as its flow ended
+            ctx.host_poller.close()
+        audit = ctx.audit
+        if audit is not None:
             if self._own_audit:
-                self.audit.close()
+                audit.close()
             else:
-                self.audit.flush()
+                audit.flush()
         self.event_log.close()
         tr = self.tracer
         if tr is not None:
@@ -416,23 +410,24 @@ class Stack:
         again. When the transport is already closed, frames still queued for the old guest
         are discarded (counted as ``drop.no_transport``). Port forwards and counters stay.
         """
-        n = self.table.shutdown_all()
-        self.table.clear()
-        self.l4.cancel_dns()
-        self.neighbors.clear()
-        self.ipv4.reset()
-        if self.v6 is not None:
-            self.v6.reset()
-        if self.family4.dhcp_server is not None:
-            self.family4.dhcp_server = DhcpServer(self.config)
+        p = self._parts
+        n = p.table.shutdown_all()
+        p.table.clear()
+        p.l4.cancel_dns()
+        p.neighbors.clear()
+        p.ipv4.reset()
+        if p.v6 is not None:
+            p.v6.reset()
+        if p.family4.dhcp_server is not None:
+            p.family4.dhcp_server = DhcpServer(self.config)
         tr = self._transport
         if tr is None or tr.closed is None or tr.closed.done():
-            self.inject_queue.discard()
+            p.inject_queue.discard()
         self.counters["flows_reset"] += n
         return n
 
     async def serve(self, transport) -> None:
-        """Serve ``transport`` until it closes or :meth:`close` is called.
+        """Serve ``transport`` until it closes or :meth:`stop` is called.
 
         The transport is closed on return. One transport at a time; ``serve`` may be
         called again with a new transport once it returned (call :meth:`reset_flows`
@@ -459,8 +454,9 @@ class Stack:
             transport = wrap(transport)
         if self.tracer is not None:  # the drain_to_guest / writer_wake trace points
             transport = TraceTransport(transport, self.tracer)
-        self._transport = self.inject_queue.transport = transport
-        self.ctx.offload = bool(getattr(transport, "offload", False))
+        p = self._parts
+        self._transport = p.inject_queue.transport = transport
+        p.ctx.offload = bool(getattr(transport, "offload", False))
         info = {"transport": type(transport).__name__}
         if getattr(transport, "ifname", None):
             info["ifname"] = transport.ifname
@@ -471,13 +467,13 @@ class Stack:
             self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
             raise
         self.event_log.emit("ready", **info)
-        if self.v6 is not None:
-            self.v6.start_ra()  # an RA at once, then periodically (RFC 4861 6.2.4)
+        if p.v6 is not None:
+            p.v6.start_ra()  # an RA at once, then periodically (RFC 4861 6.2.4)
         try:
             await asyncio.wait([transport.closed, self._stopped], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if self.v6 is not None:
-                self.v6.stop_ra()
+            if p.v6 is not None:
+                p.v6.stop_ra()
             reason = "closed" if transport.closed.done() else "stopped"
             try:
                 if self._stopped.done() and transport.closed is not None and not transport.closed.done():
@@ -496,8 +492,8 @@ class Stack:
 
     def _first_frame_sink(self, transport, info: dict, seen: list):
         """The sink ``transport`` is opened with: the first batch emits ``guest_link_up``, then the
-        transport gets :attr:`on_frames` itself (the wrapper stays only where it cannot be swapped)."""
-        sink = self.on_frames
+        transport gets the link's ``on_frames`` itself (the wrapper stays only where it cannot be swapped)."""
+        sink = self._parts.link.on_frames
 
         def first(*args):
             if not seen:
@@ -514,7 +510,7 @@ class Stack:
 
         Names: ``ready`` (:meth:`serve` started: the transport is open), ``guest_link_up`` (the
         first guest frame on it), ``guest_link_down`` (it closed: ``data["reason"]`` ``"closed"``
-        when the guest went away, ``"stopped"`` after :meth:`close`), ``error`` (serving failed, or
+        when the guest went away, ``"stopped"`` after :meth:`stop`), ``error`` (serving failed, or
         the transport closed with an error; ``data["message"]`` is one line). With ``history``
         (the default) the events already kept come first, so a reader that starts late still sees
         ``ready``. At most :data:`~aioslirp.lifecycle.EVENT_HISTORY` events are kept: a reader that
@@ -534,8 +530,10 @@ class Stack:
         Returns a function of no arguments that removes the callback."""
         return self.event_log.on_event(callback)
 
-    def spawn(self, coro, name: str | None = None) -> asyncio.Task:
-        """Run an auxiliary coroutine owned by the stack (cancelled by :meth:`aclose`)."""
+    def spawn_task(self, coro, name: str | None = None) -> asyncio.Task:
+        """Run ``coro`` as an auxiliary task owned by the stack: a failure is logged, and
+        :meth:`aclose` cancels and awaits it. Needs a started stack. Named ``spawn()`` up to 0.1
+        (not :func:`aioslirp.spawn`, which runs a command behind a stack)."""
         t = self._loop.create_task(coro, name=name)
         self._aux_tasks.add(t)
         t.add_done_callback(self._aux_done)
@@ -548,41 +546,14 @@ class Stack:
 
     # ------------------------------------------------------------------ frames
     def process_guest_frame(self, frame) -> None:
-        """Process one guest Ethernet frame (bytes-like). Never raises: bad input is dropped and
-        counted. The flows it touched send at the next :meth:`flush`."""
-        self.link.process(frame)
+        """Process one guest Ethernet frame (bytes-like) without a transport. Never raises: bad
+        input is dropped and counted. The flows it touched send at the next :meth:`flush`."""
+        self._parts.link.process(frame)
 
     def flush(self) -> None:
-        """Let every flow touched since the last flush send what is due (one ACK, one socket write)."""
-        self.table.flush()
-
-    def inject_room(self) -> int:
-        """Free slots in the inject queue."""
-        return self.inject_queue.room
-
-    def eth_to(self, ip: bytes) -> bytes:
-        """Ethernet header from the gateway to the guest owning ``ip`` (4 bytes: IPv4; 16: IPv6,
-        see :meth:`Family6.eth_to <aioslirp.dispatch.family.Family6.eth_to>`)."""
-        return (self.family6 if len(ip) == 16 else self.family4).eth_to(ip)
-
-    def inject_ip(self, packet, dst_ip: bytes) -> None:
-        """Queue an IPv4 packet (bytes-like, no Ethernet header) for the guest, fragmenting to the MTU."""
-        self.family4.inject_ip(packet, dst_ip)
-
-    def inject_ip6(self, packet, dst_ip: bytes) -> None:
-        """Queue an IPv6 packet (bytes-like, no Ethernet header) for the guest's ``dst_ip`` (16 bytes),
-        fragmenting to the MTU. Only with ``config.ipv6`` on."""
-        self.family6.inject_ip(packet, dst_ip)
-
-    # ------------------------------------------------------------------ outcomes
-    def drop(self, reason: str) -> None:
-        """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``
-        (:meth:`FlowContext.drop <aioslirp.flow.base.FlowContext.drop>`)."""
-        self.ctx.drop(reason)
-
-    def handled(self, reason: str) -> None:
-        """Count a guest frame that was handled as ``handled.<reason>``; see :meth:`drop`."""
-        self.ctx.handled(reason)
+        """Let every flow touched since the last flush send what is due (one ACK, one socket write):
+        what a transport's batch of frames does at its end, for :meth:`process_guest_frame`."""
+        self._parts.table.flush()
 
     def frame_outcomes(self) -> tuple[int, int, int]:
         """``(frames_in, handled, dropped)``: frames received, and how many of them were handled
@@ -593,12 +564,13 @@ class Stack:
         return c["frames_in"], handled, c["frames_dropped"]
 
     # -------------------------------------------------------------- port forwards
-    @property
-    def forwarder(self):
-        """The :class:`~aioslirp.forward.Forwarder` holding this stack's port forwards."""
+    def _forwards(self):
+        """The :class:`~aioslirp.forward.Forwarder` holding this stack's port forwards (made at the first)."""
         if self._forwarder is None:
             from .forward import Forwarder
-            self._forwarder = Forwarder(self.ctx, self.family4, self.family6)
+
+            p = self._parts
+            self._forwarder = Forwarder(p.ctx, p.family4, p.family6)
         return self._forwarder
 
     async def add_forward(self, fwd):
@@ -613,7 +585,7 @@ class Stack:
         """
         if self._loop is None or self._closed:
             raise RuntimeError("add_forward() needs a started, open Stack")
-        return await self.forwarder.add(fwd)
+        return await self._forwards().add(fwd)
 
     def remove_forward(self, fwd):
         """Stop a forward, given its ``id`` or the :class:`PortForward` returned by
@@ -621,7 +593,7 @@ class Stack:
         refused); forwarded TCP connections already open carry on. Returns the removed
         :class:`PortForward`; raises :class:`~aioslirp.forward.UnknownForwardError` naming the id
         when there is no such forward (a ``ForwardError``, and a ``KeyError`` as before)."""
-        return self.forwarder.remove(fwd if isinstance(fwd, int) else getattr(fwd, "id", None))
+        return self._forwards().remove(fwd if isinstance(fwd, int) else getattr(fwd, "id", None))
 
     def forwards(self) -> list:
         """The active :class:`PortForward` objects, in the order they were added."""
@@ -629,11 +601,12 @@ class Stack:
 
     # -------------------------------------------------------------- audit
     def _set_audit(self, audit) -> None:
-        self.audit = self.ctx.audit = self.table.audit = audit
+        p = self._parts
+        p.ctx.audit = p.table.audit = audit
         if self._loop is not None:
             audit.bind(self._loop, self.counters)
 
-    def flow_events(self, maxlen: int = 4096):
+    def audit_records(self, maxlen: int = 4096):
         """An async iterator of the audit records from now on (``dict``: one per flow at its end,
         per denial, per DNS decision; fields in docs/audit.md), until the audit log closes
         (:meth:`aclose`, for a log the stack opened; an :class:`~aioslirp.audit.AuditLog` passed
@@ -642,25 +615,32 @@ class Stack:
         Bounded: it holds ``maxlen`` records; a reader that falls behind loses the oldest,
         counted ``audit.records_dropped``. Subscribed when called (before the first ``async
         for`` step); ``await it.aclose()`` unsubscribes. Without an audit log, one without a
-        file is started.
+        file is started. Named ``flow_events()`` up to 0.1.
+
+        Usage::
+
+            async for record in stack.audit_records():
+                print(record["event"], record.get("dst"))
         """
-        if self.audit is None:
+        if self._parts.ctx.audit is None:
             from .audit import AuditLog
 
             self._own_audit = True
             self._set_audit(AuditLog())
-        return self.audit.events(maxlen)
+        return self._parts.ctx.audit.events(maxlen)
 
     def reopen_audit_log(self) -> None:
         """Reopen the audit log's file (log rotation; the CLI does it on SIGHUP). Nothing when off."""
-        if self.audit is not None:
-            self.audit.reopen()
+        audit = self._parts.ctx.audit
+        if audit is not None:
+            audit.reopen()
 
     # -------------------------------------------------------------- stats
-    def flow_stats(self) -> dict:
-        """Active flows by ``proto`` and TCP state: ``{"tcp": {"ESTABLISHED": 3}, "udp": 1, ...}``."""
+    def _flow_stats(self) -> dict:
+        """Active flows by ``proto`` and TCP state: ``{"tcp": {"ESTABLISHED": 3}, "udp": 1, ...}``
+        (``stats()["flows"]``; ``flow_stats()`` up to 0.1)."""
         out: dict = {}
-        for f in self.flows.values():
+        for f in self._parts.flows.values():
             if f.proto_name == "tcp":
                 d = out.setdefault("tcp", {})
                 d[f.state] = d.get(f.state, 0) + 1
@@ -698,8 +678,8 @@ class Stack:
                   ``udp_idle_closed``), ``icmp_*`` (echo and error counts, ``icmp_errors_rate_limited``),
                   ``ip_fragments`` / ``ip_reassembled``, ``arp.*``, ``ndp.*`` / ``ra_*`` / ``na_*``
                   (IPv6 neighbour discovery), ``forward_*`` (port forwards), ``flow_errors``.
-            flows: the flows open now (:meth:`flow_stats`): TCP by RFC 9293 state name, UDP and
-                ICMP as one count each; ``{}`` when none. Per-flow detail: :meth:`flows() <flows>`.
+            flows: the flows open now: TCP by RFC 9293 state name, UDP and ICMP as one count
+                each; ``{}`` when none. Per-flow detail: :attr:`flows() <flows>`.
             inject_queue: ``depth``, frames queued for the guest and not yet written to the
                 transport; ``size``, the queue's capacity (``config.inject_queue_size``); frames
                 beyond it are dropped (``drop.inject_full``).
@@ -710,8 +690,8 @@ class Stack:
         """
         return {
             "counters": {k: int(v) for k, v in sorted(self.counters.items())},
-            "flows": self.flow_stats(),
-            "inject_queue": {"depth": len(self.inject_queue), "size": self.config.inject_queue_size},
+            "flows": self._flow_stats(),
+            "inject_queue": {"depth": len(self._parts.inject_queue), "size": self.config.inject_queue_size},
             "compiled": compiled_notice(),
         }
 

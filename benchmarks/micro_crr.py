@@ -113,7 +113,7 @@ def main() -> int:
             await asyncio.sleep(0)
             out = tr.out
             ok = [True]
-            on_frames = stack.on_frames
+            on_frames = stack.parts.link.on_frames
 
             def frame(sport, seq, ack, flags, payload=b""):
                 return [build_tcp(eth, guest, gw, sport, port, seq, ack, flags, 65535, b"", payload)]
@@ -128,7 +128,7 @@ def main() -> int:
                 iss = last_seq()
                 c, _ = srv.accept()
                 on_frames(frame(sport, 1001, iss + 1, ACK), ok)
-                flow = stack.flows[(6, guest, sport, gw, port)]
+                flow = stack.parts.flows[(6, guest, sport, gw, port)]
                 s, a = 1001, iss + 1
                 for i in range(n):
                     out.clear()
@@ -167,7 +167,7 @@ def main() -> int:
                 inside += perf() - t
                 c.recv(1)
                 c.send(b"a")
-                flow = stack.flows[(6, guest, sport, gw, port)]
+                flow = stack.parts.flows[(6, guest, sport, gw, port)]
                 t = perf()
                 flow.transport._on_readable()
                 on_frames(frame(sport, s + 2, iss + 2, ACK), ok)
@@ -182,9 +182,9 @@ def main() -> int:
                 inside += perf() - t
                 frames_in += 6
                 frames_out += len(out)
-            if stack.flows:
-                raise SystemExit(f"flows left: {len(stack.flows)}")
-            stack.close()
+            if stack.parts.flows:
+                raise SystemExit(f"flows left: {len(stack.parts.flows)}")
+            stack.stop()
             await serving
         srv.close()
         return inside * 1e6 / n, frames_in / n, frames_out / n
@@ -212,7 +212,7 @@ def main() -> int:
             await asyncio.sleep(0)
             out = tr.out
             ok = [True]
-            on_frames = stack.on_frames
+            on_frames = stack.parts.link.on_frames
 
             def frame(sport, seq, ack, flags, payload=b""):
                 return [build_tcp(eth, guest, gw, sport, port, seq, ack, flags, 65535, b"", payload)]
@@ -242,11 +242,11 @@ def main() -> int:
                 await until(lambda: any(tcp(f) and f[47] & FIN for f in out))
                 on_frames(frame(sport, s + 3, iss + 3, ACK), ok)
                 key = (6, guest, sport, gw, port)
-                await until(lambda: key not in stack.flows)
+                await until(lambda: key not in stack.parts.flows)
                 frames_in += 5
                 frames_out += len(out)
             wall = time.process_time() - t0  # CPU of this process: waits (timers, the loop idle) excluded
-            stack.close()
+            stack.stop()
             await serving
         server.close()
         await server.wait_closed()

@@ -29,7 +29,7 @@ async def sandbox(argv, allow, dns=None, audit_log="audit.jsonl"):
 
     def make_stack(cfg):
         stack = Stack(cfg)
-        readers.append(asyncio.create_task(report(stack.flow_events())))
+        readers.append(asyncio.create_task(report(stack.audit_records())))
         return stack
 
     status = await run_in_namespace(config, argv, stack_factory=make_stack)

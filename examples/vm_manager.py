@@ -131,8 +131,8 @@ class Watcher:
 
     def poll(self) -> None:
         c = self.stack.counters
-        if not self.state["dhcp"] and c["dhcp_replies"] >= 2 and self.stack.dhcp is not None:
-            addr = self.stack.dhcp.lease_of(self.mac)
+        if not self.state["dhcp"] and c["dhcp_replies"] >= 2 and self.stack.parts.dhcp is not None:
+            addr = self.stack.parts.dhcp.lease_of(self.mac)
             if addr is not None:
                 self.state["dhcp"] = True
                 self.lease = str(addr)
@@ -232,7 +232,7 @@ async def manage(args: argparse.Namespace, config: NetworkConfig) -> int:
         try:  # QEMU's exit closed its end: serve() returns by itself
             await asyncio.wait_for(asyncio.shield(serving), 5)
         except asyncio.TimeoutError:
-            stack.close()
+            stack.stop()
             await serving
         tokens.close()
         guest_exit = int(values["GUESTVM-EXIT"]) if values.get("GUESTVM-EXIT", "").isdigit() else None

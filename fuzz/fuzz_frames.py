@@ -124,7 +124,7 @@ def run_input(data: bytes) -> None:
     if stack.counters["drop.internal_error"] or stack.counters["flow_errors"]:
         raise RuntimeError(f"process_guest_frame failed: {dict(stack.counters)}")
     _inputs += 1
-    if _inputs % RESET_EVERY == 0 or len(stack.flows) > 512:
+    if _inputs % RESET_EVERY == 0 or len(stack.parts.flows) > 512:
         stack.reset_flows()
         _loop.run_until_complete(asyncio.sleep(0.001))
 

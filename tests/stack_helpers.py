@@ -4,7 +4,7 @@ for IPv4 and IPv6 (as smoltcp runs its interface tests for each medium with ``#[
 
 Frames are built with dpkt; every frame the stack sends is decoded with dpkt and its
 checksums are verified with an independent RFC 1071 sum (``ipv6_helpers.ref_checksum6``).
-Tests see only public behaviour: frames in and out, ``stack.counters``, ``stack.flows``.
+Tests see what the stack shows: frames in and out, ``stack.counters``, the flow table (``stack.parts.flows``).
 The few internals some tests read go through the functions at the end of this module.
 """
 
@@ -84,7 +84,7 @@ async def served_stack(cfg, settle: float = 0.5):
             await asyncio.sleep(0)
             first = await recv_frames(a, settle)
             yield stack, a, first
-            stack.close()
+            stack.stop()
             await task
     finally:
         a.close()
@@ -298,34 +298,35 @@ def icmp_of(fam, frames, icmp_type: int) -> list:
 
 def stack_tasks(stack) -> set:
     """The tasks the stack spawned and has not yet seen end (flows, services)."""
-    return stack.tasks
+    return stack.parts.tasks
 
 
 def ipv6_path(stack):
     """The stack's IPv6 path (``None`` with ``ipv6=False``)."""
-    return stack.v6
+    return stack.parts.v6
 
 
 def ndp_neighbours(stack) -> dict:
     """The IPv6 neighbour cache: address (16 bytes) -> MAC."""
-    return stack.v6.ndp.neighbors
+    return stack.parts.v6.ndp.neighbors
 
 
 def ipv6_guest_mac(stack):
     """The MAC of the guest's last IPv6 frame (``None`` before the first)."""
-    return stack.v6.guest_mac
+    return stack.parts.v6.guest_mac
 
 
 def eth_to(stack, ip: bytes) -> bytes:
     """The 14-byte Ethernet header the stack puts on a frame to the guest's ``ip``."""
-    return stack.eth_to(ip)
+    parts = stack.parts
+    return (parts.family6 if len(ip) == 16 else parts.family4).eth_to(ip)
 
 
 def icmp_echo_mode(stack, fam) -> str | None:
     """The echo proxy mechanism chosen for ``fam``: ``"ping"``, ``"raw"``, ``"none"`` or None."""
-    return stack.icmp.mode if fam is F4 else stack.icmp.mode6
+    return stack.parts.icmp.mode if fam is F4 else stack.parts.icmp.mode6
 
 
 def icmp_raw_socket(stack, fam):
     """The shared raw ICMP socket of ``fam`` (``None`` when not open)."""
-    return stack.icmp.raw if fam is F4 else stack.icmp.raw6
+    return stack.parts.icmp.raw if fam is F4 else stack.parts.icmp.raw6

@@ -85,13 +85,13 @@ async def test_tcp_flows_closed_reset_refused_one_record_each(fam):
         segs = [ip.data for _e, ip in of_proto(fam, await recv_frames(guest), 6)]
         assert b"back" in [s.data for s in segs] and any(s.flags & FIN for s in segs)
         guest.send(tcp_frame(fam, 41000, port, ACK, seq=1007, ack=isn + 1 + 4 + 1))
-        await _until(lambda: (6, fam.guest, 41000, fam.gw, port) not in stack.flows)
+        await _until(lambda: (6, fam.guest, 41000, fam.gw, port) not in stack.parts.flows)
         # 2. reset by the guest after 3 bytes
         conn2, isn2 = await _handshake(fam, guest, lst, 41001)
         guest.send(tcp_frame(fam, 41001, port, ACK | PSH, seq=1001, ack=isn2 + 1, data=b"abc"))
         assert await asyncio.wait_for(loop.sock_recv(conn2, 100), 2) == b"abc"
         guest.send(tcp_frame(fam, 41001, port, RST, seq=1004))
-        await _until(lambda: (6, fam.guest, 41001, fam.gw, port) not in stack.flows)
+        await _until(lambda: (6, fam.guest, 41001, fam.gw, port) not in stack.parts.flows)
         conn2.close()
         # 3. refused: nothing listens
         probe = socket.socket(fam.af)
@@ -100,9 +100,9 @@ async def test_tcp_flows_closed_reset_refused_one_record_each(fam):
         probe.close()
         guest.send(tcp_frame(fam, 41002, closed_port, SYN, opts=MSS))
         await recv_frames(guest, 0.3)
-        await _until(lambda: stack.counters["tcp_connect_refused"] == 1 and not stack.flows)
+        await _until(lambda: stack.counters["tcp_connect_refused"] == 1 and not stack.parts.flows)
         lst.close()
-        stack.audit.flush()
+        stack.parts.audit.flush()
         recs = _records(buf)
     assert [r["end"] for r in recs] == ["closed", "reset", "refused"], recs
     guest_text, gw_text = fam.addr_text(fam.guest), fam.addr_text(fam.gw)
@@ -127,7 +127,7 @@ async def test_udp_flow_idles_out_one_record(fam):
             replies = [ip for _e, ip in of_proto(fam, await recv_frames(guest), 17)]
             assert len(replies) == 2
             await _until(lambda: stack.counters["udp_idle_closed"] == 1)
-            stack.audit.flush()
+            stack.parts.audit.flush()
             recs = _records(buf)
     finally:
         echo.sock.close()
@@ -143,33 +143,33 @@ async def test_flow_events_slow_reader_loses_oldest(fam):
     echo = UdpEcho(fam.loopback)
     try:
         async with served_stack(cfg) as (stack, guest, _first):
-            assert stack.audit is None
-            events = stack.flow_events(maxlen=3)  # starts an audit log without a file
+            assert stack.parts.audit is None
+            events = stack.audit_records(maxlen=3)  # starts an audit log without a file
             for i in range(10):
                 guest.send(udp_frame(fam, 43000 + i, echo.port, b"z" * (i + 1)))
             await recv_frames(guest, 0.3)
-            assert len(stack.flows) == 10
-            for flow in list(stack.flows.values()):
+            assert len(stack.parts.flows) == 10
+            for flow in list(stack.parts.flows.values()):
                 flow.shutdown()
             got = [await asyncio.wait_for(events.__anext__(), 1) for _ in range(3)]
-            assert stack.audit.records_dropped == 7
+            assert stack.parts.audit.records_dropped == 7
             assert stack.counters["audit.records_dropped"] == 7
-            assert stack.audit.records == 10
+            assert stack.parts.audit.records == 10
             assert all(r["end"] == "closed" and r["dst"] == fam.addr_text(fam.gw) for r in got)
             # the last three flows shut down are the ones kept
             ports = [r["guest_port"] for r in got]
             order = sorted(range(10), key=lambda i: i)  # shutdown order = table order = insertion
             assert ports == [43000 + i for i in order[-3:]]
             await events.aclose()
-            assert not stack.audit._readers
+            assert not stack.parts.audit._readers
     finally:
         echo.sock.close()
 
 
 async def test_flow_events_end_when_the_stack_closes():
     async with served_stack(NetworkConfig(ipv6=False)) as (stack, _guest, _first):
-        events = stack.flow_events()
-        stack.audit.record({"event": "dns", "guest": bytes([10, 0, 2, 15]), "dst": None})
+        events = stack.audit_records()
+        stack.parts.audit.record({"event": "dns", "guest": bytes([10, 0, 2, 15]), "dst": None})
     got = [r async for r in events]
     assert got == [{"event": "dns", "guest": "10.0.2.15", "dst": None}]
 

@@ -92,10 +92,10 @@ async def test_corpus_replay_no_crash_all_counted():
         assert drops > 0  # the raw pass has frames with offload (bad) checksums
         assert c["drop.bad_tcp_checksum"] + c["drop.bad_udp_checksum"] > 0
         assert c["arp_replies"] >= 1 and c["dhcp_replies"] >= 1 and c["icmp_echo_local"] >= 1
-        stack.close()
+        stack.stop()
         await serve
-    assert not stack.flows
-    assert all(t.done() for t in stack.tasks)
+    assert not stack.parts.flows
+    assert all(t.done() for t in stack.parts.tasks)
     a.close()
 
 
@@ -155,8 +155,8 @@ async def test_corpus_ipv6_replay_through_the_stack():
         assert c["icmp6_echo_local"] >= 1  # ping fec0::2
         assert c["flows.udp.opened"] >= 1 and c["tcp_connect_unreachable"] >= 1
         assert c["icmp6_errors_sent"] >= 1  # the unreachable TCP remote
-        stack.close()
+        stack.stop()
         await serve
-    assert not stack.flows
-    assert all(t.done() for t in stack.tasks)
+    assert not stack.parts.flows
+    assert all(t.done() for t in stack.parts.tasks)
     a.close()

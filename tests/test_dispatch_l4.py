@@ -69,7 +69,7 @@ async def test_syn_to_closed_host_port_gets_rst(served, fam):
     rst = tcps[0][1].data
     assert rst.flags & RST and rst.flags & ACK and rst.ack == 1001
     await asyncio.sleep(0.05)
-    assert not stack.flows
+    assert not stack.parts.flows
     assert stack.counters["tcp_connect_refused"] == 1
 
 
@@ -129,7 +129,7 @@ async def test_dns_over_udp_and_tcp(served, fam):
     _e, ip = fam.decode(syn_ack)
     assert ip.data.flags == SYN | ACK and ip.data.ack == 1001
     assert dict(dpkt.tcp.parse_opts(ip.data.opts))[dpkt.tcp.TCP_OPT_MSS] == struct.pack("!H", 1500 - fam.mss_overhead)
-    assert stack.flows[(6, fam.guest, 40001, fam.dns, 53)].state == "SYN-RECEIVED"
+    assert stack.parts.flows[(6, fam.guest, 40001, fam.dns, 53)].state == "SYN-RECEIVED"
     # another port of the DNS address: RST
     guest.send(tcp_frame(fam, 40002, 80, SYN, dst=fam.dns))
     (rst,) = await recv_frames(guest)
@@ -222,7 +222,7 @@ async def test_hostile_frames_are_dropped_and_counted(served, fam):
     for reason in set(reasons):
         assert stack.counters["drop." + reason] == before.get("drop." + reason, 0) + reasons.count(reason), reason
     assert stack.counters["drop.internal_error"] == 0
-    assert not stack.flows
+    assert not stack.parts.flows
 
 
 @pytest.fixture
@@ -254,5 +254,5 @@ async def test_echo_to_remote_proxied(fam, remote, echo_mode):
         assert icmp_echo_mode(stack, fam) == echo_mode
         assert [(ip.src, ip.dst, msg[4:]) for _e, ip, msg in replies] == [
             (remote, fam.guest, struct.pack("!HH", 4321, seq) + b"x" * 100) for seq in (1, 2)]
-        assert stack.flows[(fam.icmp_proto, fam.guest, 4321, remote, 0)].proto == fam.icmp_proto
+        assert stack.parts.flows[(fam.icmp_proto, fam.guest, 4321, remote, 0)].proto == fam.icmp_proto
     assert icmp_raw_socket(stack, fam) is None

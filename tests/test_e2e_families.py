@@ -556,7 +556,7 @@ async def test_namespace_workload_leaves_no_fd_task_or_flow(fam):
         assert stack.counters["flows.tcp.opened"] >= 21
         assert stack.counters["flows.udp.opened"] >= 1
         assert stack.counters["drop.internal_error"] == 0
-        assert not stack.flows
+        assert not stack.parts.flows
         assert all(t.done() for t in stack_tasks(stack))
         await asyncio.sleep(0.05)
         assert asyncio.all_tasks() - tasks_before == set()

@@ -135,7 +135,7 @@ async def probe(fam, guest, srv: Servers, what: str, sport: int, stack, names_of
             assert not echoed and srv.udp.count == before
             return "denied"
         assert len(echoed) == 1 and srv.udp.count == before + 1, frames
-        names_of[what] = stack.flows[(17, fam.guest, sport, fam.gw, srv.udp.port)].name
+        names_of[what] = stack.parts.flows[(17, fam.guest, sport, fam.gw, srv.udp.port)].name
         return "open"
     port = srv.p1 if what == "tcp1" else srv.p2
     guest.send(tcp_frame(fam, sport, port, SYN, seq=1000))
@@ -146,7 +146,7 @@ async def probe(fam, guest, srv: Servers, what: str, sport: int, stack, names_of
         return "denied"
     (seg,) = segs
     assert seg.flags & (SYN | ACK) == SYN | ACK and seg.ack == 1001 and seg.sport == port
-    names_of[what] = stack.flows[(6, fam.guest, sport, fam.gw, port)].name
+    names_of[what] = stack.parts.flows[(6, fam.guest, sport, fam.gw, port)].name
     conn, _peer = srv.tcp[0 if what == "tcp1" else -1].accept()  # the host side was connected
     conn.close()
     guest.send(tcp_frame(fam, sport, port, RST | ACK, seq=1001, ack=seg.seq + 1))  # done with it

@@ -499,7 +499,7 @@ def test_removed_allow_closes_only_the_flows_it_alone_allowed_and_only_when_aske
     stack = Stack(NetworkConfig(egress_default="deny", egress_allow=["198.51.100.0/24:80", "198.51.100.7/32"]))
     flows = {1: FakeFlow(TCP, "198.51.100.1", 80), 2: FakeFlow(UDP, "198.51.100.7", 80),
              3: FakeFlow(TCP, "10.0.2.2", 80)}
-    stack.table.flows.update(flows)
+    stack.parts.table.flows.update(flows)
     try:
         stack.policy.add("127.0.0.1/32")
         assert stack.policy.remove("198.51.100.0/24:80").text == "198.51.100.0/24:80"
@@ -509,7 +509,7 @@ def test_removed_allow_closes_only_the_flows_it_alone_allowed_and_only_when_aske
         assert [f.down for f in flows.values()] == [True, False, False]  # .7 has its own rule; the gateway too
         assert stack.counters["egress.flows_closed"] == 1
     finally:
-        stack.table.flows.clear()
+        stack.parts.table.flows.clear()
 
 
 def test_dns_upstream_check_uses_its_port_and_ignores_defaults_and_egress_default():

@@ -357,7 +357,7 @@ async def test_python_hook_decides_guest_syns(kind, fam_name):
             guest.send(tcp_frame(fam, 41003, even, 0x02))  # the cached verdict: not asked again
             await recv_frames(guest, 0.3)
             assert len(asked) == n
-            assert stack.guard.held == 0
+            assert stack.parts.guard.held == 0
     finally:
         for s in lsn:
             s.close()

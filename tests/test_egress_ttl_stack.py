@@ -133,7 +133,7 @@ def test_binding_ttl_expires_through_the_stack_and_a_new_lookup_reopens():
                 assert c["egress.denied_default"] == 1
                 assert await resolve(tr, 1, 50000) == dst
                 out["resolved"] = await syn(tr, 40001)
-                flow = stack.flows[(6, socket.inet_aton("10.0.2.15"), 40001, dst, port)]
+                flow = stack.parts.flows[(6, socket.inet_aton("10.0.2.15"), 40001, dst, port)]
                 out["name"] = flow.name
                 loop.now = START + 1.9
                 out["at_0.9"] = await syn(tr, 40002)
@@ -145,11 +145,11 @@ def test_binding_ttl_expires_through_the_stack_and_a_new_lookup_reopens():
                 out["later"] = await syn(tr, 40004)
                 assert await resolve(tr, 2, 50001) == dst  # asked upstream again
                 out["again"] = await syn(tr, 40005)
-                flow = stack.flows[(6, socket.inet_aton("10.0.2.15"), 40005, dst, port)]
+                flow = stack.parts.flows[(6, socket.inet_aton("10.0.2.15"), 40005, dst, port)]
                 out["name_again"] = flow.name
                 out["asked"] = upstream.asked
                 out["denied_final"] = c["egress.denied_default"]
-                stack.close()
+                stack.stop()
                 await serving
 
         try:

@@ -104,14 +104,14 @@ async def test_guest_that_sent_frames_then_left_is_no_error(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-@pytest.mark.parametrize("how", ["stack.close", "transport.close"])
+@pytest.mark.parametrize("how", ["stack.stop", "transport.close"])
 async def test_stopping_before_any_frame_is_no_error(how, caplog):
     caplog.set_level(logging.INFO)
     ours, guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
     async def stop(stack, transport):
         await asyncio.sleep(0.05)
-        stack.close() if how == "stack.close" else transport.close()
+        stack.stop() if how == "stack.stop" else transport.close()
 
     try:
         events, _ = await serve_collect(aioslirp.SocketPairTransport(ours), then=stop)

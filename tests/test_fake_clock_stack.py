@@ -117,7 +117,7 @@ def test_fake_clock_drives_udp_and_tcp_idle_expiry_exactly():
             tr = FakeTransport()
             serving = asyncio.ensure_future(stack.serve(tr))
             await settle()
-            interval = stack.table.interval
+            interval = stack.parts.table.interval
             assert interval == 2.5  # a quarter of the shortest idle timeout (icmp 10 s)
 
             # -- a TCP connection to a real listener, at fake time START + 1
@@ -139,7 +139,7 @@ def test_fake_clock_drives_udp_and_tcp_idle_expiry_exactly():
             tr.out.clear()
             loop.now = START + 2
             tr.deliver(tcp(40000, tport, ACK, seq=106, ack=iss + 6))  # the guest's last segment
-            tcp_flow = stack.flows[(6, GUEST, 40000, GW, tport)]
+            tcp_flow = stack.parts.flows[(6, GUEST, 40000, GW, tport)]
             assert tcp_flow.state == "ESTABLISHED" and tcp_flow.last_active == START + 2
 
             # -- a UDP flow to a real socket, at fake time START + 3
@@ -147,7 +147,7 @@ def test_fake_clock_drives_udp_and_tcp_idle_expiry_exactly():
             tr.deliver(udp(41000, uport, b"ping"))
             data, peer = echo.recvfrom(100)
             assert data == b"ping"
-            udp_flow = stack.flows[(17, GUEST, 41000, GW, uport)]
+            udp_flow = stack.parts.flows[(17, GUEST, 41000, GW, uport)]
             assert udp_flow.last_active == START + 3  # the batch's now, taken once in on_frames
             echo.sendto(b"pong", peer)
             assert await settle(lambda: udp_out(tr.out))
@@ -162,11 +162,11 @@ def test_fake_clock_drives_udp_and_tcp_idle_expiry_exactly():
             while t < START + 32.5:
                 t += interval
                 await advance_to(t)
-            assert udp_flow.key in stack.flows and c["udp_idle_closed"] == 0  # swept at +32.5: 29.5 s idle
+            assert udp_flow.key in stack.parts.flows and c["udp_idle_closed"] == 0  # swept at +32.5: 29.5 s idle
             await advance_to(START + 35.0)
-            assert udp_flow.key not in stack.flows and udp_flow.sock is None
+            assert udp_flow.key not in stack.parts.flows and udp_flow.sock is None
             assert c["udp_idle_closed"] == 1 and c["flows.udp.closed"] == 1
-            assert tcp_flow.key in stack.flows and c["tcp_idle_closed"] == 0
+            assert tcp_flow.key in stack.parts.flows and c["tcp_idle_closed"] == 0
             out["udp_gone_at"] = loop.now
 
             # -- the TCP flow goes at the first sweep past START + 2 + 100 (strictly past), START + 102.5
@@ -175,9 +175,9 @@ def test_fake_clock_drives_udp_and_tcp_idle_expiry_exactly():
             while t < START + 100.0:
                 t += interval
                 await advance_to(t)
-            assert tcp_flow.key in stack.flows and c["tcp_idle_closed"] == 0  # swept at +100: 98 s idle
+            assert tcp_flow.key in stack.parts.flows and c["tcp_idle_closed"] == 0  # swept at +100: 98 s idle
             await advance_to(START + 102.5)
-            assert tcp_flow.key not in stack.flows and c["tcp_idle_closed"] == 1 and c["flows.tcp.closed"] == 1
+            assert tcp_flow.key not in stack.parts.flows and c["tcp_idle_closed"] == 1 and c["flows.tcp.closed"] == 1
             rsts = [s for s in tcp_out(tr.out) if s[2] & RST]
             assert rsts == [(iss + 6, 106, RST | ACK, b"")]  # reset towards the guest, at our next sequence
             try:
@@ -191,9 +191,9 @@ def test_fake_clock_drives_udp_and_tcp_idle_expiry_exactly():
             assert c["frames_in"] == 5 and stack.frame_outcomes() == (5, 5, 0)
             assert {k: v for k, v in c.items() if k.startswith("handled.")} == {
                 "handled.tcp_syn": 1, "handled.tcp": 3, "handled.udp": 1}
-            assert c["flows.tcp.opened"] == c["flows.udp.opened"] == 1 and not stack.flows
-            assert stack.guard.active == {"tcp": 0, "udp": 0, "icmp": 0}
-            stack.close()
+            assert c["flows.tcp.opened"] == c["flows.udp.opened"] == 1 and not stack.parts.flows
+            assert stack.parts.guard.active == {"tcp": 0, "udp": 0, "icmp": 0}
+            stack.stop()
             await serving
 
     try:

@@ -88,7 +88,7 @@ async def stack_guest(request):
         task = asyncio.ensure_future(stack.serve(SocketPairTransport(b)))
         await asyncio.sleep(0)
         yield stack, FakeGuest(a)
-        stack.close()
+        stack.stop()
         await task
     a.close()
 
@@ -205,15 +205,15 @@ async def test_active_open_options_data_and_half_close(stack_guest):
     assert opts[dpkt.tcp.TCP_OPT_MSS] == (1500 - 40).to_bytes(2, "big")
     assert dpkt.tcp.TCP_OPT_WSCALE in opts  # window scaling offered, as for outbound flows
     key = (6, GUEST, 8080, GW, syn.sport)
-    assert stack.flows[key].state == "SYN-SENT"
+    assert stack.parts.flows[key].state == "SYN-SENT"
     guest.send_tcp(8080, syn.sport, 5000, syn.seq + 1, SYN | ACK, win=64240,
                    opts=b"\x02\x04\x05\xb4\x01\x03\x03\x07")
     seg = await guest.expect_tcp()
     while not seg.data:  # the ACK of the SYN-ACK may come alone
         seg = await guest.expect_tcp()
     assert seg.data == b"early bytes" and seg.ack == 5001
-    assert stack.flows[key].state == "ESTABLISHED"
-    assert stack.flows[key].conn.snd_wscale == 7
+    assert stack.parts.flows[key].state == "ESTABLISHED"
+    assert stack.parts.flows[key].conn.snd_wscale == 7
     my_seq = 5001
     their = seg.seq + len(seg.data)
     # host client half-closes: the guest gets a FIN, and can still send the reply
@@ -229,11 +229,11 @@ async def test_active_open_options_data_and_half_close(stack_guest):
     writer.close()
     # both sides closed: the flow leaves the table (after a short TIME-WAIT), no host socket kept
     for _ in range(300):
-        if key not in stack.flows:
+        if key not in stack.parts.flows:
             break
-        assert stack.flows[key].host_closed
+        assert stack.parts.flows[key].host_closed
         await asyncio.sleep(0.01)
-    assert key not in stack.flows
+    assert key not in stack.parts.flows
     assert stack.counters["flows.tcp.opened"] == stack.counters["flows.tcp.closed"] == 1
 
 
@@ -272,7 +272,7 @@ async def test_guest_rst_resets_host_client_at_once(stack_guest):
     assert stack.counters["forward_connect_timeout"] == 0  # reset by the guest's RST, not our 2 s timeout
     writer.close()
     await asyncio.sleep(0.05)
-    assert not [f for f in stack.flows.values() if f.proto_name == "tcp"]
+    assert not [f for f in stack.parts.flows.values() if f.proto_name == "tcp"]
 
 
 async def test_guest_not_answering_arp_resets_host_client(stack_guest):
@@ -324,7 +324,7 @@ async def test_stack_exit_closes_listeners_and_flows():
         ufwd = await stack.add_forward(PortForward(proto="udp", host_port=0, guest_port=53))
         reader, writer = await host_connect(fwd.host_port)
         await guest_accept(guest, 80)
-        stack.close()
+        stack.stop()
         await task
     a.close()
     with pytest.raises(ConnectionResetError):  # the forwarded connection was reset at exit
@@ -368,10 +368,10 @@ async def test_udp_forward_routes_replies_to_each_client(stack_guest):
     r0 = await asyncio.wait_for(loop.sock_recv(clients[0], 100), 2)
     r1 = await asyncio.wait_for(loop.sock_recv(clients[1], 100), 2)
     assert (r0, r1) == (b"to one", b"to two")
-    flows = [f for f in stack.flows.values() if getattr(f, "direction", "") == "inbound"]
+    flows = [f for f in stack.parts.flows.values() if getattr(f, "direction", "") == "inbound"]
     assert len(flows) == 2
     stack.remove_forward(fwd.id)
-    assert not [f for f in stack.flows.values() if getattr(f, "direction", "") == "inbound"]
+    assert not [f for f in stack.parts.flows.values() if getattr(f, "direction", "") == "inbound"]
     for c in clients:
         c.close()
 

@@ -170,7 +170,7 @@ async def _feed(frames) -> Stack:
                 stack.process_guest_frame(f)
             stack.flush()
             await asyncio.sleep(0.01)
-            stack.close()
+            stack.stop()
             await serve
     finally:
         a.close()
@@ -186,5 +186,5 @@ def test_process_guest_frame_never_raises_and_counts_every_frame(frames):
     assert c["frames_in"] == len(frames)
     frames_in, handled, dropped = stack.frame_outcomes()  # one outcome per frame, each counted where it happens
     assert frames_in == handled + dropped, dict(c)
-    assert not stack.flows
-    assert all(t.done() for t in stack.tasks)
+    assert not stack.parts.flows
+    assert all(t.done() for t in stack.parts.tasks)

@@ -458,7 +458,7 @@ class StackMachine(RuleBasedStateMachine):
         loop, stack = self.loop, self.stack
         problems = []
         try:
-            stack.close()
+            stack.stop()
             loop.run_until_complete(asyncio.wait_for(self.serve_task, 5))
             loop.run_until_complete(stack.aclose())
             self._drain()
@@ -479,10 +479,10 @@ class StackMachine(RuleBasedStateMachine):
             self._spin(PUMP)
             for srv in self.servers:
                 loop.run_until_complete(srv.wait_closed())
-            if stack.flows:
-                problems.append(f"flows left: {list(stack.flows)}")
-            if any(not t.done() for t in stack.tasks):
-                problems.append(f"stack tasks left: {stack.tasks}")
+            if stack.parts.flows:
+                problems.append(f"flows left: {list(stack.parts.flows)}")
+            if any(not t.done() for t in stack.parts.tasks):
+                problems.append(f"stack tasks left: {stack.parts.tasks}")
             left = [t for t in asyncio.all_tasks(loop) if not t.done()]
             if left:
                 problems.append(f"tasks left on the loop: {left}")
@@ -638,7 +638,7 @@ class StackMachine(RuleBasedStateMachine):
         assert c["drop.internal_error"] == 0, dict(c)
         assert c["flow_errors"] == 0, dict(c)
         assert c["drop.dhcpv6_error"] == 0, dict(c)
-        assert self.stack.dhcp.dropped.get("error", 0) == 0, self.stack.dhcp.dropped
+        assert self.stack.parts.dhcp.dropped.get("error", 0) == 0, self.stack.parts.dhcp.dropped
         assert not self.loop_errors, self.loop_errors
         assert not self.log_errors.records, self.log_errors.records
 
@@ -654,13 +654,13 @@ class StackMachine(RuleBasedStateMachine):
         stack = self.stack
         cfg = stack.config
         by_proto = {"tcp": 0, "udp": 0, "icmp": 0}
-        for f in stack.flows.values():
+        for f in stack.parts.flows.values():
             by_proto[f.proto_name] += 1
-        assert len(stack.flows) <= cfg.max_flows
+        assert len(stack.parts.flows) <= cfg.max_flows
         assert by_proto["tcp"] <= cfg.max_tcp_flows
         assert by_proto["udp"] <= cfg.max_udp_flows
         assert by_proto["icmp"] <= cfg.max_icmp_flows
-        assert stack.guard.active == by_proto, (stack.guard.active, by_proto)
+        assert stack.parts.guard.active == by_proto, (stack.parts.guard.active, by_proto)
 
     @invariant()
     def drops_monotonic(self) -> None:
@@ -675,8 +675,8 @@ class StackMachine(RuleBasedStateMachine):
     @invariant()
     def fds_bounded(self) -> None:
         extra = len(os.listdir("/proc/self/fd")) - len(self.fds0)
-        bound = FD_SLACK + 2 * len(self.stack.flows) + self.stack.config.dns_max_inflight
-        assert extra <= bound, (extra, bound, len(self.stack.flows))
+        bound = FD_SLACK + 2 * len(self.stack.parts.flows) + self.stack.config.dns_max_inflight
+        assert extra <= bound, (extra, bound, len(self.stack.parts.flows))
 
     # ------------------------------------------------------------------ link-layer and services
     @rule(target=sent, tpa=st.sampled_from([GW, DNS, SUBNET_OTHER, GUEST]), op=st.sampled_from([1, 1, 2]))
@@ -940,7 +940,7 @@ class StackMachine(RuleBasedStateMachine):
             return fin
         ack = self._tcp_frame(c, ACK)
         self._give(ack)
-        if (6, GUEST6 if c.v6 else GUEST, c.sport, c.dst, c.dport) not in self.stack.flows and c.state == "open":
+        if (6, GUEST6 if c.v6 else GUEST, c.sport, c.dst, c.dport) not in self.stack.parts.flows and c.state == "open":
             self.graceful_closes += 1
         return multiple(fin, ack)
 

@@ -95,8 +95,8 @@ async def run_guest(cfg, script: str, *args, timeout: float = 120, setup=None, *
         text = open(out).read()
     stack = stacks[0]
     assert rc == 0, (text, {k: v for k, v in stack.counters.items() if "drop" in k or "error" in k or "tcp" in k})
-    assert not stack.flows
-    assert all(t.done() for t in stack.tasks)
+    assert not stack.parts.flows
+    assert all(t.done() for t in stack.parts.tasks)
     for _ in range(40):  # the test's own servers (proxies) may take a moment to see their last connection end
         await asyncio.sleep(0.05)
         if not asyncio.all_tasks() - tasks and fd_count() == fds:
@@ -616,7 +616,7 @@ async def test_stack_exit_cancels_handlers_and_closes_their_upstreams(v6):
         assert [ip.data.flags & 0x12 for _e, ip in of_proto(F, frames, 6)][:1] == [0x12]  # SYN-ACK at once
         assert [bytes(ip.data.data) for _e, ip in of_proto(F, frames, 17)] == [b"seen"]
         conn, _ = lsn.accept()
-        assert len(stack.flows) == 2 and stack.counters["handler_flows.tcp"] == 1
+        assert len(stack.parts.flows) == 2 and stack.counters["handler_flows.tcp"] == 1
     guest.close()
     assert sorted(cancelled) == ["tcp", "udp"]
     conn.settimeout(5)

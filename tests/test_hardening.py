@@ -125,7 +125,7 @@ async def serving(**cfg):
             try:
                 yield stack, guest
             finally:
-                stack.close()
+                stack.stop()
                 await task
     finally:
         a.close()
@@ -191,7 +191,7 @@ async def test_metadata_endpoint_denied_by_default_all_protocols():
         c = stack.counters
         assert c["drop.egress_denied"] == 3
         # refused locally: no flow, no socket, no connect attempt
-        assert not stack.flows
+        assert not stack.parts.flows
         assert c["flows.tcp.opened"] == c["flows.udp.opened"] == c["flows.icmp.opened"] == 0
         assert c["tcp_connect_unreachable"] == c["tcp_connect_refused"] == 0
 
@@ -202,7 +202,7 @@ async def test_ipv6_metadata_denied_with_icmpv6_admin_prohibited():
         frames = await guest.recv()
         errs = [e.data.data for e in frames if e.type == 0x86DD and e.data.nxt == 58 and e.data.data.type == 1]
         assert [(e.type, e.code) for e in errs] == [(1, 1)]
-        assert stack.counters["drop.egress_denied"] == 1 and not stack.flows
+        assert stack.counters["drop.egress_denied"] == 1 and not stack.parts.flows
 
 
 async def test_deny_host_loopback_then_allow_more_specific():
@@ -229,12 +229,12 @@ async def test_dns_upstream_denied_by_user_rule_gets_servfail():
     up = DnsUpstream()
     try:
         async with serving(dns_upstreams=[("127.0.0.1", up.port)], egress_deny=["127.0.0.1/32"]) as (stack, guest):
-            assert stack.dns.allow_upstream(("169.254.169.254", 53))  # defaults do not apply to upstreams
+            assert stack.parts.dns.allow_upstream(("169.254.169.254", 53))  # defaults do not apply to upstreams
             guest.send(udp(40020, 53, dns_query(), dst=DNS))
             frames = await guest.recv()
             (reply,) = [dpkt.dns.DNS(e.data.data.data) for e in frames if e.type == 0x0800 and e.data.p == 17]
             assert reply.id == 0x1234 and reply.rcode == dpkt.dns.DNS_RCODE_SERVFAIL
-            assert stack.dns.stats["upstream_denied"] == 1
+            assert stack.parts.dns.stats["upstream_denied"] == 1
             assert up.udp_queries == 0
     finally:
         up.close()
@@ -261,7 +261,7 @@ async def test_per_protocol_caps_refuse_new_flows_and_keep_existing():
             assert stack.counters["drop.limit_udp_flows"] == 1
             guest.send(udp(40032, echo_srv.port, b"again"))  # the existing flow carries on
             assert [e.data.data.data for e in await guest.recv() if e.type == 0x0800 and e.data.p == 17] == [b"again"]
-            assert stack.guard.active == {"tcp": 1, "udp": 1, "icmp": 0}
+            assert stack.parts.guard.active == {"tcp": 1, "udp": 1, "icmp": 0}
     finally:
         lst.close()
         echo_srv.close()
@@ -284,7 +284,7 @@ async def test_dns_inflight_bound():
             await guest.recv(0.2)
             assert stack.counters["dns_queries_udp"] == 2
             assert stack.counters["drop.dns_too_many_queries"] == 1
-            assert stack.guard.dns_inflight == 2
+            assert stack.parts.guard.dns_inflight == 2
     finally:
         silent.close()
 
@@ -301,8 +301,8 @@ async def test_pending_connects_bound_per_destination_and_guest_rst_frees_the_sl
                 for seg in Guest.tcp4(await guest.recv(0.15, 0.02)):
                     synacks += bool(seg.flags & SYN)
                     rsts += bool(seg.flags & RST)
-            pending = [f for f in stack.flows.values() if f.transport is None]
-            assert len(pending) == 2, stack.flows
+            pending = [f for f in stack.parts.flows.values() if f.transport is None]
+            assert len(pending) == 2, stack.parts.flows
             assert synacks + 2 + rsts == 8 and rsts >= 4
             assert stack.counters["drop.limit_pending_connects"] == rsts
             # another destination is not blocked by the black hole
@@ -312,12 +312,12 @@ async def test_pending_connects_bound_per_destination_and_guest_rst_frees_the_sl
             # the guest gives up on a pending SYN: its slot (flow, socket, task) goes at once
             f = pending[0]
             guest.send(tcp(f.guest_port, port, RST, seq=5000 + f.guest_port - 41000 + 1))
-            assert await until(lambda: f.key not in stack.flows, 0.5)
+            assert await until(lambda: f.key not in stack.parts.flows, 0.5)
             assert f.task.done()
             await asyncio.sleep(0.01)
             guest.send(tcp(41200, port, SYN))  # admitted again: pending, not refused
             assert Guest.tcp4(await guest.recv(0.2)) == []
-            assert len([f for f in stack.flows.values() if f.transport is None]) == 2
+            assert len([f for f in stack.parts.flows.values() if f.transport is None]) == 2
     finally:
         hole.close()
         live.close()
@@ -332,10 +332,10 @@ async def test_half_open_aborted_by_guest_rst_frees_slot_at_once():
             (synack,) = Guest.tcp4(await guest.recv())
             assert synack.flags & (SYN | ACK) == SYN | ACK
             conn, _ = lst.accept()  # the host side did connect
-            assert stack.guard.active["tcp"] == 1
+            assert stack.parts.guard.active["tcp"] == 1
             guest.send(tcp(42000, lst.getsockname()[1], RST, seq=9001))
-            assert await until(lambda: not stack.flows, 0.2)
-            assert stack.guard.active["tcp"] == 0
+            assert await until(lambda: not stack.parts.flows, 0.2)
+            assert stack.parts.guard.active["tcp"] == 0
             conn.settimeout(2)
             with pytest.raises(ConnectionResetError):  # the guest's RST stays a RST
                 conn.recv(10)
@@ -354,10 +354,11 @@ async def test_tcp_idle_timeout_resets_both_sides():
             (synack,) = Guest.tcp4(await guest.recv())
             guest.send(tcp(42100, port, ACK, seq=101, ack=synack.seq + 1))
             conn, _ = lst.accept()
-            assert await until(lambda: stack.flows and next(iter(stack.flows.values())).state == "ESTABLISHED")
+            flows = stack.parts.flows
+            assert await until(lambda: flows and next(iter(flows.values())).state == "ESTABLISHED")
             frames = await guest.recv(1.5)
             assert any(s.flags & RST for s in Guest.tcp4(frames))
-            assert stack.counters["tcp_idle_closed"] == 1 and not stack.flows
+            assert stack.counters["tcp_idle_closed"] == 1 and not stack.parts.flows
             conn.settimeout(2)
             with pytest.raises(ConnectionResetError):
                 conn.recv(10)
@@ -381,11 +382,11 @@ async def test_stop_resets_guest_flows_before_the_link_closes():
             guest.send(tcp(42200, port, ACK, seq=101, ack=synack.seq + 1))
             conn, _ = lst.accept()
             await asyncio.sleep(0.05)
-            stack.close()
+            stack.stop()
             await task
             segs = Guest.tcp4(await guest.recv(0.3))
             assert [s.flags & RST for s in segs] == [RST] and segs[0].seq == synack.seq + 1
-            assert stack.counters["flows_reset_at_stop"] == 1 and not stack.flows
+            assert stack.counters["flows_reset_at_stop"] == 1 and not stack.parts.flows
             conn.settimeout(2)
             with pytest.raises(ConnectionResetError):
                 conn.recv(10)
@@ -416,8 +417,8 @@ async def main():
     try:
         async with serving() as (stack, guest):
             out["soft_limit"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_RESERVE
-            out["fd_budget"] = stack.guard.fd_budget
-            out["dns_fd_budget"] = stack.guard.dns_fd_budget
+            out["fd_budget"] = stack.parts.guard.fd_budget
+            out["dns_fd_budget"] = stack.parts.guard.dns_fd_budget
             flags = []
             for i in range(4):
                 guest.send(tcp(43000 + i, port, SYN))

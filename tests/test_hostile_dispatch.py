@@ -56,7 +56,7 @@ def readable(sock: socket.socket) -> bool:
 
 # ---------------------------------------------------------------------------------- 6: eviction
 def udp_flow_ports(stack) -> list[int]:
-    return sorted(f.guest_port for f in stack.flows.values() if f.proto_name == "udp")
+    return sorted(f.guest_port for f in stack.parts.flows.values() if f.proto_name == "udp")
 
 
 async def test_eviction_takes_the_longest_idle_udp_flow_never_tcp_and_looks_at_few_entries():
@@ -67,25 +67,25 @@ async def test_eviction_takes_the_longest_idle_udp_flow_never_tcp_and_looks_at_f
         async with serving(max_flows=8) as (stack, guest):
             # two TCP flows first: the oldest activity in the table, but never evicted
             guest.send(tcp(40000, lst.getsockname()[1], SYN), tcp(40001, lst.getsockname()[1], SYN))
-            assert await until(lambda: len(stack.flows) == 2)
+            assert await until(lambda: len(stack.parts.flows) == 2)
             guest.send(*(udp(41000 + i, port, b"open") for i in range(6)))
-            assert await until(lambda: len(stack.flows) == 8)
+            assert await until(lambda: len(stack.parts.flows) == 8)
             guest.send(udp(41000, port, b"again"), udp(41001, port, b"again"))  # 41000, 41001 active again
             await processed(stack, 10)
-            assert stack.idle_order.examined == 0
+            assert stack.parts.idle_order.examined == 0
             guest.send(udp(41006, port, b"new"))  # table full: 41002 has been idle longest
             await processed(stack, 11)
             assert udp_flow_ports(stack) == [41000, 41001, 41003, 41004, 41005, 41006]
             guest.send(udp(41007, port, b"new"))
             await processed(stack, 12)
             assert udp_flow_ports(stack) == [41000, 41001, 41004, 41005, 41006, 41007]
-            assert sorted(f.guest_port for f in stack.flows.values() if f.proto_name == "tcp") == [40000, 40001]
+            assert sorted(f.guest_port for f in stack.parts.flows.values() if f.proto_name == "tcp") == [40000, 40001]
             assert stack.counters["flows_evicted"] == 2
             # A flow enters the heap when created, stamped with the loop time of its batch, which its
             # first datagram (same batch) does not move: it is taken without being pushed again.
             # First eviction: 41000, 41001 pushed again (their "again" datagrams), 41002 taken (3);
             # second: 41003 taken (1). A scan of the table looks at 8 flows each time.
-            assert stack.idle_order.examined == 4
+            assert stack.parts.idle_order.examined == 4
     finally:
         sink.close()
         lst.close()
@@ -98,7 +98,7 @@ async def test_eviction_costs_one_heap_entry_per_eviction_amortized():
     try:
         async with serving(max_flows=n) as (stack, guest):
             await send_all(guest, [udp(42000 + i, port, b"open") for i in range(n)])
-            assert await until(lambda: len(stack.flows) == n)
+            assert await until(lambda: len(stack.parts.flows) == n)
             await send_all(guest, [udp(42000 + i, port, b"touch") for i in range(n)])  # every flow active again
             await processed(stack, 2 * n)
             await send_all(guest, [udp(43000 + i, port, b"new") for i in range(n)])  # n evictions
@@ -106,14 +106,14 @@ async def test_eviction_costs_one_heap_entry_per_eviction_amortized():
             assert stack.counters["flows_evicted"] == n
             assert udp_flow_ports(stack) == list(range(43000, 43000 + n))
             # the first eviction pushes every active flow again (n), then each one takes the top (n)
-            assert stack.idle_order.examined == 2 * n
+            assert stack.parts.idle_order.examined == 2 * n
             # flows with one datagram each (stamped with their batch's time): taken at once (1 per eviction)
             await send_all(guest, [udp(44000 + i, port, b"new") for i in range(n)])
             await processed(stack, 4 * n)
             assert stack.counters["flows_evicted"] == 2 * n
             assert udp_flow_ports(stack) == list(range(44000, 44000 + n))
-            assert stack.idle_order.examined == 3 * n
-            assert len(stack.idle_order) == n
+            assert stack.parts.idle_order.examined == 3 * n
+            assert len(stack.parts.idle_order) == n
     finally:
         sink.close()
 
@@ -124,7 +124,7 @@ async def test_eviction_refused_when_only_tcp_flows_and_heap_stays_bounded():
     try:
         async with serving(max_flows=4) as (stack, guest):
             guest.send(*(tcp(40100 + i, lst.getsockname()[1], SYN) for i in range(4)))
-            assert await until(lambda: len(stack.flows) == 4)
+            assert await until(lambda: len(stack.parts.flows) == 4)
             await guest.recv(0.3)
             guest.send(udp(41100, sink.getsockname()[1], b"x"))
             await processed(stack, 5)
@@ -138,9 +138,9 @@ async def test_eviction_refused_when_only_tcp_flows_and_heap_stays_bounded():
             for i in range(300):
                 guest.send(udp(45000 + i, sink.getsockname()[1], b"x"))
                 await processed(stack, i + 1)
-                for f in list(stack.flows.values()):
+                for f in list(stack.parts.flows.values()):
                     f.shutdown()
-                assert len(stack.idle_order) <= 2 * 1 + 64  # at most 1 flow at a time here
+                assert len(stack.parts.idle_order) <= 2 * 1 + 64  # at most 1 flow at a time here
             assert stack.counters["flows.udp.opened"] == stack.counters["flows.udp.closed"] == 300
     finally:
         sink.close()
@@ -157,17 +157,17 @@ async def test_ipv4_and_ipv6_neighbour_caches_share_one_bound_and_count_eviction
         await send_all(guest, [ip_frame(b"\x00" * 8, 99, dst=GW4_16, src=s) for s in srcs])
         await processed(stack, n)
         assert stack.counters["drop.unknown_ip_proto"] == n
-        assert len(stack.neighbors) == MAX_NEIGHBORS
+        assert len(stack.parts.neighbors) == MAX_NEIGHBORS
         assert stack.counters["arp.neighbors_evicted"] == n - MAX_NEIGHBORS
-        assert list(stack.neighbors) == srcs[n - MAX_NEIGHBORS:]  # the oldest learned went first
+        assert list(stack.parts.neighbors) == srcs[n - MAX_NEIGHBORS:]  # the oldest learned went first
 
         srcs6 = [a6(f"fd00::1:{i:x}") for i in range(n)]
         await send_all(guest, [eth(raw6(s, GW6, 59, b"")) for s in srcs6])  # No Next Header: dropped
         await processed(stack, 2 * n)
-        nb6 = stack.v6.ndp.neighbors
+        nb6 = stack.parts.v6.ndp.neighbors
         assert len(nb6) == MAX_NEIGHBORS and list(nb6) == srcs6[n - MAX_NEIGHBORS:]
         assert stack.counters["ndp.neighbors_evicted"] == n - MAX_NEIGHBORS
-        assert stack.neighbors.max_entries == nb6.max_entries == MAX_NEIGHBORS
+        assert stack.parts.neighbors.max_entries == nb6.max_entries == MAX_NEIGHBORS
 
 
 async def test_arp_from_spoofed_addresses_bounded_too():
@@ -181,7 +181,7 @@ async def test_arp_from_spoofed_addresses_bounded_too():
             frames.append(bytes(dpkt.ethernet.Ethernet(src=mac, dst=b"\xff" * 6, type=0x0806, data=arp)))
         await send_all(guest, frames)
         await processed(stack, n)
-        assert len(stack.neighbors) == MAX_NEIGHBORS
+        assert len(stack.parts.neighbors) == MAX_NEIGHBORS
         assert stack.counters["arp.neighbors_evicted"] == 10
 
 
@@ -221,7 +221,7 @@ async def test_echo6_to_us_above_the_mtu_is_answered_in_fragments(dst):
         ip = dpkt.ip6.IP6(src=GUEST6, dst=dst, nxt=58, hlim=64, plen=len(bytes(icmp)), data=icmp)
         guest.send(*fragments6(GUEST6, dst, 58, bytes(ip)[40:], 0x77))
         out = [bytes(e) for e in await guest.recv()]
-        assert len(out) == 3 and all(len(f) <= 14 + stack.mtu for f in out)
+        assert len(out) == 3 and all(len(f) <= 14 + stack.config.mtu for f in out)
         nh, msg = reassemble6(out)
         assert nh == 58 and all(f[22:38] == dst and f[38:54] == GUEST6 for f in out)
         assert msg[0] == 129 and msg[1] == 0 and struct.unpack_from("!HH", msg, 4) == (0x4242, 9)
@@ -283,7 +283,7 @@ async def test_ipv4_tcp_and_udp_from_or_to_port_zero_dropped_never_natted():
             assert not readable(sink) and not readable(lst)
             c = stack.counters
             assert c["drop.udp_port_zero"] == 4
-            assert c["flows.tcp.opened"] == c["flows.udp.opened"] == 0 and not stack.flows
+            assert c["flows.tcp.opened"] == c["flows.udp.opened"] == 0 and not stack.parts.flows
             assert c["dns_queries_udp"] == 0 and up.udp_queries == 0 and c["icmp_errors_sent"] == 0
     finally:
         lst.close()
@@ -323,7 +323,7 @@ async def test_ipv6_tcp_and_udp_from_or_to_port_zero_dropped_never_natted():
             assert not readable(sink) and not readable(lst)
             c = stack.counters
             assert c["drop.udp_port_zero"] == 4
-            assert c["flows.tcp.opened"] == c["flows.udp.opened"] == 0 and not stack.flows
+            assert c["flows.tcp.opened"] == c["flows.udp.opened"] == 0 and not stack.parts.flows
             assert c["dns_queries_udp"] == 0 and up.udp_queries == 0 and c["icmp6_errors_sent"] == 0
     finally:
         lst.close()
@@ -335,10 +335,10 @@ async def test_ipv6_tcp_and_udp_from_or_to_port_zero_dropped_never_natted():
 async def test_icmpv4_errors_rate_limited_by_the_ipv6_limiter_class():
     async with serving(ipv6=True) as (stack, guest):
         # one rule for both families: the same class with the same rate and burst
-        assert type(stack.icmp_errors) is type(stack.v6.err_bucket) is TokenBucket
-        assert (stack.icmp_errors.rate, stack.icmp_errors.burst) == (stack.v6.err_bucket.rate,
-                                                                    stack.v6.err_bucket.burst) == (100.0, 50.0)
-        stack.icmp_errors = TokenBucket(rate=0.0, burst=5)  # no refill: the count is exact
+        assert type(stack.parts.family4.err_bucket) is type(stack.parts.v6.err_bucket) is TokenBucket
+        b4, b6 = stack.parts.family4.err_bucket, stack.parts.v6.err_bucket
+        assert (b4.rate, b4.burst) == (b6.rate, b6.burst) == (100.0, 50.0)
+        stack.parts.family4.err_bucket = TokenBucket(rate=0.0, burst=5)  # no refill: the count is exact
         await send_all(guest, [udp(40500 + i, 9, b"closed port", dst=DNS) for i in range(20)])
         await processed(stack, 20)
         frames = await guest.recv(0.3)

@@ -143,7 +143,7 @@ class GuestTcp:
 
 def dns_flow(stack, sport: int):
     """The stack's flow of the guest's connection from ``sport`` to DNS:53."""
-    return stack.flows[(6, GUEST, sport, DNS, 53)]
+    return stack.parts.flows[(6, GUEST, sport, DNS, 53)]
 
 
 # ---------------------------------------------------------------------------------- 1a
@@ -171,7 +171,7 @@ async def test_pipelined_queries_to_a_dead_upstream_close_the_window():
             host = flow.transport
             assert host.queued == MAX_QUEUED and host.held <= MAX_HELD
             assert acked == len(flow.conn.peek()) + host.held  # every ACKed byte is held, nowhere else
-            assert stack.dns.stats["queries"] == 1  # one at a time, in order: the first one waits
+            assert stack.parts.dns.stats["queries"] == 1  # one at a time, in order: the first one waits
             assert stack.counters["tcp_host_write_paused"] >= 1
     finally:
         silent.close()
@@ -202,13 +202,13 @@ async def test_answers_stop_while_the_guest_window_is_shut_then_all_arrive_in_or
         conn, host = flow.conn, flow.transport
         assert conn.send_space == 0  # tcp_buffer of answers held towards the guest, not more
         produced = -(-TCP_BUFFER // 14)  # answers produced: the last one only partly in the buffer
-        assert stack.dns.stats["malformed"] == produced
+        assert stack.parts.dns.stats["malformed"] == produced
         assert 0 < host.unsent < 14 and not host.reading
         acked = (g.snd_una - base) & _M
         assert g.peer_wnd == 0 and acked <= produced * 14 + TCP_BUFFER + MAX_HELD
         assert host.queued == MAX_QUEUED
         await guest.recv(0.3)  # more time with the window shut: still nothing produced
-        assert stack.dns.stats["malformed"] == produced and conn.send_space == 0
+        assert stack.parts.dns.stats["malformed"] == produced and conn.send_space == 0
 
         g.wnd = 65535
         await g.ack()  # window update
@@ -222,7 +222,7 @@ async def test_answers_stop_while_the_guest_window_is_shut_then_all_arrive_in_or
         assert len(g.received) == len(want)
         assert hashlib.sha256(g.received).hexdigest() == hashlib.sha256(want).hexdigest()
         assert lowest == 0  # never more than tcp_buffer held towards the guest
-        assert stack.dns.stats["malformed"] == n and stack.counters["dns_queries_tcp"] == n
+        assert stack.parts.dns.stats["malformed"] == n and stack.counters["dns_queries_tcp"] == n
         assert stack.counters.get("drop.internal_error", 0) == 0
 
 
@@ -274,14 +274,14 @@ def _child(scenario: str) -> None:
             loop = asyncio.get_running_loop()
             for i in range(400):  # 400 queries to a name the dead upstream never answers
                 await loop.sock_sendall(guest.sock, udp(30000 + i, 53, dns_query(b"dead.test", qid=i), dst=DNS))
-            await until(lambda: stack.dns.stats["queries"] == 400, 5.0)
+            await until(lambda: stack.parts.dns.stats["queries"] == 400, 5.0)
             await guest.recv(0.3)
             out["held"] = nfds() - base  # fds held by the flood
             out["flags"] = await syn(guest, 46000, port=lst.getsockname()[1])
-            out["flows"] = [f.state for f in stack.flows.values()]
+            out["flows"] = [f.state for f in stack.parts.flows.values()]
             out["counters"] = dict(stack.counters)
-            out["overload"] = stack.dns.stats["overload"]
-            out["dns_fd_budget"] = getattr(stack.guard, "dns_fd_budget", None)
+            out["overload"] = stack.parts.dns.stats["overload"]
+            out["dns_fd_budget"] = getattr(stack.parts.guard, "dns_fd_budget", None)
             out["soft"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         silent.close()
         lst.close()
@@ -305,8 +305,8 @@ def _child(scenario: str) -> None:
             guest.send(udp(46002, echo_srv.port, b"udp-while-emfile"))
             guest.send(echo(77, socket.inet_aton(PING_TARGET)))
             await guest.recv(0.3)
-            out["flows_while"] = len(stack.flows)
-            out["active_while"] = dict(stack.guard.active)
+            out["flows_while"] = len(stack.parts.flows)
+            out["active_while"] = dict(stack.parts.guard.active)
             out["counters_while"] = dict(stack.counters)
             for fd in hog:
                 os.close(fd)

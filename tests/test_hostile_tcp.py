@@ -280,7 +280,7 @@ async def _bidirectional_bulk_with_a_slow_guest_reader() -> None:
             host.setblocking(False)
             try:
                 assert await g.until(lambda: g.rcv_nxt is not None, 5)
-                flow = stack.flows[(6, GUEST, 40200, GW, port)]
+                flow = stack.parts.flows[(6, GUEST, 40200, GW, port)]
                 # the flow's host socket takes little, so a guest bulk upload soon meets a partial send()
                 flow.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
                 high = [0]
@@ -386,7 +386,7 @@ async def test_half_closed_guest_reading_a_long_answer_slowly_gets_all_of_it():
                 assert request == b"GET /big\n"
                 await loop.sock_sendall(host, answer)
                 host.close()  # the host's EOF: LAST-ACK behind 200 KB the guest has yet to read
-                flow = stack.flows[(6, GUEST, 40300, GW, port)]
+                flow = stack.parts.flows[(6, GUEST, 40300, GW, port)]
                 assert await g.until(lambda: flow.state == "LAST-ACK", 5)
                 reads = 0
                 while not g.fin_received and g.rsts == 0 and reads < 100:
@@ -398,7 +398,7 @@ async def test_half_closed_guest_reading_a_long_answer_slowly_gets_all_of_it():
                 assert g.rsts == 0 and g.fin_received, (reads, len(g.received))
                 assert reads * 0.2 > 1.0  # the answer took longer than one linger
                 assert hashlib.sha256(g.received).digest() == hashlib.sha256(answer).digest()
-                assert await until(lambda: not stack.flows)  # our FIN ACKed: the flow is over
+                assert await until(lambda: not stack.parts.flows)  # our FIN ACKed: the flow is over
                 assert stack.counters["tcp_resets"] == 0
             finally:
                 host.close()
@@ -431,7 +431,7 @@ async def _upload_then_reuse_the_port(stack, guest, lst, v6: bool, hosts: list):
     hosts.append(host)
     host.setblocking(False)
     assert await g.until(lambda: g.rcv_nxt is not None, 5)
-    old = stack.flows[key]
+    old = stack.parts.flows[key]
     host.shutdown(socket.SHUT_WR)
     assert await g.until(lambda: g.fin_received and old.state == "FIN-WAIT-2", 5)
     up = random.Random(5).randbytes(32 << 20)  # more than the host's and our buffers hold
@@ -453,7 +453,7 @@ async def _upload_then_reuse_the_port(stack, guest, lst, v6: bool, hosts: list):
     hosts.append(host2)
     host2.setblocking(False)
     assert await g2.until(lambda: g2.rcv_nxt is not None, 5)
-    assert stack.flows[key] is not old
+    assert stack.parts.flows[key] is not old
     return acked, old, g2
 
 
@@ -469,7 +469,7 @@ async def test_new_syn_on_a_finished_flow_still_delivers_every_acked_byte(v6):
         async with serving(ipv6=v6, tcp_buffer=256 * 1024) as (stack, guest):
             acked, old, g2 = await _upload_then_reuse_the_port(stack, guest, lst, v6, hosts)
             host, host2 = hosts
-            still = (not old.task.done(), len(stack.flows), stack.guard.active["tcp"])
+            still = (not old.task.done(), len(stack.parts.flows), stack.parts.guard.active["tcp"])
             got = bytearray()
             while True:  # a RST would raise ConnectionResetError here
                 d = await asyncio.wait_for(loop.sock_recv(host, 1 << 20), 10)
@@ -484,8 +484,8 @@ async def test_new_syn_on_a_finished_flow_still_delivers_every_acked_byte(v6):
             assert await asyncio.wait_for(loop.sock_recv(host2, 100), 5) == b"ping"
             await loop.sock_sendall(host2, b"pong")
             assert await g2.until(lambda: bytes(g2.received) == b"pong", 5)
-            assert await until(lambda: old.task.done() and len(stack.flows) == 1, 5)
-            assert stack.guard.active["tcp"] == 1
+            assert await until(lambda: old.task.done() and len(stack.parts.flows) == 1, 5)
+            assert stack.parts.guard.active["tcp"] == 1
             assert stack.counters["tcp_retired_draining"] == 1 and stack.counters["flows.tcp.closed"] == 1
             assert g2.rsts == 0  # the old flow sent nothing on the reused 4-tuple
     finally:
@@ -508,9 +508,9 @@ async def test_flow_draining_after_port_reuse_ends_with_the_stack(v6):
                 await asyncio.sleep(0.01)
                 g2.pump()
             assert not old.task.done() and old.retired
-            assert len(stack.flows) == 2 and stack.guard.active["tcp"] == 2  # the old flow still counts
+            assert len(stack.parts.flows) == 2 and stack.parts.guard.active["tcp"] == 2  # the old flow still counts
         assert old.task.done()
-        assert all(t.done() for t in stack.tasks) and not stack.flows
+        assert all(t.done() for t in stack.parts.tasks) and not stack.parts.flows
     finally:
         for h in hosts:
             h.close()
@@ -534,7 +534,7 @@ async def test_guest_fin_and_new_syn_in_one_batch_close_the_host_with_a_fin():
             hosts.append(host)
             host.setblocking(False)
             assert await g.until(lambda: g.rcv_nxt is not None, 5)
-            old = stack.flows[(6, GUEST, 40500, GW, port)]
+            old = stack.parts.flows[(6, GUEST, 40500, GW, port)]
             host.shutdown(socket.SHUT_WR)
             assert await g.until(lambda: g.fin_received and old.state == "FIN-WAIT-2", 5)
             up = random.Random(6).randbytes(60_000)

@@ -46,15 +46,17 @@ async def _session(body) -> None:
             serving = asyncio.ensure_future(stack.serve(tr))
             await asyncio.sleep(0)
 
+            on_frames = stack.parts.link.on_frames
+
             def guest(sport, seq, ack, flags, payload=b"", wnd=65535):
-                stack.on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, wnd, b"", payload)], [True])
+                on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, wnd, b"", payload)], [True])
 
             sport = 40100
             guest(sport, 1000, 0, SYN)
             iss = SEQ_ACK.unpack_from(tr.out[-1], 38)[0]
             host, _ = srv.accept()
             guest(sport, 1001, iss + 1, ACK)
-            flow = stack.flows[(6, GUEST, sport, GW, port)]
+            flow = stack.parts.flows[(6, GUEST, sport, GW, port)]
             assert isinstance(flow.transport, HostSocket)
             # room for full 256 KiB reads at once (what receive autotuning gives a bulk flow)
             flow.transport.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
@@ -62,9 +64,9 @@ async def _session(body) -> None:
                 await body(stack, tr, flow, host, guest, sport, iss)
             finally:
                 host.close()
-            stack.close()
+            stack.stop()
             await serving
-        assert not stack.flows
+        assert not stack.parts.flows
     finally:
         srv.close()
     assert fd_count() == fds0
@@ -133,7 +135,7 @@ def test_guest_reset_while_moving_to_a_transport_resets_the_host():
         guest(sport, 1001, iss + 1, RST)  # before the transport exists
         for _ in range(20):
             await asyncio.sleep(0)
-        assert not stack.flows
+        assert not stack.parts.flows
         host.settimeout(5)
         try:
             while host.recv(65536):

@@ -96,15 +96,17 @@ def test_connections_register_once_and_the_epoll_is_closed_with_the_stack(new_lo
             tr = Collect()
             serving = asyncio.ensure_future(stack.serve(tr))
             await asyncio.sleep(0)
-            poller = stack.ctx.host_poller
+            poller = stack.parts.ctx.host_poller
             assert isinstance(poller, HostPoller) and not poller.closed
             new = epoll_fds() - eps0  # the loop's epoll existed before the stack
             assert len(new) == 1
             epfd = int(new.pop())
             assert epoll_targets(epfd) == 0
 
+            on_frames = stack.parts.link.on_frames
+
             def guest(sport, seq, ack, flags, data=b""):
-                stack.on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, 65535, b"", data)], [True])
+                on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, 65535, b"", data)], [True])
 
             n = 12
             for i in range(n):
@@ -115,7 +117,7 @@ def test_connections_register_once_and_the_epoll_is_closed_with_the_stack(new_lo
                 host, _ = srv.accept()
                 guest(sport, 1001, iss + 1, ACK)
                 guest(sport, 1001, iss + 1, ACK | PSH, b"q")
-                flow = stack.flows[(6, GUEST, sport, GW, port)]
+                flow = stack.parts.flows[(6, GUEST, sport, GW, port)]
                 assert isinstance(flow.transport, HostSocket)
                 assert poller.registered == 1 and epoll_targets(epfd) == 1  # one ADD, nothing more
                 assert host.recv(1) == b"q"
@@ -137,7 +139,7 @@ def test_connections_register_once_and_the_epoll_is_closed_with_the_stack(new_lo
                 guest(sport, 1003, SEQ_ACK.unpack_from(fin[-1], 38)[0] + 1, ACK)
                 await asyncio.sleep(0)
                 assert poller.registered == 0 and epoll_targets(epfd) == 0
-            stack.close()
+            stack.stop()
             await serving
         assert poller.closed and poller.registered == 0
         assert poller.close() == 0  # idempotent
@@ -160,16 +162,18 @@ def test_a_paused_flow_gets_no_read_callback_until_resumed(new_loop):
             tr = Collect()
             serving = asyncio.ensure_future(stack.serve(tr))
             await asyncio.sleep(0)
-            poller = stack.ctx.host_poller
+            poller = stack.parts.ctx.host_poller
+
+            on_frames = stack.parts.link.on_frames
 
             def guest(seq, ack, flags, data=b""):
-                stack.on_frames([build_tcp(ETH, GUEST, GW, 41500, port, seq, ack, flags, 65535, b"", data)], [True])
+                on_frames([build_tcp(ETH, GUEST, GW, 41500, port, seq, ack, flags, 65535, b"", data)], [True])
 
             guest(1000, 0, SYN)
             iss = SEQ_ACK.unpack_from(tr.out[-1], 38)[0]
             host, _ = srv.accept()
             guest(1001, iss + 1, ACK)
-            flow = stack.flows[(6, GUEST, 41500, GW, port)]
+            flow = stack.parts.flows[(6, GUEST, 41500, GW, port)]
             hs = flow.transport
             assert isinstance(hs, HostSocket)
             tr.out.clear()
@@ -201,7 +205,7 @@ def test_a_paused_flow_gets_no_read_callback_until_resumed(new_loop):
             assert len(data) == got + 5000 and data.endswith(b"y" * 5000)
             assert unread(hs.sock) == 0
             host.close()
-            stack.close()
+            stack.stop()
             await serving
         assert poller.closed and poller.registered == 0
         srv.close()

@@ -141,7 +141,7 @@ def record_finished_tcp(monkeypatch, stacks: list) -> None:
 
     def remove_flow(table, flow) -> None:
         for stack in stacks:
-            if isinstance(stack, RecordingStack) and stack.table is table:
+            if isinstance(stack, RecordingStack) and stack.parts.table is table:
                 if flow.proto_name == "tcp" and table.flows.get(flow.key) is flow:
                     c = flow.conn
                     stack.finished_tcp.append((c.bytes_sent, c.bytes_received, c.retransmitted_segments))
@@ -236,4 +236,4 @@ async def test_tcp_recovers_from_loss_and_reordering_both_ways(capfd, monkeypatc
     assert r["guest_retransmits_up"] > 0, seed  # and the guest towards the stack
     c = stack.counters
     assert c["drop.internal_error"] == 0 and c["flow_errors"] == 0, seed
-    assert not stack.flows
+    assert not stack.parts.flows

@@ -51,7 +51,7 @@ need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun modu
 
 
 class FakeStack:
-    """Implements the part of the Stack API netns uses: async context manager, serve(), close()."""
+    """Implements the part of the Stack API netns uses: async context manager, serve(), stop()."""
 
     def __init__(self, config: NetworkConfig, handler=None) -> None:
         self.config = config
@@ -79,7 +79,7 @@ class FakeStack:
             if self.handler is not None:
                 self.handler(self, frame)
 
-    def close(self) -> None:
+    def stop(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
@@ -491,7 +491,7 @@ async def test_attach_by_netns_path_until_closed():
         assert not task.done(), task.result()
         (link,) = _ns_ip(target.pid, "addr", "show", "dev", "tap0")
         assert link["ifname"] == "tap0"
-        made[0].close()
+        made[0].stop()
         assert await asyncio.wait_for(task, 10) == 0
     finally:
         target.kill()
@@ -709,7 +709,7 @@ class FakeStack:
         self.started.set()
         await transport.closed
     def on_frames(self, frames): self.frames += len(frames)
-    def close(self):
+    def stop(self):
         if self.transport: self.transport.close()
 
 async def main():

@@ -101,15 +101,15 @@ def test_stack_trusts_only_flagged_frames():
             tr = _NullTransport()
             task = asyncio.ensure_future(stack.serve(tr))
             await asyncio.sleep(0)
-            stack.on_frames([_guest_tcp_ack(True)], [False])
+            stack.parts.link.on_frames([_guest_tcp_ack(True)], [False])
             assert stack.counters["drop.bad_tcp_checksum"] == 1
             # flagged by the guest's kernel (NEEDS_CSUM): not verified, so it reaches TCP (no flow: RST)
-            stack.on_frames([memoryview(_guest_tcp_ack(True))], [True])
+            stack.parts.link.on_frames([memoryview(_guest_tcp_ack(True))], [True])
             assert stack.counters["drop.bad_tcp_checksum"] == 1
             assert stack.counters["drop.tcp_no_flow"] == 1 and stack.counters["tcp_rst_sent"] == 1
-            stack.on_frames([_guest_tcp_ack(True)])  # a transport without flags: verified
+            stack.parts.link.on_frames([_guest_tcp_ack(True)])  # a transport without flags: verified
             assert stack.counters["drop.bad_tcp_checksum"] == 2
-            stack.close()
+            stack.stop()
             await task
 
     asyncio.run(main())

@@ -166,7 +166,7 @@ async def test_pcap_wrapper_records_both_directions_and_flushes_on_close(tmp_pat
                     if received[-1][12:14] == b"\x08\x06":
                         break
             reply = received[-1]
-            stack.close()
+            stack.stop()
             await task
             while True:  # what the stack sent while stopping: the final RA (RFC 4861 6.2.5)
                 try:

@@ -164,7 +164,7 @@ async def test_unroutable_ipv4_destinations_never_reach_the_host():
             n = len(UNROUTED4)
             assert (c["drop.tcp_unroutable_dst"], c["drop.udp_unroutable_dst"], c["drop.icmp_unroutable_dst"]) == (n, n, n)
             assert c["flows.tcp.opened"] == c["flows.udp.opened"] == c["flows.icmp.opened"] == 0
-            assert not stack.flows
+            assert not stack.parts.flows
             assert_nothing_arrived(lst, usock)
 
 
@@ -189,7 +189,7 @@ async def test_unroutable_ipv6_destinations_never_reach_the_host():
             assert (c["drop.tcp6_unroutable_dst"], c["drop.tcp6_multicast_dst"]) == (n - 1, 1)
             assert (c["drop.udp6_unroutable_dst"], c["drop.icmp6_unroutable_dst"]) == (n, n)
             assert c["flows.tcp.opened"] == c["flows.udp.opened"] == c["flows.icmp.opened"] == 0
-            assert not stack.flows
+            assert not stack.parts.flows
             assert_nothing_arrived(lst, usock)
 
 
@@ -215,7 +215,7 @@ async def test_disable_host_loopback_refuses_udp_and_tcp_to_the_gateway():
             await asyncio.sleep(0.1)
             assert stack.counters["drop.host_loopback_disabled"] == 2
             assert stack.counters["icmp_echo_local"] == 1
-            assert not stack.flows
+            assert not stack.parts.flows
             assert_nothing_arrived(lst, usock)
 
 
@@ -246,7 +246,7 @@ async def test_dns_forwarder_reaches_a_loopback_resolver_the_guest_cannot():
             c = stack.counters
             assert (c["drop.host_loopback_disabled"], c["drop.udp_unroutable_dst"]) == (2, 1)
             assert (up.udp_queries, up.tcp_queries) == (1, 0)
-            assert stack.dns.stats["upstream_denied"] == 0
+            assert stack.parts.dns.stats["upstream_denied"] == 0
     finally:
         up.close()
 
@@ -268,7 +268,7 @@ async def test_flow_table_full_evicts_the_longest_idle_udp_or_icmp_flow(remote):
         async with serving(max_flows=3) as (stack, guest):
 
             def table():
-                return sorted((f.proto_name, f.key[2]) for f in stack.flows.values())
+                return sorted((f.proto_name, f.key[2]) for f in stack.parts.flows.values())
 
             await tcp_open(guest, lst.getsockname()[1], 48000)
             await asyncio.sleep(0.02)
@@ -319,8 +319,8 @@ async def test_flow_table_full_of_tcp_refuses_every_new_flow(remote):
             assert udp_payloads(frames) == [] and echo_replies(frames) == []
             c = stack.counters
             assert c["drop.flow_table_full"] == 3 and c["flows_evicted"] == 0
-            assert sorted(f.key[2] for f in stack.flows.values()) == [48100, 48101]
-            assert {f.state for f in stack.flows.values()} == {"ESTABLISHED"}
+            assert sorted(f.key[2] for f in stack.parts.flows.values()) == [48100, 48101]
+            assert {f.state for f in stack.parts.flows.values()} == {"ESTABLISHED"}
             assert srv.count == 0
     finally:
         lst.close()
@@ -340,7 +340,7 @@ async def test_max_icmp_flows_drops_new_echo_flows_and_keeps_the_existing_one(re
         guest.send(echo(1, remote))
         assert echo_replies(await guest.recv()) == [(1, remote)]
         assert stack.counters["drop.limit_icmp_flows"] == 1
-        assert stack.counters["flows.icmp.opened"] == 1 and stack.guard.active["icmp"] == 1
+        assert stack.counters["flows.icmp.opened"] == 1 and stack.parts.guard.active["icmp"] == 1
 
 
 async def test_port_forwards_refused_when_the_flow_table_is_full():
@@ -370,10 +370,10 @@ async def test_port_forwards_refused_when_the_flow_table_is_full():
             assert [e for e in frames if e.type == 0x0806] == [] and udp_payloads(frames) == []
             c = stack.counters
             assert c["drop.forward_flow_table_full"] == 2 and c["forward_tcp_accepted"] == 1
-            assert len(stack.flows) == 1 and c["flows_evicted"] == 0
+            assert len(stack.parts.flows) == 1 and c["flows_evicted"] == 0
             # the guest's flow goes (it resets it): the forward opens a flow again
             guest.send(tcp(48200, port, RST, seq=1001, ack=synack.seq + 1))
-            assert await until(lambda: not stack.flows)
+            assert await until(lambda: not stack.parts.flows)
             with socket.socket() as client:
                 client.setblocking(False)
                 await loop.sock_connect(client, ("127.0.0.1", tfwd.host_port))
@@ -416,17 +416,17 @@ async def test_host_connect_that_hangs_gets_icmp_host_unreachable_and_frees_its_
             async with serving(tcp_connect_timeout=0.6) as (stack, guest):
                 guest.send(tcp(48300, port, SYN, seq=100))
                 assert await guest.recv(0.1) == []
-                assert stack.guard.pending == 1 and stack.guard.active["tcp"] == 1
-                (flow,) = stack.flows.values()
+                assert stack.parts.guard.pending == 1 and stack.parts.guard.active["tcp"] == 1
+                (flow,) = stack.parts.flows.values()
                 assert flow.transport is None  # still connecting
                 errs = icmp_errors(await guest.recv(3.0))
                 assert [(t, c) for t, c, _ in errs] == [(3, 1)]
                 quoted = errs[0][2]
                 assert quoted.p == 6 and struct.unpack("!HH", bytes(quoted.data)[:4]) == (48300, port)
-                assert await until(lambda: not stack.flows)
+                assert await until(lambda: not stack.parts.flows)
                 assert flow.task.done()
                 assert stack.counters["tcp_connect_unreachable"] == 1
-                assert stack.guard.pending == 0 and stack.guard.active["tcp"] == 0
+                assert stack.parts.guard.pending == 0 and stack.parts.guard.active["tcp"] == 0
                 with pytest.raises(BlockingIOError):
                     lst.accept()
     finally:
@@ -444,8 +444,8 @@ async def test_udp_and_icmp_flows_close_after_their_idle_timeouts(remote):
             guest.send(udp(48400, srv.port, b"one"), echo(3, remote))
             frames = await guest.recv()
             assert udp_payloads(frames) == [b"one"] and echo_replies(frames) == [(3, remote)]
-            assert sorted(f.proto_name for f in stack.flows.values()) == ["icmp", "udp"]
-            assert await until(lambda: not stack.flows, 3.0)
+            assert sorted(f.proto_name for f in stack.parts.flows.values()) == ["icmp", "udp"]
+            assert await until(lambda: not stack.parts.flows, 3.0)
             c = stack.counters
             assert c["udp_idle_closed"] == 1
             assert (c["flows.udp.closed"], c["flows.icmp.closed"]) == (1, 1)
@@ -480,7 +480,7 @@ async def test_icmpv6_errors_rate_limited_to_a_burst_of_50_then_100_per_second(m
     from aioslirp.ratelimit import TokenBucket
 
     async with serving(ipv6=True) as (stack, guest):
-        clock = stack.v6.err_bucket = FrozenClock(TokenBucket(), 1000.0)
+        clock = stack.parts.v6.err_bucket = FrozenClock(TokenBucket(), 1000.0)
         other = a6("fd00::77")
         guest.send(*(tcp6(49000 + i, 80, SYN, other) for i in range(80)))
         assert icmp6_errors(await guest.recv()) == [(1, 3)] * 50
@@ -571,7 +571,7 @@ async def test_removing_a_forward_keeps_its_open_connections(stack_guest):  # no
     guest.send_tcp(8080, sport, gseq, sseq, ACK | PSH, data=b"still here")
     assert await asyncio.wait_for(reader.readexactly(10), 3) == b"still here"
     gseq += 10
-    (flow,) = [f for f in stack.flows.values() if getattr(f, "forward_id", None) == fwd.id]
+    (flow,) = [f for f in stack.parts.flows.values() if getattr(f, "forward_id", None) == fwd.id]
     assert flow.state == "ESTABLISHED"
     # it closes as usual: the guest's FIN is the host client's EOF
     guest.send_tcp(8080, sport, gseq, sseq, FIN | ACK)
@@ -695,7 +695,7 @@ async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog, 
         assert len(injected) == 1
         assert stack.counters["flow_errors"] == 1 and stack.counters["drop.internal_error"] == 0
         assert stack.counters["flows.tcp.opened"] == stack.counters["flows.tcp.closed"] == 3
-        assert injected[0].task.done() and not stack.flows
+        assert injected[0].task.done() and not stack.parts.flows
         assert await until(lambda: ends)
         assert ends == [(b"", "reset")]
         logged = [r for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info]
@@ -752,7 +752,7 @@ async def test_a_flow_that_raises_is_reset_and_ends_and_its_sibling_carries_on(p
                 h.setblocking(False)
             await guest.recv(0.1)
             guest_ip = socket.inet_aton("10.0.2.15")
-            victim = stack.flows[(6, guest_ip, 51000, GW, port)]
+            victim = stack.parts.flows[(6, guest_ip, 51000, GW, port)]
             fired = []
 
             def fault():
@@ -784,7 +784,7 @@ async def test_a_flow_that_raises_is_reset_and_ends_and_its_sibling_carries_on(p
             assert fired == [path]
             rsts = [seg for seg in Guest.tcp4(frames) if seg.dport == 51000 and seg.flags & RST]
             assert len(rsts) == 1
-            assert await until(lambda: victim.key not in stack.flows)
+            assert await until(lambda: victim.key not in stack.parts.flows)
             await read_until_reset(v_host)  # what the guest sent before may come first
             logged = [r for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info]
             assert [str(r.exc_info[1]) for r in logged] == ["injected fault"]
@@ -795,7 +795,7 @@ async def test_a_flow_that_raises_is_reset_and_ends_and_its_sibling_carries_on(p
             s_host.send(b"sibling down")
             down = [bytes(seg.data) for seg in Guest.tcp4(await guest.recv()) if seg.dport == 51001 and seg.data]
             assert down == [b"sibling down"]
-            assert stack.flows[(6, guest_ip, 51001, GW, port)].state == "ESTABLISHED"
+            assert stack.parts.flows[(6, guest_ip, 51001, GW, port)].state == "ESTABLISHED"
     finally:
         for h in hosts:
             h.close()

@@ -314,28 +314,28 @@ sleep 600
             try:
                 assert await vm1.wait_for_key("TRANSFERRING", 90), vm1.result.tail()
                 for _ in range(100):  # both downloads moving through the stack
-                    tcp = [f for f in stack.flows.values() if f.proto_name == "tcp" and f.state == "ESTABLISHED"]
+                    tcp = [f for f in stack.parts.flows.values() if f.proto_name == "tcp" and f.state == "ESTABLISHED"]
                     if len(tcp) == 2 and stack.counters["bytes_out"] > 4_000_000:
                         break
                     await asyncio.sleep(0.05)
-                assert len(tcp) == 2 and endless.open == 2, stack.flow_stats()
+                assert len(tcp) == 2 and endless.open == 2, stack.stats()["flows"]
                 moved = stack.counters["bytes_out"]
             finally:
                 vm1.kill()  # SIGKILL: no FIN, no RST from the guest, the stream just ends
             await vm1.wait(10)
             # everything of guest 1 goes away: flows, host sockets, tasks, the accepted stream
             for _ in range(200):
-                if (not stack.flows and not aioslirp_tasks() and endless.open == 0 and server.transport is None
+                if (not stack.parts.flows and not aioslirp_tasks() and endless.open == 0 and server.transport is None
                         and socket_fds() <= base_fds):
                     break
                 await asyncio.sleep(0.05)
-            assert stack.flows == {}, stack.flow_stats()
+            assert stack.parts.flows == {}, stack.stats()["flows"]
             assert aioslirp_tasks() == []
-            assert not [t for t in stack.tasks if not t.done()]
+            assert not [t for t in stack.parts.tasks if not t.done()]
             assert all(f.host_closed and f.task.done() for f in tcp)
             assert endless.open == 0  # the host server saw both connections end
             assert socket_fds() <= base_fds
-            assert server.transport is None and stack.neighbors == {}
+            assert server.transport is None and stack.parts.neighbors == {}
             assert stack.counters["flows_reset"] >= 2
             report(request, "bytes_moved_before_kill", moved)
             # guest 2 is served by the same stack

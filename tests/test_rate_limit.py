@@ -180,7 +180,7 @@ async def test_udp_over_the_cap_dropped_and_counted(direction):
             got = sum(1 for f in frames if F4.is_ip(f, 17))
             c = stack.counters
             dropped = c[f"drop.rate_limit_{direction}"]
-            flow = next(iter(stack.flows.values()))
+            flow = next(iter(stack.parts.flows.values()))
             if direction == "up":
                 assert echo.count == 200 - dropped == flow.bytes_up // 1000
             else:

@@ -228,7 +228,7 @@ def test_limit_option_sets_the_reassembly_bounds():
                                       "--limit", "reassembly_max_datagrams=16", "--", "true"])
     cfg = config_from_args(args)
     assert cfg.reassembly_max_bytes == 131072 and cfg.reassembly_max_datagrams == 16
-    assert Stack(cfg).reassembler.max_bytes == 131072
+    assert Stack(cfg).parts.reassembler.max_bytes == 131072
 
 
 @pytest.mark.parametrize("value, words", [("0", "must be positive"), ("lots", "not a whole number")])
@@ -330,7 +330,7 @@ async def serve(**cfg):
 
 
 async def stop(stack, guest, task) -> None:
-    stack.close()
+    stack.stop()
     await task
     await stack.__aexit__(None, None, None)
     guest.sock.close()
@@ -352,7 +352,7 @@ async def test_fragment_flood_hits_the_byte_cap_then_traffic_gets_through_ipv4()
         counters = stack.stats()["counters"]
         assert counters["drop.frag_memory_full"] == 16
         assert counters["ip_fragments"] == 60 and counters.get("drop.frag_evicted", 0) == 0
-        assert stack.reassembler.held == 44 * 1480 <= CAP
+        assert stack.parts.reassembler.held == 44 * 1480 <= CAP
 
         # Unfragmented traffic is unaffected: a ping to the gateway is answered at once.
         guest.send(frags4(echo4_l4(7, b"small"), 1, 1)[0])
@@ -378,7 +378,7 @@ async def test_fragment_flood_hits_the_byte_cap_then_traffic_gets_through_ipv4()
         assert len(replies) == 1 and replies[0][0] == 0 and replies[0][8:] == big
         counters = stack.stats()["counters"]
         assert counters["drop.frag_memory_full"] == 18 and counters["ip_reassembled"] == 2
-        assert stack.reassembler.held == 0 and counters.get("drop.internal_error", 0) == 0
+        assert stack.parts.reassembler.held == 0 and counters.get("drop.internal_error", 0) == 0
     finally:
         await stop(stack, guest, task)
         echo.close()
@@ -396,9 +396,9 @@ async def test_fragment_flood_hits_the_byte_cap_then_traffic_gets_through_ipv6()
             stack.process_guest_frame(frags6(junk + bytes(8), 5000 + ident)[0])
         counters = stack.stats()["counters"]
         assert counters["drop.frag_memory_full"] == 9 and counters["ipv6_fragments"] == 60
-        assert stack.v6.reassembler.held == 51 * 1272 <= CAP
+        assert stack.parts.v6.reassembler.held == 51 * 1272 <= CAP
         # IPv4 has its own reassembler, untouched
-        assert stack.reassembler.held == 0
+        assert stack.parts.reassembler.held == 0
 
         # A fragmented UDP datagram during the flood: 1,272 and 1,232 do not fit, the 544-byte
         # tail does.
@@ -415,7 +415,7 @@ async def test_fragment_flood_hits_the_byte_cap_then_traffic_gets_through_ipv6()
         counters = stack.stats()["counters"]
         assert counters["drop.frag_timeout"] == 52 and counters["ipv6_reassembled"] == 1
         assert counters["drop.frag_memory_full"] == 11 and counters.get("drop.internal_error", 0) == 0
-        assert stack.v6.reassembler.held == 0
+        assert stack.parts.v6.reassembler.held == 0
     finally:
         await stop(stack, guest, task)
         echo.close()
@@ -487,7 +487,7 @@ async def sample_tcp_buffers(stacks: list, peaks: dict, period: float = 0.002) -
         await asyncio.sleep(period)
         if not stacks:
             continue
-        conns = [f.conn for f in list(stacks[0].flows.values()) if isinstance(f, TcpFlow)]
+        conns = [f.conn for f in list(stacks[0].parts.flows.values()) if isinstance(f, TcpFlow)]
         if conns:
             peaks["samples"] += 1
         for c in conns:

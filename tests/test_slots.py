@@ -26,6 +26,7 @@ from aioslirp.dispatch.l4 import L4
 from aioslirp.dispatch.link import Link
 from aioslirp.flow.base import FlowContext
 from aioslirp.flow.guard import Guard
+from aioslirp.flow.info import FlowRecords
 from aioslirp.flow.table import FlowTable, IdleOrder
 from aioslirp.handlers.routes import Route, Router
 from aioslirp.handlers.streams import GuestFlow, GuestTransport, GuestWriter, TcpHandlerHost
@@ -41,6 +42,7 @@ from aioslirp.services.dhcpv6 import Dhcpv6Server
 from aioslirp.services.dns import DnsForwarder, DnsTcpSession, _UdpQuery
 from aioslirp.services.dns_tcp import DnsTcpHost
 from aioslirp.services.ndp import NdpResponder
+from aioslirp.stack_parts import StackParts
 from aioslirp.tcp.arrival import Arrival
 from aioslirp.tcp.buffers import ChunkQueue, SendQueue
 from aioslirp.tcp.connection import TcpConnection
@@ -63,7 +65,7 @@ from aioslirp.wire.tcp import Segment, TcpFrameBuilder, TcpOffloadBuilder
 
 #: The classes of the per-frame path (a guest frame in, frames to the guest out).
 PER_FRAME = [
-    Stack, Link, Family4, Family6, Ipv4Input, Ipv6Path, L4,
+    Stack, StackParts, FlowRecords, Link, Family4, Family6, Ipv4Input, Ipv6Path, L4,
     FlowContext, FlowTable, IdleOrder, Guard, EgressPolicy, InjectQueue, TokenBucket,
     Reassembler, Ipv6Reassembler, _Pending,
     UdpFlow, IcmpFlow, IcmpEcho, UdpForwardFlow, Forwarder, _Listener,
@@ -138,13 +140,14 @@ def test_a_stack_and_its_parts_have_no_instance_dict():
     """Built instances, the whole per-frame object graph of an IPv4+IPv6 stack: none has a
     ``__dict__``, and setting an attribute no class declares fails."""
     stack = Stack(NetworkConfig(ipv6=True))
-    parts = [stack, stack.ctx, stack.link, stack.l4, stack.ipv4, stack.family4, stack.table, stack.idle_order,
-             stack.guard, stack.guard.policy, stack.inject_queue, stack.icmp, stack.ipv4.reassembler,
-             stack.family4.err_bucket, stack.v6, stack.family6, stack.v6.ndp, stack.v6.dhcp6, stack.v6.reassembler,
+    p = stack.parts
+    parts = [stack, p, stack.flows, p.ctx, p.link, p.l4, p.ipv4, p.family4, p.table, p.idle_order,
+             p.guard, p.guard.policy, p.inject_queue, p.icmp, p.ipv4.reassembler,
+             p.family4.err_bucket, p.v6, p.family6, p.v6.ndp, p.v6.dhcp6, p.v6.reassembler,
              DhcpServer(stack.config), DnsForwarder(stack.config), DnsTcpSession(), StreamDecoder()]
     for obj in parts:
         assert not hasattr(obj, "__dict__"), type(obj)
         with pytest.raises(AttributeError):
             obj.not_an_attribute = 1
-    for obj in (stack, stack.ctx, stack.link, stack.table, stack.inject_queue):
+    for obj in (stack, p.ctx, p.link, p.table, p.inject_queue):
         assert obj.tracer is None, type(obj)

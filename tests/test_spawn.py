@@ -170,7 +170,8 @@ async def test_flows_show_a_long_lived_connection_with_its_bytes_growing(server)
         assert (await guest.stdout.readline()).strip() == b"connected"
 
         def ours():
-            found = [f for f in guest.stack.flows() if f.protocol == "tcp" and f.remote == ("10.0.2.2", server.port)]
+            found = [f for f in guest.stack.flows()
+                     if f.protocol == "tcp" and f.destination == ("10.0.2.2", server.port)]
             assert len(found) == 1, guest.stack.flows()
             return found[0]
 
@@ -293,7 +294,7 @@ async def test_attach_serves_an_existing_namespace_with_a_given_stack():
                     return ev.name
 
             assert await asyncio.wait_for(first_event(), 10) == "ready"
-            stack.close()
+            stack.stop()
             assert await asyncio.wait_for(task, 10) == 0
     finally:
         target.kill()

@@ -501,7 +501,7 @@ async def test_metrics_and_stats_read_the_counters():
             (reply,) = [f for f in received if f[12:14] == b"\x08\x06"]
             data = reader.get_metrics_data()
             stats = stack.stats()
-            stack.close()
+            stack.stop()
             await task
     finally:
         a.close()

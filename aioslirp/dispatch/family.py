@@ -74,7 +74,7 @@ class Family4:
     Attributes:
         gw, dns: our addresses (4 bytes); ``ours`` is both.
         reason: L4 drop reason -> the name counted for this family (IPv4: the same).
-        err_bucket: the rate limiter of the ICMP errors we send (``Stack.icmp_errors``).
+        err_bucket: the rate limiter of the ICMP errors we send (``stack.parts.family4.err_bucket``).
         dhcp_server: the :class:`~aioslirp.services.dhcp.DhcpServer` (set when the stack starts).
     """
 

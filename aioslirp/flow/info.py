@@ -1,18 +1,21 @@
-"""Typed snapshots of the flow table: :class:`FlowInfo`, and :class:`FlowMap`, the table's
-``dict`` that, called, returns them (``stack.flows()``).
+"""Typed snapshots of the flow table: :class:`FlowInfo`, and :class:`FlowRecords`, what
+``stack.flows`` is: called, it returns them (``stack.flows()``).
 
-``stack.flows`` stays what it always was, the live flow table (``dict`` key -> flow, see
-:class:`~aioslirp.flow.base.Flow`); ``stack.flows()`` is a list of :class:`FlowInfo` records
-made from it at that moment, for embedders and for the API socket's ``list_flows``.
+``stack.flows()`` is a list of :class:`FlowInfo` records made from the live flow table at that
+moment, for embedders and for the API socket's ``list_flows``. The table itself (``dict`` key ->
+flow, see :class:`~aioslirp.flow.base.Flow`) is ``stack.parts.flows``; up to 0.1 it was
+``stack.flows`` too, and its read operations still work there for one release, with a
+``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 import socket
 import time
+import warnings
 from dataclasses import dataclass
 
-__all__ = ["FlowInfo", "FlowMap", "flow_info"]
+__all__ = ["FlowInfo", "FlowRecords", "flow_info"]
 
 
 def _addr(raw) -> str:
@@ -31,9 +34,12 @@ class FlowInfo:
         protocol: ``"tcp"``, ``"udp"`` or ``"icmp"`` (IPv4 and IPv6 alike).
         guest: ``(address, port)`` of the guest's end, the address as text (``"10.0.2.15"``,
             ``"fd00::..."``); ``port`` is ``None`` for ICMP echo flows.
-        remote: ``(address, port)`` of the other end as the guest sees it (the address it sent
-            to; for a port forward, the gateway and the source port the stack chose).
-        name: the DNS name the guest resolved for ``remote`` when an egress name rule admitted the
+        destination: ``(address, port)`` of the other end as the guest sees it (the address it
+            sent to; for a port forward, the gateway and the source port the stack chose), as
+            :attr:`GuestFlow.destination <aioslirp.handlers.streams.GuestFlow>`. Named
+            ``remote`` up to 0.1 (that name still reads it, with a ``DeprecationWarning``):
+            ``remote`` is the host side in :class:`~aioslirp.flow.base.Flow` and ``GuestFlow``.
+        name: the DNS name the guest resolved for ``destination`` when an egress name rule admitted the
             flow by it (the virtual DNS's name binding), else ``None``.
         state: the RFC 9293 state name of a TCP flow (``"ESTABLISHED"``...), ``"OPEN"`` for the others.
         bytes_from_guest, bytes_to_guest: payload bytes (TCP: in-order stream bytes; UDP:
@@ -50,7 +56,7 @@ class FlowInfo:
 
     protocol: str
     guest: tuple
-    remote: tuple
+    destination: tuple
     name: str | None
     state: str
     bytes_from_guest: int | None
@@ -62,6 +68,14 @@ class FlowInfo:
     forward_id: int | None = None
     rule: str | None = None
 
+    @property
+    def remote(self) -> tuple:
+        """Deprecated name of :attr:`destination` (``DeprecationWarning``; goes in the next release)."""
+        warnings.warn("FlowInfo.remote is deprecated: it is now FlowInfo.destination (the guest-visible end; "
+                      "FlowInfo.host is the host side); the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return self.destination
+
 
 def flow_info(flow, now: float) -> FlowInfo:
     """The :class:`FlowInfo` of ``flow`` (a :class:`~aioslirp.flow.base.Flow`) at loop time ``now`` (seconds)."""
@@ -71,7 +85,7 @@ def flow_info(flow, now: float) -> FlowInfo:
     return FlowInfo(
         protocol=flow.proto_name,
         guest=(_addr(flow.guest_ip), flow.guest_port),
-        remote=(_addr(flow.dst_ip), flow.dst_port),
+        destination=(_addr(flow.dst_ip), flow.dst_port),
         name=flow.name,
         rule=flow.rule,
         state=str(flow.state),
@@ -85,18 +99,68 @@ def flow_info(flow, now: float) -> FlowInfo:
     )
 
 
-class FlowMap(dict):
-    """The flow table's ``dict`` (key -> flow); calling it returns a ``list`` of :class:`FlowInfo`,
-    one per flow, in table order. ``clock`` is the loop's ``time`` once the stack started."""
+class FlowRecords:
+    """What ``stack.flows`` is. Called, a ``list`` of :class:`FlowInfo`, one per flow, in table
+    order, at loop time (``time.monotonic()`` before the stack started).
 
-    __slots__ = ("clock",)
+    Reading it as the live table (``len()``, ``in``, ``[key]``, iteration, ``keys()``,
+    ``values()``, ``items()``, ``get()``, truth), as up to 0.1, still works until the next
+    release, each time with a ``DeprecationWarning``: the table is ``stack.parts.flows``.
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.clock = None
+    Args:
+        table: the flow table's ``dict`` (key -> :class:`~aioslirp.flow.base.Flow`).
+        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext` (its ``loop`` once started).
+    """
+
+    __slots__ = ("_table", "_ctx")
+
+    _table: dict
+    _ctx: object
+
+    def __init__(self, table: dict, ctx) -> None:
+        self._table = table
+        self._ctx = ctx
 
     def __call__(self) -> list[FlowInfo]:
-        if not self:
+        table = self._table
+        if not table:
             return []
-        now = self.clock() if self.clock is not None else time.monotonic()
-        return [flow_info(f, now) for f in list(self.values())]
+        loop = self._ctx.loop
+        now = loop.time() if loop is not None else time.monotonic()
+        return [flow_info(f, now) for f in list(table.values())]
+
+    def __repr__(self) -> str:
+        return f"<stack.flows: call it for the FlowInfo records ({len(self._table)} flows)>"
+
+    def _dict(self) -> dict:
+        warnings.warn("reading stack.flows as the flow table (a dict) is deprecated: stack.flows() gives "
+                      "FlowInfo records, the live table is stack.parts.flows (goes in the next release)",
+                      DeprecationWarning, stacklevel=3)
+        return self._table
+
+    def __len__(self) -> int:
+        return len(self._dict())
+
+    def __bool__(self) -> bool:
+        return bool(self._dict())
+
+    def __iter__(self):
+        return iter(self._dict())
+
+    def __contains__(self, key) -> bool:
+        return key in self._dict()
+
+    def __getitem__(self, key):
+        return self._dict()[key]
+
+    def keys(self):
+        return self._dict().keys()
+
+    def values(self):
+        return self._dict().values()
+
+    def items(self):
+        return self._dict().items()
+
+    def get(self, key, default=None):
+        return self._dict().get(key, default)

@@ -34,7 +34,6 @@ import itertools
 import logging
 from typing import Any
 
-from .info import FlowMap
 
 __all__ = ["FlowTable", "IdleOrder", "sweep_interval"]
 
@@ -127,8 +126,8 @@ class FlowTable:
             flow entering and leaving (after it did).
 
     Attributes:
-        flows: ``dict`` key -> flow (see :class:`~aioslirp.flow.base.Flow`); a
-            :class:`~aioslirp.flow.info.FlowMap`: ``flows()`` gives :class:`~aioslirp.flow.info.FlowInfo` records.
+        flows: ``dict`` key -> flow (see :class:`~aioslirp.flow.base.Flow`); records of it:
+            :class:`~aioslirp.flow.info.FlowRecords`.
         get: ``flows.get``.
         idle_order: the :class:`IdleOrder` of the evictable flows.
         dirty: flows to flush at the end of the batch (:meth:`flush`); a flow adds itself.
@@ -157,7 +156,7 @@ class FlowTable:
         self.max_flows = int(config.max_flows)
         self.counters = counters
         self.guard = guard
-        self.flows: FlowMap = FlowMap()
+        self.flows: dict = {}
         self.get = self.flows.get
         self.idle_order = IdleOrder(self.flows)
         self.dirty: set = set()
@@ -251,7 +250,6 @@ class FlowTable:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Arm the idle sweep on ``loop`` (``Stack.start``): every :attr:`interval` seconds."""
         self._loop = loop
-        self.flows.clock = loop.time
         self.close()
         self._timer = loop.call_later(self.interval, self._on_timer)
 

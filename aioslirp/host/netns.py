@@ -37,6 +37,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from ..config import NetworkConfig
+from ..lifecycle import request_stop
 from ..transport.tap import TapTransport
 from .nsbase import DEFAULT_SETUP_TIMEOUT, NamespaceError, iface_spec, readable, start_helper
 from .signals import DEFAULT_STOP_TIMEOUT, GracefulStop, reopen_audit_log
@@ -390,7 +391,7 @@ async def attach(
     :class:`~aioslirp.Stack` (``async with Stack(config) as stack``), which is not closed at the
     end, instead of one made by ``stack_factory(config)``; so the caller can read
     ``stack.flows()``, ``stack.events()`` and add port forwards while it runs (cancel the task, or
-    ``stack.close()``, to stop).
+    ``stack.stop()``, to stop).
 
     Returns 0 on those clean ends. Raises :class:`NamespaceError` (one line) when the
     namespace cannot be entered or the TAP cannot be made, ``ValueError`` for bad arguments.
@@ -420,7 +421,7 @@ async def attach(
                 setup_task.cancel()
                 return
             with contextlib.suppress(Exception):
-                stack.close()  # serve() resets the guest's flows, then closes the transport
+                request_stop(stack)  # serve() resets the guest's flows, then closes the transport
             loop.call_later(2.0, transport.close)  # in any case
 
         # Installed before the namespace is touched, so that SIGINT/SIGTERM at any moment after
@@ -453,7 +454,7 @@ async def attach(
                 if pid is not None:
                     transport.watch_pid(pid)
                 if stopping:  # a signal between the set-up and now
-                    stack.close()
+                    request_stop(stack)
                 log.info("serving %s in %s", info["ifname"], netns_path or f"the network namespace of pid {pid}")
                 await stack.serve(transport)
             finally:

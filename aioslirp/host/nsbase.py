@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from ..config import NetworkConfig
+from ..lifecycle import request_stop
 
 __all__ = ["DEFAULT_SETUP_TIMEOUT", "NamespaceError", "helper_argv", "iface_spec", "log_serve_end", "readable",
            "resolv_conf_text", "start_helper", "stop_serving"]
@@ -110,7 +111,7 @@ def iface_spec(config: NetworkConfig, ifname: str) -> dict:
 async def stop_serving(stack, serve_task: asyncio.Task, transport) -> None:
     """Stop ``stack`` serving ``transport`` (its flows reset while the link is up), at most 5 s, then close it."""
     with contextlib.suppress(Exception):
-        stack.close()  # serve() resets the guest's flows while its link is up, then closes it
+        request_stop(stack)  # serve() resets the guest's flows while its link is up, then closes it
     try:
         await asyncio.wait_for(asyncio.shield(serve_task), 5.0)
     except asyncio.TimeoutError:

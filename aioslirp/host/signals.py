@@ -2,7 +2,7 @@
 
 The command keeps its network while it shuts down after the first SIGTERM; a command that
 outlives the grace period has its connections reset (:func:`aioslirp.lifecycle.farewell`, run
-by :meth:`Stack.close <aioslirp.stack.Stack.close>`), then gets SIGKILL.
+by :meth:`Stack.stop <aioslirp.stack.Stack.stop>`), then gets SIGKILL.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+
+from ..lifecycle import request_stop
 
 __all__ = ["DEFAULT_STOP_TIMEOUT", "KILL_DELAY", "GracefulStop"]
 
@@ -67,7 +69,7 @@ class GracefulStop:
         log.warning(
             "the command did not exit after SIGTERM: stopping its network, SIGKILL in %g s", KILL_DELAY)
         try:
-            self.stack.close()
+            request_stop(self.stack)
         except Exception:  # pragma: no cover - a custom stack factory
             pass
         self._kill = asyncio.get_running_loop().call_later(KILL_DELAY, self.send_signal, signal.SIGKILL)

@@ -114,6 +114,7 @@ async def serve(opts, config, tap_fd: int, ifname: str, *, stack_factory=None) -
     """
     import asyncio
 
+    from ..lifecycle import request_stop
     from ..transport.tap import TapTransport
 
     if stack_factory is None:
@@ -136,7 +137,7 @@ async def serve(opts, config, tap_fd: int, ifname: str, *, stack_factory=None) -
     async with stack_factory(config) as stack:
         try:
             if opts.disable_dns:
-                dns = getattr(stack, "dns", None)
+                dns = getattr(getattr(stack, "parts", None), "dns", None)
                 if dns is not None:
                     dns.upstreams_off = True  # every query gets SERVFAIL, none leaves
             if opts.api_socket:
@@ -182,7 +183,7 @@ async def serve(opts, config, tap_fd: int, ifname: str, *, stack_factory=None) -
                 watcher.close()
             for sig in installed:
                 loop.remove_signal_handler(sig)
-            stack.close()
+            request_stop(stack)
             transport.close()
             if serve_task is not None:
                 try:

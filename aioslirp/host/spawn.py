@@ -282,7 +282,7 @@ class _Spawn:
         await asyncio.sleep(0)  # serve() opens the transport (add_reader) before the command starts
         if self._serve_task.done():  # the transport could not be served (e.g. a TAP that is down)
             self._serve_task.result()
-        wait_ipv6 = bool(config.ipv6) and getattr(stack, "v6", None) is not None
+        wait_ipv6 = bool(config.ipv6) and getattr(getattr(stack, "parts", None), "v6", None) is not None
         with contextlib.suppress(OSError):
             parent_sock.send(b"g6" if wait_ipv6 else b"g")
         await self._exec_result(parent_sock)
@@ -349,7 +349,7 @@ class _Spawn:
                         await asyncio.wait_for(guest.wait(), 5.0)
             transport = self._transport
             if self._serve_task is not None and transport is not None:
-                if getattr(stack, "flows", None) and not transport.closed.done():
+                if getattr(getattr(stack, "parts", None), "flows", None) and not transport.closed.done():
                     # processes left in the namespace (pid_namespace=False) may hold connections:
                     # reset them while the link is up, so none hangs on a stack that is gone
                     with contextlib.suppress(Exception):

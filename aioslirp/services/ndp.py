@@ -26,7 +26,7 @@ Every message is validated first (hop limit 255, checksum, code 0, lengths, opti
 refused (RFC 6980).
 
 Outputs are **whole Ethernet frames** (``bytearray``, source MAC the gateway's) ready for
-``Stack.inject``: :meth:`NdpResponder.handle` returns a list of them (possibly empty: a valid
+the inject queue's ``put``: :meth:`NdpResponder.handle` returns a list of them (possibly empty: a valid
 message that needs no answer, counted in :attr:`NdpResponder.counters`) or a drop-reason
 string. Nothing here raises on guest input, performs I/O or reads a clock.
 """
