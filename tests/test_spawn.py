@@ -372,7 +372,11 @@ class ProcWatch:
 def helpers_showing(seen: set, secret: bytes, guest: tuple) -> tuple[list, list]:
     """``(helper command lines seen, those of them whose cmdline or environ holds secret)``: helpers are
     every process seen but the guest's own (its cmdline's first word is in ``guest``)."""
-    helpers = [(pid, cmd, env) for pid, cmd, env in seen if cmd.split(b"\0", 1)[0] not in guest]
+    # A guest process in the middle of its execve or exit can show an empty cmdline beside its own
+    # environ: a sample with no cmdline is the guest's when that PID was also seen running a guest word.
+    guest_pids = {pid for pid, cmd, _ in seen if cmd.split(b"\0", 1)[0] in guest}
+    helpers = [(pid, cmd, env) for pid, cmd, env in seen
+               if cmd.split(b"\0", 1)[0] not in guest and not (cmd == b"" and pid in guest_pids)]
     return [cmd for _, cmd, _ in helpers], [cmd for _, cmd, env in helpers if secret in cmd or secret in env]
 
 
