@@ -47,7 +47,7 @@ WRAPPER = textwrap.dedent("""
     elif mode in ("sdk", "file"):
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from aioslirp.observe import JsonLinesSpanExporter, NoopSpanExporter
+        from aioslirp.cli.observe import JsonLinesSpanExporter, NoopSpanExporter
         tp = TracerProvider()
         exp = NoopSpanExporter() if mode == "sdk" else JsonLinesSpanExporter(sys.argv[3])
         tp.add_span_processor(BatchSpanProcessor(exp, max_queue_size=1 << 16, max_export_batch_size=2048))

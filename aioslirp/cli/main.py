@@ -576,7 +576,7 @@ def _serve(args: argparse.Namespace, prepare, *, socket_errors: bool = False) ->
     namespace, the TAP, a port forward, the API socket) print one line and return 1.
     ``socket_errors`` (``qemu``): an ``OSError`` / ``ValueError`` names ``--socket`` / ``--fd``.
     """
-    from ..observe import Observability
+    from .observe import Observability
 
     obs = Observability.from_args(args)
     try:

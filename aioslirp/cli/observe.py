@@ -31,7 +31,7 @@ import stat
 import threading
 import urllib.parse
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger("aioslirp.observe")
 
@@ -428,7 +428,7 @@ class Observability:
         self.check()
         self._started = True
         if self.pcap:
-            from .transport.pcap import PcapWriter
+            from ..transport.pcap import PcapWriter
 
             try:
                 probe_writable(self.pcap)
@@ -472,7 +472,7 @@ class Observability:
 
         def factory(config):
             if base is None:
-                from .stack import Stack
+                from ..stack import Stack
 
                 make = Stack
             else:
@@ -481,12 +481,12 @@ class Observability:
             stack = make(config) if tp is None else make(config, tracer_provider=tp)
             self.stacks.append(stack)
             if self.pcap_writer is not None:
-                from .transport.pcap import PcapTransport
+                from ..transport.pcap import PcapTransport
 
                 writer = self.pcap_writer
                 stack.transport_wrappers.append(lambda transport: PcapTransport(transport, writer=writer))
             if self.meter_provider is not None:
-                from .metrics import register
+                from ..metrics import register
 
                 register(stack, self.meter_provider)
             return stack

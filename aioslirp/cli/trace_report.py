@@ -1,7 +1,7 @@
 """``aioslirp trace-report FILE``: where the time of each connection goes.
 
 Reads the JSON-lines span file written by ``--trace FILE`` (format in
-:mod:`aioslirp.observe`) and builds, for every ``tcp.flow`` span (one per guest TCP
+:mod:`aioslirp.cli.observe`) and builds, for every ``tcp.flow`` span (one per guest TCP
 connection):
 
 * its **timeline**: ``syn`` at the span's start, the span's events in time order
