@@ -16,7 +16,7 @@ once started, the flow table, the inject queue, ``spawn``) and none reading the 
   and the :class:`~aioslirp.flow.guard.Guard` admitting new flows;
 * :mod:`aioslirp.inject`: the bounded queue of frames for the guest and its writer;
 * the services (DHCP, DNS, NDP, DHCPv6) and the ICMP echo proxy; the port forwards
-  (:mod:`aioslirp.forward`).
+  (:mod:`aioslirp.nat.forward`).
 
 A batch of guest frames is processed with one clock reading (``loop.time()``), the TCP flows it
 touched are flushed once at its end (many guest segments give one ACK and one socket write),
@@ -34,7 +34,7 @@ import functools
 import logging
 from collections import Counter
 
-from . import tracing
+from .observe import tracing
 from .compiled import notice as compiled_notice
 from .config import NetworkConfig
 from .dispatch.family import Family4
@@ -46,16 +46,16 @@ from .handlers.routes import Router
 from .flow.guard import Guard
 from .flow.info import FlowInfo, FlowMap  # noqa: F401  (FlowInfo: the records of stack.flows())
 from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importable from here as before)
-from .icmp import IcmpEcho
+from .nat.icmp import IcmpEcho
 from .heap import keep_freed_heap
 from .inject import InjectQueue
-from .lifecycle import EventLog, farewell, gone_before_first_frame
+from .observe.events import EventLog, farewell, gone_before_first_frame
 from .ratelimit import ByteBucket
 from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
 from .services.dns import DnsForwarder
 from .services.dns_tcp import DnsTcpHost
-from .tcp.hostsock import HostPoller
+from .nat.hostsock import HostPoller
 from .transport.trace import TraceTransport
 from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
 
@@ -94,17 +94,17 @@ class Stack:
             input), ``None`` when ``config.ipv6`` is off; ``family6`` its family.
         dns, icmp: the DNS forwarder (``None`` until started) and the ICMP echo proxy.
         tasks: the flows' own tasks.
-        tracer: the stack's own :class:`~aioslirp.tracing.Tracer` (its trace points as
+        tracer: the stack's own :class:`~aioslirp.observe.tracing.Tracer` (its trace points as
             OpenTelemetry spans through ``tracer_provider``), or ``None``: not traced.
-        audit: the :class:`~aioslirp.audit.AuditLog`, or ``None`` (off; :meth:`flow_events`
+        audit: the :class:`~aioslirp.observe.audit.AuditLog`, or ``None`` (off; :meth:`flow_events`
             starts one without a file).
 
     Args:
         config: the network (default: ``NetworkConfig()``).
         tracer_provider: an OpenTelemetry ``TracerProvider``: trace this stack through it.
-            ``None``: traced through the provider given to :func:`aioslirp.tracing.enable`
+            ``None``: traced through the provider given to :func:`aioslirp.observe.tracing.enable`
             when that is in force, else not traced.
-        audit: the audit log: an :class:`~aioslirp.audit.AuditLog`, a path (``"-"``: stderr) or
+        audit: the audit log: an :class:`~aioslirp.observe.audit.AuditLog`, a path (``"-"``: stderr) or
             a text file object; default ``config.audit_log``; ``None`` and no ``audit_log``: off.
             A log the stack opened from a path or file object is closed by :meth:`aclose`.
         policy: a Python egress hook (sync or async callable given a
@@ -130,7 +130,7 @@ class Stack:
                  "family6", "link", "on_frames", "gw_mac", "gw_ip", "dns_ip", "guest_ip", "mtu",
                  "_transport", "_loop", "_closed", "_stopped", "transport_wrappers", "_forwarder", "tracer", "audit", "_own_audit",
                  "event_log", "router",
-                 # aioslirp.metrics holds a stack by weak reference
+                 # aioslirp.observe.metrics holds a stack by weak reference
                  "__weakref__")
 
     config: NetworkConfig
@@ -249,11 +249,11 @@ class Stack:
         if audit is None:
             audit = cfg.audit_log
         if audit is not None:
-            from .audit import AuditLog
+            from .observe.audit import AuditLog
 
             self._own_audit = not isinstance(audit, AuditLog)
             self._set_audit(audit if isinstance(audit, AuditLog) else AuditLog(audit))
-        #: The bounded record of lifecycle events (:class:`~aioslirp.lifecycle.EventLog`); see :meth:`events`.
+        #: The bounded record of lifecycle events (:class:`~aioslirp.observe.events.EventLog`); see :meth:`events`.
         self.event_log = EventLog()
 
     # ------------------------------------------------------------------ state
@@ -288,7 +288,7 @@ class Stack:
 
     @property
     def reassembler(self):
-        """The IPv4 fragment :class:`~aioslirp.reassembly.Reassembler`."""
+        """The IPv4 fragment :class:`~aioslirp.dispatch.reassembly.Reassembler`."""
         return self.ipv4.reassembler
 
     @property
@@ -510,14 +510,14 @@ class Stack:
 
     # ------------------------------------------------------------------ events
     def events(self, history: bool = True):
-        """An async iterator of this stack's lifecycle events (:class:`~aioslirp.lifecycle.Event`).
+        """An async iterator of this stack's lifecycle events (:class:`~aioslirp.observe.events.Event`).
 
         Names: ``ready`` (:meth:`serve` started: the transport is open), ``guest_link_up`` (the
         first guest frame on it), ``guest_link_down`` (it closed: ``data["reason"]`` ``"closed"``
         when the guest went away, ``"stopped"`` after :meth:`close`), ``error`` (serving failed, or
         the transport closed with an error; ``data["message"]`` is one line). With ``history``
         (the default) the events already kept come first, so a reader that starts late still sees
-        ``ready``. At most :data:`~aioslirp.lifecycle.EVENT_HISTORY` events are kept: a reader that
+        ``ready``. At most :data:`~aioslirp.observe.events.EVENT_HISTORY` events are kept: a reader that
         falls further behind misses the oldest (counted in ``stack.event_log.dropped``); one that
         never reads holds nothing. The iterator ends when the stack closes (:meth:`aclose`).
 
@@ -529,7 +529,7 @@ class Stack:
         return self.event_log.events(history)
 
     def on_event(self, callback):
-        """Call ``callback(event)`` (:class:`~aioslirp.lifecycle.Event`) synchronously for every
+        """Call ``callback(event)`` (:class:`~aioslirp.observe.events.Event`) synchronously for every
         lifecycle event from now on (see :meth:`events`); an exception it raises is logged.
         Returns a function of no arguments that removes the callback."""
         return self.event_log.on_event(callback)
@@ -595,20 +595,20 @@ class Stack:
     # -------------------------------------------------------------- port forwards
     @property
     def forwarder(self):
-        """The :class:`~aioslirp.forward.Forwarder` holding this stack's port forwards."""
+        """The :class:`~aioslirp.nat.forward.Forwarder` holding this stack's port forwards."""
         if self._forwarder is None:
-            from .forward import Forwarder
+            from .nat.forward import Forwarder
             self._forwarder = Forwarder(self.ctx, self.family4, self.family6)
         return self._forwarder
 
     async def add_forward(self, fwd):
-        """Forward a host port into the guest; see :class:`~aioslirp.forward.PortForward`.
+        """Forward a host port into the guest; see :class:`~aioslirp.nat.forward.PortForward`.
 
         Needs a started stack (inside ``async with``); may be called before or while
         :meth:`serve` runs. Returns the :class:`PortForward` as added, with its ``id``
         (1, 2, ... per stack) and the bound ``host_port`` (when 0 was asked). Raises
         :class:`~aioslirp.errors.ConfigError` for a bad field (proto, ports, a guest address
-        outside the network) and :class:`~aioslirp.forward.ForwardError` (an ``OSError``)
+        outside the network) and :class:`~aioslirp.nat.forward.ForwardError` (an ``OSError``)
         when the host address/port cannot be bound, e.g. already in use.
         """
         if self._loop is None or self._closed:
@@ -619,7 +619,7 @@ class Stack:
         """Stop a forward, given its ``id`` or the :class:`PortForward` returned by
         :meth:`add_forward`: its host socket closes at once (new connections are
         refused); forwarded TCP connections already open carry on. Returns the removed
-        :class:`PortForward`; raises :class:`~aioslirp.forward.UnknownForwardError` naming the id
+        :class:`PortForward`; raises :class:`~aioslirp.nat.forward.UnknownForwardError` naming the id
         when there is no such forward (a ``ForwardError``, and a ``KeyError`` as before)."""
         return self.forwarder.remove(fwd if isinstance(fwd, int) else getattr(fwd, "id", None))
 
@@ -636,7 +636,7 @@ class Stack:
     def flow_events(self, maxlen: int = 4096):
         """An async iterator of the audit records from now on (``dict``: one per flow at its end,
         per denial, per DNS decision; fields in docs/audit.md), until the audit log closes
-        (:meth:`aclose`, for a log the stack opened; an :class:`~aioslirp.audit.AuditLog` passed
+        (:meth:`aclose`, for a log the stack opened; an :class:`~aioslirp.observe.audit.AuditLog` passed
         in is only flushed there, and ends its readers at its own ``close()``).
 
         Bounded: it holds ``maxlen`` records; a reader that falls behind loses the oldest,
@@ -645,7 +645,7 @@ class Stack:
         file is started.
         """
         if self.audit is None:
-            from .audit import AuditLog
+            from .observe.audit import AuditLog
 
             self._own_audit = True
             self._set_audit(AuditLog())
@@ -706,7 +706,7 @@ class Stack:
             compiled: :func:`aioslirp.compiled.notice`, e.g. ``"compiled per-frame path: on (8/8
                 modules)"``, or off and why (``AIOSLIRP_NO_EXTENSIONS``, not built, a stale build).
 
-        The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.metrics.register`.
+        The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.observe.metrics.register`.
         """
         return {
             "counters": {k: int(v) for k, v in sorted(self.counters.items())},

@@ -40,7 +40,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WRAPPER = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])
-    from aioslirp import tracing
+    from aioslirp.observe import tracing
     mode = sys.argv[2]
     if mode == "api":
         tracing.enable()  # no SDK installed as global provider: non-recording spans

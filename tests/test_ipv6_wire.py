@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from aioslirp.config.ipv6 import Ipv6Config
 from aioslirp.errors import ConfigError
 from aioslirp.ratelimit import TokenBucket
-from aioslirp.reassembly import Ipv6Reassembler
+from aioslirp.dispatch.reassembly import Ipv6Reassembler
 from aioslirp.wire.icmp import build_icmp6_error, build_icmp6_packet, echo_reply6, icmp6_error_allowed
 from aioslirp.wire.ipv6 import (ALL_NODES, Ipv6, eth6, fragment6, l4_checksum_ok, link_local_from_mac, multicast_mac,
                                 parse_ipv6, pseudo_sum6, solicited_node)

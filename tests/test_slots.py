@@ -30,12 +30,12 @@ from aioslirp.flow.table import FlowTable, IdleOrder
 from aioslirp.handlers.routes import Route, Router
 from aioslirp.handlers.streams import GuestFlow, GuestTransport, GuestWriter, TcpHandlerHost
 from aioslirp.handlers.udp import Datagrams, HandledUdpFlow
-from aioslirp.forward import Forwarder, UdpForwardFlow, _Listener
-from aioslirp.icmp import IcmpEcho, IcmpFlow
+from aioslirp.nat.forward import Forwarder, UdpForwardFlow, _Listener
+from aioslirp.nat.icmp import IcmpEcho, IcmpFlow
 from aioslirp.inject import InjectQueue
-from aioslirp.audit import AuditLog, _Reader
+from aioslirp.observe.audit import AuditLog, _Reader
 from aioslirp.ratelimit import ByteBucket, TokenBucket
-from aioslirp.reassembly import Ipv6Reassembler, Reassembler, _Pending
+from aioslirp.dispatch.reassembly import Ipv6Reassembler, Reassembler, _Pending
 from aioslirp.services.dhcp import DhcpServer, _Lease
 from aioslirp.services.dhcpv6 import Dhcpv6Server
 from aioslirp.services.dns import DnsForwarder, DnsTcpSession, _UdpQuery
@@ -44,9 +44,9 @@ from aioslirp.services.ndp import NdpResponder
 from aioslirp.tcp.arrival import Arrival
 from aioslirp.tcp.buffers import ChunkQueue, SendQueue
 from aioslirp.tcp.connection import TcpConnection
-from aioslirp.tcp.flow import ForwardedTcpFlow, TcpFlow
-from aioslirp.tcp.hostsock import HostSocket, TransportHost
-from aioslirp.tcp.pacing import FlowPacing
+from aioslirp.nat.tcp import ForwardedTcpFlow, TcpFlow
+from aioslirp.nat.hostsock import HostSocket, TransportHost
+from aioslirp.nat.pacing import FlowPacing
 from aioslirp.tcp.output import Output
 from aioslirp.tcp.tcb import Tcb
 from aioslirp.transport.base import SocketTransport, Transport, TransportWrapper
@@ -57,7 +57,7 @@ from aioslirp.transport.trace import TraceTransport
 from aioslirp.transport.socketpair import SocketPairTransport
 from aioslirp.transport.stream import StreamTransport
 from aioslirp.transport.tap import TapTransport
-from aioslirp.udp import UdpFlow
+from aioslirp.nat.udp import UdpFlow
 from aioslirp.wire.ipv6 import Ipv6
 from aioslirp.wire.tcp import Segment, TcpFrameBuilder, TcpOffloadBuilder
 
@@ -78,7 +78,7 @@ PER_FRAME = [
     TcpHandlerHost, GuestFlow, GuestWriter, GuestTransport, HandledUdpFlow, Datagrams, Router, Route,
 ]
 
-#: Classes whose instances are held by weak reference (``aioslirp.metrics``).
+#: Classes whose instances are held by weak reference (``aioslirp.observe.metrics``).
 WEAKREF = {Stack}
 
 

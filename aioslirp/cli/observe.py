@@ -3,7 +3,7 @@
 :class:`Observability` turns those options into an OpenTelemetry SDK tracer provider (a
 :class:`JsonLinesSpanExporter` for the file, an OTLP/HTTP exporter for the endpoint, both
 behind a ``BatchSpanProcessor`` so spans are serialized and written on the SDK's worker
-thread, off the event loop), a meter provider exporting :mod:`aioslirp.metrics` over OTLP,
+thread, off the event loop), a meter provider exporting :mod:`aioslirp.observe.metrics` over OTLP,
 and a stack factory that wraps the transport in a
 :class:`~aioslirp.transport.pcap.PcapTransport`. :meth:`Observability.shutdown` ends open
 flow spans and flushes every exporter, the OTLP endpoint within :data:`OTLP_SHUTDOWN_TIMEOUT`
@@ -465,7 +465,7 @@ class Observability:
         self.tracer_provider = tp  # each stack of stack_factory() traces through it
 
     def stack_factory(self, base=None):
-        """A ``stack_factory(config)`` for :func:`aioslirp.host.netns.run_in_namespace` / ``attach``:
+        """A ``stack_factory(config)`` for :func:`aioslirp.frontends.netns.run_in_namespace` / ``attach``:
         builds the stack with ``base`` (default :class:`~aioslirp.stack.Stack`), traced through
         :attr:`tracer_provider` when there is one, then adds the pcap wrapper and registers the
         metrics."""
@@ -486,7 +486,7 @@ class Observability:
                 writer = self.pcap_writer
                 stack.transport_wrappers.append(lambda transport: PcapTransport(transport, writer=writer))
             if self.meter_provider is not None:
-                from ..metrics import register
+                from ..observe.metrics import register
 
                 register(stack, self.meter_provider)
             return stack

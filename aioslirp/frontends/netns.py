@@ -1,7 +1,7 @@
 """Namespace plumbing: ``aioslirp run`` and ``aioslirp attach``.
 
 ``run_in_namespace`` is ``aioslirp run``: a thin user of :func:`aioslirp.spawn`
-(:mod:`aioslirp.host.spawn`) with the CLI's signal handling. Spawn starts a helper process (:mod:`aioslirp.host.nschild`) that creates a
+(:mod:`aioslirp.frontends.spawn`) with the CLI's signal handling. Spawn starts a helper process (:mod:`aioslirp.host.nschild`) that creates a
 network + mount namespace (plus a user namespace when not root, so it works rootless),
 puts a generated resolv.conf over ``/etc/resolv.conf`` there, brings ``lo`` up, creates and
 configures a TAP device (address ``config.guest``, default route via ``config.gateway``,
@@ -39,8 +39,8 @@ from typing import Any, Callable, Sequence
 
 from ..config import NetworkConfig
 from ..transport.tap import TapTransport
-from .nsbase import DEFAULT_SETUP_TIMEOUT, NamespaceError, helper_argv, iface_spec, readable
-from .signals import DEFAULT_STOP_TIMEOUT, GracefulStop, reopen_audit_log
+from ..host.nsbase import DEFAULT_SETUP_TIMEOUT, NamespaceError, helper_argv, iface_spec, readable
+from ..host.signals import DEFAULT_STOP_TIMEOUT, GracefulStop, reopen_audit_log
 from .spawn import spawn
 
 __all__ = [

@@ -34,8 +34,8 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from ..config import NetworkConfig
-from ..lifecycle import farewell
-from .nsbase import (DEFAULT_SETUP_TIMEOUT, NamespaceError, helper_argv, iface_spec, log_serve_end, readable,
+from ..observe.events import farewell
+from ..host.nsbase import (DEFAULT_SETUP_TIMEOUT, NamespaceError, helper_argv, iface_spec, log_serve_end, readable,
                      resolv_conf_text, stop_serving)
 
 __all__ = ["DEFAULT_STOP_TIMEOUT", "Guest", "spawn"]

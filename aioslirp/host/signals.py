@@ -1,7 +1,7 @@
 """Signal handling of ``aioslirp run``: :class:`GracefulStop`, its SIGTERM (like ``docker stop``).
 
 The command keeps its network while it shuts down after the first SIGTERM; a command that
-outlives the grace period has its connections reset (:func:`aioslirp.lifecycle.farewell`, run
+outlives the grace period has its connections reset (:func:`aioslirp.observe.events.farewell`, run
 by :meth:`Stack.close <aioslirp.stack.Stack.close>`), then gets SIGKILL.
 """
 
