@@ -302,7 +302,7 @@ def _configure_joined(ifname: str, spec: dict) -> list[str]:
     """``join`` mode with ``configure`` (``-c``): lo up, MAC (``spec["mac"]``, or none), MTU,
     CIDR+100/prefix, link up, default route via CIDR+2; with ``spec["ipv6"]`` (``-6``) the TAP
     first accepts router advertisements without DAD (SLAAC in fd00::/64). Returns warnings."""
-    from ..frontends.netns import configure_interface, configure_ipv6_sysctls
+    from .ifconfig import configure_interface, configure_ipv6_sysctls
 
     try:
         set_loopback_up()
@@ -487,7 +487,7 @@ def _enter_join(spec: dict, warnings: list[str]) -> None:
 
 def _create_tap(spec: dict, warnings: list[str]) -> tuple[int, str]:
     """``run`` / ``attach``: create the TAP with its MTU, set its IPv6 sysctls, address and route."""
-    from ..frontends.netns import configure_interface, configure_ipv6_sysctls
+    from .ifconfig import configure_interface, configure_ipv6_sysctls
     from ..transport.tapdev import create_tap
 
     fd, ifname = create_tap(spec["ifname"], spec["mtu"], vnet_hdr=bool(spec.get("vnet_hdr")))
@@ -580,7 +580,7 @@ def run_child(sock: socket.socket, spec: dict) -> int:
         sock.close()
         return 1  # parent went away or aborted: do not run the command
     if go == b"g6" and spec.get("prefix6") and os.path.isdir(f"/proc/sys/net/ipv6/conf/{ifname}"):
-        from ..frontends.netns import IPV6_ADDRESS_TIMEOUT, wait_ipv6_address
+        from .ifconfig import IPV6_ADDRESS_TIMEOUT, wait_ipv6_address
 
         if wait_ipv6_address(ifname, spec["prefix6"]) is None:
             print(f"aioslirp: warning: {ifname} got no IPv6 address in {spec['prefix6']} within "
