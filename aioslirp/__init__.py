@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 # every start) stay fast.
 _LAZY = {
     "ForwardError": ".nat.forward",
-    "PortForward": ".nat.forward",
+    "PortForward": ".config.forward",
     "Stack": ".stack",
     "SocketPairTransport": ".transport.socketpair",
     "TapTransport": ".transport.tap",

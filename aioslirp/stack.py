@@ -602,7 +602,7 @@ class Stack:
         return self._forwarder
 
     async def add_forward(self, fwd):
-        """Forward a host port into the guest; see :class:`~aioslirp.nat.forward.PortForward`.
+        """Forward a host port into the guest; see :class:`~aioslirp.config.forward.PortForward`.
 
         Needs a started stack (inside ``async with``); may be called before or while
         :meth:`serve` runs. Returns the :class:`PortForward` as added, with its ``id``

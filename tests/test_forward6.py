@@ -16,7 +16,7 @@ import pytest
 
 from aioslirp import NetworkConfig, Stack
 from aioslirp.errors import ConfigError
-from aioslirp.nat.forward import PortForward, parse_publish
+from aioslirp.config.forward import PortForward, parse_publish
 
 GUEST6 = "fd00::100"
 

@@ -360,7 +360,7 @@ def _stack_factory(args: argparse.Namespace, obs, unused_by: str | None = None):
     and the API socket listens before the guest starts (a port in use: ``ForwardError``).
     ``unused_by``: the command that takes neither option (``"demo"``): ``ConfigError`` when given.
     """
-    from ..nat.forward import parse_publish
+    from ..config.forward import parse_publish
 
     base = obs.stack_factory() if obs.active else None
     forwards = [parse_publish(v, "--publish") for v in args.publish or ()]

@@ -67,8 +67,9 @@ import os
 import socket
 import stat
 
+from ..config.forward import PortForward
 from ..errors import ConfigError
-from ..nat.forward import ForwardError, PortForward
+from ..nat.forward import ForwardError
 
 __all__ = ["ApiServer", "ApiSocketError", "MAX_REQUEST", "REQUEST_TIMEOUT"]
 
