@@ -18,7 +18,8 @@ Frames leave in queue order by one of two ways, in batches of at most :data:`BAT
   frames' order is the queue's order either way.
 
 Both go through one batch function (``_write_batch``); :meth:`InjectQueue.drain`
-(stack stop, :func:`aioslirp.observe.events.farewell`) is :meth:`write_now` and one loop iteration.
+(stack stop, :meth:`Stack.farewell() <aioslirp.stack.Stack.farewell>`) is :meth:`write_now` and one
+loop iteration.
 
 Why not :class:`asyncio.Queue`: its ``get()`` looks the running loop up each time it has to
 wait, which in CPython 3.11 costs a ``getpid()`` system call (2% of the CPU of

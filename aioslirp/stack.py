@@ -49,7 +49,7 @@ from .flow.table import FlowTable, IdleOrder  # noqa: F401  (IdleOrder: importab
 from .nat.icmp import IcmpEcho
 from .heap import keep_freed_heap
 from .inject import InjectQueue
-from .observe.events import EventLog, farewell, gone_before_first_frame
+from .observe.events import EventLog
 from .ratelimit import ByteBucket
 from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
@@ -365,6 +365,29 @@ class Stack:
         if self._stopped is not None and not self._stopped.done():
             self._stopped.set_result(None)
 
+    async def farewell(self) -> int:
+        """End the guest's session cleanly while its link is still up: reset every flow towards
+        it, withdraw the IPv6 router, write those frames out. Returns the flows torn down.
+
+        :meth:`serve` runs it when the stack is asked to stop (:meth:`close`: SIGINT/SIGTERM of
+        ``aioslirp attach`` / ``aioslirp qemu``, the grace period of ``aioslirp run`` running out)
+        with the transport still open. Every TCP flow is reset towards the guest (an RST its
+        applications see as ECONNRESET instead of a connection that hangs until its own timeout)
+        and its host socket closed with an RST to the host peer; UDP and ICMP flows close their
+        sockets (counted in ``flows_reset_at_stop``); with IPv6 the final Router Advertisement
+        withdraws the default route (RFC 4861 6.2.5). The frames are written to the transport at
+        once (:meth:`InjectQueue.drain <aioslirp.inject.InjectQueue.drain>`), without waiting;
+        closing the transport is the caller's job. Never raises for a flow that fails to shut down
+        (logged by :meth:`reset_flows`). A guest that went away already has no one to tell:
+        :meth:`aclose` and :meth:`reset_flows` tear its flows down without it.
+        """
+        n = self.reset_flows()
+        self.counters["flows_reset_at_stop"] += n
+        if self.v6 is not None:
+            self.v6.final_ra()
+        await self.inject_queue.drain()  # written to the transport now, then one loop iteration
+        return n
+
     async def aclose(self) -> None:
         """Reset every flow towards the guest, close all host sockets, stop all tasks."""
         if self._closed:
@@ -481,12 +504,13 @@ class Stack:
             reason = "closed" if transport.closed.done() else "stopped"
             try:
                 if self._stopped.done() and transport.closed is not None and not transport.closed.done():
-                    await farewell(self)  # asked to stop, the guest still there: RST its flows first
+                    await self.farewell()  # asked to stop, the guest still there: RST its flows first
             finally:
                 transport.close()
                 exc = transport.closed.result() if transport.closed.done() else None
-                gone = None if seen or reason != "closed" else gone_before_first_frame(
-                    raw, exc if isinstance(exc, BaseException) else None)
+                hint = getattr(raw, "gone_before_first_frame", None)  # a Transport's; a duck-typed one may lack it
+                gone = None if seen or reason != "closed" or hint is None else hint(
+                    exc if isinstance(exc, BaseException) else None)
                 if gone is not None:  # the guest's end is gone already: say why and what to check, now
                     log.error("%s", gone)
                     self.event_log.emit("error", message=gone, **info)

@@ -1,8 +1,8 @@
 """Signal handling of ``aioslirp run``: :class:`GracefulStop`, its SIGTERM (like ``docker stop``).
 
 The command keeps its network while it shuts down after the first SIGTERM; a command that
-outlives the grace period has its connections reset (:func:`aioslirp.observe.events.farewell`, run
-by :meth:`Stack.close <aioslirp.stack.Stack.close>`), then gets SIGKILL.
+outlives the grace period has its connections reset (:meth:`Stack.farewell()
+<aioslirp.stack.Stack.farewell>`, run by :meth:`Stack.close <aioslirp.stack.Stack.close>`), then gets SIGKILL.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class GracefulStop:
 
     The first SIGTERM is forwarded to the command (``send_signal(SIGTERM)``), which keeps its
     network while it shuts down. If it is still running ``timeout`` seconds later (at once on
-    a second SIGTERM), the stack is stopped: :func:`farewell` resets every guest connection
+    a second SIGTERM), the stack is stopped: :meth:`Stack.farewell` resets every guest connection
     (the command sees ECONNRESET) and the TAP closes; :data:`KILL_DELAY` seconds after that the
     command gets SIGKILL. ``cancel()`` disarms the timers (the command exited).
     """
