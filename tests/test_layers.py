@@ -182,3 +182,15 @@ def test_every_import_names_the_module_that_defines_it():
                 if name != "*" and name not in defined[module] and _module_file(f"{module}.{name}") is None:
                     wrong.append(f"{rel}:{lineno}: {name} is not defined in {module}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_tcp_holds_the_compiled_core_only():
+    """``aioslirp/tcp`` is the sans-IO TCP connection and nothing else: exactly the ``aioslirp.tcp``
+    modules that ``compiled.COMPILED`` lists (what ``setup.py`` builds with mypyc); the asyncio flow,
+    its host sockets and pacing are ``aioslirp.nat``. Read from the files, not imported."""
+    compiled_py = REPO / "aioslirp" / "compiled.py"
+    listed = next(ast.literal_eval(node.value) for node in ast.parse(compiled_py.read_text()).body
+                  if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "COMPILED")
+    in_tcp = {f"aioslirp.tcp.{p.stem}" for p in (REPO / "aioslirp" / "tcp").glob("*.py") if p.name != "__init__.py"}
+    assert in_tcp == {name for name in listed if name.startswith("aioslirp.tcp.")}
+    assert all(_module_file(name) for name in listed), [name for name in listed if not _module_file(name)]
