@@ -20,8 +20,8 @@ import dpkt
 import pytest
 
 from aioslirp import ConfigError, ForwardError, NetworkConfig, PortForward, SocketPairTransport, Stack
-from aioslirp.frontends.api import ApiServer
 from aioslirp.config.forward import parse_publish
+from aioslirp.frontends.api import ApiServer
 from aioslirp.nat.forward import SOURCE_PORTS, UnknownForwardError
 
 from conftest import have_ipv6_loopback, need

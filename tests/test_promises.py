@@ -34,9 +34,9 @@ import dpkt
 import pytest
 
 from aioslirp import NetworkConfig, PortForward, Stack
+from aioslirp.flow.table import FlowTable
 from aioslirp.frontends import api as api_module
 from aioslirp.frontends.api import ApiServer, MAX_REQUEST
-from aioslirp.flow.table import FlowTable
 from aioslirp.frontends.netns import run_in_namespace
 from aioslirp.nat.tcp import TcpFlow
 

@@ -23,8 +23,8 @@ import time
 import pytest
 
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
-from aioslirp.observe import tracing
 from aioslirp.frontends.netns import run_in_namespace
+from aioslirp.observe import tracing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

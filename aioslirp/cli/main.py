@@ -596,8 +596,8 @@ def _serve(args: argparse.Namespace, prepare, *, socket_errors: bool = False) ->
     import asyncio
 
     from ..frontends.api import ApiSocketError
-    from ..nat.forward import ForwardError
     from ..host.nsbase import NamespaceError
+    from ..nat.forward import ForwardError
     from ..transport.tapdev import TapError
 
     coro = start()

@@ -393,8 +393,8 @@ def parse_args(argv: Sequence[str]) -> Options:
             raise UsageError("--log-level", f"{ns.log_level!r} is not one of {', '.join(_LOG_LEVELS)}")
         opts.log_level = level
     if ns.rate_limit is not None:
-        from ..errors import ConfigError
         from ..config.rates import parse_rate_limit
+        from ..errors import ConfigError
 
         try:
             rates = parse_rate_limit(ns.rate_limit, "--rate-limit")
@@ -563,8 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("ignoring extra arguments: %s", " ".join(opts.extra_args))
 
     # 1. the TAP, from a child in the target namespaces (the parent stays in the host's)
-    from ..host.nschild import ForkedChild, SetupError
     from ..frontends.slirp4netns import serve
+    from ..host.nschild import ForkedChild, SetupError
 
     child = None
     if opts.netns_type == "tapfd":

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .reassembly import Reassembler
 from ..wire.checksum import partial
 from ..wire.icmp import ICMP, ICMP_ECHO, ICMP_ECHO_REPLY, build_icmp_packet
 from ..wire.ip import PROTO_ICMP, PROTO_TCP, PROTO_UDP
 from ..wire.ipv4 import IP_MF, IP_OFFMASK, IPV4
+from .reassembly import Reassembler
 
 __all__ = ["Ipv4Input"]
 

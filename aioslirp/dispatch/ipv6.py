@@ -42,10 +42,10 @@ import struct
 from ..config.ipv6 import Ipv6Config
 from ..services.dhcpv6 import Dhcpv6Server
 from ..services.ndp import NdpResponder
-from .reassembly import Ipv6Reassembler
 from ..wire.icmp import ICMP6_ECHO_REQUEST, ICMP6_PACKET_TOO_BIG, ND_REDIRECT, ND_ROUTER_SOLICIT
 from ..wire.ipv6 import NH_ICMPV6, NH_NONE, NH_TCP, NH_UDP, UNSPECIFIED, l4_checksum_ok, parse_ipv6
 from .family import Family6
+from .reassembly import Ipv6Reassembler
 
 __all__ = ["Ipv6Path"]
 

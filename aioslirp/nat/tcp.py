@@ -44,15 +44,15 @@ import socket
 import time
 
 from ..flow.base import admission
+from ..tcp.connection import (CLOSE_WAIT, CLOSED, CLOSING, ESTABLISHED, LAST_ACK, LISTEN, SYN_RECEIVED, SYN_SENT,
+                              TIME_WAIT, TcpConnection)
+from ..tcp.tcb import ResetEvent
 from ..wire.icmp import KIND_HOST, KIND_NET
 from ..wire.ip import PROTO_TCP
 from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6
 from ..wire.tcp import ACK, SYN, Segment, TcpFrameBuilder, syn_options
-from ..tcp.connection import (CLOSE_WAIT, CLOSED, CLOSING, ESTABLISHED, LAST_ACK, LISTEN, SYN_RECEIVED, SYN_SENT,
-                         TIME_WAIT, TcpConnection)
-from .pacing import FlowPacing
 from .hostsock import HostSocket, TransportHost, close_socket, connect_start, wait_connected
-from ..tcp.tcb import ResetEvent
+from .pacing import FlowPacing
 
 __all__ = ["TcpFlow", "ForwardedTcpFlow"]
 
