@@ -11,14 +11,15 @@ Frames leave in queue order by one of two ways, in batches of at most :data:`BAT
 * the writer task (started by :meth:`InjectQueue.start`) sleeps on a wake-up future of its own
   while the queue is empty; the first :meth:`~InjectQueue.put` after that wakes it;
 * :meth:`InjectQueue.write_now` writes the whole queue at once. A batch of guest frames
-  (:mod:`aioslirp.dispatch.link`) and a small host read (:mod:`aioslirp.tcp.hostsock`) run
+  (:mod:`aioslirp.dispatch.link`) and a small host read (:mod:`aioslirp.nat.hostsock`) run
   while :attr:`~InjectQueue.hold` is set (the :meth:`~InjectQueue.held` context): their puts do
   not wake the writer, and the end of the batch writes what they queued in the same event-loop
   iteration (measured: see docs/performance.md, "third push"). Same FIFO, same thread: the
   frames' order is the queue's order either way.
 
 Both go through one batch function (``_write_batch``); :meth:`InjectQueue.drain`
-(stack stop, :func:`aioslirp.lifecycle.farewell`) is :meth:`write_now` and one loop iteration.
+(stack stop, :meth:`Stack.farewell() <aioslirp.stack.Stack.farewell>`) is :meth:`write_now` and one
+loop iteration.
 
 Why not :class:`asyncio.Queue`: its ``get()`` looks the running loop up each time it has to
 wait, which in CPython 3.11 costs a ``getpid()`` system call (2% of the CPU of
@@ -50,7 +51,7 @@ class InjectQueue:
     Args:
         maxsize: most frames held (``NetworkConfig.inject_queue_size``, > 0).
         counters: the stack's ``collections.Counter``.
-        tracer: the stack's :class:`~aioslirp.tracing.Tracer`, or ``None``: told of every frame
+        tracer: the stack's :class:`~aioslirp.observe.tracing.Tracer`, or ``None``: told of every frame
             queued (``on_frame_queued``) and dropped unwritten (``on_discard``).
 
     Attributes:

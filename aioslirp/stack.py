@@ -16,7 +16,7 @@ once started, the flow table, the inject queue, ``spawn``) and none reading the 
   and the :class:`~aioslirp.flow.guard.Guard` admitting new flows;
 * :mod:`aioslirp.inject`: the bounded queue of frames for the guest and its writer;
 * the services (DHCP, DNS, NDP, DHCPv6) and the ICMP echo proxy; the port forwards
-  (:mod:`aioslirp.forward`).
+  (:mod:`aioslirp.nat.forward`).
 
 The parts hold direct references to one another; the stack keeps them in one read-only
 :class:`~aioslirp.stack_parts.StackParts` (``stack.parts``), which tests and debugging read
@@ -39,7 +39,7 @@ import logging
 import warnings
 from collections import Counter
 
-from . import tracing
+from .observe import tracing
 from .compiled import notice as compiled_notice
 from .config import NetworkConfig
 from .dispatch.family import Family4
@@ -51,17 +51,17 @@ from .handlers.routes import Router
 from .flow.guard import Guard
 from .flow.info import FlowInfo, FlowRecords  # noqa: F401  (FlowInfo: the records of stack.flows())
 from .flow.table import FlowTable
-from .icmp import IcmpEcho
 from .heap import keep_freed_heap
 from .inject import InjectQueue
-from .lifecycle import EventLog, farewell, gone_before_first_frame
+from .nat.icmp import IcmpEcho
+from .observe.events import EventLog
 from .stack_parts import StackParts
 from .ratelimit import ByteBucket
 from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
 from .services.dns import DnsForwarder
 from .services.dns_tcp import DnsTcpHost
-from .tcp.hostsock import HostPoller
+from .nat.hostsock import HostPoller
 from .transport.trace import TraceTransport
 from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
 
@@ -128,8 +128,8 @@ class Stack:
             ``bytes_in``, ``bytes_out``, ``drop.<reason>``, ``flows.<proto>.opened``...
             (the families: :meth:`stats`).
         event_log: the bounded record of lifecycle events
-            (:class:`~aioslirp.lifecycle.EventLog`: ``history()``, ``dropped``); see :meth:`events`.
-        tracer: the stack's own :class:`~aioslirp.tracing.Tracer` (its trace points as
+            (:class:`~aioslirp.observe.events.EventLog`: ``history()``, ``dropped``); see :meth:`events`.
+        tracer: the stack's own :class:`~aioslirp.observe.tracing.Tracer` (its trace points as
             OpenTelemetry spans through ``tracer_provider``; ``end_all()``, ``errors``), or
             ``None``: not traced.
         transport_wrappers: callables ``wrap(transport) -> transport`` that :meth:`serve`
@@ -138,9 +138,9 @@ class Stack:
     Args:
         config: the network (default: ``NetworkConfig()``).
         tracer_provider: an OpenTelemetry ``TracerProvider``: trace this stack through it.
-            ``None``: traced through the provider given to :func:`aioslirp.tracing.enable`
+            ``None``: traced through the provider given to :func:`aioslirp.observe.tracing.enable`
             when that is in force, else not traced.
-        audit: the audit log: an :class:`~aioslirp.audit.AuditLog`, a path (``"-"``: stderr) or
+        audit: the audit log: an :class:`~aioslirp.observe.audit.AuditLog`, a path (``"-"``: stderr) or
             a text file object; default ``config.audit_log``; ``None`` and no ``audit_log``: off.
             A log the stack opened from a path or file object is closed by :meth:`aclose`.
         policy: a Python egress hook (sync or async callable given a
@@ -164,7 +164,7 @@ class Stack:
 
     __slots__ = ("config", "counters", "event_log", "tracer", "transport_wrappers", "_parts", "_flows",
                  "_aux_tasks", "_transport", "_loop", "_closed", "_stopped", "_forwarder", "_own_audit",
-                 # aioslirp.metrics holds a stack by weak reference
+                 # aioslirp.observe.metrics holds a stack by weak reference
                  "__weakref__")
 
     config: NetworkConfig
@@ -245,11 +245,11 @@ class Stack:
         if audit is None:
             audit = cfg.audit_log
         if audit is not None:
-            from .audit import AuditLog
+            from .observe.audit import AuditLog
 
             self._own_audit = not isinstance(audit, AuditLog)
             self._set_audit(audit if isinstance(audit, AuditLog) else AuditLog(audit))
-        #: The bounded record of lifecycle events (:class:`~aioslirp.lifecycle.EventLog`); see :meth:`events`.
+        #: The bounded record of lifecycle events (:class:`~aioslirp.observe.events.EventLog`); see :meth:`events`.
         self.event_log = EventLog()
 
     # ------------------------------------------------------------------ state
@@ -355,6 +355,29 @@ class Stack:
         again. Everything is torn down by :meth:`aclose`. Named ``close()`` up to 0.1."""
         if self._stopped is not None and not self._stopped.done():
             self._stopped.set_result(None)
+
+    async def farewell(self) -> int:
+        """End the guest's session cleanly while its link is still up: reset every flow towards
+        it, withdraw the IPv6 router, write those frames out. Returns the flows torn down.
+
+        :meth:`serve` runs it when the stack is asked to stop (:meth:`stop`: SIGINT/SIGTERM of
+        ``aioslirp attach`` / ``aioslirp qemu``, the grace period of ``aioslirp run`` running out)
+        with the transport still open. Every TCP flow is reset towards the guest (an RST its
+        applications see as ECONNRESET instead of a connection that hangs until its own timeout)
+        and its host socket closed with an RST to the host peer; UDP and ICMP flows close their
+        sockets (counted in ``flows_reset_at_stop``); with IPv6 the final Router Advertisement
+        withdraws the default route (RFC 4861 6.2.5). The frames are written to the transport at
+        once (:meth:`InjectQueue.drain <aioslirp.inject.InjectQueue.drain>`), without waiting;
+        closing the transport is the caller's job. Never raises for a flow that fails to shut down
+        (logged by :meth:`reset_flows`). A guest that went away already has no one to tell:
+        :meth:`aclose` and :meth:`reset_flows` tear its flows down without it.
+        """
+        n = self.reset_flows()
+        self.counters["flows_reset_at_stop"] += n
+        if self._parts.v6 is not None:
+            self._parts.v6.final_ra()
+        await self._parts.inject_queue.drain()  # written to the transport now, then one loop iteration
+        return n
 
     async def aclose(self) -> None:
         """Reset every flow towards the guest, close all host sockets, stop all tasks."""
@@ -477,12 +500,13 @@ class Stack:
             reason = "closed" if transport.closed.done() else "stopped"
             try:
                 if self._stopped.done() and transport.closed is not None and not transport.closed.done():
-                    await farewell(self)  # asked to stop, the guest still there: RST its flows first
+                    await self.farewell()  # asked to stop, the guest still there: RST its flows first
             finally:
                 transport.close()
                 exc = transport.closed.result() if transport.closed.done() else None
-                gone = None if seen or reason != "closed" else gone_before_first_frame(
-                    raw, exc if isinstance(exc, BaseException) else None)
+                hint = getattr(raw, "gone_before_first_frame", None)  # a Transport's; a duck-typed one may lack it
+                gone = None if seen or reason != "closed" or hint is None else hint(
+                    exc if isinstance(exc, BaseException) else None)
                 if gone is not None:  # the guest's end is gone already: say why and what to check, now
                     log.error("%s", gone)
                     self.event_log.emit("error", message=gone, **info)
@@ -506,14 +530,14 @@ class Stack:
 
     # ------------------------------------------------------------------ events
     def events(self, history: bool = True):
-        """An async iterator of this stack's lifecycle events (:class:`~aioslirp.lifecycle.Event`).
+        """An async iterator of this stack's lifecycle events (:class:`~aioslirp.observe.events.Event`).
 
         Names: ``ready`` (:meth:`serve` started: the transport is open), ``guest_link_up`` (the
         first guest frame on it), ``guest_link_down`` (it closed: ``data["reason"]`` ``"closed"``
         when the guest went away, ``"stopped"`` after :meth:`stop`), ``error`` (serving failed, or
         the transport closed with an error; ``data["message"]`` is one line). With ``history``
         (the default) the events already kept come first, so a reader that starts late still sees
-        ``ready``. At most :data:`~aioslirp.lifecycle.EVENT_HISTORY` events are kept: a reader that
+        ``ready``. At most :data:`~aioslirp.observe.events.EVENT_HISTORY` events are kept: a reader that
         falls further behind misses the oldest (counted in ``stack.event_log.dropped``); one that
         never reads holds nothing. The iterator ends when the stack closes (:meth:`aclose`).
 
@@ -525,7 +549,7 @@ class Stack:
         return self.event_log.events(history)
 
     def on_event(self, callback):
-        """Call ``callback(event)`` (:class:`~aioslirp.lifecycle.Event`) synchronously for every
+        """Call ``callback(event)`` (:class:`~aioslirp.observe.events.Event`) synchronously for every
         lifecycle event from now on (see :meth:`events`); an exception it raises is logged.
         Returns a function of no arguments that removes the callback."""
         return self.event_log.on_event(callback)
@@ -565,22 +589,22 @@ class Stack:
 
     # -------------------------------------------------------------- port forwards
     def _forwards(self):
-        """The :class:`~aioslirp.forward.Forwarder` holding this stack's port forwards (made at the first)."""
+        """The :class:`~aioslirp.nat.forward.Forwarder` holding this stack's port forwards (made at the first)."""
         if self._forwarder is None:
-            from .forward import Forwarder
+            from .nat.forward import Forwarder
 
             p = self._parts
             self._forwarder = Forwarder(p.ctx, p.family4, p.family6)
         return self._forwarder
 
     async def add_forward(self, fwd):
-        """Forward a host port into the guest; see :class:`~aioslirp.forward.PortForward`.
+        """Forward a host port into the guest; see :class:`~aioslirp.config.forward.PortForward`.
 
         Needs a started stack (inside ``async with``); may be called before or while
         :meth:`serve` runs. Returns the :class:`PortForward` as added, with its ``id``
         (1, 2, ... per stack) and the bound ``host_port`` (when 0 was asked). Raises
         :class:`~aioslirp.errors.ConfigError` for a bad field (proto, ports, a guest address
-        outside the network) and :class:`~aioslirp.forward.ForwardError` (an ``OSError``)
+        outside the network) and :class:`~aioslirp.nat.forward.ForwardError` (an ``OSError``)
         when the host address/port cannot be bound, e.g. already in use.
         """
         if self._loop is None or self._closed:
@@ -591,7 +615,7 @@ class Stack:
         """Stop a forward, given its ``id`` or the :class:`PortForward` returned by
         :meth:`add_forward`: its host socket closes at once (new connections are
         refused); forwarded TCP connections already open carry on. Returns the removed
-        :class:`PortForward`; raises :class:`~aioslirp.forward.UnknownForwardError` naming the id
+        :class:`PortForward`; raises :class:`~aioslirp.nat.forward.UnknownForwardError` naming the id
         when there is no such forward (a ``ForwardError``, and a ``KeyError`` as before)."""
         return self._forwards().remove(fwd if isinstance(fwd, int) else getattr(fwd, "id", None))
 
@@ -609,7 +633,7 @@ class Stack:
     def audit_records(self, maxlen: int = 4096):
         """An async iterator of the audit records from now on (``dict``: one per flow at its end,
         per denial, per DNS decision; fields in docs/audit.md), until the audit log closes
-        (:meth:`aclose`, for a log the stack opened; an :class:`~aioslirp.audit.AuditLog` passed
+        (:meth:`aclose`, for a log the stack opened; an :class:`~aioslirp.observe.audit.AuditLog` passed
         in is only flushed there, and ends its readers at its own ``close()``).
 
         Bounded: it holds ``maxlen`` records; a reader that falls behind loses the oldest,
@@ -623,7 +647,7 @@ class Stack:
                 print(record["event"], record.get("dst"))
         """
         if self._parts.ctx.audit is None:
-            from .audit import AuditLog
+            from .observe.audit import AuditLog
 
             self._own_audit = True
             self._set_audit(AuditLog())
@@ -686,7 +710,7 @@ class Stack:
             compiled: :func:`aioslirp.compiled.notice`, e.g. ``"compiled per-frame path: on (8/8
                 modules)"``, or off and why (``AIOSLIRP_NO_EXTENSIONS``, not built, a stale build).
 
-        The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.metrics.register`.
+        The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.observe.metrics.register`.
         """
         return {
             "counters": {k: int(v) for k, v in sorted(self.counters.items())},

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the annotations only: this module imports none of the parts
     from .flow.guard import Guard
     from .flow.table import FlowTable, IdleOrder
     from .handlers.routes import Router
-    from .icmp import IcmpEcho
+    from .nat.icmp import IcmpEcho
     from .inject import InjectQueue
     from .wire.neighbors import NeighborCache
 
@@ -48,7 +48,7 @@ class StackParts:
         inject_queue: the :class:`~aioslirp.inject.InjectQueue` of frames for the guest
             (``put(frame)``, ``write_now()``, ``room``).
         tasks: the ``set`` of the flows' own tasks.
-        icmp: the ICMP echo proxy (:class:`~aioslirp.icmp.IcmpEcho`).
+        icmp: the ICMP echo proxy (:class:`~aioslirp.nat.icmp.IcmpEcho`).
         router: the routes to Python flow handlers (:class:`~aioslirp.handlers.routes.Router`).
         link: the guest link (:class:`~aioslirp.dispatch.link.Link`; ``on_frames(frames)`` is the
             transport's sink, ``process(frame)`` one frame).
@@ -119,7 +119,7 @@ class StackParts:
 
     @property
     def audit(self):
-        """The :class:`~aioslirp.audit.AuditLog`, or ``None`` (off; :meth:`Stack.audit_records`
+        """The :class:`~aioslirp.observe.audit.AuditLog`, or ``None`` (off; :meth:`Stack.audit_records`
         starts one without a file)."""
         return self.ctx.audit
 

@@ -40,14 +40,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WRAPPER = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])
-    from aioslirp import tracing
+    from aioslirp.observe import tracing
     mode = sys.argv[2]
     if mode == "api":
         tracing.enable()  # no SDK installed as global provider: non-recording spans
     elif mode in ("sdk", "file"):
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from aioslirp.observe import JsonLinesSpanExporter, NoopSpanExporter
+        from aioslirp.cli.observe import JsonLinesSpanExporter, NoopSpanExporter
         tp = TracerProvider()
         exp = NoopSpanExporter() if mode == "sdk" else JsonLinesSpanExporter(sys.argv[3])
         tp.add_span_processor(BatchSpanProcessor(exp, max_queue_size=1 << 16, max_export_batch_size=2048))

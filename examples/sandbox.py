@@ -3,7 +3,7 @@ import asyncio
 import sys
 
 from aioslirp import NetworkConfig, Stack
-from aioslirp.host.netns import run_in_namespace
+from aioslirp.frontends.netns import run_in_namespace
 
 
 async def report(events):

@@ -15,14 +15,14 @@ import pytest
 import aioslirp
 from aioslirp import NetworkConfig, Stack
 from aioslirp.flow.info import FlowInfo, FlowRecords
-from aioslirp.lifecycle import request_stop
+from aioslirp.host.signals import request_stop
 from aioslirp.stack import MOVED, RENAMED
 from aioslirp.stack_parts import StackParts
 
 #: Every public name of a Stack (class and instance), one line of docs/library.md each.
 FACE = {
     # lifecycle
-    "start", "serve", "stop", "aclose", "reset_flows",
+    "start", "serve", "stop", "farewell", "aclose", "reset_flows",
     # state
     "config", "counters", "stats", "flows", "frame_outcomes",
     # events and audit
@@ -41,9 +41,9 @@ FACE = {
 
 #: Where each embedder type lives.
 EXPORTED = {
-    "Event": "aioslirp.lifecycle",
-    "EventLog": "aioslirp.lifecycle",
-    "AuditLog": "aioslirp.audit",
+    "Event": "aioslirp.observe.events",
+    "EventLog": "aioslirp.observe.events",
+    "AuditLog": "aioslirp.observe.audit",
     "PolicyRequest": "aioslirp.flow.egress",
     "Route": "aioslirp.handlers.routes",
     "GuestReader": "aioslirp.handlers.streams",

@@ -1,4 +1,4 @@
-"""The audit log (aioslirp/audit.py): one record per flow at its end, the bounded
+"""The audit log (aioslirp/observe/audit.py): one record per flow at its end, the bounded
 ``Stack.flow_events()`` readers, the JSON-lines file and its rotation, and ``--audit-log``
 under ``aioslirp run`` with a real guest (curl).
 
@@ -19,7 +19,7 @@ import dpkt
 import pytest
 
 from aioslirp import NetworkConfig
-from aioslirp.audit import AuditLog
+from aioslirp.observe.audit import AuditLog
 from guest_helpers import need_tool, run_guest
 from hostservers import DataServer, DnsUpstream, UdpEcho, pattern
 from stack_helpers import FAMILIES, of_proto, recv_frames, served_stack, tcp_frame, udp_frame
@@ -227,7 +227,7 @@ def test_a_flood_of_denials_is_written_at_a_bounded_rate_and_counted():
     record each: beyond DECISION_RATE (burst DECISION_BURST) they are counted as
     audit.records_suppressed, not written, so the log cannot grow without bound; flow records
     are never suppressed."""
-    from aioslirp.audit import DECISION_BURST, AuditLog
+    from aioslirp.observe.audit import DECISION_BURST, AuditLog
 
     out = io.StringIO()
     log = AuditLog(out)

@@ -103,7 +103,7 @@ def test_json_exporter_write_error_is_logged_once_and_counted(tmp_path, caplog):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    from aioslirp.observe import JsonLinesSpanExporter
+    from aioslirp.cli.observe import JsonLinesSpanExporter
 
     tracer = TracerProvider(shutdown_on_exit=False).get_tracer("test")
     spans = []

@@ -143,9 +143,9 @@ def test_api_reference_renders_cross_references(site):
     linked = set(links)
     assert ("#aioslirp.config.network.NetworkConfig", "NetworkConfig") in linked  # :class:`~aioslirp.NetworkConfig`
     assert ("#aioslirp.stack.Stack", "Stack") in linked
-    assert ("#aioslirp.host.spawn.Guest", "Guest") in linked  # :class:`Guest` in spawn's module
-    assert ("#aioslirp.host.spawn.Guest.returncode", "returncode") in linked  # :attr: in a method of Guest
-    assert ("#aioslirp.host.spawn.spawn", "spawn()") in linked
+    assert ("#aioslirp.frontends.spawn.Guest", "Guest") in linked  # :class:`Guest` in spawn's module
+    assert ("#aioslirp.frontends.spawn.Guest.returncode", "returncode") in linked  # :attr: in a method of Guest
+    assert ("#aioslirp.frontends.spawn.spawn", "spawn()") in linked
     assert len(links) >= 50, len(links)
     ids = set(re.findall(r'id="([^"]+)"', page))
     for href, _ in links:

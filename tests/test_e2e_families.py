@@ -22,7 +22,7 @@ import time
 import pytest
 
 from aioslirp import NetworkConfig, Stack
-from aioslirp.host.netns import run_in_namespace
+from aioslirp.frontends.netns import run_in_namespace
 from guest_helpers import GUEST_FAMILIES, LINK_MTU, guest_json, handshake_mss, need_tool, run_guest
 from hostservers import DataServer, DnsUpstream, UdpEcho, pattern
 from stack_helpers import DNS_A, DNS_AAAA, fd_count, stack_tasks

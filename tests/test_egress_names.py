@@ -455,7 +455,7 @@ def test_decision_is_slotted():
 def test_api_add_list_remove_rules(tmp_path):
     import json
 
-    from aioslirp.api import ApiServer
+    from aioslirp.frontends.api import ApiServer
     from aioslirp.stack import Stack
 
     stack = Stack(NetworkConfig(egress_default="deny"))

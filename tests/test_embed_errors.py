@@ -56,6 +56,23 @@ async def test_socketpair_peer_closed_is_one_error_at_once(caplog):
     assert one_error_line(caplog) == msg
 
 
+async def test_a_transport_subclass_names_its_own_peer(caplog):
+    """The hint is the transport's (``Transport.gone_hint``), not looked up by class name: an
+    embedder's own transport tells its users what to check."""
+
+    class VmmTransport(aioslirp.SocketPairTransport):
+        gone_hint = "the VM manager (vmm) still holds the guest's end"
+
+    caplog.set_level(logging.INFO)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    theirs.close()
+    events, _ = await serve_collect(VmmTransport(ours))
+    (msg,) = errors(events)
+    assert msg == ("VmmTransport closed before the guest sent a frame: the other end closed (EOF); "
+                   "check that the VM manager (vmm) still holds the guest's end")
+    assert one_error_line(caplog) == msg
+
+
 async def test_qemu_stream_socket_closed_at_once_names_qemu(caplog):
     caplog.set_level(logging.INFO)
     ours, qemu = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

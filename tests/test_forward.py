@@ -20,8 +20,9 @@ import dpkt
 import pytest
 
 from aioslirp import ConfigError, ForwardError, NetworkConfig, PortForward, SocketPairTransport, Stack
-from aioslirp.api import ApiServer
-from aioslirp.forward import SOURCE_PORTS, UnknownForwardError, parse_publish
+from aioslirp.config.forward import parse_publish
+from aioslirp.frontends.api import ApiServer
+from aioslirp.nat.forward import SOURCE_PORTS, UnknownForwardError
 
 from conftest import have_ipv6_loopback, need
 
@@ -441,7 +442,7 @@ async def test_api_handler_replies(stack_guest):
 
 
 async def test_api_socket_of_a_live_server_is_not_taken_over(tmp_path):
-    from aioslirp.api import ApiSocketError
+    from aioslirp.frontends.api import ApiSocketError
 
     path = str(tmp_path / "api.sock")
     async with Stack(NetworkConfig()) as stack:

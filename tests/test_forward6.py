@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from aioslirp import NetworkConfig, Stack
+from aioslirp.config.forward import PortForward, parse_publish
 from aioslirp.errors import ConfigError
-from aioslirp.forward import PortForward, parse_publish
 
 GUEST6 = "fd00::100"
 

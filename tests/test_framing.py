@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from aioslirp import NetworkConfig, Stack
-from aioslirp.qemu import QemuServer, SocketInUse, transport_for_fd
+from aioslirp.frontends.qemu import QemuServer, SocketInUse, transport_for_fd
 from aioslirp.transport.base import MAX_FRAME
 from aioslirp.transport.dgram import DgramTransport
 from aioslirp.transport.framing import FrameTooLarge, StreamDecoder, encode_frames

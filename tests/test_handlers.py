@@ -32,7 +32,7 @@ import dpkt
 import pytest
 
 from aioslirp import NetworkConfig, Stack, splice
-from aioslirp.host.netns import run_in_namespace
+from aioslirp.frontends.netns import run_in_namespace
 from conftest import need
 from guest_helpers import need_tool
 from hostservers import DataServer, pattern

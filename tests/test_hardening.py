@@ -449,7 +449,7 @@ def test_open_file_limit_refuses_beyond_it():
 async def test_qemu_stop_resets_guest_flows_and_removes_the_socket(tmp_path):
     """`aioslirp qemu` stopping (what SIGINT/SIGTERM do): the QEMU guest gets a RST for its open
     connection on the stream before it closes, and the socket path is removed."""
-    from aioslirp.qemu import QemuServer
+    from aioslirp.frontends.qemu import QemuServer
 
     lst = listener()
     lst.settimeout(2)

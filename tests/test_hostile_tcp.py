@@ -23,7 +23,7 @@ import struct
 import pytest
 import uvloop
 
-from aioslirp.tcp.hostsock import READ_SIZE, TransportHost
+from aioslirp.nat.hostsock import READ_SIZE, TransportHost
 from aioslirp.wire.tcp import ACK, FIN, PSH, RST, SYN, build_tcp
 
 from ipv6_helpers import GUEST6, GUEST_MAC, GW6, GW_MAC

@@ -1,4 +1,4 @@
-"""The host side of a TCP flow (aioslirp.tcp.hostsock) and its move to an asyncio transport.
+"""The host side of a TCP flow (aioslirp.nat.hostsock) and its move to an asyncio transport.
 
 A Stack in this process serves a transport that only collects frames; the test plays the
 guest (frames built with ``build_tcp``) and the host peer (a real listening socket on
@@ -21,7 +21,7 @@ import struct
 import pytest
 
 from aioslirp import NetworkConfig, Stack
-from aioslirp.tcp.hostsock import READ_SIZE, HostSocket, TransportHost
+from aioslirp.nat.hostsock import READ_SIZE, HostSocket, TransportHost
 from aioslirp.wire.tcp import build_tcp
 
 from stack_helpers import CollectTransport as Collect, fd_count  # after a gc: earlier tests' garbage does not close mid-count

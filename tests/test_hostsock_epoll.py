@@ -1,4 +1,4 @@
-"""The stack's own epoll for host-socket reads (aioslirp.tcp.hostsock.HostPoller).
+"""The stack's own epoll for host-socket reads (aioslirp.nat.hostsock.HostPoller).
 
 Checked with real sockets and the kernel's view of the epoll (``/proc/self/fdinfo``: one
 ``tfd:`` line per registered fd): a stack's connections register one fd each while they read
@@ -23,7 +23,7 @@ import termios
 import pytest
 
 from aioslirp import NetworkConfig, Stack
-from aioslirp.tcp.hostsock import HostPoller, HostSocket
+from aioslirp.nat.hostsock import HostPoller, HostSocket
 from aioslirp.wire.tcp import build_tcp
 
 from stack_helpers import CollectTransport as Collect, fd_count

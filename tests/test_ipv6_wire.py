@@ -14,15 +14,15 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from aioslirp.config.ipv6 import Ipv6Config
+from aioslirp.dispatch.reassembly import Ipv6Reassembler
 from aioslirp.errors import ConfigError
 from aioslirp.ratelimit import TokenBucket
-from aioslirp.reassembly import Ipv6Reassembler
+from aioslirp.wire.checksum import finish, partial
 from aioslirp.wire.icmp import build_icmp6_error, build_icmp6_packet, echo_reply6, icmp6_error_allowed
 from aioslirp.wire.ipv6 import (ALL_NODES, Ipv6, eth6, fragment6, l4_checksum_ok, link_local_from_mac, multicast_mac,
                                 parse_ipv6, pseudo_sum6, solicited_node)
 from aioslirp.wire.tcp import build_tcp
 from aioslirp.wire.udp import build_udp
-from aioslirp.wire.checksum import finish, partial
 
 from ipv6_helpers import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, UNSPEC, a6, checksum_valid, eth,
                           icmp6_frame, raw6, ref_checksum6, udp6_frame)

@@ -29,7 +29,7 @@ def test_import_layers_contract_is_kept():
 OLD_PATHS = {
     "aioslirp._isolate": "aioslirp.host.isolate",
     "aioslirp._nschild": "aioslirp.host.nschild",
-    "aioslirp.netns": "aioslirp.host.netns",
+    "aioslirp.netns": "aioslirp.frontends.netns",
     "aioslirp.slirp4netns": "aioslirp.cli.slirp4netns",
     "aioslirp.trace_report": "aioslirp.cli.trace_report",
     "aioslirp.config6": "aioslirp.config.ipv6",
@@ -37,9 +37,26 @@ OLD_PATHS = {
     "aioslirp.limits": "aioslirp.flow.guard, aioslirp.config.limits, aioslirp.ratelimit",
     "aioslirp.stack6": "aioslirp.dispatch.ipv6",
     "aioslirp.tcp.conn": "aioslirp.tcp.connection, aioslirp.tcp.tcb, aioslirp.wire.tcp",
-    "aioslirp.wire.reassembly": "aioslirp.reassembly",
+    "aioslirp.wire.reassembly": "aioslirp.dispatch.reassembly",
     "aioslirp.wire._moved": "(the lazy re-exports of wire.ipv4, wire.ipv6, wire.offload)",
     "aioslirp.host.tapdev": "aioslirp.transport.tapdev",
+    # issue 25 item 2: modules grouped by role
+    "aioslirp.tcp.flow": "aioslirp.nat.tcp",
+    "aioslirp.tcp.hostsock": "aioslirp.nat.hostsock",
+    "aioslirp.tcp.pacing": "aioslirp.nat.pacing",
+    "aioslirp.udp": "aioslirp.nat.udp",
+    "aioslirp.icmp": "aioslirp.nat.icmp",
+    "aioslirp.forward": "aioslirp.nat.forward, aioslirp.config.forward",
+    "aioslirp.tracing": "aioslirp.observe.tracing",
+    "aioslirp.metrics": "aioslirp.observe.metrics",
+    "aioslirp.audit": "aioslirp.observe.audit",
+    "aioslirp.lifecycle": "aioslirp.observe.events, Stack.farewell(), Transport.gone_before_first_frame()",
+    "aioslirp.reassembly": "aioslirp.dispatch.reassembly",
+    "aioslirp.qemu": "aioslirp.frontends.qemu",
+    "aioslirp.api": "aioslirp.frontends.api",
+    "aioslirp.host.spawn": "aioslirp.frontends.spawn",
+    "aioslirp.host.netns": "aioslirp.frontends.netns, aioslirp.host.ifconfig",
+    "aioslirp.host.slirp4netns": "aioslirp.frontends.slirp4netns",
 }
 SOURCE_DIRS = ("aioslirp", "tests", "benchmarks", "fuzz", "examples")
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".cfg", ".sh", ".yml", ".yaml", ".txt", ""}
@@ -148,7 +165,7 @@ def _imports(tree: ast.AST, package: str | None):
 def test_every_import_names_the_module_that_defines_it():
     """``from aioslirp.X import N`` only where X defines N or lists it in ``__all__`` (or N is a
     submodule): a name has one import path, so no re-export can keep a moved name's old home alive
-    (``wire.ipv4.build_tcp``, ``tcp.flow.TransportHost``, ``transport.tap.open_tap``...)."""
+    (``wire.ipv4.build_tcp``, ``nat.tcp.TransportHost``, ``transport.tap.open_tap``...)."""
     defined: dict[str, set[str]] = {}
     wrong = []
     for path in _python_files():
@@ -165,3 +182,15 @@ def test_every_import_names_the_module_that_defines_it():
                 if name != "*" and name not in defined[module] and _module_file(f"{module}.{name}") is None:
                     wrong.append(f"{rel}:{lineno}: {name} is not defined in {module}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_tcp_holds_the_compiled_core_only():
+    """``aioslirp/tcp`` is the sans-IO TCP connection and nothing else: exactly the ``aioslirp.tcp``
+    modules that ``compiled.COMPILED`` lists (what ``setup.py`` builds with mypyc); the asyncio flow,
+    its host sockets and pacing are ``aioslirp.nat``. Read from the files, not imported."""
+    compiled_py = REPO / "aioslirp" / "compiled.py"
+    listed = next(ast.literal_eval(node.value) for node in ast.parse(compiled_py.read_text()).body
+                  if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "COMPILED")
+    in_tcp = {f"aioslirp.tcp.{p.stem}" for p in (REPO / "aioslirp" / "tcp").glob("*.py") if p.name != "__init__.py"}
+    assert in_tcp == {name for name in listed if name.startswith("aioslirp.tcp.")}
+    assert all(_module_file(name) for name in listed), [name for name in listed if not _module_file(name)]

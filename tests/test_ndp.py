@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from aioslirp.config.ipv6 import Ipv6Config
-from aioslirp.reassembly import Ipv6Reassembler
+from aioslirp.dispatch.reassembly import Ipv6Reassembler
 from aioslirp.services.dhcpv6 import Dhcpv6Server
 from aioslirp.services.ndp import NdpResponder, parse_nd_options
 from aioslirp.wire.ipv6 import Ipv6, l4_checksum_ok, parse_ipv6, solicited_node

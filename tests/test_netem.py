@@ -41,7 +41,7 @@ import pytest
 
 from aioslirp import NetworkConfig, Stack
 from aioslirp.flow.table import FlowTable
-from aioslirp.host.netns import run_in_namespace
+from aioslirp.frontends.netns import run_in_namespace
 from aioslirp.transport.base import Transport
 
 from hostservers import DataServer, pattern

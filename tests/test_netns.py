@@ -1,4 +1,4 @@
-"""Namespace and TAP plumbing: aioslirp.host.netns, aioslirp.transport.tap, the CLI.
+"""Namespace and TAP plumbing: aioslirp.frontends.netns, aioslirp.transport.tap, the CLI.
 
 pytest runs as root inside a loopback-only network namespace (conftest.py); every
 namespace made here is a child of that one and only talks to our own handlers, so no
@@ -29,7 +29,7 @@ import dpkt
 import pytest
 
 from aioslirp.config import NetworkConfig
-from aioslirp.host.netns import attach, run_in_namespace
+from aioslirp.frontends.netns import attach, run_in_namespace
 from aioslirp.host.nsbase import NamespaceError, resolv_conf_text
 from aioslirp.transport.tap import TapTransport
 from aioslirp.transport.tapdev import TapError, create_tap, open_tap
@@ -691,7 +691,7 @@ def as_nobody(argv, work: Path, timeout: float = 40) -> subprocess.CompletedProc
 _ROOTLESS_DRIVER = r'''
 import asyncio, json, os, subprocess, sys, time
 from aioslirp.config import NetworkConfig
-from aioslirp.host.netns import attach, run_in_namespace
+from aioslirp.frontends.netns import attach, run_in_namespace
 
 OUT = sys.argv[1]
 

@@ -34,11 +34,11 @@ import dpkt
 import pytest
 
 from aioslirp import NetworkConfig, PortForward, Stack
-from aioslirp import api as api_module
-from aioslirp.api import ApiServer, MAX_REQUEST
 from aioslirp.flow.table import FlowTable
-from aioslirp.host.netns import run_in_namespace
-from aioslirp.tcp.flow import TcpFlow
+from aioslirp.frontends import api as api_module
+from aioslirp.frontends.api import ApiServer, MAX_REQUEST
+from aioslirp.frontends.netns import run_in_namespace
+from aioslirp.nat.tcp import TcpFlow
 
 from hostservers import DataServer, DnsUpstream, UdpEcho, namespace_address, pattern
 from ipv6_helpers import GUEST6, a6, icmp6_frame, udp6_frame

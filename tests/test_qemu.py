@@ -290,7 +290,7 @@ def aioslirp_tasks() -> list:
 
 async def test_guest_killed_mid_transfer_leaves_nothing_behind(guestvm, servers, tmp_path, request):
     from aioslirp import NetworkConfig, Stack
-    from aioslirp.qemu import QemuServer
+    from aioslirp.frontends.qemu import QemuServer
 
     endless = EndlessHttp()
     sock = tmp_path / "s.sock"

@@ -1,7 +1,7 @@
 """Rate caps (``--rate-limit up=RATE,down=RATE``, ``NetworkConfig(rate_up=, rate_down=)``).
 
 * sans-IO: :class:`~aioslirp.ratelimit.ByteBucket` and the TCP pacing steps
-  (:class:`~aioslirp.tcp.pacing.FlowPacing`) on a fake clock;
+  (:class:`~aioslirp.nat.pacing.FlowPacing`) on a fake clock;
 * parsing: rates with units, one-line errors naming the field;
 * in-process: UDP datagrams over the cap are dropped and counted, each way;
 * real guest under ``aioslirp run``: TCP at the cap within +-10% both ways, every byte
@@ -22,10 +22,10 @@ import time
 import pytest
 
 from aioslirp import NetworkConfig
-from aioslirp.errors import ConfigError
 from aioslirp.config.rates import parse_rate, parse_rate_limit
+from aioslirp.errors import ConfigError
+from aioslirp.nat.pacing import RATE_MIN_WRITE, FlowPacing
 from aioslirp.ratelimit import MIN_BYTE_BURST, ByteBucket, byte_burst
-from aioslirp.tcp.pacing import RATE_MIN_WRITE, FlowPacing
 from guest_helpers import need_tool, run_guest
 from hostservers import DataServer, DnsUpstream, UdpEcho, pattern
 from stack_helpers import F4, recv_frames, served_stack, udp_frame

@@ -35,10 +35,10 @@ from hypothesis import given, settings, strategies as st
 from aioslirp import ConfigError, NetworkConfig, SocketPairTransport, Stack
 from aioslirp.cli import build_parser, config_from_args
 from aioslirp.config.limits import LIMIT_FIELDS, parse_limits
-from aioslirp.host.netns import run_in_namespace
-from aioslirp.reassembly import Ipv6Reassembler, Reassembler
-from aioslirp.tcp.flow import TcpFlow
-from aioslirp.tcp.hostsock import READ_SIZE
+from aioslirp.dispatch.reassembly import Ipv6Reassembler, Reassembler
+from aioslirp.frontends.netns import run_in_namespace
+from aioslirp.nat.hostsock import READ_SIZE
+from aioslirp.nat.tcp import TcpFlow
 from aioslirp.wire.ipv6 import parse_ipv6
 
 from hostservers import DataServer, UdpEcho, pattern

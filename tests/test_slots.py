@@ -24,6 +24,7 @@ from aioslirp.dispatch.ipv4 import Ipv4Input
 from aioslirp.dispatch.ipv6 import Ipv6Path
 from aioslirp.dispatch.l4 import L4
 from aioslirp.dispatch.link import Link
+from aioslirp.dispatch.reassembly import Ipv6Reassembler, Reassembler, _Pending
 from aioslirp.flow.base import FlowContext
 from aioslirp.flow.guard import Guard
 from aioslirp.flow.info import FlowRecords
@@ -31,12 +32,15 @@ from aioslirp.flow.table import FlowTable, IdleOrder
 from aioslirp.handlers.routes import Route, Router
 from aioslirp.handlers.streams import GuestFlow, GuestTransport, GuestWriter, TcpHandlerHost
 from aioslirp.handlers.udp import Datagrams, HandledUdpFlow
-from aioslirp.forward import Forwarder, UdpForwardFlow, _Listener
-from aioslirp.icmp import IcmpEcho, IcmpFlow
 from aioslirp.inject import InjectQueue
-from aioslirp.audit import AuditLog, _Reader
+from aioslirp.nat.forward import Forwarder, UdpForwardFlow, _Listener
+from aioslirp.nat.hostsock import HostSocket, TransportHost
+from aioslirp.nat.icmp import IcmpEcho, IcmpFlow
+from aioslirp.nat.pacing import FlowPacing
+from aioslirp.nat.tcp import ForwardedTcpFlow, TcpFlow
+from aioslirp.nat.udp import UdpFlow
+from aioslirp.observe.audit import AuditLog, _Reader
 from aioslirp.ratelimit import ByteBucket, TokenBucket
-from aioslirp.reassembly import Ipv6Reassembler, Reassembler, _Pending
 from aioslirp.services.dhcp import DhcpServer, _Lease
 from aioslirp.services.dhcpv6 import Dhcpv6Server
 from aioslirp.services.dns import DnsForwarder, DnsTcpSession, _UdpQuery
@@ -46,20 +50,16 @@ from aioslirp.stack_parts import StackParts
 from aioslirp.tcp.arrival import Arrival
 from aioslirp.tcp.buffers import ChunkQueue, SendQueue
 from aioslirp.tcp.connection import TcpConnection
-from aioslirp.tcp.flow import ForwardedTcpFlow, TcpFlow
-from aioslirp.tcp.hostsock import HostSocket, TransportHost
-from aioslirp.tcp.pacing import FlowPacing
 from aioslirp.tcp.output import Output
 from aioslirp.tcp.tcb import Tcb
 from aioslirp.transport.base import SocketTransport, Transport, TransportWrapper
 from aioslirp.transport.dgram import DgramTransport
 from aioslirp.transport.framing import StreamDecoder
 from aioslirp.transport.pcap import PcapTransport, PcapWriter
-from aioslirp.transport.trace import TraceTransport
 from aioslirp.transport.socketpair import SocketPairTransport
 from aioslirp.transport.stream import StreamTransport
 from aioslirp.transport.tap import TapTransport
-from aioslirp.udp import UdpFlow
+from aioslirp.transport.trace import TraceTransport
 from aioslirp.wire.ipv6 import Ipv6
 from aioslirp.wire.tcp import Segment, TcpFrameBuilder, TcpOffloadBuilder
 
@@ -80,7 +80,7 @@ PER_FRAME = [
     TcpHandlerHost, GuestFlow, GuestWriter, GuestTransport, HandledUdpFlow, Datagrams, Router, Route,
 ]
 
-#: Classes whose instances are held by weak reference (``aioslirp.metrics``).
+#: Classes whose instances are held by weak reference (``aioslirp.observe.metrics``).
 WEAKREF = {Stack}
 
 

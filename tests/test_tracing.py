@@ -22,8 +22,9 @@ import time
 
 import pytest
 
-from aioslirp import NetworkConfig, SocketPairTransport, Stack, tracing
-from aioslirp.host.netns import run_in_namespace
+from aioslirp import NetworkConfig, SocketPairTransport, Stack
+from aioslirp.frontends.netns import run_in_namespace
+from aioslirp.observe import tracing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -474,7 +475,7 @@ async def test_metrics_and_stats_read_the_counters():
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from aioslirp.metrics import register
+    from aioslirp.observe.metrics import register
 
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])

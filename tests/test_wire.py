@@ -8,8 +8,8 @@ import socket
 import dpkt
 from hypothesis import given, settings, strategies as st
 
+from aioslirp.dispatch.reassembly import Reassembler
 from aioslirp.wire.checksum import checksum, partial
-from aioslirp.reassembly import Reassembler
 from aioslirp.wire.ipv4 import IP_MF, fragment
 from aioslirp.wire.tcp import build_tcp
 from aioslirp.wire.udp import build_udp

@@ -80,7 +80,7 @@ def _dns_stub(answer: str) -> tuple[socket.socket, int]:
 async def demo(config: NetworkConfig | None = None, stack_factory=None) -> int:
     """Run the demo; returns 0 when the guest fetched the page intact. ``stack_factory(config)``
     makes the stack (default: :class:`~aioslirp.stack.Stack`)."""
-    from ..host.netns import run_in_namespace
+    from ..frontends.netns import run_in_namespace
     from ..stack import Stack
 
     cfg = (config or NetworkConfig()).validate()

@@ -304,7 +304,7 @@ def _api_socket_problem(path: str) -> str | None:
     socket path, plus a writable directory."""
     import os
 
-    from ..qemu import check_socket_path
+    from ..frontends.qemu import check_socket_path
 
     problem = check_socket_path(path)
     if problem is None:
@@ -317,7 +317,7 @@ def _api_socket_problem(path: str) -> str | None:
 def _events_factory(base, path: str):
     """Wrap the stack factory ``base`` (``None``: :class:`~aioslirp.Stack`) so that every lifecycle
     event of the stack is appended to ``path`` as one JSON line (:meth:`Event.to_json
-    <aioslirp.lifecycle.Event.to_json>`), flushed at once. ``ConfigError`` naming ``--events``
+    <aioslirp.observe.events.Event.to_json>`), flushed at once. ``ConfigError`` naming ``--events``
     when ``path`` cannot be opened for appending."""
     import contextlib
     import json
@@ -360,7 +360,7 @@ def _stack_factory(args: argparse.Namespace, obs, unused_by: str | None = None):
     and the API socket listens before the guest starts (a port in use: ``ForwardError``).
     ``unused_by``: the command that takes neither option (``"demo"``): ``ConfigError`` when given.
     """
-    from ..forward import parse_publish
+    from ..config.forward import parse_publish
 
     base = obs.stack_factory() if obs.active else None
     forwards = [parse_publish(v, "--publish") for v in args.publish or ()]
@@ -383,7 +383,7 @@ def _stack_factory(args: argparse.Namespace, obs, unused_by: str | None = None):
             raise ConfigError("--api-socket", problem)
 
     def factory(config):
-        from ..api import serving_stack
+        from ..frontends.api import serving_stack
 
         return serving_stack(config, forwards=forwards, api_socket=api_socket, stack_factory=base)
 
@@ -392,7 +392,7 @@ def _stack_factory(args: argparse.Namespace, obs, unused_by: str | None = None):
 
 def _check_qemu_args(args: argparse.Namespace) -> None:
     """Validate ``aioslirp qemu`` options; raises ConfigError naming the option."""
-    from ..qemu import check_socket_path
+    from ..frontends.qemu import check_socket_path
 
     if args.ifname:
         raise ConfigError("--ifname", "not used by 'aioslirp qemu' (the guest's NIC is QEMU's)")
@@ -501,7 +501,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         stop_kw = {} if args.stop_timeout is None else {"stop_timeout": args.stop_timeout}
 
         def start():
-            from ..host.netns import run_in_namespace
+            from ..frontends.netns import run_in_namespace
 
             return run_in_namespace(config, cmd, ifname=ifname, forward_signals=True, stack_factory=stack_factory,
                                     offload=args.offload, **stop_kw)
@@ -520,7 +520,7 @@ def _cmd_attach(args: argparse.Namespace) -> int:
         ifname = _ifname(args, positional_ifname)
 
         def start():
-            from ..host.netns import attach
+            from ..frontends.netns import attach
 
             return attach(config, netns_path=netns_path, pid=pid, ifname=ifname, handle_signals=True,
                           stack_factory=stack_factory, offload=args.offload)
@@ -538,7 +538,7 @@ def _cmd_qemu(args: argparse.Namespace) -> int:
         _check_qemu_args(args)
 
         def start():
-            from ..qemu import serve_qemu
+            from ..frontends.qemu import serve_qemu
 
             return serve_qemu(config, path=args.socket, fd=args.fd, dgram=args.dgram, handle_signals=True,
                               stack_factory=stack_factory)
@@ -576,7 +576,7 @@ def _serve(args: argparse.Namespace, prepare, *, socket_errors: bool = False) ->
     namespace, the TAP, a port forward, the API socket) print one line and return 1.
     ``socket_errors`` (``qemu``): an ``OSError`` / ``ValueError`` names ``--socket`` / ``--fd``.
     """
-    from ..observe import Observability
+    from .observe import Observability
 
     obs = Observability.from_args(args)
     try:
@@ -595,9 +595,9 @@ def _serve(args: argparse.Namespace, prepare, *, socket_errors: bool = False) ->
         return 2
     import asyncio
 
-    from ..api import ApiSocketError
-    from ..forward import ForwardError
+    from ..frontends.api import ApiSocketError
     from ..host.nsbase import NamespaceError
+    from ..nat.forward import ForwardError
     from ..transport.tapdev import TapError
 
     coro = start()

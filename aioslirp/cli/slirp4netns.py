@@ -27,8 +27,8 @@ loop exists:
    status, and the child exits.
 2. **parent**, meanwhile still in the host's namespaces, imports the stack (this overlaps
    with the child's work), receives the fd, reaps the child and runs the event loop: the
-   :class:`~aioslirp.stack.Stack` serves the TAP (:func:`aioslirp.host.slirp4netns.serve`);
-   the API server (:mod:`aioslirp.api`) listens on ``--api-socket``; ``--enable-sandbox`` /
+   :class:`~aioslirp.stack.Stack` serves the TAP (:func:`aioslirp.frontends.slirp4netns.serve`);
+   the API server (:mod:`aioslirp.frontends.api`) listens on ``--api-socket``; ``--enable-sandbox`` /
    ``--enable-seccomp`` lock the process down (:mod:`aioslirp.host.sandbox`); only then is
    ``"1"`` written to the ready fd and the fd closed.
 3. It runs until the exit fd (``-e``) reports any event (its peer hung up: Podman's
@@ -40,7 +40,7 @@ loop exists:
 
 Option by option (what aioslirp does with each) is in ``docs/slirp4netns.md`` and
 :data:`HELP`. This module parses the command line and runs the three steps; the child and the
-serving are host plumbing (:mod:`aioslirp.host.nschild`, :mod:`aioslirp.host.slirp4netns`).
+serving are host plumbing (:mod:`aioslirp.host.nschild`, :mod:`aioslirp.frontends.slirp4netns`).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def __getattr__(name):
     if name == "SetupError":
         from ..host.nschild import SetupError as value
     elif name == "serve":
-        from ..host.slirp4netns import serve as value
+        from ..frontends.slirp4netns import serve as value
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
@@ -393,8 +393,8 @@ def parse_args(argv: Sequence[str]) -> Options:
             raise UsageError("--log-level", f"{ns.log_level!r} is not one of {', '.join(_LOG_LEVELS)}")
         opts.log_level = level
     if ns.rate_limit is not None:
-        from ..errors import ConfigError
         from ..config.rates import parse_rate_limit
+        from ..errors import ConfigError
 
         try:
             rates = parse_rate_limit(ns.rate_limit, "--rate-limit")
@@ -563,8 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("ignoring extra arguments: %s", " ".join(opts.extra_args))
 
     # 1. the TAP, from a child in the target namespaces (the parent stays in the host's)
+    from ..frontends.slirp4netns import serve
     from ..host.nschild import ForkedChild, SetupError
-    from ..host.slirp4netns import serve
 
     child = None
     if opts.netns_type == "tapfd":

@@ -1,13 +1,13 @@
 """``aioslirp trace-report FILE``: where the time of each connection goes.
 
 Reads the JSON-lines span file written by ``--trace FILE`` (format in
-:mod:`aioslirp.observe`) and builds, for every ``tcp.flow`` span (one per guest TCP
+:mod:`aioslirp.cli.observe`) and builds, for every ``tcp.flow`` span (one per guest TCP
 connection):
 
 * its **timeline**: ``syn`` at the span's start, the span's events in time order
   (``host.connect``, ``syn_ack.queued``, ``syn_ack.sent``, ``established``, ``guest.data``,
   ``host.data``, ``data.sent``, ``fin.guest``, ``fin.host``, ``fin.sent``, ``closed``...,
-  see :mod:`aioslirp.tracing`), and ``flow.end`` at the span's end, with the gap from
+  see :mod:`aioslirp.observe.tracing`), and ``flow.end`` at the span's end, with the gap from
   each event to the one before;
 * its **stages**: each pair of consecutive events ``a → b`` is a stage whose length is the
   gap. Between two connections of the same guest address that follow each other (the

@@ -8,6 +8,8 @@
   ``--deny`` rules;
 * :mod:`.limits`: the ``--limit NAME=VALUE`` fields and their parsing;
 * :mod:`.rates`: byte rates (``--rate-limit``, ``rate_up`` / ``rate_down``).
+* :mod:`.forward`: :class:`~aioslirp.config.forward.PortForward`, a port forward host -> guest,
+  and :func:`~aioslirp.config.forward.parse_publish` (``-p/--publish``).
 
 They import only :mod:`aioslirp.errors` (where :class:`ConfigError` lives) and one another,
 never a layer above. The error they raise, :class:`~aioslirp.errors.ConfigError`, is

@@ -5,7 +5,7 @@ A guest IPv4 packet is dropped and counted when its header is malformed (``trunc
 address of our subnet (``bad_src_ip``; ``0.0.0.0`` is let through for DHCP). A valid source
 teaches the ARP cache the frame's MAC (at most ``MAX_NEIGHBORS`` entries, the oldest learned
 goes first: ``arp.neighbors_evicted``). Fragments are held by the bounded
-:class:`~aioslirp.reassembly.Reassembler` (``ip_fragments``, ``ip_reassembled``, its
+:class:`~aioslirp.dispatch.reassembly.Reassembler` (``ip_fragments``, ``ip_reassembled``, its
 ``drop.frag_*`` reasons). Then by protocol: TCP and UDP to :mod:`aioslirp.dispatch.l4` as the
 packet view; ICMP echo requests to the gateway or DNS address are answered here
 (``icmp_echo_local``), to other addresses proxied (``L4.echo``); other ICMP is counted and
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..reassembly import Reassembler
 from ..wire.checksum import partial
 from ..wire.icmp import ICMP, ICMP_ECHO, ICMP_ECHO_REPLY, build_icmp_packet
 from ..wire.ip import PROTO_ICMP, PROTO_TCP, PROTO_UDP
 from ..wire.ipv4 import IP_MF, IP_OFFMASK, IPV4
+from .reassembly import Reassembler
 
 __all__ = ["Ipv4Input"]
 
@@ -36,7 +36,7 @@ class Ipv4Input:
         l4: the :class:`~aioslirp.dispatch.l4.L4` dispatch.
 
     Attributes:
-        reassembler: the :class:`~aioslirp.reassembly.Reassembler` (new one per :meth:`reset`).
+        reassembler: the :class:`~aioslirp.dispatch.reassembly.Reassembler` (new one per :meth:`reset`).
     """
 
     __slots__ = ("ctx", "fam", "counters", "drop", "neighbors", "net_int", "mask_int", "not_guest", "tcp", "udp",

@@ -17,7 +17,7 @@ address -> source MAC), reassembly when it is a fragment, then by upper-layer pr
 
 * ICMPv6: NDP (types 133-137) to :class:`~aioslirp.services.ndp.NdpResponder`; echo
   requests to our addresses answered at once, others proxied by
-  :class:`~aioslirp.icmp.IcmpEcho` (through ``L4.echo``); MLD reports are counted and ignored
+  :class:`~aioslirp.nat.icmp.IcmpEcho` (through ``L4.echo``); MLD reports are counted and ignored
   (we are not a multicast router).
 * TCP and UDP: the one L4 (:mod:`aioslirp.dispatch.l4`), as for IPv4; UDP port 547 is the
   DHCPv6 server (``Family6.dhcp``), ``dns6`` port 53 the DNS forwarder, ``gateway6`` reaches
@@ -42,10 +42,10 @@ import struct
 from ..config.ipv6 import Ipv6Config
 from ..services.dhcpv6 import Dhcpv6Server
 from ..services.ndp import NdpResponder
-from ..reassembly import Ipv6Reassembler
 from ..wire.icmp import ICMP6_ECHO_REQUEST, ICMP6_PACKET_TOO_BIG, ND_REDIRECT, ND_ROUTER_SOLICIT
 from ..wire.ipv6 import NH_ICMPV6, NH_NONE, NH_TCP, NH_UDP, UNSPECIFIED, l4_checksum_ok, parse_ipv6
 from .family import Family6
+from .reassembly import Ipv6Reassembler
 
 __all__ = ["Ipv6Path"]
 

@@ -16,12 +16,12 @@ its *packet view*, positional arguments in this order:
 The views are valid during the call only: whatever outlives it is copied.
 
 TCP: a segment of a known flow goes to it (``handled.tcp``); a SYN opens a
-:class:`~aioslirp.tcp.flow.TcpFlow` (towards the host, to a Python handler the
+:class:`~aioslirp.nat.tcp.TcpFlow` (towards the host, to a Python handler the
 :class:`~aioslirp.handlers.routes.Router` picks, or to the DNS service for the DNS address's
 port 53) once the :class:`~aioslirp.flow.guard.Guard` admits it; anything else gets a RST
 (RFC 9293 3.10.7.1). UDP: DHCP (``fam.dhcp``), DNS (answered by a task), a handler's
-:class:`~aioslirp.handlers.udp.HandledUdpFlow` or a :class:`~aioslirp.udp.UdpFlow`. Echo requests to remote addresses go to
-:class:`~aioslirp.icmp.IcmpEcho`. Every refusal is a counted drop; the reasons whose name
+:class:`~aioslirp.handlers.udp.HandledUdpFlow` or a :class:`~aioslirp.nat.udp.UdpFlow`. Echo requests to remote addresses go to
+:class:`~aioslirp.nat.icmp.IcmpEcho`. Every refusal is a counted drop; the reasons whose name
 differs by family come from ``fam.reason``.
 """
 
@@ -36,8 +36,8 @@ from ..flow.base import flow_key
 from ..flow.guard import DENIED, HELD
 from ..handlers.streams import run_handler
 from ..handlers.udp import HandledUdpFlow
-from ..tcp.flow import TcpFlow
-from ..udp import UdpFlow  # module level: an import under EMFILE (the first UDP flow) would fail
+from ..nat.tcp import TcpFlow
+from ..nat.udp import UdpFlow  # module level: an import under EMFILE (the first UDP flow) would fail
 from ..wire.checksum import partial
 from ..wire.icmp import KIND_ADMIN, KIND_HOST, KIND_PORT
 from ..wire.ip import PROTO_TCP, PROTO_UDP
@@ -299,7 +299,7 @@ class L4:
     # -------------------------------------------------------------- ICMP echo
     def echo(self, fam, src: bytes, dst: bytes, ident: int, seq: int, payload: bytes, pkt, now: float) -> None:
         """An echo request (already checked by its L3) to a remote address: proxied by
-        :class:`~aioslirp.icmp.IcmpEcho`, once the guard admits its flow."""
+        :class:`~aioslirp.nat.icmp.IcmpEcho`, once the guard admits its flow."""
         remote = fam.remote_for(dst)
         if remote is None:
             return self.drop(fam.reason["icmp_unroutable_dst"])

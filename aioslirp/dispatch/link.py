@@ -42,7 +42,7 @@ class Link:
             such frames are dropped, ``drop.ipv6_disabled``).
 
     Attributes:
-        tracer: the stack's :class:`~aioslirp.tracing.Tracer` (``ctx.tracer``), or ``None``:
+        tracer: the stack's :class:`~aioslirp.observe.tracing.Tracer` (``ctx.tracer``), or ``None``:
             told of each guest frame after its dispatch (``process_guest_frame``).
     """
 

@@ -1,9 +1,9 @@
 """What every flow is: the :class:`Flow` protocol and its key, :func:`flow_key`.
 
 A flow is one NAT conversation of the guest (or of a host client of a port forward) that
-holds host resources: a TCP connection (:class:`~aioslirp.tcp.flow.TcpFlow`), a UDP flow
-(:class:`~aioslirp.udp.UdpFlow`, :class:`~aioslirp.forward.UdpForwardFlow`) or an ICMP echo
-flow (:class:`~aioslirp.icmp.IcmpFlow`), IPv4 or IPv6. The stack's
+holds host resources: a TCP connection (:class:`~aioslirp.nat.tcp.TcpFlow`), a UDP flow
+(:class:`~aioslirp.nat.udp.UdpFlow`, :class:`~aioslirp.nat.forward.UdpForwardFlow`) or an ICMP echo
+flow (:class:`~aioslirp.nat.icmp.IcmpFlow`), IPv4 or IPv6. The stack's
 :class:`~aioslirp.flow.table.FlowTable` finds it by its key, flushes it at the end of a batch
 of guest frames, sweeps it when idle and evicts it when room is needed; the API socket and the
 trace points read it through the attributes below. Nothing else about a flow is assumed.
@@ -125,17 +125,17 @@ class FlowContext:
         queue: the :class:`~aioslirp.inject.InjectQueue`; ``inject`` is its ``put(frame) -> bool``.
         tasks: the ``set`` of the flows' own tasks (``Stack.aclose`` cancels and awaits them).
         spawn: ``spawn(coro, name) -> Task``, an auxiliary task owned by the stack.
-        icmp: the :class:`~aioslirp.icmp.IcmpEcho` proxy.
+        icmp: the :class:`~aioslirp.nat.icmp.IcmpEcho` proxy.
         dns: the :class:`~aioslirp.services.dns.DnsForwarder` (``None`` until started).
         dns_host: ``dns_host(flow)``: the host side of a TCP flow to the DNS address
             (:class:`~aioslirp.services.dns_tcp.DnsTcpHost`), so ``tcp/`` needs no service.
-        host_poller: the :class:`~aioslirp.tcp.hostsock.HostPoller` (one epoll) reading the TCP
+        host_poller: the :class:`~aioslirp.nat.hostsock.HostPoller` (one epoll) reading the TCP
             flows' host sockets (``None`` until ``Stack.start``; closed by ``Stack.aclose``).
         offload: the transport being served takes offload frames (a TAP with ``IFF_VNET_HDR``).
         closed: the stack is closing: no new flow is started.
-        tracer: the stack's :class:`~aioslirp.tracing.Tracer`, or ``None`` (not traced): the
+        tracer: the stack's :class:`~aioslirp.observe.tracing.Tracer`, or ``None`` (not traced): the
             flows tell it what they did (``if tr is not None: tr.on_...(...)``, after the work).
-        audit: the stack's :class:`~aioslirp.audit.AuditLog`, or ``None`` (no audit log):
+        audit: the stack's :class:`~aioslirp.observe.audit.AuditLog`, or ``None`` (no audit log):
             ``audit.record(dict)`` for denials and DNS decisions; the flow table records each
             flow's end itself.
         rate_up, rate_down: the guest's :class:`~aioslirp.ratelimit.ByteBucket` each way

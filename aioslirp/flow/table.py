@@ -122,7 +122,7 @@ class FlowTable:
         config: the stack's ``NetworkConfig`` (``max_flows`` and the idle timeouts).
         counters: the stack's ``collections.Counter``.
         guard: the :class:`~aioslirp.flow.guard.Guard`, told of every flow entering and leaving.
-        tracer: the stack's :class:`~aioslirp.tracing.Tracer`, or ``None``: told of every
+        tracer: the stack's :class:`~aioslirp.observe.tracing.Tracer`, or ``None``: told of every
             flow entering and leaving (after it did).
 
     Attributes:
@@ -149,7 +149,7 @@ class FlowTable:
     _timer: asyncio.TimerHandle | None
     #: The stack's tracer (``None``: not traced).
     tracer: Any
-    #: The stack's :class:`~aioslirp.audit.AuditLog` (``None``: off): told of every flow leaving.
+    #: The stack's :class:`~aioslirp.observe.audit.AuditLog` (``None``: off): told of every flow leaving.
     audit: Any
 
     def __init__(self, config, counters, guard, tracer=None) -> None:
@@ -183,7 +183,7 @@ class FlowTable:
 
     def remove(self, flow) -> None:
         """``flow`` leaves the table (counted ``flows.<proto_name>.closed`` if it was in it; then
-        one audit record, :meth:`AuditLog.flow_ended <aioslirp.audit.AuditLog.flow_ended>`, when
+        one audit record, :meth:`AuditLog.flow_ended <aioslirp.observe.audit.AuditLog.flow_ended>`, when
         :attr:`audit` is set). Idempotent."""
         if self.flows.get(flow.key) is flow:
             del self.flows[flow.key]

@@ -1,7 +1,7 @@
 """A guest TCP connection as asyncio streams: the host side of a flow taken over by a Python handler.
 
 :class:`TcpHandlerHost` stands where a host socket would for a
-:class:`~aioslirp.tcp.flow.TcpFlow` (the model is :class:`~aioslirp.services.dns_tcp.DnsTcpHost`):
+:class:`~aioslirp.nat.tcp.TcpFlow` (the model is :class:`~aioslirp.services.dns_tcp.DnsTcpHost`):
 the flow answers the guest's SYN at once (no host connect first) and hands the handler
 ``(flow, reader, writer)``:
 
@@ -29,7 +29,7 @@ import logging
 import socket
 import time
 
-from ..tcp.hostsock import connect_numeric
+from ..nat.hostsock import connect_numeric
 
 __all__ = ["GuestFlow", "GuestReader", "GuestWriter", "GuestTransport", "TcpHandlerHost", "run_handler"]
 
@@ -247,7 +247,7 @@ class TcpHandlerHost:
     """The HostSocket-like host side of a TCP flow taken over by ``handler`` (see the module documentation).
 
     Args:
-        flow: the :class:`~aioslirp.tcp.flow.TcpFlow`.
+        flow: the :class:`~aioslirp.nat.tcp.TcpFlow`.
         handler: ``async def handler(flow: GuestFlow, reader, writer)``.
         name: the destination's DNS name or ``None``.
         errors: ``errors(handler, flow, exc)``: count and log a handler's failure.
@@ -471,6 +471,6 @@ class TcpHandlerHost:
 
 
 def run_handler(handler, name, errors, flow):
-    """The ``host(flow)`` factory of a handled :class:`~aioslirp.tcp.flow.TcpFlow` (bind the first three
+    """The ``host(flow)`` factory of a handled :class:`~aioslirp.nat.tcp.TcpFlow` (bind the first three
     with ``functools.partial``): the flow's :class:`TcpHandlerHost`."""
     return TcpHandlerHost(flow, handler, name, errors)

@@ -1,6 +1,6 @@
 """A guest UDP flow taken over by a Python handler: ``async def handler(flow, datagrams)``.
 
-:class:`HandledUdpFlow` stands in the flow table where a :class:`~aioslirp.udp.UdpFlow` would, with
+:class:`HandledUdpFlow` stands in the flow table where a :class:`~aioslirp.nat.udp.UdpFlow` would, with
 no host socket. The guest's datagrams go into a bounded queue (:data:`QUEUE` payloads; one more
 is dropped and counted ``handler_udp_dropped``) that the handler iterates (``async for payload in
 datagrams``); ``flow.send(payload)`` sends a datagram to the guest from the destination. The

@@ -1,5 +1,5 @@
-"""What the namespace commands share (:mod:`aioslirp.host.netns`'s ``run_in_namespace`` and
-``attach``, :mod:`aioslirp.host.spawn`): the error type, the set-up timeout, the namespace
+"""What the namespace commands share (:mod:`aioslirp.frontends.netns`'s ``run_in_namespace`` and
+``attach``, :mod:`aioslirp.frontends.spawn`): the error type, the set-up timeout, the namespace
 child's argv and interface spec, resolv.conf, and stopping a ``serve()`` task.
 
 A floor below both: neither imports the other through it.
@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from ..config import NetworkConfig
-from ..lifecycle import request_stop
+from .signals import request_stop
 
 __all__ = ["DEFAULT_SETUP_TIMEOUT", "NamespaceError", "helper_argv", "iface_spec", "log_serve_end", "readable",
            "resolv_conf_text", "start_helper", "stop_serving"]

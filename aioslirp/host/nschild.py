@@ -35,7 +35,7 @@ the IPv6 sysctls, the MTU, the address and the default route. Send the fd, exit 
 
 Two ways to start it, one body:
 
-* **spawned** (``run``, ``attach``; :mod:`aioslirp.host.spawn`, :mod:`aioslirp.host.netns`):
+* **spawned** (``run``, ``attach``; :mod:`aioslirp.frontends.spawn`, :mod:`aioslirp.frontends.netns`):
   ``python -c`` running :func:`main` with two inherited fd numbers, the socket's and that of a
   memory file holding the spec as JSON (read and closed first): the spec (the command's argv,
   env and cwd, resolv.conf) is never on a command line or in an environment, where every user
@@ -305,7 +305,7 @@ def _configure_joined(ifname: str, spec: dict) -> list[str]:
     """``join`` mode with ``configure`` (``-c``): lo up, MAC (``spec["mac"]``, or none), MTU,
     CIDR+100/prefix, link up, default route via CIDR+2; with ``spec["ipv6"]`` (``-6``) the TAP
     first accepts router advertisements without DAD (SLAAC in fd00::/64). Returns warnings."""
-    from .netns import configure_interface, configure_ipv6_sysctls
+    from .ifconfig import configure_interface, configure_ipv6_sysctls
 
     try:
         set_loopback_up()
@@ -490,7 +490,7 @@ def _enter_join(spec: dict, warnings: list[str]) -> None:
 
 def _create_tap(spec: dict, warnings: list[str]) -> tuple[int, str]:
     """``run`` / ``attach``: create the TAP with its MTU, set its IPv6 sysctls, address and route."""
-    from .netns import configure_interface, configure_ipv6_sysctls
+    from .ifconfig import configure_interface, configure_ipv6_sysctls
     from ..transport.tapdev import create_tap
 
     fd, ifname = create_tap(spec["ifname"], spec["mtu"], vnet_hdr=bool(spec.get("vnet_hdr")))
@@ -583,7 +583,7 @@ def run_child(sock: socket.socket, spec: dict) -> int:
         sock.close()
         return 1  # parent went away or aborted: do not run the command
     if go == b"g6" and spec.get("prefix6") and os.path.isdir(f"/proc/sys/net/ipv6/conf/{ifname}"):
-        from .netns import IPV6_ADDRESS_TIMEOUT, wait_ipv6_address
+        from .ifconfig import IPV6_ADDRESS_TIMEOUT, wait_ipv6_address
 
         if wait_ipv6_address(ifname, spec["prefix6"]) is None:
             print(f"aioslirp: warning: {ifname} got no IPv6 address in {spec['prefix6']} within "

@@ -1,8 +1,8 @@
 """Signal handling of ``aioslirp run``: :class:`GracefulStop`, its SIGTERM (like ``docker stop``).
 
 The command keeps its network while it shuts down after the first SIGTERM; a command that
-outlives the grace period has its connections reset (:func:`aioslirp.lifecycle.farewell`, run
-by :meth:`Stack.stop <aioslirp.stack.Stack.stop>`), then gets SIGKILL.
+outlives the grace period has its connections reset (:meth:`Stack.farewell()
+<aioslirp.stack.Stack.farewell>`, run by :meth:`Stack.stop <aioslirp.stack.Stack.stop>`), then gets SIGKILL.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import warnings
 
-from ..lifecycle import request_stop
 
-__all__ = ["DEFAULT_STOP_TIMEOUT", "KILL_DELAY", "GracefulStop"]
+__all__ = ["DEFAULT_STOP_TIMEOUT", "KILL_DELAY", "GracefulStop", "request_stop"]
 
 log = logging.getLogger("aioslirp.netns")
 
@@ -36,7 +36,7 @@ class GracefulStop:
 
     The first SIGTERM is forwarded to the command (``send_signal(SIGTERM)``), which keeps its
     network while it shuts down. If it is still running ``timeout`` seconds later (at once on
-    a second SIGTERM), the stack is stopped: :func:`farewell` resets every guest connection
+    a second SIGTERM), the stack is stopped: :meth:`Stack.farewell` resets every guest connection
     (the command sees ECONNRESET) and the TAP closes; :data:`KILL_DELAY` seconds after that the
     command gets SIGKILL. ``cancel()`` disarms the timers (the command exited).
     """
@@ -79,3 +79,18 @@ class GracefulStop:
             if t is not None:
                 t.cancel()
         self._timer = self._kill = None
+
+
+def request_stop(stack) -> None:
+    """Ask ``stack`` to make its ``serve()`` return: :meth:`Stack.stop <aioslirp.stack.Stack.stop>`.
+
+    A stack of one's own (the ``stack_factory`` of ``attach``, ``run_in_namespace``, ``aioslirp
+    qemu``) written for 0.1 has ``close()`` instead: it is called, with a ``DeprecationWarning``,
+    until the next release.
+    """
+    stop = getattr(stack, "stop", None)
+    if stop is None:
+        warnings.warn(f"{type(stack).__name__} has no stop(): a stack's close() is now stop() (close() is "
+                      "called instead until the next release)", DeprecationWarning, stacklevel=2)
+        stop = stack.close
+    stop()

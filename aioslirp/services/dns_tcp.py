@@ -1,10 +1,10 @@
 """DNS over TCP at the virtual DNS address (RFC 1035 4.2.2, RFC 7766).
 
-:class:`DnsTcpHost` stands where a host socket would for a :class:`~aioslirp.tcp.flow.TcpFlow`
+:class:`DnsTcpHost` stands where a host socket would for a :class:`~aioslirp.nat.tcp.TcpFlow`
 to DNS:53: it takes the guest's byte stream, splits it into 2-byte-length-prefixed
 messages, forwards each through the :class:`~aioslirp.services.dns.DnsForwarder` and
 answers in order, one message at a time. It offers the subset of the
-:class:`~aioslirp.tcp.hostsock.HostSocket` interface the flow uses, with the same flow
+:class:`~aioslirp.nat.hostsock.HostSocket` interface the flow uses, with the same flow
 control both ways, so that a guest holds at most ``tcp_buffer`` plus a small fixed amount
 per direction, whatever it pipelines and however slowly it reads:
 
@@ -49,7 +49,7 @@ class DnsTcpHost:
     __slots__ = ("flow", "forwarder", "_counters", "session", "_msgs", "_msg_bytes", "_out", "_eof", "_wake", "closed",
                  "writing", "reading", "task")
 
-    #: The guest's :class:`~aioslirp.tcp.flow.TcpFlow`.
+    #: The guest's :class:`~aioslirp.nat.tcp.TcpFlow`.
     flow: object
     #: The :class:`~aioslirp.services.dns.DnsForwarder`.
     forwarder: object

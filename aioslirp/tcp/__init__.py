@@ -1,4 +1,4 @@
-"""TCP towards the guest: a sans-IO connection, and the flow that relays it to a host socket.
+"""TCP towards the guest, sans-IO: a connection fed segments and time, no socket, no loop.
 
 =============== ===========================================================================
 ``connection``  :class:`~aioslirp.tcp.connection.TcpConnection`: the theory of operation and
@@ -8,11 +8,10 @@
 ``output``      what goes out, and the timers (RFC 9293 3.8, RFC 6298, RFC 5681)
 ``buffers``     the send and receive byte queues
 ``seq``         32-bit sequence number arithmetic
-``flow``        :class:`~aioslirp.tcp.flow.TcpFlow` / ``ForwardedTcpFlow``: the asyncio glue
-``hostsock``    the host side: connect, :class:`~aioslirp.tcp.hostsock.HostSocket`,
-                ``TransportHost``, closing with an RST
-``conn``        the old import path of the connection's names
 =============== ===========================================================================
 
-Segments, flag bits and frames are the wire layer's (:mod:`aioslirp.wire.tcp`).
+These are the modules the optional mypyc build compiles (:data:`aioslirp.compiled.COMPILED`,
+with :mod:`aioslirp.wire.checksum` and :mod:`aioslirp.wire.tcp`). Segments, flag bits and
+frames are the wire layer's (:mod:`aioslirp.wire.tcp`). The asyncio flow that drives a
+connection and relays it to a host socket is :class:`~aioslirp.nat.tcp.TcpFlow` (:mod:`aioslirp.nat`).
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 log = logging.getLogger("aioslirp.transport")
 
@@ -40,6 +40,10 @@ class Transport:
     frames_in: int
     frames_out: int
     send_errors: int
+    #: What to check when the other end is gone before the guest sent a frame, the end of the line
+    #: :meth:`gone_before_first_frame` gives (``{ifname}``: the transport's name); each transport
+    #: names its own peer.
+    gone_hint: ClassVar[str] = "the guest holds the other end open"
 
     def __init__(self) -> None:
         self._on_frames: FrameSink | None = None
@@ -87,6 +91,26 @@ class Transport:
         finally:
             if self.closed is not None and not self.closed.done():
                 self.closed.set_result(exc)
+
+    def gone_before_first_frame(self, exc: BaseException | None = None) -> str | None:
+        """One line naming why this transport ended before the guest sent a frame and what to
+        check (:attr:`gone_hint`), or ``None`` when the other end did not end it (:attr:`close_reason`
+        ``"closed"``: closed from this side; ``"guest_exited"``: the guest process ended). ``exc``:
+        what :attr:`closed` completed with. ``Stack.serve`` logs it and emits it as an ``error`` event."""
+        why = getattr(self, "close_reason", None)
+        if why not in ("eof", "error", "frame_too_large"):
+            return None
+        kind = type(self).__name__
+        label = getattr(self, "ifname", None) or getattr(self, "name", None)
+        if why == "eof":
+            cause = "the other end closed (EOF)"
+        elif why == "frame_too_large":
+            cause = f"the guest sent a frame too large ({exc})"
+        else:
+            cause = f"{type(exc).__name__}: {exc}" if exc is not None else "a read or write failed"
+        hint = self.gone_hint.format(ifname=label or "IFNAME")
+        text = f"{kind}{f' {label}' if label else ''} closed before the guest sent a frame: {cause}; check that {hint}"
+        return " ".join(text.split())
 
 
 class TransportWrapper(Transport):

@@ -77,6 +77,8 @@ class DgramTransport(SocketTransport):
     __slots__ = ("sock", "batch", "probe_interval", "on_guest_change", "unlink_path", "drop_foreign", "guests",
                  "bytes_buffered", "_out", "_writing", "peer", "_peer_ino", "_probe", "_foreign_logged", "connected")
 
+    gone_hint = "QEMU (-netdev dgram) is running and its remote= address is this socket's"
+
     sock: socket.socket
     batch: int
     probe_interval: float

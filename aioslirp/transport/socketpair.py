@@ -21,6 +21,9 @@ class SocketPairTransport(Transport):
 
     __slots__ = ("sock", "batch")
 
+    gone_hint = ("the other socket of the pair stays open in the guest (hand it over, e.g. with subprocess "
+                 "pass_fds=, before this process closes its copy)")
+
     sock: socket.socket
     batch: int
 

@@ -62,6 +62,9 @@ class StreamTransport(SocketTransport):
     __slots__ = ("sock", "read_size", "reads_per_wakeup", "decoder", "_out", "bytes_buffered",
                  "_writing")
 
+    gone_hint = ("QEMU (-netdev stream) is still running and connected to this socket (QEMU's own output says "
+                 "why it left), or that the other end of the socket is still open")
+
     sock: socket.socket
     read_size: int
     reads_per_wakeup: int

@@ -84,6 +84,8 @@ class TapTransport(Transport):
     __slots__ = ("_fd", "ifname", "_batch", "_read_size", "_reading", "_pidfds", "send_drops", "vnet_hdr", "offload",
                  "created")
 
+    gone_hint = "the TAP device still exists (ip link show {ifname}) and the namespace holding it was not removed"
+
     _fd: int
     ifname: str | None
     _batch: int

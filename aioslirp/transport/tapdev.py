@@ -146,7 +146,7 @@ def create_tap(name: str = "tap0", mtu: int | None = 1500, *, vnet_hdr: bool = F
 
     Meant to run inside the guest's namespace (``aioslirp run`` / ``attach`` helpers), with
     ``CAP_NET_ADMIN`` there. Returns ``(fd, actual_name)`` like :func:`open_tap`; the
-    link is left down and unaddressed (see :func:`aioslirp.host.netns.configure_interface`).
+    link is left down and unaddressed (see :func:`aioslirp.host.ifconfig.configure_interface`).
     ``mtu=None`` keeps the kernel default (1500). Raises :class:`TapError`.
     """
     fd, actual = open_tap(name, vnet_hdr=vnet_hdr)

@@ -3,7 +3,7 @@
 It wraps the transport a traced stack serves (``Stack.serve`` adds it, outermost, when the
 stack has a tracer), as :class:`~aioslirp.transport.pcap.PcapTransport` wraps one for a
 capture (smoltcp's ``Tracer`` over a ``Device``). Each ``send_frames`` is timed and told to
-the stack's :class:`~aioslirp.tracing.Tracer` afterwards (``on_drain``: the
+the stack's :class:`~aioslirp.observe.tracing.Tracer` afterwards (``on_drain``: the
 ``drain_to_guest`` and ``writer_wake`` spans). Frames from the guest pass through untouched:
 their ``process_guest_frame`` spans are recorded by the link after each frame's dispatch,
 since they need the flow the dispatch found and a time per frame, not per batch.
@@ -28,7 +28,7 @@ class TraceTransport(TransportWrapper):
 
     __slots__ = ("tracer",)
 
-    #: The stack's :class:`~aioslirp.tracing.Tracer`.
+    #: The stack's :class:`~aioslirp.observe.tracing.Tracer`.
     tracer: object
 
     def __init__(self, inner: Transport, tracer) -> None:

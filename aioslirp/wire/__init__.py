@@ -15,7 +15,7 @@ Contract (smoltcp's ``wire/mod.rs``, in Python):
   :mod:`~aioslirp.wire.icmp` builders) in one ``bytearray``, checksums filled in.
 * **no state, no clock, no I/O**: nothing here remembers a frame, reads the time or touches a
   socket. What keeps state lives above the wire layer (fragment reassembly:
-  :mod:`aioslirp.reassembly`). Left here for now: the identification counters of the
+  :mod:`aioslirp.dispatch.reassembly`). Left here for now: the identification counters of the
   datagrams we originate (:func:`~aioslirp.wire.ipv4.next_ident`,
   :func:`~aioslirp.wire.ipv6.next_ident6`), and one stateful helper that is to move up with
   the dispatch: :mod:`~aioslirp.wire.neighbors` (the neighbour caches). The ICMP error rate

@@ -18,7 +18,7 @@ with Segments Left == 0 it is skipped. A second Fragment header is a drop.
 Fragments (RFC 8200 4.5): the Fragment header stops the walk. :attr:`Ipv6.frag` holds
 ``(offset_in_bytes, more, ident)`` and :attr:`Ipv6.l4` points at the fragmentable part.
 For the first fragment (offset 0) the rest of the chain is checked to lie in that fragment
-(RFC 7112). Reassembly keeps state, so it is not here: :class:`aioslirp.reassembly.Ipv6Reassembler`
+(RFC 7112). Reassembly keeps state, so it is not here: :class:`aioslirp.dispatch.reassembly.Ipv6Reassembler`
 returns the reassembled datagram as a complete unfragmented IPv6 packet, which the caller
 parses again with :func:`parse_ipv6`.
 

@@ -2,7 +2,7 @@
 epoll (:class:`HostPoller`), written with ``add_writer`` after a short send.
 
 :class:`HostSocket` stands where an asyncio transport stood (``loop.create_connection(sock=...)``)
-and offers the subset :class:`~aioslirp.tcp.flow.TcpFlow` uses. It keeps no write buffer of its
+and offers the subset :class:`~aioslirp.nat.tcp.TcpFlow` uses. It keeps no write buffer of its
 own: :meth:`HostSocket.send` returns how many bytes the kernel took, and the flow leaves the rest
 in the connection's receive queue, so the window advertised to the guest closes when the host
 peer reads slowly (RFC 9293 3.8.6: the receive window is the buffer space left), instead of the
@@ -282,7 +282,7 @@ class HostSocket:
     sock: socket.socket
     #: ``sock.fileno()``.
     fd: int
-    #: The :class:`~aioslirp.tcp.flow.TcpFlow` served (a no-op stand-in once closed).
+    #: The :class:`~aioslirp.nat.tcp.TcpFlow` served (a no-op stand-in once closed).
     flow: Any
     #: The guest-side batch context (``InjectQueue.held()``): frames the flow queues while it
     #: is held leave together when it ends, in the same loop iteration.
@@ -449,7 +449,7 @@ class HostSocket:
 
 
 class TransportHost:
-    """The :class:`~aioslirp.tcp.hostsock.HostSocket` interface over an asyncio transport (a flow
+    """The :class:`~aioslirp.nat.hostsock.HostSocket` interface over an asyncio transport (a flow
     moved to one by :meth:`TcpFlow.request_upgrade`); flow control through its write buffer:
     ``pause_writing``/``resume_writing`` reach the flow as asyncio protocol callbacks."""
 

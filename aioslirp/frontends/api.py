@@ -67,8 +67,9 @@ import os
 import socket
 import stat
 
-from .errors import ConfigError
-from .forward import ForwardError, PortForward
+from ..config.forward import PortForward
+from ..errors import ConfigError
+from ..nat.forward import ForwardError
 
 __all__ = ["ApiServer", "ApiSocketError", "MAX_REQUEST", "REQUEST_TIMEOUT"]
 
@@ -420,14 +421,14 @@ def serving_stack(config, *, forwards=(), api_socket: str | None = None, stack_f
     ``forwards`` (:class:`PortForward` objects) and starts the API socket at
     ``api_socket`` before the body runs, so both are ready before the guest starts; on
     exit the API socket file is removed and the stack closed. Raises
-    :class:`~aioslirp.forward.ForwardError` (a host port cannot be bound) or
+    :class:`~aioslirp.nat.forward.ForwardError` (a host port cannot be bound) or
     :class:`ApiSocketError` during setup.
     """
     import contextlib
 
     @contextlib.asynccontextmanager
     async def cm():
-        from .stack import Stack
+        from ..stack import Stack
 
         factory = stack_factory or Stack
         async with factory(config) as stack:

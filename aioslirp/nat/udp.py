@@ -18,9 +18,9 @@ import logging
 import socket
 from typing import Any
 
-from .flow.base import admission
-from .wire.icmp import KIND_HOST, KIND_NET, KIND_PORT
-from .wire.ip import PROTO_UDP
+from ..flow.base import admission
+from ..wire.icmp import KIND_HOST, KIND_NET, KIND_PORT
+from ..wire.ip import PROTO_UDP
 
 log = logging.getLogger("aioslirp.udp")
 

@@ -34,9 +34,8 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from ..config import NetworkConfig
-from ..lifecycle import farewell
-from .nsbase import (DEFAULT_SETUP_TIMEOUT, NamespaceError, iface_spec, log_serve_end, readable, resolv_conf_text,
-                     start_helper, stop_serving)
+from ..host.nsbase import (DEFAULT_SETUP_TIMEOUT, NamespaceError, iface_spec, log_serve_end, readable,
+                           resolv_conf_text, start_helper, stop_serving)
 
 __all__ = ["DEFAULT_STOP_TIMEOUT", "Guest", "spawn"]
 
@@ -353,7 +352,7 @@ class _Spawn:
                     # processes left in the namespace (pid_namespace=False) may hold connections:
                     # reset them while the link is up, so none hangs on a stack that is gone
                     with contextlib.suppress(Exception):
-                        await farewell(stack)
+                        await stack.farewell()
                 await stop_serving(stack, self._serve_task, transport)
             elif transport is not None:
                 transport.close()

@@ -3,7 +3,7 @@
 :class:`Observability` turns those options into an OpenTelemetry SDK tracer provider (a
 :class:`JsonLinesSpanExporter` for the file, an OTLP/HTTP exporter for the endpoint, both
 behind a ``BatchSpanProcessor`` so spans are serialized and written on the SDK's worker
-thread, off the event loop), a meter provider exporting :mod:`aioslirp.metrics` over OTLP,
+thread, off the event loop), a meter provider exporting :mod:`aioslirp.observe.metrics` over OTLP,
 and a stack factory that wraps the transport in a
 :class:`~aioslirp.transport.pcap.PcapTransport`. :meth:`Observability.shutdown` ends open
 flow spans and flushes every exporter, the OTLP endpoint within :data:`OTLP_SHUTDOWN_TIMEOUT`
@@ -31,7 +31,7 @@ import stat
 import threading
 import urllib.parse
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger("aioslirp.observe")
 
@@ -428,7 +428,7 @@ class Observability:
         self.check()
         self._started = True
         if self.pcap:
-            from .transport.pcap import PcapWriter
+            from ..transport.pcap import PcapWriter
 
             try:
                 probe_writable(self.pcap)
@@ -465,14 +465,14 @@ class Observability:
         self.tracer_provider = tp  # each stack of stack_factory() traces through it
 
     def stack_factory(self, base=None):
-        """A ``stack_factory(config)`` for :func:`aioslirp.host.netns.run_in_namespace` / ``attach``:
+        """A ``stack_factory(config)`` for :func:`aioslirp.frontends.netns.run_in_namespace` / ``attach``:
         builds the stack with ``base`` (default :class:`~aioslirp.stack.Stack`), traced through
         :attr:`tracer_provider` when there is one, then adds the pcap wrapper and registers the
         metrics."""
 
         def factory(config):
             if base is None:
-                from .stack import Stack
+                from ..stack import Stack
 
                 make = Stack
             else:
@@ -481,12 +481,12 @@ class Observability:
             stack = make(config) if tp is None else make(config, tracer_provider=tp)
             self.stacks.append(stack)
             if self.pcap_writer is not None:
-                from .transport.pcap import PcapTransport
+                from ..transport.pcap import PcapTransport
 
                 writer = self.pcap_writer
                 stack.transport_wrappers.append(lambda transport: PcapTransport(transport, writer=writer))
             if self.meter_provider is not None:
-                from .metrics import register
+                from ..observe.metrics import register
 
                 register(stack, self.meter_provider)
             return stack

@@ -2,7 +2,7 @@
 
 :func:`serve` runs once the namespace child (:mod:`aioslirp.host.nschild`, ``join`` mode) has
 handed over the TAP fd: the :class:`~aioslirp.stack.Stack` serves it, the API server
-(:mod:`aioslirp.api`) listens on ``--api-socket``, ``--enable-sandbox`` / ``--enable-seccomp``
+(:mod:`aioslirp.frontends.api`) listens on ``--api-socket``, ``--enable-sandbox`` / ``--enable-seccomp``
 lock the process down (:mod:`aioslirp.host.sandbox`), and only then is ``"1"`` written to the
 ready fd and the fd closed. It runs until the exit fd (``-e``) reports any event (its peer hung
 up: Podman's conmon exited), SIGTERM/SIGINT/SIGHUP, the TAP fails (the namespace is gone) or,
@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 
-from .nschild import SetupError
+from ..host.nschild import SetupError
 
 __all__ = ["SetupError", "serve"]
 
@@ -114,7 +114,7 @@ async def serve(opts, config, tap_fd: int, ifname: str, *, stack_factory=None) -
     """
     import asyncio
 
-    from ..lifecycle import request_stop
+    from ..host.signals import request_stop
     from ..transport.tap import TapTransport
 
     if stack_factory is None:
@@ -141,7 +141,7 @@ async def serve(opts, config, tap_fd: int, ifname: str, *, stack_factory=None) -
                 if dns is not None:
                     dns.upstreams_off = True  # every query gets SERVFAIL, none leaves
             if opts.api_socket:
-                from ..api import ApiServer, ApiSocketError
+                from .api import ApiServer, ApiSocketError
 
                 api = ApiServer(stack, opts.api_socket)
                 try:
@@ -158,7 +158,7 @@ async def serve(opts, config, tap_fd: int, ifname: str, *, stack_factory=None) -
                 loop.add_signal_handler(sig, stop, signal.Signals(sig).name)
                 installed.append(sig)
             if opts.enable_sandbox or opts.enable_seccomp:
-                from . import sandbox
+                from ..host import sandbox
 
                 try:
                     if opts.enable_seccomp and sandbox.load_libseccomp() is None:

@@ -1,4 +1,4 @@
-"""What a :class:`~aioslirp.tcp.flow.TcpFlow` reports about itself at its end, and its pacing
+"""What a :class:`~aioslirp.nat.tcp.TcpFlow` reports about itself at its end, and its pacing
 under the guest's rate caps (``--rate-limit``): :class:`FlowPacing`, a mixin of ``TcpFlow``.
 
 Rate caps: ``rate_up`` / ``rate_down`` are the guest's shared
@@ -6,7 +6,7 @@ Rate caps: ``rate_up`` / ``rate_down`` are the guest's shared
 only while the bucket holds at least min(queued, :data:`RATE_MIN_WRITE`) bytes; the rest waits
 in the connection (its receive window closes) and a loop timer writes it once the bucket has
 refilled. Towards the guest, each host read is at most what the bucket holds (at least 4 KiB,
-see :class:`~aioslirp.tcp.hostsock.HostSocket`), it is spent from the bucket, and reading pauses
+see :class:`~aioslirp.nat.hostsock.HostSocket`), it is spent from the bucket, and reading pauses
 while the bucket is in debt, resumed by the same timer. Nothing is dropped.
 """
 
@@ -23,7 +23,7 @@ RATE_MIN_WRITE = 16384
 
 
 class FlowPacing:
-    """Mixin of :class:`~aioslirp.tcp.flow.TcpFlow` (whose slots it uses: ``conn``, ``loop``,
+    """Mixin of :class:`~aioslirp.nat.tcp.TcpFlow` (whose slots it uses: ``conn``, ``loop``,
     ``ctx``, ``transport``, ``rate_up``, ``rate_down``, ``rate_paused``, ``_rate_timer``,
     ``_rate_at``, ``_outcome``, ``_finished``...)."""
 

@@ -1,7 +1,7 @@
 """Namespace plumbing: ``aioslirp run`` and ``aioslirp attach``.
 
 ``run_in_namespace`` is ``aioslirp run``: a thin user of :func:`aioslirp.spawn`
-(:mod:`aioslirp.host.spawn`) with the CLI's signal handling. Spawn starts a helper process (:mod:`aioslirp.host.nschild`) that creates a
+(:mod:`aioslirp.frontends.spawn`) with the CLI's signal handling. Spawn starts a helper process (:mod:`aioslirp.host.nschild`) that creates a
 network + mount namespace (plus a user namespace when not root, so it works rootless),
 puts a generated resolv.conf over ``/etc/resolv.conf`` there, brings ``lo`` up, creates and
 configures a TAP device (address ``config.guest``, default route via ``config.gateway``,
@@ -10,8 +10,8 @@ fd; then the helper is told to go and execs the command. When the command exits 
 stops and its exit status is returned.
 
 With ``config.ipv6`` (the default) the TAP accepts router advertisements and skips DAD
-(:data:`IPV6_SYSCTLS_ON`), so it configures a ``fd00::/64`` address by SLAAC from the
-stack's first RA; the helper waits for that address (at most :data:`IPV6_ADDRESS_TIMEOUT`
+(:data:`~aioslirp.host.ifconfig.IPV6_SYSCTLS_ON`), so it configures a ``fd00::/64`` address by SLAAC from the
+stack's first RA; the helper waits for that address (at most :data:`~aioslirp.host.ifconfig.IPV6_ADDRESS_TIMEOUT`
 seconds) before it execs the command, and resolv.conf lists ``config.dns6`` after
 ``config.dns``. With IPv6 off the TAP has IPv6 disabled.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import json
 import logging
 import os
@@ -37,16 +36,14 @@ import sys
 from typing import Any, Callable, Sequence
 
 from ..config import NetworkConfig
-from ..lifecycle import request_stop
+from ..host.nsbase import DEFAULT_SETUP_TIMEOUT, NamespaceError, iface_spec, readable, start_helper
+from ..host.signals import DEFAULT_STOP_TIMEOUT, GracefulStop, reopen_audit_log, request_stop
 from ..transport.tap import TapTransport
-from .nsbase import DEFAULT_SETUP_TIMEOUT, NamespaceError, iface_spec, readable, start_helper
-from .signals import DEFAULT_STOP_TIMEOUT, GracefulStop, reopen_audit_log
 from .spawn import spawn
 
 __all__ = [
     "run_in_namespace",
     "attach",
-    "configure_interface",
     "exit_status",
 ]
 
@@ -77,116 +74,6 @@ def _default_stack_factory(config: NetworkConfig):
 def exit_status(returncode: int) -> int:
     """Shell-style exit status: ``returncode`` for a normal exit, ``128 + N`` for death by signal N."""
     return 128 - returncode if returncode < 0 else returncode
-
-
-def configure_interface(
-    ifname: str,
-    *,
-    address: str,
-    prefixlen: int,
-    gateway: str | None,
-    mtu: int | None = None,
-    up: bool = True,
-) -> None:
-    """Configure ``ifname`` in the current network namespace with rtnetlink (pyroute2).
-
-    Sets the MTU (bytes) when given, adds ``address/prefixlen``, brings the link up and adds
-    a default route via ``gateway`` (skipped when ``None``). Needs ``CAP_NET_ADMIN`` in the
-    namespace. Raises ``OSError`` whose ``strerror`` is one line naming the failed step.
-    """
-    from pyroute2 import IPRoute
-    from pyroute2.netlink.exceptions import NetlinkError
-
-    step = "open rtnetlink"
-    try:
-        with IPRoute() as ipr:
-            step = "find the interface"
-            found = ipr.link_lookup(ifname=ifname)
-            if not found:
-                raise OSError(19, f"cannot configure {ifname}: no such interface")
-            index = found[0]
-            if mtu is not None:
-                step = f"set MTU {mtu}"
-                ipr.link("set", index=index, mtu=int(mtu))
-            step = f"add address {address}/{prefixlen}"
-            ipr.addr("add", index=index, address=str(address), prefixlen=int(prefixlen))
-            if up:
-                step = "bring the link up"
-                ipr.link("set", index=index, state="up")
-            if gateway is not None:
-                step = f"add a default route via {gateway}"
-                ipr.route("add", dst="0.0.0.0/0", gateway=str(gateway), oif=index)
-    except NetlinkError as exc:
-        code = int(exc.code or 0)
-        raise OSError(code, f"cannot configure {ifname}: {step}: {os.strerror(code) if code else exc}") from None
-
-
-#: IPv6 sysctls of the TAP when IPv6 is on: SLAAC from our RAs (accept_ra 2: even with
-#: forwarding on), no DAD delay (we never claim the guest's addresses, RFC 4862 5.4 allows
-#: DupAddrDetectTransmits 0), so the global address is usable as soon as the RA arrives.
-IPV6_SYSCTLS_ON = (("disable_ipv6", "0"), ("accept_ra", "2"), ("autoconf", "1"), ("accept_dad", "0"))
-#: With IPv6 off: no IPv6 at all on the TAP (no link-local, no router solicitations).
-IPV6_SYSCTLS_OFF = (("disable_ipv6", "1"),)
-#: Seconds ``aioslirp run`` waits for the SLAAC address before starting the command anyway.
-IPV6_ADDRESS_TIMEOUT = 5.0
-
-
-def configure_ipv6_sysctls(ifname: str, enable: bool) -> list[str]:
-    """Set ``/proc/sys/net/ipv6/conf/IFNAME/*`` in the current network namespace, before the link goes up.
-
-    ``enable``: :data:`IPV6_SYSCTLS_ON` (SLAAC from router advertisements, no DAD), else
-    :data:`IPV6_SYSCTLS_OFF`. Returns warnings (one line each) for settings that could not be
-    written, e.g. a kernel without IPv6; never raises.
-    """
-    base = f"/proc/sys/net/ipv6/conf/{ifname}"
-    if not os.path.isdir(base):
-        return [f"IPv6 is not available in the namespace ({base} missing); {ifname} gets IPv4 only"] if enable else []
-    warnings = []
-    for name, value in IPV6_SYSCTLS_ON if enable else IPV6_SYSCTLS_OFF:
-        try:
-            with open(f"{base}/{name}", "w") as f:
-                f.write(value)
-        except OSError as exc:
-            warnings.append(f"cannot set net.ipv6.conf.{ifname}.{name}={value}: {exc.strerror}")
-    return warnings
-
-
-def ipv6_addresses(ifname: str) -> list[tuple[str, int, int]]:
-    """IPv6 addresses of ``ifname`` in the current network namespace, from ``/proc/self/net/if_inet6``.
-
-    Returns ``(address, scope, flags)`` tuples: ``scope`` 0 global, 0x20 link; ``flags`` the
-    ``IFA_F_*`` bits (0x40 tentative, 0x08 DAD failed). Empty when IPv6 is unavailable.
-    """
-    out = []
-    try:
-        with open("/proc/self/net/if_inet6") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) == 6 and parts[5] == ifname:
-                    addr = str(ipaddress.IPv6Address(bytes.fromhex(parts[0])))
-                    out.append((addr, int(parts[3], 16), int(parts[4], 16)))
-    except OSError:
-        pass
-    return out
-
-
-def wait_ipv6_address(ifname: str, prefix: str, timeout: float = IPV6_ADDRESS_TIMEOUT) -> str | None:
-    """Poll until ``ifname`` has a usable (not tentative) global address inside ``prefix``.
-
-    Returns the address, or ``None`` after ``timeout`` seconds. Blocking (``time.sleep``); used by
-    the namespace helper between "go" and exec, so the command starts with IPv6 configured.
-    """
-    import time
-
-    net = ipaddress.IPv6Network(prefix)
-    deadline = time.monotonic() + timeout
-    while True:
-        for addr, scope, flags in ipv6_addresses(ifname):
-            if scope == 0 and not flags & 0x48 and ipaddress.IPv6Address(addr) in net:
-                return addr
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.01)
 
 
 # --------------------------------------------------------------------------------------------

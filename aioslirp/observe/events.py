@@ -1,17 +1,4 @@
-"""Ending a guest's session cleanly.
-
-:func:`farewell` runs while the guest's link is still up, when the stack is asked to stop
-(SIGINT/SIGTERM of ``aioslirp attach`` / ``aioslirp qemu``, :meth:`Stack.stop
-<aioslirp.stack.Stack.stop>`, the grace period of ``aioslirp run`` running out): every TCP
-flow is reset towards the guest (an RST the guest's applications see as ECONNRESET instead
-of a connection that hangs until its own timeout) and its host socket is closed with a RST
-to the host peer; UDP and ICMP flows close their sockets; with IPv6 the final Router
-Advertisement withdraws the default route (RFC 4861 6.2.5). Then those frames are written to
-the transport at once (:meth:`InjectQueue.drain <aioslirp.inject.InjectQueue.drain>`), which the
-caller closes afterwards.
-
-When the guest itself went away (the TAP's process exited, QEMU disconnected) there is no
-one to tell: the flows are torn down without it (:meth:`Stack.aclose`, :meth:`Stack.reset_flows`).
+"""A stack's lifecycle events, and their bounded record.
 
 The front ends ask a stack to stop with :func:`request_stop`, which also stops a stack of one's
 own written for 0.1 (``close()``).
@@ -19,10 +6,11 @@ own written for 0.1 (``close()``).
 :class:`EventLog` is a stack's bounded record of its lifecycle events (:class:`Event`:
 ``ready``, ``guest_link_up``, ``guest_link_down``, ``error``), followed with
 :meth:`Stack.events() <aioslirp.stack.Stack.events>` or :meth:`Stack.on_event()
-<aioslirp.stack.Stack.on_event>`.
+<aioslirp.stack.Stack.on_event>` and written as JSON lines by ``--events FILE``.
 
-``aioslirp run``'s SIGTERM handling (:class:`~aioslirp.host.signals.GracefulStop`) is host
-plumbing, in :mod:`aioslirp.host.signals`.
+Ending a guest's session cleanly is the stack's own work (:meth:`Stack.farewell
+<aioslirp.stack.Stack.farewell>`); why a transport ended before the guest's first frame, its own
+(:meth:`Transport.gone_before_first_frame <aioslirp.transport.base.Transport.gone_before_first_frame>`).
 """
 
 from __future__ import annotations
@@ -31,50 +19,13 @@ import asyncio
 import contextlib
 import logging
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["EVENT_NAMES", "Event", "EventLog", "farewell", "gone_before_first_frame", "request_stop"]
+__all__ = ["EVENT_HISTORY", "EVENT_NAMES", "Event", "EventLog"]
 
-log = logging.getLogger("aioslirp.stack")
-
-
-async def farewell(stack) -> int:
-    """Reset every flow towards the guest, withdraw the IPv6 router, let the writer flush.
-
-    Returns the number of flows torn down. Never raises for a flow that fails to shut down
-    (logged by :meth:`Stack.reset_flows`). The transport must still be open for the guest to
-    see anything; closing it is the caller's job. The frames are written to the transport without
-    waiting.
-    """
-    n = stack.reset_flows()
-    stack.counters["flows_reset_at_stop"] += n
-    parts = stack.parts
-    if parts.v6 is not None:
-        parts.v6.final_ra()
-    await parts.inject_queue.drain()  # written to the transport now, then one loop iteration
-    return n
-
-
-def request_stop(stack) -> None:
-    """Ask ``stack`` to make its ``serve()`` return: :meth:`Stack.stop <aioslirp.stack.Stack.stop>`.
-
-    A stack of one's own (the ``stack_factory`` of ``attach``, ``run_in_namespace``, ``aioslirp
-    qemu``) written for 0.1 has ``close()`` instead: it is called, with a ``DeprecationWarning``,
-    until the next release.
-    """
-    stop = getattr(stack, "stop", None)
-    if stop is None:
-        warnings.warn(f"{type(stack).__name__} has no stop(): a stack's close() is now stop() (close() is "
-                      "called instead until the next release)", DeprecationWarning, stacklevel=2)
-        stop = stack.close
-    stop()
-
-
-# --------------------------------------------------------------------------------------------
-# lifecycle events (Stack.events(), Stack.on_event(), ``--events FILE``)
+log = logging.getLogger("aioslirp.stack")  # the stack's logger, as before the move
 
 #: Event names, and gvisor-tap-vsock's (gvproxy's) notification for the same moment.
 EVENT_NAMES = {
@@ -86,37 +37,6 @@ EVENT_NAMES = {
 
 #: Events kept for :meth:`EventLog.events` (the oldest is dropped, and counted, beyond it).
 EVENT_HISTORY = 256
-
-#: What to check, by transport class, when its other end is gone before the guest sent a frame.
-_GONE_HINTS = {
-    "SocketPairTransport": "the other socket of the pair stays open in the guest (hand it over, e.g. with "
-                           "subprocess pass_fds=, before this process closes its copy)",
-    "StreamTransport": "QEMU (-netdev stream) is still running and connected to this socket (QEMU's own "
-                       "output says why it left), or that the other end of the socket is still open",
-    "DgramTransport": "QEMU (-netdev dgram) is running and its remote= address is this socket's",
-    "TapTransport": "the TAP device still exists (ip link show {ifname}) and the namespace holding it "
-                    "was not removed",
-}
-
-
-def gone_before_first_frame(transport, exc: BaseException | None = None) -> str | None:
-    """One line naming why ``transport`` ended before the guest sent a frame and what to check, or
-    ``None`` when the other end did not end it (:attr:`~aioslirp.transport.base.Transport.close_reason`
-    ``"closed"``: closed from this side; ``"guest_exited"``: the guest process ended)."""
-    why = getattr(transport, "close_reason", None)
-    if why not in ("eof", "error", "frame_too_large"):
-        return None
-    kind = type(transport).__name__
-    label = getattr(transport, "ifname", None) or getattr(transport, "name", None)
-    if why == "eof":
-        cause = "the other end closed (EOF)"
-    elif why == "frame_too_large":
-        cause = f"the guest sent a frame too large ({exc})"
-    else:
-        cause = f"{type(exc).__name__}: {exc}" if exc is not None else "a read or write failed"
-    hint = _GONE_HINTS.get(kind, "the guest holds the other end open").format(ifname=label or "IFNAME")
-    text = f"{kind}{f' {label}' if label else ''} closed before the guest sent a frame: {cause}; check that {hint}"
-    return " ".join(text.split())
 
 
 @dataclass(frozen=True, slots=True)

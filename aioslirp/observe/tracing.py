@@ -96,8 +96,8 @@ import logging
 import time
 import weakref
 
-from .flow.base import flow_key
-from .wire.tcp import ACK, FIN, PSH, RST, SYN
+from ..flow.base import flow_key
+from ..wire.tcp import ACK, FIN, PSH, RST, SYN
 
 log = logging.getLogger("aioslirp.tracing")
 

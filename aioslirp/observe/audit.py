@@ -30,7 +30,7 @@ import socket
 import sys
 import time
 
-from .ratelimit import TokenBucket
+from ..ratelimit import TokenBucket
 
 __all__ = ["AuditLog", "FLUSH_INTERVAL", "FLUSH_LINES", "EVENTS_QUEUE"]
 

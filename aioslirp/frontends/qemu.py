@@ -33,9 +33,9 @@ import os
 import socket
 import stat
 
-from .lifecycle import request_stop
-from .transport.dgram import DgramTransport
-from .transport.stream import StreamTransport
+from ..host.signals import request_stop
+from ..transport.dgram import DgramTransport
+from ..transport.stream import StreamTransport
 
 __all__ = ["QemuServer", "SocketInUse", "check_socket_path", "serve_qemu", "transport_for_fd"]
 
@@ -305,7 +305,7 @@ async def serve_qemu(config, *, path: str | None = None, fd: int | None = None, 
     """
     import signal
 
-    from .stack import Stack
+    from ..stack import Stack
 
     factory = stack_factory or Stack
     loop = asyncio.get_running_loop()

@@ -29,8 +29,8 @@ import struct
 import time
 from collections import OrderedDict
 
-from .wire.icmp import ND_REDIRECT, ND_ROUTER_SOLICIT
-from .wire.ipv6 import IPV6_HLEN, NH_FRAGMENT, NH_ICMPV6, Ipv6, parse_ipv6
+from ..wire.icmp import ND_REDIRECT, ND_ROUTER_SOLICIT
+from ..wire.ipv6 import IPV6_HLEN, NH_FRAGMENT, NH_ICMPV6, Ipv6, parse_ipv6
 
 __all__ = ["DEFAULT_MAX_BYTES", "Reassembler", "Ipv6Reassembler"]
 

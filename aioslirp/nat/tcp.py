@@ -4,8 +4,8 @@ One :class:`TcpFlow` per guest connection, owned by the stack's flow table. Its 
 connects the host socket first and only then lets the connection answer the guest's SYN
 (SYN-ACK after the host connect; RST when refused; ICMP unreachable when the host or
 network is unreachable or the connect times out). Data then moves through the callbacks of
-a :class:`~aioslirp.tcp.hostsock.HostSocket` (read through the stack's own epoll, a
-:class:`~aioslirp.tcp.hostsock.HostPoller`; ``add_writer`` after a short send), named like
+a :class:`~aioslirp.nat.hostsock.HostSocket` (read through the stack's own epoll, a
+:class:`~aioslirp.nat.hostsock.HostPoller`; ``add_writer`` after a short send), named like
 asyncio protocol callbacks:
 
 * guest -> host: segments are fed to the connection; at the end of each batch of guest
@@ -44,15 +44,15 @@ import socket
 import time
 
 from ..flow.base import admission
+from ..tcp.connection import (CLOSE_WAIT, CLOSED, CLOSING, ESTABLISHED, LAST_ACK, LISTEN, SYN_RECEIVED, SYN_SENT,
+                              TIME_WAIT, TcpConnection)
+from ..tcp.tcb import ResetEvent
 from ..wire.icmp import KIND_HOST, KIND_NET
 from ..wire.ip import PROTO_TCP
 from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6
 from ..wire.tcp import ACK, SYN, Segment, TcpFrameBuilder, syn_options
-from .connection import (CLOSE_WAIT, CLOSED, CLOSING, ESTABLISHED, LAST_ACK, LISTEN, SYN_RECEIVED, SYN_SENT,
-                         TIME_WAIT, TcpConnection)
-from .pacing import FlowPacing
 from .hostsock import HostSocket, TransportHost, close_socket, connect_start, wait_connected
-from .tcb import ResetEvent
+from .pacing import FlowPacing
 
 __all__ = ["TcpFlow", "ForwardedTcpFlow"]
 
@@ -269,7 +269,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
                 self._wake = self.loop.create_future()
 
     def request_upgrade(self) -> None:
-        """Bulk traffic (a read filled :data:`~aioslirp.tcp.hostsock.READ_SIZE`, or the kernel took
+        """Bulk traffic (a read filled :data:`~aioslirp.nat.hostsock.READ_SIZE`, or the kernel took
         only part of a write): hand the socket to an asyncio (uvloop) transport, whose reads loop
         and whose writes buffer in C (measured: host->guest +16%, guest->host +18% and -24% CPU
         per GB against :class:`HostSocket`); connection set-up and request/response traffic keep

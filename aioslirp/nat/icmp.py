@@ -27,9 +27,9 @@ import logging
 import socket
 import struct
 
-from .flow.base import admission, flow_key
-from .wire.icmp import ICMP6_ECHO_REPLY, ICMP_ECHO_REPLY
-from .wire.ip import PROTO_ICMP, PROTO_ICMPV6  # noqa: F401 - PROTO_ICMPV6: its old import path
+from ..flow.base import admission, flow_key
+from ..wire.icmp import ICMP6_ECHO_REPLY, ICMP_ECHO_REPLY
+from ..wire.ip import PROTO_ICMP
 
 log = logging.getLogger("aioslirp.icmp")
 
