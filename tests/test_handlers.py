@@ -859,11 +859,12 @@ out["curl"] = curl.stdout.splitlines() + curl.stderr.splitlines()
 out["second_other"] = raw(get("/second-1"), get("/second-2", "cdn.test:%d" % port))
 out["pipelined_other"] = raw(get("/pipe-1") + get("/pipe-2", "cdn.test:%d" % port))
 fake = get("/fake", "cdn.test:%d" % port)
-out["body"] = raw(b"POST /body-1 HTTP/1.1\r\nHost: allowed.test:%d\r\nContent-Length: %d\r\n\r\n%s" % (port, len(fake), fake),
-                  get("/body-2"))
+out["body"] = raw(b"POST /body-1 HTTP/1.1\r\nHost: allowed.test:%d\r\nContent-Length: %d\r\n\r\n%s"
+                  % (port, len(fake), fake), get("/body-2"))
 out["chunked"] = raw(b"POST /chunk-1 HTTP/1.1\r\nHost: allowed.test:%d\r\nTransfer-Encoding: chunked\r\n\r\n"
                      b"%x\r\n%s\r\n0\r\n\r\n" % (port, len(fake), fake), get("/chunk-2"))
-out["h2c"] = raw(get("/h2c", extra=b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"))
+out["h2c"] = raw(get("/h2c", extra=b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                                   b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"))
 ws = get("/ws", extra=b"Upgrade: websocket\r\nConnection: Upgrade\r\n")
 s = socket.create_connection(("allowed.test", port), timeout=10)
 s.sendall(ws)

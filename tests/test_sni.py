@@ -516,7 +516,8 @@ def test_an_upgrade_other_than_one_websocket_is_refused(value):
 def test_content_on_a_connect_or_an_upgrade_is_refused():
     assert refused("content on a CONNECT", post(b"Upgrade: websocket\r\nContent-Length: 5", line=b"GET / HTTP/1.1"))
     assert refused("content on a CONNECT", post(b"Upgrade: websocket\r\nTransfer-Encoding: chunked"))
-    assert refused("content on a CONNECT", b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\nContent-Length: 1\r\n\r\n")
+    assert refused("content on a CONNECT",
+                   b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\nContent-Length: 1\r\n\r\n")
     assert first_name(post(b"Upgrade: WebSocket\r\nContent-Length: 0")) == ("name", "allowed.test", None)
 
 
@@ -568,7 +569,8 @@ def stream_refused(part: str, data: bytes, *cuts: int) -> bool:
 
 
 def test_pipelined_and_kept_alive_requests_to_allowed_names_pass():
-    data = OK + request(b"Host: Allowed.Test:8080") + request(b"Host: allowed2.test", b"GET http://allowed2.test/ HTTP/1.1")
+    data = OK + request(b"Host: Allowed.Test:8080") + request(b"Host: allowed2.test",
+                                                               b"GET http://allowed2.test/ HTTP/1.1")
     assert feed(data) == (data, None, None, 3)
     assert feed(data, len(OK), len(OK) + 3) == (data, None, None, 3)
     r = Requests(Judge())
@@ -631,7 +633,8 @@ def test_a_chunked_body_holding_a_request_head_is_content_and_not_read():
     data = chunked(OTHER, b"a" * 300, b"\r\n\r\n" + OTHER) + OK
     assert feed(data) == (data, None, None, 2)
     assert feed(data, *range(1, len(data))) == (data, None, None, 2)
-    data = post(b"Transfer-Encoding: chunked") + b"0000000000000003\r\nabc\r\n00A\r\n" + b"b" * 10 + b"\r\n0\r\n\r\n" + OK
+    data = (post(b"Transfer-Encoding: chunked") + b"0000000000000003\r\nabc\r\n00A\r\n" + b"b" * 10
+            + b"\r\n0\r\n\r\n" + OK)
     assert feed(data) == (data, None, None, 2)  # 16 digits, leading zeros, upper-case hex
     assert feed(chunked(b"x") + OTHER)[1:] == ("name", "other.test", 1)  # the request after it is judged
 
@@ -1059,19 +1062,52 @@ async def test_each_reset_is_audited():
 # ------------------------------------------------------------- the verifier, request after request
 
 
+class Later(Reader):
+    """Gives ``data`` in one read after ``delay`` seconds, then EOF ``delay`` seconds later."""
+
+    def __init__(self, data: bytes, delay: float = 0.02) -> None:
+        super().__init__(data)
+        self.delay = delay
+
+    async def read(self, n: int) -> bytes:
+        await asyncio.sleep(self.delay)
+        return await super().read(n)
+
+
+class SlowEnd(Chunks):
+    """:class:`Chunks`, whose EOF comes 50 ms after the last bytes (the server's answer comes first)."""
+
+    async def read(self, n: int) -> bytes:
+        if not self.data:
+            await asyncio.sleep(0.05)
+        return await super().read(n)
+
+
 class Upstream(Writer):
-    """The server's side: its writer records what reached it; its reader answers ``answer`` then EOF."""
+    """The server's side: its writer records what reached it (a write after its FIN fails, as a
+    transport's does); its reader answers ``answer`` then EOF."""
 
-    def __init__(self, answer: bytes = b"") -> None:
+    def __init__(self, answer: bytes = b"", delay: float = 0.0) -> None:
         super().__init__()
-        self.reader = Reader(answer)
+        self.reader = Later(answer, delay) if delay else Reader(answer)
+        self.eof = False
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def write(self, data: bytes) -> None:
+        assert not self.eof, "write after write_eof"
+        super().write(data)
 
 
-def http_flow(answer: bytes = b"") -> Flow:
+def http_flow(answer: bytes = b"", delay: float = 0.0) -> Flow:
     flow = Flow(80)
 
     async def open_upstream():
-        flow.upstream = Upstream(answer)
+        flow.upstream = Upstream(answer, delay)
         return flow.upstream.reader, flow.upstream
 
     flow.open_upstream = open_upstream
@@ -1132,11 +1168,29 @@ async def test_the_verifier_tunnels_after_a_2xx_to_a_connect_and_judges_after_an
     flow, guest = http_flow(b"HTTP/1.1 200 Connection established\r\n\r\n"), Writer()
     flow.destination = ("192.0.2.10", 443)
     hello = client_hello("other.test")
-    await v(flow, Chunks(CONNECT + hello + OTHER, len(CONNECT)), guest)
-    assert flow.upstream.written == CONNECT + hello + OTHER and not guest.aborted
+    await v(flow, SlowEnd(CONNECT + hello + OTHER, len(CONNECT)), guest)
+    assert flow.upstream.written == CONNECT + hello + OTHER and flow.upstream.eof and not guest.aborted
     assert guest.written == b"HTTP/1.1 200 Connection established\r\n\r\n"
     flow, guest = http_flow(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n"), Writer()
     flow.destination = ("192.0.2.10", 443)
-    await v(flow, Chunks(CONNECT + OTHER, len(CONNECT)), guest)
+    await v(flow, SlowEnd(CONNECT + OTHER, len(CONNECT)), guest)
     assert flow.upstream.written == CONNECT and guest.aborted and flow.upstream.aborted
     assert v.counters["egress.sni_denied"] == 1
+
+
+async def test_a_guest_that_ends_before_the_answer_to_its_connect_drops_what_waited_for_it():
+    """Its FIN goes to the server at once; the held bytes could only follow it: they are dropped."""
+    v = verifier("allowed.test:443")
+    flow, guest = http_flow(b"HTTP/1.1 200 Connection established\r\n\r\n", delay=0.02), Writer()
+    flow.destination = ("192.0.2.10", 443)
+    await v(flow, Reader(CONNECT + OTHER), guest)
+    assert flow.upstream.written == CONNECT and flow.upstream.eof and not guest.aborted
+    assert guest.written == b"HTTP/1.1 200 Connection established\r\n\r\n"
+    r = Requests(Judge())
+    assert r.feed(CONNECT + OTHER) == CONNECT and r.waiting
+    r.end()
+    assert not r.waiting and r.answer(b"HTTP/1.1 200 OK\r\n\r\n") == b"" and r.refused is None
+    r = Requests(Judge())
+    r.feed(OK)
+    r.end()
+    assert r.feed(OK) == OK  # not waiting: nothing to drop

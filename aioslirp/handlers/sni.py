@@ -224,14 +224,16 @@ def _http_head(data: bytes):
         return "not an HTTP/1 request line (RFC 9112 3)"
     end = data.find(b"\r\n\r\n")
     head = data[:end] if end >= 0 else data[:len(data) - data.endswith(b"\r")]  # a last CR may be a CRLF's
-    lines = head.split(b"\r\n")
-    if any(b"\r" in line or b"\n" in line for line in lines):
+    # every CR in a CRLF and every LF too (counted, not split: a head arriving byte by byte is read
+    # again at each byte, at C speed)
+    if not head.count(b"\r") == head.count(b"\n") == head.count(b"\r\n"):
         return "a bare CR or LF in the request head (RFC 9112 2.2)"
-    if len(lines[0]) >= MAX_REQUEST_LINE:  # judged so before its end too
+    line, crlf, _ = head.partition(b"\r\n")
+    if len(line) >= MAX_REQUEST_LINE:  # judged so before its end too
         return "a request line over 8 KiB"
-    if len(lines) == 1 and end < 0:  # no complete request line yet
+    if not crlf and end < 0:  # no complete request line yet
         return MORE, None, None, None
-    parts = lines[0].split(b" ")
+    parts = line.split(b" ")
     if len(parts) != 3 or parts[2] not in (b"HTTP/1.0", b"HTTP/1.1") or parts[0].translate(None, _TCHAR):
         return "not an HTTP/1 request line (RFC 9112 3)"
     method, target = parts[0], parts[1]
@@ -259,7 +261,7 @@ def _http_head(data: bytes):
         named = (named[0], named[1] or default)
     host = length = None
     chunked = upgrade = False
-    for line in lines[1:]:
+    for line in head.split(b"\r\n")[1:]:
         field, colon, value = line.partition(b":")
         if not colon or not field or field.translate(None, _TCHAR):
             return "a field line whose name is not a token followed by a colon (RFC 9112 5.1, 5.2)"
@@ -409,21 +411,20 @@ class Requests:
             return data
         if self.refused is not None:
             return b""
-        out: list = []
+        prior = self._buf  # held from before: the stream is prior + data, what stays held its end
         pos, n = 0, len(data)
         while pos < n and self.refused is None:
             state = self._state
             if state == _BODY or state == _DATA:
                 take = min(self._left, n - pos)
-                out.append(data[pos:pos + take])
                 pos += take
                 self._left -= take
                 if not self._left:
                     self._state = _HEAD if state == _BODY else _CRLF
             elif state == _HEAD:
-                pos = self._head(data, pos, out)
+                pos = self._head(data, pos)
             elif state == _SIZE:
-                pos = self._size(data, pos, out)
+                pos = self._size(data, pos)
             elif state == _CRLF or state == _LAST:
                 buf = self._buf + data[pos:pos + 2 - len(self._buf)]
                 pos += len(buf) - len(self._buf)
@@ -431,7 +432,6 @@ class Requests:
                     self.refused = ("chunk data not followed by CRLF (RFC 9112 7.1)" if state == _CRLF else
                                     "a last chunk not followed by CRLF alone (no trailer field, RFC 9112 7.1.2)")
                 elif len(buf) == 2:
-                    out.append(buf)
                     buf = b""
                     self._state = _SIZE if state == _CRLF else _HEAD
                 self._buf = buf
@@ -440,9 +440,14 @@ class Requests:
                 pos = n
                 if len(self._buf) > MAX_HELD:
                     self.refused = "over 16 KiB sent before the server answered a CONNECT or Upgrade"
-        return b"" if self.refused is not None else b"".join(out)
+        if self.refused is not None:
+            return b""
+        cut = len(prior) + n - len(self._buf)  # the bytes of the stream that passed
+        if cut <= len(prior):
+            return prior[:cut]
+        return prior + data[:cut - len(prior)] if prior else data[:cut] if cut < n else data
 
-    def _head(self, data: bytes, pos: int, out: list) -> int:
+    def _head(self, data: bytes, pos: int) -> int:
         """Read a request head from ``data[pos:]``; returns where it stopped."""
         held = self._buf
         room = MAX_HELD - len(held)  # bytes this head may still take
@@ -482,10 +487,9 @@ class Requests:
         elif body:
             self._state, self._left = _BODY, body
         self.count += 1
-        out.append(head)
         return stop
 
-    def _size(self, data: bytes, pos: int, out: list) -> int:
+    def _size(self, data: bytes, pos: int) -> int:
         """Read a chunk-size line (RFC 9112 7.1: ``1*16HEXDIG CRLF`` here) from ``data[pos:]``."""
         held = self._buf
         stop = min(len(data), pos + MAX_SIZE_LINE - len(held))
@@ -507,7 +511,6 @@ class Requests:
         else:
             self._left = int(digits, 16)
             self._state = _DATA if self._left else _LAST
-            out.append(line)
         self._buf = b""
         return stop
 
@@ -520,6 +523,12 @@ class Requests:
         if len(self._passed) < _PASSED_MAX:
             self._passed.add(key)
         return True
+
+    def end(self) -> None:
+        """The guest's stream ended (its FIN goes to the server): bytes held for the server's answer
+        to a ``CONNECT`` or ``Upgrade`` are dropped, and the answer is not read."""
+        if self.waiting:
+            self._state, self._buf = _HEAD, b""
 
     def answer(self, data: bytes) -> bytes:
         """The server's next bytes while :attr:`waiting` (else ignored); returns the guest's held bytes
@@ -549,8 +558,7 @@ class Requests:
 
 
 class _Refused(Exception):
-    """A later request of a verified connection is refused (see :class:`Requests`); ``args[0]``: its
-    :attr:`Requests.refused`."""
+    """A later request of a verified connection is refused (see :class:`Requests`)."""
 
 
 class _Checked:
@@ -565,10 +573,11 @@ class _Checked:
         while True:
             data = await self.reader.read(n)
             if not data:
+                self.requests.end()
                 return data
             out = self.requests.feed(data)
             if self.requests.refused is not None:
-                raise _Refused(self.requests.refused)
+                raise _Refused
             if out:
                 return out
 
@@ -587,7 +596,7 @@ class _Answered:
         if data and self.requests.waiting:
             out = self.requests.answer(data)
             if self.requests.refused is not None:
-                raise _Refused(self.requests.refused)
+                raise _Refused
             if out:
                 self.upstream.write(out)
         return data
@@ -673,8 +682,10 @@ class SniVerifier:
         try:
             await splice(_Checked(reader, requests), writer,
                          _Answered(up_r, requests, up_w) if requests.waiting else up_r, up_w)
-        except _Refused as refused:  # splice reset both sides
-            self._deny(flow, requests.name, refused.args[0], requests.count)
+        except Exception:  # _Refused, or the guest's reset that splice's reset of both caused first
+            if requests.refused is None:
+                raise
+            self._deny(flow, requests.name, requests.refused, requests.count)
         finally:
             if requests.count > 1:
                 self.counters["egress.sni_requests_verified"] += requests.count - 1
