@@ -403,14 +403,14 @@ class Requests:
 
     def feed(self, data: bytes) -> bytes:
         """The guest's next bytes; returns those that may go to the server now (``b""`` once refused)."""
+        if self.refused is not None:
+            return b""
         state = self._state
         if state == _TUNNEL:
             return data
         if (state == _BODY or state == _DATA) and len(data) < self._left:  # content: counted, not read
             self._left -= len(data)
             return data
-        if self.refused is not None:
-            return b""
         prior = self._buf  # held from before: the stream is prior + data, what stays held its end
         pos, n = 0, len(data)
         while pos < n and self.refused is None:
