@@ -312,6 +312,7 @@ def test_host_names_the_server_with_its_port():
     assert first_name(b"GET / HTTP/1.1\r\n\r\n") == ("none", None, None)
     assert first_name(request(b"Host: svc.test", b"Get /?a=b HTTP/1.1")) == ("name", "svc.test", None)
     assert first_name(request(b"Host: svc.test\r\nX-A: caf\xc3\xa9")) == ("name", "svc.test", None)  # obs-text
+    assert first_name(request(b"Host: svc.test", b"G / HTTP/1.1")) == ("name", "svc.test", None)  # a 1-letter method
 
 
 def test_a_head_in_pieces_waits_for_its_end():
@@ -641,7 +642,7 @@ def test_a_chunked_body_holding_a_request_head_is_content_and_not_read():
 
 @pytest.mark.parametrize("line", [
     b"5\n", b"5\r\r\n", b"5;ext=1\r\n", b"5;\r\n", b"5 \r\n", b" 5\r\n", b"\r\n", b"0x5\r\n", b"-5\r\n", b"+5\r\n",
-    b"5\t\r\n", b"g\r\n", b"1" * 17 + b"\r\n", b"5\rX\n", b"\n",
+    b"5\t\r\n", b"g\r\n", b"1" * 17 + b"\r\n", b"0" * 16 + b"5\r\n", b"5\rX\n", b"\n",
 ])
 def test_a_chunk_size_line_that_is_not_hex_digits_and_crlf_is_refused(line):
     """RFC 9112 7.1: chunk-size is 1*HEXDIG; a bare LF (servers differ on it), a chunk extension
@@ -650,6 +651,9 @@ def test_a_chunk_size_line_that_is_not_hex_digits_and_crlf_is_refused(line):
     data = post(b"Transfer-Encoding: chunked") + line + b"hello\r\n0\r\n\r\n"
     assert stream_refused("chunk size that is not", data)
     assert stream_refused("chunk size that is not", data, *range(1, len(data)))
+    bad = next((i for i in range(len(line)) if line[i:i + 1] not in b"0123456789abcdefABCDEF\r\n"), None)
+    if bad is not None:  # refused at that byte, before the line's end
+        assert stream_refused("chunk size that is not", post(b"Transfer-Encoding: chunked") + line[:bad + 1])
 
 
 def test_a_chunk_size_over_2_63_minus_1_is_refused():
@@ -657,6 +661,9 @@ def test_a_chunk_size_over_2_63_minus_1_is_refused():
     assert stream_refused("chunk size over", head + b"8000000000000000\r\n")
     assert stream_refused("chunk size over", head + b"ffffffffffffffff\r\n")
     assert feed(head + b"7fffffffffffffff\r\nabc") == (head + b"7fffffffffffffff\r\nabc", None, None, 1)
+    for cut in (16, 17):  # 16 digits, and the CR, wait for the rest of their line
+        assert feed(head + b"7fffffffffffffff\r\nabc", len(head) + cut) == (head + b"7fffffffffffffff\r\nabc",
+                                                                         None, None, 1)
 
 
 def test_chunk_data_must_end_with_crlf_and_trailer_fields_are_refused():
@@ -679,6 +686,9 @@ def test_a_later_head_over_16_kib_is_refused_and_one_of_16_kib_passes():
     assert stream_refused("head over 16 KiB", OK + over)
     assert stream_refused("head over 16 KiB", OK + over, len(OK) + 100)
     assert stream_refused("head over 16 KiB", OK + over[:MAX_HELD] + b"a" * 1000)  # refused before its end
+    r = Requests(Judge())
+    assert r.feed(OK + over[:MAX_HELD]) == OK and r.refused is None  # 16 KiB, not complete: it waits
+    assert r.feed(b"a") == b"" and r.refused == "a request head over 16 KiB"
 
 
 def test_a_later_connect_or_upgrade_is_refused():
@@ -717,6 +727,7 @@ def test_a_websocket_upgrade_is_a_tunnel_once_the_server_answers_101():
     (CONNECT, b"HTTP/1.1 300 x"), (CONNECT, b"HTTP/1.1 199 x\r\n\r\nHTTP/1.1 403 Forbidden"),
     (WEBSOCKET, b"HTTP/1.1 200 OK"), (WEBSOCKET, b"HTTP/1.1 426 Upgrade Required"), (WEBSOCKET, b"OK"),
     (WEBSOCKET, b"HTTP/1.1 1010 x"), (WEBSOCKET, b"HTTP/2 101"), (WEBSOCKET, b"HTTP/1.1 10x"),
+    (WEBSOCKET, b"HTTP/1.1\t101 x"), (CONNECT, b"HTTP/1.1  200 x"), (CONNECT, b"\r\n\r\nHTTP/1.1 200 OK"),
 ])
 def test_an_answer_that_does_not_switch_leaves_http_and_the_held_bytes_are_judged(first, status):
     """After any other answer the server reads the guest's next bytes as requests: so are they judged."""
@@ -754,9 +765,9 @@ def test_a_name_once_allowed_on_a_connection_is_not_judged_again():
 def test_at_most_16_names_are_remembered():
     judge = Judge()
     r = Requests(judge)
-    heads = [request(b"Host: allowed.test:%d" % p) for p in range(1, 19)]
-    r.feed(b"".join(heads) + heads[0] + heads[17])
-    assert len(judge.calls) == 19 and judge.calls[-1] == ("allowed.test", 18) and r.count == 20
+    heads = [request(b"Host: allowed.test:%d" % p) for p in range(1, 18)]
+    r.feed(b"".join(heads) + heads[0] + heads[15] + heads[16])
+    assert len(judge.calls) == 18 and judge.calls[-1] == ("allowed.test", 17) and r.count == 20
 
 
 def test_content_is_counted_in_constant_memory():
@@ -788,6 +799,7 @@ STREAMS = [
     chunked(b"abc", last=b"0\r\nX: 1\r\n\r\n") + OK,
     OK + b"GET / HTTP/1.1\r\nX-Pad: 1\nHost: other.test\n\r\nHost: allowed.test\r\n\r\n",
     post(b"Transfer-Encoding: chunked") + b"3;x\r\nabc\r\n0\r\n\r\n",
+    post(b"Transfer-Encoding: chunked") + b"0" * 16 + b"5\r\nhello\r\n0\r\n\r\n",  # 17 digits
     OK + post(b"Transfer-Encoding: chunked\r\nContent-Length: 4") + b"0\r\n\r\n",
     OK + OK[:-2] + b"\n",
 ]
@@ -1161,6 +1173,8 @@ async def test_the_verifier_passes_requests_and_content_to_allowed_names():
     await v(flow, Chunks(data, len(OK) + 7, 5, 100), guest)
     assert flow.upstream.written == data and not guest.aborted and not flow.upstream.aborted
     assert v.counters == {"egress.sni_verified": 1, "egress.sni_denied": 0, "egress.sni_requests_verified": 3}
+    await v(http_flow(), Reader(OK + OK), Writer())
+    assert v.counters == {"egress.sni_verified": 2, "egress.sni_denied": 0, "egress.sni_requests_verified": 4}
 
 
 async def test_the_verifier_tunnels_after_a_2xx_to_a_connect_and_judges_after_another_answer():
@@ -1190,6 +1204,7 @@ async def test_a_guest_that_ends_before_the_answer_to_its_connect_drops_what_wai
     assert r.feed(CONNECT + OTHER) == CONNECT and r.waiting
     r.end()
     assert not r.waiting and r.answer(b"HTTP/1.1 200 OK\r\n\r\n") == b"" and r.refused is None
+    assert r.feed(OK) == OK  # (nothing more comes after the guest's FIN; were it to, it is a request)
     r = Requests(Judge())
     r.feed(OK)
     r.end()

@@ -405,10 +405,9 @@ class Requests:
         """The guest's next bytes; returns those that may go to the server now (``b""`` once refused)."""
         if self.refused is not None:
             return b""
-        state = self._state
-        if state == _TUNNEL:
+        if self._state == _TUNNEL:
             return data
-        if (state == _BODY or state == _DATA) and len(data) < self._left:  # content: counted, not read
+        if len(data) < self._left:  # content (``_left`` is 0 in every other state): counted, not read
             self._left -= len(data)
             return data
         prior = self._buf  # held from before: the stream is prior + data, what stays held its end
@@ -442,10 +441,8 @@ class Requests:
                     self.refused = "over 16 KiB sent before the server answered a CONNECT or Upgrade"
         if self.refused is not None:
             return b""
-        cut = len(prior) + n - len(self._buf)  # the bytes of the stream that passed
-        if cut <= len(prior):
-            return prior[:cut]
-        return prior + data[:cut - len(prior)] if prior else data[:cut] if cut < n else data
+        keep = len(self._buf)  # the end of prior + data still held
+        return prior[:len(prior) + n - keep] if keep >= n else prior + data[:n - keep]
 
     def _head(self, data: bytes, pos: int) -> int:
         """Read a request head from ``data[pos:]``; returns where it stopped."""
@@ -503,8 +500,8 @@ class Requests:
                 self.refused = "a chunk size that is not 1 to 16 hex digits and CRLF (no chunk extension, RFC 9112 7.1)"
             self._buf = line
             return stop
-        digits = line[:-2]
-        if line[-2:-1] != b"\r" or not 0 < len(digits) <= 16 or digits.translate(None, _HEX):
+        digits = line[:-2]  # at most 16: the line is read to MAX_SIZE_LINE bytes at most
+        if line[-2:-1] != b"\r" or not digits or digits.translate(None, _HEX):
             self.refused = "a chunk size that is not 1 to 16 hex digits and CRLF (no chunk extension, RFC 9112 7.1)"
         elif int(digits, 16) > MAX_LENGTH:
             self.refused = "a chunk size over 2^63 - 1"
@@ -660,18 +657,18 @@ class SniVerifier:
                 break
             held += chunk
             outcome, name, port = first_name(held)
-        if outcome != NAME or not self.allowed(flow, name, port):
-            self._deny(flow, name, outcome)
-            writer.transport.abort()
-            return
         requests = None
-        if held[0] != 22:  # HTTP/1: every request on the connection is judged
+        if outcome == NAME and held[0] != 22:  # HTTP/1: every request on the connection is judged
             requests = Requests(lambda name_, port_: self.allowed(flow, name_, port_))
-            held = requests.feed(held)  # the first again, and what follows it
+            held = requests.feed(held)  # the first (again), and what follows it
             if requests.refused is not None:
                 self._deny(flow, requests.name, requests.refused, requests.count)
                 writer.transport.abort()
                 return
+        elif outcome != NAME or not self.allowed(flow, name):  # a ClientHello's SNI names no port
+            self._deny(flow, name, outcome)
+            writer.transport.abort()
+            return
         self.counters["egress.sni_verified"] += 1
         connect = getattr(self.onward, "connect", None)
         up_r, up_w = await (connect(flow) if connect is not None else flow.open_upstream())
