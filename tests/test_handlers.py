@@ -814,6 +814,166 @@ async def test_verify_sni_with_a_real_guest(sni_world):
                                                                             None, None]
 
 
+GUEST_SNI_REQUESTS = r"""
+import errno, http.client, json, socket, subprocess, sys
+port = int(sys.argv[1])
+out = {}
+def response(s):
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        d = s.recv(4096)
+        if not d:
+            return "eof"
+        buf += d
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    n = sum(int(v) for k, _, v in (line.partition(b":") for line in lines[1:]) if k.lower() == b"content-length")
+    while len(body) < n:
+        body += s.recv(4096)
+    return (lines[0].split(b" ")[1] + b" " + body).decode()
+def raw(*sends):
+    got = []
+    s = socket.create_connection(("allowed.test", port), timeout=10)
+    try:
+        for data in sends:
+            s.sendall(data)
+            got.append(response(s))
+    except OSError as exc:
+        got.append(errno.errorcode.get(exc.errno, str(exc)))
+    finally:
+        s.close()
+    return got
+def get(path, host="allowed.test:%d" % port, extra=b""):
+    return b"GET %s HTTP/1.1\r\nHost: %s\r\n%s\r\n" % (path.encode(), host.encode(), extra)
+c = http.client.HTTPConnection("allowed.test", port, timeout=10)
+c.request("GET", "/keep-1")
+first = c.getresponse().read().decode()
+sock = c.sock
+c.request("GET", "/keep-2")
+out["keepalive"] = [first, c.getresponse().read().decode(), c.sock is sock]
+c.close()
+curl = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-o", "/dev/null", "-w", "%{http_code} %{num_connects}\n",
+                       "http://allowed.test:%d/curl-1" % port, "http://allowed.test:%d/curl-2" % port],
+                      capture_output=True, text=True, timeout=60)
+out["curl"] = curl.stdout.splitlines() + curl.stderr.splitlines()
+out["second_other"] = raw(get("/second-1"), get("/second-2", "cdn.test:%d" % port))
+out["pipelined_other"] = raw(get("/pipe-1") + get("/pipe-2", "cdn.test:%d" % port))
+fake = get("/fake", "cdn.test:%d" % port)
+out["body"] = raw(b"POST /body-1 HTTP/1.1\r\nHost: allowed.test:%d\r\nContent-Length: %d\r\n\r\n%s"
+                  % (port, len(fake), fake), get("/body-2"))
+out["chunked"] = raw(b"POST /chunk-1 HTTP/1.1\r\nHost: allowed.test:%d\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"%x\r\n%s\r\n0\r\n\r\n" % (port, len(fake), fake), get("/chunk-2"))
+out["h2c"] = raw(get("/h2c", extra=b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                                   b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"))
+ws = get("/ws", extra=b"Upgrade: websocket\r\nConnection: Upgrade\r\n")
+s = socket.create_connection(("allowed.test", port), timeout=10)
+s.sendall(ws)
+out["ws"] = [response(s)]
+s.sendall(fake)  # after the 101: WebSocket bytes, whatever they look like
+got = b""
+while len(got) < len(fake):
+    got += s.recv(4096)
+out["ws"].append(got == fake)
+s.close()
+out["ws_refused"] = raw(get("/ws-no", extra=b"Upgrade: websocket\r\nConnection: Upgrade\r\n"), fake)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def sni_http_world():
+    """192.0.2.10 on the test namespace's loopback and Python's HTTP/1.1 server there (keep-alive;
+    it reads Content-Length and chunked content), recording ``(path, Host)`` of each request it
+    reads; ``/ws`` answers ``Upgrade: websocket`` with 101 and echoes what follows, ``/ws-no`` with
+    426. Yields ``(port, records)``."""
+    import http.server
+
+    from hostservers import namespace_address
+
+    records: list = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def reply(self, code: int, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            host = self.headers.get("Host")
+            records.append((self.path, host))
+            if self.path == "/ws" and self.headers.get("Upgrade") == "websocket":
+                self.send_response(101)
+                self.send_header("Upgrade", "websocket")
+                self.send_header("Connection", "Upgrade")
+                self.end_headers()
+                self.wfile.flush()
+                data = self.connection.recv(65536)
+                self.wfile.write(data)
+                self.close_connection = True
+            elif self.path == "/ws-no":
+                self.reply(426, b"no")
+            else:
+                self.reply(200, host.encode())
+
+        def do_POST(self) -> None:
+            if self.headers.get("Transfer-Encoding") == "chunked":
+                while True:
+                    size = int(self.rfile.readline(), 16)
+                    self.rfile.read(size + 2)
+                    if not size:
+                        break
+            else:
+                self.rfile.read(int(self.headers["Content-Length"]))
+            self.do_GET()
+
+    with namespace_address("192.0.2.10"):
+        server = http.server.ThreadingHTTPServer(("192.0.2.10", 0), Handler)
+        server.daemon_threads = True
+        t = threading.Thread(target=server.serve_forever, daemon=True)
+        t.start()
+        try:
+            yield server.server_address[1], records
+        finally:
+            server.shutdown()
+            server.server_close()
+            t.join(5)
+
+
+async def test_verify_sni_judges_every_request_of_a_connection(sni_http_world):
+    """``verify_sni`` over plain HTTP/1.1 with a real guest and Python's keep-alive server: two
+    requests on one connection (http.client; curl with two URLs) both reach it; a second request
+    naming cdn.test (which shares the address, and no rule allows), kept alive or pipelined, never
+    reaches it and the connection is reset; a head inside Content-Length or chunked content is
+    content; h2c is refused; a WebSocket is a tunnel after the server's 101, not after its 426."""
+    need_tool("curl", "curl")
+    port, records = sni_http_world
+    names = Names({"allowed.test": "192.0.2.10", "cdn.test": "192.0.2.10"})
+    try:
+        log = io.StringIO()
+        out, stack = await run_guest(cfg(dns_upstreams=[("127.0.0.1", names.port)], egress_default="deny",
+                                         egress_allow=[f"allowed.test:{port}"], verify_sni=True, audit_log=log),
+                                     GUEST_SNI_REQUESTS, port)
+        events = [json.loads(line) for line in log.getvalue().splitlines()]
+    finally:
+        names.close()
+    host = f"allowed.test:{port}"
+    assert out == {"keepalive": [host, host, True], "curl": ["200 1", "200 0"],
+                   "second_other": [f"200 {host}", "ECONNRESET"], "pipelined_other": ["ECONNRESET"],
+                   "body": [f"200 {host}", f"200 {host}"], "chunked": [f"200 {host}", f"200 {host}"],
+                   "h2c": ["ECONNRESET"], "ws": ["101 ", True], "ws_refused": ["426 no", "ECONNRESET"]}, out
+    assert records == [(path, host) for path in ("/keep-1", "/keep-2", "/curl-1", "/curl-2", "/second-1", "/body-1",
+                                                 "/body-2", "/chunk-1", "/chunk-2", "/ws", "/ws-no")]
+    c = stack.counters
+    assert (c["egress.sni_verified"], c["egress.sni_denied"], c["egress.sni_requests_verified"]) == (7, 4, 4)
+    assert [e["name"] for e in events if e.get("rule") == "verify-sni"] == ["cdn.test", "cdn.test", None, "cdn.test"]
+
+
 async def test_udp_queue_is_bounded():
     """At most QUEUE guest datagrams wait for a UDP handler; past it ``put`` refuses (the flow counts
     ``handler_udp_dropped``); the iteration ends with the flow."""

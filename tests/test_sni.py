@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import tracemalloc
 import types
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from aioslirp import NetworkConfig
 from aioslirp.flow.egress import Egress
-from aioslirp.handlers.sni import MAX_HELD, MAX_REQUEST_LINE, SniVerifier, first_name
+from aioslirp.handlers.sni import MAX_HELD, MAX_REQUEST_LINE, Requests, SniVerifier, first_name
 
 
 def why(data: bytes) -> str:
@@ -56,6 +58,22 @@ REASONS = (
     "a Host that is not the request target's host and port (RFC 9112 3.2)",
     "neither a TLS ClientHello nor an HTTP/1 request",
     "a request line over 8 KiB",
+    "a Content-Length that is not one decimal number under 2^63 (RFC 9112 6.3)",
+    "a Transfer-Encoding other than one chunked (RFC 9112 6.1)",
+    "an Upgrade other than one websocket (h2c: HTTP/2 frames name any host, RFC 9113 8.3.1)",
+    "a Transfer-Encoding with a Content-Length or in HTTP/1.0 (RFC 9112 6.1: read two ways)",
+    "content on a CONNECT or Upgrade request (RFC 9110 9.3.6)",
+)
+
+#: The reasons only a later request or its content is refused for (by :class:`Requests`).
+STREAM_REASONS = (
+    "a request head over 16 KiB",
+    "a CONNECT or Upgrade after the first request (its answer would not be told apart)",
+    "a chunk size that is not 1 to 16 hex digits and CRLF (no chunk extension, RFC 9112 7.1)",
+    "a chunk size over 2^63 - 1",
+    "chunk data not followed by CRLF (RFC 9112 7.1)",
+    "a last chunk not followed by CRLF alone (no trailer field, RFC 9112 7.1.2)",
+    "over 16 KiB sent before the server answered a CONNECT or Upgrade",
 )
 
 
@@ -294,6 +312,7 @@ def test_host_names_the_server_with_its_port():
     assert first_name(b"GET / HTTP/1.1\r\n\r\n") == ("none", None, None)
     assert first_name(request(b"Host: svc.test", b"Get /?a=b HTTP/1.1")) == ("name", "svc.test", None)
     assert first_name(request(b"Host: svc.test\r\nX-A: caf\xc3\xa9")) == ("name", "svc.test", None)  # obs-text
+    assert first_name(request(b"Host: svc.test", b"G / HTTP/1.1")) == ("name", "svc.test", None)  # a 1-letter method
 
 
 def test_a_head_in_pieces_waits_for_its_end():
@@ -449,6 +468,365 @@ def test_connect_is_judged_by_its_target():
                                                              + b"\r\n\r\n"), target
 
 
+def post(head: bytes, body: bytes = b"", line: bytes = b"POST / HTTP/1.1") -> bytes:
+    return line + b"\r\nHost: allowed.test\r\n" + head + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("head", [
+    b"Content-Length: 5\r\nContent-Length: 6", b"Content-Length: 5\r\nContent-Length: 5", b"Content-Length: 5, 5",
+    b"Content-Length: +5", b"Content-Length: -1", b"Content-Length: 0x10", b"Content-Length: 1_0",
+    b"Content-Length: 1 0", b"Content-Length:", b"Content-Length: 5.0", b"Content-Length: 9223372036854775808",
+    b"Content-Length: 00000000000000000005", "Content-Length: \u0665".encode(),
+])
+def test_a_content_length_that_is_not_one_decimal_number_is_refused(head):
+    """RFC 9112 6.3: two Content-Length or a list is an error; Python's int() would read +5, 1_0 and
+    Arabic digits, a signed 64-bit reader 2^63 as negative."""
+    assert refused("Content-Length that is not one decimal", post(head))
+
+
+def test_a_content_length_names_the_content_and_may_be_up_to_2_63_minus_1():
+    assert first_name(post(b"Content-Length: 9223372036854775807")) == ("name", "allowed.test", None)
+    assert first_name(post(b"content-length:\t0005 ")) == ("name", "allowed.test", None)
+
+
+@pytest.mark.parametrize("head", [
+    b"Transfer-Encoding: gzip, chunked", b"Transfer-Encoding: chunked, chunked", b"Transfer-Encoding: gzip",
+    b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked", b"Transfer-Encoding: identity",
+    b"Transfer-Encoding: xchunked", b"Transfer-Encoding: chunked;q=1", b"Transfer-Encoding:",
+])
+def test_a_transfer_encoding_other_than_one_chunked_is_refused(head):
+    assert refused("Transfer-Encoding other than one chunked", post(head))
+
+
+def test_transfer_encoding_with_content_length_or_in_http_1_0_is_refused():
+    """RFC 9112 6.1: TE and CL together is the request smuggling ambiguity (a server may take
+    either); an HTTP/1.0 message with TE must be treated as faulty framing."""
+    assert refused("with a Content-Length or in HTTP/1.0", post(b"Transfer-Encoding: chunked\r\nContent-Length: 5"))
+    assert refused("with a Content-Length or in HTTP/1.0", post(b"Content-Length: 5\r\nTransfer-Encoding: chunked"))
+    assert refused("with a Content-Length or in HTTP/1.0", post(b"Transfer-Encoding: chunked", line=b"POST / HTTP/1.0"))
+    assert first_name(post(b"Transfer-Encoding: Chunked \t")) == ("name", "allowed.test", None)
+
+
+@pytest.mark.parametrize("value", [b"h2c", b"websocket, h2c", b"h2c, websocket", b"HTTP/2.0", b"TLS/1.0", b"",
+                                   b"websocket\r\nUpgrade: websocket"])
+def test_an_upgrade_other_than_one_websocket_is_refused(value):
+    """h2c: after a 101 the guest speaks HTTP/2, whose :authority names any host (RFC 9113 8.3.1)."""
+    assert refused("Upgrade other than one websocket", request(b"Host: allowed.test\r\nUpgrade: " + value))
+
+
+def test_content_on_a_connect_or_an_upgrade_is_refused():
+    assert refused("content on a CONNECT", post(b"Upgrade: websocket\r\nContent-Length: 5", line=b"GET / HTTP/1.1"))
+    assert refused("content on a CONNECT", post(b"Upgrade: websocket\r\nTransfer-Encoding: chunked"))
+    assert refused("content on a CONNECT",
+                   b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\nContent-Length: 1\r\n\r\n")
+    assert first_name(post(b"Upgrade: WebSocket\r\nContent-Length: 0")) == ("name", "allowed.test", None)
+
+
+@pytest.mark.parametrize("field", [b"Content_Length", b"transfer_encoding", b"X_Forwarded_Host",
+                                   b"x-forwarded_host"])
+def test_a_framing_or_host_override_field_spelled_with_underscores_is_refused(field):
+    """CGI and WSGI map ``-`` and ``_`` to one name (``HTTP_X_FORWARDED_HOST``)."""
+    reason = why(post(field + b": 5"))
+    assert reason.startswith(f"a {field.decode().lower()} field (some servers "), reason
+
+
+# ------------------------------------------------------------------ every request of a connection
+
+
+OK = request(b"Host: allowed.test")
+OTHER = request(b"Host: other.test")
+
+
+class Judge:
+    """``judge(name, port)`` allowing ``allowed.test`` (any port) and ``allowed2.test:80``; remembers each call."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def __call__(self, name: str, port) -> bool:
+        self.calls.append((name, port))
+        return name == "allowed.test" or (name, port) == ("allowed2.test", 80)
+
+
+def feed(data: bytes, *cuts: int, answer: bytes | None = None):
+    """``data`` fed to a :class:`Requests` in pieces cut at ``cuts`` (``answer``: the server's bytes,
+    given once the stream waits for them): ``(bytes passed, refused, name, count)``."""
+    r = Requests(Judge())
+    out = b""
+    start = 0
+    for end in (*cuts, len(data)):
+        out += r.feed(data[start:end])
+        if answer is not None and r.waiting:
+            out += r.answer(answer)
+        start = end
+    return out, r.refused, r.name, r.count
+
+
+def stream_refused(part: str, data: bytes, *cuts: int) -> bool:
+    """``data`` is refused for the one reason of :data:`REASONS` or :data:`STREAM_REASONS` containing ``part``."""
+    (reason,) = [r for r in REASONS + STREAM_REASONS if part in r]
+    out, refused_, name, _ = feed(data, *cuts)
+    return refused_ == reason and name is None
+
+
+def test_pipelined_and_kept_alive_requests_to_allowed_names_pass():
+    data = OK + request(b"Host: Allowed.Test:8080") + request(b"Host: allowed2.test",
+                                                               b"GET http://allowed2.test/ HTTP/1.1")
+    assert feed(data) == (data, None, None, 3)
+    assert feed(data, len(OK), len(OK) + 3) == (data, None, None, 3)
+    r = Requests(Judge())
+    assert r.feed(OK) == OK and r.feed(OK) == OK and r.count == 2
+
+
+def test_a_later_request_naming_another_host_is_refused():
+    """The hole of docs/security.md's "several requests": a second request on the connection, kept
+    alive or pipelined, asked the shared address for other.test."""
+    r = Requests(Judge())
+    assert r.feed(OK) == OK
+    assert r.feed(OTHER) == b"" and (r.refused, r.name, r.count) == ("name", "other.test", 1)
+    assert r.feed(OK) == b""  # nothing more once refused
+    assert feed(OK + OTHER) == (b"", "name", "other.test", 1)  # pipelined: the bytes before go neither
+    assert feed(OK + request(b"Host: allowed2.test:8080")) == (b"", "name", "allowed2.test", 1)  # the port too
+    assert feed(OK + request(b"Accept: */*")) == (b"", "none", None, 1)  # no Host
+
+
+@pytest.mark.parametrize("later", [
+    b"GET / HTTP/1.1\r\nX-Pad: 1\nHost: other.test\n\r\nHost: allowed.test\r\n\r\n",
+    request(b"Host: allowed.test\r\nHost: other.test"),
+    request(b"Host: allowed.test\r\nX-Forwarded-Host: other.test"),
+    request(b"Host: allowed.test", b"GET http://other.test/ HTTP/1.1"),
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    b"\r\n" + OK,  # servers skip an empty line before a request line (RFC 9112 2.2): not we
+    b"get / HTTP/1.1\r\nHost: allowed.test\r\n\r\n",
+    request(b"Host: allowed.test\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA"),
+    request(b"Host: allowed.test\r\nContent-Length: 1\r\nContent-Length: 2"),
+])
+def test_a_later_request_is_judged_as_the_first(later):
+    """One function judges every head: what the first may not be, the second may not either."""
+    out, refused_, name, count = feed(OK + later)
+    assert (out, count) == (b"", 1) and refused_ not in ("name", "none", None)
+    assert refused_ == first_name(later)[0] or later[:1] in b"\rg"  # (those two fail the first byte's test)
+
+
+def test_a_body_holding_a_request_head_is_content_and_not_read():
+    """Content-Length bytes are counted, not parsed: a head inside them is no request; the judge never sees it."""
+    body = OTHER + b"x"
+    data = post(b"Content-Length: %d" % len(body), body) + OK
+    for cuts in ((), (len(data) - len(OK) - 3,), tuple(range(1, len(data)))):
+        judge = Judge()
+        r = Requests(judge)
+        out, start = b"", 0
+        for end in (*cuts, len(data)):
+            out += r.feed(data[start:end])
+            start = end
+        assert (out, r.refused, r.count) == (data, None, 2)
+        assert {name for name, _ in judge.calls} == {"allowed.test"}
+    # a Content-Length shorter than what follows: the rest is the next request, and judged
+    assert feed(post(b"Content-Length: 1", b"x" + OTHER)) == (b"", "name", "other.test", 1)
+    assert feed(post(b"Content-Length: 0") + OTHER)[1:] == ("name", "other.test", 1)
+
+
+def chunked(*chunks: bytes, last: bytes = b"0\r\n\r\n") -> bytes:
+    return post(b"Transfer-Encoding: chunked") + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + last
+
+
+def test_a_chunked_body_holding_a_request_head_is_content_and_not_read():
+    data = chunked(OTHER, b"a" * 300, b"\r\n\r\n" + OTHER) + OK
+    assert feed(data) == (data, None, None, 2)
+    assert feed(data, *range(1, len(data))) == (data, None, None, 2)
+    data = (post(b"Transfer-Encoding: chunked") + b"0000000000000003\r\nabc\r\n00A\r\n" + b"b" * 10
+            + b"\r\n0\r\n\r\n" + OK)
+    assert feed(data) == (data, None, None, 2)  # 16 digits, leading zeros, upper-case hex
+    assert feed(chunked(b"x") + OTHER)[1:] == ("name", "other.test", 1)  # the request after it is judged
+
+
+@pytest.mark.parametrize("line", [
+    b"5\n", b"5\r\r\n", b"5;ext=1\r\n", b"5;\r\n", b"5 \r\n", b" 5\r\n", b"\r\n", b"0x5\r\n", b"-5\r\n", b"+5\r\n",
+    b"5\t\r\n", b"g\r\n", b"1" * 17 + b"\r\n", b"0" * 16 + b"5\r\n", b"5\rX\n", b"\n",
+])
+def test_a_chunk_size_line_that_is_not_hex_digits_and_crlf_is_refused(line):
+    """RFC 9112 7.1: chunk-size is 1*HEXDIG; a bare LF (servers differ on it), a chunk extension
+    (whose quoting servers parse differently, so refused outright), whitespace, a sign, a prefix,
+    or more than 16 digits (Go refuses 17) are refused, at whatever byte the line is cut."""
+    data = post(b"Transfer-Encoding: chunked") + line + b"hello\r\n0\r\n\r\n"
+    assert stream_refused("chunk size that is not", data)
+    assert stream_refused("chunk size that is not", data, *range(1, len(data)))
+    bad = next((i for i in range(len(line)) if line[i:i + 1] not in b"0123456789abcdefABCDEF\r\n"), None)
+    if bad is not None:  # refused at that byte, before the line's end
+        assert stream_refused("chunk size that is not", post(b"Transfer-Encoding: chunked") + line[:bad + 1])
+
+
+def test_a_chunk_size_over_2_63_minus_1_is_refused():
+    head = post(b"Transfer-Encoding: chunked")
+    assert stream_refused("chunk size over", head + b"8000000000000000\r\n")
+    assert stream_refused("chunk size over", head + b"ffffffffffffffff\r\n")
+    assert feed(head + b"7fffffffffffffff\r\nabc") == (head + b"7fffffffffffffff\r\nabc", None, None, 1)
+    for cut in (16, 17):  # 16 digits, and the CR, wait for the rest of their line
+        assert feed(head + b"7fffffffffffffff\r\nabc", len(head) + cut) == (head + b"7fffffffffffffff\r\nabc",
+                                                                         None, None, 1)
+
+
+def test_chunk_data_must_end_with_crlf_and_trailer_fields_are_refused():
+    head = post(b"Transfer-Encoding: chunked")
+    assert stream_refused("chunk data not followed by CRLF", head + b"5\r\nhelloX\r\n0\r\n\r\n")
+    assert stream_refused("chunk data not followed by CRLF", head + b"5\r\nhello\n0\r\n\r\n")
+    assert stream_refused("chunk data not followed by CRLF", head + b"5\r\nhello\r\r\n")
+    assert stream_refused("last chunk not followed by CRLF", head + b"0\r\nHost: other.test\r\n\r\n")
+    assert stream_refused("last chunk not followed by CRLF", head + b"0\r\n\n")
+    assert stream_refused("last chunk not followed by CRLF", head + b"0\r\n\r" + OTHER)
+    assert stream_refused("last chunk not followed by CRLF", head + b"0\r\n\r" + OTHER, len(head) + 5)
+
+
+def test_a_later_head_over_16_kib_is_refused_and_one_of_16_kib_passes():
+    pad = b"X-Pad: " + b"a" * (MAX_HELD - len(OK) - 9)
+    full = request(b"Host: allowed.test\r\n" + pad)
+    assert len(full) == MAX_HELD and feed(OK + full) == (OK + full, None, None, 2)
+    assert feed(OK + full, len(OK) + 100) == (OK + full, None, None, 2)
+    over = request(b"Host: allowed.test\r\n" + pad + b"a")
+    assert stream_refused("head over 16 KiB", OK + over)
+    assert stream_refused("head over 16 KiB", OK + over, len(OK) + 100)
+    assert stream_refused("head over 16 KiB", OK + over[:MAX_HELD] + b"a" * 1000)  # refused before its end
+    r = Requests(Judge())
+    assert r.feed(OK + over[:MAX_HELD]) == OK and r.refused is None  # 16 KiB, not complete: it waits
+    assert r.feed(b"a") == b"" and r.refused == "a request head over 16 KiB"
+
+
+def test_a_later_connect_or_upgrade_is_refused():
+    """Its answer would come after the answers to the requests before it, which are not framed here."""
+    for later in (b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n",
+                  request(b"Host: allowed.test\r\nUpgrade: websocket\r\nConnection: Upgrade")):
+        assert stream_refused("CONNECT or Upgrade after the first", OK + later)
+
+
+CONNECT = b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n"
+WEBSOCKET = request(b"Host: allowed.test\r\nUpgrade: websocket\r\nConnection: Upgrade")
+
+
+def test_a_connect_is_a_tunnel_once_the_server_answers_2xx():
+    """RFC 9110 9.3.6: the guest's bytes after the CONNECT wait for the answer; after a 2xx they are
+    the tunnel's, unread (a TLS ClientHello to the CONNECT's target, or anything)."""
+    r = Requests(Judge())
+    assert r.feed(CONNECT + b"\x16\x03\x01") == CONNECT and r.waiting
+    assert r.feed(OTHER) == b"" and r.waiting
+    assert r.answer(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 Connection est") == b"" and r.waiting
+    assert r.answer(b"ablished\r\n\r\n") == b"\x16\x03\x01" + OTHER and not r.waiting
+    assert r.feed(OTHER) == OTHER and r.answer(b"HTTP/1.1 400 x\r\n\r\n") == b"" and r.refused is None
+    for status in (b"HTTP/1.0 200 OK", b"HTTP/1.1 204", b"HTTP/1.1 299 x"):
+        assert feed(CONNECT + OTHER, answer=status + b"\r\n\r\n") == (CONNECT + OTHER, None, None, 1), status
+
+
+def test_a_websocket_upgrade_is_a_tunnel_once_the_server_answers_101():
+    r = Requests(Judge())
+    assert r.feed(WEBSOCKET + b"\x81\x05hello") == WEBSOCKET and r.waiting
+    assert r.answer(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n\x81\x02hi") == b"\x81\x05hello"
+    assert r.feed(OTHER) == OTHER and r.refused is None
+
+
+@pytest.mark.parametrize("first, status", [
+    (CONNECT, b"HTTP/1.1 407 Proxy Authentication Required"), (CONNECT, b"HTTP/1.1 101 Switching Protocols"),
+    (CONNECT, b"HTTP/1.1 300 x"), (CONNECT, b"HTTP/1.1 199 x\r\n\r\nHTTP/1.1 403 Forbidden"),
+    (WEBSOCKET, b"HTTP/1.1 200 OK"), (WEBSOCKET, b"HTTP/1.1 426 Upgrade Required"), (WEBSOCKET, b"OK"),
+    (WEBSOCKET, b"HTTP/1.1 1010 x"), (WEBSOCKET, b"HTTP/2 101"), (WEBSOCKET, b"HTTP/1.1 10x"),
+    (WEBSOCKET, b"HTTP/1.1\t101 x"), (CONNECT, b"HTTP/1.1  200 x"), (CONNECT, b"\r\n\r\nHTTP/1.1 200 OK"),
+])
+def test_an_answer_that_does_not_switch_leaves_http_and_the_held_bytes_are_judged(first, status):
+    """After any other answer the server reads the guest's next bytes as requests: so are they judged."""
+    assert feed(first + OTHER, answer=status + b"\r\n\r\n") == (first, "name", "other.test", 1)
+    assert feed(first + OK, answer=status + b"\r\nContent-Length: 0\r\n\r\n") == (first + OK, None, None, 2)
+
+
+def test_an_answer_without_a_head_end_in_16_kib_does_not_switch():
+    r = Requests(Judge())
+    assert r.feed(WEBSOCKET + OTHER) == WEBSOCKET
+    assert r.answer(b"HTTP/1.1 101 x\r\n" + b"a" * (MAX_HELD - 16)) == b"" and r.waiting
+    assert r.answer(b"a") == b"" and (r.refused, r.name) == ("name", "other.test")
+
+
+def test_at_most_16_kib_wait_for_the_answer():
+    r = Requests(Judge())
+    assert r.feed(CONNECT + b"a" * MAX_HELD) == CONNECT and r.refused is None
+    assert r.feed(b"a") == b"" and r.refused == "over 16 KiB sent before the server answered a CONNECT or Upgrade"
+    assert r.answer(b"HTTP/1.1 200 OK\r\n\r\n") == b""
+
+
+def test_an_answer_while_not_waiting_is_ignored():
+    r = Requests(Judge())
+    assert r.answer(b"HTTP/1.1 200 OK\r\n\r\n") == b"" and r.feed(OTHER) == b"" and r.name == "other.test"
+
+
+def test_a_name_once_allowed_on_a_connection_is_not_judged_again():
+    """As an open flow is not when its DNS binding expires; another port is judged."""
+    judge = Judge()
+    r = Requests(judge)
+    r.feed(OK + OK + request(b"Host: allowed.test:8080") + OK)
+    assert judge.calls == [("allowed.test", None), ("allowed.test", 8080)] and r.count == 4
+
+
+def test_at_most_16_names_are_remembered():
+    judge = Judge()
+    r = Requests(judge)
+    heads = [request(b"Host: allowed.test:%d" % p) for p in range(1, 18)]
+    r.feed(b"".join(heads) + heads[0] + heads[15] + heads[16])
+    assert len(judge.calls) == 18 and judge.calls[-1] == ("allowed.test", 17) and r.count == 20
+
+
+def test_content_is_counted_in_constant_memory():
+    """A 256 MiB body, as Content-Length or as chunks of 1 MiB, fed in 64 KiB pieces: each piece is
+    passed as it is (no copy), and memory does not grow."""
+    piece = b"a" * 65536
+    size = 256 << 20
+    for head, frame in ((post(b"Content-Length: %d" % size), None),
+                        (post(b"Transfer-Encoding: chunked"), b"100000\r\n")):
+        r = Requests(Judge())
+        assert r.feed(head) == head
+        tracemalloc.start()
+        try:
+            for i in range(size // len(piece)):
+                if frame is not None and i % 16 == 0:
+                    assert r.feed((b"\r\n" if i else b"") + frame) == (b"\r\n" if i else b"") + frame
+                assert r.feed(piece) is piece
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4096, peak
+        assert r.feed(b"\r\n0\r\n\r\n" if frame else b"") is not None and r.feed(OK) == OK and r.count == 2
+
+
+#: Streams of several requests, each fed whole, cut once at every byte and byte by byte below.
+STREAMS = [
+    OK + post(b"Content-Length: 40", OTHER + b"1234") + chunked(OTHER, b"x" * 17) + OK,
+    OK + post(b"Content-Length: 3", b"abc") + OTHER,
+    chunked(b"abc", last=b"0\r\nX: 1\r\n\r\n") + OK,
+    OK + b"GET / HTTP/1.1\r\nX-Pad: 1\nHost: other.test\n\r\nHost: allowed.test\r\n\r\n",
+    post(b"Transfer-Encoding: chunked") + b"3;x\r\nabc\r\n0\r\n\r\n",
+    post(b"Transfer-Encoding: chunked") + b"0" * 16 + b"5\r\nhello\r\n0\r\n\r\n",  # 17 digits
+    OK + post(b"Transfer-Encoding: chunked\r\nContent-Length: 4") + b"0\r\n\r\n",
+    OK + OK[:-2] + b"\n",
+]
+
+
+@pytest.mark.parametrize("data", STREAMS)
+def test_a_stream_cut_at_any_byte_gets_the_same_verdict(data):
+    whole = feed(data)
+    for cut in range(1, len(data)):
+        out, *verdict = feed(data, cut)
+        assert verdict == list(whole[1:]), cut
+        assert out == data if whole[1] is None else data.startswith(out) and len(out) <= cut, cut
+    out, *verdict = feed(data, *range(1, len(data)))
+    assert verdict == list(whole[1:])
+    if whole[1] is None:
+        assert out == data
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(STREAMS), st.lists(st.integers(min_value=1, max_value=400), max_size=12))
+def test_a_stream_cut_anywhere_gets_the_same_verdict(data, cuts):
+    whole = feed(data)
+    out, *verdict = feed(data, *sorted({c for c in cuts if c < len(data)}))
+    assert verdict == list(whole[1:])
+    assert out == data if whole[1] is None else data.startswith(out)
+
+
 # ------------------------------------------------------------------------------ the verifier
 
 
@@ -503,7 +881,8 @@ def verifier(*allow: str, onward=None) -> SniVerifier:
     now = asyncio.get_running_loop().time()
     for name in ("allowed.test", "other.test"):
         eg.bindings.bind("192.0.2.10", name, now + 60)
-    return SniVerifier(eg, {"egress.sni_denied": 0, "egress.sni_verified": 0}, onward, timeout=1.0)
+    return SniVerifier(eg, {"egress.sni_denied": 0, "egress.sni_verified": 0, "egress.sni_requests_verified": 0},
+                       onward, timeout=1.0)
 
 
 async def verify(v: SniVerifier, data: bytes, port: int = 443) -> str:
@@ -525,7 +904,7 @@ async def test_the_verifier_passes_an_allowed_name_and_resets_the_rest():
     assert await verify(v, client_hello("allowed.test"), port=8443) == "reset"  # the flow's port is not allowed
     assert await verify(v, request(b"Host: allowed.test")) == "passed"
     assert await verify(v, b"GET / HTTP/1.1\r\nX-Pad: 1\nHost: other.test\n\r\nHost: allowed.test\r\n\r\n") == "reset"
-    assert v.counters == {"egress.sni_verified": 2, "egress.sni_denied": 4}
+    assert v.counters == {"egress.sni_verified": 2, "egress.sni_denied": 4, "egress.sni_requests_verified": 0}
 
 
 async def test_the_port_a_request_names_must_be_allowed_too():
@@ -690,3 +1069,143 @@ async def test_each_reset_is_audited():
                      "name": name, "verdict": "deny", "rule": "verify-sni"}
                     for guest, name in (("10.0.2.15:4000", "other.test"), ("10.0.2.15:4000", None),
                                         ("[fd00::15]:4001", "other.test"))]
+
+
+# ------------------------------------------------------------- the verifier, request after request
+
+
+class Later(Reader):
+    """Gives ``data`` in one read after ``delay`` seconds, then EOF ``delay`` seconds later."""
+
+    def __init__(self, data: bytes, delay: float = 0.02) -> None:
+        super().__init__(data)
+        self.delay = delay
+
+    async def read(self, n: int) -> bytes:
+        await asyncio.sleep(self.delay)
+        return await super().read(n)
+
+
+class SlowEnd(Chunks):
+    """:class:`Chunks`, whose EOF comes 50 ms after the last bytes (the server's answer comes first)."""
+
+    async def read(self, n: int) -> bytes:
+        if not self.data:
+            await asyncio.sleep(0.05)
+        return await super().read(n)
+
+
+class Upstream(Writer):
+    """The server's side: its writer records what reached it (a write after its FIN fails, as a
+    transport's does); its reader answers ``answer`` then EOF."""
+
+    def __init__(self, answer: bytes = b"", delay: float = 0.0) -> None:
+        super().__init__()
+        self.reader = Later(answer, delay) if delay else Reader(answer)
+        self.eof = False
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def write(self, data: bytes) -> None:
+        assert not self.eof, "write after write_eof"
+        super().write(data)
+
+
+def http_flow(answer: bytes = b"", delay: float = 0.0) -> Flow:
+    flow = Flow(80)
+
+    async def open_upstream():
+        flow.upstream = Upstream(answer, delay)
+        return flow.upstream.reader, flow.upstream
+
+    flow.open_upstream = open_upstream
+    return flow
+
+
+async def test_the_verifier_resets_a_kept_alive_request_to_another_host(caplog):
+    """The request after the first, in a later read, names other.test: it never reaches the server,
+    both sides are reset, counted, logged and audited."""
+    class Audit:
+        records: list = []
+
+        def record(self, rec: dict) -> None:
+            self.records.append(rec)
+
+    v = verifier("allowed.test:80")
+    v.egress.ctx = types.SimpleNamespace(audit=Audit())
+    flow, guest = http_flow(), Writer()
+    with caplog.at_level("INFO", logger="aioslirp.limits"):
+        await v(flow, Chunks(OK + OK + OTHER + OK, len(OK)), guest)
+    assert flow.upstream.written == OK + OK and guest.aborted and flow.upstream.aborted
+    assert v.counters == {"egress.sni_verified": 1, "egress.sni_denied": 1, "egress.sni_requests_verified": 1}
+    assert [r.getMessage() for r in caplog.records] == [
+        "verify-sni: guest flow to 192.0.2.10:80 (allowed as allowed.test) after 2 requests, names 'other.test', "
+        "not allowed for it: reset"]
+    assert [(r["name"], r["rule"]) for r in Audit.records] == [("other.test", "verify-sni")]
+
+
+async def test_the_verifier_resets_a_pipelined_request_to_another_host_before_any_connect(caplog):
+    v = verifier("allowed.test:80")
+    flow, guest = http_flow(), Writer()
+    with caplog.at_level("INFO", logger="aioslirp.limits"):
+        await v(flow, Reader(OK + post(b"Content-Length: 1", b"x") + OTHER), guest)
+    assert flow.upstream is None and guest.aborted
+    assert v.counters == {"egress.sni_verified": 0, "egress.sni_denied": 1, "egress.sni_requests_verified": 0}
+    assert [r.getMessage() for r in caplog.records] == [
+        "verify-sni: guest flow to 192.0.2.10:80 (allowed as allowed.test) after 2 requests, names 'other.test', "
+        "not allowed for it: reset"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="aioslirp.limits"):
+        await v(http_flow(), Reader(chunked(b"a") + b"\r\n" + OK), Writer())  # an empty line before a request
+    assert [r.getMessage() for r in caplog.records] == [
+        "verify-sni: guest flow to 192.0.2.10:80 (allowed as allowed.test) after 1 request, refused: not an HTTP/1 "
+        "request line (RFC 9112 3): reset"]
+
+
+async def test_the_verifier_passes_requests_and_content_to_allowed_names():
+    v = verifier("allowed.test:80")
+    data = OK + post(b"Content-Length: %d" % len(OTHER), OTHER) + chunked(OTHER, b"b" * 1000) + OK
+    flow, guest = http_flow(), Writer()
+    await v(flow, Chunks(data, len(OK) + 7, 5, 100), guest)
+    assert flow.upstream.written == data and not guest.aborted and not flow.upstream.aborted
+    assert v.counters == {"egress.sni_verified": 1, "egress.sni_denied": 0, "egress.sni_requests_verified": 3}
+    await v(http_flow(), Reader(OK + OK), Writer())
+    assert v.counters == {"egress.sni_verified": 2, "egress.sni_denied": 0, "egress.sni_requests_verified": 4}
+
+
+async def test_the_verifier_tunnels_after_a_2xx_to_a_connect_and_judges_after_another_answer():
+    v = verifier("allowed.test:443")
+    flow, guest = http_flow(b"HTTP/1.1 200 Connection established\r\n\r\n"), Writer()
+    flow.destination = ("192.0.2.10", 443)
+    hello = client_hello("other.test")
+    await v(flow, SlowEnd(CONNECT + hello + OTHER, len(CONNECT)), guest)
+    assert flow.upstream.written == CONNECT + hello + OTHER and flow.upstream.eof and not guest.aborted
+    assert guest.written == b"HTTP/1.1 200 Connection established\r\n\r\n"
+    flow, guest = http_flow(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n"), Writer()
+    flow.destination = ("192.0.2.10", 443)
+    await v(flow, SlowEnd(CONNECT + OTHER, len(CONNECT)), guest)
+    assert flow.upstream.written == CONNECT and guest.aborted and flow.upstream.aborted
+    assert v.counters["egress.sni_denied"] == 1
+
+
+async def test_a_guest_that_ends_before_the_answer_to_its_connect_drops_what_waited_for_it():
+    """Its FIN goes to the server at once; the held bytes could only follow it: they are dropped."""
+    v = verifier("allowed.test:443")
+    flow, guest = http_flow(b"HTTP/1.1 200 Connection established\r\n\r\n", delay=0.02), Writer()
+    flow.destination = ("192.0.2.10", 443)
+    await v(flow, Reader(CONNECT + OTHER), guest)
+    assert flow.upstream.written == CONNECT and flow.upstream.eof and not guest.aborted
+    assert guest.written == b"HTTP/1.1 200 Connection established\r\n\r\n"
+    r = Requests(Judge())
+    assert r.feed(CONNECT + OTHER) == CONNECT and r.waiting
+    r.end()
+    assert not r.waiting and r.answer(b"HTTP/1.1 200 OK\r\n\r\n") == b"" and r.refused is None
+    assert r.feed(OK) == OK  # (nothing more comes after the guest's FIN; were it to, it is a request)
+    r = Requests(Judge())
+    r.feed(OK)
+    r.end()
+    assert r.feed(OK) == OK  # not waiting: nothing to drop

@@ -216,7 +216,7 @@ def common_options() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="a TCP flow a name rule (--allow NAME) let through must name an allowed name bound to its address "
-        "in its TLS ClientHello (SNI) or HTTP/1 Host header, else it is reset (egress.sni_denied); its "
+        "in its TLS ClientHello (SNI) or in each HTTP/1 request's Host, else it is reset (egress.sni_denied); its "
         "handshake is answered before the host connect",
     )
     sec.add_argument(
