@@ -128,6 +128,24 @@ async def test_env_and_cwd_reach_the_guest(tmp_path):
     assert out.decode().split() == ["forty-two", str(tmp_path)]
 
 
+async def test_a_large_environment_and_a_low_file_size_limit_reach_the_guest():
+    """The spec travels through a pipe to the namespace child: larger than a pipe's default 64 KiB,
+    and under an RLIMIT_FSIZE of 4 KiB, less than the spec (a file, even a memory file, would fail
+    with EFBIG; the child writes only a small resolv.conf)."""
+    import resource
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    env.update({f"AIOSLIRP_BIG{i}": "x" * 100_000 for i in range(3)})  # one string may be 128 KiB at most
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
+    try:
+        async with aioslirp.spawn(["sh", "-c", 'printf %s "$AIOSLIRP_BIG0$AIOSLIRP_BIG1$AIOSLIRP_BIG2" | wc -c'], env=env, stdout=PIPE) as guest:
+            out, _ = await guest.communicate()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    assert out.split() == [b"300000"] and guest.returncode == 0
+
+
 async def test_stdin_pipe_and_stderr():
     async with aioslirp.spawn(["sh", "-c", "cat; echo oops >&2"], stdin=PIPE, stdout=PIPE, stderr=PIPE) as guest:
         out, err = await guest.communicate(b"hello\n")

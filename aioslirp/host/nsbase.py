@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import ipaddress
 import json
 import logging
@@ -59,22 +60,32 @@ def helper_argv(sock_fd: int, spec_fd: int) -> list[str]:
 def start_helper(spec: dict, sock_fd: int, **popen_kw) -> subprocess.Popen:
     """Start the namespace child for ``spec`` with ``sock_fd`` (its end of the socket pair) inherited.
 
-    ``spec`` (argv, env, cwd, resolv.conf, the interface) is handed over in an anonymous memory
-    file (``memfd_create(2)``) the child inherits, reads and closes before anything else: none of
-    it is on the child's command line or in its environment (``/proc/PID/cmdline`` and
-    ``environ`` are readable by every user of the host, and callers put secrets in ``env``).
-    ``popen_kw`` go to ``subprocess.Popen``. Raises ``OSError`` when the child cannot be started.
+    ``spec`` (argv, env, cwd, resolv.conf, the interface) is handed over through a pipe the child
+    inherits and reads to its end before anything else: none of it is on the child's command line
+    or in its environment (``/proc/PID/cmdline`` and ``environ`` are readable by every user of the
+    host, and callers put secrets in ``env``). A pipe, not a file: a file, even a memory file, is
+    subject to ``RLIMIT_FSIZE``, which a caller may have lowered. The pipe is widened to hold the
+    whole spec where the kernel allows (``F_SETPIPE_SZ``, up to ``/proc/sys/fs/pipe-max-size``), so
+    the write does not wait for the child. ``popen_kw`` go to ``subprocess.Popen``. Raises
+    ``OSError`` when the child cannot be started.
     """
     data = json.dumps(spec).encode()
-    spec_fd = os.memfd_create("aioslirp-spec", os.MFD_CLOEXEC)
+    r, w = os.pipe2(os.O_CLOEXEC)
     try:
+        if len(data) > 1 << 16:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, min(len(data), 1 << 20))
+        try:
+            proc = subprocess.Popen(helper_argv(sock_fd, r), pass_fds=(sock_fd, r), **popen_kw)
+        finally:
+            os.close(r)
         view = memoryview(data)
-        while view:
-            view = view[os.write(spec_fd, view):]
-        os.lseek(spec_fd, 0, os.SEEK_SET)
-        return subprocess.Popen(helper_argv(sock_fd, spec_fd), pass_fds=(sock_fd, spec_fd), **popen_kw)
+        with contextlib.suppress(BrokenPipeError):  # the child died first: its exit status says why
+            while view:
+                view = view[os.write(w, view):]
+        return proc
     finally:
-        os.close(spec_fd)
+        os.close(w)
 
 
 async def readable(fd: int) -> None:

@@ -37,7 +37,7 @@ Two ways to start it, one body:
 
 * **spawned** (``run``, ``attach``; :mod:`aioslirp.frontends.spawn`, :mod:`aioslirp.frontends.netns`):
   ``python -c`` running :func:`main` with two inherited fd numbers, the socket's and that of a
-  memory file holding the spec as JSON (read and closed first): the spec (the command's argv,
+  pipe carrying the spec as JSON (read to its end and closed first): the spec (the command's argv,
   env and cwd, resolv.conf) is never on a command line or in an environment, where every user
   of the host could read it. The parent already runs an event loop (and maybe threads), and
   ``run`` must exec the command afterwards;
@@ -595,7 +595,7 @@ def run_child(sock: socket.socket, spec: dict) -> int:
 
 
 def _read_spec(fd: int) -> dict:
-    """The spec in the inherited memory file ``fd`` (written by :func:`aioslirp.host.nsbase.start_helper`),
+    """The spec from the inherited pipe ``fd`` (written by :func:`aioslirp.host.nsbase.start_helper`),
     read to its end; ``fd`` is closed, so that the command never inherits it."""
     chunks = []
     try:
@@ -611,7 +611,7 @@ def _read_spec(fd: int) -> dict:
 
 def main(args: list[str] | None = None) -> int:
     """Entry point of the spawned child: ``args`` is ``[SOCK_FD, SPEC_FD]``, the inherited fds of our
-    end of the socket pair and of the memory file holding the spec (JSON). Returns the exit status."""
+    end of the socket pair and of the pipe carrying the spec (JSON). Returns the exit status."""
     args = sys.argv[1:] if args is None else args
     if len(args) != 2 or not all(a.isdigit() for a in args):
         print("aioslirp.host.nschild is internal to aioslirp (started by 'aioslirp run' / 'aioslirp attach')",
