@@ -1,4 +1,5 @@
-"""Errors of the configuration layer, and the one-line wording of a bad address or network.
+"""Errors of the configuration layer, the one-line wording of a bad address or network, and the
+check of a host address in a network that both families' settings use.
 
 This module sits at the bottom of the package: it imports nothing of aioslirp, so the config
 modules (:mod:`aioslirp.config`), the policy and every layer above can raise and catch
@@ -8,8 +9,9 @@ modules (:mod:`aioslirp.config`), the policy and every layer above can raise and
 from __future__ import annotations
 
 import ipaddress
+from typing import overload
 
-__all__ = ["ConfigError", "not_a_network", "not_an_address"]
+__all__ = ["ConfigError", "host_address", "not_a_network", "not_an_address"]
 
 
 class ConfigError(ValueError):
@@ -44,3 +46,29 @@ def not_an_address(value, version: int) -> str:
     if other != version:
         return f"{text!r} is an IPv{other} address; an IPv{version} address is needed"
     return f"{text!r} is not an IPv{version} address"
+
+
+@overload
+def host_address(field_name: str, value, net: ipaddress.IPv4Network, offset: int) -> ipaddress.IPv4Address: ...
+
+
+@overload
+def host_address(field_name: str, value, net: ipaddress.IPv6Network, offset: int) -> ipaddress.IPv6Address: ...
+
+
+def host_address(field_name, value, net, offset):
+    """``value`` (text or address; ``None``: ``net``'s network address + ``offset``) as a host
+    address of ``net`` (an :class:`ipaddress.IPv4Network` or ``IPv6Network``), in its family.
+
+    Raises :class:`ConfigError` naming ``field_name`` when ``value`` is not an address of
+    ``net``'s family (:func:`not_an_address`) or not a host address in ``net``: outside it, its
+    network address, or (IPv4) its broadcast address."""
+    if value is None:
+        return net.network_address + offset
+    try:
+        a = type(net.network_address)(str(value).strip())
+    except ValueError:
+        raise ConfigError(field_name, not_an_address(value, net.version)) from None
+    if a not in net or a == net.network_address or (net.version == 4 and a == net.broadcast_address):
+        raise ConfigError(field_name, f"{a} is not a host address in {net}")
+    return a

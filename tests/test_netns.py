@@ -797,3 +797,41 @@ def test_rootless_run_and_attach(rootless_env):
     assert result["attach_addr"], result["attach_err"]
     (alink,) = json.loads(result["attach_addr"])
     assert [(a["local"], a["prefixlen"]) for a in alink["addr_info"] if a["family"] == "inet"] == [("10.0.2.15", 24)]
+
+
+# ------------------------------------------------------------------ the helper's reply, read once
+def _fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def test_tap_reply_gives_the_one_fd_of_an_ok_and_closes_what_it_does_not_give():
+    """The namespace child's answer as every parent reads it (``run``/``attach``, ``spawn``, the
+    slirp4netns drop-in): ``ok`` with one fd is returned; a failure, an ``ok`` with a wrong number
+    of fds, a malformed or empty reply leave no fd open."""
+    from aioslirp.host.nsbase import NamespaceError
+    from aioslirp.host.nschild import SetupError, tap_reply
+
+    r, w = os.pipe()
+    try:
+        msg, fd = tap_reply(b'{"ok": true, "ifname": "tap0"}', [r])
+        assert (msg["ifname"], fd) == ("tap0", r) and _fd_open(r)
+    finally:
+        os.close(r)
+        os.close(w)
+    r, w = os.pipe()
+    with pytest.raises(NamespaceError, match=r"^no /dev/net/tun$"):
+        tap_reply(b'{"ok": false, "error": "no /dev/net/tun"}', [r, w], NamespaceError, "namespace helper")
+    assert not _fd_open(r) and not _fd_open(w)
+    r, w = os.pipe()
+    with pytest.raises(SetupError, match=r"^the namespace child did not pass the TAP fd$"):
+        tap_reply(b'{"ok": true}', [r, w])
+    assert not _fd_open(r) and not _fd_open(w)
+    for data in (b"", b"{not json", b"[1]"):
+        r, w = os.pipe()
+        os.close(w)
+        assert tap_reply(data, [r]) == (None, -1)
+        assert not _fd_open(r)

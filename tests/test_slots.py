@@ -33,6 +33,7 @@ from aioslirp.handlers.routes import Route, Router
 from aioslirp.handlers.streams import GuestFlow, GuestTransport, GuestWriter, TcpHandlerHost
 from aioslirp.handlers.udp import Datagrams, HandledUdpFlow
 from aioslirp.inject import InjectQueue
+from aioslirp.nat.datagram import DatagramFlow, SocketFlow
 from aioslirp.nat.forward import Forwarder, UdpForwardFlow, _Listener
 from aioslirp.nat.hostsock import HostSocket, TransportHost
 from aioslirp.nat.icmp import IcmpEcho, IcmpFlow
@@ -68,7 +69,7 @@ PER_FRAME = [
     Stack, StackParts, FlowRecords, Link, Family4, Family6, Ipv4Input, Ipv6Path, L4,
     FlowContext, FlowTable, IdleOrder, Guard, EgressPolicy, InjectQueue, TokenBucket,
     Reassembler, Ipv6Reassembler, _Pending,
-    UdpFlow, IcmpFlow, IcmpEcho, UdpForwardFlow, Forwarder, _Listener,
+    DatagramFlow, SocketFlow, UdpFlow, IcmpFlow, IcmpEcho, UdpForwardFlow, Forwarder, _Listener,
     TcpFlow, ForwardedTcpFlow, TcpConnection, Tcb, Arrival, Output, SendQueue, ChunkQueue, HostSocket, TransportHost,
     DnsForwarder, DnsTcpSession, _UdpQuery, DnsTcpHost, NdpResponder, DhcpServer, _Lease, Dhcpv6Server,
     Transport, SocketTransport, TapTransport, StreamTransport, DgramTransport, SocketPairTransport,

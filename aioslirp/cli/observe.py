@@ -295,21 +295,25 @@ class _OtlpReport(logging.Handler):
     def failed(self, kind: str, n: int) -> None:
         with self.lock_:
             self.dropped[kind] += n
-            if self.reported:
-                return
-            self.reported = True
-        why = f" ({self.reason})" if self.reason else ""
-        log.warning("--otlp-endpoint %s: cannot export %s%s; telemetry is dropped while it fails "
-                    "(not logged again)", self.endpoint, kind, why)
+        why = self._first_report()
+        if why is not None:
+            log.warning("--otlp-endpoint %s: cannot export %s%s; telemetry is dropped while it fails "
+                        "(not logged again)", self.endpoint, kind, why)
 
     def gave_up(self, seconds: float) -> None:
+        why = self._first_report()
+        if why is not None:
+            log.warning("--otlp-endpoint %s: no answer within %g s at exit%s; the last spans and metrics are "
+                        "dropped", self.endpoint, seconds, why)
+
+    def _first_report(self) -> str | None:
+        """The ``" (reason)"`` (or ``""``) to put in the one warning line, the first time a failure
+        is to be reported (from any thread); ``None`` after: it was reported."""
         with self.lock_:
             if self.reported:
-                return
+                return None
             self.reported = True
-        why = f" ({self.reason})" if self.reason else ""
-        log.warning("--otlp-endpoint %s: no answer within %g s at exit%s; the last spans and metrics are "
-                    "dropped", self.endpoint, seconds, why)
+        return f" ({self.reason})" if self.reason else ""
 
     def first_shutdown(self, exporter) -> bool:
         """True the first time ``exporter`` is shut down (the SDK may call it again, from another thread)."""

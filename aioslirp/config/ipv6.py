@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError, not_a_network, not_an_address
+from ..errors import ConfigError, host_address, not_a_network
 
 __all__ = ["Ipv6Config"]
 
@@ -68,20 +68,8 @@ class Ipv6Config:
         if net.is_multicast or net.is_link_local or net.is_loopback:
             raise ConfigError("cidr6", f"{net} is not a unicast prefix")
         self.cidr6 = net
-
-        def addr(name: str, value, offset: int) -> ipaddress.IPv6Address:
-            if value is None:
-                return net.network_address + offset
-            try:
-                a = ipaddress.IPv6Address(str(value).strip())
-            except ValueError:
-                raise ConfigError(name, not_an_address(value, 6)) from None
-            if a not in net or a == net.network_address:
-                raise ConfigError(name, f"{a} is not a host address in {net}")
-            return a
-
-        self.gateway6 = addr("gateway6", self.gateway6, 2)
-        self.dns6 = addr("dns6", self.dns6, 3)
+        self.gateway6 = host_address("gateway6", self.gateway6, net, 2)
+        self.dns6 = host_address("dns6", self.dns6, net, 3)
         if self.gateway6 == self.dns6:
             raise ConfigError("dns6", "gateway6 and dns6 must differ")
         if not isinstance(self.mtu, int) or not 1280 <= self.mtu <= 65520:

@@ -12,7 +12,7 @@ import ipaddress
 import warnings
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError, not_a_network, not_an_address
+from ..errors import ConfigError, host_address, not_a_network
 from .ipv6 import Ipv6Config
 from .policy import parse_rules
 from .upstream import parse_proxy_url
@@ -215,21 +215,9 @@ class NetworkConfig:
         if net.is_multicast or net.is_loopback or first == 0 or first >= 240:
             raise ConfigError("cidr", f"{net} is not a usable unicast network")
         self.cidr = net
-
-        def addr(name: str, value, offset: int) -> ipaddress.IPv4Address:
-            if value is None:
-                return net.network_address + offset
-            try:
-                a = ipaddress.IPv4Address(str(value).strip())
-            except ValueError:
-                raise ConfigError(name, not_an_address(value, 4)) from None
-            if a not in net or a in (net.network_address, net.broadcast_address):
-                raise ConfigError(name, f"{a} is not a host address in {net}")
-            return a
-
-        self.gateway = addr("gateway", self.gateway, 2)
-        self.dns = addr("dns", self.dns, 3)
-        self.guest = addr("guest", self.guest, 15 if net.num_addresses > 16 else 4)
+        self.gateway = host_address("gateway", self.gateway, net, 2)
+        self.dns = host_address("dns", self.dns, net, 3)
+        self.guest = host_address("guest", self.guest, net, 15 if net.num_addresses > 16 else 4)
         if self.dns == self.gateway:
             raise ConfigError("dns", f"{self.dns} is the gateway address; they must differ")
         if self.guest in (self.gateway, self.dns):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import os
 import signal
@@ -37,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 from ..config import NetworkConfig
 from ..host.nsbase import DEFAULT_SETUP_TIMEOUT, NamespaceError, iface_spec, readable, start_helper
+from ..host.nschild import tap_reply
 from ..host.signals import DEFAULT_STOP_TIMEOUT, GracefulStop, reopen_audit_log, request_stop
 from ..transport.tap import TapTransport
 from .spawn import spawn
@@ -108,29 +108,18 @@ class _Helper:
             data, fds, _flags, _addr = socket.recv_fds(self.sock, 65536, 4)
         except OSError as exc:
             raise NamespaceError(f"lost the namespace helper: {exc.strerror}") from None
-        if not data:
+        msg, fd = tap_reply(data, fds, NamespaceError, "namespace helper")
+        if msg is None:
+            if data:
+                raise NamespaceError("namespace helper sent a malformed reply")
             with contextlib.suppress(asyncio.TimeoutError):
                 await self.wait_exit(5.0)
             rc = self.proc.poll()
             how = "was killed" if rc is None else (f"died of signal {-rc}" if rc < 0 else f"exited with status {rc}")
             raise NamespaceError(f"namespace helper {how} before creating the TAP device")
-        try:
-            msg = json.loads(data)
-        except ValueError:
-            for fd in fds:
-                os.close(fd)
-            raise NamespaceError("namespace helper sent a malformed reply") from None
-        if not msg.get("ok"):
-            for fd in fds:
-                os.close(fd)
-            raise NamespaceError(str(msg.get("error") or "namespace setup failed"))
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise NamespaceError("namespace helper did not pass the TAP fd")
         for warning in msg.get("warnings") or ():
             log.warning("%s", warning)
-        return msg, fds[0]
+        return msg, fd
 
     def go(self, wait_ipv6: bool = False) -> None:
         """Let the helper exec the command (``wait_ipv6``: once the SLAAC address is there)."""

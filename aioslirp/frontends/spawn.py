@@ -36,6 +36,7 @@ from typing import Any, Mapping, Sequence
 from ..config import NetworkConfig
 from ..host.nsbase import (DEFAULT_SETUP_TIMEOUT, NamespaceError, iface_spec, log_serve_end, readable,
                            resolv_conf_text, start_helper, stop_serving)
+from ..host.nschild import tap_reply
 
 __all__ = ["DEFAULT_STOP_TIMEOUT", "Guest", "spawn"]
 
@@ -302,20 +303,14 @@ class _Spawn:
             data, fds = b"", []
         except OSError as exc:
             raise NamespaceError(f"lost the namespace helper: {exc.strerror}") from None
-        msg: dict = {}
-        with contextlib.suppress(ValueError):
-            msg = json.loads(data) if data else {}
-        if not msg.get("ok") or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            if msg.get("error"):
-                raise NamespaceError(str(msg["error"]))
+        msg, fd = tap_reply(data, fds, NamespaceError, "namespace helper")
+        if msg is None:
             rc = await guest.wait()
             how = f"died of signal {-rc}" if rc < 0 else f"exited with status {rc}"
             raise NamespaceError(f"namespace helper {how} before creating the TAP device")
         for warning in msg.get("warnings") or ():
             log.warning("%s", warning)
-        return msg, fds[0]
+        return msg, fd
 
     async def _exec_result(self, sock: socket.socket) -> None:
         """EOF on the socket: the command was executed (close-on-exec); a message: it could not be."""

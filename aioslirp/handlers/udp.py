@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from ..nat.datagram import DatagramFlow
 from ..wire.ip import PROTO_UDP
 from .streams import GuestFlow
 
@@ -69,7 +70,7 @@ class Datagrams:
             w.set_result(None)
 
 
-class HandledUdpFlow:
+class HandledUdpFlow(DatagramFlow):
     """One guest UDP flow handed to ``handler`` (see the module documentation).
 
     Args: ``ctx`` (the :class:`~aioslirp.flow.base.FlowContext`), ``fam`` (Family4/6), ``key`` (the
@@ -80,29 +81,18 @@ class HandledUdpFlow:
 
     proto = PROTO_UDP
     proto_name = "udp"
-    state = "OPEN"
+    idle_counter = "udp_idle_closed"
     direction = "outbound"
     forward_id = None
 
-    __slots__ = ("ctx", "fam", "key", "guest_ip", "guest_port", "dst_ip", "dst_port", "remote", "loop", "last_active",
-                 "_timeout", "bytes_up", "bytes_down", "started", "outcome", "datagrams", "gflow", "handler", "task",
+    __slots__ = ("guest_port", "dst_port", "remote", "bytes_up", "bytes_down", "datagrams", "gflow", "handler", "task",
                  "_errors", "_ended")
 
-    ctx: object
-    fam: object
-    key: tuple
-    guest_ip: bytes
     guest_port: int
-    dst_ip: bytes
     dst_port: int
     remote: str
-    loop: asyncio.AbstractEventLoop
-    last_active: float
-    _timeout: float
     bytes_up: int
     bytes_down: int
-    started: float
-    outcome: str
     datagrams: Datagrams
     gflow: GuestFlow
     handler: object
@@ -111,14 +101,10 @@ class HandledUdpFlow:
     _ended: bool
 
     def __init__(self, ctx, fam, key: tuple, remote: str, now: float, handler, name: str | None, errors) -> None:
-        self.ctx, self.fam, self.key = ctx, fam, key
+        super().__init__(ctx, fam, key, now, ctx.config.udp_idle_timeout)
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.remote = remote
-        self.loop = ctx.loop
-        self.last_active = self.started = now
-        self._timeout = float(ctx.config.udp_idle_timeout)
         self.bytes_up = self.bytes_down = 0
-        self.outcome = "closed"
         self.datagrams = Datagrams()
         self.handler = handler
         self._errors = errors
@@ -165,22 +151,7 @@ class HandledUdpFlow:
         fam.inject_ip(fam.build_udp(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, bytes(payload)),
                       self.guest_ip)
 
-    # ------------------------------------------------------------------ the Flow interface
-    def flush(self) -> None:
-        pass
-
-    def fail(self) -> None:
-        self.shutdown()
-
-    def expire(self, now: float) -> bool:
-        """Idle sweep: end after ``udp_idle_timeout`` seconds without a datagram (``udp_idle_closed``)."""
-        if now - self.last_active < self._timeout:
-            return False
-        self.ctx.counters["udp_idle_closed"] += 1
-        self.outcome = "idle"
-        self.shutdown()
-        return True
-
+    # ------------------------------------------------------------------ the Flow interface (and DatagramFlow's)
     def shutdown(self) -> None:
         """End now: the handler's iteration ends, its task is cancelled, the flow leaves the table."""
         if not self._ended:

@@ -26,6 +26,19 @@ def unshare(flags: int) -> None:
         raise OSError(err, f"unshare: {os.strerror(err)}")
 
 
+def map_ids(uid: int, gid: int, to_root: bool = False) -> None:
+    """In a user namespace this process just made (``unshare(CLONE_NEWUSER)``): deny
+    ``setgroups`` and map our ``uid`` and ``gid`` outside, one id each, to the same ids inside, or
+    to 0 (``to_root``), as user_namespaces(7) asks of an unprivileged process. Raises ``OSError``."""
+    inside_uid, inside_gid = (0, 0) if to_root else (uid, gid)
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"{inside_uid} {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"{inside_gid} {gid} 1")
+
+
 def set_loopback_up() -> None:
     """Bring ``lo`` up in the current network namespace (SIOCSIFFLAGS)."""
     SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
@@ -42,10 +55,5 @@ def isolate_network() -> None:
     else:
         uid, gid = os.geteuid(), os.getegid()
         unshare(CLONE_NEWUSER | CLONE_NEWNET)
-        with open("/proc/self/setgroups", "w") as f:
-            f.write("deny")
-        with open("/proc/self/uid_map", "w") as f:
-            f.write(f"{uid} {uid} 1")
-        with open("/proc/self/gid_map", "w") as f:
-            f.write(f"{gid} {gid} 1")
+        map_ids(uid, gid)
     set_loopback_up()

@@ -61,12 +61,13 @@ import os
 import signal
 import socket
 import sys
+from typing import Callable
 
-from .isolate import CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWUSER, set_loopback_up, unshare
+from .isolate import CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWUSER, map_ids, set_loopback_up, unshare
 
 CLONE_NEWPID = 0x20000000
 
-__all__ = ["ForkedChild", "SetupError", "main", "run_child", "set_pdeathsig", "setns"]
+__all__ = ["ForkedChild", "SetupError", "main", "run_child", "set_pdeathsig", "setns", "tap_reply"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -136,12 +137,7 @@ def _enter_new_namespaces(pid_namespace: bool = False) -> None:
             raise SetupError("cannot create a user namespace: limit reached (sysctl user.max_user_namespaces)") from None
         raise SetupError(f"cannot create user/network namespaces: {os.strerror(exc.errno or 0)}") from None
     try:
-        with open("/proc/self/setgroups", "w") as f:
-            f.write("deny")
-        with open("/proc/self/uid_map", "w") as f:
-            f.write(f"0 {uid} 1")
-        with open("/proc/self/gid_map", "w") as f:
-            f.write(f"0 {gid} 1")
+        map_ids(uid, gid, to_root=True)
     except OSError as exc:
         raise SetupError(f"cannot map uid/gid in the new user namespace: {exc.strerror}") from None
 
@@ -183,16 +179,55 @@ def _install_resolv_conf(content: str, warnings: list[str]) -> None:
         os.unlink(path)  # the bind mount keeps the (now anonymous) file alive
 
 
+def _open_netns(path: str, missing: str) -> int:
+    """An fd of the network namespace file ``path``. Raises SetupError: ``missing`` when there is no
+    such file, else naming the error."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SetupError(missing) from None
+    except OSError as exc:
+        raise SetupError(f"cannot open network namespace {path}: {exc.strerror}") from None
+
+
+def _ns_id(path_or_fd) -> tuple[int, int]:
+    st = os.fstat(path_or_fd) if isinstance(path_or_fd, int) else os.stat(path_or_fd)
+    return st.st_dev, st.st_ino
+
+
+def _setns_user(userfd: int) -> None:
+    """``setns`` into the user namespace open at ``userfd`` unless it is ours already; closes
+    ``userfd``. Raises the ``OSError`` of ``setns``."""
+    try:
+        if _ns_id(userfd) != _ns_id("/proc/self/ns/user"):
+            setns(userfd, CLONE_NEWUSER)
+    finally:
+        os.close(userfd)
+
+
+def _setns_net(netfd: int, path: str, verb: str, user_problem: str | None = None) -> None:
+    """``setns`` into the network namespace open at ``netfd`` (the file ``path``). Raises
+    SetupError: ``path`` is no network namespace, or ``cannot {verb} network namespace ...`` with
+    why (``user_problem``: joining its user namespace failed before)."""
+    try:
+        setns(netfd, CLONE_NEWNET)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise SetupError(f"{path} is not a network namespace") from None
+        msg = f"cannot {verb} network namespace {path}: {os.strerror(exc.errno or 0)}"
+        if user_problem:
+            msg += f" ({user_problem})"
+        elif exc.errno == errno.EPERM:
+            msg += " (run as root or as the owner of its user namespace)"
+        raise SetupError(msg) from None
+
+
 def _enter_existing_namespace(netns_path: str | None, pid: int | None) -> None:
     """setns into the target netns, first into its owning user namespace when we are not root."""
     path = netns_path if netns_path else f"/proc/{pid}/ns/net"
-    try:
-        netfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        what = f"process {pid}" if netns_path is None else path
-        raise SetupError(f"cannot open the network namespace of {what}: no such {'process' if netns_path is None else 'file'}") from None
-    except OSError as exc:
-        raise SetupError(f"cannot open network namespace {path}: {exc.strerror}") from None
+    what = f"process {pid}" if netns_path is None else path
+    netfd = _open_netns(path, f"cannot open the network namespace of {what}: "
+                              f"no such {'process' if netns_path is None else 'file'}")
     try:
         if os.geteuid() != 0:
             userfd = -1
@@ -208,32 +243,15 @@ def _enter_existing_namespace(netns_path: str | None, pid: int | None) -> None:
                         userfd = -1
             if userfd >= 0:
                 try:
-                    if os.fstat(userfd).st_ino != os.stat("/proc/self/ns/user").st_ino:
-                        try:
-                            setns(userfd, CLONE_NEWUSER)
-                        except OSError as exc:
-                            raise SetupError(
-                                f"cannot enter the user namespace that owns {path}: {os.strerror(exc.errno or 0)} "
-                                "(it must be owned by your user, or run as root)"
-                            ) from None
-                finally:
-                    os.close(userfd)
-        try:
-            setns(netfd, CLONE_NEWNET)
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                raise SetupError(f"{path} is not a network namespace") from None
-            raise SetupError(
-                f"cannot enter network namespace {path}: {os.strerror(exc.errno or 0)}"
-                + (" (run as root or as the owner of its user namespace)" if exc.errno == errno.EPERM else "")
-            ) from None
+                    _setns_user(userfd)
+                except OSError as exc:
+                    raise SetupError(
+                        f"cannot enter the user namespace that owns {path}: {os.strerror(exc.errno or 0)} "
+                        "(it must be owned by your user, or run as root)"
+                    ) from None
+        _setns_net(netfd, path, "enter")
     finally:
         os.close(netfd)
-
-
-def _ns_id(path_or_fd) -> tuple[int, int]:
-    st = os.fstat(path_or_fd) if isinstance(path_or_fd, int) else os.stat(path_or_fd)
-    return st.st_dev, st.st_ino
 
 
 def _join_namespaces(spec: dict) -> list[str]:
@@ -244,14 +262,8 @@ def _join_namespaces(spec: dict) -> list[str]:
     Returns warnings; raises SetupError."""
     warnings: list[str] = []
     netns_path, userns_path, pid = spec["netns_path"], spec.get("userns_path"), spec.get("pid")
-    try:
-        netfd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if pid is not None:
-            raise SetupError(f"process {pid} does not exist") from None
-        raise SetupError(f"{netns_path}: no such network namespace file") from None
-    except OSError as exc:
-        raise SetupError(f"cannot open network namespace {netns_path}: {exc.strerror}") from None
+    netfd = _open_netns(netns_path, f"process {pid} does not exist" if pid is not None
+                        else f"{netns_path}: no such network namespace file")
     try:
         user_problem = None
         if userns_path is not None:
@@ -260,27 +272,13 @@ def _join_namespaces(spec: dict) -> list[str]:
             except OSError as exc:
                 raise SetupError(f"cannot open user namespace {userns_path}: {exc.strerror}") from None
             try:
-                if _ns_id(userfd) != _ns_id("/proc/self/ns/user"):
-                    try:
-                        setns(userfd, CLONE_NEWUSER)
-                    except OSError as exc:
-                        user_problem = f"cannot join user namespace {userns_path}: {os.strerror(exc.errno or 0)}"
-                        if spec.get("userns_required"):
-                            raise SetupError(user_problem) from None
-                        warnings.append(user_problem + " (joining only the network namespace)")
-            finally:
-                os.close(userfd)
-        try:
-            setns(netfd, CLONE_NEWNET)
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                raise SetupError(f"{netns_path} is not a network namespace") from None
-            msg = f"cannot join network namespace {netns_path}: {os.strerror(exc.errno or 0)}"
-            if user_problem:
-                msg += f" ({user_problem})"
-            elif exc.errno == errno.EPERM:
-                msg += " (run as root or as the owner of its user namespace)"
-            raise SetupError(msg) from None
+                _setns_user(userfd)
+            except OSError as exc:
+                user_problem = f"cannot join user namespace {userns_path}: {os.strerror(exc.errno or 0)}"
+                if spec.get("userns_required"):
+                    raise SetupError(user_problem) from None
+                warnings.append(user_problem + " (joining only the network namespace)")
+        _setns_net(netfd, netns_path, "join", user_problem)
     finally:
         os.close(netfd)
     return warnings
@@ -338,6 +336,31 @@ def _send(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
         socket.send_fds(sock, [data], fds)
     else:
         sock.send(data)
+
+
+def tap_reply(data: bytes, fds: list[int], error: type[Exception] = SetupError,
+              who: str = "the namespace child") -> tuple[dict | None, int]:
+    """The parent's reading of the child's answer (see the module documentation): ``data``, the
+    datagram received, and ``fds``, the fds that came with it (``SCM_RIGHTS``).
+
+    Returns ``(message, TAP fd)`` for ``{"ok": true, ...}`` with exactly one fd, and
+    ``(None, -1)`` when ``data`` is empty (EOF) or not a JSON object: the child is gone or broken,
+    and the caller says how it ended. Raises ``error`` (one line) for ``{"ok": false, "error":
+    ...}``, or ``ok`` without exactly one fd (``who``: the child's name in that line). Closes
+    every fd it does not return."""
+    try:
+        msg = json.loads(data) if data else None
+    except ValueError:
+        msg = None
+    if isinstance(msg, dict) and msg.get("ok") and len(fds) == 1:
+        return msg, fds[0]
+    for fd in fds:
+        os.close(fd)
+    if not isinstance(msg, dict):
+        return None, -1
+    if not msg.get("ok"):
+        raise error(str(msg.get("error") or "namespace setup failed"))
+    raise error(f"{who} did not pass the TAP fd")
 
 
 #: Signals the helper and PID 1 of a new PID namespace pass on to the command (SIGKILL cannot
@@ -400,20 +423,32 @@ def _forward_to(pid: int) -> None:
         signal.signal(sig, handler)
 
 
-def _run_in_pid_namespace(argv: list[str], sock: socket.socket, spec: dict) -> int:
-    """Fork PID 1 of the PID namespace made by ``unshare`` (:func:`_pid1`), pass signals on to it,
-    wait for it and end as the command ended (its exit status, or death by the same signal)."""
-    r, w = os.pipe()
+def _fork(child: Callable[[], int], failed: int = 1) -> int:
+    """``os.fork`` (stdout and stderr flushed first, so that nothing buffered is written twice):
+    the child runs ``child()`` and exits with the status it returns (``failed`` when it raises),
+    never unwinding into the parent's code. Returns the child's pid, in the parent."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child, checked by the integration tests
-        status = 1
+        status = failed
         try:
-            os.close(r)
-            status = _pid1(argv, sock, spec, w)
+            status = child()
         finally:
             os._exit(status)
+    return pid
+
+
+def _run_in_pid_namespace(argv: list[str], sock: socket.socket, spec: dict) -> int:
+    """Fork PID 1 of the PID namespace made by ``unshare`` (:func:`_pid1`), pass signals on to it,
+    wait for it and end as the command ended (its exit status, or death by the same signal)."""
+    r, w = os.pipe()
+
+    def pid1() -> int:
+        os.close(r)
+        return _pid1(argv, sock, spec, w)
+
+    pid = _fork(pid1)
     os.close(w)
     sock.close()
     _forward_to(pid)
@@ -446,14 +481,12 @@ def _pid1(argv: list[str], sock: socket.socket, spec: dict, status_fd: int) -> i
     set_pdeathsig(None)
     with contextlib.suppress(OSError):
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    cmd = os.fork()
-    if cmd == 0:  # pragma: no cover - runs in the child
-        status = 127
-        try:
-            os.close(status_fd)
-            status = _exec(argv, sock, spec)
-        finally:
-            os._exit(status)
+
+    def command() -> int:
+        os.close(status_fd)
+        return _exec(argv, sock, spec)
+
+    cmd = _fork(command, failed=127)
     sock.close()
     _forward_to(cmd)
     while True:
@@ -632,18 +665,13 @@ class ForkedChild:
     def __init__(self, spec: dict) -> None:
         self.sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         spec = dict(spec, ppid=os.getpid())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child, checked by the integration tests
-            status = 1
-            try:
-                self.sock.close()
-                status = run_child(child_sock, spec)
-            finally:
-                os._exit(status)  # the child must never unwind into the parent's code
+
+        def child() -> int:
+            self.sock.close()
+            return run_child(child_sock, spec)
+
+        self.pid = _fork(child)
         child_sock.close()
-        self.pid = pid
 
     def result(self, timeout: float = SETUP_TIMEOUT) -> tuple[int, str, list]:
         """Wait for the child's answer. Returns ``(tap_fd, ifname, warnings)``; raises SetupError."""
@@ -658,24 +686,11 @@ class ForkedChild:
                 self._kill()
                 raise SetupError(f"lost the namespace child: {exc.strerror}") from None
             status = self._reap()
-            try:
-                msg = json.loads(data) if data else None
-            except ValueError:
-                msg = None
-            if not isinstance(msg, dict):
-                for fd in fds:
-                    os.close(fd)
+            msg, fd = tap_reply(data, fds)
+            if msg is None:
                 how = f"exited with status {status >> 8}" if os.WIFEXITED(status) else "was killed"
                 raise SetupError(f"the namespace child {how} before opening the TAP")
-            if not msg.get("ok"):
-                for fd in fds:
-                    os.close(fd)
-                raise SetupError(str(msg.get("error") or "namespace setup failed"))
-            if len(fds) != 1:
-                for fd in fds:
-                    os.close(fd)
-                raise SetupError("the namespace child did not pass the TAP fd")
-            return fds[0], str(msg.get("ifname")), list(msg.get("warnings") or ())
+            return fd, str(msg.get("ifname")), list(msg.get("warnings") or ())
         finally:
             self.sock.close()
 

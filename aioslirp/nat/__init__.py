@@ -9,6 +9,8 @@ sockets, and the port forwards that make flows from the host.
                 read through the stack's own epoll, ``TransportHost``, closing with an RST
 ``pacing``      :class:`~aioslirp.nat.pacing.FlowPacing`: the rate caps of a TCP flow and what
                 it reports at its end
+``datagram``    :class:`~aioslirp.nat.datagram.DatagramFlow`: what every UDP and echo flow does
+                alike (no flush, the idle sweep's rule), and ``SocketFlow``, one with its own socket
 ``udp``         :class:`~aioslirp.nat.udp.UdpFlow`: one connected host socket per guest UDP flow
 ``icmp``        :class:`~aioslirp.nat.icmp.IcmpEcho`, the echo proxy, and its ``IcmpFlow``
 ``forward``     port forwards host -> guest: :class:`~aioslirp.nat.forward.Forwarder`,

@@ -48,7 +48,7 @@ from ..errors import ConfigError
 from ..flow.base import flow_key
 from ..wire.arp import ARP_REQUEST, build_arp
 from ..wire.ip import PROTO_TCP, PROTO_UDP
-from .udp import UdpFlow
+from .datagram import DatagramFlow
 
 __all__ = ["ForwardError", "UnknownForwardError", "Forwarder", "UdpForwardFlow"]
 
@@ -409,7 +409,7 @@ class Forwarder:
             flow.to_guest(data)
 
 
-class UdpForwardFlow:
+class UdpForwardFlow(DatagramFlow):
     """One host client of a UDP forward, as a flow in the stack's table.
 
     Key ``(udp, guest addr, guest port, gateway, source port)``. Host datagrams go to
@@ -421,61 +421,42 @@ class UdpForwardFlow:
 
     proto = PROTO_UDP
     proto_name = "udp"
-    state = "OPEN"
+    idle_counter = "udp_idle_closed"
     direction = "inbound"
     name = rule = None  # not admitted by the egress policy (see aioslirp.flow.base.Flow)
 
-    __slots__ = ("ctx", "fam", "forwarder", "listener", "peer", "forward_id", "guest_ip", "guest_port", "dst_ip",
-                 "dst_port", "key", "remote", "loop", "last_active", "bytes_up", "bytes_down", "closed", "_pending",
-                 "_timeout", "started", "outcome")
+    __slots__ = ("forwarder", "listener", "peer", "forward_id", "guest_port", "dst_port", "remote", "bytes_up",
+                 "bytes_down", "closed", "_pending")
 
-    ctx: object
-    fam: object
     forwarder: Forwarder
     listener: _Listener
     #: The host client's address.
     peer: tuple
     forward_id: int
-    guest_ip: bytes
     guest_port: int
-    dst_ip: bytes
     dst_port: int
-    key: tuple
     #: ``host:port`` of the client.
     remote: str
-    loop: asyncio.AbstractEventLoop
-    last_active: float
     bytes_up: int
     bytes_down: int
     closed: bool
     #: Datagrams waiting for the guest's address to resolve (ARP).
     _pending: list
-    _timeout: float
-    #: Loop time of creation.
-    started: float
-    #: How it ended: ``"closed"``, ``"idle"``, ``"evicted"``.
-    outcome: str
 
     def __init__(self, forwarder: Forwarder, lst: _Listener, peer, sport: int) -> None:
-        ctx = self.ctx = forwarder.ctx
-        self.fam = lst.fam
+        ctx = forwarder.ctx
+        fam = lst.fam
+        key = flow_key(PROTO_UDP, lst.guest_ip, lst.fwd.guest_port, fam.gw, sport)
+        super().__init__(ctx, fam, key, ctx.loop.time(), ctx.config.udp_idle_timeout)
         self.forwarder = forwarder
         self.listener = lst
         self.peer = peer
         self.forward_id = lst.fwd.id
-        self.guest_ip = lst.guest_ip
-        self.guest_port = lst.fwd.guest_port
-        self.dst_ip = self.fam.gw
-        self.dst_port = sport
-        self.key = flow_key(PROTO_UDP, self.guest_ip, self.guest_port, self.dst_ip, sport)
+        _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.remote = f"{peer[0]}:{peer[1]}"
-        self.loop = ctx.loop
-        self.last_active = self.started = self.loop.time()
-        self.outcome = "closed"
         self.bytes_up = self.bytes_down = 0
         self.closed = False
         self._pending: list = []
-        self._timeout = float(ctx.config.udp_idle_timeout)
         lst.clients[peer] = self
         ctx.table.add(self)
 
@@ -532,15 +513,6 @@ class UdpForwardFlow:
             self.ctx.counters["drop.udp_send_blocked"] += 1
         except OSError as exc:
             log.debug("UDP forward flow %s: %s", self.key, exc)
-
-    #: The idle sweep's rule, one place for both kinds of UDP flow (``udp_idle_timeout``).
-    expire = UdpFlow.expire
-
-    def flush(self) -> None:
-        pass
-
-    def fail(self) -> None:
-        self.shutdown()
 
     def shutdown(self) -> None:
         """Leave the flow table now (the forward's socket stays with the forward)."""

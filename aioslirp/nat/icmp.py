@@ -21,7 +21,6 @@ protocol, message and reply builders, the reply type) comes from the flow's
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import socket
@@ -30,6 +29,7 @@ import struct
 from ..flow.base import admission, flow_key
 from ..wire.icmp import ICMP6_ECHO_REPLY, ICMP_ECHO_REPLY
 from ..wire.ip import PROTO_ICMP
+from .datagram import SocketFlow
 
 log = logging.getLogger("aioslirp.icmp")
 
@@ -40,74 +40,42 @@ _NO_SOCKET_NOW = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENO
 ICMP6_FILTER = 1  # <netinet/icmp6.h>, level IPPROTO_ICMPV6
 
 
-class IcmpFlow:
-    """One proxied echo conversation; owned by :class:`IcmpEcho`."""
+class IcmpFlow(SocketFlow):
+    """One proxied echo conversation; owned by :class:`IcmpEcho`. Its ``sock`` is its ping socket,
+    or ``None`` with the shared raw socket."""
 
     proto_name = "icmp"
-    state = "OPEN"
     direction = "outbound"
     guest_port = dst_port = None  # echo flows have no ports (the identifier is in the key)
     forward_id = None
     bytes_up = bytes_down = None
 
-    __slots__ = ("echo", "fam", "key", "proto", "v6", "guest_ip", "dst_ip", "remote", "ident", "sock", "ctx", "loop",
-                 "last_active", "_timeout", "started", "outcome", "name", "rule")
+    __slots__ = ("echo", "proto", "v6", "remote", "ident", "name", "rule")
 
     echo: IcmpEcho
-    #: The flow's family (``Family4``/``Family6``).
-    fam: object
-    key: tuple
     #: ``PROTO_ICMP`` (1) or ``PROTO_ICMPV6`` (58): the family's.
     proto: int
     v6: bool
-    guest_ip: bytes
-    dst_ip: bytes
     remote: str
     #: The echo identifier of the guest.
     ident: int
-    #: The per-flow ping socket, or ``None`` with the shared raw socket.
-    sock: socket.socket | None
-    ctx: object
-    loop: asyncio.AbstractEventLoop
-    #: Loop time of the last echo either way (the idle sweep reads it).
-    last_active: float
-    _timeout: float
-    #: Loop time of creation.
-    started: float
-    #: How it ended: ``"closed"``, ``"idle"``, ``"evicted"``.
-    outcome: str
     #: The egress decision's DNS name and rule (see :class:`~aioslirp.flow.base.Flow`).
     name: str | None
     rule: str | None
 
     def __init__(self, echo: "IcmpEcho", fam, key, guest_ip: bytes, dst_ip: bytes, remote: str, ident: int, sock,
                  now: float) -> None:
+        ctx = echo.ctx
+        super().__init__(ctx, fam, key, now, ctx.config.icmp_idle_timeout)
         self.echo = echo
-        self.fam = fam
-        self.key = key
         self.proto = fam.icmp_proto
         self.v6 = fam.v6
         self.guest_ip, self.dst_ip, self.remote, self.ident = guest_ip, dst_ip, remote, ident
         self.sock = sock  # per-flow ping socket, or None with the shared raw socket
-        ctx = echo.ctx
-        self.ctx = ctx
-        self.loop = loop = ctx.loop
-        self.last_active = self.started = now
-        self.outcome = "closed"
         self.name, self.rule = admission(ctx, self, remote)
-        self._timeout = float(ctx.config.icmp_idle_timeout)
         ctx.table.add(self)
         if sock is not None:
-            loop.add_reader(sock.fileno(), self._readable)
-
-    def expire(self, now: float) -> bool:
-        """The idle sweep: end the flow when no echo went either way for ``icmp_idle_timeout``
-        seconds before loop time ``now``. True when it did."""
-        if now - self.last_active < self._timeout:
-            return False
-        self.outcome = "idle"
-        self.shutdown()
-        return True
+            self.loop.add_reader(sock.fileno(), self._readable)
 
     def send(self, seq: int, payload: bytes, now: float) -> None:
         """Send one echo request of the guest (``now``: loop time)."""
@@ -141,22 +109,9 @@ class IcmpFlow:
         fam = self.fam
         fam.inject_ip(fam.echo_reply(self.dst_ip, self.guest_ip, self.ident, seq, payload), self.guest_ip)
 
-    def flush(self) -> None:
-        pass
-
-    def fail(self) -> None:
-        self.shutdown()
-
     def shutdown(self) -> None:
-        """Close the ping socket and leave the flow table now. Idempotent."""
-        if self.sock is not None:
-            try:
-                self.loop.remove_reader(self.sock.fileno())
-            except Exception:
-                pass
-            self.sock.close()
-            self.sock = None
-        self.ctx.table.remove(self)
+        """Close the ping socket, leave the flow table and the raw socket's replies now. Idempotent."""
+        super().shutdown()
         self.echo.by_remote.pop((self.dst_ip, self.ident), None)
 
 

@@ -12,7 +12,6 @@ unreachable.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import socket
@@ -21,6 +20,7 @@ from typing import Any
 from ..flow.base import admission
 from ..wire.icmp import KIND_HOST, KIND_NET, KIND_PORT
 from ..wire.ip import PROTO_UDP
+from .datagram import SocketFlow
 
 log = logging.getLogger("aioslirp.udp")
 
@@ -28,7 +28,7 @@ log = logging.getLogger("aioslirp.udp")
 _ERR_KINDS: dict[Any, str] = {errno.ECONNREFUSED: KIND_PORT, errno.EHOSTUNREACH: KIND_HOST, errno.ENETUNREACH: KIND_NET}
 
 
-class UdpFlow:
+class UdpFlow(SocketFlow):
     """One guest UDP flow. Created by the L4 dispatch on the guest's first datagram.
 
     Args:
@@ -49,56 +49,33 @@ class UdpFlow:
 
     proto = PROTO_UDP
     proto_name = "udp"
-    state = "OPEN"
+    idle_counter = "udp_idle_closed"
     direction = "outbound"
     remote = None  # the host address is not kept (see aioslirp.flow.base.Flow)
     forward_id = None
 
-    __slots__ = ("ctx", "fam", "key", "guest_ip", "guest_port", "dst_ip", "dst_port", "loop", "last_active", "_timeout",
-                 "last_header", "bytes_up", "bytes_down", "sock", "connect_error", "_build", "_inject", "started",
-                 "outcome", "name", "rule")
+    __slots__ = ("guest_port", "dst_port", "last_header", "bytes_up", "bytes_down", "connect_error", "_build",
+                 "_inject", "name", "rule")
 
-    #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
-    ctx: Any
-    #: The flow's family (``Family4``/``Family6``).
-    fam: Any
-    key: tuple
-    guest_ip: bytes
     guest_port: int
-    dst_ip: bytes
     dst_port: int
-    loop: asyncio.AbstractEventLoop
-    #: Loop time of the last datagram either way (the idle sweep reads it).
-    last_active: float
-    _timeout: float
     #: The guest's last IP header + 8 bytes, quoted in ICMP errors.
     last_header: bytes
     bytes_up: int
     bytes_down: int
-    #: The connected host socket (``None``: no flow could be made).
-    sock: Any  # socket.socket, or None when no flow could be made (typed Any for the compiled build)
     connect_error: str | None
     #: ``fam.build_udp`` and ``fam.inject_ip``.
     _build: Any
     _inject: Any
-    #: Loop time of creation.
-    started: float
-    #: How it ended: ``"closed"``, ``"idle"``, ``"evicted"``.
-    outcome: str
     #: The egress decision's DNS name and rule (see :class:`~aioslirp.flow.base.Flow`).
     name: str | None
     rule: str | None
 
     def __init__(self, ctx, fam, key: tuple, remote: str, now: float | None = None) -> None:
-        self.ctx = ctx
-        self.fam = fam
-        self.key = key
+        loop = ctx.loop
+        super().__init__(ctx, fam, key, loop.time() if now is None else now, ctx.config.udp_idle_timeout)
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
-        self.loop = loop = ctx.loop
-        self.last_active = self.started = loop.time() if now is None else now
-        self.outcome = "closed"
         self.name, self.rule = admission(ctx, self, remote)
-        self._timeout = float(ctx.config.udp_idle_timeout)
         self.last_header = b""
         self.bytes_up = self.bytes_down = 0
         self.sock = None
@@ -123,16 +100,6 @@ class UdpFlow:
         self.sock = sock
         loop.add_reader(sock.fileno(), self._readable)
         ctx.table.add(self)
-
-    def expire(self, now: float) -> bool:
-        """The idle sweep: close the flow when it carried no datagram for ``udp_idle_timeout``
-        seconds before loop time ``now`` (counted ``udp_idle_closed``). True when it did."""
-        if now - self.last_active < self._timeout:
-            return False
-        self.ctx.counters["udp_idle_closed"] += 1
-        self.outcome = "idle"
-        self.shutdown()
-        return True
 
     def send(self, payload, header, now: float) -> None:
         """Send a guest datagram to the remote. ``header``: the guest's IP header + 8 bytes, for
@@ -177,20 +144,3 @@ class UdpFlow:
             self.fam.icmp_error(kind, self.last_header)
         else:
             log.debug("UDP flow %s: %s", self.key, exc)
-
-    def flush(self) -> None:
-        pass
-
-    def fail(self) -> None:
-        self.shutdown()
-
-    def shutdown(self) -> None:
-        """Close the host socket and leave the flow table now. Idempotent."""
-        if self.sock is not None:
-            try:
-                self.loop.remove_reader(self.sock.fileno())
-            except Exception:
-                pass
-            self.sock.close()
-            self.sock = None
-        self.ctx.table.remove(self)

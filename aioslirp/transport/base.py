@@ -12,7 +12,9 @@ completes; ``Stack.serve()`` returns then.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import socket
 from typing import Callable, ClassVar, Sequence
 
 log = logging.getLogger("aioslirp.transport")
@@ -161,17 +163,39 @@ class TransportWrapper(Transport):
 
 class SocketTransport(Transport):
     """Common part of the socket transports (:class:`~aioslirp.transport.stream.StreamTransport`,
-    :class:`~aioslirp.transport.dgram.DgramTransport`): reading starts with ``add_reader`` on
-    ``self._fd`` (``-1``: already closed, :attr:`closed` completes at once) calling
-    ``self._readable``; frames that cannot be sent are counted by reason in ``send_drops`` and
-    ``send_errors``, and the first drop because more than ``max_buffer`` bytes wait is logged."""
+    :class:`~aioslirp.transport.dgram.DgramTransport`) over ``sock`` (non-blocking from here on; the
+    transport owns it): reading starts with ``add_reader`` on ``self._fd`` (``-1``: already closed,
+    :attr:`closed` completes at once) calling ``self._readable``; what the socket does not take now
+    waits in ``_out`` (``bytes_buffered`` bytes, at most ``max_buffer``), drained by ``self._writable``
+    between :meth:`_start_writer` and :meth:`_stop_writer`; frames that cannot be sent are counted by
+    reason in ``send_drops`` and ``send_errors``, and the first drop because more than ``max_buffer``
+    bytes wait is logged. ``name``: label for log lines (default: ``fd N``)."""
 
-    __slots__ = ("_fd", "name", "max_buffer", "send_drops")
+    __slots__ = ("sock", "_fd", "name", "max_buffer", "send_drops", "_out", "bytes_buffered", "_writing")
 
+    sock: socket.socket
     _fd: int
     name: str
     max_buffer: int
     send_drops: dict
+    #: Buffers (frames, or prefixes and frames) not yet sent.
+    _out: collections.deque
+    #: Bytes now waiting in ``_out``.
+    bytes_buffered: int
+    #: ``_writable`` is registered with the loop.
+    _writing: bool
+
+    def __init__(self, sock: socket.socket, max_buffer: int, name: str | None) -> None:
+        super().__init__()
+        self.sock = sock
+        self.max_buffer = max_buffer
+        self.name = name or f"fd {sock.fileno()}"
+        self.send_drops: dict[str, int] = {}
+        self._out: collections.deque = collections.deque()
+        self.bytes_buffered = 0
+        self._writing = False
+        self._fd = sock.fileno()
+        sock.setblocking(False)
 
     async def _start_reading(self) -> None:
         if self._fd < 0:
@@ -182,6 +206,22 @@ class SocketTransport(Transport):
 
     def _readable(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _writable(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _start_writer(self) -> None:
+        """Drain ``_out`` when the socket has room (``loop.add_writer``), unless it does already or is closed."""
+        if not self._writing and self._fd >= 0:
+            self._writing = True
+            self._loop.add_writer(self._fd, self._writable)
+
+    def _stop_writer(self) -> None:
+        """Stop waiting for room (``_out`` is drained, or given up)."""
+        if self._writing:
+            self._writing = False
+            if self._fd >= 0:
+                self._loop.remove_writer(self._fd)
 
     def _drop(self, reason: str, n: int) -> None:
         self.send_errors += n

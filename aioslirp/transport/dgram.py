@@ -32,7 +32,6 @@ counted in ``send_drops["full"]``). The loop never blocks.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import errno
 import logging
@@ -74,21 +73,17 @@ class DgramTransport(SocketTransport):
         ValueError: ``sock`` is not ``SOCK_DGRAM``.
     """
 
-    __slots__ = ("sock", "batch", "probe_interval", "on_guest_change", "unlink_path", "drop_foreign", "guests",
-                 "bytes_buffered", "_out", "_writing", "peer", "_peer_ino", "_probe", "_foreign_logged", "connected")
+    __slots__ = ("batch", "probe_interval", "on_guest_change", "unlink_path", "drop_foreign", "guests", "peer",
+                 "_peer_ino", "_probe", "_foreign_logged", "connected")
 
     gone_hint = "QEMU (-netdev dgram) is running and its remote= address is this socket's"
 
-    sock: socket.socket
     batch: int
     probe_interval: float
     on_guest_change: Callable[[object, object], None] | None
     unlink_path: str | None
     drop_foreign: int
     guests: int
-    bytes_buffered: int
-    _out: collections.deque
-    _writing: bool
     #: The guest's address (bound mode), ``None`` when none is known.
     peer: object
     _peer_ino: int | None
@@ -102,23 +97,15 @@ class DgramTransport(SocketTransport):
                  probe_interval: float = 1.0, name: str | None = None,
                  on_guest_change: Callable[[object, object], None] | None = None,
                  unlink_path: str | None = None) -> None:
-        super().__init__()
         if sock.type != socket.SOCK_DGRAM:
             raise ValueError("DgramTransport needs a SOCK_DGRAM socket")
-        self.sock = sock
+        super().__init__(sock, max_buffer, name)
         self.batch = batch
-        self.max_buffer = max_buffer
         self.probe_interval = probe_interval
-        self.name = name or f"fd {sock.fileno()}"
         self.on_guest_change = on_guest_change
         self.unlink_path = unlink_path
-        self.send_drops: dict[str, int] = {}
         self.drop_foreign = 0
         self.guests = 0
-        self.bytes_buffered = 0
-        self._out: collections.deque = collections.deque()
-        self._writing = False
-        self._fd = sock.fileno()
         try:
             sock.getpeername()
             #: True for a socket connected from the start (fd / socketpair): one guest, ever.
@@ -130,7 +117,6 @@ class DgramTransport(SocketTransport):
         self._peer_ino: int | None = None
         self._probe: object = None
         self._foreign_logged: set = set()
-        sock.setblocking(False)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
                 sock.setsockopt(socket.SOL_SOCKET, opt, 1 << 20)
@@ -318,17 +304,6 @@ class DgramTransport(SocketTransport):
             self.bytes_buffered += len(f)
         if dropped:
             self._drop("full", dropped)
-
-    def _start_writer(self) -> None:
-        if not self._writing and self._fd >= 0:
-            self._writing = True
-            self._loop.add_writer(self._fd, self._writable)
-
-    def _stop_writer(self) -> None:
-        if self._writing:
-            self._writing = False
-            if self._fd >= 0:
-                self._loop.remove_writer(self._fd)
 
     def _writable(self) -> None:
         out = self._out

@@ -21,7 +21,6 @@ towards the guest then retransmits.
 
 from __future__ import annotations
 
-import collections
 import errno
 import logging
 import socket
@@ -59,40 +58,23 @@ class StreamTransport(SocketTransport):
         ValueError: ``sock`` is not a ``SOCK_STREAM`` socket.
     """
 
-    __slots__ = ("sock", "read_size", "reads_per_wakeup", "decoder", "_out", "bytes_buffered",
-                 "_writing")
+    __slots__ = ("read_size", "reads_per_wakeup", "decoder")
 
     gone_hint = ("QEMU (-netdev stream) is still running and connected to this socket (QEMU's own output says "
                  "why it left), or that the other end of the socket is still open")
 
-    sock: socket.socket
     read_size: int
     reads_per_wakeup: int
     decoder: StreamDecoder
-    close_reason: str | None
-    #: Buffers (bytes / memoryview) not yet sent.
-    _out: collections.deque
-    bytes_buffered: int
-    _writing: bool
 
     def __init__(self, sock: socket.socket, *, read_size: int = 256 * 1024, reads_per_wakeup: int = 4,
                  max_buffer: int = 8 * 1024 * 1024, max_frame: int = MAX_FRAME, name: str | None = None) -> None:
-        super().__init__()
         if sock.type != socket.SOCK_STREAM:
             raise ValueError("StreamTransport needs a SOCK_STREAM socket")
-        self.sock = sock
+        super().__init__(sock, max_buffer, name)
         self.read_size = read_size
         self.reads_per_wakeup = reads_per_wakeup
-        self.max_buffer = max_buffer
-        self.name = name or f"fd {sock.fileno()}"
         self.decoder = StreamDecoder(max_frame)
-        self.send_drops: dict[str, int] = {}
-        self.close_reason: str | None = None
-        self._out: collections.deque = collections.deque()  # buffers (bytes / memoryview) not yet sent
-        self.bytes_buffered = 0
-        self._writing = False
-        self._fd = sock.fileno()
-        sock.setblocking(False)
         # A bigger socket buffer absorbs a guest that reads in bursts (TCG vCPU).
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
@@ -236,11 +218,6 @@ class StreamTransport(SocketTransport):
         if dropped:
             self._drop("full", dropped)
 
-    def _start_writer(self) -> None:
-        if not self._writing and self._fd >= 0:
-            self._writing = True
-            self._loop.add_writer(self._fd, self._writable)
-
     def _writable(self) -> None:
         out = self._out
         while out:
@@ -267,20 +244,16 @@ class StreamTransport(SocketTransport):
                     out[0] = memoryview(b)[n:]
                     n = 0
                     return  # socket full again
-        if self._writing:
-            self._writing = False
-            self._loop.remove_writer(self._fd)
+        self._stop_writer()
 
     # -------------------------------------------------------------- closing
     def _close_io(self) -> None:
-        fd, self._fd = self._fd, -1
         if self.close_reason is None:
             self.close_reason = "closed"
+        self._stop_writer()
+        fd, self._fd = self._fd, -1
         if fd >= 0 and self._loop is not None:
             self._loop.remove_reader(fd)
-            if self._writing:
-                self._loop.remove_writer(fd)
-        self._writing = False
         self._out.clear()
         self.bytes_buffered = 0
         self.sock.close()

@@ -187,63 +187,44 @@ class TapTransport(Transport):
                 self.closed.set_result(None)
             return
         assert self._loop is not None
-        self._loop.add_reader(self._fd, self._on_readable_vnet if self.vnet_hdr else self._on_readable)
+        self._loop.add_reader(self._fd, self._on_readable)
         self._reading = True
 
     def _on_readable(self) -> None:
-        fd = self._fd
-        if fd < 0:
-            return
-        read = os.read
-        size = self._read_size
-        frames: list[bytes] = []
-        error: OSError | None = None
-        try:
-            for _ in range(self._batch):
-                data = read(fd, size)
-                if not data:
-                    error = EOFError("TAP fd reached end of file")  # type: ignore[assignment]
-                    break
-                frames.append(data)
-        except BlockingIOError:
-            pass
-        except InterruptedError:
-            pass
-        except OSError as exc:
-            error = exc
-        if frames:
-            self.frames_in += len(frames)
-            sink = self._on_frames
-            if sink is not None:
-                sink(frames)
-        if error is not None:
-            log.info("TAP %s: read failed (%s); closing", self.ifname or fd, error)
-            self.close_reason = "error"
-            self.close(error)
+        """Read up to ``batch`` frames (until ``EAGAIN``) and hand them to the stack in one batch.
 
-    def _on_readable_vnet(self) -> None:
-        """Like :meth:`_on_readable` for an ``IFF_VNET_HDR`` fd: strip the header, note the checksum flags."""
+        With an ``IFF_VNET_HDR`` fd each read starts with the virtio-net header: it is stripped
+        (a read of the header alone carries no frame) and its checksum flags go along, per frame,
+        as ``csum_ok``. EOF or a read error closes the transport, after the frames read before it.
+        """
         fd = self._fd
         if fd < 0:
             return
         read = os.read
         size = self._read_size
         frames: list = []
-        csum_ok: list[bool] = []
+        csum_ok: list[bool] | None = None
         error: OSError | None = None
         try:
-            for _ in range(self._batch):
-                data = read(fd, size)
-                if len(data) <= VNET_HDR_LEN:
+            if self.vnet_hdr:  # chosen once a batch: no per-frame test
+                csum_ok = []
+                for _ in range(self._batch):
+                    data = read(fd, size)
+                    if len(data) <= VNET_HDR_LEN:
+                        if not data:
+                            error = EOFError("TAP fd reached end of file")  # type: ignore[assignment]
+                            break
+                        continue  # a header without a frame: nothing to deliver
+                    frames.append(memoryview(data)[VNET_HDR_LEN:])
+                    csum_ok.append(bool(data[0] & 3))  # NEEDS_CSUM or DATA_VALID
+            else:
+                for _ in range(self._batch):
+                    data = read(fd, size)
                     if not data:
                         error = EOFError("TAP fd reached end of file")  # type: ignore[assignment]
                         break
-                    continue  # a header without a frame: nothing to deliver
-                frames.append(memoryview(data)[VNET_HDR_LEN:])
-                csum_ok.append(bool(data[0] & 3))  # NEEDS_CSUM or DATA_VALID
-        except BlockingIOError:
-            pass
-        except InterruptedError:
+                    frames.append(data)
+        except (BlockingIOError, InterruptedError):
             pass
         except OSError as exc:
             error = exc
@@ -251,7 +232,10 @@ class TapTransport(Transport):
             self.frames_in += len(frames)
             sink = self._on_frames
             if sink is not None:
-                sink(frames, csum_ok)
+                if csum_ok is None:
+                    sink(frames)
+                else:
+                    sink(frames, csum_ok)
         if error is not None:
             log.info("TAP %s: read failed (%s); closing", self.ifname or fd, error)
             self.close_reason = "error"
