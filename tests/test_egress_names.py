@@ -544,3 +544,85 @@ def test_policy_cache_ttl_must_be_positive():
     with pytest.raises(ConfigError, match="policy_cache_ttl"):
         NetworkConfig(policy_cache_ttl=0).validate()
     assert NetworkConfig(policy_cache_ttl=0.5).validate().policy_cache_ttl == 0.5
+
+
+# ============================================================================ the hook decides names (issue 24)
+
+
+def test_sync_hook_is_asked_about_names_no_rule_decides_and_cached():
+    from aioslirp.flow.egress import DNS_PENDING
+
+    asked = []
+
+    def hook(req):
+        asked.append((req.proto, req.name, req.dst, req.port, req.guest))
+        if req.name == "broken.test":
+            raise RuntimeError("hook bug")
+        return req.name.endswith(".ok.test"), "names under ok.test"
+
+    e = Egress(NetworkConfig(egress_default="deny", egress_allow=["pypi.org:443"], egress_deny=["denied.test"],
+                             policy=hook, policy_cache_ttl=10).validate(), {})
+    guest = (socket.inet_aton("10.0.2.15"), 5353)
+    assert e.dns_verdict("pypi.org", 0.0, guest, "10.0.2.3") == (0, "pypi.org:443")  # a rule: not asked
+    assert e.dns_verdict("denied.test", 0.0, guest, "10.0.2.3") == (EDE_BLOCKED, "denied.test")
+    assert asked == []
+    assert e.dns_verdict("c2vjcmv0.attacker.example", 0.0, guest, "10.0.2.3") == \
+        (EDE_BLOCKED, "policy hook: names under ok.test")
+    assert asked == [("dns", "c2vjcmv0.attacker.example", "10.0.2.3", 53, "10.0.2.15:5353")]
+    assert e.dns_verdict("a.ok.test", 1.0) == (0, "policy hook: names under ok.test")
+    assert e.dns_verdict("c2vjcmv0.attacker.example", 9.9)[0] == EDE_BLOCKED and len(asked) == 2  # cached
+    assert e.dns_verdict("c2vjcmv0.attacker.example", 10.0)[0] == EDE_BLOCKED and len(asked) == 3  # expired
+    assert e.dns_verdict("broken.test", 0.0) == (EDE_BLOCKED, "policy hook")  # an exception denies
+    # a name's verdict and a flow's are apart: the hook is asked again for a flow to the name's address
+    e.bind_answer("a.ok.test", [("198.51.100.1", 60)], 1.0, trusted=True)
+    assert e.decide(TCP, "198.51.100.1", 443, 2.0).rule == "policy hook: names under ok.test"
+    assert asked[-1][:2] == ("tcp", "a.ok.test")
+    assert DNS_PENDING < 0
+
+
+def test_async_hook_decides_names_with_timeout_and_cache():
+    from aioslirp.flow.egress import DNS_PENDING
+
+    calls = []
+
+    async def hook(req):
+        calls.append(req.name)
+        if req.name == "slow.test":
+            await asyncio.sleep(5)
+        return req.name == "ok.test"
+
+    async def main():
+        e = Egress(NetworkConfig(egress_default="deny", policy=hook, policy_timeout=0.05).validate(), {})
+        now = asyncio.get_running_loop().time()
+        assert e.dns_verdict("ok.test", now) == (DNS_PENDING, "policy hook")
+        # two queries for one name at once: one call
+        r1, r2 = await asyncio.gather(e.dns_ask("ok.test"), e.dns_ask("ok.test"))
+        assert r1 == r2 == (0, "policy hook") and calls == ["ok.test"]
+        assert e.dns_verdict("ok.test", now) == (0, "policy hook")  # cached now
+        assert await e.dns_ask("bad.test") == (EDE_BLOCKED, "policy hook")
+        assert await e.dns_ask("slow.test") == (EDE_BLOCKED, "policy hook timeout (0.05 s)")
+        assert e.counters["egress.hook_timeouts"] == 1
+        assert e.dns_verdict("slow.test", now) == (EDE_BLOCKED, "policy hook timeout (0.05 s)")
+        e2 = Egress(NetworkConfig(egress_default="deny", policy=hook, policy_timeout=0.05,
+                                  policy_timeout_verdict="allow").validate(), {})
+        assert await e2.dns_ask("slow.test") == (0, "policy hook timeout (0.05 s)")
+
+    asyncio.run(main())
+
+
+def test_forwarder_asks_an_async_hook_before_the_upstream():
+    async def hook(req):
+        return req.name == "ok.test", "hook"
+
+    counters: dict = {}
+    f, e, asked = forwarder(counters, lambda q: answer(q, [(dpkt.dns.DNS(q).qd[0].name, "A", "198.51.100.1", 60)]),
+                            egress_default="deny", egress_allow=["pypi.org:443"], policy=hook)
+
+    async def main():
+        return (await f.resolve(query("exfil.test"), now=1.0, guest=(socket.inet_aton("10.0.2.15"), 9)),
+                await f.resolve(query("ok.test"), now=1.0))
+
+    r1, r2 = asyncio.run(main())
+    assert ede(r1) == (3, EDE_BLOCKED, "policy hook: hook")
+    assert dpkt.dns.DNS(r2).rcode == 0 and len(asked) == 1
+    assert counters["egress.dns_blocked"] == 1

@@ -140,7 +140,8 @@ class NetworkConfig:
     max_dns_bindings: int = 4096
     max_dns_bindings_per_answer: int = 64
     #: Python policy hook: ``policy(request) -> bool | (bool, reason)``, sync or async, asked for a
-    #: flow no rule decides (see :mod:`aioslirp.flow.egress`); ``None``: none.
+    #: flow or a DNS name (``request.proto == "dns"``) no rule decides (see
+    #: :class:`aioslirp.flow.egress.PolicyRequest`); ``None``: none.
     policy: object = None
     #: Seconds an async hook may take; then ``policy_timeout_verdict`` (``"allow"`` / ``"deny"``) applies.
     policy_timeout: float = 1.0

@@ -18,6 +18,12 @@ Theory of operation
 3. what no rule decides goes to the Python hook (``NetworkConfig.policy``) if any, else to
    ``egress_default``.
 
+Names are decided the same way before the virtual DNS forwards a query (:meth:`Egress.dns_verdict`):
+the most specific name rule without ports or protocol, then the hook (a :class:`PolicyRequest` of
+``proto`` ``"dns"``; its verdict cached per name like a flow's, an async one awaited through
+:meth:`Egress.dns_ask` with the same timeout), then ``egress_default``. So a hook never turns
+name denial off: it decides the names no rule decides, as it decides the flows.
+
 Cost: decisions are cached per host address, then per ``(port, protocol)``, until the earliest
 expiry of the bindings used (and the hook's ``policy_cache_ttl``); a rule change or a new
 binding for the address empties the address's entry. A repeated check is two dict look-ups.
@@ -34,7 +40,7 @@ import time
 
 from ..config.policy import EgressPolicy
 
-__all__ = ["Decision", "Egress", "NameBindings", "PolicyRequest"]
+__all__ = ["DNS_PENDING", "Decision", "Egress", "NameBindings", "PolicyRequest"]
 
 log = logging.getLogger("aioslirp.limits")
 
@@ -46,6 +52,11 @@ VERDICT_CACHE = 4096
 #: Hook verdicts cached at most.
 HOOK_CACHE = 4096
 PROTO_NAMES = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmp"}
+#: RFC 8914 INFO-CODEs of :meth:`Egress.dns_verdict` (the values of
+#: :data:`aioslirp.services.dns_policy.EDE_BLOCKED` / ``EDE_PROHIBITED``).
+EDE_BLOCKED, EDE_PROHIBITED = 15, 18
+#: :meth:`Egress.dns_verdict`'s code when an async hook must be asked (:meth:`Egress.dns_ask`).
+DNS_PENDING = -1
 
 
 class Decision:
@@ -75,9 +86,23 @@ class Decision:
 
 
 class PolicyRequest:
-    """What the Python hook is asked about: ``proto`` (``"tcp"``, ``"udp"``, ``"icmp"``), ``dst``
-    (host-side address text), ``port`` (0 for ICMP), ``name`` (the bound DNS name, or ``None``),
-    ``guest`` (``"ip:port"`` text, or ``None`` when unknown)."""
+    """What the Python hook is asked about, for a new flow or a DNS name that no rule decided.
+
+    * a flow: ``proto`` ``"tcp"``, ``"udp"`` or ``"icmp"``; ``dst`` the host-side address text;
+      ``port`` (0 for ICMP); ``name`` the DNS name the address is bound to, or ``None``;
+    * a DNS name the guest asks the virtual DNS to resolve: ``proto`` ``"dns"``; ``name`` the
+      name (lower case, no trailing dot; bytes outside ASCII as ``\\xNN`` escapes); ``dst`` the
+      virtual DNS server's address the guest asked (``"10.0.2.3"``, ``"fd00::3"``); ``port`` 53.
+      Allowed: the query goes upstream and the answer's addresses are bound to the name (flows to
+      them are then decided as usual, asking the hook again for what no rule decides); denied:
+      NXDOMAIN with an RFC 8914 Extended DNS Error 15 (Blocked) whose EXTRA-TEXT is the verdict's
+      rule (``"policy hook: REASON"``), the upstream never asked. One verdict per name, whatever
+      the query type or server, cached ``policy_cache_ttl`` seconds;
+
+    and ``guest``: the guest's ``"ip:port"`` text, or ``None`` when unknown. The hook returns a
+    bool or ``(bool, reason)``; an exception denies; an async hook slower than ``policy_timeout``
+    gets ``policy_timeout_verdict``.
+    """
 
     __slots__ = ("proto", "dst", "port", "name", "guest")
 
@@ -416,10 +441,14 @@ class Egress:
         names = self.bindings.names(addr, now) if self.hook is not None else {}
         name = min(names) if names else None
         key = (name or addr, port, proto)
+        return await self._pending_call(key, PolicyRequest(PROTO_NAMES.get(proto, "tcp"), addr, port, name,
+                                                           guest_text(guest)), name)
+
+    async def _pending_call(self, key, req: PolicyRequest, name) -> Decision:
+        """The async hook's :class:`Decision` on ``req``, one call per ``key`` at a time."""
         fut = self._pending.get(key)
         if fut is None:
-            fut = self._pending[key] = asyncio.ensure_future(self._run_hook(key, PolicyRequest(
-                PROTO_NAMES.get(proto, "tcp"), addr, port, name, guest_text(guest)), name))
+            fut = self._pending[key] = asyncio.ensure_future(self._run_hook(key, req, name))
             fut.add_done_callback(lambda _f, k=key: self._pending.pop(k, None))
         return await asyncio.shield(fut)
 
@@ -438,23 +467,45 @@ class Egress:
         return d
 
     # ------------------------------------------------------------------ DNS
-    def dns_verdict(self, name: str) -> tuple[int, str]:
-        """May the guest resolve ``name`` (lower case, no trailing dot)? ``(code, rule_text)``: code
-        0 for yes (the rule: the most specific allow rule matching the name, ``"egress-default
-        allow"`` or ``"policy hook"``), else the RFC 8914 INFO-CODE of the NXDOMAIN to answer: 15
-        (Blocked: a deny rule without ports or protocol is the most specific match) or 18
-        (Prohibited: ``egress_default deny``, no allow rule matches the name, no hook to ask).
-        Rules with ports or a protocol do not block a name: they decide its flows."""
+    def dns_verdict(self, name: str, now: float = 0.0, guest=None, dst: str = "") -> tuple[int, str]:
+        """May the guest resolve ``name`` (lower case, no trailing dot) at loop time ``now``?
+        ``(code, rule_text)``: code 0 for yes (the rule: the most specific allow rule matching the
+        name, the hook's verdict ``"policy hook[: REASON]"`` or ``"egress-default allow"``), else
+        the RFC 8914 INFO-CODE of the NXDOMAIN to answer: 15 (Blocked: a deny rule without ports or
+        protocol is the most specific match, or the hook denied the name, or failed, or timed out
+        under ``policy_timeout_verdict`` deny) or 18 (Prohibited: ``egress_default deny``, no allow
+        rule matches the name, no hook). Rules with ports or a protocol do not block a name: they
+        decide its flows.
+
+        What no rule decides goes to the hook (a :class:`PolicyRequest` of ``proto`` ``"dns"``,
+        ``dst`` the virtual DNS address ``dst``, ``guest`` the guest's endpoint), its verdict cached
+        per name for ``policy_cache_ttl`` seconds. An async hook not yet asked gives
+        :data:`DNS_PENDING`: await :meth:`dns_ask` for the verdict."""
         for r in self.rules.name_rules(name):
             if r.allow:
                 return 0, r.text
             if r.unrestricted:
-                return 15, r.text
+                return EDE_BLOCKED, r.text
         if self.hook is not None:
-            return 0, "policy hook"
+            key = (name, 53, "dns")
+            hit = self._hook_cache.get(key)
+            if hit is not None and hit[1] > now:
+                return _dns_code(hit[0])
+            if self.hook_async:
+                return DNS_PENDING, "policy hook"
+            d = self._verdict(self._call(PolicyRequest("dns", dst, 53, name, guest_text(guest))), name)
+            return _dns_code(self._remember(key, d, now))
         if self.default_allow:
             return 0, "egress-default allow"
-        return 18, "egress-default deny"
+        return EDE_PROHIBITED, "egress-default deny"
+
+    async def dns_ask(self, name: str, guest=None, dst: str = "") -> tuple[int, str]:
+        """Await the async hook's verdict on resolving ``name`` (after :meth:`dns_verdict` gave
+        :data:`DNS_PENDING`): one call per name at a time, ``policy_timeout`` seconds, then
+        ``policy_timeout_verdict``; cached as :meth:`dns_verdict` says. Returns ``(code, rule)``
+        as :meth:`dns_verdict`."""
+        key = (name, 53, "dns")
+        return _dns_code(await self._pending_call(key, PolicyRequest("dns", dst, 53, name, guest_text(guest)), name))
 
     def bind_answer(self, name: str, addrs, now: float, trusted: bool = False) -> int:
         """Bind the ``(address text, ttl seconds)`` pairs of an allowed answer for ``name`` at loop
@@ -478,6 +529,11 @@ class Egress:
             self.bindings.bind(addr, name, now + ttl)
             n += 1
         return n
+
+
+def _dns_code(d: Decision) -> tuple[int, str]:
+    """``(code, rule)`` of :meth:`Egress.dns_verdict` for a hook's :class:`Decision`."""
+    return (0, d.rule) if d.allowed else (EDE_BLOCKED, d.rule)
 
 
 def _rebinding_target(addr: str) -> bool:
