@@ -167,3 +167,110 @@ async def test_a_hook_allowing_a_name_lets_it_reach_the_upstream(kind, upstream)
     dns = [(r["name"], r["verdict"], r["rule"], r["answer"]) for r in audit_records(audit) if r["event"] == "dns"]
     assert dns == [("ok.attacker.example", "allow", "policy hook: only ok", "answered"),
                    (SECRET.lower(), "deny", "policy hook: only ok", "blocked")]
+
+
+# ============================================================================ 4. rebinding to the host's networks
+
+
+REBIND = {"ten.rebind.test": "10.1.2.3", "docker.rebind.test": "172.17.0.1", "lan.rebind.test": "192.168.1.1",
+          "cgn.rebind.test": "100.64.0.1"}
+
+GUEST_CONNECT = r'''
+import errno, json, socket, sys
+names, port = json.loads(sys.argv[1]), int(sys.argv[2])
+out = {}
+for name in names:
+    try:
+        addr = socket.getaddrinfo(name, port, socket.AF_INET, socket.SOCK_STREAM)[0][4]
+    except socket.gaierror as exc:
+        out[name] = "gaierror %s" % exc
+        continue
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect(addr)
+        s.sendall(b"hi")
+        out[name] = [addr[0], s.recv(16).decode()]
+    except OSError as exc:
+        out[name] = [addr[0], errno.errorcode.get(exc.errno, str(exc))]
+    finally:
+        s.close()
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture
+def rebind_world():
+    """The four non-global addresses on the test namespace's loopback, one TCP server on all of
+    them (it answers ``OK`` to each connection), and an upstream resolving :data:`REBIND`."""
+    from hostservers import namespace_address
+
+    with contextlib.ExitStack() as es:
+        for addr in REBIND.values():
+            es.enter_context(namespace_address(addr))
+        srv = socket.socket()
+        srv.bind(("0.0.0.0", 0))
+        srv.listen(16)
+        es.callback(srv.close)
+        es.callback(lambda: srv.shutdown(socket.SHUT_RDWR))
+        reached: list[str] = []
+
+        def serve():
+            while True:
+                try:
+                    c, _ = srv.accept()
+                except OSError:
+                    return
+                with c:
+                    reached.append(c.getsockname()[0])
+                    c.recv(16)
+                    c.sendall(b"OK")
+
+        threading.Thread(target=serve, daemon=True).start()
+        up = Upstream(REBIND)
+        es.callback(up.close)
+        yield {"port": srv.getsockname()[1], "up": up, "reached": reached}
+
+
+async def test_an_allowed_name_rebound_to_private_addresses_opens_none_of_them(rebind_world):
+    """Issue 24 (4): under default deny, ``*.rebind.test:PORT`` allowed, the upstream answers the
+    names with 10.1.2.3, 172.17.0.1 (a Docker host's bridge), 192.168.1.1 and 100.64.0.1, each an
+    address of the test namespace with a server listening: the guest resolves each name (the
+    answer passes, unchanged) but its connect is refused at once (EHOSTUNREACH: ICMP
+    administratively prohibited) and the server never sees it; each refused binding is counted.
+    Before the fix all four connected."""
+    port = rebind_world["port"]
+    cfg = NetworkConfig(egress_default="deny", egress_allow=[f"*.rebind.test:{port}"],
+                        dns_upstreams=[f"127.0.0.1:{rebind_world['up'].port}"])
+    stack = Stack(cfg)
+    try:
+        out = json.loads(await guest_run(stack, [sys.executable, "-c", GUEST_CONNECT, json.dumps(list(REBIND)),
+                                                 str(port)]))
+    finally:
+        await stack.aclose()
+    assert out == {name: [addr, "EHOSTUNREACH"] for name, addr in REBIND.items()}, out
+    assert rebind_world["reached"] == []
+    assert stack.counters["egress.dns_bindings_refused"] >= 4
+    assert stack.counters["egress.denied_default"] >= 4
+
+
+async def test_a_cidr_rule_covering_a_private_range_lets_its_answers_bind(rebind_world):
+    """The same with a CIDR allow rule covering 10.0.0.0/8 for another port and protocol only
+    (9/udp): the answer for ten.rebind.test binds, so the name rule opens 10.1.2.3:PORT (the flow
+    carries the name); the other three stay refused."""
+    port = rebind_world["port"]
+    audit = io.StringIO()
+    cfg = NetworkConfig(egress_default="deny", egress_allow=[f"*.rebind.test:{port}", "10.0.0.0/8:9/udp"],
+                        dns_upstreams=[f"127.0.0.1:{rebind_world['up'].port}"], audit_log=audit)
+    stack = Stack(cfg)
+    try:
+        out = json.loads(await guest_run(stack, [sys.executable, "-c", GUEST_CONNECT, json.dumps(list(REBIND)),
+                                                 str(port)]))
+    finally:
+        await stack.aclose()
+    assert out.pop("ten.rebind.test") == ["10.1.2.3", "OK"]
+    assert out == {name: [REBIND[name], "EHOSTUNREACH"] for name in out}, out
+    assert rebind_world["reached"] == ["10.1.2.3"]
+    flows = [r for r in audit_records(audit) if r["event"] == "flow" and r["proto"] == "tcp"]
+    assert [(r["dst"], r["name"], r["rule"]) for r in flows] == [("10.1.2.3", "ten.rebind.test",
+                                                                  f"*.rebind.test:{port}")]

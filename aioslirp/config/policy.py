@@ -334,6 +334,18 @@ class EgressPolicy:
                 return r
         return None
 
+    def covers(self, addr: str) -> Rule | None:
+        """The most specific user's CIDR *allow* rule whose network holds ``addr`` (text), with any
+        ports and protocol, or ``None`` (the built-in defaults never cover)."""
+        v = addr_int(addr)
+        if v is None:
+            return None
+        value = v[1]
+        for r in (self._v4 if v[0] == 4 else self._v6):
+            if r.allow and not r.default and value & r.mask == r.net:
+                return r
+        return None
+
     def match_name(self, name: str, port: int = 0, proto: int = 0, *, skip_portless: bool = False) -> Rule | None:
         """The most specific name / wildcard rule for ``name`` (any case, a trailing dot ignored),
         ``port`` and ``proto`` (0: ports and protocols ignored, for tests). ``skip_portless``: rules without

@@ -127,7 +127,8 @@ class NameBindings:
 
     At most ``limit`` (address, name) pairs: binding one more evicts the oldest
     (``counters["egress.dns_bindings_evicted"]``). ``on_change(addr)`` is called when an address
-    gains a name (the verdict cache forgets it).
+    gains or loses a name other than by expiry (the verdict cache forgets it; an expiry ends the
+    cached verdicts that used the binding by itself).
     """
 
     __slots__ = ("limit", "counters", "_pairs", "_by_addr", "on_change")
@@ -141,15 +142,16 @@ class NameBindings:
     def __init__(self, limit: int = 4096, counters=None, on_change=None) -> None:
         self.limit = max(1, int(limit))
         self.counters = counters if counters is not None else {}
-        self._pairs: dict = {}  # (addr, name) -> expiry, oldest first
+        self._pairs: dict = {}  # (addr, name) -> trusted (the owner's dns_records), oldest first
         self._by_addr: dict = {}  # addr -> {name: expiry}
         self.on_change = on_change
 
     def __len__(self) -> int:
         return len(self._pairs)
 
-    def bind(self, addr: str, name: str, expiry: float) -> None:
-        """Bind ``addr`` (canonical address text) to ``name`` (lower case) until loop time ``expiry``."""
+    def bind(self, addr: str, name: str, expiry: float, trusted: bool = False) -> None:
+        """Bind ``addr`` (canonical address text) to ``name`` (lower case) until loop time ``expiry``;
+        ``trusted``: from the owner's ``dns_records`` (kept by :meth:`drop_where`)."""
         key = (addr, name)
         pairs = self._pairs
         fresh = pairs.pop(key, None) is None
@@ -164,7 +166,7 @@ class NameBindings:
             self.counters["egress.dns_bindings_evicted"] = self.counters.get("egress.dns_bindings_evicted", 0) + 1
             if self.on_change is not None:
                 self.on_change(oaddr)
-        pairs[key] = expiry
+        pairs[key] = trusted
         self._by_addr.setdefault(addr, {})[name] = expiry
         if fresh and self.on_change is not None:
             self.on_change(addr)
@@ -181,6 +183,22 @@ class NameBindings:
         if not names:
             del self._by_addr[addr]
         return names
+
+    def drop_where(self, doomed) -> int:
+        """Forget the bindings but the trusted ones of each address for which ``doomed(addr)`` is
+        true (calling ``on_change(addr)``); returns how many were forgotten."""
+        pairs, by_addr = self._pairs, self._by_addr
+        gone = [(a, n) for a in by_addr if doomed(a) for n in by_addr[a] if not pairs.get((a, n))]
+        for a, n in gone:
+            del pairs[(a, n)]
+            names = by_addr[a]
+            del names[n]
+            if not names:
+                del by_addr[a]
+        if self.on_change is not None:
+            for a in {a for a, _ in gone}:
+                self.on_change(a)
+        return len(gone)
 
     def clear(self) -> None:
         self._pairs.clear()
@@ -284,6 +302,7 @@ class Egress:
         """Add a user rule (``"pypi.org:443"``...); returns its canonical text; raises ``ConfigError``."""
         out = self.rules.add(text, allow)
         self.clear_cache()
+        self._uncovered()  # the new rule may replace a covering allow rule of the same text
         return out
 
     def remove(self, text: str, close: bool = False):
@@ -293,6 +312,7 @@ class Egress:
         r = self.rules.remove(text)
         if r is not None:
             self.clear_cache()
+            self._uncovered()
             if close:
                 self.close_denied()
         return r
@@ -340,6 +360,14 @@ class Egress:
         """Forget every cached decision (rules or hook changed)."""
         self._cache = {}
         self._hook_cache = {}
+
+    def _uncovered(self) -> None:
+        """Drop the bindings an upstream answer could make only under a CIDR allow rule that is
+        gone now (see :meth:`bind_answer`), counted ``egress.dns_bindings_uncovered``; those of the
+        owner's ``dns_records`` stay."""
+        n = self.bindings.drop_where(lambda a: not self.may_bind(a))
+        if n:
+            self.counters["egress.dns_bindings_uncovered"] = self.counters.get("egress.dns_bindings_uncovered", 0) + n
 
     def _forget(self, addr: str) -> None:
         self._cache.pop(addr, None)
@@ -507,26 +535,36 @@ class Egress:
         key = (name, 53, "dns")
         return _dns_code(await self._pending_call(key, PolicyRequest("dns", dst, 53, name, guest_text(guest)), name))
 
+    def may_bind(self, addr: str) -> bool:
+        """May an upstream DNS answer bind ``addr`` (text)? See :meth:`bind_answer`."""
+        cls = address_class(addr)
+        return cls == GLOBAL or (cls == SPECIAL and self.rules.covers(addr))
+
     def bind_answer(self, name: str, addrs, now: float, trusted: bool = False) -> int:
         """Bind the ``(address text, ttl seconds)`` pairs of an allowed answer for ``name`` at loop
         time ``now`` (each TTL clamped to ``[dns_binding_ttl_min, dns_binding_ttl_max]``); at most
         ``max_dns_bindings_per_answer`` of them (the rest: ``egress.dns_bindings_capped``). Returns
         how many were bound.
 
-        An upstream answer (``trusted`` False) never binds a loopback, unspecified, link-local or
-        multicast address (counted ``egress.dns_bindings_refused``): otherwise whoever controls an
-        allowed name's DNS could open the host's own loopback services through the gateway (DNS
-        rebinding). Only the owner's ``dns_records`` (``trusted``) and CIDR rules open those."""
+        An upstream answer (``trusted`` False) binds no address that is not globally reachable
+        (DNS rebinding: whoever controls an allowed name's DNS could otherwise open the host's
+        loopback services through the gateway, or its LAN, container bridges, VPN): never a
+        loopback, unspecified, link-local, multicast or broadcast address (:data:`NEVER_BOUND`),
+        and a special-purpose one (:data:`SPECIAL_BOUND`: private, shared 100.64/10, unique local
+        fc00::/7, documentation, ...; IPv4-mapped and other embedding forms alike,
+        :func:`address_class`) only when a user's CIDR allow rule, with any ports, covers it.
+        Each refused address is counted ``egress.dns_bindings_refused``. The owner's
+        ``dns_records`` (``trusted``) bind any address."""
         n = 0
         for addr, ttl in addrs:
-            if not trusted and _rebinding_target(addr):
+            if not trusted and not self.may_bind(addr):
                 self.counters["egress.dns_bindings_refused"] = self.counters.get("egress.dns_bindings_refused", 0) + 1
                 continue
             if n >= self.per_answer:
                 self.counters["egress.dns_bindings_capped"] = self.counters.get("egress.dns_bindings_capped", 0) + 1
                 break
             ttl = min(max(float(ttl), self.ttl_min), self.ttl_max)
-            self.bindings.bind(addr, name, now + ttl)
+            self.bindings.bind(addr, name, now + ttl, trusted)
             n += 1
         return n
 
@@ -536,15 +574,58 @@ def _dns_code(d: Decision) -> tuple[int, str]:
     return (0, d.rule) if d.allowed else (EDE_BLOCKED, d.rule)
 
 
-def _rebinding_target(addr: str) -> bool:
-    """True for an address an upstream DNS answer must not bind (see :meth:`Egress.bind_answer`)."""
+def _nets(text: str) -> tuple:
+    return tuple(ipaddress.ip_network(n) for n in text.split())
+
+
+#: Never bound from an upstream answer, whatever the rules: loopback, "this network" (0/8;
+#: ``connect()`` to 0.0.0.0 reaches the host itself), link-local, multicast, broadcast, the
+#: unspecified address.
+NEVER_BOUND = _nets("0.0.0.0/8 127.0.0.0/8 169.254.0.0/16 224.0.0.0/4 255.255.255.255/32 "
+                    "::/128 ::1/128 fe80::/10 ff00::/8")
+#: Bound from an upstream answer only when a CIDR allow rule covers the address: the
+#: special-purpose ranges not globally reachable (RFC 6890 and the IANA special-purpose address
+#: registries: private use, shared address space 100.64/10 (RFC 6598), IETF protocol
+#: assignments, documentation, benchmarking, reserved; unique local fc00::/7, site-local,
+#: discard-only, local-use NAT64 (RFC 8215), SRv6 SIDs (RFC 9602)); every IPv6 address outside
+#: global unicast 2000::/3 but the NAT64 prefix 64:ff9b::/96 is treated alike.
+SPECIAL_BOUND = _nets("10.0.0.0/8 100.64.0.0/10 172.16.0.0/12 192.0.0.0/24 192.0.2.0/24 192.168.0.0/16 "
+                      "198.18.0.0/15 198.51.100.0/24 203.0.113.0/24 240.0.0.0/4 "
+                      "100::/64 2001::/23 2001:db8::/32 3fff::/20 5f00::/16 fc00::/7 fec0::/10 64:ff9b:1::/48")
+_GLOBAL6 = ipaddress.ip_network("2000::/3")
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_6TO4 = ipaddress.ip_network("2002::/16")
+#: :func:`address_class` values.
+GLOBAL, SPECIAL, NEVER = 0, 1, 2
+
+
+def address_class(addr: str) -> int:
+    """How an upstream DNS answer may bind ``addr`` (address text, a ``%scope`` ignored):
+    :data:`GLOBAL` (bound), :data:`SPECIAL` (a range of :data:`SPECIAL_BOUND`: bound only under a
+    covering CIDR allow rule) or :data:`NEVER` (:data:`NEVER_BOUND`, or not an address). An IPv6
+    address that embeds an IPv4 one (IPv4-mapped ``::ffff:0:0/96``, IPv4-compatible ``::/96``,
+    NAT64 ``64:ff9b::/96`` (RFC 6052), 6to4 ``2002::/16`` (RFC 3056)) is at least as restricted
+    as the IPv4 address it embeds."""
     try:
         ip = ipaddress.ip_address(addr.split("%", 1)[0])
     except ValueError:
-        return True
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback or ip.is_unspecified or ip.is_link_local or ip.is_multicast
+        return NEVER
+    worst = GLOBAL
+    if ip.version == 6:
+        v = int(ip)
+        if ip.ipv4_mapped is not None or 1 < v < 1 << 32 or ip in _NAT64:  # the IPv4 address decides
+            return address_class(str(ipaddress.IPv4Address(v & 0xFFFFFFFF)))
+        if ip in _6TO4:
+            worst = address_class(str(ip.sixtofour))
+    for net in NEVER_BOUND:
+        if ip.version == net.version and ip in net:
+            return NEVER
+    for net in SPECIAL_BOUND:
+        if ip.version == net.version and ip in net:
+            return max(worst, SPECIAL)
+    if ip.version == 6 and ip not in _GLOBAL6:
+        return max(worst, SPECIAL)
+    return worst
 
 
 def guest_text(guest) -> str | None:
