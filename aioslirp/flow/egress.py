@@ -27,6 +27,12 @@ name denial off: it decides the names no rule decides, as it decides the flows.
 Cost: decisions are cached per host address, then per ``(port, protocol)``, until the earliest
 expiry of the bindings used (and the hook's ``policy_cache_ttl``); a rule change or a new
 binding for the address empties the address's entry. A repeated check is two dict look-ups.
+
+Bounds (a guest chooses the addresses, ports and names): :data:`VERDICT_CACHE` verdicts in all
+and :data:`VERDICT_CACHE_PER_ADDRESS` per address, :data:`HOOK_CACHE` hook verdicts,
+``max_dns_bindings`` name bindings (:class:`NameBindings`); hook calls in progress at most one per
+flow :class:`~aioslirp.flow.guard.Guard` holds (``max_pending_connects``) plus one per DNS query
+in flight (``dns_max_inflight``).
 """
 
 from __future__ import annotations
@@ -46,10 +52,14 @@ log = logging.getLogger("aioslirp.limits")
 
 _INF = float("inf")
 _DNS_PORTS = (53, 853)
-#: Host addresses whose decisions are cached at most, and ``(port, protocol)`` pairs per address
-#: (then that cache starts over).
-VERDICT_CACHE = 4096
-#: Hook verdicts cached at most.
+#: Flow verdicts cached at most, in all (host addresses x ``(port, protocol)``): one more starts
+#: the cache over (``egress.verdict_cache_resets``). A verdict decided again costs a few
+#: microseconds; an entry about 300 bytes (5 MB in all).
+VERDICT_CACHE = 16384
+#: Verdicts cached per host address at most (one more starts that address's over): a guest
+#: walking the ports of one address does not push the others out.
+VERDICT_CACHE_PER_ADDRESS = 4096
+#: Hook verdicts (flows and DNS names) cached at most (one more starts the cache over).
 HOOK_CACHE = 4096
 PROTO_NAMES = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmp"}
 #: RFC 8914 INFO-CODEs of :meth:`Egress.dns_verdict` (the values of
@@ -222,7 +232,7 @@ class Egress:
 
     __slots__ = ("config", "counters", "rules", "bindings", "default_allow", "hook", "hook_async", "timeout",
                  "timeout_allow", "hook_ttl", "ttl_min", "ttl_max", "per_answer", "_cache", "_hook_cache",
-                 "_pending", "_default", "_version", "ctx", "names_wanted")
+                 "_pending", "_default", "_version", "ctx", "names_wanted", "_cached")
 
     config: object
     counters: dict
@@ -238,6 +248,8 @@ class Egress:
     ttl_max: float
     per_answer: int
     _cache: dict
+    #: Verdicts in :attr:`_cache`, all addresses together.
+    _cached: int
     _hook_cache: dict
     _pending: dict
     _default: Decision
@@ -262,6 +274,7 @@ class Egress:
         self.timeout_allow = getattr(config, "policy_timeout_verdict", "deny") == "allow"
         self.hook_ttl = float(getattr(config, "policy_cache_ttl", 10.0))
         self._cache: dict = {}  # addr -> {(port, proto): (Decision, until)}
+        self._cached = 0
         self._hook_cache: dict = {}  # (name or addr, port, proto) -> (Decision, until)
         self._pending: dict = {}  # hook key -> Future of the Decision
         self._version = self.rules.version
@@ -359,7 +372,23 @@ class Egress:
     def clear_cache(self) -> None:
         """Forget every cached decision (rules or hook changed)."""
         self._cache = {}
+        self._cached = 0
         self._hook_cache = {}
+
+    @property
+    def cached(self) -> int:
+        """Flow verdicts cached now, all addresses together (at most :data:`VERDICT_CACHE`)."""
+        return self._cached
+
+    @property
+    def hook_cached(self) -> int:
+        """Hook verdicts cached now (at most :data:`HOOK_CACHE`)."""
+        return len(self._hook_cache)
+
+    @property
+    def hook_pending(self) -> int:
+        """Async hook calls in progress."""
+        return len(self._pending)
 
     def _uncovered(self) -> None:
         """Drop the bindings an upstream answer could make only under a CIDR allow rule that is
@@ -370,7 +399,9 @@ class Egress:
             self.counters["egress.dns_bindings_uncovered"] = self.counters.get("egress.dns_bindings_uncovered", 0) + n
 
     def _forget(self, addr: str) -> None:
-        self._cache.pop(addr, None)
+        per = self._cache.pop(addr, None)
+        if per is not None:
+            self._cached -= len(per)
 
     # ------------------------------------------------------------------ decisions
     def decide(self, proto: int, addr: str, port: int, now: float, guest: str | None = None) -> Decision:
@@ -385,13 +416,21 @@ class Egress:
         d, until = self._decide(proto, addr, port, now, guest)
         if d.reason == "pending":
             return d
-        if per is None:
-            if len(self._cache) >= VERDICT_CACHE:
+        key = (port, proto)
+        per = self._cache.get(addr)  # (again: a sync hook may have changed the rules meanwhile)
+        if per is None or key not in per:
+            if self._cached >= VERDICT_CACHE:  # a guest walking addresses and ports: start over
                 self._cache = {}
-            per = self._cache[addr] = {}
-        elif len(per) >= VERDICT_CACHE:  # a guest walking the ports of one address
-            per.clear()
-        per[(port, proto)] = (d, until)
+                self._cached = 0
+                per = None
+                self.counters["egress.verdict_cache_resets"] = self.counters.get("egress.verdict_cache_resets", 0) + 1
+            if per is None:
+                per = self._cache[addr] = {}
+            elif len(per) >= VERDICT_CACHE_PER_ADDRESS:  # a guest walking the ports of one address
+                self._cached -= len(per)
+                per.clear()
+            self._cached += 1
+        per[key] = (d, until)
         return d
 
     def _decide(self, proto: int, addr: str, port: int, now: float, guest) -> tuple[Decision, float]:
