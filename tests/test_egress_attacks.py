@@ -274,3 +274,26 @@ async def test_a_cidr_rule_covering_a_private_range_lets_its_answers_bind(rebind
     flows = [r for r in audit_records(audit) if r["event"] == "flow" and r["proto"] == "tcp"]
     assert [(r["dst"], r["name"], r["rule"]) for r in flows] == [("10.1.2.3", "ten.rebind.test",
                                                                   f"*.rebind.test:{port}")]
+
+
+# ============================================================================ names read two ways
+
+
+async def test_a_label_with_a_dot_or_a_nul_never_reaches_the_upstream(upstream):
+    """``dig 'secret\\.pypi.org'`` sends the labels ``secret.pypi`` and ``org``: read as text,
+    ``secret.pypi.org``, under the allowed ``*.pypi.org``; resolved, a name under ``org``. Such
+    names (and a NUL inside a label, which a resolver keeping C strings would cut) are refused:
+    NXDOMAIN + EDE 15, the upstream never asked; ``ok.pypi.org`` still goes."""
+    need_tool("dig", "bind9-dnsutils")
+    cfg = NetworkConfig(egress_default="deny", egress_allow=["*.pypi.org:443"],
+                        dns_upstreams=[f"127.0.0.1:{upstream.port}"])
+    stack = Stack(cfg)
+    try:
+        out = await guest_run(stack, dig("'secret\\.pypi.org'", "'a\\000b.pypi.org'", "ok.pypi.org"))
+    finally:
+        await stack.aclose()
+    first, second, third = out.split("<<>> DiG")[1:4]
+    for text in (first, second):
+        assert "status: NXDOMAIN" in text and "EDE: 15 (Blocked): (odd name" in text, text
+    assert "status: NOERROR" in third
+    assert upstream.asked == ["ok.pypi.org"]

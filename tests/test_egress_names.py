@@ -690,3 +690,169 @@ def test_removing_the_covering_rule_drops_the_bindings_it_let_in():
     assert e.bind_answer("a.test", [("10.1.2.3", 60)], 2.0) == 1
     e.add("10.0.0.0/8:9/udp", allow=False)  # the same text as a deny: no longer covered
     assert e.bindings.names("10.1.2.3", 2.0) == {} and e.counters["egress.dns_bindings_uncovered"] == 2
+
+
+# ============================================================================ the attacker's review (issue 24)
+
+
+@pytest.mark.parametrize("wire_labels", [
+    [b"x.pypi", b"org"],  # reads "x.pypi.org" (under *.pypi.org) but is resolved under org
+    [b"pypi", b"org."],  # reads "pypi.org." -> "pypi.org" once the dot is stripped
+    [b"data", b"attacker", b"com\x00", b"pypi", b"org"],  # a C-string resolver would stop at the NUL
+    [b"a\\.b", b"pypi", b"org"], [b"a b", b"pypi", b"org"], [b"\xc3\xbc", b"pypi", b"org"],
+    [b"\x7f", b"pypi", b"org"],
+])
+def test_a_name_whose_text_would_read_differently_is_refused_under_the_policy(wire_labels):
+    """Two readings of one name: our text joins the labels with '.', the upstream walks the labels.
+    A label holding '.', '\\', a space, a control or a non-ASCII byte could make the text match a
+    rule (or satisfy a hook) that the real name does not: such a query gets NXDOMAIN + EDE 15
+    (ODD_NAME), whatever the rules, and never reaches the upstream or the hook."""
+    from aioslirp.services.dns_policy import ODD_NAME
+
+    seen = []
+    f, e, asked = forwarder({}, lambda q: answer(q, []), egress_allow=["*.pypi.org", "pypi.org"],
+                            egress_default="deny", policy=lambda req: seen.append(req) or True)
+    wire = b"".join(bytes([len(lb)]) + lb for lb in wire_labels) + b"\x00"
+    q = struct.pack("!HHHHHH", 7, 0x0100, 1, 0, 0, 1) + wire + struct.pack("!HH", 1, 1) + \
+        b"\x00" + struct.pack("!HHIH", 41, 1232, 0, 0)
+    r = asyncio.run(f.resolve(q, now=0.0))
+    assert ede(r) == (3, EDE_BLOCKED, ODD_NAME)
+    assert asked == [] and seen == []
+    # plain names still pass, in any case
+    assert dpkt.dns.DNS(asyncio.run(f.resolve(query("X.PyPI.org"), now=0.0))).rcode == 0 and len(asked) == 1
+
+
+def test_a_sync_hook_that_returns_a_coroutine_does_not_allow_everything():
+    """``policy=lambda req: check(req)`` with ``check`` async returns a coroutine, which is truthy:
+    it was taken for "allow" (and never awaited). Now it is awaited as an async hook's verdict
+    would be (the flow held meanwhile) and the hook is treated as async from then on."""
+    async def check(req):
+        return req.port == 443
+
+    async def main():
+        g, ctx = guard(lambda req: check(req), policy_timeout=1.0)
+        now = asyncio.get_running_loop().time()
+        assert g.admit(TCP, "93.184.216.34", 80, now) == HELD
+        assert await g.ask(TCP, "93.184.216.34", 80, now) is False
+        assert g.admit(TCP, "93.184.216.34", 80, now) == DENIED  # the verdict, cached
+        assert g.policy.hook_async
+        assert g.admit(TCP, "93.184.216.34", 443, now) == HELD
+        assert await g.ask(TCP, "93.184.216.34", 443, now) is True
+        assert g.admit(TCP, "93.184.216.34", 443, now) is None
+        e = Egress(NetworkConfig(egress_default="deny", policy=lambda req: check(req)).validate(), {})
+        from aioslirp.flow.egress import DNS_PENDING
+        assert e.dns_verdict("a.test", now)[0] == DNS_PENDING
+        assert await e.dns_ask("a.test") == (EDE_BLOCKED, "policy hook")
+
+    asyncio.run(main())
+
+
+def test_a_hook_verdict_asked_before_a_change_is_not_cached_after_it():
+    """A rule or hook change while an async hook is asked: the answer still reaches its waiters,
+    but it is not cached (it answered for the old rules or hook); the next request asks the new
+    hook. A DNS verdict awaited across a new deny rule takes the rule's."""
+    async def slow_yes(req):
+        await asyncio.sleep(0.05)
+        return True, "old"
+
+    async def no(req):
+        return False, "new"
+
+    async def main():
+        e = Egress(NetworkConfig(egress_default="deny", policy=slow_yes).validate(), {})
+        now = asyncio.get_running_loop().time()
+        assert e.decide(TCP, "93.184.216.34", 80, now).reason == "pending"
+        t = asyncio.ensure_future(e.ask(TCP, "93.184.216.34", 80, now))
+        await asyncio.sleep(0.01)
+        e.set_hook(no)
+        assert (await t).rule == "policy hook: old"
+        assert e.decide(TCP, "93.184.216.34", 80, now).reason == "pending"  # not cached
+        assert (await e.ask(TCP, "93.184.216.34", 80, now)).rule == "policy hook: new"
+        assert e.hook_pending == 0
+        e.set_hook(slow_yes)
+        t = asyncio.ensure_future(e.dns_ask("late.test"))
+        await asyncio.sleep(0.01)
+        e.add("late.test", allow=False)
+        assert await t == (EDE_BLOCKED, "late.test")
+
+    asyncio.run(main())
+
+
+def test_the_hook_sees_each_address_a_name_leads_to():
+    """A hook's flow verdict was cached per name: once it allowed (name, address X), another
+    address Y the name's DNS answered later got the verdict without the hook seeing Y. Now it is
+    cached per (name, address, port, protocol)."""
+    seen = []
+
+    def hook(req):
+        seen.append((req.name, req.dst))
+        return req.dst == "93.184.216.34"
+
+    e = Egress(NetworkConfig(egress_default="deny", policy=hook).validate(), {})
+    e.bind_answer("cdn.test", [("93.184.216.34", 60), ("93.184.216.35", 60)], 0.0)
+    assert e.decide(TCP, "93.184.216.34", 443, 1.0).allowed
+    assert not e.decide(TCP, "93.184.216.35", 443, 1.0).allowed
+    assert seen == [("cdn.test", "93.184.216.34"), ("cdn.test", "93.184.216.35")]
+
+
+def test_a_new_deny_rule_can_end_the_flows_it_denies():
+    """Adding a deny rule left the flows it now denies open, with no way to end them; now
+    ``add(..., close=True)`` (API ``add_rule`` ``close``) ends them as ``remove`` does."""
+    import json
+
+    from aioslirp.api import ApiServer
+    from aioslirp.stack import Stack
+
+    stack = Stack(NetworkConfig())
+    flows = {1: FakeFlow(TCP, "198.51.100.1", 80), 2: FakeFlow(TCP, "198.51.100.2", 80)}
+    stack.table.flows.update(flows)
+    api = ApiServer(stack, "/nonexistent/api.sock")
+    try:
+        stack.policy.add("198.51.100.1/32", allow=False)
+        assert not any(f.down for f in flows.values())
+        stack.policy.add("198.51.100.1/32", allow=False, close=True)
+        assert [f.down for f in flows.values()] == [True, False]
+        del stack.table.flows[1]  # (an ended flow leaves the table)
+        reply = json.loads(asyncio.run(api.handle(json.dumps(
+            {"execute": "add_rule", "arguments": {"rule": "198.51.100.2", "verdict": "deny", "close": True}}
+        ).encode())))
+        assert reply == {"return": {"rule": "198.51.100.2/32", "closed": 1}} and flows[2].down
+        assert json.loads(asyncio.run(api.handle(json.dumps(
+            {"execute": "add_rule", "arguments": {"rule": "x.test", "close": "yes"}}).encode())))["error"]["desc"] \
+            == "bad request: add_rule: bad arguments.close"
+    finally:
+        stack.table.flows.clear()
+
+
+def test_an_internationalized_rule_asks_for_its_xn_form():
+    with pytest.raises(ConfigError, match="xn-- form"):
+        parse_rule("bücher.de", "egress_allow")
+    assert parse_rule("XN--BCHER-KVA.de", "egress_allow").text == "xn--bcher-kva.de"
+
+
+def test_a_binding_that_expires_while_the_hook_is_asked_does_not_lend_its_name():
+    """A flow held while an async hook decides on (name, address); the name's binding expires
+    before the flow is replayed: the verdict given for the name is not used for the address
+    without it (the hook is asked again, now without a name), and the flow's cached verdict
+    never outlives the binding it used."""
+    asked = []
+
+    async def by_name(req):
+        asked.append(req.name)
+        await asyncio.sleep(0.01)
+        return req.name == "a.test"
+
+    async def main():
+        e = Egress(NetworkConfig(egress_default="deny", policy=by_name, dns_binding_ttl_min=0,
+                                 policy_cache_ttl=100).validate(), {})
+        e.bind_answer("a.test", [("93.184.216.34", 1)], 0.0)
+        assert e.decide(TCP, "93.184.216.34", 443, 0.5).reason == "pending"
+        assert (await e.ask(TCP, "93.184.216.34", 443, 0.5)).allowed
+        d = e.decide(TCP, "93.184.216.34", 443, 0.9)  # the replay, the binding still alive
+        assert (d.allowed, d.name) == (True, "a.test")
+        d = e.decide(TCP, "93.184.216.34", 443, 1.0)  # expired at 1.0: the cached verdict too
+        assert d.reason == "pending"
+        assert not (await e.ask(TCP, "93.184.216.34", 443, 1.0)).allowed
+        assert asked == ["a.test", None]
+
+    asyncio.run(main())

@@ -146,7 +146,8 @@ class NetworkConfig:
     #: Seconds an async hook may take; then ``policy_timeout_verdict`` (``"allow"`` / ``"deny"``) applies.
     policy_timeout: float = 1.0
     policy_timeout_verdict: str = "deny"
-    #: Seconds a hook's verdict is reused for the same (name or address, port, protocol).
+    #: Seconds a hook's verdict is reused for the same (bound name, address, port, protocol) of a flow,
+    #: or the same DNS name.
     policy_cache_ttl: float = 10.0
     #: Bytes buffered from the host socket per TCP flow towards the guest (and our receive window).
     tcp_buffer: int = 1 << 20

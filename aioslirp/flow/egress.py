@@ -38,6 +38,7 @@ in flight (``dns_max_inflight``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import ipaddress
 import logging
@@ -101,7 +102,8 @@ class PolicyRequest:
     * a flow: ``proto`` ``"tcp"``, ``"udp"`` or ``"icmp"``; ``dst`` the host-side address text;
       ``port`` (0 for ICMP); ``name`` the DNS name the address is bound to, or ``None``;
     * a DNS name the guest asks the virtual DNS to resolve: ``proto`` ``"dns"``; ``name`` the
-      name (lower case, no trailing dot; bytes outside ASCII as ``\\xNN`` escapes); ``dst`` the
+      name (lower case, no trailing dot; its labels of printable ASCII without ``.`` or ``\\``:
+      a name with other bytes is refused before any rule or hook sees it); ``dst`` the
       virtual DNS server's address the guest asked (``"10.0.2.3"``, ``"fd00::3"``); ``port`` 53.
       Allowed: the query goes upstream and the answer's addresses are bound to the name (flows to
       them are then decided as usual, asking the hook again for what no rule decides); denied:
@@ -130,6 +132,8 @@ class PolicyRequest:
 
 
 _ALLOW_ALL = Decision(True, "", None, "default")
+#: :meth:`Egress._call`'s value when the sync hook returned an awaitable.
+_PENDING = object()
 
 
 class NameBindings:
@@ -232,7 +236,7 @@ class Egress:
 
     __slots__ = ("config", "counters", "rules", "bindings", "default_allow", "hook", "hook_async", "timeout",
                  "timeout_allow", "hook_ttl", "ttl_min", "ttl_max", "per_answer", "_cache", "_hook_cache",
-                 "_pending", "_default", "_version", "ctx", "names_wanted", "_cached")
+                 "_pending", "_default", "_version", "ctx", "names_wanted", "_cached", "_gen")
 
     config: object
     counters: dict
@@ -252,6 +256,8 @@ class Egress:
     _cached: int
     _hook_cache: dict
     _pending: dict
+    #: Counts :meth:`clear_cache` calls: a hook verdict asked for before the last one is not cached.
+    _gen: int
     _default: Decision
     _version: int
     #: The stack's FlowContext (for ``ctx.loop`` / ``ctx.audit``), or ``None``.
@@ -269,13 +275,14 @@ class Egress:
         self.ttl_min = float(getattr(config, "dns_binding_ttl_min", 30.0))
         self.ttl_max = float(getattr(config, "dns_binding_ttl_max", 3600.0))
         self.per_answer = int(getattr(config, "max_dns_bindings_per_answer", 64))
+        self._gen = 0
         self.set_hook(hook if hook is not None else getattr(config, "policy", None))
         self.timeout = float(getattr(config, "policy_timeout", 1.0))
         self.timeout_allow = getattr(config, "policy_timeout_verdict", "deny") == "allow"
         self.hook_ttl = float(getattr(config, "policy_cache_ttl", 10.0))
         self._cache: dict = {}  # addr -> {(port, proto): (Decision, until)}
         self._cached = 0
-        self._hook_cache: dict = {}  # (name or addr, port, proto) -> (Decision, until)
+        self._hook_cache: dict = {}  # (name, addr, port, proto) / (name, 53, "dns") -> (Decision, until)
         self._pending: dict = {}  # hook key -> Future of the Decision
         self._version = self.rules.version
         self.ctx = None
@@ -311,11 +318,15 @@ class Egress:
         return self.rules.describe()
 
     # ------------------------------------------------------------------ run-time changes
-    def add(self, text: str, allow: bool = True) -> str:
-        """Add a user rule (``"pypi.org:443"``...); returns its canonical text; raises ``ConfigError``."""
+    def add(self, text: str, allow: bool = True, close: bool = False) -> str:
+        """Add a user rule (``"pypi.org:443"``...); returns its canonical text; raises ``ConfigError``.
+        ``close``: then end (:meth:`close_denied`) the open guest flows the rules no longer allow
+        (a new deny rule's)."""
         out = self.rules.add(text, allow)
         self.clear_cache()
         self._uncovered()  # the new rule may replace a covering allow rule of the same text
+        if close:
+            self.close_denied()
         return out
 
     def remove(self, text: str, close: bool = False):
@@ -370,10 +381,14 @@ class Egress:
     rules_list = list_rules
 
     def clear_cache(self) -> None:
-        """Forget every cached decision (rules or hook changed)."""
+        """Forget every cached decision (rules or hook changed). Hook calls in progress are left to
+        their waiters but no longer shared with new requests, and their verdicts are not cached
+        (they answered for the old rules or hook)."""
         self._cache = {}
         self._cached = 0
         self._hook_cache = {}
+        self._pending = {}
+        self._gen += 1
 
     @property
     def cached(self) -> int:
@@ -469,22 +484,33 @@ class Egress:
 
     # ------------------------------------------------------------------ the Python hook
     def _ask_hook(self, pname, proto, addr, port, name, guest, now, until) -> tuple[Decision, float]:
-        key = (name or addr, port, proto)
+        key = (name, addr, port, proto)
         hit = self._hook_cache.get(key)
         if hit is not None and hit[1] > now:
             return hit[0], min(until, hit[1])
-        req = PolicyRequest(pname, addr, port, name, guest_text(guest))
         if not self.hook_async:
-            d = self._verdict(self._call(req), name)
-            return self._remember(key, d, now), min(until, now + self.hook_ttl)
+            value = self._call(key, PolicyRequest(pname, addr, port, name, guest_text(guest)), name)
+            if value is not _PENDING:
+                return self._remember(key, self._verdict(value, name), now), min(until, now + self.hook_ttl)
         return Decision(False, "policy hook", name, "pending"), now
 
-    def _call(self, req):
+    def _call(self, key, req: PolicyRequest, name):
+        """Call the sync hook on ``req``: its value, ``None`` when it raised (a broken hook denies,
+        loudly), or :data:`_PENDING` when it returned an awaitable (a coroutine from a ``lambda``
+        around an async function...): that is then awaited as an async hook's call of ``key``
+        would be, and the hook is treated as async from now on (never ``bool(coroutine)``)."""
         try:
-            return self.hook(req)
-        except Exception:  # a broken hook denies, loudly
+            value = self.hook(req)
+        except Exception:
             log.exception("egress policy hook failed on %r: denied", req)
             return None
+        if inspect.isawaitable(value):
+            log.warning("egress policy hook %r returned an awaitable: treated as an async hook", self.hook)
+            self.hook_async = True
+            fut = self._pending[key] = asyncio.ensure_future(self._run_hook(key, req, name, self._gen, value))
+            fut.add_done_callback(functools.partial(self._done, key))
+            return _PENDING
+        return value
 
     def _verdict(self, value, name) -> Decision:
         if value is None:
@@ -503,11 +529,11 @@ class Egress:
 
     async def ask(self, proto: int, addr: str, port: int, now: float, guest: str | None = None) -> Decision:
         """Await the async hook's verdict for a flow whose :meth:`decide` was ``"pending"`` (one call
-        per ``(name or address, port, protocol)`` at a time; ``policy_timeout`` seconds, then
+        per ``(name, address, port, protocol)`` at a time; ``policy_timeout`` seconds, then
         ``policy_timeout_verdict``). The verdict is cached: :meth:`decide` returns it afterwards."""
         names = self.bindings.names(addr, now) if self.hook is not None else {}
         name = min(names) if names else None
-        key = (name or addr, port, proto)
+        key = (name, addr, port, proto)
         return await self._pending_call(key, PolicyRequest(PROTO_NAMES.get(proto, "tcp"), addr, port, name,
                                                            guest_text(guest)), name)
 
@@ -515,13 +541,22 @@ class Egress:
         """The async hook's :class:`Decision` on ``req``, one call per ``key`` at a time."""
         fut = self._pending.get(key)
         if fut is None:
-            fut = self._pending[key] = asyncio.ensure_future(self._run_hook(key, req, name))
-            fut.add_done_callback(lambda _f, k=key: self._pending.pop(k, None))
+            fut = self._pending[key] = asyncio.ensure_future(self._run_hook(key, req, name, self._gen))
+            fut.add_done_callback(functools.partial(self._done, key))
         return await asyncio.shield(fut)
 
-    async def _run_hook(self, key, req, name) -> Decision:
+    def _done(self, key, fut) -> None:
+        if self._pending.get(key) is fut:  # (not a newer call of the same key, after clear_cache)
+            del self._pending[key]
+
+    async def _run_hook(self, key, req, name, gen: int, value=None) -> Decision:
+        """The hook's :class:`Decision` on ``req`` (``value``: what a call already returned),
+        cached unless :meth:`clear_cache` ran since generation ``gen``."""
         try:
-            value = await asyncio.wait_for(self.hook(req), self.timeout)
+            if value is None:
+                value = self.hook(req)
+            if inspect.isawaitable(value):
+                value = await asyncio.wait_for(value, self.timeout)
             d = self._verdict(value, name)
         except asyncio.TimeoutError:
             self.counters["egress.hook_timeouts"] = self.counters.get("egress.hook_timeouts", 0) + 1
@@ -529,8 +564,8 @@ class Egress:
         except Exception:
             log.exception("egress policy hook failed on %r: denied", req)
             d = Decision(False, "policy hook", name, "hook_error")
-        loop = asyncio.get_running_loop()
-        self._remember(key, d, loop.time())
+        if gen == self._gen:
+            self._remember(key, d, asyncio.get_running_loop().time())
         return d
 
     # ------------------------------------------------------------------ DNS
@@ -558,10 +593,11 @@ class Egress:
             hit = self._hook_cache.get(key)
             if hit is not None and hit[1] > now:
                 return _dns_code(hit[0])
-            if self.hook_async:
-                return DNS_PENDING, "policy hook"
-            d = self._verdict(self._call(PolicyRequest("dns", dst, 53, name, guest_text(guest))), name)
-            return _dns_code(self._remember(key, d, now))
+            if not self.hook_async:
+                value = self._call(key, PolicyRequest("dns", dst, 53, name, guest_text(guest)), name)
+                if value is not _PENDING:
+                    return _dns_code(self._remember(key, self._verdict(value, name), now))
+            return DNS_PENDING, "policy hook"
         if self.default_allow:
             return 0, "egress-default allow"
         return EDE_PROHIBITED, "egress-default deny"
@@ -572,7 +608,10 @@ class Egress:
         ``policy_timeout_verdict``; cached as :meth:`dns_verdict` says. Returns ``(code, rule)``
         as :meth:`dns_verdict`."""
         key = (name, 53, "dns")
-        return _dns_code(await self._pending_call(key, PolicyRequest("dns", dst, 53, name, guest_text(guest)), name))
+        d = await self._pending_call(key, PolicyRequest("dns", dst, 53, name, guest_text(guest)), name)
+        # the rules may have changed meanwhile: they decide first, then the verdict now cached
+        code, rule = self.dns_verdict(name, asyncio.get_running_loop().time(), guest, dst)
+        return _dns_code(d) if code == DNS_PENDING else (code, rule)
 
     def may_bind(self, addr: str) -> bool:
         """May an upstream DNS answer bind ``addr`` (text)? See :meth:`bind_answer`."""

@@ -33,7 +33,7 @@ import time
 from ..config import NetworkConfig
 from ..flow.egress import DNS_PENDING, guest_fields
 from .dns_local import LocalRecords
-from .dns_policy import answer_addresses, blocked_response, has_edns, qname_text
+from .dns_policy import EDE_BLOCKED, ODD_NAME, answer_addresses, blocked_response, has_edns, plain_name, qname_text
 
 __all__ = ["DnsForwarder", "DnsTcpSession", "read_resolv_conf"]
 
@@ -399,7 +399,10 @@ class DnsForwarder:
             if now is None:
                 now = asyncio.get_running_loop().time()
             server = self._server(guest)
-            code, rule = policy.dns_verdict(name, now, guest, server)
+            if plain_name(question[0]):
+                code, rule = policy.dns_verdict(name, now, guest, server)
+            else:  # its text would not read as the upstream reads it: no rule or hook can judge it
+                code, rule = EDE_BLOCKED, ODD_NAME
             if code == DNS_PENDING:  # an async hook decides the name: a query in flight meanwhile
                 if self._inflight >= self.max_inflight:
                     self.count("overload")
