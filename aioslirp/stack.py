@@ -144,8 +144,8 @@ class Stack:
             a text file object; default ``config.audit_log``; ``None`` and no ``audit_log``: off.
             A log the stack opened from a path or file object is closed by :meth:`aclose`.
         policy: a Python egress hook (sync or async callable given a
-            :class:`~aioslirp.flow.egress.PolicyRequest`, returning allow/deny), asked for what no
-            rule decided; default ``config.policy``. See docs/security.md.
+            :class:`~aioslirp.flow.egress.PolicyRequest`, returning allow/deny), asked for the
+            flows and DNS names no rule decided; default ``config.policy``. See docs/security.md.
         tcp_handler: ``async def handler(flow, reader, writer)`` taking every admitted guest TCP
             flow no route (:meth:`route`) takes; ``udp_handler``: ``async def handler(flow,
             datagrams)`` for UDP flows. ``None``: NAT (or, for TCP, ``config.upstream_proxy``'s

@@ -222,23 +222,138 @@ def test_audit_log_cli_under_run_with_curl(tmp_path):
     assert hashlib.sha256(pattern(10, 1)).hexdigest()  # (the server's body generator, as curl read it)
 
 
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _deny(port: int = 9, dst: str = "192.0.2.1", rule: str = "egress-default deny") -> dict:
+    return {"event": "deny", "time": 5.0, "proto": "udp", "dst": dst, "port": port, "rule": rule}
+
+
+def _dns(name: str = "blocked.test", rule: str = "egress-default deny") -> dict:
+    return {"event": "dns", "time": 5.0, "proto": "dns", "name": name, "qtype": "A", "rule": rule}
+
+
 def test_a_flood_of_denials_is_written_at_a_bounded_rate_and_counted():
-    """A guest sending to denied destinations (or flooding DNS queries) makes one deny / dns
-    record each: beyond DECISION_RATE (burst DECISION_BURST) they are counted as
-    audit.records_suppressed, not written, so the log cannot grow without bound; flow records
-    are never suppressed."""
-    from aioslirp.observe.audit import DECISION_BURST, AuditLog
+    """A guest sending to one denied destination again and again makes one deny record each: the
+    first, then DECISION_BURST more, are written; beyond them they are counted as
+    audit.records_suppressed, not written, so the log cannot grow without bound, and a
+    ``suppressed`` record with the count is written at close; flow records are never suppressed."""
+    from aioslirp.observe.audit import DECISION_BURST
 
     out = io.StringIO()
-    log = AuditLog(out)
-    for i in range(300):
-        log.record({"event": "deny", "time": 0.0, "proto": "udp", "dst": "192.0.2.1", "port": 9 + i})
+    log = AuditLog(out, clock=Clock())
+    for _ in range(300):
+        log.record(_deny())
     for i in range(50):
         log.record({"event": "flow", "time": 0.0, "proto": "udp", "dst": "192.0.2.2", "port": 9 + i})
     log.close()
-    lines = out.getvalue().splitlines()
-    denies = sum('"deny"' in line for line in lines)
-    suppressed = log.counters["audit.records_suppressed"]
-    assert DECISION_BURST <= denies <= DECISION_BURST + 5  # the burst, plus what refilled meanwhile
-    assert denies + suppressed == 300
-    assert sum('"flow"' in line for line in lines) == 50
+    recs = _records(out)
+    denies = sum(r["event"] == "deny" for r in recs)
+    assert denies == 1 + DECISION_BURST
+    assert log.counters["audit.records_suppressed"] == 300 - denies
+    assert [r for r in recs if r["event"] == "suppressed"] == [
+        {"event": "suppressed", "time": recs[-1]["time"], "kind": "deny", "count": 300 - denies, "first": 5.0,
+         "last": 5.0}]
+    assert sum(r["event"] == "flow" for r in recs) == 50
+
+
+def test_a_dns_flood_does_not_hide_the_next_denial():
+    """Issue 24 (5): 250 DNS records for blocked names (one name, so they are repeats) spend the
+    DNS budget, not the denials': the denied connection that follows is written; the DNS
+    records held back are summed up in a ``suppressed`` record of kind ``dns`` with their count.
+    Before the fix the deny record was suppressed and nothing said so."""
+    from aioslirp.observe.audit import DECISION_BURST
+
+    out = io.StringIO()
+    clock = Clock()
+    log = AuditLog(out, clock=clock)
+    for _ in range(250):
+        log.record(_dns())
+    log.record(_deny(port=443, dst="198.51.100.7"))
+    clock.t += 10  # the DNS bucket refills: the next dns record is written, after the summary
+    log.record(_dns())
+    log.close()
+    recs = _records(out)
+    assert [(r["dst"], r["port"]) for r in recs if r["event"] == "deny"] == [("198.51.100.7", 443)]
+    held = 250 - 1 - DECISION_BURST
+    summaries = [r for r in recs if r["event"] == "suppressed"]
+    assert [(r["kind"], r["count"]) for r in summaries] == [("dns", held)]
+    assert recs.index(summaries[0]) == len(recs) - 2 and recs[-1]["event"] == "dns"
+    assert log.counters["audit.records_suppressed"] == held
+
+
+def test_the_first_record_of_each_new_destination_port_and_rule_is_written():
+    """Once the deny budget is spent, a record whose (destination, port, rule) is new is still
+    written; at most FIRST_KEYS new keys a window, after FIRST_WINDOW seconds they count as new
+    again."""
+    from aioslirp.observe.audit import DECISION_BURST, FIRST_KEYS, FIRST_WINDOW
+
+    out = io.StringIO()
+    clock = Clock()
+    log = AuditLog(out, clock=clock)
+    for _ in range(500):
+        log.record(_deny())  # the budget is spent
+    log.record(_deny(port=10))
+    log.record(_deny(rule="192.0.2.0/24"))
+    log.record(_deny(dst="192.0.2.2"))
+    log.record(_deny())  # a repeat: suppressed
+    for i in range(FIRST_KEYS + 10):
+        log.record(_deny(port=1000 + i))
+    clock.t += FIRST_WINDOW
+    log.record(_deny())  # a new window: new again
+    log.close()
+    recs = [r for r in _records(out) if r["event"] == "deny"]
+    burst = int(DECISION_BURST)
+    firsts = [(r["dst"], r["port"], r["rule"]) for r in recs[1 + burst:1 + burst + 3]]
+    assert firsts == [("192.0.2.1", 10, "egress-default deny"), ("192.0.2.1", 9, "192.0.2.0/24"),
+                      ("192.0.2.2", 9, "egress-default deny")]
+    # the first key, the burst, FIRST_KEYS - 1 more new keys (the 14 past them waited for the
+    # budget: suppressed), and the first key again in the new window
+    assert len(recs) == 1 + burst + (FIRST_KEYS - 1) + 1
+    assert (recs[-1]["port"], recs[-2]["port"]) == (9, 1000 + FIRST_KEYS - 5)
+
+
+async def test_a_suppressed_record_follows_a_flood_through_the_stack():
+    """In process, a guest behind a Stack under default deny: 500 DNS queries for one blocked name,
+    a SYN to a denied destination (its deny record is written), then 500 SYNs to one other denied
+    destination and port; a second later the log holds a ``suppressed`` record per kind, and the
+    records written plus the counts they sum up equal the policy's counters. (The summaries come
+    from the loop's timer, at most one per kind a second.)"""
+    from stack_helpers import F4
+
+    buf = io.StringIO()
+    cfg = NetworkConfig(egress_default="deny", ipv6=False, audit_log=buf, dns_upstreams=[("127.0.0.1", 9)])
+    q = bytes(dpkt.dns.DNS(id=1, rd=1, qd=[dpkt.dns.DNS.Q(name="c2vjcmv0.attacker.example", type=1, cls=1)]))
+
+    async def send(frames):
+        for i, f in enumerate(frames):
+            guest.send(f)
+            if i % 32 == 31:  # let the stack read them (and drain its answers)
+                await recv_frames(guest, 0.02)
+        await recv_frames(guest, 0.3)
+
+    async with served_stack(cfg, settle=0.1) as (stack, guest, _):
+        await send([udp_frame(F4, 20000 + i, 53, q, dst=socket.inet_aton("10.0.2.3")) for i in range(500)])
+        await send([tcp_frame(F4, 30000, 443, SYN, dst=socket.inet_aton("198.51.100.7"))])
+        await send([tcp_frame(F4, 30001 + i, 80, SYN, dst=socket.inet_aton("198.51.100.8")) for i in range(500)])
+        await asyncio.sleep(1.2)  # SUMMARY_DELAY: the timer writes the summaries
+        stack.parts.audit.flush()
+        recs = _records(buf)
+        c = dict(stack.counters)
+    denies = [r for r in recs if r["event"] == "deny"]
+    assert ("198.51.100.7", 443) in [(r["dst"], r["port"]) for r in denies]
+    sums: dict = {}
+    for r in recs:
+        if r["event"] == "suppressed":
+            sums[r["kind"]] = sums.get(r["kind"], 0) + r["count"]
+    assert set(sums) == {"dns", "deny"}, (sums, {k: v for k, v in c.items() if "dns" in k or "audit" in k})
+    assert sum(sums.values()) == c["audit.records_suppressed"]
+    assert len(denies) + sums["deny"] == c["drop.egress_denied"] == 501
+    assert sum(r["event"] == "dns" for r in recs) + sums["dns"] == c["egress.dns_blocked"] == 500

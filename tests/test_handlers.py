@@ -261,7 +261,10 @@ async def test_handler_api_with_a_real_guest():
 
     names = Names({"svc.test": "192.0.2.82"})
     try:
-        out, stack = await run_guest(cfg(dns_upstreams=[("127.0.0.1", names.port)], egress_deny=["192.0.2.99"]),
+        # egress_allow covers svc.test's documentation address, which an upstream answer binds (for
+        # the route by name) only under a covering CIDR allow rule (docs/security.md)
+        out, stack = await run_guest(cfg(dns_upstreams=[("127.0.0.1", names.port)], egress_deny=["192.0.2.99"],
+                                         egress_allow=["192.0.2.0/24"]),
                                      GUEST_API, setup=setup, tcp_handler=catch_all)
     finally:
         names.close()
@@ -800,7 +803,10 @@ async def test_verify_sni_with_a_real_guest(sni_world):
     try:
         log = io.StringIO()
         out, stack = await run_guest(cfg(dns_upstreams=[("127.0.0.1", names.port)], egress_default="deny",
-                                         egress_allow=[f"allowed.test:{port}"], verify_sni=True, audit_log=log),
+                                         # 192.0.2.0/24:9/udp covers the names' documentation address:
+                                         # their answers may bind it (docs/security.md); opens nothing used
+                                         egress_allow=[f"allowed.test:{port}", "192.0.2.0/24:9/udp"],
+                                         verify_sni=True, audit_log=log),
                                      GUEST_SNI, port)
         events = [json.loads(line) for line in log.getvalue().splitlines()]
     finally:
@@ -957,7 +963,10 @@ async def test_verify_sni_judges_every_request_of_a_connection(sni_http_world):
     try:
         log = io.StringIO()
         out, stack = await run_guest(cfg(dns_upstreams=[("127.0.0.1", names.port)], egress_default="deny",
-                                         egress_allow=[f"allowed.test:{port}"], verify_sni=True, audit_log=log),
+                                         # 192.0.2.0/24:9/udp covers the names' documentation address:
+                                         # an upstream answer binds no special-purpose address without one
+                                         egress_allow=[f"allowed.test:{port}", "192.0.2.0/24:9/udp"],
+                                         verify_sni=True, audit_log=log),
                                      GUEST_SNI_REQUESTS, port)
         events = [json.loads(line) for line in log.getvalue().splitlines()]
     finally:

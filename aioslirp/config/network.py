@@ -145,12 +145,14 @@ class NetworkConfig:
     max_dns_bindings: int = 4096
     max_dns_bindings_per_answer: int = 64
     #: Python policy hook: ``policy(request) -> bool | (bool, reason)``, sync or async, asked for a
-    #: flow no rule decides (see :mod:`aioslirp.flow.egress`); ``None``: none.
+    #: flow or a DNS name (``request.proto == "dns"``) no rule decides (see
+    #: :class:`aioslirp.flow.egress.PolicyRequest`); ``None``: none.
     policy: object = None
     #: Seconds an async hook may take; then ``policy_timeout_verdict`` (``"allow"`` / ``"deny"``) applies.
     policy_timeout: float = 1.0
     policy_timeout_verdict: str = "deny"
-    #: Seconds a hook's verdict is reused for the same (name or address, port, protocol).
+    #: Seconds a hook's verdict is reused for the same (bound name, address, port, protocol) of a flow,
+    #: or the same DNS name.
     policy_cache_ttl: float = 10.0
     #: Bytes buffered from the host socket per TCP flow towards the guest (and our receive window).
     tcp_buffer: int = 1 << 20

@@ -9,7 +9,9 @@ A rule is ``TARGET[:PORTS][/PROTO]``, ``allow`` or ``deny``:
   of at least two labels (``pypi.org``) or a wildcard ``*.SUFFIX`` (``*.githubusercontent.com``),
   which matches one or more labels in front of ``SUFFIX`` and never ``SUFFIX`` itself.
   Names match case-insensitively and on label boundaries only (``evilpypi.org`` is not
-  ``pypi.org``); a trailing dot is ignored.
+  ``pypi.org``); a trailing dot is ignored. An internationalized name is written in its
+  ``xn--`` (punycode) form, as it travels in DNS: aioslirp does not convert (IDNA 2003 and 2008
+  map some names differently, ``ß`` for one), so a rule reads exactly what the guest sends.
 * ``PORTS``: ``443`` or a range ``8000-8999`` (1-65535); absent: every port.
 * ``PROTO``: ``tcp`` or ``udp``; absent: every protocol (ICMP echo flows have port 0 and match
   only rules without ports).
@@ -143,7 +145,8 @@ def _name(text: str, raw: str, field_name: str) -> tuple[int, str]:
     if (not text or len(text) > 253 or any(not 0 < len(lb) <= 63 or not _NAME_CHARS.issuperset(lb) for lb in labels)
             or (kind == KIND_NAME and len(labels) < 2) or labels[-1].isdigit()):
         raise _bad(field_name, raw, _SHAPE) if kind == KIND_NAME and "." not in text else \
-            _bad(field_name, raw, f"{text!r} is not a domain name (labels of a-z, 0-9, '-', '_'; at least two)")
+            _bad(field_name, raw, f"{text!r} is not a domain name (labels of a-z, 0-9, '-', '_'; at least two"
+                 + ("; an internationalized name in its xn-- form" if not text.isascii() else "") + ")")
     return kind, text
 
 
@@ -331,6 +334,18 @@ class EgressPolicy:
         for r in (self._v4 if v[0] == 4 else self._v6):
             if value & r.mask == r.net and not (user_only and r.default) and (
                     r.applies(port, proto) if proto else r.lo is None and r.proto is None):
+                return r
+        return None
+
+    def covers(self, addr: str) -> Rule | None:
+        """The most specific user's CIDR *allow* rule whose network holds ``addr`` (text), with any
+        ports and protocol, or ``None`` (the built-in defaults never cover)."""
+        v = addr_int(addr)
+        if v is None:
+            return None
+        value = v[1]
+        for r in (self._v4 if v[0] == 4 else self._v6):
+            if r.allow and not r.default and value & r.mask == r.net:
                 return r
         return None
 

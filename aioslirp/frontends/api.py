@@ -40,8 +40,10 @@ Commands (``{"execute": NAME, "arguments": {...}}``) and replies:
 
 ``add_rule``
     ``arguments``: ``rule`` (egress rule text, e.g. ``"pypi.org:443"``, ``"10.0.0.0/8:8000-8999/tcp"``),
-    ``verdict`` (``"allow"``, the default, or ``"deny"``). Reply ``{"return":{"rule":CANONICAL}}``; the
-    verdict cache is cleared (:mod:`aioslirp.flow.egress`).
+    ``verdict`` (``"allow"``, the default, or ``"deny"``), ``close`` (default false: flows already
+    open stay; true: the open flows the policy no longer allows, e.g. under a new deny rule, are
+    ended). Reply ``{"return":{"rule":CANONICAL}}``, with ``"closed":N`` when ``close`` was given;
+    the verdict cache is cleared (:mod:`aioslirp.flow.egress`).
 ``remove_rule``
     ``arguments``: ``rule``, ``close`` (default false: flows already open stay; true: the open
     flows the policy no longer allows are ended). Reply ``{"return":{"closed":N}}``; a rule that
@@ -330,11 +332,17 @@ class ApiServer:
             return _error(pre + "bad arguments.rule")
         if verdict not in ("allow", "deny"):
             return _error(pre + "bad arguments.verdict")
+        close = args.get("close", False)
+        if not isinstance(close, bool):
+            return _error(pre + "bad arguments.close")
+        policy = self.stack.policy
         try:
-            text = self.stack.policy.add(rule, allow=verdict == "allow")
+            text = policy.add(rule, allow=verdict == "allow")
         except ConfigError as exc:
             return _error(pre + f"bad arguments.rule: {str(exc).split(': ', 1)[-1]}")
         log.info("egress policy: %s %s added over the API socket", verdict, text)
+        if close:
+            return {"return": {"rule": text, "closed": policy.close_denied()}}
         return {"return": {"rule": text}}
 
     async def _remove_rule(self, args: dict) -> dict:

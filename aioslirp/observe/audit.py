@@ -32,7 +32,8 @@ import time
 
 from ..ratelimit import TokenBucket
 
-__all__ = ["AuditLog", "FLUSH_INTERVAL", "FLUSH_LINES", "EVENTS_QUEUE"]
+__all__ = ["AuditLog", "DECISION_BURST", "DECISION_RATE", "EVENTS_QUEUE", "FIRST_KEYS", "FIRST_WINDOW",
+           "FLUSH_INTERVAL", "FLUSH_LINES", "SUMMARY_DELAY"]
 
 log = logging.getLogger("aioslirp.audit")
 
@@ -43,12 +44,25 @@ FLUSH_LINES = 256
 #: Default bound of each :meth:`AuditLog.events` reader's queue, records.
 EVENTS_QUEUE = 4096
 #: Denial and DNS records (``deny``, ``dns``) per second a guest can cause, and the burst
-#: saved: beyond them such records are not written but counted (``audit.records_suppressed``),
-#: so a guest flooding denied destinations or DNS queries cannot grow the log without bound
-#: (each denial is still counted by the policy: ``drop.egress_denied``, ``egress.*``). Flow
-#: records are never suppressed (their rate is the new-flow rate's).
+#: saved, *per kind* (a DNS flood does not spend the budget of denials): beyond them such
+#: records are not written but counted (``audit.records_suppressed``), so a guest flooding
+#: denied destinations or DNS queries cannot grow the log without bound (each denial is still
+#: counted by the policy: ``drop.egress_denied``, ``egress.*``). Flow records are never
+#: suppressed (their rate is the new-flow rate's).
 DECISION_RATE = 100.0
 DECISION_BURST = 200.0
+#: The first record of a new key (``deny``: destination, port and rule; ``dns``: name, query
+#: type and rule) is written whatever the budget, so a flood of other records cannot hide it:
+#: keys remembered at most, per kind, and the seconds after which they are forgotten (so at
+#: most FIRST_KEYS such records per kind per FIRST_WINDOW beyond the rate, and a key seen again
+#: after the window is written again).
+FIRST_KEYS = 4096
+FIRST_WINDOW = 60.0
+#: Seconds after a record was suppressed (the first since the last summary) when a ``suppressed``
+#: record sums up what was held back: so at most one such record per kind a second.
+SUMMARY_DELAY = 1.0
+#: Kinds of decision record with a budget of their own; more kinds share one.
+MAX_KINDS = 8
 
 _ADDR_FIELDS = ("guest", "dst")
 
@@ -60,6 +74,49 @@ def _cook(rec: dict) -> dict:
         if v.__class__ is bytes:
             rec[k] = socket.inet_ntop(socket.AF_INET6 if len(v) == 16 else socket.AF_INET, v)
     return rec
+
+
+class _Budget:
+    """The write budget of one kind of decision record: a :class:`TokenBucket` for repeats, the
+    keys already seen in this window, and what was suppressed since the last summary."""
+
+    __slots__ = ("bucket", "keys", "window", "count", "first", "last")
+
+    bucket: TokenBucket
+    keys: set
+    #: Clock time the key window started.
+    window: float
+    #: Records suppressed since the last ``suppressed`` record; wall times of the first and last.
+    count: int
+    first: float
+    last: float
+
+    def __init__(self, now: float) -> None:
+        self.bucket = TokenBucket(DECISION_RATE, DECISION_BURST)
+        self.keys = set()
+        self.window = now
+        self.count = 0
+        self.first = self.last = 0.0
+
+    def admit(self, key, now: float) -> bool:
+        """May a record of ``key`` be written at clock time ``now``? A key new in this window is
+        (while :data:`FIRST_KEYS` are not yet remembered); else the bucket decides."""
+        if now - self.window >= FIRST_WINDOW:
+            self.keys = set()
+            self.window = now
+        keys = self.keys
+        if key not in keys and len(keys) < FIRST_KEYS:
+            keys.add(key)
+            return True
+        return self.bucket.take(now)
+
+
+def _key(rec: dict) -> tuple:
+    """What makes a decision record new (:data:`FIRST_KEYS`): ``dns``: name, query type, rule;
+    others: destination, port, rule."""
+    if rec.get("event") == "dns":
+        return rec.get("name"), rec.get("qtype"), rec.get("rule")
+    return rec.get("dst"), rec.get("port"), rec.get("rule")
 
 
 class _Reader:
@@ -132,7 +189,8 @@ class AuditLog:
     """
 
     __slots__ = ("path", "_file", "_own", "_ino", "_pending", "_timer", "_loop", "_readers", "flush_interval",
-                 "flush_lines", "records", "records_dropped", "counters", "closed", "_decisions")
+                 "flush_lines", "records", "records_dropped", "counters", "closed", "_budgets", "clock",
+                 "_summary_timer")
 
     path: str | None
     _file: object
@@ -148,10 +206,14 @@ class AuditLog:
     records_dropped: int
     counters: dict
     closed: bool
-    #: The bucket of ``deny`` / ``dns`` records (:data:`DECISION_RATE`).
-    _decisions: TokenBucket
+    #: The write budget of each kind of decision record (``deny``, ``dns``).
+    _budgets: dict
+    #: Seconds on a monotonic clock (the budgets' time); ``time.monotonic`` unless given.
+    clock: object
+    _summary_timer: asyncio.TimerHandle | None
 
-    def __init__(self, target=None, *, flush_interval: float = FLUSH_INTERVAL, flush_lines: int = FLUSH_LINES) -> None:
+    def __init__(self, target=None, *, flush_interval: float = FLUSH_INTERVAL, flush_lines: int = FLUSH_LINES,
+                 clock=None) -> None:
         self.path = None
         self._file = None
         self._own = False
@@ -175,7 +237,9 @@ class AuditLog:
         self.records_dropped = 0
         self.counters = collections.Counter()
         self.closed = False
-        self._decisions = TokenBucket(DECISION_RATE, DECISION_BURST)
+        self._budgets: dict = {}
+        self.clock = clock if clock is not None else time.monotonic
+        self._summary_timer = None
 
     # ------------------------------------------------------------------ set-up
     def bind(self, loop: asyncio.AbstractEventLoop | None, counters=None) -> None:
@@ -222,12 +286,60 @@ class AuditLog:
     def record(self, rec: dict) -> None:
         """Take one record (a ``dict`` of JSON-ready values; ``"guest"`` / ``"dst"`` may be
         addresses as 4 or 16 bytes). Never raises for the sink: write errors are logged and
-        counted ``audit.write_errors``."""
+        counted ``audit.write_errors``.
+
+        A decision record (any ``event`` but ``"flow"`` and ``"suppressed"``) is written when it
+        is the first of its key in the window (:data:`FIRST_KEYS`) or within its kind's rate
+        (:data:`DECISION_RATE`); else it is counted (``audit.records_suppressed``) and summed up
+        in a ``suppressed`` record (docs/audit.md) :data:`SUMMARY_DELAY` seconds later (a loop
+        timer), and at :meth:`close`; without a loop (:meth:`bind`), before the next record of
+        its kind that is written."""
         if self.closed:
             return
-        if rec.get("event") != "flow" and not self._decisions.take(time.monotonic()):
-            self.counters["audit.records_suppressed"] += 1  # over DECISION_RATE: counted, not written
+        kind = rec.get("event")
+        if kind != "flow" and kind != "suppressed":
+            budgets = self._budgets
+            b = budgets.get(kind)
+            now = self.clock()
+            if b is None:
+                if len(budgets) >= MAX_KINDS:
+                    kind = ""  # (kinds come from the code; this is a backstop)
+                    b = budgets.get(kind)
+                if b is None:
+                    b = budgets[kind] = _Budget(now)
+            if not b.admit(_key(rec), now):
+                self.counters["audit.records_suppressed"] += 1
+                t = rec.get("time")
+                t = t if isinstance(t, float) else time.time()
+                if not b.count:
+                    b.first = t
+                b.count += 1
+                b.last = t
+                if self._summary_timer is None and self._loop is not None:
+                    self._summary_timer = self._loop.call_later(SUMMARY_DELAY, self._summaries)
+                return
+            if b.count and self._loop is None:  # no timer: say what was held back, before this record
+                self._summary(kind, b)
+        self._take(rec)
+
+    def _summary(self, kind: str, b: _Budget) -> None:
+        """Write the ``suppressed`` record of kind ``kind`` (docs/audit.md) and start counting again."""
+        rec = {"event": "suppressed", "time": time.time(), "kind": kind or None, "count": b.count,
+               "first": b.first, "last": b.last}
+        b.count = 0
+        self._take(rec)
+
+    def _summaries(self) -> None:
+        """The summary timer: a ``suppressed`` record for each kind with suppressed records."""
+        self._summary_timer = None
+        if self.closed:
             return
+        for kind, b in self._budgets.items():
+            if b.count:
+                self._summary(kind, b)
+
+    def _take(self, rec: dict) -> None:
+        """Write ``rec`` (buffered) and hand it to the readers."""
         self.records += 1
         if self._file is not None:
             pending = self._pending
@@ -283,6 +395,9 @@ class AuditLog:
         what they hold). Idempotent."""
         if self.closed:
             return
+        if self._summary_timer is not None:
+            self._summary_timer.cancel()
+        self._summaries()
         self.flush()
         self.closed = True
         if self._own and self._file is not None:

@@ -31,9 +31,9 @@ import struct
 import time
 
 from ..config import NetworkConfig
-from ..flow.egress import guest_fields
+from ..flow.egress import DNS_PENDING, guest_fields
 from .dns_local import LocalRecords
-from .dns_policy import answer_addresses, blocked_response, has_edns, qname_text
+from .dns_policy import EDE_BLOCKED, ODD_NAME, answer_addresses, blocked_response, has_edns, plain_name, qname_text
 
 __all__ = ["DnsForwarder", "DnsTcpSession", "read_resolv_conf"]
 
@@ -406,7 +406,24 @@ class DnsForwarder:
         rule = None
         if policy is not None and getattr(policy, "names_on", False):
             name = qname_text(question[0])
-            code, rule = policy.dns_verdict(name)
+            if now is None:
+                now = asyncio.get_running_loop().time()
+            server = self._server(guest)
+            if plain_name(question[0]):
+                code, rule = policy.dns_verdict(name, now, guest, server)
+            else:  # its text would not read as the upstream reads it: no rule or hook can judge it
+                code, rule = EDE_BLOCKED, ODD_NAME
+            if code == DNS_PENDING:  # an async hook decides the name: a query in flight meanwhile
+                if self._inflight >= self.max_inflight:
+                    self.count("overload")
+                    return None
+                self._inflight += 1
+                try:
+                    code, rule = await policy.dns_ask(name, guest, server)
+                finally:
+                    self._inflight -= 1
+                if self._closed:
+                    return None
             if code:
                 self.count("blocked")
                 reply = blocked_response(query, qend, code, rule, has_edns(query, qend, read_name))
@@ -450,17 +467,22 @@ class DnsForwarder:
             self._audit(policy, name, guest, "allow", "dns-record", question[1])
         return reply
 
+    def _server(self, guest) -> str:
+        """The virtual DNS address (text) a guest endpoint ``(address bytes, port)`` asked: the IPv6
+        one for an IPv6 guest; ``""`` when there is none."""
+        v6 = guest is not None and not isinstance(guest, str) and len(guest[0]) == 16
+        dst = getattr(self.config, "dns6" if v6 else "dns", None)
+        return "" if dst is None else str(dst)
+
     def _audit(self, policy, name: str, guest, verdict: str, rule: str, qtype: int, answer: str = "answered") -> None:
         """One ``dns`` audit record (docs/audit.md): the name asked, its type, the verdict and rule,
         and ``answer``: ``"answered"``, ``"blocked"`` (NXDOMAIN + EDE) or ``"servfail"``."""
         ctx = getattr(policy, "ctx", None)
         a = ctx.audit if ctx is not None else None
         if a is not None:
-            v6 = guest is not None and not isinstance(guest, str) and len(guest[0]) == 16
-            dst = getattr(self.config, "dns6" if v6 else "dns", None)
             g, gport = guest_fields(guest)
             a.record({"event": "dns", "time": time.time(), "proto": "dns", "guest": g, "guest_port": gport,
-                      "dst": None if dst is None else str(dst), "port": 53, "name": name,
+                      "dst": self._server(guest) or None, "port": 53, "name": name,
                       "qtype": _QTYPES.get(qtype, qtype), "verdict": verdict, "rule": rule, "answer": answer})
 
     async def _forward(self, query: bytes, question, tcp: bool) -> bytes | None:

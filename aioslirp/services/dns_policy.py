@@ -6,6 +6,9 @@
 * :func:`answer_addresses` — the A / AAAA addresses of an answer for the name asked, following
   its CNAME chain (RFC 1034 3.6.2), each with the smallest TTL along the chain (seconds).
 * :func:`qname_text` — a wire-form name as lower-case text without the trailing dot.
+* :func:`plain_name` — whether that text reads the name as the upstream does (no label holds a
+  ``.``, a ``\\``, a space, a control or a non-ASCII byte): only such names are matched against
+  rules or shown to the hook; any other is refused under the policy (:data:`ODD_NAME`).
 
 Everything here is bounded: names are read with :func:`~aioslirp.services.dns.read_name`
 (pointer loops and length checked), records at most the message's counts, CNAME hops at most
@@ -17,7 +20,8 @@ from __future__ import annotations
 import socket
 import struct
 
-__all__ = ["EDE_BLOCKED", "EDE_PROHIBITED", "answer_addresses", "blocked_response", "has_edns", "qname_text"]
+__all__ = ["EDE_BLOCKED", "EDE_PROHIBITED", "ODD_NAME", "answer_addresses", "blocked_response", "has_edns",
+           "plain_name", "qname_text"]
 
 #: RFC 8914 section 4.16 / 4.19: INFO-CODEs of a blocked and a prohibited query.
 EDE_BLOCKED = 15
@@ -29,6 +33,28 @@ _TYPE_A, _TYPE_CNAME, _TYPE_AAAA, _TYPE_OPT = 1, 5, 28, 41
 _RR = struct.Struct("!HHIH")  # type, class, ttl, rdlength (RFC 1035 4.1.3)
 #: UDP payload size we advertise in our own OPT RR (RFC 6891 6.2.5; the common 1232).
 EDNS_PAYLOAD = 1232
+
+
+#: The rule text (EXTRA-TEXT, audit ``rule``) of a name refused for its bytes (:func:`plain_name`).
+ODD_NAME = "odd name (a label with '.', '\\', a space, a control or non-ASCII byte)"
+#: Bytes a label may hold and still read the same as text: printable ASCII but '.' and '\\'.
+_PLAIN = bytes(b for b in range(0x21, 0x7F) if b not in b".\\")
+
+
+def plain_name(wire: bytes) -> bool:
+    """True when every label of the wire-form name ``wire`` holds only printable ASCII other than
+    ``.`` and ``\\``: then :func:`qname_text` reads the labels as the upstream does (a label
+    ``b"x.pypi"`` under ``org`` would read ``"x.pypi.org"``, under the rule ``*.pypi.org``, though the
+    upstream resolves it under ``org``; a NUL could end the name early for a resolver that keeps
+    names as C strings). Malformed (a label running past the end): False."""
+    off, end = 0, len(wire)
+    while off < end and wire[off]:
+        n = wire[off]
+        label = wire[off + 1:off + 1 + n]
+        if len(label) != n or label.translate(None, _PLAIN):
+            return False
+        off += 1 + n
+    return off < end
 
 
 def qname_text(wire: bytes) -> str:
