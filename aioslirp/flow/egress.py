@@ -153,9 +153,9 @@ class NameBindings:
     _by_addr: dict
     on_change: object
 
-    def __init__(self, limit: int = 4096, counters=None, on_change=None) -> None:
-        self.limit = max(1, int(limit))
-        self.counters = counters if counters is not None else {}
+    def __init__(self, limit: int, counters: dict, on_change=None) -> None:
+        self.limit = int(limit)  # (NetworkConfig.max_dns_bindings: at least 1)
+        self.counters = counters
         self._pairs: dict = {}  # (addr, name) -> trusted (the owner's dns_records), oldest first
         self._by_addr: dict = {}  # addr -> {name: expiry}
         self.on_change = on_change
@@ -236,7 +236,7 @@ class Egress:
 
     __slots__ = ("config", "counters", "rules", "bindings", "default_allow", "hook", "hook_async", "timeout",
                  "timeout_allow", "hook_ttl", "ttl_min", "ttl_max", "per_answer", "_cache", "_hook_cache",
-                 "_pending", "_default", "_version", "ctx", "names_wanted", "_cached", "_gen")
+                 "_pending", "_default", "ctx", "names_wanted", "_cached", "_gen")
 
     config: object
     counters: dict
@@ -259,7 +259,6 @@ class Egress:
     #: Counts :meth:`clear_cache` calls: a hook verdict asked for before the last one is not cached.
     _gen: int
     _default: Decision
-    _version: int
     #: The stack's FlowContext (for ``ctx.loop`` / ``ctx.audit``), or ``None``.
     ctx: object
     #: Something besides the rules needs the name bindings (a flow handler's route by name).
@@ -269,22 +268,21 @@ class Egress:
         self.config = config
         self.counters = counters if counters is not None else {}
         self.rules = EgressPolicy.from_config(config)
-        self.default_allow = getattr(config, "egress_default", "allow") != "deny"
+        self.default_allow = config.egress_default != "deny"
         self._default = _ALLOW_ALL if self.default_allow else Decision(False, "egress-default deny", None, "default")
-        self.bindings = NameBindings(getattr(config, "max_dns_bindings", 4096), self.counters, self._forget)
-        self.ttl_min = float(getattr(config, "dns_binding_ttl_min", 30.0))
-        self.ttl_max = float(getattr(config, "dns_binding_ttl_max", 3600.0))
-        self.per_answer = int(getattr(config, "max_dns_bindings_per_answer", 64))
+        self.bindings = NameBindings(config.max_dns_bindings, self.counters, self._forget)
+        self.ttl_min = float(config.dns_binding_ttl_min)
+        self.ttl_max = float(config.dns_binding_ttl_max)
+        self.per_answer = int(config.max_dns_bindings_per_answer)
         self._gen = 0
-        self.set_hook(hook if hook is not None else getattr(config, "policy", None))
-        self.timeout = float(getattr(config, "policy_timeout", 1.0))
-        self.timeout_allow = getattr(config, "policy_timeout_verdict", "deny") == "allow"
-        self.hook_ttl = float(getattr(config, "policy_cache_ttl", 10.0))
+        self.set_hook(hook if hook is not None else config.policy)
+        self.timeout = float(config.policy_timeout)
+        self.timeout_allow = config.policy_timeout_verdict == "allow"
+        self.hook_ttl = float(config.policy_cache_ttl)
         self._cache: dict = {}  # addr -> {(port, proto): (Decision, until)}
         self._cached = 0
         self._hook_cache: dict = {}  # (name, addr, port, proto) / (name, 53, "dns") -> (Decision, until)
         self._pending: dict = {}  # hook key -> Future of the Decision
-        self._version = self.rules.version
         self.ctx = None
         self.names_wanted = False
 
@@ -479,7 +477,7 @@ class Egress:
         if best is not None:
             return Decision(best.allow, best.text, None, "rule"), until
         if self.hook is not None:
-            return self._ask_hook(PROTO_NAMES.get(proto, "tcp"), proto, addr, port, name, guest, now, until)
+            return self._ask_hook(PROTO_NAMES[proto], proto, addr, port, name, guest, now, until)
         return self._default, until
 
     # ------------------------------------------------------------------ the Python hook
@@ -531,11 +529,11 @@ class Egress:
         """Await the async hook's verdict for a flow whose :meth:`decide` was ``"pending"`` (one call
         per ``(name, address, port, protocol)`` at a time; ``policy_timeout`` seconds, then
         ``policy_timeout_verdict``). The verdict is cached: :meth:`decide` returns it afterwards."""
-        names = self.bindings.names(addr, now) if self.hook is not None else {}
+        names = self.bindings.names(addr, now)
         name = min(names) if names else None
         key = (name, addr, port, proto)
-        return await self._pending_call(key, PolicyRequest(PROTO_NAMES.get(proto, "tcp"), addr, port, name,
-                                                           guest_text(guest)), name)
+        return await self._pending_call(key, PolicyRequest(PROTO_NAMES[proto], addr, port, name, guest_text(guest)),
+                                        name)
 
     async def _pending_call(self, key, req: PolicyRequest, name) -> Decision:
         """The async hook's :class:`Decision` on ``req``, one call per ``key`` at a time."""
@@ -685,7 +683,7 @@ def address_class(addr: str) -> int:
     NAT64 ``64:ff9b::/96`` (RFC 6052), 6to4 ``2002::/16`` (RFC 3056)) is at least as restricted
     as the IPv4 address it embeds."""
     try:
-        ip = ipaddress.ip_address(addr.split("%", 1)[0])
+        ip = ipaddress.ip_address(addr)  # (an IPv6 %scope is kept by ipaddress and changes nothing here)
     except ValueError:
         return NEVER
     worst = GLOBAL
