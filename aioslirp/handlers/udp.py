@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from ..flow.base import admission
 from ..wire.ip import PROTO_UDP
 from .streams import GuestFlow
 
@@ -86,7 +87,7 @@ class HandledUdpFlow:
 
     __slots__ = ("ctx", "fam", "key", "guest_ip", "guest_port", "dst_ip", "dst_port", "remote", "loop", "last_active",
                  "_timeout", "bytes_up", "bytes_down", "started", "outcome", "datagrams", "gflow", "handler", "task",
-                 "_errors", "_ended")
+                 "_errors", "_ended", "name", "rule")
 
     ctx: object
     fam: object
@@ -109,6 +110,9 @@ class HandledUdpFlow:
     task: asyncio.Task
     _errors: object
     _ended: bool
+    #: The egress decision's DNS name and rule (see :class:`~aioslirp.flow.base.Flow`).
+    name: str | None
+    rule: str | None
 
     def __init__(self, ctx, fam, key: tuple, remote: str, now: float, handler, name: str | None, errors) -> None:
         self.ctx, self.fam, self.key = ctx, fam, key
@@ -116,6 +120,7 @@ class HandledUdpFlow:
         self.remote = remote
         self.loop = ctx.loop
         self.last_active = self.started = now
+        self.name, self.rule = admission(ctx, self, remote)  # the egress decision's name and rule (Flow)
         self._timeout = float(ctx.config.udp_idle_timeout)
         self.bytes_up = self.bytes_down = 0
         self.outcome = "closed"
