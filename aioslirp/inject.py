@@ -52,7 +52,7 @@ class InjectQueue:
         maxsize: most frames held (``NetworkConfig.inject_queue_size``, > 0).
         counters: the stack's ``collections.Counter``.
         tracer: the stack's :class:`~aioslirp.observe.tracing.Tracer`, or ``None``: told of every frame
-            queued (``on_frame_queued``) and dropped unwritten (``on_discard``).
+            queued (``record_frame_queued``) and dropped unwritten (``record_discard``).
 
     Attributes:
         transport: the :class:`~aioslirp.transport.base.Transport` frames are written to (set by
@@ -113,7 +113,7 @@ class InjectQueue:
                 w.set_result(None)
         t = self.tracer
         if t is not None:
-            t.on_frame_queued(frame)
+            t.record_frame_queued(frame)
         return True
 
     def discard(self) -> int:
@@ -126,7 +126,7 @@ class InjectQueue:
         q.clear()
         self._counters["drop.no_transport"] += n
         if t is not None:
-            t.on_discard(dropped)
+            t.record_discard(dropped)
         return n
 
     # ------------------------------------------------------------------ output
@@ -169,7 +169,7 @@ class InjectQueue:
             counters["drop.no_transport"] += len(batch)
             t = self.tracer
             if t is not None:
-                t.on_discard(batch)
+                t.record_discard(batch)
             return
         tr.send_frames(batch)  # a traced stack's transport is a TraceTransport (aioslirp.transport.trace)
         counters["frames_out"] += len(batch)

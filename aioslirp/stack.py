@@ -420,7 +420,7 @@ class Stack:
         self.event_log.close()
         tr = self.tracer
         if tr is not None:
-            tr.on_stack_closed()
+            tr.record_stack_closed()
 
     def reset_flows(self) -> int:
         """Forget the guest: tear down every flow and the per-guest state. Returns flows torn down.

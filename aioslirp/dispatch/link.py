@@ -90,7 +90,7 @@ class Link:
             dispatch = self.dispatch
             tr = self.tracer
             if tr is not None:
-                tr.on_batch_start()
+                tr.record_batch_start()
             for f, ok in zip(frames, _UNTRUSTED if csum_ok is None else csum_ok):
                 try:
                     dispatch(f, ok, now)
@@ -98,7 +98,7 @@ class Link:
                     self.drop("internal_error")
                     log.exception("internal error processing a guest frame")
                 if tr is not None:
-                    tr.on_guest_frame(f)
+                    tr.record_guest_frame(f)
             self.flush()
         finally:
             q.hold = False
@@ -115,14 +115,14 @@ class Link:
             now = loop.time() if loop is not None else time.monotonic()
         tr = self.tracer
         if tr is not None:
-            tr.on_batch_start()
+            tr.record_batch_start()
         try:
             self.dispatch(frame, trusted, now)
         except Exception:
             self.drop("internal_error")
             log.exception("internal error processing a guest frame")
         if tr is not None:
-            tr.on_guest_frame(frame)
+            tr.record_guest_frame(frame)
 
     def dispatch(self, frame, trusted: bool, now: float) -> None:
         """Demultiplex one guest frame by EtherType (no counting of ``frames_in``)."""

@@ -179,7 +179,7 @@ class FlowTable:
         self.guard.opened(flow)
         tr = self.tracer
         if tr is not None:
-            tr.on_flow_opened(flow)
+            tr.record_flow_opened(flow)
 
     def remove(self, flow) -> None:
         """``flow`` leaves the table (counted ``flows.<proto_name>.closed`` if it was in it; then
@@ -195,7 +195,7 @@ class FlowTable:
         self.dirty.discard(flow)
         tr = self.tracer
         if tr is not None:
-            tr.on_flow_closed(flow)
+            tr.record_flow_closed(flow)
 
     def rekey(self, flow, key: tuple) -> None:
         """Move ``flow`` (in the table) to ``key``, a key no guest packet looks up; ``flow.key`` is set."""

@@ -379,7 +379,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
             self.conn.refuse()
             tr = self.ctx.tracer
             if tr is not None:
-                tr.on_connect_failed(self, "refused")
+                tr.record_connect_failed(self, "refused")
             self._emit()
             self._finish()
             return
@@ -387,7 +387,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         self._outcome = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
         tr = self.ctx.tracer
         if tr is not None:
-            tr.on_connect_failed(self, "unreachable")
+            tr.record_connect_failed(self, "unreachable")
         log.debug("connect %s:%d failed: %r", self.remote, self.dst_port, exc)
         kind = KIND_NET if getattr(exc, "errno", None) == errno.ENETUNREACH else KIND_HOST
         self.fam.icmp_error(kind, self.orig_header)
@@ -397,7 +397,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         self.conn.accept(self.loop.time())
         tr = self.ctx.tracer
         if tr is not None:
-            tr.on_syn_ack(self, connect_time, immediate)
+            tr.record_syn_ack(self, connect_time, immediate)
         self.flush()
 
     # ----------------------------------------------------------------- host socket callbacks (HostSocket)
@@ -406,7 +406,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         conn.send(data)
         tr = self.ctx.tracer
         if tr is not None:
-            tr.on_host_data(self, len(data))
+            tr.record_host_data(self, len(data))
         if conn.send_space <= 0:  # tcp_buffer towards the guest is full
             if not self.reading_paused:
                 self.reading_paused = True
@@ -433,7 +433,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         self.conn.shutdown_write()
         tr = self.ctx.tracer
         if tr is not None:
-            tr.on_flow_event(self, "fin.host")
+            tr.record_flow_event(self, "fin.host")
         self.flush()
         return True
 
@@ -470,7 +470,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         conn.receive_segment(seg, now)
         tr = self.ctx.tracer
         if tr is not None:
-            tr.on_segment(self, seg)
+            tr.record_segment(self, seg)
         self._mark_dirty(self)
         return True
 
@@ -512,7 +512,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
                 self._close_host(abort=True)
             tr = self.ctx.tracer
             if tr is not None:
-                tr.on_conn_event(self, ev.name)
+                tr.record_conn_event(self, ev.name)
             ev = conn.next_event()
         state = conn.state
         if state is CLOSED:
