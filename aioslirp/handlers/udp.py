@@ -73,7 +73,7 @@ class Datagrams:
 class HandledUdpFlow:
     """One guest UDP flow handed to ``handler`` (see the module documentation).
 
-    Args: ``ctx`` (the :class:`~aioslirp.flow.base.FlowContext`), ``fam`` (Family4/6), ``key`` (the
+    Args: ``ctx`` (the :class:`~aioslirp.flow.context.FlowContext`), ``fam`` (Family4/6), ``key`` (the
     :func:`~aioslirp.flow.base.flow_key`), ``remote`` (host-side address text), ``now`` (loop time),
     ``handler``, ``name`` (the destination's DNS name or ``None``), ``errors`` (the router's
     ``failed(handler, flow, exc)``).
@@ -118,7 +118,7 @@ class HandledUdpFlow:
         self.ctx, self.fam, self.key = ctx, fam, key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.remote = remote
-        self.loop = ctx.loop
+        self.loop = ctx.running.loop
         self.last_active = self.started = now
         self.name, self.rule = admission(ctx, self, remote)  # the egress decision's name and rule (Flow)
         self._timeout = float(ctx.config.udp_idle_timeout)
@@ -171,7 +171,7 @@ class HandledUdpFlow:
                       self.guest_ip)
 
     # ------------------------------------------------------------------ the Flow interface
-    def flush(self) -> None:
+    def flush(self, now: float) -> None:
         pass
 
     def fail(self) -> None:

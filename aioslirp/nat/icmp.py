@@ -91,7 +91,7 @@ class IcmpFlow:
         self.sock = sock  # per-flow ping socket, or None with the shared raw socket
         ctx = echo.ctx
         self.ctx = ctx
-        self.loop = loop = ctx.loop
+        self.loop = loop = ctx.running.loop
         self.last_active = self.started = now
         self.outcome = "closed"
         self.name, self.rule = admission(ctx, self, remote)
@@ -141,7 +141,7 @@ class IcmpFlow:
         fam = self.fam
         fam.inject_ip(fam.echo_reply(self.dst_ip, self.guest_ip, self.ident, seq, payload), self.guest_ip)
 
-    def flush(self) -> None:
+    def flush(self, now: float) -> None:
         pass
 
     def fail(self) -> None:
@@ -184,7 +184,7 @@ class IcmpEcho:
     """Chooses the echo mechanism once per family and creates :class:`IcmpFlow` objects.
 
     Args:
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext`.
     """
 
     __slots__ = ("ctx", "_mode", "_raw", "by_remote")
@@ -254,7 +254,7 @@ class IcmpEcho:
                         pass
                 raw.setblocking(False)
                 self._raw[v6] = raw
-                self.ctx.loop.add_reader(raw.fileno(), self._raw_readable, v6)
+                self.ctx.running.loop.add_reader(raw.fileno(), self._raw_readable, v6)
                 self._mode[v6] = "raw"
         log.info("%s echo proxy mode: %s", "ICMPv6" if v6 else "ICMP", self._mode[v6])
 
@@ -314,7 +314,7 @@ class IcmpEcho:
         for v6, sock in self._raw.items():
             if sock is not None:
                 try:
-                    self.ctx.loop.remove_reader(sock.fileno())
+                    self.ctx.running.loop.remove_reader(sock.fileno())
                 except Exception:
                     pass
                 sock.close()

@@ -32,7 +32,7 @@ class UdpFlow:
     """One guest UDP flow. Created by the L4 dispatch on the guest's first datagram.
 
     Args:
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext`.
         fam: the flow's :class:`~aioslirp.dispatch.family.Family4` / ``Family6``.
         key: its :func:`~aioslirp.flow.base.flow_key`.
         remote: the host address to connect to (text).
@@ -58,7 +58,7 @@ class UdpFlow:
                  "last_header", "bytes_up", "bytes_down", "sock", "connect_error", "_build", "_inject", "started",
                  "outcome", "name", "rule")
 
-    #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
+    #: The stack's :class:`~aioslirp.flow.context.FlowContext`.
     ctx: Any
     #: The flow's family (``Family4``/``Family6``).
     fam: Any
@@ -94,7 +94,7 @@ class UdpFlow:
         self.fam = fam
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
-        self.loop = loop = ctx.loop
+        self.loop = loop = ctx.running.loop
         self.last_active = self.started = loop.time() if now is None else now
         self.outcome = "closed"
         self.name, self.rule = admission(ctx, self, remote)
@@ -178,7 +178,7 @@ class UdpFlow:
         else:
             log.debug("UDP flow %s: %s", self.key, exc)
 
-    def flush(self) -> None:
+    def flush(self, now: float) -> None:
         pass
 
     def fail(self) -> None:
