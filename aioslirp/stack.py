@@ -329,7 +329,9 @@ class Stack:
         await self.aclose()
 
     async def start(self) -> None:
-        """Start the writer task, the idle sweep and the services. Called by ``async with``."""
+        """Start the writer task, the idle sweep and the services, and hand the parts what exists
+        once the stack runs (``ctx.running``: the loop, DNS, the host poller). Called by ``async
+        with``; once per stack (``RuntimeError`` the second time)."""
         p = self._parts
         ctx = p.ctx
         loop = self._loop = asyncio.get_running_loop()
