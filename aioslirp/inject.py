@@ -37,12 +37,42 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol, Union
 
-__all__ = ["BATCH", "InjectQueue"]
+__all__ = ["BATCH", "Frame", "FrameWriter", "InjectQueue", "QueueTrace"]
 
 #: Most frames handed to ``Transport.send_frames`` in one call.
 BATCH = 128
+
+#: One Ethernet frame for the guest, as the frame builders make it.
+Frame = Union[bytes, bytearray, memoryview]
+
+
+class FrameWriter(Protocol):
+    """Where the frames go (:class:`aioslirp.transport.base.Transport`; this module is on a floor
+    below the transports, so it names only what it uses)."""
+
+    @property
+    def closed(self) -> asyncio.Future | None:
+        """Done once the transport closed; ``None`` before it is opened."""
+        ...
+
+    def send_frames(self, frames: Sequence[Frame]) -> None:
+        """Write ``frames`` to the guest, in order."""
+        ...
+
+
+class QueueTrace(Protocol):
+    """The trace points of the queue (:class:`aioslirp.observe.tracing.Tracer`)."""
+
+    def record_frame_queued(self, frame: Frame) -> None:
+        """``frame`` was queued (its enqueue time is stamped)."""
+        ...
+
+    def record_discard(self, frames: list[Frame] | None) -> None:
+        """``frames`` were dropped unwritten."""
+        ...
 
 
 class InjectQueue:
@@ -52,7 +82,7 @@ class InjectQueue:
         maxsize: most frames held (``NetworkConfig.inject_queue_size``, > 0).
         counters: the stack's ``collections.Counter``.
         tracer: the stack's :class:`~aioslirp.observe.tracing.Tracer`, or ``None``: told of every frame
-            queued (``on_frame_queued``) and dropped unwritten (``on_discard``).
+            queued (``record_frame_queued``) and dropped unwritten (``record_discard``).
 
     Attributes:
         transport: the :class:`~aioslirp.transport.base.Transport` frames are written to (set by
@@ -67,21 +97,21 @@ class InjectQueue:
     __slots__ = ("maxsize", "transport", "hold", "_q", "_counters", "tracer", "_loop", "_waiter", "_task")
 
     maxsize: int
-    transport: Any
+    transport: FrameWriter | None
     hold: bool
-    _q: deque
+    _q: deque[Frame]
     _counters: dict[str, int]
     _loop: asyncio.AbstractEventLoop | None
     _waiter: asyncio.Future | None
     _task: asyncio.Task | None
     #: The stack's tracer (``None``: not traced).
-    tracer: Any
+    tracer: QueueTrace | None
 
-    def __init__(self, maxsize: int, counters, tracer=None) -> None:
+    def __init__(self, maxsize: int, counters: dict[str, int], tracer: QueueTrace | None = None) -> None:
         self.maxsize = int(maxsize)
         self.transport = None
         self.hold = False
-        self._q: deque = deque()
+        self._q: deque[Frame] = deque()
         self._counters = counters
         self.tracer = tracer
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,7 +128,7 @@ class InjectQueue:
         return self.maxsize - len(self._q)
 
     # ------------------------------------------------------------------ input
-    def put(self, frame) -> bool:
+    def put(self, frame: Frame) -> bool:
         """Queue one Ethernet frame for the guest. Returns False (counted ``drop.inject_full``)
         when the queue is full. Wakes the writer task unless :attr:`hold` is set."""
         q = self._q
@@ -113,7 +143,7 @@ class InjectQueue:
                 w.set_result(None)
         t = self.tracer
         if t is not None:
-            t.on_frame_queued(frame)
+            t.record_frame_queued(frame)
         return True
 
     def discard(self) -> int:
@@ -126,7 +156,7 @@ class InjectQueue:
         q.clear()
         self._counters["drop.no_transport"] += n
         if t is not None:
-            t.on_discard(dropped)
+            t.record_discard(dropped)
         return n
 
     # ------------------------------------------------------------------ output
@@ -169,7 +199,7 @@ class InjectQueue:
             counters["drop.no_transport"] += len(batch)
             t = self.tracer
             if t is not None:
-                t.on_discard(batch)
+                t.record_discard(batch)
             return
         tr.send_frames(batch)  # a traced stack's transport is a TraceTransport (aioslirp.transport.trace)
         counters["frames_out"] += len(batch)

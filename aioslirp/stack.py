@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 A :class:`Stack` builds and wires the parts of the data path, each given the collaborators it
-needs at construction (a :class:`~aioslirp.flow.base.FlowContext`: config, counters, the loop
-once started, the flow table, the inject queue, ``spawn``) and none reading the stack itself:
+needs at construction (a :class:`~aioslirp.flow.context.FlowContext`: config, counters, the flow
+table, the guard, the inject queue, ``spawn``; and once the stack starts, ``ctx.running``: the
+loop and its clock, the DNS forwarder, the host poller) and none reading the stack itself:
 
 * :mod:`aioslirp.dispatch`: the guest link (:class:`~aioslirp.dispatch.link.Link`, the sink the
   transport delivers batches of frames to: Ethernet demux, ARP), L3 per family
@@ -46,7 +47,7 @@ from .dispatch.family import Family4
 from .dispatch.ipv4 import Ipv4Input
 from .dispatch.l4 import L4
 from .dispatch.link import Link
-from .flow.base import FlowContext
+from .flow.context import FlowContext, Running
 from .handlers.routes import Router
 from .flow.guard import Guard
 from .flow.info import FlowInfo, FlowRecords  # noqa: F401  (FlowInfo: the records of stack.flows())
@@ -60,7 +61,6 @@ from .ratelimit import ByteBucket
 from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
 from .services.dns import DnsForwarder
-from .services.dns_tcp import DnsTcpHost
 from .nat.hostsock import HostPoller
 from .transport.trace import TraceTransport
 from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
@@ -188,33 +188,33 @@ class Stack:
                  policy=None, tcp_handler=None, udp_handler=None) -> None:
         self.config = cfg = (config if config is not None else NetworkConfig()).validate()
         self.counters: Counter = Counter()
-        ctx = FlowContext(cfg, self.counters)
+        queue = InjectQueue(cfg.inject_queue_size, self.counters)
+        ctx = FlowContext(cfg, self.counters, queue, self.spawn_task,
+                          rate_up=ByteBucket(cfg.rate_up) if cfg.rate_up is not None else None,
+                          rate_down=ByteBucket(cfg.rate_down) if cfg.rate_down is not None else None)
         rate = float(cfg.new_flow_rate)
         new_bucket = functools.partial(NewFlowBucket, rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
         guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket, ctx=ctx, hook=policy)
         table = ctx.table = FlowTable(cfg, self.counters, guard)
-        queue = ctx.queue = InjectQueue(cfg.inject_queue_size, self.counters)
         if tracer_provider is not None:
             tracer = tracing.Tracer(tracer_provider, table, queue)
         else:
             tracer = tracing.default_tracer(table, queue)
         # handed to whoever records a trace point (the Link reads ctx.tracer)
         self.tracer = ctx.tracer = table.tracer = queue.tracer = tracer
-        ctx.inject = queue.put
         self._aux_tasks: set[asyncio.Task] = set()
-        ctx.spawn = self.spawn_task
-        icmp = ctx.icmp = IcmpEcho(ctx)
+        icmp = IcmpEcho(ctx)
         if tcp_handler is None and cfg.upstream_proxy is not None:  # --upstream-proxy
             from .handlers.proxy import UpstreamProxy
 
             tcp_handler = UpstreamProxy.from_config(cfg)
-        router = ctx.router = Router(self.counters, guard.policy, tcp_handler, udp_handler)
+        router = Router(self.counters, guard.policy, tcp_handler, udp_handler)
         if cfg.verify_sni:
             from .handlers.sni import SniVerifier
 
             router.set_verifier(SniVerifier(guard.policy, self.counters, tcp_handler,
                                             float(cfg.tcp_connect_timeout)))
-        l4 = L4(ctx)
+        l4 = L4(ctx, icmp, router)
         neighbors = NeighborCache(MAX_NEIGHBORS)
         family4 = Family4(ctx, neighbors)
         ipv4 = Ipv4Input(ctx, family4, l4)
@@ -224,7 +224,7 @@ class Stack:
 
             v6 = Ipv6Path(ctx, l4)
             family6 = v6.family
-        link = Link(ctx, family4, ipv4.input, v6.dispatch if v6 is not None else None)
+        link = Link(ctx, family4, ipv4, v6)
         self._parts = StackParts(ctx=ctx, table=table, flows=table.flows, idle_order=table.idle_order, guard=guard,
                                  inject_queue=queue, tasks=ctx.tasks, icmp=icmp, router=router, link=link, l4=l4,
                                  ipv4=ipv4, family4=family4, v6=v6, family6=family6, neighbors=neighbors)
@@ -237,10 +237,6 @@ class Stack:
         #: (e.g. :class:`~aioslirp.transport.pcap.PcapTransport` for ``--pcap``).
         self.transport_wrappers: list = []
         self._forwarder = None
-        if cfg.rate_up is not None:
-            ctx.rate_up = ByteBucket(cfg.rate_up)
-        if cfg.rate_down is not None:
-            ctx.rate_down = ByteBucket(cfg.rate_down)
         self._own_audit = False
         if audit is None:
             audit = cfg.audit_log
@@ -333,18 +329,20 @@ class Stack:
         await self.aclose()
 
     async def start(self) -> None:
-        """Start the writer task, the idle sweep and the services. Called by ``async with``."""
+        """Start the writer task, the idle sweep and the services, and hand the parts what exists
+        once the stack runs (``ctx.running``: the loop, DNS, the host poller). Called by ``async
+        with``; once per stack (``RuntimeError`` the second time)."""
         p = self._parts
         ctx = p.ctx
-        loop = self._loop = ctx.loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         keep_freed_heap()  # no page-fault churn around every bulk batch (aioslirp.heap)
         self._stopped = loop.create_future()
         p.inject_queue.start(loop)
-        p.family4.dhcp_server = DhcpServer(self.config)
-        dns = ctx.dns = DnsForwarder(self.config)
-        ctx.dns_host = functools.partial(DnsTcpHost, forwarder=dns, counters=self.counters, tasks=ctx.tasks)
-        ctx.host_poller = HostPoller(loop)  # one epoll for the TCP flows' host sockets
-        p.guard.start(dns, loop.time())
+        dns = DnsForwarder(self.config)
+        # what exists once the stack runs, all at once: the loop and its clock, DNS, one epoll for
+        # the TCP flows' host sockets
+        ctx.start(Running(loop, dns, HostPoller(loop)))
+        p.guard.start(dns, now=loop.time())
         p.table.start(loop)
         if ctx.audit is not None:
             ctx.audit.bind(loop, self.counters)
@@ -404,13 +402,13 @@ class Stack:
             await p.inject_queue.drain()
         await p.inject_queue.stop()
         p.icmp.close()
-        if ctx.dns is not None:
-            await ctx.dns.close()
+        if ctx.is_started:
+            await ctx.running.dns.close()
         if self._transport is not None:
             self._transport.close()
         p.table.clear()
-        if ctx.host_poller is not None:  # every host socket left it as its flow ended
-            ctx.host_poller.close()
+        if ctx.is_started:  # every host socket left the poller as its flow ended
+            ctx.running.host_poller.close()
         audit = ctx.audit
         if audit is not None:
             if self._own_audit:
@@ -420,7 +418,7 @@ class Stack:
         self.event_log.close()
         tr = self.tracer
         if tr is not None:
-            tr.on_stack_closed()
+            tr.record_stack_closed()
 
     def reset_flows(self) -> int:
         """Forget the guest: tear down every flow and the per-guest state. Returns flows torn down.
@@ -441,8 +439,7 @@ class Stack:
         p.ipv4.reset()
         if p.v6 is not None:
             p.v6.reset()
-        if p.family4.dhcp_server is not None:
-            p.family4.dhcp_server = DhcpServer(self.config)
+        p.family4.dhcp_server = DhcpServer(self.config)
         tr = self._transport
         if tr is None or tr.closed is None or tr.closed.done():
             p.inject_queue.discard()
@@ -570,14 +567,23 @@ class Stack:
 
     # ------------------------------------------------------------------ frames
     def process_guest_frame(self, frame) -> None:
-        """Process one guest Ethernet frame (bytes-like) without a transport. Never raises: bad
-        input is dropped and counted. The flows it touched send at the next :meth:`flush`."""
-        self._parts.link.process(frame)
+        """Process one guest Ethernet frame (bytes-like) without a transport, at loop time. Never
+        raises for bad input: it is dropped and counted. The flows it touched send at the next
+        :meth:`flush`. Needs a started stack (``RuntimeError``)."""
+        self._parts.link.process(frame, False, self._now())
 
     def flush(self) -> None:
         """Let every flow touched since the last flush send what is due (one ACK, one socket write):
-        what a transport's batch of frames does at its end, for :meth:`process_guest_frame`."""
-        self._parts.table.flush()
+        what a transport's batch of frames does at its end, for :meth:`process_guest_frame`.
+        Needs a started stack (``RuntimeError``)."""
+        self._parts.table.flush(self._now())
+
+    def _now(self) -> float:
+        """Loop time, the data path's clock; ``RuntimeError`` before :meth:`start`."""
+        ctx = self._parts.ctx
+        if not ctx.is_started:
+            raise RuntimeError("the Stack is not started: use it inside 'async with Stack(...)' (or await start())")
+        return ctx.running.time()
 
     def frame_outcomes(self) -> tuple[int, int, int]:
         """``(frames_in, handled, dropped)``: frames received, and how many of them were handled

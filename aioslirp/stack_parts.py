@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # the annotations only: this module imports none of the parts
     from .dispatch.ipv4 import Ipv4Input
     from .dispatch.l4 import L4
     from .dispatch.link import Link
-    from .flow.base import FlowContext
+    from .flow.context import FlowContext, Resolver
     from .flow.guard import Guard
     from .flow.table import FlowTable, IdleOrder
     from .handlers.routes import Router
@@ -36,7 +36,7 @@ class StackParts:
     this object: the parts hold direct references to one another.
 
     Attributes:
-        ctx: the :class:`~aioslirp.flow.base.FlowContext` the parts were built with (``drop()``,
+        ctx: the :class:`~aioslirp.flow.context.FlowContext` the parts were built with (``drop()``,
             ``handled()``, the loop once started, ...).
         table: the :class:`~aioslirp.flow.table.FlowTable` (``flush()``: let the flows touched
             since the last flush send).
@@ -102,14 +102,14 @@ class StackParts:
 
     # the parts made or changed as the stack runs, read where they live
     @property
-    def dns(self):
-        """The :class:`~aioslirp.services.dns.DnsForwarder` (``None`` until the stack started)."""
-        return self.ctx.dns
+    def dns(self) -> Resolver | None:
+        """The :class:`~aioslirp.services.dns.DnsForwarder` (``ctx.running.dns``; ``None`` until the
+        stack started)."""
+        return self.ctx.running.dns if self.ctx.is_started else None
 
     @property
     def dhcp(self):
-        """The :class:`~aioslirp.services.dhcp.DhcpServer` (``None`` until started; a new one per
-        :meth:`Stack.reset_flows`)."""
+        """The :class:`~aioslirp.services.dhcp.DhcpServer` (a new one per :meth:`Stack.reset_flows`)."""
         return self.family4.dhcp_server
 
     @property
@@ -125,8 +125,8 @@ class StackParts:
 
     @property
     def loop(self):
-        """The event loop the stack runs on (``None`` before :meth:`Stack.start`)."""
-        return self.ctx.loop
+        """The event loop the stack runs on (``ctx.running.loop``; ``None`` before :meth:`Stack.start`)."""
+        return self.ctx.running.loop if self.ctx.is_started else None
 
     @property
     def closed(self) -> bool:

@@ -289,8 +289,17 @@ class Table:
 
 
 class FakeCtx:
-    def __init__(self, flows, loop=None):
-        self.table, self.loop = Table(flows), loop
+    """A FlowContext's shape as far as close_denied reads it: the table, and once the stack runs
+    ``running`` (its ``time()``, loop time)."""
+
+    def __init__(self, flows, running=None):
+        self.table = Table(flows)
+        if running is not None:
+            self.running = running
+
+    @property
+    def is_started(self) -> bool:
+        return hasattr(self, "running")
 
 
 def test_close_denied_ends_exactly_the_flows_the_policy_now_denies():

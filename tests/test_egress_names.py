@@ -576,7 +576,7 @@ def test_an_upstream_answer_binds_no_special_purpose_address_unless_a_cidr_rule_
 
 def test_a_covering_cidr_rule_is_an_allow_rule_of_the_users():
     g, _ = guard(egress_allow=["a.test:80"], egress_deny=["10.0.0.0/8"], egress_default="deny",
-                 egress_default_deny=["10.0.0.0/8"])
+                 egress_deny_builtin=["10.0.0.0/8"])
     assert g.policy.bind_answer("a.test", [("10.1.2.3", 60)], 0.0) == 0  # a deny rule, a default: no cover
     g, _ = guard(egress_allow=["a.test:80", "10.1.0.0/16:22/tcp"], egress_default="deny")
     assert g.policy.bind_answer("a.test", [("10.1.2.3", 60), ("10.2.0.1", 60)], 0.0) == 1  # only inside the rule

@@ -204,3 +204,59 @@ def test_fake_clock_drives_udp_and_tcp_idle_expiry_exactly():
         echo.close()
     # every expiry happened on the fake clock: 102.5 fake seconds went by
     assert out == {"udp_gone_at": START + 35.0, "tcp_gone_at": START + 102.5}
+
+
+class CountingClockLoop(FakeClockLoop):
+    """A fake clock that counts how often it is read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readings = 0
+
+    def time(self) -> float:
+        self.readings += 1
+        return self.now
+
+
+def test_a_batch_reads_the_clock_once_and_its_now_reaches_the_flush():
+    """``now`` goes down through the flush (``FlowTable.flush(now)`` -> ``flow.flush(now)`` ->
+    ``_emit(now)``): a batch of guest segments to an established TCP flow reads the loop's clock
+    exactly once (``Link.on_frames``), however many flows and segments it touches."""
+    cfg = NetworkConfig(ipv6=False, dns_upstreams=[("127.0.0.1", 9)])
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(4)
+    lst.settimeout(5)
+    port = lst.getsockname()[1]
+    loop = CountingClockLoop()
+    out: dict = {}
+
+    async def main() -> None:
+        async with Stack(cfg) as stack:
+            tr = FakeTransport()
+            serving = asyncio.ensure_future(stack.serve(tr))
+            await settle()
+            tr.deliver(tcp(40000, port, SYN, seq=100))
+            assert await settle(lambda: tcp_out(tr.out))
+            ((iss, _ack, _flags, _),) = tcp_out(tr.out)
+            conn, _ = lst.accept()
+            conn.settimeout(5)
+            tr.deliver(tcp(40000, port, ACK, seq=101, ack=iss + 1))
+            tr.out.clear()
+            loop.now = START + 7
+            loop.readings = 0
+            tr.deliver(tcp(40000, port, ACK, seq=101, ack=iss + 1, data=b"ab"),
+                       tcp(40000, port, ACK, seq=103, ack=iss + 1, data=b"cd"))
+            out["readings"] = loop.readings
+            out["data"] = conn.recv(100)
+            out["last_active"] = stack.parts.flows[(6, GUEST, 40000, GW, port)].last_active
+            conn.close()
+            stack.stop()
+            await serving
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+        lst.close()
+    assert out == {"readings": 1, "data": b"abcd", "last_active": START + 7}

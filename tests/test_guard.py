@@ -256,37 +256,37 @@ def test_admit_policy_first_then_caps_then_fds_then_pending_then_rate(monkeypatc
                      max_pending_connects=4, new_flow_rate=1, new_flow_burst=1, egress_deny=["192.0.2.0/24"])
     g.opened(Flow())  # one TCP flow, pending: the cap is reached
     g.opened(Flow("udp"))  # two flows: the fd budget (2) is reached too
-    assert g.admit(TCP, "192.0.2.1", 80) == DENIED
-    assert g.admit(TCP, HOST, 80) == "limit_tcp_flows"
-    assert g.admit(UDP, HOST, 53) == "limit_fds"
+    assert g.admit(TCP, "192.0.2.1", 80, 0.0) == DENIED
+    assert g.admit(TCP, HOST, 80, 0.0) == "limit_tcp_flows"
+    assert g.admit(UDP, HOST, 53, 0.0) == "limit_fds"
     assert drops(stack) == {"drop.egress_denied": 1, "drop.limit_tcp_flows": 1, "drop.limit_fds": 1}
     assert g.bucket.tokens == 1.0  # refused flows spend no token
 
 
 def test_admit_remote_none_skips_the_policy(monkeypatch):
     g, stack = guard(egress_deny=["0.0.0.0/0", "::/0"])
-    assert g.admit(TCP, None) is None  # DNS over TCP: a local service
-    assert g.admit(UDP, "10.1.1.1", 9) == DENIED
+    assert g.admit(TCP, None, 0, 0.0) is None  # DNS over TCP: a local service
+    assert g.admit(UDP, "10.1.1.1", 9, 0.0) == DENIED
     assert stack.counters["drop.egress_denied"] == 1
 
 
 def test_admit_empty_policy_allows_everything(monkeypatch):
     g, _ = guard(egress_deny_builtin=[])
     assert g.policy.empty
-    assert g.admit(TCP, "169.254.169.254", 80) is None
+    assert g.admit(TCP, "169.254.169.254", 80, 0.0) is None
 
 
 @pytest.mark.parametrize(("proto", "name"), [(TCP, "tcp"), (UDP, "udp"), (ICMP, "icmp"), (ICMP6, "icmp"), (99, "tcp")])
 def test_admit_per_protocol_cap_at_its_edge(monkeypatch, proto, name):
     g, stack = guard(max_tcp_flows=2, max_udp_flows=2, max_icmp_flows=2, new_flow_rate=0)
     g.opened(Flow(name, transport=object()))
-    assert g.admit(proto, HOST, 7) is None  # 1 of 2
+    assert g.admit(proto, HOST, 7, 0.0) is None  # 1 of 2
     g.opened(Flow(name, transport=object()))
-    assert g.admit(proto, HOST, 7) == f"limit_{name}_flows"
+    assert g.admit(proto, HOST, 7, 0.0) == f"limit_{name}_flows"
     assert drops(stack) == {f"drop.limit_{name}_flows": 1}
     others = {"tcp", "udp", "icmp"} - {name}
     for other in others:  # the other protocols are not capped by this one
-        assert g.admit({"tcp": TCP, "udp": UDP, "icmp": ICMP}[other], HOST, 7) is None
+        assert g.admit({"tcp": TCP, "udp": UDP, "icmp": ICMP}[other], HOST, 7, 0.0) is None
 
 
 def test_admit_fd_budget_counts_all_protocols(monkeypatch):
@@ -294,9 +294,9 @@ def test_admit_fd_budget_counts_all_protocols(monkeypatch):
     assert g.fd_budget == 3
     for name in ("tcp", "udp"):
         g.opened(Flow(name, transport=object()))
-    assert g.admit(ICMP, HOST) is None  # 2 of 3
+    assert g.admit(ICMP, HOST, 0, 0.0) is None  # 2 of 3
     g.opened(Flow("icmp"))
-    assert g.admit(ICMP, HOST) == "limit_fds"
+    assert g.admit(ICMP, HOST, 0, 0.0) == "limit_fds"
     assert stack.counters["drop.limit_fds"] == 1
 
 
@@ -307,21 +307,21 @@ def test_pending_connects_per_destination_and_in_all(monkeypatch):
     g, stack = guard(max_pending_connects=8, new_flow_rate=0)  # 2 per (address, port)
     a1, a2 = Flow(dst_port=1), Flow(dst_port=1)
     g.opened(a1)
-    assert g.admit(TCP, HOST, 1) is None
+    assert g.admit(TCP, HOST, 1, 0.0) is None
     g.opened(a2)
     assert g.pending == 2
-    assert g.admit(TCP, HOST, 1) == "limit_pending_connects"
-    assert g.admit(TCP, HOST, 2) is None  # another port: its own quarter
-    assert g.admit(TCP, "127.0.0.2", 1) is None  # another address
-    assert g.admit(UDP, HOST, 1) is None  # only TCP connects are pending
+    assert g.admit(TCP, HOST, 1, 0.0) == "limit_pending_connects"
+    assert g.admit(TCP, HOST, 2, 0.0) is None  # another port: its own quarter
+    assert g.admit(TCP, "127.0.0.2", 1, 0.0) is None  # another address
+    assert g.admit(UDP, HOST, 1, 0.0) is None  # only TCP connects are pending
     g.connected(a1)  # its host connect completed
     assert g.pending == 1
-    assert g.admit(TCP, HOST, 1) is None
+    assert g.admit(TCP, HOST, 1, 0.0) is None
     g.closed(a2)
     assert g.pending == 0
     for i in range(8):  # eight destinations, one pending each: the total bound
         g.opened(Flow(dst_port=100 + i))
-    assert g.admit(TCP, HOST, 200) == "limit_pending_connects"
+    assert g.admit(TCP, HOST, 200, 0.0) == "limit_pending_connects"
     assert stack.counters["drop.limit_pending_connects"] == 2
 
 
@@ -363,16 +363,16 @@ def test_pending_destination_count_survives_partial_forget(monkeypatch):
     flows = [Flow(dst_port=5) for _ in range(3)]
     for f in flows:
         g.opened(f)
-    assert g.admit(TCP, HOST, 5) == "limit_pending_connects"
+    assert g.admit(TCP, HOST, 5, 0.0) == "limit_pending_connects"
     g.connected(flows[0])
     g.connected(flows[0])  # twice: no effect
-    assert g.admit(TCP, HOST, 5) is None
+    assert g.admit(TCP, HOST, 5, 0.0) is None
     g.opened(Flow(dst_port=5))
-    assert g.admit(TCP, HOST, 5) == "limit_pending_connects"
+    assert g.admit(TCP, HOST, 5, 0.0) == "limit_pending_connects"
     g.closed(flows[1])
     g.closed(flows[2])
     assert g.pending == 1
-    assert g.admit(TCP, HOST, 5) is None
+    assert g.admit(TCP, HOST, 5, 0.0) is None
 
 
 def test_closed_never_counts_below_zero(monkeypatch):
@@ -407,7 +407,7 @@ def test_each_bound_is_logged_once_naming_its_option(monkeypatch, caplog):
     g, _ = guard(max_udp_flows=1, new_flow_rate=0)
     g.opened(Flow("udp"))
     for _ in range(3):
-        assert g.admit(UDP, HOST, 1) == "limit_udp_flows"
+        assert g.admit(UDP, HOST, 1, 0.0) == "limit_udp_flows"
     assert [r.getMessage() for r in caplog.records] == [
         "refusing new guest flows: the max_udp_flows bound is reached (counted as drop.limit_udp_flows; "
         "logged once; see --limit)"]
@@ -418,10 +418,10 @@ def test_denied_destinations_logged_once_each_and_at_most_64(monkeypatch, caplog
     caplog.set_level(logging.INFO, "aioslirp.limits")
     g, stack = guard(egress_deny=["10.0.0.0/8"])
     for _ in range(2):
-        assert g.admit(UDP, "10.0.0.1", 9) == DENIED
+        assert g.admit(UDP, "10.0.0.1", 9, 0.0) == DENIED
     assert [r.getMessage() for r in caplog.records] == ["egress policy: guest traffic to 10.0.0.1 denied (10.0.0.0/8)"]
     for i in range(100):
-        g.admit(UDP, f"10.1.0.{i}", 9)
+        g.admit(UDP, f"10.1.0.{i}", 9, 0.0)
     assert len(caplog.records) == 64
     assert stack.counters["drop.egress_denied"] == 102
 
@@ -460,7 +460,7 @@ def test_start_hooks_the_dns_forwarder(monkeypatch):
     assert stack.dns.max_inflight == 10
     g, stack = guard(monkeypatch, soft=1 << 20)
     stack.dns = types.SimpleNamespace(policy=None, max_inflight=5)
-    g.start(stack.dns)  # now defaults to time.monotonic()
+    g.start(stack.dns, now=0.0)
     assert stack.dns.max_inflight == 5  # never raised
 
 
@@ -682,13 +682,11 @@ def test_a_first_connect_to_a_destination_does_not_spend_the_sweep():
     assert g.pending == 0
 
 
-def test_start_without_now_fills_the_rate_limiter_at_the_monotonic_time():
-    """start(now=None): the new-flow rate limiter is full at time.monotonic(), as documented.
-    (Kills Guard.start always passing ``now``.)"""
-    import time
-
+def test_start_fills_the_rate_limiter_at_the_loop_time_given_and_needs_it():
+    """start(now=...): the new-flow rate limiter is full at that loop time; there is no clock of
+    its own to fall back on (the data path has one clock, the loop's)."""
     g, _ = guard(start=False, new_flow_rate=5, new_flow_burst=1)
-    before = time.monotonic()
-    g.start()
-    assert before <= g.bucket.stamp <= time.monotonic()
-    assert g.bucket.tokens == 1.0
+    with pytest.raises(TypeError, match="now"):
+        g.start()
+    g.start(now=1234.5)
+    assert g.bucket.stamp == 1234.5 and g.bucket.tokens == 1.0

@@ -1012,3 +1012,26 @@ def test_a_route_to_the_guest_side_gateway_address_is_warned_about(caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 2, msgs
     assert "10.0.2.2 is an address of the virtual network" in msgs[0] and "fd00::2" in msgs[1]
+
+
+async def test_a_handled_udp_flow_is_listed_with_the_rule_that_let_it_through():
+    """A UDP flow a Python handler took follows the Flow protocol like any flow (mypy checks it,
+    tests/test_types.py): ``stack.flows()`` lists it with the egress rule that allowed it (it had
+    no ``name`` / ``rule``: listing it raised ``AttributeError``)."""
+    from stack_helpers import F4, served_stack, udp_frame
+
+    async def echo(flow, datagrams):
+        async for d in datagrams:
+            flow.send(d)
+
+    async with served_stack(cfg(egress_default="deny", egress_allow=["127.0.0.1:9999/udp"]), settle=0.1) as (
+            stack, guest, _first):
+        stack.route("*/udp", echo)
+        guest.send(udp_frame(F4, 41001, 9999, b"x"))
+        for _ in range(100):
+            if stack.parts.flows:
+                break
+            await asyncio.sleep(0.01)
+        (info,) = stack.flows()
+        assert (info.protocol, info.destination, info.rule, info.name) == ("udp", ("10.0.2.2", 9999),
+                                                                            "127.0.0.1/32:9999/udp", None)

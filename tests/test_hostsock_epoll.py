@@ -96,7 +96,7 @@ def test_connections_register_once_and_the_epoll_is_closed_with_the_stack(new_lo
             tr = Collect()
             serving = asyncio.ensure_future(stack.serve(tr))
             await asyncio.sleep(0)
-            poller = stack.parts.ctx.host_poller
+            poller = stack.parts.ctx.running.host_poller
             assert isinstance(poller, HostPoller) and not poller.closed
             new = epoll_fds() - eps0  # the loop's epoll existed before the stack
             assert len(new) == 1
@@ -162,7 +162,7 @@ def test_a_paused_flow_gets_no_read_callback_until_resumed(new_loop):
             tr = Collect()
             serving = asyncio.ensure_future(stack.serve(tr))
             await asyncio.sleep(0)
-            poller = stack.parts.ctx.host_poller
+            poller = stack.parts.ctx.running.host_poller
 
             on_frames = stack.parts.link.on_frames
 

@@ -668,11 +668,11 @@ async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog, 
     monkeypatch.setattr(FlowTable, "add", add_flow)
     healthy = TcpFlow.flush
 
-    def flush(flow):
+    def flush(flow, now):
         if flow in victims and flow.conn.bytes_received and not injected:
             injected.append(flow)
             raise RuntimeError("injected fault")
-        healthy(flow)
+        healthy(flow, now)
 
     monkeypatch.setattr(TcpFlow, "flush", flush)
 

@@ -25,7 +25,7 @@ from aioslirp.dispatch.ipv6 import Ipv6Path
 from aioslirp.dispatch.l4 import L4
 from aioslirp.dispatch.link import Link
 from aioslirp.dispatch.reassembly import Ipv6Reassembler, Reassembler, _Pending
-from aioslirp.flow.base import FlowContext
+from aioslirp.flow.context import FlowContext, Running
 from aioslirp.flow.guard import Guard
 from aioslirp.flow.info import FlowRecords
 from aioslirp.flow.table import FlowTable, IdleOrder
@@ -67,7 +67,7 @@ from aioslirp.wire.tcp import Segment, TcpFrameBuilder, TcpOffloadBuilder
 #: The classes of the per-frame path (a guest frame in, frames to the guest out).
 PER_FRAME = [
     Stack, StackParts, FlowRecords, Link, Family4, Family6, Ipv4Input, Ipv6Path, L4,
-    FlowContext, FlowTable, IdleOrder, Guard, EgressPolicy, InjectQueue, TokenBucket,
+    FlowContext, Running, FlowTable, IdleOrder, Guard, EgressPolicy, InjectQueue, TokenBucket,
     Reassembler, Ipv6Reassembler, _Pending,
     DatagramFlow, SocketFlow, UdpFlow, IcmpFlow, IcmpEcho, UdpForwardFlow, Forwarder, _Listener,
     TcpFlow, ForwardedTcpFlow, TcpConnection, Tcb, Arrival, Output, SendQueue, ChunkQueue, HostSocket, TransportHost,

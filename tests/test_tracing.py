@@ -589,3 +589,27 @@ async def test_two_stacks_trace_into_their_own_providers_and_an_untraced_one_rec
     finally:
         for p in providers:
             p.shutdown()
+
+
+def test_the_tracer_hooks_are_named_apart_from_the_data_path():
+    """A name search finds one thing: the tracer records (``record_segment``, ``record_host_data``...),
+    the data path acts (``TcpFlow.on_segment``...); no method name is shared between them."""
+    import inspect
+
+    from aioslirp.dispatch.l4 import L4
+    from aioslirp.dispatch.link import Link
+    from aioslirp.flow.table import FlowTable
+    from aioslirp.inject import InjectQueue
+    from aioslirp.nat.hostsock import HostSocket
+    from aioslirp.nat.tcp import TcpFlow
+    from aioslirp.transport.trace import TraceTransport
+
+    def methods(cls) -> set[str]:
+        return {n for n, v in inspect.getmembers(cls) if callable(v) and not n.startswith("_")}
+
+    hooks = methods(tracing.Tracer)
+    data_path = set().union(*(methods(c) for c in (TcpFlow, HostSocket, Link, L4, FlowTable, InjectQueue,
+                                                    TraceTransport)))
+    assert hooks & data_path == set()
+    assert {"record_segment", "record_host_data", "record_batch_start", "record_frame_queued",
+            "record_drain"} <= hooks

@@ -2,7 +2,7 @@
 
 ::
 
-    Transport ──frames──▶ link.Link.on_frames(frames, csum_ok)      now = loop.time(), once per batch
+    Transport ──frames──▶ link.Link.on_frames(frames, csum_ok)      now = ctx.running.time(), once per batch
                               │ Ethernet demux; ARP answered, ARP cache learned
                  ┌────────────┴─────────────┐
         ipv4.Ipv4Input.input        ipv6.Ipv6Path.dispatch          header checks, source check,

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import socket
 import struct
+from typing import TYPE_CHECKING, Any, Union
 
-from ..services.dhcp import reply_destination
+from ..flow.context import FlowContext
+from ..services.dhcp import DhcpServer, reply_destination
 from ..wire.checksum import checksum
 from ..wire.ethernet import BROADCAST, ETH, ETHERTYPE_IPV4, ETHERTYPE_IPV6
 from ..ratelimit import TokenBucket
@@ -40,8 +42,14 @@ from ..wire.ipv4 import fragment, pseudo_sum
 from ..wire.ipv6 import NH_ICMPV6, UNSPECIFIED, fragment6, multicast_mac, pseudo_sum6, solicited_node
 from ..wire.tcp import build_tcp
 from ..wire.udp import build_udp
+from ..wire.neighbors import NeighborCache
 
-__all__ = ["ALL_DHCP", "Family4", "Family6", "KINDS", "UNREACH4", "UNREACH6"]
+if TYPE_CHECKING:  # imported only with IPv6 on (Stack): config6, NDP, DHCPv6
+    from ..config.ipv6 import Ipv6Config
+    from ..services.dhcpv6 import Dhcpv6Server
+    from ..services.ndp import NdpResponder
+
+__all__ = ["ALL_DHCP", "Family", "Family4", "Family6", "KINDS", "UNREACH4", "UNREACH6"]
 
 #: The destination unreachable kinds a flow or L4 may raise (``aioslirp.wire.icmp.KIND_*``).
 KINDS = tuple(UNREACH4)
@@ -68,23 +76,23 @@ class Family4:
     """IPv4 for one stack (see the module documentation).
 
     Args:
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext`.
         neighbors: the ARP cache, IPv4 (4 bytes) -> guest MAC (filled by :mod:`~aioslirp.dispatch.link`).
 
     Attributes:
         gw, dns: our addresses (4 bytes); ``ours`` is both.
         reason: L4 drop reason -> the name counted for this family (IPv4: the same).
         err_bucket: the rate limiter of the ICMP errors we send (``stack.parts.family4.err_bucket``).
-        dhcp_server: the :class:`~aioslirp.services.dhcp.DhcpServer` (set when the stack starts).
+        dhcp_server: the :class:`~aioslirp.services.dhcp.DhcpServer` (a new one per ``Stack.reset_flows``).
     """
 
     __slots__ = ("ctx", "neighbors", "gw_mac", "gw", "dns", "ours", "bcast", "net_int", "mask_int", "mtu",
                  "host_loopback", "err_bucket", "dhcp_server")
 
-    #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
-    ctx: object
+    #: The stack's :class:`~aioslirp.flow.context.FlowContext`.
+    ctx: FlowContext
     #: The ARP cache (a :class:`~aioslirp.wire.neighbors.NeighborCache`): IPv4 -> guest MAC.
-    neighbors: dict
+    neighbors: NeighborCache
     gw_mac: bytes
     gw: bytes
     dns: bytes
@@ -95,7 +103,7 @@ class Family4:
     mtu: int
     host_loopback: bool
     err_bucket: TokenBucket
-    dhcp_server: object
+    dhcp_server: DhcpServer
 
     v6 = False
     af = socket.AF_INET
@@ -114,8 +122,10 @@ class Family4:
     build_tcp = staticmethod(build_tcp)
     build_udp = staticmethod(build_udp)
 
-    def __init__(self, ctx, neighbors) -> None:
-        cfg = ctx.config
+    def __init__(self, ctx: FlowContext, neighbors: NeighborCache) -> None:
+        # validated: its addresses and network are ipaddress objects (NetworkConfig types its
+        # fields as a user may give them, text included)
+        cfg: Any = ctx.config
         self.ctx = ctx
         self.neighbors = neighbors
         self.gw_mac = cfg.gateway_mac_bytes
@@ -128,7 +138,7 @@ class Family4:
         self.mtu = cfg.mtu
         self.host_loopback = not cfg.disable_host_loopback
         self.err_bucket = TokenBucket()
-        self.dhcp_server = None
+        self.dhcp_server = DhcpServer(cfg)
 
     def in_subnet(self, ip4: bytes) -> bool:
         return (int.from_bytes(ip4, "big") & self.mask_int) == self.net_int
@@ -158,14 +168,14 @@ class Family4:
         if len(quoted) < 28:
             return
         counters = self.ctx.counters
-        if not self.err_bucket.allow(self.ctx.loop.time() if now is None else now):
+        if not self.err_bucket.allow(self.ctx.running.time() if now is None else now):
             counters["icmp_errors_rate_limited"] += 1
             return
         src = quoted[12:16]
         counters["icmp_errors_sent"] += 1
         self.inject_ip(build_icmp_packet(quoted[16:20], src, icmp_type, code, 0, quoted), src)
 
-    def echo_request(self, ident: int, seq: int, payload: bytes) -> bytes:
+    def echo_request(self, ident: int, seq: int, payload: bytes) -> bytearray:
         """An ICMP Echo Request message (checksum filled) for a ping or raw socket."""
         msg = bytearray(_ECHO.pack(ICMP_ECHO, 0, 0, ident, seq) + payload)
         struct.pack_into("!H", msg, 2, checksum(msg))
@@ -222,7 +232,7 @@ class Family6:
     """IPv6 for one stack (see the module documentation); only with ``NetworkConfig.ipv6``.
 
     Args:
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext`.
         config6: the :class:`~aioslirp.config.ipv6.Ipv6Config`.
         ndp: the :class:`~aioslirp.services.ndp.NdpResponder` (its ``neighbors`` cache, our addresses).
         dhcp6: the :class:`~aioslirp.services.dhcpv6.Dhcpv6Server`.
@@ -236,13 +246,13 @@ class Family6:
     __slots__ = ("ctx", "config6", "ndp", "dhcp6", "neighbors", "gw_mac", "gw", "dns", "link_local", "ours", "mtu",
                  "host_loopback", "err_bucket", "guest_mac", "_solicited")
 
-    #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
-    ctx: object
-    config6: object
-    ndp: object
-    dhcp6: object
+    #: The stack's :class:`~aioslirp.flow.context.FlowContext`.
+    ctx: FlowContext
+    config6: Ipv6Config
+    ndp: NdpResponder
+    dhcp6: Dhcpv6Server
     #: The NDP cache: IPv6 -> guest MAC.
-    neighbors: dict
+    neighbors: NeighborCache
     gw_mac: bytes
     gw: bytes
     dns: bytes
@@ -267,7 +277,7 @@ class Family6:
     build_tcp = staticmethod(build_tcp)
     build_udp = staticmethod(build_udp)
 
-    def __init__(self, ctx, config6, ndp, dhcp6) -> None:
+    def __init__(self, ctx: FlowContext, config6: Ipv6Config, ndp: NdpResponder, dhcp6: Dhcpv6Server) -> None:
         self.ctx = ctx
         self.config6 = config6
         self.ndp = ndp
@@ -308,7 +318,7 @@ class Family6:
 
     def _solicit(self, dst: bytes) -> None:
         """At most one Neighbor Solicitation per address and second (``ndp.ns_sent``)."""
-        now = self.ctx.loop.time()
+        now = self.ctx.running.time()
         last = self._solicited.get(dst)
         if last is not None and now - last < 1.0:
             return
@@ -344,7 +354,7 @@ class Family6:
         guest tried, as libslirp does), or ``gateway6`` when that is multicast.
         """
         counters = self.ctx.counters
-        if not self.err_bucket.allow(self.ctx.loop.time() if now is None else now):
+        if not self.err_bucket.allow(self.ctx.running.time() if now is None else now):
             counters["icmp6_errors_rate_limited"] += 1
             return
         orig = bytes(orig[:QUOTE6])
@@ -403,3 +413,7 @@ class Family6:
         for p in fragment6(pkt, self.mtu):
             inject(eth + p)
         return True
+
+
+#: Either family: what L4 and the flows are handed with a packet or at their creation.
+Family = Union[Family4, Family6]

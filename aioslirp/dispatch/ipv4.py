@@ -14,12 +14,16 @@ ignored (``icmp_ignored``).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
+from ..flow.context import FlowContext
 from ..wire.checksum import partial
 from ..wire.icmp import ICMP, ICMP_ECHO, ICMP_ECHO_REPLY, build_icmp_packet
 from ..wire.ip import PROTO_ICMP, PROTO_TCP, PROTO_UDP
 from ..wire.ipv4 import IP_MF, IP_OFFMASK, IPV4
+from ..wire.neighbors import NeighborCache
+from .family import Family4
+from .l4 import L4
 from .reassembly import Reassembler
 
 __all__ = ["Ipv4Input"]
@@ -31,7 +35,7 @@ class Ipv4Input:
     """IPv4 input of one stack (see the module documentation).
 
     Args:
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext`.
         fam: its :class:`~aioslirp.dispatch.family.Family4` (addresses, ARP cache, output).
         l4: the :class:`~aioslirp.dispatch.l4.L4` dispatch.
 
@@ -39,25 +43,23 @@ class Ipv4Input:
         reassembler: the :class:`~aioslirp.dispatch.reassembly.Reassembler` (new one per :meth:`reset`).
     """
 
-    __slots__ = ("ctx", "fam", "counters", "drop", "neighbors", "net_int", "mask_int", "not_guest", "tcp", "udp",
-                 "echo", "reassembler")
+    __slots__ = ("ctx", "fam", "counters", "drop", "neighbors", "net_int", "mask_int", "not_guest", "l4",
+                 "reassembler")
 
-    ctx: Any
-    fam: Any
+    ctx: FlowContext
+    fam: Family4
     counters: dict[str, int]
     #: ``ctx.drop``.
-    drop: Any
-    neighbors: Any
+    drop: Callable[[str], None]
+    neighbors: NeighborCache
     net_int: int
     mask_int: int
-    not_guest: tuple
-    #: The L4 handlers (``L4.tcp``, ``L4.udp``, ``L4.echo``).
-    tcp: Any
-    udp: Any
-    echo: Any
+    not_guest: tuple[bytes, ...]
+    #: The one L4: a packet goes on to ``l4.tcp``, ``l4.udp`` or ``l4.echo``.
+    l4: L4
     reassembler: Reassembler
 
-    def __init__(self, ctx, fam, l4) -> None:
+    def __init__(self, ctx: FlowContext, fam: Family4, l4: L4) -> None:
         self.ctx = ctx
         self.fam = fam
         self.counters = ctx.counters
@@ -67,16 +69,14 @@ class Ipv4Input:
         self.mask_int = fam.mask_int
         #: Sources a guest frame must not have: our addresses and the subnet broadcast.
         self.not_guest = (fam.gw, fam.dns, fam.bcast)
-        self.tcp = l4.tcp
-        self.udp = l4.udp
-        self.echo = l4.echo
+        self.l4 = l4
         self.reassembler = Reassembler.from_config(ctx.config)
 
     def reset(self) -> None:
         """Forget fragments held for reassembly (``Stack.reset_flows``)."""
         self.reassembler = Reassembler.from_config(self.ctx.config)
 
-    def input(self, frame, src_mac: bytes, trusted: bool, now: float) -> None:
+    def input(self, frame: bytes, src_mac: bytes, trusted: bool, now: float) -> None:
         """One guest Ethernet frame of EtherType IPv4 (``src_mac`` its source); see :mod:`aioslirp.dispatch.l4`
         for ``trusted`` and ``now``. Drops are counted, never raised."""
         flen = len(frame)
@@ -114,15 +114,15 @@ class Ipv4Input:
             pkt = memoryview(bytes(pkt[:ihl]) + data)  # the completing fragment's header, the whole data
             l4 = pkt[ihl:]
         if proto == PROTO_TCP:
-            self.tcp(self.fam, src, dst, l4, pkt, trusted, now)
+            self.l4.tcp(self.fam, src, dst, l4, pkt, trusted, now)
         elif proto == PROTO_UDP:
-            self.udp(self.fam, src, dst, l4, pkt, src_mac, trusted, now)
+            self.l4.udp(self.fam, src, dst, l4, pkt, src_mac, trusted, now)
         elif proto == PROTO_ICMP:
             self.icmp(src, dst, l4, pkt, trusted, now)
         else:
             self.drop("unknown_ip_proto")
 
-    def icmp(self, src: bytes, dst: bytes, l4, pkt, trusted: bool, now: float) -> None:
+    def icmp(self, src: bytes, dst: bytes, l4: memoryview, pkt: memoryview, trusted: bool, now: float) -> None:
         """A guest ICMP message: echo requests answered (our addresses) or proxied; others ignored."""
         if len(l4) < 8:
             return self.drop("truncated_icmp")
@@ -140,4 +140,4 @@ class Ipv4Input:
             ctx.handled("icmp_echo_local")
             fam.inject_ip(build_icmp_packet(dst, src, ICMP_ECHO_REPLY, 0, rest, l4[8:]), src)
             return
-        self.echo(fam, src, dst, rest >> 16, rest & 0xFFFF, bytes(l4[8:]), pkt, now)
+        self.l4.echo(fam, src, dst, rest >> 16, rest & 0xFFFF, bytes(l4[8:]), pkt, now)

@@ -38,13 +38,16 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Callable
 
 from ..config.ipv6 import Ipv6Config
+from ..flow.context import FlowContext
 from ..services.dhcpv6 import Dhcpv6Server
 from ..services.ndp import NdpResponder
 from ..wire.icmp import ICMP6_ECHO_REQUEST, ICMP6_PACKET_TOO_BIG, ND_REDIRECT, ND_ROUTER_SOLICIT
 from ..wire.ipv6 import NH_ICMPV6, NH_NONE, NH_TCP, NH_UDP, UNSPECIFIED, l4_checksum_ok, parse_ipv6
 from .family import Family6
+from .l4 import L4
 from .reassembly import Ipv6Reassembler
 
 __all__ = ["Ipv6Path"]
@@ -59,7 +62,7 @@ class Ipv6Path:
     """IPv6 for one :class:`~aioslirp.stack.Stack` (see the module documentation).
 
     Args:
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext`.
         l4: the :class:`~aioslirp.dispatch.l4.L4` dispatch.
 
     Attributes:
@@ -73,12 +76,12 @@ class Ipv6Path:
     """
 
     __slots__ = ("ctx", "counters", "drop", "config6", "mtu", "ndp", "dhcp6", "family", "reassembler", "gw6", "dns6",
-                 "link_local", "ours", "tcp", "udp", "echo", "_good_src", "_ra_task")
+                 "link_local", "ours", "l4", "_good_src", "_ra_task")
 
-    ctx: object
+    ctx: FlowContext
     counters: dict[str, int]
     #: ``ctx.drop``.
-    drop: object
+    drop: Callable[[str], None]
     config6: Ipv6Config
     mtu: int
     ndp: NdpResponder
@@ -89,16 +92,14 @@ class Ipv6Path:
     dns6: bytes
     link_local: bytes
     ours: set[bytes]
-    #: The L4 handlers (``L4.tcp``, ``L4.udp``, ``L4.echo``).
-    tcp: object
-    udp: object
-    echo: object
+    #: The one L4: a packet goes on to ``l4.tcp``, ``l4.udp`` or ``l4.echo``.
+    l4: L4
     #: Guest source addresses already checked.
     _good_src: set[bytes]
     #: The periodic router advertisement task.
     _ra_task: asyncio.Task | None
 
-    def __init__(self, ctx, l4) -> None:
+    def __init__(self, ctx: FlowContext, l4: L4) -> None:
         self.ctx = ctx
         cfg = ctx.config
         self.counters = ctx.counters
@@ -113,9 +114,7 @@ class Ipv6Path:
         self.dns6 = c6.dns6_bytes
         self.link_local = self.ndp.link_local
         self.ours = self.ndp.ours
-        self.tcp = l4.tcp
-        self.udp = l4.udp
-        self.echo = l4.echo
+        self.l4 = l4
         self._good_src: set[bytes] = set()
         self._ra_task: asyncio.Task | None = None
 
@@ -147,9 +146,9 @@ class Ipv6Path:
     async def _ra_loop(self) -> None:
         """RFC 4861 6.2.4: an RA at once, then every ``next_ra_delay()`` seconds."""
         ndp = self.ndp
-        loop = self.ctx.loop
+        clock = self.ctx.running.time
         while True:
-            self.ctx.inject(ndp.periodic_ra(loop.time()))
+            self.ctx.inject(ndp.periodic_ra(clock()))
             self._merge_ndp()
             await asyncio.sleep(ndp.next_ra_delay())
 
@@ -173,7 +172,7 @@ class Ipv6Path:
             c.clear()
 
     # ------------------------------------------------------------------ input
-    def dispatch(self, frame, src_mac: bytes, trusted: bool, now: float) -> None:
+    def dispatch(self, frame: bytes, src_mac: bytes, trusted: bool, now: float) -> None:
         """One guest Ethernet frame of EtherType IPv6 (see :mod:`aioslirp.dispatch.l4` for
         ``trusted`` and ``now``). Drops are counted, never raised."""
         drop = self.drop
@@ -219,10 +218,10 @@ class Ipv6Path:
         proto = ip.proto
         if proto == NH_TCP:
             mv = memoryview(buf)
-            self.tcp(self.family, ip.src, ip.dst, mv[ip.l4:ip.end], mv[ip.off:ip.end], trusted, now)
+            self.l4.tcp(self.family, ip.src, ip.dst, mv[ip.l4:ip.end], mv[ip.off:ip.end], trusted, now)
         elif proto == NH_UDP:
             mv = memoryview(buf)
-            self.udp(self.family, ip.src, ip.dst, mv[ip.l4:ip.end], mv[ip.off:ip.end], src_mac, trusted, now)
+            self.l4.udp(self.family, ip.src, ip.dst, mv[ip.l4:ip.end], mv[ip.off:ip.end], src_mac, trusted, now)
         elif proto == NH_ICMPV6:
             self._icmp6(buf, ip, src_mac, now)
         elif proto == NH_NONE:
@@ -273,4 +272,4 @@ class Ipv6Path:
         if not l4_checksum_ok(ip.src, ip.dst, NH_ICMPV6, msg):
             return self.drop("icmp6_bad_checksum")
         ident, seq = _ECHO_ID_SEQ.unpack_from(msg, 4)
-        self.echo(self.family, ip.src, ip.dst, ident, seq, bytes(msg[8:]), mv[ip.off:ip.end], now)
+        self.l4.echo(self.family, ip.src, ip.dst, ident, seq, bytes(msg[8:]), mv[ip.off:ip.end], now)

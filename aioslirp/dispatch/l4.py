@@ -27,22 +27,33 @@ differs by family come from ``fam.reason``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import struct
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Union, cast
 
 from ..flow.base import flow_key
-from ..flow.guard import DENIED, HELD
+from ..flow.context import FlowContext
+from ..flow.guard import DENIED, HELD, Guard
+from ..flow.table import FlowTable
+from ..handlers.routes import Router
 from ..handlers.streams import run_handler
 from ..handlers.udp import HandledUdpFlow
-from ..nat.tcp import TcpFlow
+from ..nat.icmp import IcmpEcho
+from ..nat.tcp import HostFactory, TcpFlow
 from ..nat.udp import UdpFlow  # module level: an import under EMFILE (the first UDP flow) would fail
+from ..services.dns_tcp import DnsTcpHost
 from ..wire.checksum import partial
 from ..wire.icmp import KIND_ADMIN, KIND_HOST, KIND_PORT
 from ..wire.ip import PROTO_TCP, PROTO_UDP
-from ..wire.tcp import ACK, RST, SYN, parse_segment, reset_for
+from ..wire.tcp import ACK, RST, SYN, Segment, parse_segment, reset_for
 from ..wire.udp import UDP
+from .family import Family
+
+if TYPE_CHECKING:  # made by a port forward (nat.forward is imported with the first one)
+    from ..nat.forward import UdpForwardFlow
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -50,41 +61,61 @@ __all__ = ["L4"]
 
 _PORTS = struct.Struct("!HH")  # source and destination port of a TCP/UDP header
 
+#: What a UDP key of the flow table holds: a NAT flow, a Python handler's, or a port forward's.
+GuestUdpFlow = Union[UdpFlow, HandledUdpFlow, "UdpForwardFlow"]
+
 
 class L4:
     """TCP/UDP/echo dispatch over the packet view (see the module documentation).
 
     Args:
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext`.
+        icmp: the :class:`~aioslirp.nat.icmp.IcmpEcho` proxy (echo requests to remote addresses).
+        router: the :class:`~aioslirp.handlers.routes.Router` choosing Python handlers for new
+            flows (inactive: none).
     """
 
-    __slots__ = ("ctx", "counters", "drop", "handled", "table", "flows_get", "guard", "dns_tasks")
+    __slots__ = ("ctx", "counters", "drop", "handled", "table", "tcp_flow", "udp_flow", "guard", "icmp", "router",
+                 "dns_tasks")
 
-    ctx: Any
+    ctx: FlowContext
     counters: dict[str, int]
     #: ``ctx.drop`` and ``ctx.handled``: a guest frame's outcome.
-    drop: Any
-    handled: Any
-    #: The :class:`~aioslirp.flow.table.FlowTable`; ``flows_get`` is its ``get``.
-    table: Any
-    flows_get: Any
+    drop: Callable[[str], None]
+    handled: Callable[[str], None]
+    #: The :class:`~aioslirp.flow.table.FlowTable`.
+    table: FlowTable
+    #: The table's look-up (:attr:`FlowTable.get <aioslirp.flow.table.FlowTable.get>`, bound once:
+    #: one attribute look-up less per segment), typed by what a key of the protocol holds: under a
+    #: TCP key a :class:`~aioslirp.nat.tcp.TcpFlow` (L4 and the port forwards put them there).
+    tcp_flow: Callable[[tuple], TcpFlow | None]
+    #: The same look-up for a UDP key: a :class:`~aioslirp.nat.udp.UdpFlow`, a handler's
+    #: :class:`~aioslirp.handlers.udp.HandledUdpFlow` or a port forward's ``UdpForwardFlow``.
+    udp_flow: Callable[[tuple], GuestUdpFlow | None]
     #: The :class:`~aioslirp.flow.guard.Guard`.
-    guard: Any
-    dns_tasks: set
+    guard: Guard
+    icmp: IcmpEcho
+    router: Router
+    dns_tasks: set[asyncio.Task]
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx: FlowContext, icmp: IcmpEcho, router: Router) -> None:
         self.ctx = ctx
         self.counters = ctx.counters
         self.drop = ctx.drop
         self.handled = ctx.handled
-        self.table = ctx.table
-        self.flows_get = ctx.table.get
+        self.table = table = ctx.table
+        # the table holds Flows; which kind a key holds follows from its protocol (cast once, here)
+        self.tcp_flow = cast("Callable[[tuple], TcpFlow | None]", table.get)
+        self.udp_flow = cast("Callable[[tuple], GuestUdpFlow | None]", table.get)
         self.guard = ctx.guard
+        self.icmp = icmp
+        self.router = router
         #: DNS-over-UDP queries being answered (cancelled by ``Stack.reset_flows``).
-        self.dns_tasks: set = set()
+        self.dns_tasks: set[asyncio.Task] = set()
 
     # -------------------------------------------------------------- TCP
-    def tcp(self, fam, src: bytes, dst: bytes, l4, pkt, trusted: bool, now: float) -> None:
+    def tcp(self, fam: Family, src: bytes, dst: bytes, l4: memoryview, pkt: memoryview, trusted: bool,
+            now: float) -> None:
         """One guest TCP segment."""
         n = len(l4)
         if n < 20:
@@ -98,7 +129,7 @@ class L4:
             return self.drop("bad_tcp_header")
         if not (sport and dport):
             return self.refuse_port_zero("tcp", fam, src, dst, sport, dport, seg)
-        flow = self.flows_get(key)
+        flow = self.tcp_flow(key)
         if flow is not None:
             try:  # (no cost in CPython >= 3.11 while nothing raises)
                 taken = flow.on_segment(seg, now)
@@ -124,11 +155,14 @@ class L4:
         if fam.v6 and dst[0] == 0xFF:  # IPv6 only; an IPv4 multicast destination is unroutable below
             return self.drop("tcp6_multicast_dst")
         orig = fam.quote(pkt)
+        host: HostFactory | None = None
         if dst == fam.dns:
             if dport != 53:
                 self.reset_unknown(fam, src, dst, sport, dport, seg)
                 return self.drop("tcp_closed_port")
             remote = None
+            host = functools.partial(DnsTcpHost, forwarder=self.ctx.running.dns, counters=self.counters,
+                                     tasks=self.ctx.tasks)  # the DNS service stands where a host socket would
         else:
             remote = fam.remote_for(dst)
             if remote is None:
@@ -151,9 +185,8 @@ class L4:
         if not self.table.make_room():
             self.reset_unknown(fam, src, dst, sport, dport, seg)
             return self.drop("flow_table_full")
-        host = None
-        router = self.ctx.router
-        if router is not None and router.active and remote is not None:  # a Python handler takes it?
+        router = self.router
+        if router.active and remote is not None:  # a Python handler takes it?
             got = router.pick(PROTO_TCP, remote, dport, now, self.guard.decision)
             if got is not None:
                 self.counters["handler_flows.tcp"] += 1
@@ -161,8 +194,8 @@ class L4:
         if not TcpFlow(self.ctx, fam, key, remote, seg, orig, now, host).no_socket:  # else refused, counted
             self.handled("tcp_syn")
 
-    def _hold(self, proto: int, remote: Any, port: int, now: float, guest, seen: bytes, quote: bytes, fam,
-              replay) -> None:
+    def _hold(self, proto: int, remote: str | None, port: int, now: float, guest: tuple, seen: bytes, quote: bytes,
+              fam: Family, replay: tuple | None) -> None:
         """A new flow an async policy hook must decide (:data:`~aioslirp.flow.guard.HELD`): nothing is
         answered until the verdict; then a denial gets ICMP administratively prohibited (quoting
         ``quote``) and an allowed TCP SYN is handled again (``replay``: the call and its arguments,
@@ -175,21 +208,21 @@ class L4:
         allowed = await self.guard.ask(proto, remote, port, now, guest, seen)
         if self.ctx.closed:
             return
-        t = self.ctx.loop.time()
+        t = self.ctx.running.time()
         if not allowed:
             fam.icmp_error(KIND_ADMIN, quote, t)
         elif replay is not None:
             fn, *args = replay
             fn(*args, t)
 
-    def reset_unknown(self, fam, src: bytes, dst: bytes, sport: int, dport: int, seg) -> None:
+    def reset_unknown(self, fam: Family, src: bytes, dst: bytes, sport: int, dport: int, seg: Segment) -> None:
         """RST for a segment that belongs to no flow (RFC 9293 3.10.7.1; see :func:`reset_for`)."""
         seq, ack, flags = reset_for(seg)
         self.counters["tcp_rst_sent"] += 1
         self.ctx.inject(fam.build_tcp(fam.eth_to(src), dst, src, dport, sport, seq, ack, flags, 0))
 
-    def refuse_port_zero(self, l4_name: str, fam, src: bytes, dst: bytes, sport: int, dport: int,
-                         seg=None) -> None:
+    def refuse_port_zero(self, l4_name: str, fam: Family, src: bytes, dst: bytes, sport: int, dport: int,
+                         seg: Segment | None = None) -> None:
         """Drop a guest TCP segment or UDP datagram from or to port 0.
 
         Port 0 is reserved (RFC 6335 6): no endpoint has it, so the packet is never NATed (a host
@@ -204,7 +237,8 @@ class L4:
             self.reset_unknown(fam, src, dst, sport, dport, seg)
 
     # -------------------------------------------------------------- UDP
-    def udp(self, fam, src: bytes, dst: bytes, l4, pkt, src_mac: bytes, trusted: bool, now: float) -> None:
+    def udp(self, fam: Family, src: bytes, dst: bytes, l4: memoryview, pkt: memoryview, src_mac: bytes,
+            trusted: bool, now: float) -> None:
         """One guest UDP datagram."""
         n = len(l4)
         if n < 8:
@@ -231,7 +265,7 @@ class L4:
         if src == fam.unspecified:
             return self.drop(fam.reason["udp_from_unspecified"])
         key = (PROTO_UDP, src, sport, dst, dport)  # flow_key(), inlined: this runs for every datagram
-        flow = self.flows_get(key)
+        flow = self.udp_flow(key)
         if flow is None:  # an existing flow (e.g. a port forward's, from the gateway) routes as is
             flow = self._udp_open(fam, key, dst, dport, pkt, now)
             if flow is None:
@@ -239,7 +273,8 @@ class L4:
         self.counters["handled.udp"] += 1
         flow.send(payload, pkt[:len(pkt) - n + 8], now)  # the IP header(s) + 8 bytes, for ICMP errors
 
-    def _udp_open(self, fam, key: tuple, dst: bytes, dport: int, pkt, now: float):
+    def _udp_open(self, fam: Family, key: tuple, dst: bytes, dport: int, pkt: memoryview,
+                  now: float) -> UdpFlow | HandledUdpFlow | None:
         """The first datagram of a flow: its new :class:`UdpFlow`, or ``None`` (refused, counted)."""
         remote = fam.remote_for(dst)
         if remote is None:
@@ -259,8 +294,8 @@ class L4:
         if not self.table.make_room():
             self.drop("flow_table_full")
             return None
-        router = self.ctx.router
-        if router is not None and router.active:  # a Python handler takes it?
+        router = self.router
+        if router.active:  # a Python handler takes it?
             got = router.pick(PROTO_UDP, remote, dport, now, self.guard.decision)
             if got is not None:
                 self.counters["handler_flows.udp"] += 1
@@ -273,7 +308,7 @@ class L4:
         return flow
 
     # -------------------------------------------------------------- DNS over UDP
-    def dns_udp(self, fam, query: bytes, src: bytes, sport: int, now: float | None = None) -> None:
+    def dns_udp(self, fam: Family, query: bytes, src: bytes, sport: int, now: float) -> None:
         """A query to the DNS address: answered by a task, at most ``dns_max_inflight`` at a time
         (``now``: the batch's loop time, for the DNS name bindings)."""
         guard = self.guard
@@ -286,8 +321,8 @@ class L4:
         self.dns_tasks.add(task)
         task.add_done_callback(self.dns_tasks.discard)
 
-    async def _dns_answer(self, fam, query: bytes, src: bytes, sport: int, now: float | None = None) -> None:
-        reply = await self.ctx.dns.resolve(query, now=now, guest=(src, sport))
+    async def _dns_answer(self, fam: Family, query: bytes, src: bytes, sport: int, now: float) -> None:
+        reply = await self.ctx.running.dns.resolve(query, now=now, guest=(src, sport))
         if reply:
             fam.inject_ip(fam.build_udp(fam.dns, src, 53, sport, reply), src)
 
@@ -297,7 +332,8 @@ class L4:
             t.cancel()
 
     # -------------------------------------------------------------- ICMP echo
-    def echo(self, fam, src: bytes, dst: bytes, ident: int, seq: int, payload: bytes, pkt, now: float) -> None:
+    def echo(self, fam: Family, src: bytes, dst: bytes, ident: int, seq: int, payload: bytes, pkt: memoryview,
+             now: float) -> None:
         """An echo request (already checked by its L3) to a remote address: proxied by
         :class:`~aioslirp.nat.icmp.IcmpEcho`, once the guard admits its flow."""
         remote = fam.remote_for(dst)
@@ -311,4 +347,4 @@ class L4:
                 elif verdict == HELD:
                     self._hold(fam.icmp_proto, remote, 0, now, (src, ident), dst, bytes(pkt), fam, None)
                 return
-        self.ctx.icmp.echo(fam, src, dst, remote, ident, seq, payload, now)
+        self.icmp.echo(fam, src, dst, remote, ident, seq, payload, now)

@@ -1,12 +1,14 @@
 """The guest link: batches of Ethernet frames in, Ethernet demux, ARP and the IPv4 neighbours.
 
 :meth:`Link.on_frames` is the sink a transport delivers guest frames to. It reads the clock
-once per batch (``now = loop.time()``, handed down to L3, L4, the services and the flows),
-counts ``frames_in`` / ``bytes_in``, dispatches every frame (:meth:`Link.dispatch`: by
-EtherType to :class:`~aioslirp.dispatch.ipv4.Ipv4Input`, :meth:`Link.arp`, or
-:class:`~aioslirp.dispatch.ipv6.Ipv6Path`), then flushes the flows the batch touched (one ACK
-and one socket write per flow) and writes what the batch queued for the guest, all in the same
-event-loop iteration. A frame that makes the code raise is counted (``drop.internal_error``)
+once per batch (``now = ctx.running.time()``, the loop's, handed down to L3, L4, the services and
+the flows), counts ``frames_in`` / ``bytes_in``, dispatches every frame (:meth:`Link.dispatch`: by
+EtherType to :meth:`Ipv4Input.input <aioslirp.dispatch.ipv4.Ipv4Input.input>`, :meth:`Link.arp`,
+or :meth:`Ipv6Path.dispatch <aioslirp.dispatch.ipv6.Ipv6Path.dispatch>`), then flushes the flows
+the batch touched with that ``now`` (:meth:`FlowTable.flush <aioslirp.flow.table.FlowTable.flush>`:
+one ACK and one socket write per flow) and writes what the batch queued for the guest, all in the
+same event-loop iteration. Each collaborator is an attribute of its own class, so that an editor or
+a static walk follows the frame from here to the host socket's ``send``. A frame that makes the code raise is counted (``drop.internal_error``)
 and logged; the next frame goes on.
 
 ARP (RFC 826): requests for the gateway and DNS addresses are answered (``arp_replies``); the
@@ -18,11 +20,21 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
+from ..flow.base import TracePoints
+from ..flow.context import FlowContext
+from ..flow.table import FlowTable
+from ..inject import InjectQueue
 from ..wire.arp import ARP_REPLY, ARP_REQUEST, build_arp, parse_arp
 from ..wire.ethernet import ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6
+from ..wire.neighbors import NeighborCache
+from .family import Family4
+from .ipv4 import Ipv4Input
+
+if TYPE_CHECKING:  # imported only with IPv6 on (Stack): NDP, DHCPv6
+    from .ipv6 import Ipv6Path
 
 __all__ = ["Link"]
 
@@ -35,62 +47,65 @@ class Link:
     """The guest link of one stack (see the module documentation).
 
     Args:
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext`.
         fam4: the :class:`~aioslirp.dispatch.family.Family4` (addresses, the ARP cache).
-        ipv4: ``ipv4(frame, src_mac, trusted, now)``, the IPv4 input.
-        ipv6: ``ipv6(frame, src_mac, trusted, now)``, the IPv6 input, or ``None`` (IPv6 off:
-            such frames are dropped, ``drop.ipv6_disabled``).
+        ipv4: the IPv4 input (:meth:`Ipv4Input.input <aioslirp.dispatch.ipv4.Ipv4Input.input>`).
+        ipv6: the IPv6 input (:meth:`Ipv6Path.dispatch <aioslirp.dispatch.ipv6.Ipv6Path.dispatch>`),
+            or ``None`` (IPv6 off: such frames are dropped, ``drop.ipv6_disabled``).
 
     Attributes:
         tracer: the stack's :class:`~aioslirp.observe.tracing.Tracer` (``ctx.tracer``), or ``None``:
             told of each guest frame after its dispatch (``process_guest_frame``).
     """
 
-    __slots__ = ("ctx", "counters", "drop", "queue", "flush", "fam4", "neighbors", "ipv4", "ipv6", "tracer")
+    __slots__ = ("ctx", "counters", "drop", "queue", "table", "fam4", "neighbors", "ipv4", "ipv6", "tracer")
 
-    ctx: Any
+    ctx: FlowContext
     counters: dict[str, int]
     #: ``ctx.drop``.
-    drop: Any
-    #: The :class:`~aioslirp.inject.InjectQueue`.
-    queue: Any
-    #: ``FlowTable.flush``: run once per batch of guest frames.
-    flush: Any
-    fam4: Any
+    drop: Callable[[str], None]
+    #: The :class:`~aioslirp.inject.InjectQueue` (held during a batch, written at its end).
+    queue: InjectQueue
+    #: The flow table: :meth:`FlowTable.flush <aioslirp.flow.table.FlowTable.flush>` runs once per batch.
+    table: FlowTable
+    fam4: Family4
     #: The ARP cache (``fam4.neighbors``).
-    neighbors: Any
-    ipv4: Any
-    ipv6: Any
+    neighbors: NeighborCache
+    ipv4: Ipv4Input
+    ipv6: Ipv6Path | None
     #: The stack's tracer (``None``: not traced).
-    tracer: Any
+    tracer: TracePoints | None
 
-    def __init__(self, ctx, fam4, ipv4, ipv6=None) -> None:
+    def __init__(self, ctx: FlowContext, fam4: Family4, ipv4: Ipv4Input, ipv6: Ipv6Path | None = None) -> None:
         self.ctx = ctx
         self.counters = ctx.counters
         self.drop = ctx.drop
         self.queue = ctx.queue
-        self.flush = ctx.table.flush
+        self.table = ctx.table
         self.fam4 = fam4
         self.neighbors = fam4.neighbors
         self.ipv4 = ipv4
         self.ipv6 = ipv6
         self.tracer = ctx.tracer
 
-    def on_frames(self, frames, csum_ok=None) -> None:
-        """A batch of guest frames from the transport. ``csum_ok`` (offload TAP only): per frame,
-        True when the guest's kernel flagged its L4 checksum partial or valid (``NEEDS_CSUM`` /
-        ``DATA_VALID``): such frames are trusted, as passt does, instead of verified."""
-        now = self.ctx.loop.time()
+    def on_frames(self, frames: list[bytes], csum_ok: Iterable[bool] | None = None) -> None:
+        """A batch of guest frames from the transport (its sink, a :class:`~aioslirp.transport.base.FrameSink`).
+        ``csum_ok`` (offload TAP only): per frame, True when the guest's kernel flagged its L4
+        checksum partial or valid (``NEEDS_CSUM`` / ``DATA_VALID``): such frames are trusted, as
+        passt does, instead of verified. Reads the clock once (``ctx.running.time()``: loop time)
+        and hands that ``now`` to every frame's dispatch and to the flush of the flows the batch
+        touched."""
+        now = self.ctx.running.time()
         q = self.queue
         q.hold = True  # the frames the batch queues leave below, at once (see aioslirp.inject)
         try:
             counters = self.counters
             counters["frames_in"] += len(frames)
             counters["bytes_in"] += sum(map(len, frames))
-            dispatch = self.dispatch
+            dispatch = self.dispatch  # a local alias inside the batch loop, the one place it pays
             tr = self.tracer
             if tr is not None:
-                tr.on_batch_start()
+                tr.record_batch_start()
             for f, ok in zip(frames, _UNTRUSTED if csum_ok is None else csum_ok):
                 try:
                     dispatch(f, ok, now)
@@ -98,33 +113,33 @@ class Link:
                     self.drop("internal_error")
                     log.exception("internal error processing a guest frame")
                 if tr is not None:
-                    tr.on_guest_frame(f)
-            self.flush()
+                    tr.record_guest_frame(f)
+            self.table.flush(now)
         finally:
             q.hold = False
         q.write_now()
 
-    def process(self, frame, trusted: bool = False, now: float | None = None) -> None:
+    def process(self, frame: bytes, trusted: bool = False, now: float | None = None) -> None:
         """Count and dispatch one guest Ethernet frame (bytes-like). Never raises: bad input is
-        dropped and counted. ``now``: loop time (default: read now)."""
+        dropped and counted. ``now``: loop time (default: read now, ``ctx.running.time()``; the
+        stack must have started)."""
         counters = self.counters
         counters["frames_in"] += 1
         counters["bytes_in"] += len(frame)
         if now is None:
-            loop = self.ctx.loop
-            now = loop.time() if loop is not None else time.monotonic()
+            now = self.ctx.running.time()
         tr = self.tracer
         if tr is not None:
-            tr.on_batch_start()
+            tr.record_batch_start()
         try:
             self.dispatch(frame, trusted, now)
         except Exception:
             self.drop("internal_error")
             log.exception("internal error processing a guest frame")
         if tr is not None:
-            tr.on_guest_frame(frame)
+            tr.record_guest_frame(frame)
 
-    def dispatch(self, frame, trusted: bool, now: float) -> None:
+    def dispatch(self, frame: bytes, trusted: bool, now: float) -> None:
         """Demultiplex one guest frame by EtherType (no counting of ``frames_in``)."""
         if len(frame) < 14:
             return self.drop("truncated_eth")
@@ -132,18 +147,19 @@ class Link:
         if src_mac[0] & 1:
             return self.drop("bad_src_mac")
         if ethertype == ETHERTYPE_IPV4:
-            self.ipv4(frame, src_mac, trusted, now)
+            self.ipv4.input(frame, src_mac, trusted, now)
         elif ethertype == ETHERTYPE_ARP:
             self.arp(frame, src_mac)
         elif ethertype == ETHERTYPE_IPV6:
-            if self.ipv6 is not None:
-                self.ipv6(frame, src_mac, trusted, now)
+            v6 = self.ipv6
+            if v6 is not None:
+                v6.dispatch(frame, src_mac, trusted, now)
             else:
                 self.drop("ipv6_disabled")
         else:
             self.drop("unknown_ethertype")
 
-    def arp(self, frame, src_mac: bytes) -> None:
+    def arp(self, frame: bytes, src_mac: bytes) -> None:
         """One guest ARP packet: learn its sender, answer requests for our addresses."""
         arp = parse_arp(frame)
         if arp is None:

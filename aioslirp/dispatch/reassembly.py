@@ -26,7 +26,6 @@ IPv6; a guest has no good reason to send them); an exact duplicate is ignored
 from __future__ import annotations
 
 import struct
-import time
 from collections import OrderedDict
 
 from ..wire.icmp import ND_REDIRECT, ND_ROUTER_SOLICIT
@@ -50,7 +49,7 @@ class _Pending:
     total: int
     size: int
     charge: int
-    meta: object
+    meta: tuple | None
 
     def __init__(self, now: float) -> None:
         self.first_seen = now
@@ -139,8 +138,8 @@ class Reassembler:
         done = self.add_fragment(key, offset, more, data, now)
         return None if done is None else done[0]
 
-    def add_fragment(self, key: tuple, offset: int, more: bool, data, now: float, meta=None,
-                     meta_size: int = 0) -> tuple[bytes, object] | None:
+    def add_fragment(self, key: tuple, offset: int, more: bool, data, now: float, meta: tuple | None = None,
+                     meta_size: int = 0) -> tuple[bytes, tuple | None] | None:
         """:meth:`add`, attaching ``meta`` to the datagram when ``offset`` is 0.
 
         ``meta`` (e.g. the IPv6 headers of the first fragment) is kept with the datagram and
@@ -254,11 +253,12 @@ class Ipv6Reassembler:
     def _drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
 
-    def add(self, buf, ip: Ipv6, now: float | None = None) -> bytes | None:
-        """Add the fragment ``ip`` (parsed from ``buf`` by :func:`parse_ipv6`). ``now`` in seconds."""
-        if now is None:
-            now = time.monotonic()
-        foff, more, ident = ip.frag
+    def add(self, buf, ip: Ipv6, now: float) -> bytes | None:
+        """Add the fragment ``ip`` (parsed from ``buf`` by :func:`parse_ipv6`, ``ip.frag`` set).
+        ``now``: loop time in seconds (the batch's)."""
+        frag = ip.frag
+        assert frag is not None, "a fragment"
+        foff, more, ident = frag
         mv = memoryview(buf)
         if foff == 0 and not more:  # atomic fragment (RFC 6946): process in isolation
             return self._rebuild(bytes(mv[ip.off:ip.l4 - 8]), self._nh_pos(buf, ip), ip.proto, mv[ip.l4:ip.end])

@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Flow", "FlowContext", "admission", "flow_key"]
+from ..wire.tcp import Segment
+
+__all__ = ["AuditSink", "Flow", "FlowFamily", "TracePoints", "admission", "flow_key"]
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -75,27 +77,49 @@ class Flow(Protocol):
             allow``, inbound flows, local services). Set at creation (:func:`admission`).
     """
 
+    # Settable: the table rekeys a retired TCP flow and marks an evicted flow's outcome. The
+    # others are read-only here (a flow may compute them), so each flow class follows the
+    # protocol as mypy checks it (tests/test_types.py).
     key: tuple
-    proto: int
-    proto_name: str
-    direction: str
-    state: str
-    guest_ip: bytes
-    guest_port: int | None
-    dst_ip: bytes
-    dst_port: int | None
-    remote: str | None
-    forward_id: int | None
-    last_active: float
-    bytes_up: int | None
-    bytes_down: int | None
-    started: float
     outcome: str
-    name: str | None
-    rule: str | None
 
-    def flush(self) -> None:
-        """Send what is due (called once per batch of guest frames for a flow marked dirty)."""
+    @property
+    def proto(self) -> int: ...
+    @property
+    def proto_name(self) -> str: ...
+    @property
+    def direction(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def guest_ip(self) -> bytes: ...
+    @property
+    def guest_port(self) -> int | None: ...
+    @property
+    def dst_ip(self) -> bytes: ...
+    @property
+    def dst_port(self) -> int | None: ...
+    @property
+    def remote(self) -> str | None: ...
+    @property
+    def forward_id(self) -> int | None: ...
+    @property
+    def last_active(self) -> float: ...
+    @property
+    def bytes_up(self) -> int | None: ...
+    @property
+    def bytes_down(self) -> int | None: ...
+    @property
+    def started(self) -> float: ...
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def rule(self) -> str | None: ...
+
+    def flush(self, now: float) -> None:
+        """Send what is due at loop time ``now`` (seconds, the batch's ``loop.time()``); called once
+        per batch of guest frames for a flow marked dirty (:meth:`FlowTable.flush
+        <aioslirp.flow.table.FlowTable.flush>`)."""
 
     def fail(self) -> None:
         """End the flow after an internal error of its own (a failed :meth:`flush`)."""
@@ -108,108 +132,72 @@ class Flow(Protocol):
         timeout; True when it did."""
 
 
-class FlowContext:
-    """The stack's collaborators as the flows and the dispatch see them, handed over at creation.
+class FlowFamily(Protocol):
+    """What a flow asks of its address family, the guest side of IPv4 or IPv6 (the dispatch's
+    :class:`~aioslirp.dispatch.family.Family4` / ``Family6`` follow it; this floor does not import
+    them)."""
 
-    No flow, service glue or dispatch object reads the :class:`~aioslirp.stack.Stack`: what
-    they need is here, set once by the stack (``loop``, ``dns`` and ``dns_host`` when it
-    starts, ``offload`` per served transport, ``closed`` when it closes).
+    @property
+    def v6(self) -> bool:
+        """IPv6 (addresses of 16 bytes) or IPv4 (4 bytes)."""
+        ...
 
-    Attributes:
-        config: the validated ``NetworkConfig``.
-        counters: the stack's ``collections.Counter``.
-        loop: the event loop (``None`` until ``Stack.start``). ``loop.time()`` is the one clock
-            of the data path: ``last_active``, timers, rate limiters.
-        table: the :class:`~aioslirp.flow.table.FlowTable`.
-        guard: the :class:`~aioslirp.flow.guard.Guard`.
-        queue: the :class:`~aioslirp.inject.InjectQueue`; ``inject`` is its ``put(frame) -> bool``.
-        tasks: the ``set`` of the flows' own tasks (``Stack.aclose`` cancels and awaits them).
-        spawn: ``spawn(coro, name) -> Task``, an auxiliary task owned by the stack.
-        icmp: the :class:`~aioslirp.nat.icmp.IcmpEcho` proxy.
-        dns: the :class:`~aioslirp.services.dns.DnsForwarder` (``None`` until started).
-        dns_host: ``dns_host(flow)``: the host side of a TCP flow to the DNS address
-            (:class:`~aioslirp.services.dns_tcp.DnsTcpHost`), so ``tcp/`` needs no service.
-        host_poller: the :class:`~aioslirp.nat.hostsock.HostPoller` (one epoll) reading the TCP
-            flows' host sockets (``None`` until ``Stack.start``; closed by ``Stack.aclose``).
-        offload: the transport being served takes offload frames (a TAP with ``IFF_VNET_HDR``).
-        closed: the stack is closing: no new flow is started.
-        tracer: the stack's :class:`~aioslirp.observe.tracing.Tracer`, or ``None`` (not traced): the
-            flows tell it what they did (``if tr is not None: tr.on_...(...)``, after the work).
-        audit: the stack's :class:`~aioslirp.observe.audit.AuditLog`, or ``None`` (no audit log):
-            ``audit.record(dict)`` for denials and DNS decisions; the flow table records each
-            flow's end itself.
-        rate_up, rate_down: the guest's :class:`~aioslirp.ratelimit.ByteBucket` each way
-            (``rate_up`` guest -> host), or ``None`` (no cap): TCP flows pace against them,
-            UDP flows drop what they do not hold.
-        router: the :class:`~aioslirp.handlers.routes.Router` choosing Python handlers for new
-            flows (``None``: none).
-    """
+    def eth_to(self, ip: bytes, /) -> bytes:
+        """The 14-byte Ethernet header from the gateway to the guest's address ``ip``."""
+        ...
 
-    __slots__ = ("config", "counters", "loop", "table", "guard", "queue", "inject", "tasks", "spawn", "icmp",
-                 "dns", "dns_host", "host_poller", "offload", "closed", "tracer", "audit", "rate_up", "rate_down", "router")
+    def inject_ip(self, packet: bytes | bytearray, dst: bytes, /) -> None:
+        """Queue an IP packet (no Ethernet header) for the guest's ``dst``, fragmented to the MTU."""
+        ...
 
-    config: object
-    counters: dict[str, int]
-    loop: object
-    table: object
-    guard: object
-    queue: object
-    inject: object
-    tasks: set
-    spawn: object
-    icmp: object
-    dns: object
-    dns_host: object
-    host_poller: object
-    offload: bool
-    closed: bool
-    #: The stack's tracer (``None``: not traced).
-    tracer: object
-    #: The stack's audit log (``None``: off).
-    audit: object
-    #: The guest's byte-rate caps (``None``: none).
-    rate_up: object
-    rate_down: object
-    #: The stack's :class:`~aioslirp.handlers.routes.Router` (flows to Python handlers), or ``None``.
-    router: object
+    def icmp_error(self, kind: str, orig: bytes, now: float | None = None) -> None:
+        """Destination unreachable of ``kind`` (``"net"``, ``"host"``, ``"port"``, ``"admin"``) to
+        the guest about ``orig``, its packet (``now``: loop time; default the running clock)."""
+        ...
 
-    def __init__(self, config, counters) -> None:
-        self.config = config
-        self.counters = counters
-        self.loop = None
-        self.table = self.guard = self.queue = self.inject = self.spawn = self.icmp = None
-        self.dns = self.dns_host = self.host_poller = None
-        self.tasks: set = set()
-        self.offload = False
-        self.closed = False
-        self.tracer = None
-        self.audit = None
-        self.rate_up = self.rate_down = None
-        self.router = None
 
-    def drop(self, reason: str) -> None:
-        """Count a dropped guest frame: ``drop.<reason>`` and ``frames_dropped``.
+class TracePoints(Protocol):
+    """The trace points the data path records (:class:`aioslirp.observe.tracing.Tracer`, the stack's
+    ``tracer``), each called after the work it describes: ``if tr is not None: tr.record_...(...)``.
+    Named apart from the data path's own methods (``record_segment``, not ``on_segment``), so that a
+    name search finds one thing."""
 
-        Every guest frame ends with exactly one outcome: dropped here, or handled
-        (:meth:`handled`), so that ``frames_in == frames_dropped + sum(handled.*)``
-        (``Stack.frame_outcomes``). Drops that are not a guest frame's outcome (a frame for the
-        guest the inject queue had no room for, fragments evicted after they were held) are
-        counted as ``drop.<reason>`` alone.
-        """
-        counters = self.counters
-        counters["drop." + reason] += 1
-        counters["frames_dropped"] += 1
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("dropped guest frame: %s", reason)
+    def record_flow_opened(self, flow: Flow) -> None:
+        """``flow`` entered the flow table."""
 
-    def start_task(self, coro, name: str):
-        """A flow's own task on :attr:`loop`, held in :attr:`tasks` until it ends."""
-        task = self.loop.create_task(coro, name=name)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task
+    def record_flow_closed(self, flow: Flow) -> None:
+        """``flow`` left the flow table."""
 
-    def handled(self, reason: str) -> None:
-        """Count a guest frame that was handled (answered, NATed, held for reassembly...) as
-        ``handled.<reason>``; see :meth:`drop`."""
-        self.counters["handled." + reason] += 1
+    def record_flow_event(self, flow: Flow, name: str, attributes: dict | None = None) -> None:
+        """An event of ``flow`` (``"fin.host"``...)."""
+
+    def record_connect_failed(self, flow: Flow, outcome: str) -> None:
+        """The host connect of a TCP flow failed (``"refused"``, ``"unreachable"``)."""
+
+    def record_conn_event(self, flow: Flow, name: str) -> None:
+        """An event of a TCP flow's connection (``TcpConnection.next_event``)."""
+
+    def record_segment(self, flow: Flow, seg: Segment) -> None:
+        """A guest segment fed to a TCP flow."""
+
+    def record_host_data(self, flow: Flow, nbytes: int) -> None:
+        """A host read of ``nbytes`` handed to a TCP flow."""
+
+    def record_syn_ack(self, flow: Flow, connect_time: float, immediate: bool) -> None:
+        """A TCP flow answered the guest's SYN (``connect_time``: seconds its host connect took)."""
+
+    def record_batch_start(self) -> None:
+        """A batch of guest frames begins (:class:`~aioslirp.dispatch.link.Link`)."""
+
+    def record_guest_frame(self, frame: bytes) -> None:
+        """A guest frame was dispatched."""
+
+
+class AuditSink(Protocol):
+    """What the flow table and the guard tell the audit log (:class:`aioslirp.observe.audit.AuditLog`)."""
+
+    def record(self, rec: dict) -> None:
+        """One record (a denial, a DNS decision): fields in docs/audit.md."""
+
+    def flow_ended(self, flow: Flow) -> None:
+        """``flow`` left the flow table: its record."""

@@ -259,7 +259,8 @@ class Egress:
     #: Counts :meth:`clear_cache` calls: a hook verdict asked for before the last one is not cached.
     _gen: int
     _default: Decision
-    #: The stack's FlowContext (for ``ctx.loop`` / ``ctx.audit``), or ``None``.
+    _version: int
+    #: The stack's FlowContext (for ``ctx.running`` / ``ctx.audit``), or ``None``.
     ctx: object
     #: Something besides the rules needs the name bindings (a flow handler's route by name).
     names_wanted: bool
@@ -348,7 +349,7 @@ class Egress:
         if table is None:
             return 0
         if now is None:
-            now = ctx.loop.time() if ctx.loop is not None else time.monotonic()
+            now = ctx.running.time() if ctx.is_started else time.monotonic()  # no flow before the stack runs
         cfg = self.config
         gws = {}
         for attr, loop_text in (("gateway", "127.0.0.1"), ("gateway6", "::1")):

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from .egress import Decision, Egress, guest_fields, wall
 
@@ -137,7 +136,7 @@ class Guard:
             tokens at ``new_flow_rate`` per second, full at loop time ``now``), or ``None`` for
             no rate limit.
 
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext` (counters, ``ctx.audit``), or ``None``.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext` (counters, ``ctx.audit``), or ``None``.
         hook: the Python policy hook (``Stack(policy=...)``), default ``config.policy``.
 
     Attributes:
@@ -213,12 +212,12 @@ class Guard:
         self._logged: set = set()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, dns=None, now: float | None = None) -> None:
-        """Make the new-flow rate limiter, full at ``now`` (the stack's loop time; default
-        ``time.monotonic()``), hook the DNS forwarder ``dns``'s upstream check to the policy and
-        cap its queries in flight to :attr:`dns_fd_budget` (``Stack.start``)."""
+    def start(self, dns=None, *, now: float) -> None:
+        """Make the new-flow rate limiter, full at ``now`` (seconds: the stack's loop time), hook
+        the DNS forwarder ``dns``'s upstream check to the policy and cap its queries in flight to
+        :attr:`dns_fd_budget` (``Stack.start``)."""
         if self._new_bucket is not None:
-            self.bucket = self._new_bucket(time.monotonic() if now is None else now)
+            self.bucket = self._new_bucket(now)
         if dns is not None:
             dns.policy = self.policy
             dns.max_inflight = min(dns.max_inflight, self.dns_fd_budget)
@@ -243,8 +242,8 @@ class Guard:
         return len(self._pending)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, proto: int, remote: str | None, port: int = 0, now: float | None = None,
-              guest: str | None = None, seen: bytes | None = None) -> str | None:
+    def admit(self, proto: int, remote: str | None, port: int, now: float,
+              guest: tuple | str | None = None, seen: bytes | None = None) -> str | None:
         """May the guest open a new flow of ``proto`` (6, 17, 1 or 58) to host address ``remote``
         (text; ``None`` for a local service such as DNS over TCP) and ``port``?
 
@@ -252,13 +251,11 @@ class Guard:
         :data:`DENIED` when the egress policy denies the flow (answer ICMP administratively
         prohibited), :data:`HELD` while an async policy hook decides (answer nothing; see
         :meth:`ask`), or the name of the bound that was hit (answer a TCP SYN with a RST, drop
-        anything else). Each refusal is counted as ``drop.<verdict>``. ``now``: seconds on the
-        clock :meth:`start` was given (the loop's; default ``time.monotonic()``). ``guest``: the
+        anything else). Each refusal is counted as ``drop.<verdict>``. ``port``: 0 for an echo
+        flow. ``now``: seconds on the clock :meth:`start` was given (the loop's). ``guest``: the
         guest's endpoint, ``(address bytes, port)`` or ``"ip:port"``, for the hook and the audit log;
         ``seen``: the destination address as the guest sent to it (bytes), for the audit log.
         """
-        if now is None:
-            now = time.monotonic()
         self.decision = None
         if remote is not None:
             policy = self.policy

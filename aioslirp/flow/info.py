@@ -11,9 +11,10 @@ flow, see :class:`~aioslirp.flow.base.Flow`) is ``stack.parts.flows``; up to 0.1
 from __future__ import annotations
 
 import socket
-import time
 import warnings
 from dataclasses import dataclass
+
+from .context import FlowContext
 
 __all__ = ["FlowInfo", "FlowRecords", "flow_info"]
 
@@ -101,7 +102,7 @@ def flow_info(flow, now: float) -> FlowInfo:
 
 class FlowRecords:
     """What ``stack.flows`` is. Called, a ``list`` of :class:`FlowInfo`, one per flow, in table
-    order, at loop time (``time.monotonic()`` before the stack started).
+    order, at loop time (flows exist only once the stack runs: ``ctx.running.time()``).
 
     Reading it as the live table (``len()``, ``in``, ``[key]``, iteration, ``keys()``,
     ``values()``, ``items()``, ``get()``, truth), as up to 0.1, still works until the next
@@ -109,15 +110,15 @@ class FlowRecords:
 
     Args:
         table: the flow table's ``dict`` (key -> :class:`~aioslirp.flow.base.Flow`).
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext` (its ``loop`` once started).
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext` (its clock once started).
     """
 
     __slots__ = ("_table", "_ctx")
 
     _table: dict
-    _ctx: object
+    _ctx: FlowContext
 
-    def __init__(self, table: dict, ctx) -> None:
+    def __init__(self, table: dict, ctx: FlowContext) -> None:
         self._table = table
         self._ctx = ctx
 
@@ -125,8 +126,7 @@ class FlowRecords:
         table = self._table
         if not table:
             return []
-        loop = self._ctx.loop
-        now = loop.time() if loop is not None else time.monotonic()
+        now = self._ctx.running.time()
         return [flow_info(f, now) for f in list(table.values())]
 
     def __repr__(self) -> str:

@@ -8,9 +8,10 @@ A flow enters with :meth:`FlowTable.add` and leaves with :meth:`FlowTable.remove
 ``flows.<proto_name>.opened`` / ``.closed`` and tell the :class:`~aioslirp.flow.guard.Guard` (its
 per-protocol counts stay exact) and the stack's tracer, if it has one.
 
-* **Dirty set.** A flow that took a guest segment adds itself to :attr:`FlowTable.dirty`;
-  :meth:`FlowTable.flush` runs once at the end of the batch of guest frames and flushes each,
-  so many segments give one ACK and one socket write. A flush that raises is counted
+* **Dirty set.** A flow that took a guest segment adds itself to :attr:`FlowTable.dirty`
+  (:attr:`FlowTable.mark_dirty`); :meth:`FlowTable.flush` runs once at the end of the batch of
+  guest frames with the batch's ``now`` and flushes each (``flow.flush(now)``), so many segments
+  give one ACK and one socket write. A flush that raises is counted
   (``flow_errors``) and ends that flow alone (``flow.fail()``).
 * **Room.** The table holds at most ``max_flows``. :meth:`FlowTable.make_room` makes a slot by
   evicting the UDP/ICMP flow idle the longest (``flows_evicted``), taken from
@@ -32,8 +33,10 @@ import asyncio
 import heapq
 import itertools
 import logging
-from typing import Any
+from collections.abc import Callable
 
+from .base import AuditSink, Flow, TracePoints
+from .guard import Guard
 
 __all__ = ["FlowTable", "IdleOrder", "sweep_interval"]
 
@@ -71,12 +74,12 @@ class IdleOrder:
 
     __slots__ = ("_flows", "_heap", "_seq", "examined")
 
-    _flows: dict
-    _heap: list
+    _flows: dict[tuple, Flow]
+    _heap: list[tuple[float, int, Flow]]
     _seq: itertools.count
     examined: int
 
-    def __init__(self, flows: dict) -> None:
+    def __init__(self, flows: dict[tuple, Flow]) -> None:
         self._flows = flows  # the table; an entry counts while flows[flow.key] is its flow
         self._heap: list = []
         self._seq = itertools.count()
@@ -86,7 +89,7 @@ class IdleOrder:
         """Heap entries, including those of flows that left the table and are not yet compacted."""
         return len(self._heap)
 
-    def add(self, flow) -> None:
+    def add(self, flow: Flow) -> None:
         """Track ``flow`` (just entered the table; it needs ``key`` and ``last_active``)."""
         heap = self._heap
         heapq.heappush(heap, (flow.last_active, next(self._seq), flow))
@@ -95,7 +98,7 @@ class IdleOrder:
             heap[:] = [e for e in heap if flows.get(e[2].key) is e[2]]
             heapq.heapify(heap)
 
-    def pop_idlest(self):
+    def pop_idlest(self) -> Flow | None:
         """Remove and return the flow in the table idle the longest, or ``None`` when there is none."""
         heap = self._heap
         flows = self._flows
@@ -128,38 +131,44 @@ class FlowTable:
     Attributes:
         flows: ``dict`` key -> flow (see :class:`~aioslirp.flow.base.Flow`); records of it:
             :class:`~aioslirp.flow.info.FlowRecords`.
-        get: ``flows.get``.
+        get: ``flows.get``, bound (the per-segment look-up of :class:`~aioslirp.dispatch.l4.L4`).
         idle_order: the :class:`IdleOrder` of the evictable flows.
-        dirty: flows to flush at the end of the batch (:meth:`flush`); a flow adds itself.
+        dirty: flows to flush at the end of the batch (:meth:`flush`); a flow adds itself
+            (:attr:`mark_dirty`).
     """
 
-    __slots__ = ("max_flows", "counters", "guard", "flows", "get", "idle_order", "dirty", "interval", "_loop",
-                 "_timer", "tracer", "audit")
+    __slots__ = ("max_flows", "counters", "guard", "flows", "get", "idle_order", "dirty", "mark_dirty", "interval",
+                 "_loop", "_timer", "tracer", "audit")
 
     max_flows: int
     counters: dict[str, int]
-    guard: Any
-    flows: dict
-    get: Any
+    #: The :class:`~aioslirp.flow.guard.Guard`: told of every flow entering and leaving.
+    guard: Guard
+    flows: dict[tuple, Flow]
+    get: Callable[[tuple], Flow | None]
     idle_order: IdleOrder
-    dirty: set
+    dirty: set[Flow]
+    #: ``dirty.add``, bound once: a flow that took a guest segment marks itself with it (one
+    #: attribute look-up less per segment than ``table.dirty.add``).
+    mark_dirty: Callable[[Flow], None]
     #: Seconds between two idle sweeps (:func:`sweep_interval`).
     interval: float
     _loop: asyncio.AbstractEventLoop | None
     _timer: asyncio.TimerHandle | None
     #: The stack's tracer (``None``: not traced).
-    tracer: Any
+    tracer: TracePoints | None
     #: The stack's :class:`~aioslirp.observe.audit.AuditLog` (``None``: off): told of every flow leaving.
-    audit: Any
+    audit: AuditSink | None
 
-    def __init__(self, config, counters, guard, tracer=None) -> None:
+    def __init__(self, config, counters: dict[str, int], guard: Guard, tracer: TracePoints | None = None) -> None:
         self.max_flows = int(config.max_flows)
         self.counters = counters
         self.guard = guard
-        self.flows: dict = {}
+        self.flows: dict[tuple, Flow] = {}
         self.get = self.flows.get
         self.idle_order = IdleOrder(self.flows)
-        self.dirty: set = set()
+        self.dirty: set[Flow] = set()
+        self.mark_dirty = self.dirty.add
         self.interval = sweep_interval(config)
         self.tracer = tracer
         self.audit = None
@@ -170,7 +179,7 @@ class FlowTable:
         return len(self.flows)
 
     # ------------------------------------------------------------------ membership
-    def add(self, flow) -> None:
+    def add(self, flow: Flow) -> None:
         """Enter ``flow`` under ``flow.key`` (counted ``flows.<proto_name>.opened``)."""
         self.flows[flow.key] = flow
         if flow.proto != _PROTO_TCP:
@@ -179,9 +188,9 @@ class FlowTable:
         self.guard.opened(flow)
         tr = self.tracer
         if tr is not None:
-            tr.on_flow_opened(flow)
+            tr.record_flow_opened(flow)
 
-    def remove(self, flow) -> None:
+    def remove(self, flow: Flow) -> None:
         """``flow`` leaves the table (counted ``flows.<proto_name>.closed`` if it was in it; then
         one audit record, :meth:`AuditLog.flow_ended <aioslirp.observe.audit.AuditLog.flow_ended>`, when
         :attr:`audit` is set). Idempotent."""
@@ -195,9 +204,9 @@ class FlowTable:
         self.dirty.discard(flow)
         tr = self.tracer
         if tr is not None:
-            tr.on_flow_closed(flow)
+            tr.record_flow_closed(flow)
 
-    def rekey(self, flow, key: tuple) -> None:
+    def rekey(self, flow: Flow, key: tuple) -> None:
         """Move ``flow`` (in the table) to ``key``, a key no guest packet looks up; ``flow.key`` is set."""
         del self.flows[flow.key]
         flow.key = key
@@ -216,13 +225,14 @@ class FlowTable:
         victim.shutdown()
         return True
 
-    def flush(self) -> None:
-        """Let every flow marked dirty since the last flush send what is due (one ACK, one socket write)."""
+    def flush(self, now: float) -> None:
+        """Let every flow marked dirty since the last flush send what is due at loop time ``now``
+        (seconds: the batch's ``now``, handed to ``flow.flush(now)``): one ACK, one socket write."""
         dirty = self.dirty
         while dirty:
             flow = dirty.pop()
             try:
-                flow.flush()
+                flow.flush(now)
             except Exception:
                 log.exception("flow %s failed in flush", flow.key)
                 self.counters["flow_errors"] += 1
@@ -261,9 +271,11 @@ class FlowTable:
 
     def _on_timer(self) -> None:
         # a loop timer, not a task: nothing is left running once the stack is closed
+        loop = self._loop
+        assert loop is not None  # armed by start(loop)
         self._timer = None
-        self.sweep(self._loop.time())
-        self._timer = self._loop.call_later(self.interval, self._on_timer)
+        self.sweep(loop.time())
+        self._timer = loop.call_later(self.interval, self._on_timer)
 
     def sweep(self, now: float) -> int:
         """Expire idle flows at loop time ``now`` (each by ``flow.expire(now)``), then re-count the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from ..flow.base import admission
 from ..nat.datagram import DatagramFlow
 from ..wire.ip import PROTO_UDP
 from .streams import GuestFlow
@@ -73,7 +74,7 @@ class Datagrams:
 class HandledUdpFlow(DatagramFlow):
     """One guest UDP flow handed to ``handler`` (see the module documentation).
 
-    Args: ``ctx`` (the :class:`~aioslirp.flow.base.FlowContext`), ``fam`` (Family4/6), ``key`` (the
+    Args: ``ctx`` (the :class:`~aioslirp.flow.context.FlowContext`), ``fam`` (Family4/6), ``key`` (the
     :func:`~aioslirp.flow.base.flow_key`), ``remote`` (host-side address text), ``now`` (loop time),
     ``handler``, ``name`` (the destination's DNS name or ``None``), ``errors`` (the router's
     ``failed(handler, flow, exc)``).
@@ -86,7 +87,7 @@ class HandledUdpFlow(DatagramFlow):
     forward_id = None
 
     __slots__ = ("guest_port", "dst_port", "remote", "bytes_up", "bytes_down", "datagrams", "gflow", "handler", "task",
-                 "_errors", "_ended")
+                 "_errors", "_ended", "name", "rule")
 
     guest_port: int
     dst_port: int
@@ -99,11 +100,15 @@ class HandledUdpFlow(DatagramFlow):
     task: asyncio.Task
     _errors: object
     _ended: bool
+    #: The egress decision's DNS name and rule (see :class:`~aioslirp.flow.base.Flow`).
+    name: str | None
+    rule: str | None
 
     def __init__(self, ctx, fam, key: tuple, remote: str, now: float, handler, name: str | None, errors) -> None:
         super().__init__(ctx, fam, key, now, ctx.config.udp_idle_timeout)
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.remote = remote
+        self.name, self.rule = admission(ctx, self, remote)  # the egress decision's name and rule (Flow)
         self.bytes_up = self.bytes_down = 0
         self.datagrams = Datagrams()
         self.handler = handler

@@ -22,7 +22,7 @@ class DatagramFlow:
     """Base of the datagram flows (see the module documentation).
 
     Args:
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext`.
         fam: the flow's :class:`~aioslirp.dispatch.family.Family4` / ``Family6``.
         key: its :func:`~aioslirp.flow.base.flow_key`.
         now: loop time of creation (seconds).
@@ -35,7 +35,7 @@ class DatagramFlow:
 
     __slots__ = ("ctx", "fam", "key", "guest_ip", "dst_ip", "loop", "last_active", "_timeout", "started", "outcome")
 
-    #: The stack's :class:`~aioslirp.flow.base.FlowContext`.
+    #: The stack's :class:`~aioslirp.flow.context.FlowContext`.
     ctx: Any
     #: The flow's family (``Family4``/``Family6``).
     fam: Any
@@ -56,13 +56,13 @@ class DatagramFlow:
         self.ctx = ctx
         self.fam = fam
         self.key = key
-        self.loop = ctx.loop
+        self.loop = ctx.running.loop
         self.last_active = self.started = now
         self.outcome = "closed"
         self._timeout = float(timeout)
 
-    def flush(self) -> None:
-        """Nothing to send: a datagram goes on as it comes."""
+    def flush(self, now: float) -> None:
+        """Nothing to send at loop time ``now``: a datagram goes on as it comes."""
 
     def fail(self) -> None:
         """After an internal error of its own: :meth:`shutdown`."""

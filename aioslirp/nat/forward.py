@@ -132,7 +132,7 @@ class _Listener:
 class Forwarder:
     """The port forwards of one stack. Use it through :class:`~aioslirp.Stack`.
 
-    ``ctx``: the stack's :class:`~aioslirp.flow.base.FlowContext`; ``fam``: its
+    ``ctx``: the stack's :class:`~aioslirp.flow.context.FlowContext`; ``fam``: its
     :class:`~aioslirp.dispatch.family.Family4` (the gateway address, the ARP cache, IPv4 output);
     ``fam6``: its :class:`~aioslirp.dispatch.family.Family6`, or ``None`` without IPv6 (then a
     forward to an IPv6 guest address is refused). A forward to an IPv6 guest address comes from
@@ -226,9 +226,9 @@ class Forwarder:
         self._listeners[fwd.id] = lst
         ctx = self.ctx
         if fwd.proto == "tcp":
-            ctx.loop.add_reader(sock.fileno(), self._tcp_acceptable, lst)
+            ctx.running.loop.add_reader(sock.fileno(), self._tcp_acceptable, lst)
         else:
-            ctx.loop.add_reader(sock.fileno(), self._udp_readable, lst)
+            ctx.running.loop.add_reader(sock.fileno(), self._udp_readable, lst)
         ctx.counters[f"forwards.{fwd.proto}.added"] += 1
         log.info("forwarding %s", fwd.spec())
         return fwd
@@ -264,7 +264,7 @@ class Forwarder:
         lst.closed = True
         if lst.sock.fileno() >= 0:
             try:
-                self.ctx.loop.remove_reader(lst.sock.fileno())
+                self.ctx.running.loop.remove_reader(lst.sock.fileno())
             except Exception:  # pragma: no cover - loop closed
                 pass
         for flow in list(lst.clients.values()):
@@ -299,7 +299,7 @@ class Forwarder:
             return True
         fut = self._resolving.get(ip4)
         if fut is None:
-            fut = ctx.loop.create_future()
+            fut = ctx.running.loop.create_future()
             self._resolving[ip4] = fut
             ctx.spawn(self._arp(ip4, timeout, fut), name="aioslirp-fwd-arp")
         try:
@@ -313,7 +313,7 @@ class Forwarder:
         ctx = self.ctx
         v6 = len(ip4) == 16
         fam = self.fam6 if v6 else self.fam
-        loop = ctx.loop
+        loop = ctx.running.loop
         deadline = loop.time() + timeout
         next_request = 0.0
         try:
@@ -349,7 +349,7 @@ class Forwarder:
                 # EMFILE/ENFILE/ENOBUFS...: stop accepting for a moment instead of spinning.
                 self.ctx.counters["forward_accept_errors"] += 1
                 log.warning("forward %s: accept failed: %s", lst.fwd.spec(), exc.strerror)
-                loop = self.ctx.loop
+                loop = self.ctx.running.loop
                 loop.remove_reader(lst.sock.fileno())
                 loop.call_later(0.1, self._resume_accept, lst)
                 return
@@ -362,7 +362,7 @@ class Forwarder:
 
     def _resume_accept(self, lst: _Listener) -> None:
         if not lst.closed:
-            self.ctx.loop.add_reader(lst.sock.fileno(), self._tcp_acceptable, lst)
+            self.ctx.running.loop.add_reader(lst.sock.fileno(), self._tcp_acceptable, lst)
 
     def _tcp_accepted(self, lst: _Listener, csock: socket.socket, peer) -> None:
         from .tcp import ForwardedTcpFlow
@@ -447,7 +447,7 @@ class UdpForwardFlow(DatagramFlow):
         ctx = forwarder.ctx
         fam = lst.fam
         key = flow_key(PROTO_UDP, lst.guest_ip, lst.fwd.guest_port, fam.gw, sport)
-        super().__init__(ctx, fam, key, ctx.loop.time(), ctx.config.udp_idle_timeout)
+        super().__init__(ctx, fam, key, ctx.running.loop.time(), ctx.config.udp_idle_timeout)
         self.forwarder = forwarder
         self.listener = lst
         self.peer = peer

@@ -19,7 +19,8 @@ Callbacks into the flow, with the asyncio protocol names: ``data_received(bytes)
 ``pause_writing()`` (the kernel's send buffer is full) and ``resume_writing()`` (it has room).
 
 A bulk flow moves its socket to an asyncio transport, served through :class:`TransportHost`
-(the same interface). The connect before all this is :func:`connect_start` /
+(the same interface: both follow :class:`~aioslirp.nat.mover.HostMover`, and call the flow
+back as a :class:`~aioslirp.nat.mover.MoverFlow`). The connect before all this is :func:`connect_start` /
 :func:`wait_connected` (:func:`connect_numeric` both); :func:`close_socket` is the one way a
 host socket is closed, with ``abort`` so that the host peer sees an RST.
 """
@@ -33,7 +34,13 @@ import os
 import select
 import socket
 import struct
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, cast
+
+from ..flow.context import ReadPoller
+from ..ratelimit import ByteBucket
+from .mover import Bytes, MoverFlow
 
 __all__ = ["HostPoller", "HostSocket", "TransportHost", "READ_SIZE", "connect_start", "connect_numeric", "wait_connected",
            "close_socket", "linger_zero"]
@@ -70,7 +77,9 @@ class _ClosedFlow:
         pass
 
 
-_CLOSED_FLOW = _ClosedFlow()
+# Typed as the flow it stands for: once closed, only a late writer callback (pause_writing,
+# resume_writing) can reach it; the read callback is unregistered with the socket.
+_CLOSED_FLOW = cast(MoverFlow, _ClosedFlow())
 
 
 def linger_zero(sock: socket.socket) -> None:
@@ -174,7 +183,8 @@ class HostPoller:
     stops or closes another socket of the same batch also stops its delivery. An exception
     from a callback is logged and the rest of the batch is still delivered (a failing flow
     ends itself, never its siblings). One per :class:`~aioslirp.stack.Stack`
-    (``FlowContext.host_poller``), made when it starts and closed by its ``aclose``.
+    (``ctx.running.host_poller``, :class:`~aioslirp.flow.context.Running`), made when it starts and
+    closed by its ``aclose``.
     Not thread-safe: all methods on ``loop``'s thread.
     """
 
@@ -183,7 +193,7 @@ class HostPoller:
     loop: asyncio.AbstractEventLoop
     _ep: select.epoll
     #: fd -> its read callback (no arguments): the fds registered in the epoll.
-    _callbacks: dict
+    _callbacks: dict[int, Callable[[], None]]
     #: The epoll's own fd (registered with ``loop``), or -1 once closed.
     _fd: int
 
@@ -204,7 +214,7 @@ class HostPoller:
         """:meth:`close` ran: the epoll is closed and no longer watched by the loop."""
         return self._fd < 0
 
-    def add_reader(self, fd: int, callback) -> None:
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
         """Call ``callback()`` (no arguments) whenever ``fd`` is readable, until
         :meth:`remove_reader`. ``fd`` not yet registered. Raises ``OSError`` from ``epoll_ctl``
         (``EBADF`` for a closed fd, ``EPERM`` for a file that epoll cannot watch) and
@@ -277,16 +287,17 @@ class HostSocket:
     __slots__ = ("loop", "poller", "sock", "fd", "flow", "batch", "reading", "writing", "closed", "cap")
 
     loop: asyncio.AbstractEventLoop
-    #: The :class:`HostPoller` the socket is registered with while :attr:`reading`.
-    poller: HostPoller
+    #: The :class:`HostPoller` the socket is registered with while :attr:`reading` (typed by the
+    #: :class:`~aioslirp.flow.context.ReadPoller` it follows, as ``ctx.running`` holds it).
+    poller: ReadPoller
     sock: socket.socket
     #: ``sock.fileno()``.
     fd: int
     #: The :class:`~aioslirp.nat.tcp.TcpFlow` served (a no-op stand-in once closed).
-    flow: Any
+    flow: MoverFlow
     #: The guest-side batch context (``InjectQueue.held()``): frames the flow queues while it
     #: is held leave together when it ends, in the same loop iteration.
-    batch: Any
+    batch: AbstractContextManager
     #: Registered with :attr:`poller` for reading.
     reading: bool
     #: A writer is registered (the last send was short): the flow is paused.
@@ -294,9 +305,10 @@ class HostSocket:
     closed: bool
     #: The guest's host -> guest :class:`~aioslirp.ratelimit.ByteBucket`, or ``None``: a read
     #: takes at most what it holds (at least :data:`MIN_READ`), so bursts stay bounded.
-    cap: Any
+    cap: ByteBucket | None
 
-    def __init__(self, poller: HostPoller, sock: socket.socket, flow, batch, cap=None) -> None:
+    def __init__(self, poller: ReadPoller, sock: socket.socket, flow: MoverFlow, batch: AbstractContextManager,
+                 cap: ByteBucket | None = None) -> None:
         self.poller = poller
         self.loop = poller.loop
         self.batch = batch
@@ -356,7 +368,7 @@ class HostSocket:
             self.poller.add_reader(self.fd, self._on_readable)
 
     # ------------------------------------------------------------------ writing
-    def send(self, data) -> int:
+    def send(self, data: Bytes) -> int:
         """Write what the kernel takes of ``data`` now; returns that many bytes (0..len(data)).
 
         Short of ``len(data)``, the flow is paused (``pause_writing``) until the socket is
@@ -436,7 +448,7 @@ class HostSocket:
         self.sock.close()
         flow.connection_lost(exc)
 
-    def get_extra_info(self, name: str, default=None):
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
         """``"socket"``: the host socket; ``"peername"``/``"sockname"``: its addresses."""
         if name == "socket":
             return self.sock
@@ -458,10 +470,10 @@ class TransportHost:
 
     tr: asyncio.Transport
 
-    def __init__(self, tr) -> None:
+    def __init__(self, tr: asyncio.Transport) -> None:
         self.tr = tr
 
-    def send(self, data) -> int:
+    def send(self, data: Bytes) -> int:
         """Hand ``data`` to the transport; returns ``len(data)``, or 0 once the transport is closing:
         a write failed (the host peer reset, a broken pipe) and asyncio calls ``connection_lost``
         on the next loop iteration. Writing on would do nothing but make asyncio's selector transport
@@ -500,5 +512,5 @@ class TransportHost:
             linger_zero(sock)
         self.tr.abort()
 
-    def get_extra_info(self, name: str, default=None):
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self.tr.get_extra_info(name, default)

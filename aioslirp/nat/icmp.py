@@ -139,7 +139,7 @@ class IcmpEcho:
     """Chooses the echo mechanism once per family and creates :class:`IcmpFlow` objects.
 
     Args:
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext`.
     """
 
     __slots__ = ("ctx", "_mode", "_raw", "by_remote")
@@ -209,7 +209,7 @@ class IcmpEcho:
                         pass
                 raw.setblocking(False)
                 self._raw[v6] = raw
-                self.ctx.loop.add_reader(raw.fileno(), self._raw_readable, v6)
+                self.ctx.running.loop.add_reader(raw.fileno(), self._raw_readable, v6)
                 self._mode[v6] = "raw"
         log.info("%s echo proxy mode: %s", "ICMPv6" if v6 else "ICMP", self._mode[v6])
 
@@ -269,7 +269,7 @@ class IcmpEcho:
         for v6, sock in self._raw.items():
             if sock is not None:
                 try:
-                    self.ctx.loop.remove_reader(sock.fileno())
+                    self.ctx.running.loop.remove_reader(sock.fileno())
                 except Exception:
                     pass
                 sock.close()

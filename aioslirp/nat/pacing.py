@@ -29,6 +29,8 @@ class FlowPacing:
 
     __slots__ = ()
 
+    _outcome: str | None  # TcpFlow's slot
+
     @property
     def bytes_up(self) -> int:
         """Payload bytes accepted in order from the guest."""
@@ -78,8 +80,8 @@ class FlowPacing:
         if self._finished:
             return
         try:
+            now = self.loop.time()
             if self.rate_paused:
-                now = self.loop.time()
                 wait = self.rate_down.wait(now)
                 if wait > 0:  # other flows spent the refill meanwhile
                     self._rate_wake(now + wait)
@@ -88,7 +90,7 @@ class FlowPacing:
                     tr = self.transport
                     if tr is not None and not self.host_closed and not self.reading_paused:
                         tr.resume_reading()
-            self.flush()
+            self.flush(now)
         except Exception:
             log.exception("TCP flow %s rate timer failed", self.key)
             self.failed_internally()

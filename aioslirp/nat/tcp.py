@@ -42,8 +42,12 @@ import os
 import random
 import socket
 import time
+from collections.abc import Awaitable, Callable
+from typing import cast
 
-from ..flow.base import admission
+from ..flow.base import Flow, FlowFamily, admission
+from ..flow.context import FlowContext
+from ..ratelimit import ByteBucket
 from ..tcp.connection import (CLOSE_WAIT, CLOSED, CLOSING, ESTABLISHED, LAST_ACK, LISTEN, SYN_RECEIVED, SYN_SENT,
                               TIME_WAIT, TcpConnection)
 from ..tcp.tcb import ResetEvent
@@ -52,9 +56,10 @@ from ..wire.ip import PROTO_TCP
 from ..wire.offload import MAX_TSO_PAYLOAD4, MAX_TSO_PAYLOAD6
 from ..wire.tcp import ACK, SYN, Segment, TcpFrameBuilder, syn_options
 from .hostsock import HostSocket, TransportHost, close_socket, connect_start, wait_connected
+from .mover import HostMover
 from .pacing import FlowPacing
 
-__all__ = ["TcpFlow", "ForwardedTcpFlow"]
+__all__ = ["HostFactory", "TcpFlow", "ForwardedTcpFlow"]
 
 log = logging.getLogger("aioslirp.tcp")
 
@@ -66,21 +71,34 @@ _OVER = frozenset((TIME_WAIT, CLOSED))
 _OPEN_TOWARDS_GUEST = frozenset((ESTABLISHED, CLOSE_WAIT, SYN_RECEIVED))
 _RETIRED = itertools.count(1)  # serials that make the flow-table keys of retired flows unique
 
+#: ``host(flow)``: the in-process host side of a TCP flow instead of a host socket, a
+#: :class:`~aioslirp.nat.mover.HostMover` (the DNS service's ``DnsTcpHost``, a Python handler's
+#: ``TcpHandlerHost``), made when the flow's task starts.
+HostFactory = Callable[["TcpFlow"], HostMover]
+
 
 class TcpFlow(FlowPacing, asyncio.Protocol):
     """One NAT'ed guest TCP connection. ``remote`` is the host address (``None``: the DNS service).
 
-    ``host``: ``host(flow)`` returning the flow's in-process host side instead of a host socket (a
-    Python handler, :mod:`aioslirp.handlers`): then the SYN is answered at once, with no connect.
+    ``host``: ``host(flow)`` returning the flow's in-process host side instead of a host socket
+    (:data:`HostFactory`: the DNS service for ``remote`` ``None``, a Python handler,
+    :mod:`aioslirp.handlers`): then the SYN is answered at once, with no connect.
 
-    ``ctx``: the stack's :class:`~aioslirp.flow.base.FlowContext`; ``fam``: the flow's family (Family4/6).
+    The bytes move through :attr:`transport`, a :class:`~aioslirp.nat.mover.HostMover` (a
+    :class:`HostSocket`, then for bulk traffic a :class:`TransportHost`; the DNS service or a
+    handler): the one seam where the native data path of issue 26 plugs in.
+
+    ``ctx``: the stack's :class:`~aioslirp.flow.context.FlowContext` (started: the flow takes its
+    loop from ``ctx.running``); ``fam``: the flow's family (Family4/6).
     ``key`` addresses are 4 bytes (IPv4) or 16 bytes (IPv6); ``orig_header`` is the guest's
     SYN packet (IPv4: header + 8 bytes; IPv6: up to 1232 bytes) quoted in ICMP errors.
     """
 
     proto = PROTO_TCP
     proto_name = "tcp"
-    direction, forward_id = "outbound", None  # see aioslirp.flow.base.Flow
+    #: See :class:`~aioslirp.flow.base.Flow`.
+    direction: str = "outbound"
+    forward_id: int | None = None
 
     __slots__ = (
         "ctx", "fam", "key", "guest_ip", "guest_port", "dst_ip", "dst_port", "remote", "orig_header", "loop",
@@ -92,10 +110,10 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         "_host_factory",
     )
 
-    #: The stack's :class:`~aioslirp.flow.base.FlowContext` (flow table, counters, inject queue, config).
-    ctx: object
+    #: The stack's :class:`~aioslirp.flow.context.FlowContext` (flow table, counters, inject queue, config).
+    ctx: FlowContext
     #: The flow's family (``Family4``/``Family6``): Ethernet header, ICMP errors.
-    fam: object
+    fam: FlowFamily
     #: ``(6, guest addr, guest port, remote addr, remote port)``; a retired flow's has a serial appended.
     key: tuple
     guest_ip: bytes
@@ -117,8 +135,9 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
     #: This flow's frame builder (made on first use, again if ``eth`` changes).
     _builder: TcpFrameBuilder | None
     conn: TcpConnection
-    #: The host side: HostSocket, TransportHost, DnsTcpHost, or None (connecting, or moving to a transport).
-    transport: object
+    #: The mover (:class:`~aioslirp.nat.mover.HostMover`): HostSocket, TransportHost, DnsTcpHost,
+    #: TcpHandlerHost, or None (connecting, or moving to a transport).
+    transport: HostMover | None
     #: The host socket's send buffer is full: guest bytes wait in the connection.
     host_paused: bool
     #: Reading the host socket is paused: the connection's send buffer is full.
@@ -144,15 +163,16 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
     #: never entered the table.
     no_socket: bool
     task: asyncio.Task
-    #: The flow table's dirty set ``add``: :meth:`flush` runs after the batch of guest frames.
-    _mark_dirty: object
+    #: :attr:`FlowTable.mark_dirty <aioslirp.flow.table.FlowTable.mark_dirty>` (its dirty set's
+    #: ``add``, bound): :meth:`flush` runs after the batch of guest frames.
+    _mark_dirty: Callable[[Flow], None]
     #: Loop time of creation (the guest's SYN).
     started: float
     #: How it ended when known before it leaves (refused, unreachable, timeout, evicted); see :attr:`outcome`.
     _outcome: str | None
     #: The guest's byte-rate caps each way (``ctx.rate_up`` / ``rate_down``), ``None``: none.
-    rate_up: object
-    rate_down: object
+    rate_up: ByteBucket | None
+    rate_down: ByteBucket | None
     #: Reading the host socket is paused: the ``rate_down`` bucket is in debt.
     rate_paused: bool
     #: Loop timer (and its time) that resumes a flow held by a rate cap.
@@ -162,16 +182,16 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
     name: str | None
     rule: str | None
     #: ``host(flow)`` -> the in-process host side (DNS over TCP, a Python handler), or ``None``: a host socket.
-    _host_factory: object
+    _host_factory: HostFactory | None
 
-    def __init__(self, ctx, fam, key: tuple, remote: str | None, syn: Segment | None, orig_header: bytes,
-                 now: float, host=None) -> None:
+    def __init__(self, ctx: FlowContext, fam: FlowFamily, key: tuple, remote: str | None, syn: Segment | None,
+                 orig_header: bytes, now: float, host: HostFactory | None = None) -> None:
         self.ctx, self.fam = ctx, fam
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.remote = remote
         self.orig_header = orig_header
-        self.loop = loop = ctx.loop
+        self.loop = loop = ctx.running.loop
         cfg = ctx.config
         self.last_active = self.started = now
         self._outcome = None
@@ -214,14 +234,14 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         self._t0 = 0.0
         self.retired = False
         self.no_socket = False
-        # host: a Python handler's host side (aioslirp.handlers): the SYN is answered at once, no connect
-        self._host_factory = ctx.dns_host if remote is None else host
+        # host: the DNS service's or a Python handler's host side: the SYN is answered at once, no connect
+        self._host_factory = host
         sock = None
         if syn is not None and remote is not None and host is None:
-            sock = self._open_socket()
+            sock = self._open_socket(now)
             if sock is None:  # refused with a RST: the flow never enters the table
                 return
-        self._mark_dirty = ctx.table.dirty.add  # on_segment: the table flushes the flow after the batch
+        self._mark_dirty = ctx.table.mark_dirty  # on_segment: the table flushes the flow after the batch
         ctx.table.add(self)
         self.task = ctx.start_task(self._run(), f"aioslirp-tcp-{self.guest_port}")
         if sock is not None:
@@ -249,7 +269,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
             log.exception("TCP flow %s failed", self.key)
             self.ctx.counters["flow_errors"] += 1
             self.conn.abort()
-            self._emit()
+            self._emit(self.loop.time())
         finally:
             self._teardown()
 
@@ -264,7 +284,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
                 if self._finished:
                     close_socket(sock, abort=True)
                     return
-                await self.loop.create_connection(lambda: self, sock=sock)
+                await self.loop.create_connection(lambda: self, sock=sock)  # -> connection_made
             if not self._finished:
                 self._wake = self.loop.create_future()
 
@@ -276,7 +296,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         the lighter :class:`HostSocket` (CRR -6%). Guest bytes that arrive meanwhile wait in the
         connection (nothing ACKed is lost); see ``tests/test_hostsock.py``."""
         hs = self.transport
-        if (self._upgrading or self.host_closed or self._finished or hs.__class__ is not HostSocket
+        if (self._upgrading or self.host_closed or self._finished or not isinstance(hs, HostSocket)
                 or self.rate_up is not None or self.rate_down is not None):  # a capped flow's reads stay bounded
             return
         self._upgrading = True
@@ -286,22 +306,24 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         if not self._wake.done():
             self._wake.set_result(None)
 
-    def connection_made(self, transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """asyncio.Protocol: the transport of an upgraded flow (see :meth:`request_upgrade`)."""
+        # a stream transport (create_connection); uvloop's follow asyncio.Transport without subclassing it
+        stream = cast(asyncio.Transport, transport)
         self._upgrading = False
-        th = self.transport = TransportHost(transport)
+        th = self.transport = TransportHost(stream)
         if self.host_closed:  # _close_host ran while the transport was being made
             th.abort() if self._close_abort else th.close()
             return
-        transport.set_write_buffer_limits(high=512 * 1024)
+        stream.set_write_buffer_limits(high=512 * 1024)
         self.host_paused = False  # HostSocket's wait for writability ended with it
         if self.reading_paused or self.rate_paused:
             # Enough for asyncio's transport (it starts reading after this callback and honours
             # the pause); uvloop starts reading regardless: data_received pauses it again.
-            transport.pause_reading()
-        self.flush()
+            stream.pause_reading()
+        self.flush(self.loop.time())
 
-    def _open_socket(self) -> socket.socket | None:
+    def _open_socket(self, now: float) -> socket.socket | None:
         """The host socket for the connect (non-blocking from ``socket()`` on: no separate ioctl
         per connection), or ``None`` when the kernel gives none (``EMFILE``, ``ENFILE``,
         ``ENOBUFS``, ``ENOMEM``...): then the guest's SYN is answered with a RST, as a refused
@@ -315,7 +337,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
             self.no_socket = True
             self._finished = True
             self.conn.refuse()
-            self._emit()
+            self._emit(now)
             return None
 
     def _start_connect(self, sock: socket.socket) -> None:
@@ -343,13 +365,14 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
     async def _connect_wait(self) -> None:
         """The task's part of a connect that did not complete at once (timeout ``tcp_connect_timeout``)."""
         sock = self._pending_sock
+        assert sock is not None, "_start_connect left it"
         self._pending_sock = None
         if self._finished:
             sock.close()
             return
         self._connect_waiting = True
         try:
-            await wait_connected(self.loop, sock, self.ctx.config.tcp_connect_timeout)
+            await wait_connected(self.loop, sock, float(self.ctx.config.tcp_connect_timeout))
         except (asyncio.TimeoutError, OSError) as exc:
             self._connect_failed(sock, exc)
             return
@@ -365,7 +388,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
             sock.close()
             self._finish()
             return
-        self.transport = HostSocket(self.ctx.host_poller, sock, self, self.ctx.queue.held(), self.rate_down)
+        self.transport = HostSocket(self.ctx.running.host_poller, sock, self, self.ctx.queue.held(), self.rate_down)
         self.ctx.guard.connected(self)
         self._accept(time.perf_counter() - self._t0, False)
 
@@ -379,34 +402,37 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
             self.conn.refuse()
             tr = self.ctx.tracer
             if tr is not None:
-                tr.on_connect_failed(self, "refused")
-            self._emit()
+                tr.record_connect_failed(self, "refused")
+            self._emit(self.loop.time())
             self._finish()
             return
         counters["tcp_connect_unreachable"] += 1
         self._outcome = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
         tr = self.ctx.tracer
         if tr is not None:
-            tr.on_connect_failed(self, "unreachable")
+            tr.record_connect_failed(self, "unreachable")
         log.debug("connect %s:%d failed: %r", self.remote, self.dst_port, exc)
         kind = KIND_NET if getattr(exc, "errno", None) == errno.ENETUNREACH else KIND_HOST
         self.fam.icmp_error(kind, self.orig_header)
         self._finish()
 
     def _accept(self, connect_time: float, immediate: bool) -> None:
-        self.conn.accept(self.loop.time())
+        now = self.loop.time()
+        self.conn.accept(now)
         tr = self.ctx.tracer
         if tr is not None:
-            tr.on_syn_ack(self, connect_time, immediate)
-        self.flush()
+            tr.record_syn_ack(self, connect_time, immediate)
+        self.flush(now)
 
     # ----------------------------------------------------------------- host socket callbacks (HostSocket)
     def data_received(self, data: bytes) -> None:
+        """Bytes from the host (:class:`~aioslirp.nat.mover.MoverFlow`): into the connection's send
+        buffer, then :meth:`flush` at loop time."""
         conn = self.conn
         conn.send(data)
         tr = self.ctx.tracer
         if tr is not None:
-            tr.on_host_data(self, len(data))
+            tr.record_host_data(self, len(data))
         if conn.send_space <= 0:  # tcp_buffer towards the guest is full
             if not self.reading_paused:
                 self.reading_paused = True
@@ -415,26 +441,31 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
             # runs. uvloop ignores a pause_reading() made in connection_made (it starts reading
             # after that callback), so a flow that moved to a transport while paused would
             # otherwise read on without bound. At most one read lands past tcp_buffer.
-            self.transport.pause_reading()
+            mover = self.transport
+            if mover is not None:  # (the mover calling back is there)
+                mover.pause_reading()
+        now = self.loop.time()
         rate = self.rate_down
         if rate is not None:  # --rate-limit down: spend the read, hold off reading while in debt
-            now = self.loop.time()
             rate.spend(len(data), now)
             wait = rate.wait(now)
             if wait > 0:
                 if not self.rate_paused:
                     self.rate_paused = True
                     self.ctx.counters["tcp_rate_paused_down"] += 1
-                self.transport.pause_reading()
+                mover = self.transport
+                if mover is not None:
+                    mover.pause_reading()
                 self._rate_wake(now + wait)
-        self.flush()
+        self.flush(now)
 
     def eof_received(self) -> bool:
+        """The host peer shut down its write side: our FIN towards the guest after its bytes."""
         self.conn.shutdown_write()
         tr = self.ctx.tracer
         if tr is not None:
-            tr.on_flow_event(self, "fin.host")
-        self.flush()
+            tr.record_flow_event(self, "fin.host")
+        self.flush(self.loop.time())
         return True
 
     def connection_lost(self, exc) -> None:
@@ -450,15 +481,17 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
                 self.conn.abort()
             elif self.conn.state in _OPEN_TOWARDS_GUEST:
                 self.conn.shutdown_write()
-            self.flush()
+            self.flush(self.loop.time())
 
     def pause_writing(self) -> None:
+        """The mover takes no more guest bytes for now: they wait in the connection."""
         self.host_paused = True
         self.ctx.counters["tcp_host_write_paused"] += 1  # guest data now waits in tcp_buffer
 
     def resume_writing(self) -> None:
+        """The mover has room again."""
         self.host_paused = False
-        self.flush()
+        self.flush(self.loop.time())
 
     # ----------------------------------------------------------------- guest side
     def on_segment(self, seg: Segment, now: float) -> bool:
@@ -470,12 +503,13 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         conn.receive_segment(seg, now)
         tr = self.ctx.tracer
         if tr is not None:
-            tr.on_segment(self, seg)
+            tr.record_segment(self, seg)
         self._mark_dirty(self)
         return True
 
-    def flush(self) -> None:
-        """Move bytes between the connection and the host socket, send due segments, re-arm the timer."""
+    def flush(self, now: float) -> None:
+        """Move bytes between the connection and the mover (:attr:`transport`), send the segments
+        due at loop time ``now`` (seconds: the batch's, or the callback's), re-arm the timer."""
         conn = self.conn
         tr = self.transport
         if tr is not None and not self.host_closed:
@@ -490,7 +524,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
                 n = tr.send(data)  # what the kernel took; the rest stays queued (window closes)
                 if n:
                     if rate is not None:
-                        rate.spend(n, self.loop.time())
+                        rate.spend(n, now)
                     pending = conn.consume(n)
                 if n < len(data):
                     break
@@ -504,15 +538,15 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
                 self.reading_paused = False
                 if not self.rate_paused:
                     tr.resume_reading()
-        self._emit()
+        self._emit(now)
         ev = conn.next_event()
         while ev is not None:
             if ev.__class__ is ResetEvent:
                 self.ctx.counters["tcp_resets"] += 1
                 self._close_host(abort=True)
-            tr = self.ctx.tracer
-            if tr is not None:
-                tr.on_conn_event(self, ev.name)
+            tracer = self.ctx.tracer
+            if tracer is not None:
+                tracer.record_conn_event(self, ev.name)
             ev = conn.next_event()
         state = conn.state
         if state is CLOSED:
@@ -530,8 +564,9 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         return bool(not self.host_closed and not conn.reset and (self.transport is not None or self._upgrading)
                     and conn.recv_pending)
 
-    def _emit(self) -> None:
-        segs = self.conn.segments_to_send(self.loop.time())
+    def _emit(self, now: float) -> None:
+        """Frames for the segments due at loop time ``now``, into the inject queue (``ctx.inject``)."""
+        segs = self.conn.segments_to_send(now)
         if not segs or self.retired:  # retired: the 4-tuple is the guest's new connection's now
             return
         b = self._builder
@@ -568,8 +603,9 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         self._timer = None
         self._timer_at = None
         try:
-            self.conn.handle_timer(self.loop.time())
-            self.flush()
+            now = self.loop.time()
+            self.conn.handle_timer(now)
+            self.flush(now)
         except Exception:
             log.exception("TCP flow %s timer failed", self.key)
             self.failed_internally()
@@ -668,7 +704,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         if self.conn.state not in _OVER:
             self.conn.abort()
             try:
-                self._emit()
+                self._emit(self.loop.time())
             except Exception:  # pragma: no cover
                 pass
         self._close_host(abort=True)
@@ -679,7 +715,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
 
     def expire(self, now: float) -> bool:
         """Idle sweep: reset both ways after ``tcp_idle_timeout`` s (0: never) without a guest segment."""
-        if not 0 < self.ctx.config.tcp_idle_timeout < now - self.last_active:
+        if not 0 < float(self.ctx.config.tcp_idle_timeout) < now - self.last_active:
             return False
         self.ctx.counters["tcp_idle_closed"] += 1
         self._outcome = "timeout"
@@ -711,23 +747,27 @@ class ForwardedTcpFlow(TcpFlow):
     peer: tuple
     #: The id of the port forward it came through, if known.
     forward_id: int | None
-    _resolve: object
+    #: ``resolve(guest_ip)``: awaits the guest's MAC (ARP/NDP); True when it answered.
+    _resolve: Callable[[bytes], Awaitable[bool]]
     #: Bounds the wait for the guest's SYN-ACK (``tcp_connect_timeout``).
     _connect_timer: asyncio.TimerHandle | None
 
-    def __init__(self, ctx, fam, key: tuple, sock: socket.socket, peer, resolve, forward_id: int | None = None) -> None:
+    def __init__(self, ctx: FlowContext, fam: FlowFamily, key: tuple, sock: socket.socket, peer: tuple,
+                 resolve: Callable[[bytes], Awaitable[bool]], forward_id: int | None = None) -> None:
         self.host_sock = sock
         self.peer = peer
         self.forward_id = forward_id
         self._resolve = resolve
         self._connect_timer = None
-        super().__init__(ctx, fam, key, f"{peer[0]}:{peer[1]}", None, b"", ctx.loop.time())
+        run = ctx.running
+        super().__init__(ctx, fam, key, f"{peer[0]}:{peer[1]}", None, b"", run.time())
         sock.setblocking(False)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        self.transport = HostSocket(self.ctx.host_poller, sock, self, self.ctx.queue.held(), self.rate_down)  # host bytes wait for the handshake
+        # host bytes wait for the handshake
+        self.transport = HostSocket(run.host_poller, sock, self, self.ctx.queue.held(), self.rate_down)
 
     async def _run(self) -> None:
         try:
@@ -739,7 +779,7 @@ class ForwardedTcpFlow(TcpFlow):
             log.exception("forwarded TCP flow %s failed", self.key)
             self.ctx.counters["flow_errors"] += 1
             self.conn.abort()
-            self._emit()
+            self._emit(self.loop.time())
         finally:
             if self._connect_timer is not None:
                 self._connect_timer.cancel()
@@ -764,9 +804,10 @@ class ForwardedTcpFlow(TcpFlow):
             self._finish()
             return
         self.eth = self.fam.eth_to(self.guest_ip)
-        self._connect_timer = loop.call_later(ctx.config.tcp_connect_timeout, self._connect_timeout)
-        self.conn.connect(loop.time())
-        self.flush()
+        self._connect_timer = loop.call_later(float(ctx.config.tcp_connect_timeout), self._connect_timeout)
+        now = loop.time()
+        self.conn.connect(now)
+        self.flush(now)
 
     def _connect_timeout(self) -> None:
         self._connect_timer = None
@@ -774,6 +815,6 @@ class ForwardedTcpFlow(TcpFlow):
             self._outcome = "timeout"
             self.ctx.counters["forward_connect_timeout"] += 1
             self.conn.abort()
-            self._emit()
+            self._emit(self.loop.time())
             self._close_host(abort=True)
             self._finish()

@@ -32,7 +32,7 @@ class UdpFlow(SocketFlow):
     """One guest UDP flow. Created by the L4 dispatch on the guest's first datagram.
 
     Args:
-        ctx: the stack's :class:`~aioslirp.flow.base.FlowContext`.
+        ctx: the stack's :class:`~aioslirp.flow.context.FlowContext`.
         fam: the flow's :class:`~aioslirp.dispatch.family.Family4` / ``Family6``.
         key: its :func:`~aioslirp.flow.base.flow_key`.
         remote: the host address to connect to (text).
@@ -72,7 +72,7 @@ class UdpFlow(SocketFlow):
     rule: str | None
 
     def __init__(self, ctx, fam, key: tuple, remote: str, now: float | None = None) -> None:
-        loop = ctx.loop
+        loop = ctx.running.loop
         super().__init__(ctx, fam, key, loop.time() if now is None else now, ctx.config.udp_idle_timeout)
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.name, self.rule = admission(ctx, self, remote)

@@ -12,7 +12,7 @@ what just happened, *after* doing the work::
     conn.receive_segment(seg, now)
     tr = self.ctx.tracer
     if tr is not None:
-        tr.on_segment(self, seg)
+        tr.record_segment(self, seg)
 
 So the data path is written once; with tracing off a trace point costs one attribute load and
 an ``is not None`` test, and a hook never performs the data path's work. A hook that raises is
@@ -25,16 +25,16 @@ into their own providers, or one is traced and the other not.
 
 Where each trace point is recorded:
 
-* flow spans and their events: the flow table (``on_flow_opened`` / ``on_flow_closed``) and
-  the TCP flow (``on_segment``, ``on_host_data``, ``on_syn_ack``, ``on_conn_event``,
-  ``on_connect_failed``, ``on_flow_event``), each after the call it describes;
+* flow spans and their events: the flow table (``record_flow_opened`` / ``record_flow_closed``) and
+  the TCP flow (``record_segment``, ``record_host_data``, ``record_syn_ack``, ``record_conn_event``,
+  ``record_connect_failed``, ``record_flow_event``), each after the call it describes;
 * ``process_guest_frame``: :class:`~aioslirp.dispatch.link.Link`, after each frame's dispatch
   (the span's parent is the flow the dispatch found or created, and its timing and queued
   frames are per frame inside a batch: a transport wrapper sees whole batches only);
 * ``drain_to_guest`` and ``writer_wake``: :class:`~aioslirp.transport.trace.TraceTransport`,
   a wrapper around the served transport (like ``PcapTransport``), which times each
-  ``send_frames``; the inject queue stamps each frame it queues (``on_frame_queued``) and
-  forgets those it drops unwritten (``on_discard``).
+  ``send_frames``; the inject queue stamps each frame it queues (``record_frame_queued``) and
+  forgets those it drops unwritten (``record_discard``).
 
 Spans (names and attributes; ``network.*``, ``client.*``, ``server.*`` follow the
 OpenTelemetry semantic conventions, the rest is ``aioslirp.*``):
@@ -111,7 +111,7 @@ _now = time.time_ns
 _PROTO_NAMES = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmp"}
 _FLAG_LETTERS = ((FIN, "F"), (SYN, "S"), (RST, "R"), (PSH, "P"), (ACK, "A"))
 #: Connection events recorded from ``TcpConnection.next_event`` (``established`` and ``fin``
-#: are recorded from the guest segment that caused them, see :meth:`Tracer.on_segment`).
+#: are recorded from the guest segment that caused them, see :meth:`Tracer.record_segment`).
 _CONN_EVENTS = {"reset": "reset", "closed": "closed"}
 
 
@@ -216,7 +216,7 @@ class Tracer:
         errors: internal errors of the hooks (each hook's first is logged).
 
     One per stack: the records it keeps (flow spans, frame stamps) belong to that stack.
-    Every ``on_*`` hook is called after the work it describes, on the event loop's thread.
+    Every ``record_*`` hook (named apart from the data path's own ``on_*`` methods) is called after the work it describes, on the event loop's thread.
     """
 
     def __init__(self, tracer_provider=None, flows=None, queue=None) -> None:
@@ -242,7 +242,7 @@ class Tracer:
 
     # ------------------------------------------------------------------ flows
     @_safe
-    def on_flow_opened(self, flow) -> None:
+    def record_flow_opened(self, flow) -> None:
         """``flow`` entered the flow table: start its span."""
         from opentelemetry import trace
 
@@ -280,7 +280,7 @@ class Tracer:
         self.open.add(rec)
 
     @_safe
-    def on_flow_closed(self, flow) -> None:
+    def record_flow_closed(self, flow) -> None:
         """``flow`` left the flow table: set the end attributes; the span ends once the flow's
         last queued frame has been written."""
         rec = self.records.pop(flow, None)
@@ -313,14 +313,14 @@ class Tracer:
             rec.span.end(end_time=end_time)
 
     @_safe
-    def on_flow_event(self, flow, name: str, attributes: dict | None = None) -> None:
+    def record_flow_event(self, flow, name: str, attributes: dict | None = None) -> None:
         """Add event ``name`` to ``flow``'s span (nothing when the flow has no span)."""
         rec = self.records.get(flow)
         if rec is not None:
             rec.span.add_event(name, attributes)
 
     @_safe
-    def on_connect_failed(self, flow, outcome: str) -> None:
+    def record_connect_failed(self, flow, outcome: str) -> None:
         """The host connect of a TCP flow failed: ``outcome`` is ``refused`` or ``unreachable``."""
         rec = self.records.get(flow)
         if rec is not None:
@@ -328,14 +328,14 @@ class Tracer:
             rec.span.add_event("connect." + outcome)
 
     @_safe
-    def on_conn_event(self, flow, name: str) -> None:
+    def record_conn_event(self, flow, name: str) -> None:
         """An event the sans-IO connection reported (``established``, ``fin``, ``reset``, ``closed``)."""
         rec = self.records.get(flow)
         if rec is not None and name in _CONN_EVENTS:
             rec.span.add_event(_CONN_EVENTS[name])
 
     @_safe
-    def on_segment(self, flow, seg) -> None:
+    def record_segment(self, flow, seg) -> None:
         """``flow.conn`` took guest segment ``seg``: record what it changed, ``established``,
         ``guest.data`` (with its payload length), ``fin.guest``."""
         rec = self.records.get(flow)
@@ -355,7 +355,7 @@ class Tracer:
             sp.add_event("fin.guest")
 
     @_safe
-    def on_host_data(self, flow, nbytes: int) -> None:
+    def record_host_data(self, flow, nbytes: int) -> None:
         """The host socket delivered ``nbytes`` for the guest."""
         rec = self.records.get(flow)
         if rec is not None:
@@ -365,7 +365,7 @@ class Tracer:
                 rec.span.add_event("host.data", {"aioslirp.bytes": nbytes})
 
     @_safe
-    def on_syn_ack(self, flow, connect_time: float, immediate: bool) -> None:
+    def record_syn_ack(self, flow, connect_time: float, immediate: bool) -> None:
         """Trace point 2: the SYN-ACK of a new guest connection was queued (``conn.accept``).
 
         ``connect_time``: seconds the host connect took; ``immediate``: no host connect was needed.
@@ -385,13 +385,13 @@ class Tracer:
             rec.span.add_event("syn_ack.queued", {"aioslirp.connect_us": connect_us}, timestamp=t1)
 
     # ------------------------------------------------------------------ guest frames
-    def on_batch_start(self) -> None:
+    def record_batch_start(self) -> None:
         """Guest frames are about to be processed: note the time and the inject queue's depth
         (the start of the first frame's ``process_guest_frame``)."""
         self._depth = len(self.queue)
         self._mark = _now()
 
-    def on_guest_frame(self, frame) -> None:
+    def record_guest_frame(self, frame) -> None:
         """Trace point 1: guest ``frame`` was dispatched; record its ``process_guest_frame`` span."""
         try:
             self._frame_span(frame, _now())
@@ -426,7 +426,7 @@ class Tracer:
 
     # ------------------------------------------------------------------ frames for the guest
     @_safe
-    def on_frame_queued(self, frame) -> None:
+    def record_frame_queued(self, frame) -> None:
         """``frame`` entered the inject queue: stamp its enqueue time and its flow."""
         key, _transport, flags, plen = _frame_key(frame, True)
         rec = None
@@ -466,7 +466,7 @@ class Tracer:
         self.stamps.clear()
 
     @_safe
-    def on_discard(self, frames) -> None:
+    def record_discard(self, frames) -> None:
         """``frames`` were dropped without a write: forget their stamps."""
         pop = self.stamps.pop
         for f in frames:
@@ -475,7 +475,7 @@ class Tracer:
                 self._unpend(st[2])
 
     @_safe
-    def on_drain(self, batch, t0: int) -> None:
+    def record_drain(self, batch, t0: int) -> None:
         """Trace points 3 and 4: ``batch`` was handed to the transport (the write started at
         ``t0``, ns); record ``drain_to_guest`` and ``writer_wake`` and stamp ``*.sent`` events
         on the flows' spans."""
@@ -532,7 +532,7 @@ class Tracer:
 
     # ------------------------------------------------------------------ the end
     @_safe
-    def on_stack_closed(self) -> None:
+    def record_stack_closed(self) -> None:
         """The stack closed: end its flows' spans (some may still wait for queued frames that
         will never be written) and forget the stamps."""
         self.end_all()

@@ -327,10 +327,11 @@ class DnsForwarder:
 
     @property
     def upstreams(self) -> list[tuple[str, int]]:
-        """Current upstream list (re-reads resolv.conf when it changed)."""
+        """Current upstream list (re-reads resolv.conf when it changed, checked at most once per
+        ``resolv_check_interval`` seconds of the running loop's clock)."""
         if self.config.dns_upstreams:
             return list(self.config.dns_upstreams)
-        now = time.monotonic()
+        now = asyncio.get_running_loop().time()
         if now - self._resolv_checked >= self.resolv_check_interval:
             self._resolv_checked = now
             try:

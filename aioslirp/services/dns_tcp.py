@@ -41,9 +41,11 @@ MAX_HELD = DnsTcpSession.MAX_MESSAGE + 2
 class DnsTcpHost:
     """HostSocket-like DNS responder for one guest TCP connection (``flow``, a TcpFlow).
 
-    The stack hands ``functools.partial(DnsTcpHost, forwarder=..., counters=..., tasks=...)`` to
-    its flows as their ``dns_host`` factory (``FlowContext.dns_host``): ``forwarder`` answers
-    the messages, ``counters`` gets ``dns_queries_tcp``, ``tasks`` holds the answering task.
+    The dispatch (:class:`~aioslirp.dispatch.l4.L4`) hands ``functools.partial(DnsTcpHost,
+    forwarder=..., counters=..., tasks=...)`` to a flow to the DNS address's port 53 as its ``host``
+    factory: ``forwarder`` answers the messages, ``counters`` gets ``dns_queries_tcp``, ``tasks``
+    holds the answering task. It is the flow's mover: it follows
+    :class:`~aioslirp.nat.mover.HostMover` (this floor does not import it).
     """
 
     __slots__ = ("flow", "forwarder", "_counters", "session", "_msgs", "_msg_bytes", "_out", "_eof", "_wake", "closed",

@@ -15,14 +15,22 @@ import asyncio
 import collections
 import logging
 import socket
-from typing import Callable, ClassVar, Sequence
+from typing import ClassVar, Iterable, Protocol, Sequence
+
+from ..inject import Frame
 
 log = logging.getLogger("aioslirp.transport")
 
 #: Largest frame any transport accepts or sends: 65,535-byte IP packet + Ethernet header + slack.
 MAX_FRAME = 65535 + 14 + 64
 
-FrameSink = Callable[[list], None]
+
+class FrameSink(Protocol):
+    """Where a transport delivers the guest's frames, a batch at a time: in a stack, the link's
+    :meth:`Link.on_frames <aioslirp.dispatch.link.Link.on_frames>` (the first hop of the per-frame
+    path). ``csum_ok`` (an offload TAP only): per frame, the guest's kernel vouched for its L4 checksum."""
+
+    def __call__(self, frames: list[bytes], csum_ok: Iterable[bool] | None = None, /) -> None: ...
 
 
 class Transport:
@@ -75,7 +83,7 @@ class Transport:
     async def _start_reading(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def send_frames(self, frames: Sequence[bytes]) -> None:  # pragma: no cover - abstract
+    def send_frames(self, frames: Sequence[Frame]) -> None:  # pragma: no cover - abstract
         """Write ``frames`` to the guest, in order. Never raises for I/O errors: counts and logs them."""
         raise NotImplementedError
 
@@ -139,7 +147,7 @@ class TransportWrapper(Transport):
         """The callback the inner transport delivers guest frames to (default: ``on_frames`` itself)."""
         return on_frames
 
-    def send_frames(self, frames: Sequence[bytes]) -> None:
+    def send_frames(self, frames: Sequence[Frame]) -> None:
         """Hand ``frames`` to the inner transport."""
         self.inner.send_frames(frames)
 

@@ -3,7 +3,7 @@
 It wraps the transport a traced stack serves (``Stack.serve`` adds it, outermost, when the
 stack has a tracer), as :class:`~aioslirp.transport.pcap.PcapTransport` wraps one for a
 capture (smoltcp's ``Tracer`` over a ``Device``). Each ``send_frames`` is timed and told to
-the stack's :class:`~aioslirp.observe.tracing.Tracer` afterwards (``on_drain``: the
+the stack's :class:`~aioslirp.observe.tracing.Tracer` afterwards (``record_drain``: the
 ``drain_to_guest`` and ``writer_wake`` spans). Frames from the guest pass through untouched:
 their ``process_guest_frame`` spans are recorded by the link after each frame's dispatch,
 since they need the flow the dispatch found and a time per frame, not per batch.
@@ -22,7 +22,7 @@ _now = time.time_ns
 
 
 class TraceTransport(TransportWrapper):
-    """Wrap ``inner``; after each :meth:`send_frames`, call ``tracer.on_drain(frames, t0)``
+    """Wrap ``inner``; after each :meth:`send_frames`, call ``tracer.record_drain(frames, t0)``
     (``t0``: ``time.time_ns()`` before the write). Delegates everything else to ``inner``
     (:class:`~aioslirp.transport.base.TransportWrapper`); :attr:`closed` is the inner transport's."""
 
@@ -39,4 +39,4 @@ class TraceTransport(TransportWrapper):
         """Hand ``frames`` to the inner transport, then tell the tracer."""
         t0 = _now()
         self.inner.send_frames(frames)
-        self.tracer.on_drain(frames, t0)
+        self.tracer.record_drain(frames, t0)
