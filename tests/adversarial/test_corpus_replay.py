@@ -10,17 +10,15 @@ counted as dropped, and the stack exits with no flow and no task left.
 from __future__ import annotations
 
 import asyncio
-import pathlib
 import socket
 
 import dpkt
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
 
-from conftest import need
+from support.paths import SHARED
+from support.prereqs import need
 
-CORPUS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "corpus" / "libslirp-fuzz"
-if not CORPUS.is_dir():  # CI lays shared/ beside the clone
-    CORPUS = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "corpus" / "libslirp-fuzz"
+CORPUS = SHARED / "corpus" / "libslirp-fuzz"
 
 
 def corpus_frames():

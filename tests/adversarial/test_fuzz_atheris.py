@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import pathlib
 import random
 import shutil
 import subprocess
 import sys
 
-from conftest import importable, need
+from support.paths import REPO
+from support.prereqs import importable, need
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-TARGET = ROOT / "fuzz" / "fuzz_frames.py"
-REGRESSIONS = ROOT / "fuzz" / "regressions"
+TARGET = REPO / "fuzz" / "fuzz_frames.py"
+REGRESSIONS = REPO / "fuzz" / "regressions"
 
 
 def load_target():

@@ -15,10 +15,13 @@ import socket
 import struct
 
 import dpkt
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
 from aioslirp.wire.checksum import checksum
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 GUEST_MAC = bytes.fromhex("525400123456")
 GW_MAC = bytes.fromhex("52550a000202")

@@ -47,7 +47,7 @@ passing without testing them. (Skipped for runs of fewer than :data:`REACH_MIN_R
 
 Bounded in CI: ``AIOSLIRP_FUZZ_EXAMPLES`` runs (default 60) of ``AIOSLIRP_FUZZ_STEPS`` steps
 (default 40), about 10 seconds in all; raise both for a longer run on demand, e.g.
-``AIOSLIRP_FUZZ_EXAMPLES=5000 AIOSLIRP_FUZZ_STEPS=100 pytest tests/test_fuzz_state.py``.
+``AIOSLIRP_FUZZ_EXAMPLES=5000 AIOSLIRP_FUZZ_STEPS=100 pytest tests/adversarial/test_fuzz_state.py``.
 Every failure hypothesis finds becomes a plain regression test at the end of this file.
 
 Safety: pytest runs in a loopback-only network namespace (conftest.py); the stack's egress
@@ -64,7 +64,6 @@ import collections
 import importlib.util
 import logging
 import os
-import pathlib
 import random
 import socket
 import struct
@@ -76,9 +75,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
 
-from hostservers import namespace_address
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from support.namespaces import namespace_address
+from support.paths import REPO
 
 GUEST_MAC = bytes.fromhex("525400123456")
 GW_MAC = bytes.fromhex("52550a000202")
@@ -127,12 +125,14 @@ PUMP = 12
 
 EXAMPLES = int(os.environ.get("AIOSLIRP_FUZZ_EXAMPLES", "60"))
 STEPS = int(os.environ.get("AIOSLIRP_FUZZ_STEPS", "40"))
+pytestmark = [pytest.mark.perframe]  # run again on the pure-Python modules (.ci/run)
 # A long run on demand is not cut by the suite's per-test timeout (pyproject.toml).
-pytestmark = [pytest.mark.timeout(0)] if "AIOSLIRP_FUZZ_EXAMPLES" in os.environ else []
+if "AIOSLIRP_FUZZ_EXAMPLES" in os.environ:
+    pytestmark.append(pytest.mark.timeout(0))
 
 
 def _load_fix_checksums():
-    spec = importlib.util.spec_from_file_location("fuzz_frames_for_state", ROOT / "fuzz" / "fuzz_frames.py")
+    spec = importlib.util.spec_from_file_location("fuzz_frames_for_state", REPO / "fuzz" / "fuzz_frames.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.fix_checksums

@@ -9,7 +9,6 @@ nothing is ever sent to it) and AWS's IPv6 metadata address fd00:ec2::254 (likew
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import socket
@@ -24,127 +23,10 @@ from aioslirp import NetworkConfig, SocketPairTransport, Stack
 from aioslirp.config.policy import EgressPolicy
 from aioslirp.ratelimit import TokenBucket
 
-from hostservers import DnsUpstream, UdpEcho
-from ipv6_helpers import GUEST6, a6
-
-GUEST_MAC = bytes.fromhex("525400123456")
-GW_MAC = bytes.fromhex("52550a000202")
-GUEST = socket.inet_aton("10.0.2.15")
-GW = socket.inet_aton("10.0.2.2")
-DNS = socket.inet_aton("10.0.2.3")
-METADATA = socket.inet_aton("169.254.169.254")
-SYN, RST, ACK = dpkt.tcp.TH_SYN, dpkt.tcp.TH_RST, dpkt.tcp.TH_ACK
-
-
-# ---------------------------------------------------------------------------------- helpers
-def ip_frame(l4, proto: int, dst: bytes = GW, src: bytes = GUEST) -> bytes:
-    ip = dpkt.ip.IP(src=src, dst=dst, p=proto, ttl=64, id=7, data=l4)
-    ip.len = 20 + len(bytes(l4))
-    ip.sum = 0
-    return bytes(dpkt.ethernet.Ethernet(src=GUEST_MAC, dst=GW_MAC, type=0x0800, data=ip))
-
-
-def tcp(sport: int, dport: int, flags: int, seq: int = 1000, ack: int = 0, dst: bytes = GW, data: bytes = b"") -> bytes:
-    t = dpkt.tcp.TCP(sport=sport, dport=dport, seq=seq, ack=ack, flags=flags, win=65535,
-                     opts=b"\x02\x04\x05\xb4" if flags & SYN else b"", data=data)
-    t.off = 5 + len(t.opts) // 4
-    return ip_frame(t, 6, dst)
-
-
-def udp(sport: int, dport: int, payload: bytes, dst: bytes = GW) -> bytes:
-    u = dpkt.udp.UDP(sport=sport, dport=dport, data=payload)
-    u.ulen = len(bytes(u))
-    return ip_frame(u, 17, dst)
-
-
-def echo(ident: int, dst: bytes) -> bytes:
-    return ip_frame(dpkt.icmp.ICMP(type=8, data=dpkt.icmp.ICMP.Echo(id=ident, seq=1, data=b"hi")), 1, dst)
-
-
-def tcp6(sport: int, dport: int, flags: int, dst: bytes, seq: int = 1000) -> bytes:
-    t = dpkt.tcp.TCP(sport=sport, dport=dport, seq=seq, flags=flags, win=65535)
-    ip = dpkt.ip6.IP6(src=GUEST6, dst=dst, nxt=6, hlim=64, plen=len(bytes(t)))
-    ip.data = t
-    return bytes(dpkt.ethernet.Ethernet(src=GUEST_MAC, dst=GW_MAC, type=0x86DD, data=ip))
-
-
-def dns_query(name: bytes = b"policy.test", qid: int = 0x1234) -> bytes:
-    q = dpkt.dns.DNS(id=qid, qd=[dpkt.dns.DNS.Q(name=name.decode(), type=dpkt.dns.DNS_A)])
-    return bytes(q)
-
-
-class Guest:
-    """The guest end of the socketpair: send frames, collect what the stack sends back."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        sock.setblocking(False)
-
-    def send(self, *frames: bytes) -> None:
-        for f in frames:
-            self.sock.send(f)
-
-    async def recv(self, timeout: float = 0.5, settle: float = 0.05) -> list[dpkt.ethernet.Ethernet]:
-        """Frames from the stack within ``timeout`` s (returns ``settle`` s after the last one)."""
-        loop = asyncio.get_running_loop()
-        out = []
-        wait = timeout
-        while True:
-            try:
-                data = await asyncio.wait_for(loop.sock_recv(self.sock, 70000), wait)
-            except asyncio.TimeoutError:
-                return out
-            if not data:  # the stack closed its end
-                return out
-            out.append(dpkt.ethernet.Ethernet(data))
-            wait = settle
-
-    @staticmethod
-    def tcp4(frames):
-        return [e.data.data for e in frames if e.type == 0x0800 and e.data.p == 6]
-
-    @staticmethod
-    def icmp4(frames):
-        return [e.data.data for e in frames if e.type == 0x0800 and e.data.p == 1]
-
-
-@contextlib.asynccontextmanager
-async def serving(**cfg):
-    cfg.setdefault("ipv6", False)
-    cfg.setdefault("dns_upstreams", [("127.0.0.1", 9)])
-    cfg.setdefault("dns_timeout", 0.3)
-    cfg.setdefault("tcp_connect_timeout", 3.0)
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        async with Stack(NetworkConfig(**cfg)) as stack:
-            task = asyncio.ensure_future(stack.serve(SocketPairTransport(b)))
-            await asyncio.sleep(0)
-            guest = Guest(a)
-            if cfg["ipv6"]:
-                await guest.recv(0.3)  # the first RA
-            try:
-                yield stack, guest
-            finally:
-                stack.stop()
-                await task
-    finally:
-        a.close()
-
-
-def listener(backlog: int = 16) -> socket.socket:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(backlog)
-    return s
-
-
-async def until(cond, timeout: float = 2.0) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
+from support.frames import ACK, DNS, METADATA, RST, SYN, a6, dns_query, echo, tcp, tcp6, udp
+from support.paths import TESTS
+from support.servers import DnsUpstream, UdpEcho
+from support.stacks import Guest, listener, serving, until
 
 
 # ---------------------------------------------------------------------------------- policy unit
@@ -405,7 +287,8 @@ import asyncio, json, resource, sys
 
 sys.path.insert(0, sys.argv[1])
 from aioslirp.flow.guard import FD_RESERVE
-from test_hardening import RST, SYN, Guest, listener, serving, tcp
+from support.frames import RST, SYN, tcp
+from support.stacks import Guest, listener, serving
 
 resource.setrlimit(resource.RLIMIT_NOFILE, (100, FD_RESERVE + 4))
 
@@ -438,8 +321,7 @@ asyncio.run(main())
 def test_open_file_limit_refuses_beyond_it():
     """A real RLIMIT_NOFILE (soft raised to the hard limit by the stack, docs/security.md):
     flows beyond it less FD_RESERVE get a RST, counted as drop.limit_fds."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    p = subprocess.run([sys.executable, "-c", FD_LIMIT_CHILD, here], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", FD_LIMIT_CHILD, str(TESTS)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout) == {"soft_limit": 4, "fd_budget": 3, "dns_fd_budget": 1,
                                     "answers": ["syn-ack"] * 3 + ["rst"],

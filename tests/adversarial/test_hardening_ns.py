@@ -1,6 +1,6 @@
 """Hardening against a hostile guest, end to end: `aioslirp run` with a real Linux namespace behind the TAP.
 
-The guest programs are in ``hostile_guest.py``; they read the stack's counters through the API
+The guest programs are in ``support/guest_programs/hostile.py``; they read the stack's counters through the API
 socket (``--api-socket``). Host-side measurements (fds, RSS) are taken from /proc of the
 `aioslirp run` process. pytest runs in a loopback-only namespace (conftest.py): the host peers
 are on 127.0.0.1 / ::1 and every crafted destination stays inside 10.0.2.0/24, the host's
@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import json
 import os
-import pathlib
 import signal
 import socket
 import subprocess
@@ -27,12 +26,14 @@ from collections import Counter
 
 import pytest
 
-from hostservers import DataServer, DnsUpstream, UdpEcho, pattern
-from conftest import need
+from support.namespaces import netns_holders
+from support.paths import GUEST_PROGRAMS
+from support.prereqs import need
+from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
 
 pytestmark = pytest.mark.netns
 
-GUEST = str(pathlib.Path(__file__).with_name("hostile_guest.py"))
+GUEST = str(GUEST_PROGRAMS / "hostile.py")
 
 
 @pytest.fixture(scope="module")
@@ -242,19 +243,6 @@ def test_10000_short_connections_return_to_baseline(servers, tmp_path):
     assert c.get("drop.internal_error", 0) == 0 and c.get("flow_errors", 0) == 0
     assert fds1 == fds0
     assert rss1 - rss0 <= RSS_TOLERANCE_KB
-
-
-def netns_holders(ino: int) -> list[int]:
-    """PIDs whose network namespace has inode ``ino``."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                if os.stat(f"/proc/{d}/ns/net").st_ino == ino:
-                    out.append(int(d))
-            except OSError:
-                pass
-    return out
 
 
 @pytest.mark.parametrize("ignore_term", [False, True], ids=["command-exits", "command-ignores-sigterm"])

@@ -6,7 +6,7 @@
 * TCP and UDP from or to port 0: dropped and counted, never NATed nor answered;
 * ICMPv4 errors: rate limited like the ICMPv6 ones (RFC 1812 4.3.2.8, RFC 4443 2.4 (f)).
 
-Frames go in over a socketpair (helpers of tests/test_hardening.py); host peers are real sockets
+Frames go in over a socketpair (helpers of tests/support/stacks.py); host peers are real sockets
 on 127.0.0.1 / ::1 inside the test namespace.
 """
 
@@ -24,9 +24,12 @@ import pytest
 from aioslirp.ratelimit import TokenBucket
 from aioslirp.wire.neighbors import MAX_NEIGHBORS
 
-from hostservers import DnsUpstream
-from ipv6_helpers import DNS6, GUEST6, GW6, a6, checksum_valid, eth, icmp6_frame, raw6, udp6_frame
-from test_hardening import DNS, GW, RST, SYN, ACK, Guest, dns_query, ip_frame, listener, serving, tcp, tcp6, udp, until
+from support.frames import (ACK, DNS, DNS6, GUEST6, GW, GW6, RST, SYN, a6, checksum_valid, dns_query, eth,
+                            icmp6_frame, ip_frame, raw6, tcp, tcp6, udp, udp6_frame)
+from support.servers import DnsUpstream
+from support.stacks import Guest, listener, serving, until
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 GW4_16 = socket.inet_aton("10.0.0.2")  # the gateway of 10.0.0.0/16
 
@@ -232,7 +235,7 @@ async def test_echo6_to_us_above_the_mtu_is_answered_in_fragments(dst):
 
 @pytest.mark.netns
 def test_ping6_gateway_with_3000_bytes_in_a_real_guest():
-    from guest_helpers import run_guest
+    from support.guests import run_guest
 
     dns = DnsUpstream()
     try:

@@ -11,7 +11,7 @@
   again once fds are free.
 
 The guest's TCP is driven by hand (:class:`GuestTcp`) over the socketpair of
-``test_hardening.serving``; no timing is asserted, only bytes (SHA-256), counters and sizes.
+``support.stacks.serving``; no timing is asserted, only bytes (SHA-256), counters and sizes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from aioslirp.flow.guard import FD_RESERVE
 from aioslirp.services.dns_tcp import MAX_HELD, MAX_QUEUED
 from aioslirp.services.dns import DnsTcpSession
 
-from test_hardening import DNS, GUEST, GW, Guest, dns_query, echo, ip_frame, listener, serving, udp, until
+from support.frames import DNS, GUEST, GW, dns_query, echo, ip_frame, udp
+from support.paths import TESTS
+from support.stacks import Guest, listener, serving, until
 
 SYN, RST, ACK, FIN = dpkt.tcp.TH_SYN, dpkt.tcp.TH_RST, dpkt.tcp.TH_ACK, dpkt.tcp.TH_FIN
 MSS = 1460
@@ -288,7 +290,7 @@ def _child(scenario: str) -> None:
         return out
 
     async def emfile() -> dict:
-        from hostservers import UdpEcho
+        from support.servers import UdpEcho
 
         lst = listener()
         echo_srv = UdpEcho()
@@ -330,8 +332,8 @@ def _child(scenario: str) -> None:
 
 
 def run_child(scenario: str) -> dict:
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    here = os.path.dirname(os.path.abspath(__file__))  # this module, run again in the child
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, str(TESTS), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-c", f"import test_hostile_dns_fd as t; t._child({scenario!r})"],
                        cwd=here, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-4000:]

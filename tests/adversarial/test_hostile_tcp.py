@@ -26,10 +26,11 @@ import uvloop
 from aioslirp.nat.hostsock import READ_SIZE, TransportHost
 from aioslirp.wire.tcp import ACK, FIN, PSH, RST, SYN, build_tcp
 
-from ipv6_helpers import GUEST6, GUEST_MAC, GW6, GW_MAC
-from test_hardening import GUEST, GW, listener, serving, until
-from stack_helpers import fd_count
-from test_tcp_conn import L, R, close_wait, established, events, recv, seg, send
+from support.frames import GUEST, GUEST6, GUEST_MAC, GW, GW6, GW_MAC
+from support.stacks import fd_count, listener, serving, until
+from support.tcp_conn import L, R, close_wait, established, events, recv, seg, send
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 # ============================================================================ linger, sans-IO
 

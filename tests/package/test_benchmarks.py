@@ -15,14 +15,15 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from aioslirp import compiled
-from conftest import need
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+from support.paths import REPO
+from support.prereqs import need
+
+BENCH = REPO / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import report  # noqa: E402

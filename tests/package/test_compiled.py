@@ -16,13 +16,16 @@ from pathlib import Path
 import pytest
 
 from aioslirp import compiled
-from conftest import need
 
-HERE = Path(__file__).resolve().parent
+from support.paths import TESTS
+from support.prereqs import need
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
+
 PKG = Path(compiled.__file__).resolve().parent
 
 #: A lossy, reordering transfer both ways between two TcpConnections (the simulation of
-#: test_tcp_conn), every segment also built into a frame and parsed back; prints a digest of all
+#: support/tcp_conn.py), every segment also built into a frame and parsed back; prints a digest of all
 #: of it, the transferred bytes' hashes and the compiled notice.
 SCENARIO = r"""
 import hashlib, random, sys
@@ -30,15 +33,15 @@ sys.path.insert(0, sys.argv[1])
 from aioslirp import compiled
 from aioslirp.tcp.connection import TcpConnection
 from aioslirp.wire.tcp import TcpFrameBuilder, parse_segment, syn_options, SYN
-from test_tcp_conn import _App, _Link, MSS, run_transfer
+from support.tcp_conn import App, Link, MSS, run_transfer
 
 rng = random.Random(5)
 size = 1 << 17
 host_data, guest_data = rng.randbytes(size), rng.randbytes(size)
 stack = TcpConnection(iss=2**32 - 500_000, mss=MSS, rcv_buf=128 * 1024, snd_buf=64 * 1024, now=0.0)
 guest = TcpConnection(iss=2**32 - 700_000, mss=MSS, rcv_buf=256 * 1024, snd_buf=64 * 1024, now=0.0)
-to_stack, to_guest = _Link(rng, 0.05, 0.001, 0.002), _Link(rng, 0.05, 0.001, 0.002)
-apps = (_App(stack, host_data, rng), _App(guest, guest_data, rng))
+to_stack, to_guest = Link(rng, 0.05, 0.001, 0.002), Link(rng, 0.05, 0.001, 0.002)
+apps = (App(stack, host_data, rng), App(guest, guest_data, rng))
 b4 = TcpFrameBuilder(b"e" * 14, bytes([10, 0, 2, 2]), bytes([10, 0, 2, 15]), 80, 40000)
 b6 = TcpFrameBuilder(b"e" * 14, bytes(range(16)), bytes(range(16, 32)), 80, 40000, True)
 h = hashlib.sha256()
@@ -69,7 +72,7 @@ def _run(env_extra: dict, pythonpath: Path | None = None) -> list[str]:
     env.update(env_extra)
     pythonpath = pythonpath or PKG.parent  # the aioslirp this process imported, whatever is installed
     env["PYTHONPATH"] = str(pythonpath)
-    out = subprocess.run([sys.executable, "-c", SCENARIO, str(HERE)], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", SCENARIO, str(TESTS)], env=env, capture_output=True, text=True,
                          timeout=240, check=True, cwd=pythonpath)
     return out.stdout.splitlines()
 

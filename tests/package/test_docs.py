@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 DIRECTIVE = re.compile(r"^:::\s+(\S+)\s*$", re.M)
 
 
@@ -107,7 +108,7 @@ def test_the_test_command_starts_with_the_prerequisites():
     assert "\nbash .ci/prereqs\n" in (REPO / ".ci" / "run").read_text()
     packages = _prereq_packages()
     named = set()
-    for test in (REPO / "tests").glob("*.py"):
+    for test in (REPO / "tests").rglob("*.py"):
         named.update(re.findall(r'need_tool\("[^"]+", "([^"]+)"\)', test.read_text()))
     assert {"curl", "bind9-dnsutils", "iputils-ping", "iproute2", "iperf3"} <= named
     assert named <= packages, named - packages

@@ -8,9 +8,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from support.paths import REPO, TESTS
 
 LEAKY = '''
 import socket
@@ -51,10 +50,10 @@ def test_d_uses_the_module_server(server):
 
 
 def test_a_leaked_fd_names_its_test(tmp_path):
-    (tmp_path / "conftest.py").write_text((HERE / "conftest.py").read_text())
+    (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
     (tmp_path / "test_leaky.py").write_text(LEAKY)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(TESTS), env.get("PYTHONPATH")]))
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
                         "-W", "ignore::pytest.PytestConfigWarning", str(tmp_path)],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

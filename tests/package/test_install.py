@@ -27,9 +27,10 @@ from pathlib import Path
 import pytest
 
 from aioslirp import compiled
-from conftest import importable, need
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+from support.prereqs import importable, need
+
 N = len(compiled.COMPILED)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def test_import_layers_contract_is_kept():

@@ -63,6 +63,8 @@ from aioslirp.transport.trace import TraceTransport
 from aioslirp.wire.ipv6 import Ipv6
 from aioslirp.wire.tcp import Segment, TcpFrameBuilder, TcpOffloadBuilder
 
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
+
 #: The classes of the per-frame path (a guest frame in, frames to the guest out).
 PER_FRAME = [
     Stack, StackParts, FlowRecords, Link, Family4, Family6, Ipv4Input, Ipv6Path, L4,

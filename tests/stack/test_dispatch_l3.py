@@ -2,7 +2,7 @@
 
 ARP for IPv4; for IPv6 the Router Advertisement when serving starts, NDP, DHCPv6, Packet
 Too Big and the ``ipv6`` switch. Each test says why it runs for one family only; what both
-families share is in tests/test_dispatch_l4.py. Frames go in over a socketpair and what comes
+families share is in tests/stack/test_dispatch_l4.py. Frames go in over a socketpair and what comes
 back is decoded with dpkt, checksums verified independently.
 """
 
@@ -14,10 +14,13 @@ import dpkt
 import pytest
 
 from aioslirp import NetworkConfig
-from hostservers import DnsUpstream
-from ipv6_helpers import DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, a6, icmp6_frame, udp6_frame
-from stack_helpers import (DNS_AAAA, F4, F6, eth_to, icmp_of, ipv6_guest_mac, ipv6_path, ndp_neighbours,
-                           recv_frames, served_stack)
+
+from support.frames import DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, a6, icmp6_frame, udp6_frame
+from support.servers import DnsUpstream
+from support.stacks import (DNS_AAAA, F4, F6, eth_to, icmp_of, ipv6_guest_mac, ipv6_path, ndp_neighbours,
+                            recv_frames, served_stack)
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 SLLA = bytes((1, 1)) + GUEST_MAC
 ALL_DHCP = a6("ff02::1:2")
@@ -73,7 +76,7 @@ async def test_ra_when_serving_starts_and_ndp_through_the_stack(s6):
 
 
 async def test_dhcpv6_information_request_answered_from_link_local(s6):
-    """IPv6 only: DHCPv6 (RFC 8415); DHCPv4 through the Stack is tested in tests/test_dhcp.py."""
+    """IPv6 only: DHCPv6 (RFC 8415); DHCPv4 through the Stack is tested in tests/unit/services/test_dhcp.py."""
     stack, guest, _ = s6
     duid = bytes.fromhex("000300015254001234560000")[:10]
     msg = bytes((11,)) + b"\x01\x02\x03" + struct.pack("!HH", 1, len(duid)) + duid + struct.pack("!HHH", 6, 2, 23)

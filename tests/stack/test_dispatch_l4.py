@@ -4,9 +4,9 @@ Frames go in over a socketpair and what comes back is decoded and checked (check
 verified independently): echo answered locally and proxied, TCP and UDP flows to host
 sockets on loopback, RST and port unreachable for closed ports, DNS over UDP and TCP,
 fragments reassembled and large replies fragmented, hostile frames dropped and counted.
-Each test takes ``fam`` (tests/stack_helpers.py: addresses, frame builders, ICMP types and
+Each test takes ``fam`` (tests/support/stacks.py: addresses, frame builders, ICMP types and
 counter names of one family), as smoltcp runs its interface tests per medium with
-``#[case]``. What only one family has is in tests/test_dispatch_l3.py.
+``#[case]``. What only one family has is in tests/stack/test_dispatch_l3.py.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ import dpkt
 import pytest
 
 from aioslirp import NetworkConfig
-from hostservers import DnsUpstream
-from ipv6_helpers import GUEST_LL, GUEST_MAC, GW_MAC, a6, eth, icmp6_frame, raw6, udp6_frame
-from stack_helpers import (DNS_AAAA, F4, F6, FAMILIES, icmp_echo_mode, icmp_of, icmp_raw_socket, of_proto,
-                           recv_frames, served_stack, tcp_frame, udp_frame)
+
+from support.frames import GUEST_LL, GUEST_MAC, GW_MAC, a6, eth, icmp6_frame, raw6, udp6_frame
+from support.servers import DnsUpstream
+from support.stacks import (DNS_AAAA, F4, F6, FAMILIES, icmp_echo_mode, icmp_of, icmp_raw_socket, of_proto,
+                            recv_frames, served_stack, tcp_frame, udp_frame)
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 SYN, RST, ACK = dpkt.tcp.TH_SYN, dpkt.tcp.TH_RST, dpkt.tcp.TH_ACK
 

@@ -1,6 +1,6 @@
 """Every kind of egress rule, for both address families, under both defaults, on real flows.
 
-In process: a Stack served over a socketpair (tests/stack_helpers.py), crafted guest frames, host
+In process: a Stack served over a socketpair (tests/support/stacks.py), crafted guest frames, host
 servers on 127.0.0.1 and ``::1`` behind the gateway (10.0.2.2 / fd00::2, which the rules see as
 the host-side loopback address). Each case sets ``egress_allow`` / ``egress_deny`` and runs under
 ``egress_default`` allow and deny; the verdict of each probe is read off the wire:
@@ -12,7 +12,7 @@ the host-side loopback address). Each case sets ``egress_allow`` / ``egress_deny
 
 Name and wildcard rules go through the virtual DNS first: the guest asks 10.0.2.3 / fd00::3 for a
 ``dns_records`` name (the gateway), and the answer binds the name to the host-side address.
-Sans-I/O coverage of the same rules: tests/test_egress_names.py.
+Sans-I/O coverage of the same rules: tests/unit/flow/test_egress_names.py.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import dpkt
 import pytest
 
 from aioslirp import NetworkConfig
-from conftest import have_ipv6_loopback, need
-from hostservers import UdpEcho
-from stack_helpers import F4, F6, icmp_of, recv_frames, served_stack, tcp_frame, udp_frame
+
+from support.prereqs import have_ipv6_loopback, need
+from support.servers import UdpEcho
+from support.stacks import F4, F6, icmp_of, recv_frames, served_stack, tcp_frame, udp_frame
 
 SYN, RST, ACK = dpkt.tcp.TH_SYN, dpkt.tcp.TH_RST, dpkt.tcp.TH_ACK
 NAMES = ["svc.test", "a.svc.test", "x.y.svc.test", "evilsvc.test"]

@@ -22,9 +22,10 @@ import threading
 import dpkt
 
 from aioslirp import NetworkConfig, Stack
-from hostservers import namespace_address
-from test_fake_clock_stack import START, FakeClockLoop, FakeTransport, settle, tcp_out, udp_out
-from test_hardening import ACK, SYN, tcp, udp
+
+from support.fake_clock import START, FakeClockLoop, FakeTransport, settle, tcp_out, udp_out
+from support.frames import ACK, SYN, tcp, udp
+from support.namespaces import namespace_address
 
 ADDR = "192.0.2.77"
 DNS4 = socket.inet_aton("10.0.2.3")

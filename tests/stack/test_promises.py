@@ -2,9 +2,9 @@
 asserted by value (issue 19, "tests that can fail").
 
 Most tests run a whole :class:`~aioslirp.Stack` in this process, fed crafted frames over a
-socketpair (``Guest`` and ``serving`` of ``tests/test_hardening.py``), with real host sockets in
+socketpair (``Guest`` and ``serving`` of ``tests/support/stacks.py``), with real host sockets in
 pytest's loopback-only namespace: listeners on 127.0.0.1 / ``[::]``, and 198.18.0.1 added to
-``lo`` (:func:`hostservers.namespace_address`) as a destination that is neither loopback nor
+``lo`` (:func:`support.namespaces.namespace_address`) as a destination that is neither loopback nor
 the gateway. Where the promise is about a real guest (a Linux kernel's TCP, ``aioslirp run``'s
 signals) the guest runs in a namespace behind the stack (``run_in_namespace`` in this process,
 or ``aioslirp run``).
@@ -40,11 +40,12 @@ from aioslirp.frontends.api import ApiServer, MAX_REQUEST
 from aioslirp.frontends.netns import run_in_namespace
 from aioslirp.nat.tcp import TcpFlow
 
-from hostservers import DataServer, DnsUpstream, UdpEcho, namespace_address, pattern
-from ipv6_helpers import GUEST6, a6, icmp6_frame, udp6_frame
-from test_forward import guest_accept, host_connect, stack_guest  # noqa: F401  (stack_guest: a fixture)
-from test_hardening import (ACK, DNS, GW, RST, SYN, Guest, dns_query, echo, listener, serving, tcp, tcp6,
-                            udp, until)
+from support.frames import (ACK, DNS, GUEST6, GW, RST, SYN, a6, dns_query, echo, icmp6_frame, tcp, tcp6, udp,
+                            udp6_frame)
+from support.namespaces import namespace_address, netns_holders
+from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
+from support.stacks import Guest, guest_accept, host_connect, listener, serving, until
+from support.stacks import stack_guest  # noqa: F401 - a fixture
 
 REMOTE = "198.18.0.1"  # on lo of pytest's namespace while a test needs it (namespace_address)
 FIN, PSH = dpkt.tcp.TH_FIN, dpkt.tcp.TH_PUSH
@@ -823,7 +824,6 @@ def test_run_sigkills_a_command_that_ignores_sigterm_after_stop_timeout():
 
     Mutant: ``GracefulStop.expire`` without the SIGKILL timer: the command sleeps its 15 s and
     exits by itself (status 0)."""
-    from test_hardening_ns import netns_holders
 
     data = DataServer()
     try:

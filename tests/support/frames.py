@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 import struct
 
 import dpkt
@@ -15,6 +16,11 @@ DNS6 = ipaddress.IPv6Address("fd00::3").packed
 GUEST6 = ipaddress.IPv6Address("fd00::5054:ff:fe12:3456").packed
 GUEST_LL = ipaddress.IPv6Address("fe80::5054:ff:fe12:3456").packed
 UNSPEC = bytes(16)
+GUEST = socket.inet_aton("10.0.2.15")
+GW = socket.inet_aton("10.0.2.2")
+DNS = socket.inet_aton("10.0.2.3")
+METADATA = socket.inet_aton("169.254.169.254")
+SYN, ACK, FIN, RST, PSH = dpkt.tcp.TH_SYN, dpkt.tcp.TH_ACK, dpkt.tcp.TH_FIN, dpkt.tcp.TH_RST, dpkt.tcp.TH_PUSH
 
 
 def a6(text: str) -> bytes:
@@ -72,3 +78,40 @@ def raw6(src: bytes, dst: bytes, nh: int, payload: bytes, hlim: int = 64, plen: 
 
 def eth(packet: bytes, src_mac: bytes = GUEST_MAC, dst_mac: bytes = GW_MAC) -> bytes:
     return dst_mac + src_mac + b"\x86\xdd" + packet
+
+
+# ------------------------------------------------------------------------- IPv4 shorthands
+def ip_frame(l4, proto: int, dst: bytes = GW, src: bytes = GUEST) -> bytes:
+    ip = dpkt.ip.IP(src=src, dst=dst, p=proto, ttl=64, id=7, data=l4)
+    ip.len = 20 + len(bytes(l4))
+    ip.sum = 0
+    return bytes(dpkt.ethernet.Ethernet(src=GUEST_MAC, dst=GW_MAC, type=0x0800, data=ip))
+
+
+def tcp(sport: int, dport: int, flags: int, seq: int = 1000, ack: int = 0, dst: bytes = GW, data: bytes = b"") -> bytes:
+    t = dpkt.tcp.TCP(sport=sport, dport=dport, seq=seq, ack=ack, flags=flags, win=65535,
+                     opts=b"\x02\x04\x05\xb4" if flags & SYN else b"", data=data)
+    t.off = 5 + len(t.opts) // 4
+    return ip_frame(t, 6, dst)
+
+
+def udp(sport: int, dport: int, payload: bytes, dst: bytes = GW) -> bytes:
+    u = dpkt.udp.UDP(sport=sport, dport=dport, data=payload)
+    u.ulen = len(bytes(u))
+    return ip_frame(u, 17, dst)
+
+
+def echo(ident: int, dst: bytes) -> bytes:
+    return ip_frame(dpkt.icmp.ICMP(type=8, data=dpkt.icmp.ICMP.Echo(id=ident, seq=1, data=b"hi")), 1, dst)
+
+
+def tcp6(sport: int, dport: int, flags: int, dst: bytes, seq: int = 1000) -> bytes:
+    t = dpkt.tcp.TCP(sport=sport, dport=dport, seq=seq, flags=flags, win=65535)
+    ip = dpkt.ip6.IP6(src=GUEST6, dst=dst, nxt=6, hlim=64, plen=len(bytes(t)))
+    ip.data = t
+    return bytes(dpkt.ethernet.Ethernet(src=GUEST_MAC, dst=GW_MAC, type=0x86DD, data=ip))
+
+
+def dns_query(name: bytes = b"policy.test", qid: int = 0x1234) -> bytes:
+    q = dpkt.dns.DNS(id=qid, qd=[dpkt.dns.DNS.Q(name=name.decode(), type=dpkt.dns.DNS_A)])
+    return bytes(q)

@@ -22,9 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from support.paths import REPO, SHARED
+
 #: The guestvm kit (read-only): ../shared/guestvm next to the repository, or $GUESTVM_DIR.
-KIT = Path(os.environ.get("GUESTVM_DIR") or REPO.parent / "shared" / "guestvm")
+KIT = Path(os.environ.get("GUESTVM_DIR") or SHARED / "guestvm")
 GUEST_MAC = "52:54:00:12:34:56"
 QEMU = os.environ.get("QEMU", "qemu-system-x86_64")
 

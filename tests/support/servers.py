@@ -9,10 +9,6 @@
 * :class:`UdpEcho` — echoes every datagram.
 * :class:`DnsUpstream` — answers every A query with 10.0.2.99 over UDP and TCP (dpkt); AAAA
   queries with ``aaaa`` when given (else no answer records, as before).
-* :func:`namespace_address` — an extra address on ``lo`` of the test namespace (default
-  198.18.0.1, RFC 2544's benchmarking range; IPv6 too, e.g. 2001:db8::77): a destination that
-  is neither loopback nor the gateway, reachable without leaving the namespace (ICMP echo, UDP,
-  TCP all answered locally).
 
 Servers bind 127.0.0.1 by default; pass ``host="::1"`` for IPv6 loopback (``DnsUpstream``:
 any loopback address, e.g. ``"127.0.0.53"`` like systemd-resolved's stub).
@@ -20,7 +16,6 @@ any loopback address, e.g. ``"127.0.0.53"`` like systemd-resolved's stub).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import random
 import socket
@@ -217,21 +212,3 @@ class DnsUpstream:
     def close(self) -> None:
         self.udp.close()
         self.tcp.close()
-
-
-@contextlib.contextmanager
-def namespace_address(addr: str = "198.18.0.1"):
-    """Add ``addr`` (/32, or /128 without duplicate address detection for IPv6) to ``lo`` of the
-    current (test) network namespace for the ``with`` block; yields it. Needs CAP_NET_ADMIN in
-    the namespace (pytest's own, see conftest.py)."""
-    from pyroute2 import IPRoute
-
-    v6 = ":" in addr
-    kw = {"prefixlen": 128, "flags": 0x02} if v6 else {"prefixlen": 32}  # IFA_F_NODAD
-    with IPRoute() as ipr:
-        lo = ipr.link_lookup(ifname="lo")[0]
-        ipr.addr("add", index=lo, address=addr, **kw)
-        try:
-            yield addr
-        finally:
-            ipr.addr("del", index=lo, address=addr, prefixlen=kw["prefixlen"])

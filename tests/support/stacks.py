@@ -3,7 +3,7 @@ back, and one small description per address family so that a test is written onc
 for IPv4 and IPv6 (as smoltcp runs its interface tests for each medium with ``#[case]``).
 
 Frames are built with dpkt; every frame the stack sends is decoded with dpkt and its
-checksums are verified with an independent RFC 1071 sum (``ipv6_helpers.ref_checksum6``).
+checksums are verified with an independent RFC 1071 sum (``support.frames.ref_checksum6``).
 Tests see what the stack shows: frames in and out, ``stack.counters``, the flow table (``stack.parts.flows``).
 The few internals some tests read go through the functions at the end of this module.
 """
@@ -15,13 +15,16 @@ import contextlib
 import os
 import socket
 import struct
+import time
 
 import dpkt
+import pytest
 
-from aioslirp import SocketPairTransport, Stack
+from aioslirp import NetworkConfig, SocketPairTransport, Stack
 from aioslirp.transport.base import Transport
-from ipv6_helpers import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, a6, checksum_valid, icmp6_frame,
-                          raw6, udp6_frame)
+
+from support.frames import (ACK, DNS6, GUEST, GUEST6, GUEST_LL, GUEST_MAC, GW, GW6, GW_LL, GW_MAC, SYN, a6,
+                            checksum_valid, icmp6_frame, raw6, udp6_frame)
 
 GUEST4 = socket.inet_aton("10.0.2.15")
 GW4 = socket.inet_aton("10.0.2.2")
@@ -296,6 +299,7 @@ def icmp_of(fam, frames, icmp_type: int) -> list:
 # ---------------------------------------------------------------------------------------------
 # The internals some tests read, in one place: update these when the core moves.
 
+
 def stack_tasks(stack) -> set:
     """The tasks the stack spawned and has not yet seen end (flows, services)."""
     return stack.parts.tasks
@@ -330,3 +334,161 @@ def icmp_echo_mode(stack, fam) -> str | None:
 def icmp_raw_socket(stack, fam):
     """The shared raw ICMP socket of ``fam`` (``None`` when not open)."""
     return stack.parts.icmp.raw if fam is F4 else stack.parts.icmp.raw6
+
+
+# ------------------------------------------------------------------------- the guest end of a socketpair
+class Guest:
+    """The guest end of the socketpair: send frames, collect what the stack sends back."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        sock.setblocking(False)
+
+    def send(self, *frames: bytes) -> None:
+        for f in frames:
+            self.sock.send(f)
+
+    async def recv(self, timeout: float = 0.5, settle: float = 0.05) -> list[dpkt.ethernet.Ethernet]:
+        """Frames from the stack within ``timeout`` s (returns ``settle`` s after the last one)."""
+        loop = asyncio.get_running_loop()
+        out = []
+        wait = timeout
+        while True:
+            try:
+                data = await asyncio.wait_for(loop.sock_recv(self.sock, 70000), wait)
+            except asyncio.TimeoutError:
+                return out
+            if not data:  # the stack closed its end
+                return out
+            out.append(dpkt.ethernet.Ethernet(data))
+            wait = settle
+
+    @staticmethod
+    def tcp4(frames):
+        return [e.data.data for e in frames if e.type == 0x0800 and e.data.p == 6]
+
+    @staticmethod
+    def icmp4(frames):
+        return [e.data.data for e in frames if e.type == 0x0800 and e.data.p == 1]
+
+
+@contextlib.asynccontextmanager
+async def serving(**cfg):
+    cfg.setdefault("ipv6", False)
+    cfg.setdefault("dns_upstreams", [("127.0.0.1", 9)])
+    cfg.setdefault("dns_timeout", 0.3)
+    cfg.setdefault("tcp_connect_timeout", 3.0)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        async with Stack(NetworkConfig(**cfg)) as stack:
+            task = asyncio.ensure_future(stack.serve(SocketPairTransport(b)))
+            await asyncio.sleep(0)
+            guest = Guest(a)
+            if cfg["ipv6"]:
+                await guest.recv(0.3)  # the first RA
+            try:
+                yield stack, guest
+            finally:
+                stack.stop()
+                await task
+    finally:
+        a.close()
+
+
+def listener(backlog: int = 16) -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(backlog)
+    return s
+
+
+async def until(cond, timeout: float = 2.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+# ------------------------------------------------------------------------- a guest for port forwards
+class FakeGuest:
+    """The guest end of the socket pair: receive/parse and build/send frames."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        sock.setblocking(False)
+        self.loop = asyncio.get_running_loop()
+
+    async def recv(self, timeout: float = 3.0) -> dpkt.ethernet.Ethernet:
+        data = await asyncio.wait_for(self.loop.sock_recv(self.sock, 70000), timeout)
+        return dpkt.ethernet.Ethernet(data)
+
+    async def expect(self, pred, timeout: float = 3.0):
+        """The next frame for which ``pred(eth)`` is true (others are skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError("expected frame did not arrive")
+            eth = await self.recv(left)
+            if pred(eth):
+                return eth
+
+    async def expect_tcp(self, timeout: float = 3.0) -> dpkt.tcp.TCP:
+        eth = await self.expect(lambda e: isinstance(e.data, dpkt.ip.IP) and e.data.p == 6, timeout)
+        return eth.data.data
+
+    def send_ip(self, l4, proto: int, src: bytes = GUEST, dst: bytes = GW) -> None:
+        ip = dpkt.ip.IP(src=src, dst=dst, p=proto, ttl=64, data=l4)
+        ip.len = 20 + len(bytes(l4))
+        eth = dpkt.ethernet.Ethernet(src=GUEST_MAC, dst=GW_MAC, type=0x0800, data=ip)
+        self.sock.send(bytes(eth))
+
+    def send_tcp(self, sport, dport, seq, ack, flags, data=b"", win=65535, opts=b"") -> None:
+        self.send_ip(dpkt.tcp.TCP(sport=sport, dport=dport, seq=seq, ack=ack, flags=flags, win=win,
+                                  opts=opts, off=(20 + len(opts)) // 4, data=data), 6)
+
+    def answer_arp(self, arp_eth) -> None:
+        req = arp_eth.data
+        rep = dpkt.arp.ARP(op=dpkt.arp.ARP_OP_REPLY, sha=GUEST_MAC, spa=req.tpa, tha=req.sha, tpa=req.spa)
+        self.sock.send(bytes(dpkt.ethernet.Ethernet(src=GUEST_MAC, dst=req.sha, type=0x0806, data=rep)))
+
+
+def is_arp_request(e) -> bool:
+    return e.type == 0x0806 and e.data.op == dpkt.arp.ARP_OP_REQUEST
+
+
+@pytest.fixture
+async def stack_guest(request):
+    cfg_kw = getattr(request, "param", {})
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    cfg = NetworkConfig(dns_upstreams=[("127.0.0.1", 9)], tcp_connect_timeout=2.0, **cfg_kw)
+    async with Stack(cfg) as stack:
+        task = asyncio.ensure_future(stack.serve(SocketPairTransport(b)))
+        await asyncio.sleep(0)
+        yield stack, FakeGuest(a)
+        stack.stop()
+        await task
+    a.close()
+
+
+async def host_connect(port: int, family=socket.AF_INET, host="127.0.0.1"):
+    return await asyncio.wait_for(asyncio.open_connection(host, port, family=family), 3)
+
+
+async def guest_accept(guest: FakeGuest, guest_port: int, *, mac_known: bool = False, wscale: int = 7):
+    """Play the guest's side of the handshake; returns (sport, our_seq, their_next_seq, syn)."""
+    if not mac_known:
+        arp = await guest.expect(is_arp_request)
+        assert arp.src == GW_MAC and arp.data.spa == GW and arp.data.tpa == GUEST
+        assert arp.dst == b"\xff" * 6
+        guest.answer_arp(arp)
+    syn = await guest.expect_tcp()
+    assert syn.flags == SYN and syn.dport == guest_port
+    iss = 1000
+    opts = b"\x02\x04\x05\xb4" + b"\x01\x03\x03" + bytes([wscale])
+    guest.send_tcp(guest_port, syn.sport, iss, syn.seq + 1, SYN | ACK, opts=opts, win=64240)
+    ack = await guest.expect_tcp()
+    assert ack.flags & ACK and not ack.flags & SYN and ack.ack == iss + 1 and ack.seq == syn.seq + 1
+    return syn.sport, iss + 1, syn.seq + 1, syn

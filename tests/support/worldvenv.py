@@ -5,7 +5,7 @@ The interpreter running the tests may live where other users cannot read it (pye
 world-readable temporary folder, install a wheel of this checkout into it (with every
 console script of ``pyproject.toml``), and copy the dependencies the package imports from
 the test environment (same Python version, so compiled extensions fit). The same recipe
-as ``tests/test_netns.py``'s ``rootless_env`` fixture, usable from any test module.
+as ``tests/system/test_netns.py``'s ``rootless_env`` fixture, usable from any test module.
 
 ``build_world_venv(work) -> (python, bin_dir)`` raises :class:`Unavailable` (a reason to
 skip) when ``/usr/bin/python3`` is missing or of another minor version.
@@ -24,7 +24,8 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from support.paths import REPO
+
 BASE_PYTHON = "/usr/bin/python3"
 
 __all__ = ["Unavailable", "build_world_venv", "console_scripts"]

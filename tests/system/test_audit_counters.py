@@ -21,10 +21,10 @@ import threading
 
 import pytest
 
-from conftest import have_ipv6_loopback, need
-from guest_helpers import need_tool
-from hostservers import namespace_address
-from test_egress_ns import Dns
+from support.egress_world import Dns
+from support.guests import need_tool
+from support.namespaces import namespace_address
+from support.prereqs import have_ipv6_loopback, need
 
 pytestmark = pytest.mark.netns
 

@@ -25,7 +25,8 @@ import pytest
 from aioslirp.config import NetworkConfig
 from aioslirp.errors import ConfigError
 
-from conftest import importable, need
+from support.namespaces import start_target_namespace
+from support.prereqs import importable, need
 
 pytestmark = pytest.mark.netns
 
@@ -310,9 +311,7 @@ print(a.recv(100).decode())
 
 
 def test_attach_brings_loopback_up():
-    from test_netns import _start_target_namespace
-
-    target = _start_target_namespace()
+    target = start_target_namespace()
     proc = None
     try:
         (lo,) = json.loads(_ns(target.pid, "ip", "-j", "link", "show", "lo").stdout)

@@ -12,7 +12,7 @@ for slirp4netns: replies to a forwarded UDP port under ``--disable-host-loopback
 Needs root and ``setup.sh`` run once (``.ci/prereqs`` does it): the packages, the test user
 ``ckit`` and the busybox root filesystem. Missing prerequisites skip these tests, except
 under CI (``CI`` set), where they fail. BINARY is the console script of a virtualenv every
-user can run (``tests/worldvenv.py``): the test user cannot read a venv under /root.
+user can run (``tests/support/worldvenv.py``): the test user cannot read a venv under /root.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import need
+from support.paths import SHARED
+from support.prereqs import need
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 KIT = SHARED / "containers"
 KIT_USER = os.environ.get("CONTAINERS_KIT_USER", "ckit")
 KIT_CACHE = Path(os.environ.get("CONTAINERS_KIT_CACHE", os.path.expanduser("~/.cache/containers-kit")))
@@ -69,7 +69,7 @@ def kit_ready():
 @pytest.fixture(scope="module")
 def aioslirp_binary(kit_ready):
     """``aioslirp-slirp4netns`` from a world-readable venv (the test user must run it)."""
-    from worldvenv import Unavailable, build_world_venv
+    from support.worldvenv import Unavailable, build_world_venv
 
     work = Path(tempfile.mkdtemp(prefix="aioslirp-kit-"))
     try:

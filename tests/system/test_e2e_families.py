@@ -2,7 +2,7 @@
 in a new namespace behind our TAP; real servers listen on host loopback (127.0.0.1 or ``::1``,
 reached through the gateway 10.0.2.2 or fd00::2); results are asserted by value.
 
-Each test takes ``fam`` (tests/guest_helpers.py: the family's addresses as text, its tool
+Each test takes ``fam`` (tests/support/guests.py: the family's addresses as text, its tool
 flags, what the kernel reports for our ICMP errors). Tests for one family only say why.
 pytest itself runs in a loopback-only namespace (conftest.py), so nothing leaves the machine.
 """
@@ -23,9 +23,10 @@ import pytest
 
 from aioslirp import NetworkConfig, Stack
 from aioslirp.frontends.netns import run_in_namespace
-from guest_helpers import GUEST_FAMILIES, LINK_MTU, guest_json, handshake_mss, need_tool, run_guest
-from hostservers import DataServer, DnsUpstream, UdpEcho, pattern
-from stack_helpers import DNS_A, DNS_AAAA, fd_count, stack_tasks
+
+from support.guests import GUEST_FAMILIES, LINK_MTU, guest_json, handshake_mss, need_tool, run_guest
+from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
+from support.stacks import DNS_A, DNS_AAAA, fd_count, stack_tasks
 
 pytestmark = pytest.mark.netns
 

@@ -123,8 +123,8 @@ async def test_ipv6_guest_addr_checked():
 
 @pytest.mark.netns
 def test_forwards_to_the_guest_ipv6_address(tmp_path):
-    from conftest import have_ipv6_loopback, need
-    from guest_helpers import need_tool
+    from support.prereqs import have_ipv6_loopback, need
+    from support.guests import need_tool
 
     need_tool("ip", "iproute2")
     tcp4, udp4 = _free(), _free(kind=socket.SOCK_DGRAM)

@@ -1,5 +1,5 @@
 """Port forwards end to end: ``aioslirp run -p ... --api-socket ...`` with real servers inside the
-namespace (``fwd_guest.py`` as the command: the Linux kernel's TCP/IP answers our SYNs) and
+namespace (``support/guest_programs/forward_servers.py`` as the command: the Linux kernel's TCP/IP answers our SYNs) and
 real host clients in this process on 127.0.0.1. Bytes are checked by SHA-256 both ways.
 
 pytest runs in a loopback-only namespace (conftest.py): nothing here leaves the machine.
@@ -21,12 +21,12 @@ import time
 
 import pytest
 
-from conftest import have_ipv6_loopback, need
+from support.paths import GUEST_PROGRAMS
+from support.prereqs import have_ipv6_loopback, need
 
 pytestmark = pytest.mark.netns
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-GUEST_SERVER = os.path.join(HERE, "fwd_guest.py")
+GUEST_SERVER = str(GUEST_PROGRAMS / "forward_servers.py")
 GUEST_TCP, GUEST_UDP, GUEST_CLOSED = 8080, 8081, 9999
 
 
@@ -43,7 +43,7 @@ def free_port(kind=socket.SOCK_STREAM, family=socket.AF_INET, host: str = "127.0
 
 
 class Guest:
-    """One ``aioslirp run ... -- python fwd_guest.py`` process."""
+    """One ``aioslirp run ... -- python forward_servers.py`` process."""
 
     def __init__(self, *opts: str) -> None:
         argv = [sys.executable, "-m", "aioslirp", "run", *opts, "--",

@@ -33,10 +33,11 @@ import pytest
 
 from aioslirp import NetworkConfig, Stack, splice
 from aioslirp.frontends.netns import run_in_namespace
-from conftest import need
-from guest_helpers import need_tool
-from hostservers import DataServer, pattern
-from stack_helpers import fd_count
+
+from support.guests import need_tool
+from support.prereqs import need
+from support.servers import DataServer, pattern
+from support.stacks import fd_count
 
 pytestmark = pytest.mark.netns
 
@@ -577,8 +578,8 @@ async def test_stack_exit_cancels_handlers_and_closes_their_upstreams(v6):
     """A TCP handler holding an upstream connection (``open_upstream``: the gateway is the host's
     loopback) and a UDP handler, both waiting for ever, each family: leaving the Stack cancels both
     tasks, aborts the upstream (the server sees it end); no task, socket or fd is left."""
-    from conftest import have_ipv6_loopback
-    from stack_helpers import F4, F6, of_proto, recv_frames, served_stack, tcp_frame, udp_frame
+    from support.prereqs import have_ipv6_loopback
+    from support.stacks import F4, F6, of_proto, recv_frames, served_stack, tcp_frame, udp_frame
 
     if v6:
         need(have_ipv6_loopback(), "IPv6 on the test namespace's loopback")
@@ -758,7 +759,7 @@ def sni_world():
     server there answering ``OK`` to the first bytes of each connection, ``OK HOST`` to an HTTP/1
     head, HOST being the Host that Python's HTTP server code reads in it (``http.client.parse_headers``,
     as ``http.server`` does)."""
-    from hostservers import namespace_address
+    from support.namespaces import namespace_address
 
     with namespace_address("192.0.2.10"):
         srv = socket.socket()

@@ -44,7 +44,7 @@ from aioslirp.flow.table import FlowTable
 from aioslirp.frontends.netns import run_in_namespace
 from aioslirp.transport.base import Transport
 
-from hostservers import DataServer, pattern
+from support.servers import DataServer, pattern
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(600)]
 

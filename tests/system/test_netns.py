@@ -34,11 +34,12 @@ from aioslirp.host.nsbase import NamespaceError, resolv_conf_text
 from aioslirp.transport.tap import TapTransport
 from aioslirp.transport.tapdev import TapError, create_tap, open_tap
 
-from conftest import need
+from support.namespaces import start_target_namespace
+from support.paths import REPO
+from support.prereqs import need
 
 pytestmark = pytest.mark.netns
 
-REPO = Path(__file__).resolve().parent.parent
 GW_MAC = bytes.fromhex("525500000202")
 SETPRIV = shutil.which("setpriv")
 NOBODY = 65534
@@ -427,28 +428,13 @@ def test_bad_interface_name():
 # attach (as root)
 
 
-def _start_target_namespace() -> subprocess.Popen:
-    """A process sitting in a new network namespace (unshare -n sleep)."""
-    proc = subprocess.Popen(["unshare", "-n", "sleep", "30"])
-    own = os.stat("/proc/self/ns/net").st_ino
-    for _ in range(200):
-        try:
-            if os.stat(f"/proc/{proc.pid}/ns/net").st_ino != own:
-                return proc
-        except FileNotFoundError:
-            pass
-        time.sleep(0.01)
-    proc.kill()
-    raise AssertionError("unshare -n did not enter a new namespace")
-
-
 def _ns_ip(pid: int, *args: str):
     out = subprocess.run(["nsenter", "-t", str(pid), "-n", "ip", "-j", *args], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
 
 async def test_attach_by_pid_configures_and_ends_with_target():
-    target = _start_target_namespace()
+    target = start_target_namespace()
     made: list[FakeStack] = []
 
     def factory(config):
@@ -475,7 +461,7 @@ async def test_attach_by_pid_configures_and_ends_with_target():
 
 
 async def test_attach_by_netns_path_until_closed():
-    target = _start_target_namespace()
+    target = start_target_namespace()
     made: list[FakeStack] = []
 
     def factory(config):
@@ -578,7 +564,7 @@ def test_cli_run_real_stack_answers_arp_for_gateway():
 
 @pytest.mark.parametrize("how", ["sigterm", "sigint", "target-exits"])
 def test_cli_attach_by_pid(how):
-    target = _start_target_namespace()
+    target = start_target_namespace()
     proc = subprocess.Popen(
         [sys.executable, "-m", "aioslirp", "attach", "--mtu", "1400", str(target.pid), "eth7"],
         cwd=REPO,
@@ -650,7 +636,7 @@ def test_example_tap_bridge_serves_and_stops_on_sigterm():
 @pytest.fixture(scope="module")
 def rootless_env():
     """(python, bin_dir, workdir) of a venv from /usr/bin/python3 readable by everyone, aioslirp installed."""
-    from worldvenv import Unavailable, build_world_venv
+    from support.worldvenv import Unavailable, build_world_venv
 
     need(SETPRIV, "setpriv (util-linux) is missing")
     work = Path(tempfile.mkdtemp(prefix="aioslirp-rootless-"))
@@ -767,7 +753,7 @@ def test_rootless_run_and_attach(rootless_env):
         q = as_nobody([str(vbin / "aioslirp"), "run", "--", "sh", "-c",
                        "cat /etc/resolv.conf; ip -6 -o addr show dev tap0 scope global; exit 7"], work)
         # rootless data path: a real HTTP GET from a host server on loopback through the stack (IPv4, IPv6)
-        from hostservers import DataServer, pattern
+        from support.servers import DataServer, pattern
         srv = DataServer()
         srv6 = DataServer(host="::1")
         try:

@@ -5,7 +5,7 @@ guest killed mid-transfer.
 Each test boots one or two guests under TCG (a few seconds each) with a hard time bound. The
 kernel and initramfs are built on first use into ``$GUESTVM_CACHE`` (default
 ``<repo>/.cache/guestvm``; ``.ci/prereqs`` builds it before pytest). Figures (boot-to-download,
-iperf3) are printed: see them with ``pytest -rP tests/test_qemu.py``.
+iperf3) are printed: see them with ``pytest -rP tests/system/test_qemu.py``.
 """
 
 from __future__ import annotations
@@ -19,31 +19,17 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from aioslirp.config import NetworkConfig
 
-import qemu_guest
-from hostservers import DataServer, DnsUpstream, pattern
-from conftest import need
+from support import qemu
+from support.paths import REPO
+from support.servers import DataServer, DnsUpstream, pattern
+from support.vms import MB20, VM_TIMEOUT, check_vm, cli_server, guestvm, report, wait_path  # noqa: F401 (guestvm: a fixture)
 
 pytestmark = [pytest.mark.slow]
-
-MB20 = 20 * 1024 * 1024
-REPO = Path(__file__).resolve().parent.parent
-VM_TIMEOUT = 150  # seconds, per guest (TCG boot is ~3 s; 20 MB each way is a few more)
-
-
-@pytest.fixture(scope="module")
-def guestvm():
-    need(qemu_guest.KIT.is_dir(), f"the guestvm kit is not at {qemu_guest.KIT} (the project's shared/ folder "
-         "beside the clone, or set GUESTVM_DIR); CI always has it")
-    try:
-        return qemu_guest.ensure_built()
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
 
 
 @pytest.fixture(scope="module")
@@ -53,36 +39,6 @@ def servers():
     yield {"data": data, "dns": dns}
     data.close()
     dns.close()
-
-
-@contextlib.asynccontextmanager
-async def cli_server(tmp_path: Path, *args: str, pass_fds=()):
-    """``aioslirp qemu ARGS`` as a subprocess; yields it, then SIGTERM and expects exit 0."""
-    log = open(tmp_path / "aioslirp.log", "w+")
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "aioslirp", "qemu", *args,
-                                                "--log-level", "info", stdout=log, stderr=log, pass_fds=pass_fds)
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-        try:
-            rc = await asyncio.wait_for(proc.wait(), 15)
-        except asyncio.TimeoutError:
-            proc.kill()
-            rc = await proc.wait()
-        log.seek(0)
-        proc.log_text = log.read()
-        log.close()
-        assert rc == 0, proc.log_text[-3000:]
-
-
-async def wait_path(path: Path, timeout: float = 10) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if path.exists():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{path} never appeared")
 
 
 def dns_opt(servers) -> list[str]:
@@ -95,16 +51,6 @@ read U _ < /proc/uptime; echo DL_START=$U
 wget -q -O - http://10.0.2.2:{port}/{MB20} | sha256sum | {{ read h _; echo DOWN_SHA=$h; }}
 read U _ < /proc/uptime; echo DL_END=$U
 """
-
-
-def check_vm(res: qemu_guest.VmResult) -> None:
-    assert not res.timed_out, "guest timed out:\n" + res.tail()
-    assert res.rc == 0, f"guest exit {res.rc} (qemu rc {res.qemu_rc}):\n" + res.tail()
-
-
-def report(request, name: str, value) -> None:
-    request.node.user_properties.append((name, value))
-    print(f"{request.node.name}: {name} = {value}")
 
 
 def assert_download(res, request) -> None:
@@ -131,8 +77,8 @@ sha256sum /tmp/up | {{ read h _; echo UP_LOCAL_SHA=$h; }}
 """
     async with cli_server(tmp_path, "--socket", str(sock), *dns_opt(servers)) as srv:
         await wait_path(sock)
-        argv = qemu_guest.qemu_argv(f"stream,server=off,addr.type=unix,addr.path={sock}", cmd, workdir=tmp_path)
-        res = await qemu_guest.run_vm(argv, VM_TIMEOUT)
+        argv = qemu.qemu_argv(f"stream,server=off,addr.type=unix,addr.path={sock}", cmd, workdir=tmp_path)
+        res = await qemu.run_vm(argv, VM_TIMEOUT)
     check_vm(res)
     v = res.values
     assert v["GUEST_IP"] == "10.0.2.15/24"
@@ -151,7 +97,7 @@ async def test_dgram_download(guestvm, servers, tmp_path, request):
     async with cli_server(tmp_path, "--dgram", "--socket", str(sock), *dns_opt(servers)):
         await wait_path(sock)
         netdev = f"dgram,local.type=unix,local.path={tmp_path / 'qemu.sock'},remote.type=unix,remote.path={sock}"
-        res = await qemu_guest.run_vm(qemu_guest.qemu_argv(netdev, download_snippet(servers["data"].port),
+        res = await qemu.run_vm(qemu.qemu_argv(netdev, download_snippet(servers["data"].port),
                                                            workdir=tmp_path), VM_TIMEOUT)
     check_vm(res)
     assert_download(res, request)
@@ -166,9 +112,9 @@ async def test_socketpair_fd_download(guestvm, servers, tmp_path, request, kind,
     ours, qemus = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM if kind == "stream" else socket.SOCK_DGRAM)
     async with cli_server(tmp_path, "--fd", str(ours.fileno()), *dns_opt(servers), pass_fds=[ours.fileno()]) as srv:
         ours.close()
-        argv = qemu_guest.qemu_argv(netdev.format(fd=qemus.fileno()), download_snippet(servers["data"].port),
+        argv = qemu.qemu_argv(netdev.format(fd=qemus.fileno()), download_snippet(servers["data"].port),
                                     workdir=tmp_path)
-        vm = await qemu_guest.Vm.start(argv, pass_fds=[qemus.fileno()])
+        vm = await qemu.Vm.start(argv, pass_fds=[qemus.fileno()])
         qemus.close()
         res = await vm.wait(VM_TIMEOUT)
         if kind == "stream":  # the guest left (EOF): `aioslirp qemu --fd` ends by itself with status 0
@@ -209,8 +155,8 @@ tail -4 /tmp/down.txt
     try:
         async with cli_server(tmp_path, "--socket", str(sock), *dns_opt(servers)):
             await wait_path(sock)
-            argv = qemu_guest.qemu_argv(f"stream,server=off,addr.type=unix,addr.path={sock}", cmd, workdir=tmp_path)
-            res = await qemu_guest.run_vm(argv, VM_TIMEOUT)
+            argv = qemu.qemu_argv(f"stream,server=off,addr.type=unix,addr.path={sock}", cmd, workdir=tmp_path)
+            res = await qemu.run_vm(argv, VM_TIMEOUT)
         outs = []
         for p in servers_:
             out, _ = p.communicate(timeout=20)
@@ -310,7 +256,7 @@ echo TRANSFERRING=1
 sleep 600
 """
             netdev = f"stream,server=off,addr.type=unix,addr.path={sock}"
-            vm1 = await qemu_guest.Vm.start(qemu_guest.qemu_argv(netdev, cmd1, workdir=tmp_path))
+            vm1 = await qemu.Vm.start(qemu.qemu_argv(netdev, cmd1, workdir=tmp_path))
             try:
                 assert await vm1.wait_for_key("TRANSFERRING", 90), vm1.result.tail()
                 for _ in range(100):  # both downloads moving through the stack
@@ -339,7 +285,7 @@ sleep 600
             assert stack.counters["flows_reset"] >= 2
             report(request, "bytes_moved_before_kill", moved)
             # guest 2 is served by the same stack
-            vm2 = await qemu_guest.Vm.start(qemu_guest.qemu_argv(netdev, download_snippet(servers["data"].port),
+            vm2 = await qemu.Vm.start(qemu.qemu_argv(netdev, download_snippet(servers["data"].port),
                                                                  workdir=tmp_path))
             res = await vm2.wait(VM_TIMEOUT)
             check_vm(res)
@@ -355,13 +301,13 @@ sleep 600
 
 # ----------------------------------------------------------------------------- examples/vm_manager.py
 async def test_vm_manager_example_custom_snippet(guestvm, servers, tmp_path):
-    """``--cmd`` runs the user's snippet instead of the built-in checks (tests/test_vm_manager_example.py
+    """``--cmd`` runs the user's snippet instead of the built-in checks (tests/system/test_vm_manager_example.py
     runs the documented command): DNS through an upstream, 1 MB from a host server."""
     port = servers["data"].port
     cmd = f"nslookup www.example.test >/dev/null; wget -q -O - http://10.0.2.2:{port}/1000000 | sha256sum"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(REPO / "examples" / "vm_manager.py"), "--kernel", str(guestvm / "vmlinuz"),
-        "--initrd", str(guestvm / "initramfs.cpio.gz"), "--cmd", cmd, "--accel", qemu_guest.accel(),
+        "--initrd", str(guestvm / "initramfs.cpio.gz"), "--cmd", cmd, "--accel", qemu.accel(),
         "--dns", f"127.0.0.1:{servers['dns'].port}", "--timeout", "120", "-v",
         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 150)

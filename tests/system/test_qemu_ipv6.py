@@ -14,9 +14,9 @@ import ipaddress
 
 import pytest
 
-import qemu_guest
-from hostservers import DataServer, DnsUpstream, pattern
-from test_qemu import MB20, VM_TIMEOUT, check_vm, cli_server, guestvm, report, wait_path  # noqa: F401
+from support import qemu
+from support.servers import DataServer, DnsUpstream, pattern
+from support.vms import MB20, VM_TIMEOUT, check_vm, cli_server, guestvm, report, wait_path  # noqa: F401 (guestvm: a fixture)
 
 pytestmark = [pytest.mark.slow]
 
@@ -58,8 +58,8 @@ sha256sum /tmp/up | {{ read h _; echo UP_LOCAL_SHA=$h; }}
     sock = tmp_path / "s.sock"
     async with cli_server(tmp_path, "--socket", str(sock), "--dns", f"127.0.0.1:{servers6['dns'].port}"):
         await wait_path(sock)
-        argv = qemu_guest.qemu_argv(f"stream,server=off,addr.type=unix,addr.path={sock}", cmd, workdir=tmp_path)
-        res = await qemu_guest.run_vm(argv, VM_TIMEOUT)
+        argv = qemu.qemu_argv(f"stream,server=off,addr.type=unix,addr.path={sock}", cmd, workdir=tmp_path)
+        res = await qemu.run_vm(argv, VM_TIMEOUT)
     check_vm(res)
     v = res.values
     iface = ipaddress.IPv6Interface(v.get("GUEST_IP6") or "::/128")

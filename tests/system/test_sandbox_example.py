@@ -4,17 +4,16 @@ local DNS upstream and web server, an allowed name, a denied name and a literal 
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from test_egress_ns import world  # noqa: F401 - the module's fixture: DNS upstream, web servers, addresses
+from support.egress_world import world  # noqa: F401 - the fixture: DNS upstream, web servers, addresses
+from support.paths import REPO
 
 pytestmark = pytest.mark.netns
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "sandbox.py"
 
 DRIVER = r'''

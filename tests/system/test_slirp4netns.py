@@ -37,8 +37,8 @@ import pytest
 from aioslirp.cli import slirp4netns as s4
 from aioslirp.cli.slirp4netns import HELP, UsageError, build_config, parse_args
 
-from hostservers import DataServer, DnsUpstream, pattern
-from conftest import need
+from support.prereqs import need
+from support.servers import DataServer, DnsUpstream, pattern
 
 SETPRIV = shutil.which("setpriv")
 #: Seconds an exit (hang-up, SIGTERM, target gone) may take before the test calls it a hang.
@@ -384,6 +384,7 @@ async def test_disable_dns(tmp_path, disable):
 # ----------------------------------------------------------------------------------------
 # the binary, in real namespaces (root, inside pytest's loopback-only namespace)
 
+
 @pytest.fixture
 def ns_prerequisites():
     need(os.geteuid() == 0 and os.path.exists("/dev/net/tun") and UNSHARE and NSENTER,
@@ -682,7 +683,7 @@ def test_binary_sandbox_and_seccomp_as_root(tmp_path):
 
 @pytest.fixture(scope="module")
 def world_venv():
-    from worldvenv import Unavailable, build_world_venv
+    from support.worldvenv import Unavailable, build_world_venv
 
     need(os.geteuid() == 0 and SETPRIV, "needs root and setpriv to run as an unprivileged user")
     work = Path(tempfile.mkdtemp(prefix="aioslirp-s4nn-"))

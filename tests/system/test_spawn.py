@@ -17,8 +17,10 @@ import textwrap
 import pytest
 
 import aioslirp
-from conftest import need
-from hostservers import DataServer, pattern
+
+from support.paths import REPO
+from support.prereqs import need
+from support.servers import DataServer, pattern
 
 pytestmark = pytest.mark.netns
 
@@ -256,10 +258,9 @@ async def test_serving_a_tap_name_that_did_not_exist_says_so():
         assert "no interface aionosuch0 existed" in msg and "ip tuntap add dev aionosuch0" in msg, msg
         assert "\n" not in msg
 
-def readme_example() -> str:
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def readme_example() -> str:
+    text = (REPO / "README.md").read_text()
     after = text[text.index("Embedding:"):]
     start = after.index("```python\n") + len("```python\n")
     return after[start:after.index("```", start)]

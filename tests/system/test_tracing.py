@@ -26,7 +26,7 @@ from aioslirp import NetworkConfig, SocketPairTransport, Stack
 from aioslirp.frontends.netns import run_in_namespace
 from aioslirp.observe import tracing
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import REPO
 
 pytestmark = pytest.mark.netns
 
@@ -357,7 +357,7 @@ def test_otlp_without_the_extra_is_one_line():
 ])
 def test_observability_option_errors_are_one_line(tmp_path, args, option):
     p = subprocess.run([sys.executable, "-m", "aioslirp", "run", *args, "--", "true"], capture_output=True, text=True,
-                       timeout=60, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO))
+                       timeout=60, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and option in lines[0] and "Traceback" not in p.stderr

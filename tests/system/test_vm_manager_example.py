@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from test_qemu import guestvm  # noqa: F401 - the module's fixture: the kit's kernel + initramfs, built
+from support.paths import REPO
+from support.vms import guestvm  # noqa: F401 - the fixture: the kit's kernel + initramfs, built
 
 pytestmark = [pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "vm_manager.py"
 DOCUMENTED = "python examples/vm_manager.py --kernel "
 

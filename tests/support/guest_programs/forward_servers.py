@@ -1,6 +1,6 @@
 """Servers run *inside* the guest namespace for the port-forward tests (the CMD of ``aioslirp run``).
 
-Usage: ``python fwd_guest.py TCP_PORT UDP_PORT``. Prints ``READY`` once both listen, then
+Usage: ``python forward_servers.py TCP_PORT UDP_PORT``. Prints ``READY`` once both listen, then
 serves until its stdin reaches EOF.
 
 * TCP ``TCP_PORT`` (0.0.0.0): the client sends a line ``N SEED`` and then any bytes up

@@ -1,6 +1,6 @@
-"""Guest-side programs for tests/test_hardening_ns.py; run inside `aioslirp run` (a real Linux namespace).
+"""Guest-side programs for tests/adversarial/test_hardening_ns.py; run inside `aioslirp run` (a real Linux namespace).
 
-Usage: ``python hostile_guest.py MODE JSON_ARGS``. Each mode prints one JSON line at the end.
+Usage: ``python hostile.py MODE JSON_ARGS``. Each mode prints one JSON line at the end.
 
 * ``hostile``: from a raw AF_PACKET socket on the TAP, send hostile frames (truncated headers,
   lying lengths, zero-length TCP options, overlapping and overflowing fragments, long IPv6

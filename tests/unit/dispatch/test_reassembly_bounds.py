@@ -41,9 +41,9 @@ from aioslirp.nat.hostsock import READ_SIZE
 from aioslirp.nat.tcp import TcpFlow
 from aioslirp.wire.ipv6 import parse_ipv6
 
-from hostservers import DataServer, UdpEcho, pattern
-from ipv6_helpers import GUEST6, GW6, raw6, ref_checksum6
-from test_hardening import Guest  # the guest end of the socketpair
+from support.frames import GUEST6, GW6, raw6, ref_checksum6
+from support.servers import DataServer, UdpEcho, pattern
+from support.stacks import Guest
 
 GUEST_MAC = bytes.fromhex("525400123456")
 GW_MAC = bytes.fromhex("52550a000202")

@@ -1,7 +1,7 @@
 """Egress rules by name, sans I/O: parsing, matching, the most-specific order, DNS name bindings
 (fake clock), blocked DNS answers (RFC 8914), the Python hook and run-time rule changes.
 
-End to end with real guests: tests/test_egress_ns.py.
+End to end with real guests: tests/system/test_egress_ns.py.
 """
 
 from __future__ import annotations

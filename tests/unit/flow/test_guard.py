@@ -29,6 +29,8 @@ from aioslirp.flow.guard import DENIED, FD_RESERVE, PRUNE_INTERVAL, Guard, fd_bu
 from aioslirp.flow.table import FlowTable, sweep_interval
 from aioslirp.ratelimit import TokenBucket
 
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
+
 TCP, UDP, ICMP, ICMP6 = 6, 17, 1, 58
 HOST = "127.0.0.1"
 
@@ -466,7 +468,7 @@ def test_start_hooks_the_dns_forwarder(monkeypatch):
 
 # ============================================================================ the idle sweep (FlowTable)
 # The sweep replaced the guard's TCP reaper; each flow kind's own idle rule (TCP reset both ways,
-# ``tcp_idle_closed``...) is covered end to end by tests/test_fake_clock_stack.py.
+# ``tcp_idle_closed``...) is covered end to end by tests/stack/test_fake_clock_stack.py.
 
 
 def table(**cfg) -> tuple[FlowTable, Guard, Loop]:

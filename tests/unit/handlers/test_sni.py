@@ -1,6 +1,6 @@
 """``--verify-sni``'s parser and verifier in process (:mod:`aioslirp.handlers.sni`): the name a TLS
 ClientHello or an HTTP/1 request head asks for, and every form a server could read as another name,
-refused one rule at a time (issue 24). The real-guest test is in ``tests/test_handlers.py``.
+refused one rule at a time (issue 24). The real-guest test is in ``tests/system/test_handlers.py``.
 
 Each refusal is checked by its reason, so that a test passes only when its own rule refuses the input.
 """

@@ -18,7 +18,7 @@ import sys
 
 from aioslirp.host import sandbox
 
-from conftest import need
+from support.prereqs import need
 
 #: The blocked calls, as documented. ``umount`` exists on 32-bit ABIs only (there it is tried).
 DOCUMENTED = {

@@ -24,96 +24,10 @@ from aioslirp.config.forward import parse_publish
 from aioslirp.frontends.api import ApiServer
 from aioslirp.nat.forward import SOURCE_PORTS, UnknownForwardError
 
-from conftest import have_ipv6_loopback, need
-
-GUEST_MAC = bytes.fromhex("525400123456")
-GW_MAC = bytes.fromhex("52550a000202")
-GUEST = socket.inet_aton("10.0.2.15")
-GW = socket.inet_aton("10.0.2.2")
-SYN, ACK, FIN, RST, PSH = dpkt.tcp.TH_SYN, dpkt.tcp.TH_ACK, dpkt.tcp.TH_FIN, dpkt.tcp.TH_RST, dpkt.tcp.TH_PUSH
-
-
-class FakeGuest:
-    """The guest end of the socket pair: receive/parse and build/send frames."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        sock.setblocking(False)
-        self.loop = asyncio.get_running_loop()
-
-    async def recv(self, timeout: float = 3.0) -> dpkt.ethernet.Ethernet:
-        data = await asyncio.wait_for(self.loop.sock_recv(self.sock, 70000), timeout)
-        return dpkt.ethernet.Ethernet(data)
-
-    async def expect(self, pred, timeout: float = 3.0):
-        """The next frame for which ``pred(eth)`` is true (others are skipped)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError("expected frame did not arrive")
-            eth = await self.recv(left)
-            if pred(eth):
-                return eth
-
-    async def expect_tcp(self, timeout: float = 3.0) -> dpkt.tcp.TCP:
-        eth = await self.expect(lambda e: isinstance(e.data, dpkt.ip.IP) and e.data.p == 6, timeout)
-        return eth.data.data
-
-    def send_ip(self, l4, proto: int, src: bytes = GUEST, dst: bytes = GW) -> None:
-        ip = dpkt.ip.IP(src=src, dst=dst, p=proto, ttl=64, data=l4)
-        ip.len = 20 + len(bytes(l4))
-        eth = dpkt.ethernet.Ethernet(src=GUEST_MAC, dst=GW_MAC, type=0x0800, data=ip)
-        self.sock.send(bytes(eth))
-
-    def send_tcp(self, sport, dport, seq, ack, flags, data=b"", win=65535, opts=b"") -> None:
-        self.send_ip(dpkt.tcp.TCP(sport=sport, dport=dport, seq=seq, ack=ack, flags=flags, win=win,
-                                  opts=opts, off=(20 + len(opts)) // 4, data=data), 6)
-
-    def answer_arp(self, arp_eth) -> None:
-        req = arp_eth.data
-        rep = dpkt.arp.ARP(op=dpkt.arp.ARP_OP_REPLY, sha=GUEST_MAC, spa=req.tpa, tha=req.sha, tpa=req.spa)
-        self.sock.send(bytes(dpkt.ethernet.Ethernet(src=GUEST_MAC, dst=req.sha, type=0x0806, data=rep)))
-
-
-def is_arp_request(e) -> bool:
-    return e.type == 0x0806 and e.data.op == dpkt.arp.ARP_OP_REQUEST
-
-
-@pytest.fixture
-async def stack_guest(request):
-    cfg_kw = getattr(request, "param", {})
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    cfg = NetworkConfig(dns_upstreams=[("127.0.0.1", 9)], tcp_connect_timeout=2.0, **cfg_kw)
-    async with Stack(cfg) as stack:
-        task = asyncio.ensure_future(stack.serve(SocketPairTransport(b)))
-        await asyncio.sleep(0)
-        yield stack, FakeGuest(a)
-        stack.stop()
-        await task
-    a.close()
-
-
-async def host_connect(port: int, family=socket.AF_INET, host="127.0.0.1"):
-    return await asyncio.wait_for(asyncio.open_connection(host, port, family=family), 3)
-
-
-async def guest_accept(guest: FakeGuest, guest_port: int, *, mac_known: bool = False, wscale: int = 7):
-    """Play the guest's side of the handshake; returns (sport, our_seq, their_next_seq, syn)."""
-    if not mac_known:
-        arp = await guest.expect(is_arp_request)
-        assert arp.src == GW_MAC and arp.data.spa == GW and arp.data.tpa == GUEST
-        assert arp.dst == b"\xff" * 6
-        guest.answer_arp(arp)
-    syn = await guest.expect_tcp()
-    assert syn.flags == SYN and syn.dport == guest_port
-    iss = 1000
-    opts = b"\x02\x04\x05\xb4" + b"\x01\x03\x03" + bytes([wscale])
-    guest.send_tcp(guest_port, syn.sport, iss, syn.seq + 1, SYN | ACK, opts=opts, win=64240)
-    ack = await guest.expect_tcp()
-    assert ack.flags & ACK and not ack.flags & SYN and ack.ack == iss + 1 and ack.seq == syn.seq + 1
-    return syn.sport, iss + 1, syn.seq + 1, syn
-
+from support.frames import ACK, FIN, GUEST, GW, PSH, RST, SYN
+from support.prereqs import have_ipv6_loopback, need
+from support.stacks import FakeGuest, guest_accept, host_connect, is_arp_request
+from support.stacks import stack_guest  # noqa: F401 - a fixture
 
 # ----------------------------------------------------------------------------- parsing
 

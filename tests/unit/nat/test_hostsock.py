@@ -24,14 +24,15 @@ from aioslirp import NetworkConfig, Stack
 from aioslirp.nat.hostsock import READ_SIZE, HostSocket, TransportHost
 from aioslirp.wire.tcp import build_tcp
 
-from stack_helpers import CollectTransport as Collect, fd_count  # after a gc: earlier tests' garbage does not close mid-count
+from support.stacks import CollectTransport as Collect, fd_count  # after a gc: earlier tests' garbage does not close mid-count
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 GUEST_MAC, GW_MAC = bytes.fromhex("525400123456"), bytes.fromhex("52550a000202")
 ETH = GW_MAC + GUEST_MAC + b"\x08\x00"
 GUEST, GW = socket.inet_aton("10.0.2.15"), socket.inet_aton("10.0.2.2")
 SEQ_ACK = struct.Struct("!II")
 SYN, FIN, RST, PSH, ACK = 0x02, 0x01, 0x04, 0x08, 0x10
-
 
 
 async def _session(body) -> None:

@@ -26,7 +26,7 @@ from aioslirp import NetworkConfig, Stack
 from aioslirp.nat.hostsock import HostPoller, HostSocket
 from aioslirp.wire.tcp import build_tcp
 
-from stack_helpers import CollectTransport as Collect, fd_count
+from support.stacks import CollectTransport as Collect, fd_count
 
 GUEST_MAC, GW_MAC = bytes.fromhex("525400123456"), bytes.fromhex("52550a000202")
 ETH = GW_MAC + GUEST_MAC + b"\x08\x00"

@@ -26,9 +26,10 @@ from aioslirp.config.rates import parse_rate, parse_rate_limit
 from aioslirp.errors import ConfigError
 from aioslirp.nat.pacing import RATE_MIN_WRITE, FlowPacing
 from aioslirp.ratelimit import MIN_BYTE_BURST, ByteBucket, byte_burst
-from guest_helpers import need_tool, run_guest
-from hostservers import DataServer, DnsUpstream, UdpEcho, pattern
-from stack_helpers import F4, recv_frames, served_stack, udp_frame
+
+from support.guests import need_tool, run_guest
+from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
+from support.stacks import F4, recv_frames, served_stack, udp_frame
 
 
 # ------------------------------------------------------------------ parsing

@@ -3,7 +3,7 @@
 under ``aioslirp run`` with a real guest (curl).
 
 In-process tests drive a Stack over a socketpair with real host sockets on loopback
-(tests/stack_helpers.py), for IPv4 and IPv6.
+(tests/support/stacks.py), for IPv4 and IPv6.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import pytest
 
 from aioslirp import NetworkConfig
 from aioslirp.observe.audit import AuditLog
-from guest_helpers import need_tool, run_guest
-from hostservers import DataServer, DnsUpstream, UdpEcho, pattern
-from stack_helpers import FAMILIES, of_proto, recv_frames, served_stack, tcp_frame, udp_frame
+
+from support.guests import need_tool, run_guest
+from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
+from support.stacks import FAMILIES, of_proto, recv_frames, served_stack, tcp_frame, udp_frame
 
 SYN, RST, ACK, FIN, PSH = (dpkt.tcp.TH_SYN, dpkt.tcp.TH_RST, dpkt.tcp.TH_ACK, dpkt.tcp.TH_FIN,
                            dpkt.tcp.TH_PUSH)

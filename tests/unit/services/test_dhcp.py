@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipaddress
 import random
 import struct
-from pathlib import Path
 
 import dpkt
 import pytest
@@ -13,9 +12,10 @@ import pytest
 from aioslirp.config import NetworkConfig
 from aioslirp.services.dhcp import DhcpServer, encode_search_list, reply_destination
 
-from conftest import need
+from support.paths import SHARED
+from support.prereqs import need
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "libslirp-fuzz"
+CORPUS = SHARED / "corpus" / "libslirp-fuzz"
 MAC1 = bytes.fromhex("525400123456")
 MAC2 = bytes.fromhex("525400abcdef")
 IP = lambda s: int(ipaddress.IPv4Address(s))  # noqa: E731

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from aioslirp.config.ipv6 import Ipv6Config
 from aioslirp.services.dhcpv6 import Dhcpv6Server, duid_ll, encode_domain_list
 
-from ipv6_helpers import DNS6, GW_MAC, a6
+from support.frames import DNS6, GW_MAC, a6
 
 XID = b"\x12\x34\x56"
 CLIENT_DUID = bytes.fromhex("00010001") + bytes.fromhex("2c5a7e10") + bytes.fromhex("525400123456")  # DUID-LLT

@@ -15,7 +15,7 @@ import pytest
 from aioslirp.config import NetworkConfig
 from aioslirp.services.dns import DnsForwarder, DnsTcpSession, read_resolv_conf
 
-from conftest import have_ipv6_loopback, need
+from support.prereqs import have_ipv6_loopback, need
 
 ANSWER_IP = socket.inet_aton("192.0.2.7")  # data inside the answer only, never contacted
 

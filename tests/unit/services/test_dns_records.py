@@ -24,6 +24,8 @@ from aioslirp.flow.egress import Egress
 from aioslirp.services.dns import DnsForwarder
 from aioslirp.services.dns_local import LOCAL_TTL
 
+from support.egress_world import Dns
+
 
 def query(name: str, qtype=dpkt.dns.DNS_A, edns: bool = False) -> bytes:
     q = dpkt.dns.DNS(id=0x1234, rd=1, qd=[dpkt.dns.DNS.Q(name=name, type=qtype, cls=1)])
@@ -147,9 +149,8 @@ print(json.dumps(out))
 
 @pytest.mark.netns
 def test_guest_resolves_records_over_udp_and_tcp_both_families(tmp_path):
-    from conftest import have_ipv6_loopback, need
-    from guest_helpers import need_tool
-    from test_egress_ns import Dns
+    from support.prereqs import have_ipv6_loopback, need
+    from support.guests import need_tool
 
     need(have_ipv6_loopback(), "IPv6 on the test namespace's loopback")
     need_tool("dig", "bind9-dnsutils")

@@ -7,7 +7,6 @@ field by field against the RFCs and their checksums against an independent refer
 from __future__ import annotations
 
 import ipaddress
-import pathlib
 import random
 import struct
 
@@ -21,9 +20,10 @@ from aioslirp.services.dhcpv6 import Dhcpv6Server
 from aioslirp.services.ndp import NdpResponder, parse_nd_options
 from aioslirp.wire.ipv6 import Ipv6, l4_checksum_ok, parse_ipv6, solicited_node
 
-from ipv6_helpers import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, UNSPEC, a6, checksum_valid,
-                          icmp6_frame)
-from conftest import need
+from support.frames import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, UNSPEC, a6, checksum_valid,
+                            icmp6_frame)
+from support.paths import SHARED
+from support.prereqs import need
 
 ALL_NODES_MAC = bytes.fromhex("333300000001")
 SLLA = bytes((1, 1)) + GUEST_MAC
@@ -280,7 +280,7 @@ def test_random_ndp_never_raises(t, body, src, dst):
 
 
 # ------------------------------------------------------------------ libslirp corpus replay
-CORPUS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "corpus" / "libslirp-fuzz"
+CORPUS = SHARED / "corpus" / "libslirp-fuzz"
 FOLDERS = ("IN_icmp6", "IN_ndp", "IN_ip6-header", "IN_tcp6", "IN_udp6", "IN_tftp6")
 SLIRP_MAC = bytes.fromhex("525600000002")  # the captures' gateway MAC
 

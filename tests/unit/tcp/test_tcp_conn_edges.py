@@ -1,7 +1,7 @@
-"""Sans-IO TCP endpoint (aioslirp.tcp.connection): the cases a mutation run (mutmut, see
-docs/testing.md) found untested.
+"""Sans-IO TCP endpoint (aioslirp.tcp.connection) at the edges of each rule: windows, timers and
+counters at exactly their bounds (the cases a mutation run, see docs/testing.md, found untested).
 
-Same shape as test_tcp_conn.py, whose helpers are reused: connections driven through the real
+Same shape as test_tcp_conn.py (the helpers are in support/tcp_conn.py): connections driven through the real
 handshake, guest segments from templates, a fake clock, exact segments compared. Each test
 names the RFC rule it pins down (see "Mutation testing" in docs/testing.md).
 """
@@ -14,24 +14,11 @@ import pytest
 
 from aioslirp.tcp.connection import TcpConnection
 from aioslirp.wire.tcp import ACK, FIN, PSH, RST, SYN, Segment
-from test_tcp_conn import (
-    GWND,
-    GWS,
-    MSS,
-    RCV_BUF,
-    X,
-    L,
-    R,
-    close_wait,
-    established,
-    events,
-    fin_wait_2,
-    new_conn,
-    recv,
-    send,
-    seg,
-    syn,
-)
+
+from support.tcp_conn import (GWND, GWS, L, MSS, R, RCV_BUF, X, active, close_wait, established, events, fin_wait_2,
+                              new_conn, recv, seg, send, syn)
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 
 def unscaled(*, wnd: int, syn_wnd: int | None = None, **kw) -> TcpConnection:
@@ -44,19 +31,6 @@ def unscaled(*, wnd: int, syn_wnd: int | None = None, **kw) -> TcpConnection:
     assert [s.flags for s in recv(c)] == [SYN | ACK]
     send(c, seg(wnd=wnd))
     assert c.state == "ESTABLISHED" and c.snd_wnd == wnd
-    assert events(c) == [("established",)]
-    return c
-
-
-def active(irs: int = R(0), *, t: float = 0.25, **synack) -> TcpConnection:
-    """ESTABLISHED by active open (RFC 9293 3.5): our SYN at t=0, the guest's SYN-ACK at ``t``."""
-    c = new_conn(**{k: synack.pop(k) for k in ("rcv_buf",) if k in synack})
-    c.connect(0.0)
-    recv(c)
-    fields = dict(wnd=65535, mss=MSS, wscale=GWS)
-    fields.update(synack)
-    send(c, Segment(irs, L(1), SYN | ACK, fields["wnd"], mss=fields["mss"], wscale=fields["wscale"]), t)
-    assert c.state == "ESTABLISHED"
     assert events(c) == [("established",)]
     return c
 

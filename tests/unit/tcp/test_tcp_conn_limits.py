@@ -1,8 +1,9 @@
-"""Sans-IO TCP endpoint: the cases the second mutation run (over the split modules
-aioslirp/tcp/{tcb,arrival,output,connection,buffers}.py, see "Mutation testing" in
+"""Sans-IO TCP endpoint: its limits and caps (the persist back-off, the 16-bit window, the
+delayed-ACK thresholds, the default and constructor bounds), the cases the second mutation run
+(over aioslirp/tcp/{tcb,arrival,output,connection,buffers}.py, see "Mutation testing" in
 docs/testing.md) found untested.
 
-Same shape as test_tcp_conn_mutants.py: connections driven through the real handshake, guest
+Same shape as test_tcp_conn_edges.py: connections driven through the real handshake, guest
 segments from templates, a fake clock, exact values compared. Each test names the rule it
 pins down and the mutants it kills.
 """
@@ -13,27 +14,11 @@ import pytest
 
 from aioslirp.tcp.connection import TcpConnection
 from aioslirp.wire.tcp import ACK, FIN, PSH, RST, SYN, Segment
-from test_tcp_conn import (
-    GWND,
-    ISS,
-    SND_BUF,
-    GWS,
-    MSS,
-    RCV_BUF,
-    X,
-    L,
-    R,
-    close_wait,
-    established,
-    fin_wait_2,
-    events,
-    new_conn,
-    recv,
-    send,
-    seg,
-    syn,
-)
-from test_tcp_conn_mutants import active
+
+from support.tcp_conn import (ISS, L, MSS, R, RCV_BUF, SND_BUF, X, active, close_wait, established, events,
+                              fin_wait_2, new_conn, recv, seg, send, syn)
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 
 # ============================================================================ opening

@@ -1,6 +1,6 @@
 """Delayed ACK and large (offload) segments of the sans-IO TCP endpoint (aioslirp.tcp.connection).
 
-Same shape as test_tcp_conn.py (whose helpers are reused): a connection driven through the
+Same shape as test_tcp_conn.py (helpers in support/tcp_conn.py): a connection driven through the
 real handshake, guest segments from templates, a fake clock.
 
 * ``ack_delay`` (RFC 1122 4.2.3.2, RFC 9293 3.8.6.3): the pure ACK for in-order guest data
@@ -18,7 +18,10 @@ import pytest
 
 from aioslirp.tcp.connection import TcpConnection
 from aioslirp.wire.tcp import ACK, FIN, PSH, Segment
-from test_tcp_conn import MSS, RCV_BUF, L, R, X, events, recv, send, seg, syn
+
+from support.tcp_conn import L, MSS, R, RCV_BUF, X, events, recv, seg, send, syn
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 DELAY = 0.002
 

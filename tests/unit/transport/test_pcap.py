@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import shutil
 import socket
 import subprocess
@@ -17,9 +16,10 @@ import pytest
 
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
 from aioslirp.transport.pcap import PCAP_HEADER_LEN, PcapTransport
-from hostservers import DataServer, pattern
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import REPO
+from support.servers import DataServer, pattern
+
 GUEST = socket.inet_aton("10.0.2.15")
 GW = socket.inet_aton("10.0.2.2")
 

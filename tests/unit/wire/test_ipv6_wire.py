@@ -1,6 +1,6 @@
 """IPv6 wire layer (RFC 8200, RFC 4443): parsing, extension-header bounds, reassembly, checksums, builders.
 
-Checksums are verified against :func:`ipv6_helpers.ref_checksum6` (a word-by-word RFC 1071
+Checksums are verified against :func:`support.frames.ref_checksum6` (a word-by-word RFC 1071
 sum over the RFC 8200 8.1 pseudo-header) and against dpkt's own computation.
 """
 
@@ -24,8 +24,10 @@ from aioslirp.wire.ipv6 import (ALL_NODES, Ipv6, eth6, fragment6, l4_checksum_ok
 from aioslirp.wire.tcp import build_tcp
 from aioslirp.wire.udp import build_udp
 
-from ipv6_helpers import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, UNSPEC, a6, checksum_valid, eth,
-                          icmp6_frame, raw6, ref_checksum6, udp6_frame)
+from support.frames import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, UNSPEC, a6, checksum_valid, eth,
+                            icmp6_frame, raw6, ref_checksum6, udp6_frame)
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 REMOTE = a6("2001:db8::1")
 

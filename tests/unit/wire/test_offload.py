@@ -32,7 +32,10 @@ from aioslirp.wire.checksum import partial
 from aioslirp.wire.offload import (F_NEEDS_CSUM, GSO_NONE, GSO_TCPV4, GSO_TCPV6, VNET, OffloadFrame,
                                    complete_checksum)
 from aioslirp.wire.tcp import TcpOffloadBuilder, build_tcp
-from hostservers import DataServer, DnsUpstream, pattern
+
+from support.servers import DataServer, DnsUpstream, pattern
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 ETH4 = b"\x52\x54\x00\x12\x34\x56" + b"\x52\x55\x0a\x00\x02\x02" + b"\x08\x00"
 ETH6 = ETH4[:12] + b"\x86\xdd"
@@ -116,6 +119,7 @@ def test_stack_trusts_only_flagged_frames():
 
 
 # ------------------------------------------------------------------------------------ end to end
+
 
 @pytest.fixture(scope="module")
 def servers():

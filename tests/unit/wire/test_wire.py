@@ -6,6 +6,7 @@ import os
 import socket
 
 import dpkt
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from aioslirp.dispatch.reassembly import Reassembler
@@ -13,6 +14,8 @@ from aioslirp.wire.checksum import checksum, partial
 from aioslirp.wire.ipv4 import IP_MF, fragment
 from aioslirp.wire.tcp import build_tcp
 from aioslirp.wire.udp import build_udp
+
+pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 
 def ref_checksum(data: bytes) -> int:
