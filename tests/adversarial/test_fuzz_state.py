@@ -75,6 +75,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
 
+from support.frames import dns_query
 from support.namespaces import namespace_address
 from support.paths import REPO
 
@@ -244,10 +245,6 @@ def l4_frame(v6: bool, proto: int, seg: bytes, dst: bytes, sum_at: int, src: byt
 
 def udp_msg(sport: int, dport: int, payload: bytes) -> bytes:
     return struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
-
-
-def dns_query(qid: int, name: str, qtype: int) -> bytes:
-    return bytes(dpkt.dns.DNS(id=qid, qd=[dpkt.dns.DNS.Q(name=name, type=qtype, cls=1)]))
 
 
 def pattern(n: int, seed: int) -> bytes:
@@ -721,7 +718,7 @@ class StackMachine(RuleBasedStateMachine):
     @rule(target=sent, v6=FAMILY, qid=st.integers(0, 65535), name=st.sampled_from(["a.test", "x" * 63 + ".test", "."]),
           qtype=st.sampled_from([1, 28, 16]), sport=st.integers(1024, 1030))
     def dns_udp(self, v6, qid, name, qtype, sport):
-        f = l4_frame(v6, 17, udp_msg(sport, 53, dns_query(qid, name, qtype)), DNS6 if v6 else DNS, 6)
+        f = l4_frame(v6, 17, udp_msg(sport, 53, dns_query(name, qid, qtype)), DNS6 if v6 else DNS, 6)
         self._give(f)
         return f
 
@@ -804,7 +801,7 @@ class StackMachine(RuleBasedStateMachine):
     def tcp_data(self, data, size, where, push):
         c = self._conn(data)
         if c.kind == "dns" and where == "next":
-            q = dns_query(c.snd_nxt & 0xFFFF, "t.test", 1)
+            q = dns_query("t.test", c.snd_nxt & 0xFFFF, 1)
             payload = struct.pack("!H", len(q)) + q
         else:
             payload = pattern(size, c.snd_nxt)
@@ -904,7 +901,7 @@ class StackMachine(RuleBasedStateMachine):
     @rule(target=sent, v6=FAMILY, n=st.integers(3, 8), first=st.integers(0, 65000))
     def dns_burst(self, v6, n, first):
         """DNS queries in one batch, more than ``dns_max_inflight`` can take."""
-        frames = [l4_frame(v6, 17, udp_msg(1100 + i, 53, dns_query(first + i, "burst.test", 1)), DNS6 if v6 else DNS, 6)
+        frames = [l4_frame(v6, 17, udp_msg(1100 + i, 53, dns_query("burst.test", first + i, 1)), DNS6 if v6 else DNS, 6)
                   for i in range(n)]
         self._give(*frames)
         return multiple(*frames)
@@ -953,7 +950,7 @@ class StackMachine(RuleBasedStateMachine):
         if inner == "uecho":
             proto, dst, l4 = 17, GW, udp_msg(2100, self.ports["uecho4"], pattern(size, ident))
         elif inner == "dns":
-            proto, dst, l4 = 17, DNS, udp_msg(2101, 53, dns_query(ident, "f.test", 1) + bytes(size))
+            proto, dst, l4 = 17, DNS, udp_msg(2101, 53, dns_query("f.test", ident, 1) + bytes(size))
         elif inner == "icmp":
             proto, dst, l4 = 1, GW, struct.pack("!BBHHH", 8, 0, 0, ident, 1) + pattern(size, ident)
         else:

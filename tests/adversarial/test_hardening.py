@@ -23,10 +23,13 @@ from aioslirp import NetworkConfig, SocketPairTransport, Stack
 from aioslirp.config.policy import EgressPolicy
 from aioslirp.ratelimit import TokenBucket
 
-from support.frames import ACK, DNS, METADATA, RST, SYN, a6, dns_query, echo, tcp, tcp6, udp
+from support.frames import ACK, DNS4, F4, F6, RST, SYN, a6, dns_query, echo_frame, tcp_frame, udp_frame
 from support.paths import TESTS
 from support.servers import DnsUpstream, UdpEcho
-from support.stacks import Guest, listener, serving, until
+from support.stacks import GuestEnd, listener, serving, until
+
+
+METADATA = socket.inet_aton("169.254.169.254")
 
 
 # ---------------------------------------------------------------------------------- policy unit
@@ -60,11 +63,11 @@ def test_token_bucket():
 # ---------------------------------------------------------------------------------- policy, whole stack
 async def test_metadata_endpoint_denied_by_default_all_protocols():
     async with serving() as (stack, guest):
-        guest.send(tcp(40000, 80, SYN, dst=METADATA))
-        guest.send(udp(40001, 53, b"q", dst=METADATA))
-        guest.send(echo(77, METADATA))
+        guest.send(tcp_frame(F4, 40000, 80, SYN, dst=METADATA, mss=1460))
+        guest.send(udp_frame(F4, 40001, 53, b"q", dst=METADATA))
+        guest.send(echo_frame(F4, 77, dst=METADATA))
         frames = await guest.recv()
-        errs = Guest.icmp4(frames)
+        errs = GuestEnd.icmp4(frames)
         assert [(e.type, e.code) for e in errs] == [(3, 13)] * 3
         quoted = [dpkt.ip.IP(bytes(e.data.data)) for e in errs]
         assert [q.dst for q in quoted] == [METADATA] * 3
@@ -80,7 +83,7 @@ async def test_metadata_endpoint_denied_by_default_all_protocols():
 
 async def test_ipv6_metadata_denied_with_icmpv6_admin_prohibited():
     async with serving(ipv6=True) as (stack, guest):
-        guest.send(tcp6(40000, 80, SYN, a6("fd00:ec2::254")))
+        guest.send(tcp_frame(F6, 40000, 80, SYN, dst=a6("fd00:ec2::254")))
         frames = await guest.recv()
         errs = [e.data.data for e in frames if e.type == 0x86DD and e.data.nxt == 58 and e.data.data.type == 1]
         assert [(e.type, e.code) for e in errs] == [(1, 1)]
@@ -93,14 +96,14 @@ async def test_deny_host_loopback_then_allow_more_specific():
     port = lst.getsockname()[1]
     try:
         async with serving(egress_deny=["127.0.0.0/8"]) as (stack, guest):
-            guest.send(tcp(40010, port, SYN))
-            errs = Guest.icmp4(await guest.recv())
+            guest.send(tcp_frame(F4, 40010, port, SYN, mss=1460))
+            errs = GuestEnd.icmp4(await guest.recv())
             assert [(e.type, e.code) for e in errs] == [(3, 13)]
             with pytest.raises(BlockingIOError):
                 lst.accept()  # nothing reached the host
         async with serving(egress_deny=["127.0.0.0/8"], egress_allow=["127.0.0.1/32"]) as (stack, guest):
-            guest.send(tcp(40011, port, SYN))
-            (synack,) = Guest.tcp4(await guest.recv())
+            guest.send(tcp_frame(F4, 40011, port, SYN, mss=1460))
+            (synack,) = GuestEnd.tcp4(await guest.recv())
             assert synack.flags & (SYN | ACK) == SYN | ACK and synack.ack == 1001
             assert stack.counters["drop.egress_denied"] == 0
     finally:
@@ -112,7 +115,7 @@ async def test_dns_upstream_denied_by_user_rule_gets_servfail():
     try:
         async with serving(dns_upstreams=[("127.0.0.1", up.port)], egress_deny=["127.0.0.1/32"]) as (stack, guest):
             assert stack.parts.dns.allow_upstream(("169.254.169.254", 53))  # defaults do not apply to upstreams
-            guest.send(udp(40020, 53, dns_query(), dst=DNS))
+            guest.send(udp_frame(F4, 40020, 53, dns_query(), dst=DNS4))
             frames = await guest.recv()
             (reply,) = [dpkt.dns.DNS(e.data.data.data) for e in frames if e.type == 0x0800 and e.data.p == 17]
             assert reply.id == 0x1234 and reply.rcode == dpkt.dns.DNS_RCODE_SERVFAIL
@@ -129,19 +132,19 @@ async def test_per_protocol_caps_refuse_new_flows_and_keep_existing():
     try:
         async with serving(max_tcp_flows=1, max_udp_flows=1) as (stack, guest):
             port = lst.getsockname()[1]
-            guest.send(tcp(40030, port, SYN))
-            (synack,) = Guest.tcp4(await guest.recv())
+            guest.send(tcp_frame(F4, 40030, port, SYN, mss=1460))
+            (synack,) = GuestEnd.tcp4(await guest.recv())
             assert synack.flags & SYN
-            guest.send(tcp(40031, port, SYN))
-            (rst,) = Guest.tcp4(await guest.recv())
+            guest.send(tcp_frame(F4, 40031, port, SYN, mss=1460))
+            (rst,) = GuestEnd.tcp4(await guest.recv())
             assert rst.flags & RST and rst.ack == 1001
             assert stack.counters["drop.limit_tcp_flows"] == 1
-            guest.send(udp(40032, echo_srv.port, b"one"))
+            guest.send(udp_frame(F4, 40032, echo_srv.port, b"one"))
             assert [e.data.data.data for e in await guest.recv() if e.type == 0x0800 and e.data.p == 17] == [b"one"]
-            guest.send(udp(40033, echo_srv.port, b"two"))  # a second UDP flow: refused, dropped
+            guest.send(udp_frame(F4, 40033, echo_srv.port, b"two"))  # a second UDP flow: refused, dropped
             assert await guest.recv(0.3) == []
             assert stack.counters["drop.limit_udp_flows"] == 1
-            guest.send(udp(40032, echo_srv.port, b"again"))  # the existing flow carries on
+            guest.send(udp_frame(F4, 40032, echo_srv.port, b"again"))  # the existing flow carries on
             assert [e.data.data.data for e in await guest.recv() if e.type == 0x0800 and e.data.p == 17] == [b"again"]
             assert stack.parts.guard.active == {"tcp": 1, "udp": 1, "icmp": 0}
     finally:
@@ -151,7 +154,7 @@ async def test_per_protocol_caps_refuse_new_flows_and_keep_existing():
 
 async def test_new_flow_rate_token_bucket():
     async with serving(new_flow_rate=0.5, new_flow_burst=2) as (stack, guest):
-        guest.send(*(udp(40040 + i, 9, b"x") for i in range(4)))
+        guest.send(*(udp_frame(F4, 40040 + i, 9, b"x") for i in range(4)))
         await guest.recv(0.2)
         assert stack.counters["flows.udp.opened"] == 2
         assert stack.counters["drop.limit_new_flow_rate"] == 2
@@ -162,7 +165,7 @@ async def test_dns_inflight_bound():
     silent.bind(("127.0.0.1", 0))  # an upstream that never answers
     try:
         async with serving(dns_upstreams=[silent.getsockname()], dns_timeout=1.0, dns_max_inflight=2) as (stack, guest):
-            guest.send(*(udp(40050 + i, 53, dns_query(qid=i), dst=DNS) for i in range(3)))
+            guest.send(*(udp_frame(F4, 40050 + i, 53, dns_query(qid=i), dst=DNS4) for i in range(3)))
             await guest.recv(0.2)
             assert stack.counters["dns_queries_udp"] == 2
             assert stack.counters["drop.dns_too_many_queries"] == 1
@@ -179,8 +182,8 @@ async def test_pending_connects_bound_per_destination_and_guest_rst_frees_the_sl
             port = hole.getsockname()[1]
             synacks = rsts = 0
             for i in range(8):
-                guest.send(tcp(41000 + i, port, SYN, seq=5000 + i))
-                for seg in Guest.tcp4(await guest.recv(0.15, 0.02)):
+                guest.send(tcp_frame(F4, 41000 + i, port, SYN, seq=5000 + i, mss=1460))
+                for seg in GuestEnd.tcp4(await guest.recv(0.15, 0.02)):
                     synacks += bool(seg.flags & SYN)
                     rsts += bool(seg.flags & RST)
             pending = [f for f in stack.parts.flows.values() if f.transport is None]
@@ -188,17 +191,17 @@ async def test_pending_connects_bound_per_destination_and_guest_rst_frees_the_sl
             assert synacks + 2 + rsts == 8 and rsts >= 4
             assert stack.counters["drop.limit_pending_connects"] == rsts
             # another destination is not blocked by the black hole
-            guest.send(tcp(41100, live.getsockname()[1], SYN))
-            (synack,) = Guest.tcp4(await guest.recv())
+            guest.send(tcp_frame(F4, 41100, live.getsockname()[1], SYN, mss=1460))
+            (synack,) = GuestEnd.tcp4(await guest.recv())
             assert synack.flags & SYN
             # the guest gives up on a pending SYN: its slot (flow, socket, task) goes at once
             f = pending[0]
-            guest.send(tcp(f.guest_port, port, RST, seq=5000 + f.guest_port - 41000 + 1))
+            guest.send(tcp_frame(F4, f.guest_port, port, RST, seq=5000 + f.guest_port - 41000 + 1))
             assert await until(lambda: f.key not in stack.parts.flows, 0.5)
             assert f.task.done()
             await asyncio.sleep(0.01)
-            guest.send(tcp(41200, port, SYN))  # admitted again: pending, not refused
-            assert Guest.tcp4(await guest.recv(0.2)) == []
+            guest.send(tcp_frame(F4, 41200, port, SYN, mss=1460))  # admitted again: pending, not refused
+            assert GuestEnd.tcp4(await guest.recv(0.2)) == []
             assert len([f for f in stack.parts.flows.values() if f.transport is None]) == 2
     finally:
         hole.close()
@@ -210,12 +213,12 @@ async def test_half_open_aborted_by_guest_rst_frees_slot_at_once():
     lst.settimeout(2)
     try:
         async with serving() as (stack, guest):
-            guest.send(tcp(42000, lst.getsockname()[1], SYN, seq=9000))
-            (synack,) = Guest.tcp4(await guest.recv())
+            guest.send(tcp_frame(F4, 42000, lst.getsockname()[1], SYN, seq=9000, mss=1460))
+            (synack,) = GuestEnd.tcp4(await guest.recv())
             assert synack.flags & (SYN | ACK) == SYN | ACK
             conn, _ = lst.accept()  # the host side did connect
             assert stack.parts.guard.active["tcp"] == 1
-            guest.send(tcp(42000, lst.getsockname()[1], RST, seq=9001))
+            guest.send(tcp_frame(F4, 42000, lst.getsockname()[1], RST, seq=9001))
             assert await until(lambda: not stack.parts.flows, 0.2)
             assert stack.parts.guard.active["tcp"] == 0
             conn.settimeout(2)
@@ -232,14 +235,14 @@ async def test_tcp_idle_timeout_resets_both_sides():
     try:
         async with serving(tcp_idle_timeout=0.3) as (stack, guest):
             port = lst.getsockname()[1]
-            guest.send(tcp(42100, port, SYN, seq=100))
-            (synack,) = Guest.tcp4(await guest.recv())
-            guest.send(tcp(42100, port, ACK, seq=101, ack=synack.seq + 1))
+            guest.send(tcp_frame(F4, 42100, port, SYN, seq=100, mss=1460))
+            (synack,) = GuestEnd.tcp4(await guest.recv())
+            guest.send(tcp_frame(F4, 42100, port, ACK, seq=101, ack=synack.seq + 1))
             conn, _ = lst.accept()
             flows = stack.parts.flows
             assert await until(lambda: flows and next(iter(flows.values())).state == "ESTABLISHED")
             frames = await guest.recv(1.5)
-            assert any(s.flags & RST for s in Guest.tcp4(frames))
+            assert any(s.flags & RST for s in GuestEnd.tcp4(frames))
             assert stack.counters["tcp_idle_closed"] == 1 and not stack.parts.flows
             conn.settimeout(2)
             with pytest.raises(ConnectionResetError):
@@ -253,20 +256,20 @@ async def test_stop_resets_guest_flows_before_the_link_closes():
     lst = listener()
     lst.settimeout(2)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    guest = Guest(a)
+    guest = GuestEnd(a)
     try:
         async with Stack(NetworkConfig(ipv6=False, dns_upstreams=[("127.0.0.1", 9)])) as stack:
             task = asyncio.ensure_future(stack.serve(SocketPairTransport(b)))
             await asyncio.sleep(0)
             port = lst.getsockname()[1]
-            guest.send(tcp(42200, port, SYN, seq=100))
-            (synack,) = Guest.tcp4(await guest.recv())
-            guest.send(tcp(42200, port, ACK, seq=101, ack=synack.seq + 1))
+            guest.send(tcp_frame(F4, 42200, port, SYN, seq=100, mss=1460))
+            (synack,) = GuestEnd.tcp4(await guest.recv())
+            guest.send(tcp_frame(F4, 42200, port, ACK, seq=101, ack=synack.seq + 1))
             conn, _ = lst.accept()
             await asyncio.sleep(0.05)
             stack.stop()
             await task
-            segs = Guest.tcp4(await guest.recv(0.3))
+            segs = GuestEnd.tcp4(await guest.recv(0.3))
             assert [s.flags & RST for s in segs] == [RST] and segs[0].seq == synack.seq + 1
             assert stack.counters["flows_reset_at_stop"] == 1 and not stack.parts.flows
             conn.settimeout(2)
@@ -287,8 +290,8 @@ import asyncio, json, resource, sys
 
 sys.path.insert(0, sys.argv[1])
 from aioslirp.flow.guard import FD_RESERVE
-from support.frames import RST, SYN, tcp
-from support.stacks import Guest, listener, serving
+from support.frames import F4, RST, SYN, tcp_frame
+from support.stacks import GuestEnd, listener, serving
 
 resource.setrlimit(resource.RLIMIT_NOFILE, (100, FD_RESERVE + 4))
 
@@ -304,8 +307,8 @@ async def main():
             out["dns_fd_budget"] = stack.parts.guard.dns_fd_budget
             flags = []
             for i in range(4):
-                guest.send(tcp(43000 + i, port, SYN))
-                flags.append(Guest.tcp4(await guest.recv())[0].flags & (SYN | RST))
+                guest.send(tcp_frame(F4, 43000 + i, port, SYN, mss=1460))
+                flags.append(GuestEnd.tcp4(await guest.recv())[0].flags & (SYN | RST))
             out["answers"] = ["syn-ack" if f == SYN else "rst" if f == RST else f for f in flags]
             out["limit_fds"] = stack.counters["drop.limit_fds"]
             out["internal_error"] = stack.counters.get("drop.internal_error", 0)
@@ -368,15 +371,15 @@ async def test_qemu_stop_resets_guest_flows_and_removes_the_socket(tmp_path):
                 qemu.send(struct.pack("!I", len(frame)) + frame)
 
             port = lst.getsockname()[1]
-            send(tcp(44000, port, SYN, seq=100))
-            (synack,) = Guest.tcp4([f for f in await frames(0.5) if f is not None])
-            send(tcp(44000, port, ACK, seq=101, ack=synack.seq + 1))
+            send(tcp_frame(F4, 44000, port, SYN, seq=100, mss=1460))
+            (synack,) = GuestEnd.tcp4([f for f in await frames(0.5) if f is not None])
+            send(tcp_frame(F4, 44000, port, ACK, seq=101, ack=synack.seq + 1))
             conn, _ = lst.accept()
             await asyncio.sleep(0.05)
             server.close()
             out = await frames(2.0)
             assert out[-1] is None  # the stream closed
-            rsts = [s for s in Guest.tcp4([f for f in out if f is not None]) if s.flags & RST]
+            rsts = [s for s in GuestEnd.tcp4([f for f in out if f is not None]) if s.flags & RST]
             assert len(rsts) == 1 and rsts[0].seq == synack.seq + 1
             await serving_task
             qemu.close()

@@ -24,17 +24,17 @@ import pytest
 from aioslirp.ratelimit import TokenBucket
 from aioslirp.wire.neighbors import MAX_NEIGHBORS
 
-from support.frames import (ACK, DNS, DNS6, GUEST6, GW, GW6, RST, SYN, a6, checksum_valid, dns_query, eth,
-                            icmp6_frame, ip_frame, raw6, tcp, tcp6, udp, udp6_frame)
+from support.frames import (ACK, DNS4, DNS6, F4, F6, GUEST6, GW4, GW6, RST, SYN, a6, checksum_valid, dns_query,
+                            eth6_frame, icmp6_frame, ip_frame, raw6, tcp_frame, udp6_frame, udp_frame)
 from support.servers import DnsUpstream
-from support.stacks import Guest, listener, serving, until
+from support.stacks import GuestEnd, listener, serving, until
 
 pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 GW4_16 = socket.inet_aton("10.0.0.2")  # the gateway of 10.0.0.0/16
 
 
-async def send_all(guest: Guest, frames) -> None:
+async def send_all(guest: GuestEnd, frames) -> None:
     """Send every frame, waiting when the socketpair is full (thousands of frames)."""
     loop = asyncio.get_running_loop()
     for f in frames:
@@ -69,17 +69,17 @@ async def test_eviction_takes_the_longest_idle_udp_flow_never_tcp_and_looks_at_f
     try:
         async with serving(max_flows=8) as (stack, guest):
             # two TCP flows first: the oldest activity in the table, but never evicted
-            guest.send(tcp(40000, lst.getsockname()[1], SYN), tcp(40001, lst.getsockname()[1], SYN))
+            guest.send(tcp_frame(F4, 40000, lst.getsockname()[1], SYN, mss=1460), tcp_frame(F4, 40001, lst.getsockname()[1], SYN, mss=1460))
             assert await until(lambda: len(stack.parts.flows) == 2)
-            guest.send(*(udp(41000 + i, port, b"open") for i in range(6)))
+            guest.send(*(udp_frame(F4, 41000 + i, port, b"open") for i in range(6)))
             assert await until(lambda: len(stack.parts.flows) == 8)
-            guest.send(udp(41000, port, b"again"), udp(41001, port, b"again"))  # 41000, 41001 active again
+            guest.send(udp_frame(F4, 41000, port, b"again"), udp_frame(F4, 41001, port, b"again"))  # 41000, 41001 active again
             await processed(stack, 10)
             assert stack.parts.idle_order.examined == 0
-            guest.send(udp(41006, port, b"new"))  # table full: 41002 has been idle longest
+            guest.send(udp_frame(F4, 41006, port, b"new"))  # table full: 41002 has been idle longest
             await processed(stack, 11)
             assert udp_flow_ports(stack) == [41000, 41001, 41003, 41004, 41005, 41006]
-            guest.send(udp(41007, port, b"new"))
+            guest.send(udp_frame(F4, 41007, port, b"new"))
             await processed(stack, 12)
             assert udp_flow_ports(stack) == [41000, 41001, 41004, 41005, 41006, 41007]
             assert sorted(f.guest_port for f in stack.parts.flows.values() if f.proto_name == "tcp") == [40000, 40001]
@@ -100,18 +100,18 @@ async def test_eviction_costs_one_heap_entry_per_eviction_amortized():
     n = 64
     try:
         async with serving(max_flows=n) as (stack, guest):
-            await send_all(guest, [udp(42000 + i, port, b"open") for i in range(n)])
+            await send_all(guest, [udp_frame(F4, 42000 + i, port, b"open") for i in range(n)])
             assert await until(lambda: len(stack.parts.flows) == n)
-            await send_all(guest, [udp(42000 + i, port, b"touch") for i in range(n)])  # every flow active again
+            await send_all(guest, [udp_frame(F4, 42000 + i, port, b"touch") for i in range(n)])  # every flow active again
             await processed(stack, 2 * n)
-            await send_all(guest, [udp(43000 + i, port, b"new") for i in range(n)])  # n evictions
+            await send_all(guest, [udp_frame(F4, 43000 + i, port, b"new") for i in range(n)])  # n evictions
             await processed(stack, 3 * n)
             assert stack.counters["flows_evicted"] == n
             assert udp_flow_ports(stack) == list(range(43000, 43000 + n))
             # the first eviction pushes every active flow again (n), then each one takes the top (n)
             assert stack.parts.idle_order.examined == 2 * n
             # flows with one datagram each (stamped with their batch's time): taken at once (1 per eviction)
-            await send_all(guest, [udp(44000 + i, port, b"new") for i in range(n)])
+            await send_all(guest, [udp_frame(F4, 44000 + i, port, b"new") for i in range(n)])
             await processed(stack, 4 * n)
             assert stack.counters["flows_evicted"] == 2 * n
             assert udp_flow_ports(stack) == list(range(44000, 44000 + n))
@@ -126,20 +126,20 @@ async def test_eviction_refused_when_only_tcp_flows_and_heap_stays_bounded():
     lst = listener()
     try:
         async with serving(max_flows=4) as (stack, guest):
-            guest.send(*(tcp(40100 + i, lst.getsockname()[1], SYN) for i in range(4)))
+            guest.send(*(tcp_frame(F4, 40100 + i, lst.getsockname()[1], SYN, mss=1460) for i in range(4)))
             assert await until(lambda: len(stack.parts.flows) == 4)
             await guest.recv(0.3)
-            guest.send(udp(41100, sink.getsockname()[1], b"x"))
+            guest.send(udp_frame(F4, 41100, sink.getsockname()[1], b"x"))
             await processed(stack, 5)
             assert stack.counters["drop.flow_table_full"] == 1 and stack.counters["flows.udp.opened"] == 0
-            guest.send(tcp(40200, lst.getsockname()[1], SYN))
-            (rst,) = [seg for seg in Guest.tcp4(await guest.recv()) if seg.flags & RST]
+            guest.send(tcp_frame(F4, 40200, lst.getsockname()[1], SYN, mss=1460))
+            (rst,) = [seg for seg in GuestEnd.tcp4(await guest.recv()) if seg.flags & RST]
             assert rst.flags & RST and rst.dport == 40200
             assert stack.counters["drop.flow_table_full"] == 2 and stack.counters["flows_evicted"] == 0
         # flows that close by themselves (no eviction) leave the heap compacted, not growing
         async with serving(max_flows=16384) as (stack, guest):
             for i in range(300):
-                guest.send(udp(45000 + i, sink.getsockname()[1], b"x"))
+                guest.send(udp_frame(F4, 45000 + i, sink.getsockname()[1], b"x"))
                 await processed(stack, i + 1)
                 for f in list(stack.parts.flows.values()):
                     f.shutdown()
@@ -157,7 +157,7 @@ async def test_ipv4_and_ipv6_neighbour_caches_share_one_bound_and_count_eviction
         assert MAX_NEIGHBORS == 1024
         srcs = [socket.inet_aton(f"10.0.{10 + i // 250}.{1 + i % 250}") for i in range(n)]
         # an unknown IP protocol: dropped after the source is learned, no answer
-        await send_all(guest, [ip_frame(b"\x00" * 8, 99, dst=GW4_16, src=s) for s in srcs])
+        await send_all(guest, [ip_frame(F4, b"\x00" * 8, 99, src=s, dst=GW4_16) for s in srcs])
         await processed(stack, n)
         assert stack.counters["drop.unknown_ip_proto"] == n
         assert len(stack.parts.neighbors) == MAX_NEIGHBORS
@@ -165,7 +165,7 @@ async def test_ipv4_and_ipv6_neighbour_caches_share_one_bound_and_count_eviction
         assert list(stack.parts.neighbors) == srcs[n - MAX_NEIGHBORS:]  # the oldest learned went first
 
         srcs6 = [a6(f"fd00::1:{i:x}") for i in range(n)]
-        await send_all(guest, [eth(raw6(s, GW6, 59, b"")) for s in srcs6])  # No Next Header: dropped
+        await send_all(guest, [eth6_frame(raw6(s, GW6, 59, b"")) for s in srcs6])  # No Next Header: dropped
         await processed(stack, 2 * n)
         nb6 = stack.parts.v6.ndp.neighbors
         assert len(nb6) == MAX_NEIGHBORS and list(nb6) == srcs6[n - MAX_NEIGHBORS:]
@@ -193,7 +193,7 @@ def fragments6(src: bytes, dst: bytes, nh: int, body: bytes, ident: int, step: i
     out = []
     for off in range(0, len(body), step):
         more = 1 if off + step < len(body) else 0
-        out.append(eth(raw6(src, dst, 44, struct.pack("!BBHI", nh, 0, off | more, ident) + body[off:off + step])))
+        out.append(eth6_frame(raw6(src, dst, 44, struct.pack("!BBHI", nh, 0, off | more, ident) + body[off:off + step])))
     return out
 
 
@@ -254,9 +254,9 @@ def test_ping6_gateway_with_3000_bytes_in_a_real_guest():
 
 
 # ---------------------------------------------------------------------------------- 9: port 0
-async def probe_echo4(guest: Guest, ident: int) -> list:
+async def probe_echo4(guest: GuestEnd, ident: int) -> list:
     """Send an echo to the gateway and return every frame up to its reply (the stack answers in order)."""
-    guest.send(ip_frame(dpkt.icmp.ICMP(type=8, data=dpkt.icmp.ICMP.Echo(id=ident, seq=1, data=b"p")), 1, GW))
+    guest.send(ip_frame(F4, dpkt.icmp.ICMP(type=8, data=dpkt.icmp.ICMP.Echo(id=ident, seq=1, data=b"p")), 1, dst=GW4))
     frames = await guest.recv()
     is_reply = [e.type == 0x0800 and e.data.p == 1 and e.data.data.type == 0 for e in frames]
     assert is_reply.count(True) == 1 and frames[is_reply.index(True)].data.data.data.id == ident
@@ -270,17 +270,17 @@ async def test_ipv4_tcp_and_udp_from_or_to_port_zero_dropped_never_natted():
     up = DnsUpstream()
     try:
         async with serving(dns_upstreams=[("127.0.0.1", up.port)]) as (stack, guest):
-            guest.send(tcp(0, lst.getsockname()[1], SYN))  # from port 0: no RST towards port 0 either
-            guest.send(tcp(0, lst.getsockname()[1], ACK, ack=5))  # no flow, would be a RST to port 0
+            guest.send(tcp_frame(F4, 0, lst.getsockname()[1], SYN, mss=1460))  # from port 0: no RST towards port 0 either
+            guest.send(tcp_frame(F4, 0, lst.getsockname()[1], ACK, ack=5))  # no flow, would be a RST to port 0
             assert await probe_echo4(guest, 1) == []
-            guest.send(tcp(40300, 0, SYN))  # to port 0: refused like a closed port
+            guest.send(tcp_frame(F4, 40300, 0, SYN, mss=1460))  # to port 0: refused like a closed port
             (rst,) = [e.data.data for e in await probe_echo4(guest, 2)]
             assert rst.flags == RST | ACK and (rst.sport, rst.dport) == (0, 40300) and rst.ack == 1001
             assert stack.counters["drop.tcp_port_zero"] == 3
-            guest.send(udp(0, sink.getsockname()[1], b"from zero"))
-            guest.send(udp(40301, 0, b"to zero"))
-            guest.send(udp(0, 53, dns_query(), dst=DNS))  # the DNS forwarder does not answer port 0
-            guest.send(udp(0, 9, b"closed", dst=DNS))  # nor does an ICMP error go to it
+            guest.send(udp_frame(F4, 0, sink.getsockname()[1], b"from zero"))
+            guest.send(udp_frame(F4, 40301, 0, b"to zero"))
+            guest.send(udp_frame(F4, 0, 53, dns_query(), dst=DNS4))  # the DNS forwarder does not answer port 0
+            guest.send(udp_frame(F4, 0, 9, b"closed", dst=DNS4))  # nor does an ICMP error go to it
             assert await probe_echo4(guest, 3) == []
             await asyncio.sleep(0.1)
             assert not readable(sink) and not readable(lst)
@@ -311,9 +311,9 @@ async def test_ipv6_tcp_and_udp_from_or_to_port_zero_dropped_never_natted():
 
     try:
         async with serving(ipv6=True, dns_upstreams=[("127.0.0.1", up.port)]) as (stack, guest):
-            guest.send(tcp6(0, lst.getsockname()[1], SYN, GW6), tcp6(0, lst.getsockname()[1], ACK, GW6))
+            guest.send(tcp_frame(F6, 0, lst.getsockname()[1], SYN, dst=GW6), tcp_frame(F6, 0, lst.getsockname()[1], ACK, dst=GW6))
             assert await probe6(1) == []
-            guest.send(tcp6(40400, 0, SYN, GW6))
+            guest.send(tcp_frame(F6, 40400, 0, SYN, dst=GW6))
             (rst,) = [dpkt.ethernet.Ethernet(f).data.data for f in await probe6(2)]
             assert rst.flags == RST | ACK and (rst.sport, rst.dport) == (0, 40400) and rst.ack == 1001
             assert stack.counters["drop.tcp_port_zero"] == 3
@@ -342,7 +342,7 @@ async def test_icmpv4_errors_rate_limited_by_the_ipv6_limiter_class():
         b4, b6 = stack.parts.family4.err_bucket, stack.parts.v6.err_bucket
         assert (b4.rate, b4.burst) == (b6.rate, b6.burst) == (100.0, 50.0)
         stack.parts.family4.err_bucket = TokenBucket(rate=0.0, burst=5)  # no refill: the count is exact
-        await send_all(guest, [udp(40500 + i, 9, b"closed port", dst=DNS) for i in range(20)])
+        await send_all(guest, [udp_frame(F4, 40500 + i, 9, b"closed port", dst=DNS4) for i in range(20)])
         await processed(stack, 20)
         frames = await guest.recv(0.3)
         errs = [e.data.data for e in frames if e.type == 0x0800 and e.data.p == 1]

@@ -31,11 +31,10 @@ from aioslirp.flow.guard import FD_RESERVE
 from aioslirp.services.dns_tcp import MAX_HELD, MAX_QUEUED
 from aioslirp.services.dns import DnsTcpSession
 
-from support.frames import DNS, GUEST, GW, dns_query, echo, ip_frame, udp
+from support.frames import ACK, DNS4, F4, GUEST4, GW4, RST, SYN, dns_query, echo_frame, ip_frame, udp_frame
 from support.paths import TESTS
-from support.stacks import Guest, listener, serving, until
+from support.stacks import GuestEnd, listener, serving, until
 
-SYN, RST, ACK, FIN = dpkt.tcp.TH_SYN, dpkt.tcp.TH_RST, dpkt.tcp.TH_ACK, dpkt.tcp.TH_FIN
 MSS = 1460
 TCP_BUFFER = 65536
 _M = 0xFFFFFFFF
@@ -47,7 +46,7 @@ class GuestTcp:
     with the window :attr:`wnd` the guest chooses. Bytes from the stack are taken in order while
     :attr:`wnd` is open; out-of-order ones are kept, and answered with duplicate ACKs."""
 
-    def __init__(self, guest: Guest, sport: int, dst: bytes = DNS, dport: int = 53) -> None:
+    def __init__(self, guest: GuestEnd, sport: int, dst: bytes = DNS4, dport: int = 53) -> None:
         self.guest, self.sport, self.dst, self.dport = guest, sport, dst, dport
         self.iss = 1000
         self.snd_nxt = self.iss + 1
@@ -65,7 +64,7 @@ class GuestTcp:
                          flags=flags, win=self.wnd, opts=struct.pack("!BBH", 2, 4, MSS) if flags & SYN else b"",
                          data=data)
         t.off = 5 + len(t.opts) // 4
-        return ip_frame(t, 6, self.dst)
+        return ip_frame(F4, t, 6, dst=self.dst)
 
     async def flush(self) -> None:
         """Send the frames queued (waiting for room in the socketpair when it is full)."""
@@ -82,7 +81,7 @@ class GuestTcp:
         """Process the stack's segments for this connection (ACKs queued); returns how many
         carried data."""
         n = 0
-        for t in Guest.tcp4(frames):
+        for t in GuestEnd.tcp4(frames):
             if t.dport != self.sport:
                 continue
             if t.flags & RST:
@@ -110,7 +109,7 @@ class GuestTcp:
 
     async def connect(self) -> None:
         self.guest.send(self.frame(SYN, self.iss))
-        for t in Guest.tcp4(await self.guest.recv()):
+        for t in GuestEnd.tcp4(await self.guest.recv()):
             if t.dport == self.sport and t.flags & (SYN | ACK) == SYN | ACK:
                 self.rcv_nxt = t.seq + 1
                 self.snd_una, self.peer_wnd = t.ack, t.win
@@ -145,7 +144,7 @@ class GuestTcp:
 
 def dns_flow(stack, sport: int):
     """The stack's flow of the guest's connection from ``sport`` to DNS:53."""
-    return stack.parts.flows[(6, GUEST, sport, DNS, 53)]
+    return stack.parts.flows[(6, GUEST4, sport, DNS4, 53)]
 
 
 # ---------------------------------------------------------------------------------- 1a
@@ -262,9 +261,9 @@ def _child(scenario: str) -> None:
 
     async def syn(guest, sport: int, port: int) -> list[int]:
         """Flags of the stack's answers to a SYN from ``sport`` to the gateway's ``port``."""
-        g = GuestTcp(guest, sport, GW, port)
+        g = GuestTcp(guest, sport, GW4, port)
         guest.send(g.frame(SYN, g.iss))
-        return [t.flags for t in Guest.tcp4(await guest.recv()) if t.dport == sport]
+        return [t.flags for t in GuestEnd.tcp4(await guest.recv()) if t.dport == sport]
 
     async def flood() -> dict:
         silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -275,7 +274,7 @@ def _child(scenario: str) -> None:
             base = nfds()
             loop = asyncio.get_running_loop()
             for i in range(400):  # 400 queries to a name the dead upstream never answers
-                await loop.sock_sendall(guest.sock, udp(30000 + i, 53, dns_query(b"dead.test", qid=i), dst=DNS))
+                await loop.sock_sendall(guest.sock, udp_frame(F4, 30000 + i, 53, dns_query('dead.test', qid=i), dst=DNS4))
             await until(lambda: stack.parts.dns.stats["queries"] == 400, 5.0)
             await guest.recv(0.3)
             out["held"] = nfds() - base  # fds held by the flood
@@ -304,8 +303,8 @@ def _child(scenario: str) -> None:
                 out["errno"] = exc.errno
             port = lst.getsockname()[1]
             out["tcp"] = await syn(guest, 46001, port=port)
-            guest.send(udp(46002, echo_srv.port, b"udp-while-emfile"))
-            guest.send(echo(77, socket.inet_aton(PING_TARGET)))
+            guest.send(udp_frame(F4, 46002, echo_srv.port, b"udp-while-emfile"))
+            guest.send(echo_frame(F4, 77, dst=socket.inet_aton(PING_TARGET)))
             await guest.recv(0.3)
             out["flows_while"] = len(stack.parts.flows)
             out["active_while"] = dict(stack.parts.guard.active)
@@ -314,10 +313,10 @@ def _child(scenario: str) -> None:
                 os.close(fd)
             hog.clear()
             out["tcp_after"] = await syn(guest, 46001, port=port)  # the same port: nothing held it
-            guest.send(udp(46002, echo_srv.port, b"udp-after"))
+            guest.send(udp_frame(F4, 46002, echo_srv.port, b"udp-after"))
             frames = await guest.recv(0.5)
             out["udp_after"] = [bytes(e.data.data.data).decode() for e in frames if e.type == 0x0800 and e.data.p == 17]
-            guest.send(echo(77, socket.inet_aton(PING_TARGET)))
+            guest.send(echo_frame(F4, 77, dst=socket.inet_aton(PING_TARGET)))
             frames = await guest.recv(1.0)
             out["icmp_after"] = [(socket.inet_ntoa(e.data.src), e.data.data.type) for e in frames
                                  if e.type == 0x0800 and e.data.p == 1]

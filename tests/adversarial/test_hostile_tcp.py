@@ -26,7 +26,7 @@ import uvloop
 from aioslirp.nat.hostsock import READ_SIZE, TransportHost
 from aioslirp.wire.tcp import ACK, FIN, PSH, RST, SYN, build_tcp
 
-from support.frames import GUEST, GUEST6, GUEST_MAC, GW, GW6, GW_MAC
+from support.frames import GUEST4, GUEST6, GUEST_MAC, GW4, GW6, GW_MAC
 from support.stacks import fd_count, listener, serving, until
 from support.tcp_conn import L, R, close_wait, established, events, recv, seg, send
 
@@ -136,7 +136,7 @@ class GuestConn:
         self.sock = sock
         sock.setblocking(False)
         self.sport, self.dport, self.v6 = sport, dport, v6
-        self.src, self.dst = (GUEST6, GW6) if v6 else (GUEST, GW)
+        self.src, self.dst = (GUEST6, GW6) if v6 else (GUEST4, GW4)
         self.eth = GW_MAC + GUEST_MAC + (b"\x86\xdd" if v6 else b"\x08\x00")
         self.build = build_tcp  # the family follows from the addresses
         self.snd_nxt = isn
@@ -281,7 +281,7 @@ async def _bidirectional_bulk_with_a_slow_guest_reader() -> None:
             host.setblocking(False)
             try:
                 assert await g.until(lambda: g.rcv_nxt is not None, 5)
-                flow = stack.parts.flows[(6, GUEST, 40200, GW, port)]
+                flow = stack.parts.flows[(6, GUEST4, 40200, GW4, port)]
                 # the flow's host socket takes little, so a guest bulk upload soon meets a partial send()
                 flow.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
                 high = [0]
@@ -387,7 +387,7 @@ async def test_half_closed_guest_reading_a_long_answer_slowly_gets_all_of_it():
                 assert request == b"GET /big\n"
                 await loop.sock_sendall(host, answer)
                 host.close()  # the host's EOF: LAST-ACK behind 200 KB the guest has yet to read
-                flow = stack.parts.flows[(6, GUEST, 40300, GW, port)]
+                flow = stack.parts.flows[(6, GUEST4, 40300, GW4, port)]
                 assert await g.until(lambda: flow.state == "LAST-ACK", 5)
                 reads = 0
                 while not g.fin_received and g.rsts == 0 and reads < 100:
@@ -425,7 +425,7 @@ async def _upload_then_reuse_the_port(stack, guest, lst, v6: bool, hosts: list):
     loop = asyncio.get_running_loop()
     port = lst.getsockname()[1]
     sport = 40400
-    key = (6, GUEST6 if v6 else GUEST, sport, GW6 if v6 else GW, port)
+    key = (6, GUEST6 if v6 else GUEST4, sport, GW6 if v6 else GW4, port)
     g = GuestConn(guest.sock, sport, port, v6=v6)
     g.connect()
     host, _ = await asyncio.wait_for(loop.sock_accept(lst), 5)
@@ -535,7 +535,7 @@ async def test_guest_fin_and_new_syn_in_one_batch_close_the_host_with_a_fin():
             hosts.append(host)
             host.setblocking(False)
             assert await g.until(lambda: g.rcv_nxt is not None, 5)
-            old = stack.parts.flows[(6, GUEST, 40500, GW, port)]
+            old = stack.parts.flows[(6, GUEST4, 40500, GW4, port)]
             host.shutdown(socket.SHUT_WR)
             assert await g.until(lambda: g.fin_received and old.state == "FIN-WAIT-2", 5)
             up = random.Random(6).randbytes(60_000)

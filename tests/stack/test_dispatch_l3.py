@@ -15,10 +15,10 @@ import pytest
 
 from aioslirp import NetworkConfig
 
-from support.frames import DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, a6, icmp6_frame, udp6_frame
+from support.frames import (DNS6, DNS_AAAA, F4, F6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, a6, icmp6_frame,
+                            icmp_of, udp6_frame)
 from support.servers import DnsUpstream
-from support.stacks import (DNS_AAAA, F4, F6, eth_to, icmp_of, ipv6_guest_mac, ipv6_path, ndp_neighbours,
-                            recv_frames, served_stack)
+from support.stacks import eth_to, ipv6_guest_mac, ipv6_path, ndp_neighbours, recv_frames, served_stack
 
 pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 

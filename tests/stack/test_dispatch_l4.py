@@ -4,7 +4,7 @@ Frames go in over a socketpair and what comes back is decoded and checked (check
 verified independently): echo answered locally and proxied, TCP and UDP flows to host
 sockets on loopback, RST and port unreachable for closed ports, DNS over UDP and TCP,
 fragments reassembled and large replies fragmented, hostile frames dropped and counted.
-Each test takes ``fam`` (tests/support/stacks.py: addresses, frame builders, ICMP types and
+Each test takes ``fam`` (tests/support/frames.py: addresses, frame builders, ICMP types and
 counter names of one family), as smoltcp runs its interface tests per medium with
 ``#[case]``. What only one family has is in tests/stack/test_dispatch_l3.py.
 """
@@ -21,14 +21,12 @@ import pytest
 
 from aioslirp import NetworkConfig
 
-from support.frames import GUEST_LL, GUEST_MAC, GW_MAC, a6, eth, icmp6_frame, raw6, udp6_frame
+from support.frames import (ACK, DNS_AAAA, F4, F6, FAMILIES, GUEST_LL, GUEST_MAC, GW_MAC, RST, SYN, a6, echo_frame,
+                            eth6_frame, icmp6_frame, icmp_of, of_proto, raw6, tcp_frame, udp6_frame, udp_frame)
 from support.servers import DnsUpstream
-from support.stacks import (DNS_AAAA, F4, F6, FAMILIES, icmp_echo_mode, icmp_of, icmp_raw_socket, of_proto,
-                            recv_frames, served_stack, tcp_frame, udp_frame)
+from support.stacks import icmp_echo_mode, icmp_raw_socket, recv_frames, served_stack
 
 pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
-
-SYN, RST, ACK = dpkt.tcp.TH_SYN, dpkt.tcp.TH_RST, dpkt.tcp.TH_ACK
 
 
 @pytest.fixture(params=FAMILIES, ids=lambda f: f.name)
@@ -52,7 +50,7 @@ async def served():
 async def test_echo_to_local_addresses_answered(served, fam):
     stack, guest = served
     for src, dst in fam.local_echo:
-        guest.send(fam.echo(77, 5, b"ping!", src=src, dst=dst))
+        guest.send(echo_frame(fam, 77, 5, b"ping!", src=src, dst=dst))
     replies = icmp_of(fam, await recv_frames(guest), fam.echo_reply)
     assert [(ip.src, ip.dst, msg[4:]) for _e, ip, msg in replies] == [
         (dst, src, struct.pack("!HH", 77, 5) + b"ping!") for src, dst in fam.local_echo]
@@ -195,19 +193,19 @@ def _hostile6() -> list:
     gw6, other = F6.gw, a6("2001:db8::1")
     slla = bytes((1, 1)) + GUEST_MAC
     return [
-        ("ipv6_truncated", eth(b"\x60" + bytes(20))),
-        ("ipv6_bad_length", eth(raw6(F6.guest, gw6, 17, bytes(8), plen=500))),
-        ("ipv6_ext_too_many", eth(raw6(F6.guest, gw6, 60, b"".join(bytes((60, 0)) + bytes(6) for _ in range(9))
+        ("ipv6_truncated", eth6_frame(b"\x60" + bytes(20))),
+        ("ipv6_bad_length", eth6_frame(raw6(F6.guest, gw6, 17, bytes(8), plen=500))),
+        ("ipv6_ext_too_many", eth6_frame(raw6(F6.guest, gw6, 60, b"".join(bytes((60, 0)) + bytes(6) for _ in range(9))
                                        + bytes(8)))),
-        ("ipv6_hbh_not_first", eth(raw6(F6.guest, gw6, 60, bytes((0, 0)) + bytes(6) + bytes((17, 0)) + bytes(6)))),
-        ("ipv6_routing_header", eth(raw6(F6.guest, gw6, 43, bytes((17, 0, 0, 1)) + bytes(4)))),
+        ("ipv6_hbh_not_first", eth6_frame(raw6(F6.guest, gw6, 60, bytes((0, 0)) + bytes(6) + bytes((17, 0)) + bytes(6)))),
+        ("ipv6_routing_header", eth6_frame(raw6(F6.guest, gw6, 43, bytes((17, 0, 0, 1)) + bytes(4)))),
         ("ipv6_spoofed_src", udp6_frame(gw6, other, 1, 2, b"x")),
         ("ipv6_bad_src", udp6_frame(other, gw6, 1, 2, b"x")),
-        ("udp6_bad_checksum", eth(raw6(F6.guest, gw6, 17, struct.pack("!HHHH", 1, 2, 9, 0) + b"x"))),  # zero checksum
-        ("icmp6_bad_checksum", eth(raw6(F6.guest, other, 58, bytes((128, 0, 0, 0)) + bytes(8)))),
+        ("udp6_bad_checksum", eth6_frame(raw6(F6.guest, gw6, 17, struct.pack("!HHHH", 1, 2, 9, 0) + b"x"))),  # zero checksum
+        ("icmp6_bad_checksum", eth6_frame(raw6(F6.guest, other, 58, bytes((128, 0, 0, 0)) + bytes(8)))),
         ("ndp_bad_hop_limit", icmp6_frame(GUEST_LL, a6("ff02::1:ff00:2"), 135, 0, bytes(4) + gw6 + slla, hlim=64)),
         ("ndp_ra_from_guest", icmp6_frame(GUEST_LL, a6("ff02::1"), 134, 0, bytes(12))),
-        ("ipv6_unknown_proto", eth(raw6(F6.guest, gw6, 132, bytes(8)))),
+        ("ipv6_unknown_proto", eth6_frame(raw6(F6.guest, gw6, 132, bytes(8)))),
     ]
 
 
@@ -252,7 +250,7 @@ def echo_mode(request):
 async def test_echo_to_remote_proxied(fam, remote, echo_mode):
     async with served_stack(NetworkConfig(dns_upstreams=[("127.0.0.1", 9)]), settle=0.3) as (stack, guest, _f):
         for seq in (1, 2):
-            guest.send(fam.echo(4321, seq, b"x" * 100, dst=remote))
+            guest.send(echo_frame(fam, 4321, seq, b"x" * 100, dst=remote))
         replies = icmp_of(fam, await recv_frames(guest), fam.echo_reply)
         assert icmp_echo_mode(stack, fam) == echo_mode
         assert [(ip.src, ip.dst, msg[4:]) for _e, ip, msg in replies] == [

@@ -24,11 +24,11 @@ import pytest
 
 from aioslirp import NetworkConfig
 
+from support.frames import ACK, F4, F6, RST, SYN, dns_query, icmp_of, tcp_frame, udp_frame
 from support.prereqs import have_ipv6_loopback, need
 from support.servers import UdpEcho
-from support.stacks import F4, F6, icmp_of, recv_frames, served_stack, tcp_frame, udp_frame
+from support.stacks import recv_frames, served_stack
 
-SYN, RST, ACK = dpkt.tcp.TH_SYN, dpkt.tcp.TH_RST, dpkt.tcp.TH_ACK
 NAMES = ["svc.test", "a.svc.test", "x.y.svc.test", "evilsvc.test"]
 RECORDS = {n: ["10.0.2.2", "fd00::2"] for n in NAMES}
 ADMIN = {F4: (3, 13), F6: (1, 1)}  # (type, code) of "administratively prohibited"
@@ -106,12 +106,8 @@ def rule_text(text: str, fam, srv: Servers) -> str:
             .replace("P1", str(srv.p1)).replace("P2", str(srv.p2)))
 
 
-def dns_query(fam, ident: int, name: str) -> bytes:
-    return bytes(dpkt.dns.DNS(id=ident, rd=1, qd=[dpkt.dns.DNS.Q(name=name, type=fam.dns_qtype, cls=1)]))
-
-
 async def resolve(fam, guest, ident: int, name: str) -> None:
-    guest.send(udp_frame(fam, 5300 + ident, 53, dns_query(fam, ident, name), dst=fam.dns))
+    guest.send(udp_frame(fam, 5300 + ident, 53, dns_query(name, ident, fam.dns_qtype), dst=fam.dns))
     frames = await recv_frames(guest, 2.0)
     replies = [dpkt.dns.DNS(fam.l4(f)[8:]) for f in frames if fam.is_ip(f, 17)]
     (d,) = [r for r in replies if r.id == ident]

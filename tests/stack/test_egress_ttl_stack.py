@@ -24,11 +24,10 @@ import dpkt
 from aioslirp import NetworkConfig, Stack
 
 from support.fake_clock import START, FakeClockLoop, FakeTransport, settle, tcp_out, udp_out
-from support.frames import ACK, SYN, tcp, udp
+from support.frames import ACK, DNS4, F4, SYN, dns_query, tcp_frame, udp_frame
 from support.namespaces import namespace_address
 
 ADDR = "192.0.2.77"
-DNS4 = socket.inet_aton("10.0.2.3")
 
 
 class TtlOneDns:
@@ -67,10 +66,6 @@ class TtlOneDns:
         self.sock.close()
 
 
-def dns_query(ident: int, name: str) -> bytes:
-    return bytes(dpkt.dns.DNS(id=ident, rd=1, qd=[dpkt.dns.DNS.Q(name=name, type=dpkt.dns.DNS_A, cls=1)]))
-
-
 def admin_prohibited(frames: list[bytes]) -> list[tuple[int, int]]:
     """(quoted destination port, code) of the ICMPv4 destination-unreachable code 13 among ``frames``."""
     out = []
@@ -100,7 +95,7 @@ def test_binding_ttl_expires_through_the_stack_and_a_new_lookup_reopens():
 
         async def resolve(tr: FakeTransport, ident: int, sport: int) -> bytes:
             tr.out.clear()
-            tr.deliver(udp(sport, 53, dns_query(ident, "allowed.test"), dst=DNS4))
+            tr.deliver(udp_frame(F4, sport, 53, dns_query("allowed.test", ident), dst=DNS4))
             assert await settle(lambda: any(s == 53 for s, _d, _p in udp_out(tr.out)), turns=20000)
             (reply,) = [p for s, _d, p in udp_out(tr.out) if s == 53]
             d = dpkt.dns.DNS(reply)
@@ -110,7 +105,7 @@ def test_binding_ttl_expires_through_the_stack_and_a_new_lookup_reopens():
         async def syn(tr: FakeTransport, sport: int) -> str:
             """``"synack"`` or ``"prohibited"``: what the stack answered a SYN from ``sport``."""
             tr.out.clear()
-            tr.deliver(tcp(sport, port, SYN, seq=100, dst=dst))
+            tr.deliver(tcp_frame(F4, sport, port, SYN, seq=100, dst=dst, mss=1460))
             assert await settle(lambda: tcp_out(tr.out) or admin_prohibited(tr.out), turns=20000)
             if admin_prohibited(tr.out):
                 assert admin_prohibited(tr.out) == [(port, 13)] and not tcp_out(tr.out)

@@ -20,7 +20,7 @@ from aioslirp import NetworkConfig, Stack
 from aioslirp.flow.base import Flow
 
 from support.fake_clock import START, FakeClockLoop, FakeTransport, settle, tcp_out, udp_out
-from support.frames import ACK, GUEST, GW, RST, SYN, tcp, udp
+from support.frames import ACK, F4, GUEST4, GW4, RST, SYN, tcp_frame, udp_frame
 
 pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
@@ -54,15 +54,15 @@ def test_fake_clock_drives_udp_and_tcp_idle_expiry_exactly():
 
             # -- a TCP connection to a real listener, at fake time START + 1
             loop.now = START + 1
-            tr.deliver(tcp(40000, tport, SYN, seq=100))
+            tr.deliver(tcp_frame(F4, 40000, tport, SYN, seq=100, mss=1460))
             assert await settle(lambda: tcp_out(tr.out))
             ((iss, ack, flags, _),) = tcp_out(tr.out)
             assert flags == SYN | ACK and ack == 101
             conn, _ = lst.accept()
             conn.settimeout(5)
             tr.out.clear()
-            tr.deliver(tcp(40000, tport, ACK, seq=101, ack=iss + 1),
-                       tcp(40000, tport, ACK, seq=101, ack=iss + 1, data=b"hello"))
+            tr.deliver(tcp_frame(F4, 40000, tport, ACK, seq=101, ack=iss + 1),
+                       tcp_frame(F4, 40000, tport, ACK, seq=101, ack=iss + 1, data=b"hello"))
             assert conn.recv(100) == b"hello"
             conn.sendall(b"world")
             assert await settle(lambda: any(p for *_, p in tcp_out(tr.out)))
@@ -70,16 +70,16 @@ def test_fake_clock_drives_udp_and_tcp_idle_expiry_exactly():
             assert (seq, ack, payload) == (iss + 1, 106, b"world")  # the host's bytes carry our ACK
             tr.out.clear()
             loop.now = START + 2
-            tr.deliver(tcp(40000, tport, ACK, seq=106, ack=iss + 6))  # the guest's last segment
-            tcp_flow = stack.parts.flows[(6, GUEST, 40000, GW, tport)]
+            tr.deliver(tcp_frame(F4, 40000, tport, ACK, seq=106, ack=iss + 6))  # the guest's last segment
+            tcp_flow = stack.parts.flows[(6, GUEST4, 40000, GW4, tport)]
             assert tcp_flow.state == "ESTABLISHED" and tcp_flow.last_active == START + 2
 
             # -- a UDP flow to a real socket, at fake time START + 3
             loop.now = START + 3
-            tr.deliver(udp(41000, uport, b"ping"))
+            tr.deliver(udp_frame(F4, 41000, uport, b"ping"))
             data, peer = echo.recvfrom(100)
             assert data == b"ping"
-            udp_flow = stack.parts.flows[(17, GUEST, 41000, GW, uport)]
+            udp_flow = stack.parts.flows[(17, GUEST4, 41000, GW4, uport)]
             assert udp_flow.last_active == START + 3  # the batch's now, taken once in on_frames
             echo.sendto(b"pong", peer)
             assert await settle(lambda: udp_out(tr.out))

@@ -40,15 +40,14 @@ from aioslirp.frontends.api import ApiServer, MAX_REQUEST
 from aioslirp.frontends.netns import run_in_namespace
 from aioslirp.nat.tcp import TcpFlow
 
-from support.frames import (ACK, DNS, GUEST6, GW, RST, SYN, a6, dns_query, echo, icmp6_frame, tcp, tcp6, udp,
-                            udp6_frame)
+from support.frames import (ACK, DNS4, F4, F6, FIN, GUEST6, GW4, PSH, RST, SYN, a6, dns_query, echo_frame,
+                            icmp6_frame, tcp_frame, udp6_frame, udp_frame)
 from support.namespaces import namespace_address, netns_holders
 from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
-from support.stacks import Guest, guest_accept, host_connect, listener, serving, until
+from support.stacks import GuestEnd, guest_accept, host_connect, listener, serving, until
 from support.stacks import stack_guest  # noqa: F401 - a fixture
 
 REMOTE = "198.18.0.1"  # on lo of pytest's namespace while a test needs it (namespace_address)
-FIN, PSH = dpkt.tcp.TH_FIN, dpkt.tcp.TH_PUSH
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -91,7 +90,7 @@ def assert_nothing_arrived(lst: socket.socket, usock: socket.socket) -> None:
 
 def icmp_errors(frames) -> list:
     """``(type, code, quoted IPv4 packet)`` of every ICMPv4 error among ``frames``."""
-    return [(e.type, e.code, dpkt.ip.IP(bytes(e.data.data))) for e in Guest.icmp4(frames) if e.type == 3]
+    return [(e.type, e.code, dpkt.ip.IP(bytes(e.data.data))) for e in GuestEnd.icmp4(frames) if e.type == 3]
 
 
 def icmp6_errors(frames) -> list:
@@ -121,12 +120,12 @@ def remote():
         yield socket.inet_aton(addr)
 
 
-async def tcp_open(guest: Guest, port: int, sport: int, dst: bytes = GW) -> dpkt.tcp.TCP:
+async def tcp_open(guest: GuestEnd, port: int, sport: int, dst: bytes = GW4) -> dpkt.tcp.TCP:
     """The guest's handshake towards ``dst:port``; returns the stack's SYN-ACK."""
-    guest.send(tcp(sport, port, SYN, seq=1000, dst=dst))
-    (synack,) = [s for s in Guest.tcp4(await guest.recv()) if s.dport == sport]
+    guest.send(tcp_frame(F4, sport, port, SYN, seq=1000, dst=dst, mss=1460))
+    (synack,) = [s for s in GuestEnd.tcp4(await guest.recv()) if s.dport == sport]
     assert synack.flags & (SYN | ACK) == SYN | ACK, synack
-    guest.send(tcp(sport, port, ACK, seq=1001, ack=synack.seq + 1, dst=dst))
+    guest.send(tcp_frame(F4, sport, port, ACK, seq=1001, ack=synack.seq + 1, dst=dst))
     return synack
 
 
@@ -153,14 +152,14 @@ async def test_unroutable_ipv4_destinations_never_reach_the_host():
         async with serving() as (stack, guest):
             for i, text in enumerate(UNROUTED4):
                 dst = socket.inet_aton(text)
-                guest.send(tcp(45000 + i, port, SYN, dst=dst), udp(46000 + i, port, b"x", dst=dst), echo(100 + i, dst))
+                guest.send(tcp_frame(F4, 45000 + i, port, SYN, dst=dst, mss=1460), udp_frame(F4, 46000 + i, port, b"x", dst=dst), echo_frame(F4, 100 + i, dst=dst))
             frames = await guest.recv()
             await asyncio.sleep(0.1)  # anything sent to the host has arrived by now
             errs = icmp_errors(frames)
             assert [(t, c) for t, c, _ in errs] == [(3, 1)] * len(UNROUTED4)  # host unreachable, per SYN
             assert sorted(socket.inet_ntoa(q.dst) for _, _, q in errs) == sorted(UNROUTED4)
             assert {q.p for _, _, q in errs} == {6}
-            assert Guest.tcp4(frames) == []
+            assert GuestEnd.tcp4(frames) == []
             c = stack.counters
             n = len(UNROUTED4)
             assert (c["drop.tcp_unroutable_dst"], c["drop.udp_unroutable_dst"], c["drop.icmp_unroutable_dst"]) == (n, n, n)
@@ -180,7 +179,7 @@ async def test_unroutable_ipv6_destinations_never_reach_the_host():
         async with serving(ipv6=True) as (stack, guest):
             for i, text in enumerate(UNROUTED6):
                 dst = a6(text)
-                guest.send(tcp6(45000 + i, port, SYN, dst), udp6_frame(GUEST6, dst, 46000 + i, port, b"x"),
+                guest.send(tcp_frame(F6, 45000 + i, port, SYN, dst=dst), udp6_frame(GUEST6, dst, 46000 + i, port, b"x"),
                            echo6(100 + i, dst))
             frames = await guest.recv()
             await asyncio.sleep(0.1)
@@ -203,16 +202,16 @@ async def test_disable_host_loopback_refuses_udp_and_tcp_to_the_gateway():
     ``disable_host_loopback`` says: the datagram and the connection reach the host sockets."""
     with catch_all_port() as (lst, usock, port):
         async with serving(disable_host_loopback=True) as (stack, guest):
-            guest.send(udp(47000, port, b"to the host", dst=GW))
+            guest.send(udp_frame(F4, 47000, port, b"to the host", dst=GW4))
             frames = await guest.recv()
             errs = icmp_errors(frames)
             assert [(t, c) for t, c, _ in errs] == [(3, 13)]
-            assert errs[0][2].dst == GW and struct.unpack("!HH", bytes(errs[0][2].data)[:4]) == (47000, port)
-            guest.send(tcp(47001, port, SYN, seq=5000))
-            (rst,) = Guest.tcp4(await guest.recv())
+            assert errs[0][2].dst == GW4 and struct.unpack("!HH", bytes(errs[0][2].data)[:4]) == (47000, port)
+            guest.send(tcp_frame(F4, 47001, port, SYN, seq=5000, mss=1460))
+            (rst,) = GuestEnd.tcp4(await guest.recv())
             assert rst.flags & RST and rst.ack == 5001
-            guest.send(echo(9, GW))
-            assert echo_replies(await guest.recv()) == [(9, GW)]
+            guest.send(echo_frame(F4, 9, dst=GW4))
+            assert echo_replies(await guest.recv()) == [(9, GW4)]
             await asyncio.sleep(0.1)
             assert stack.counters["drop.host_loopback_disabled"] == 2
             assert stack.counters["icmp_echo_local"] == 1
@@ -231,18 +230,18 @@ async def test_dns_forwarder_reaches_a_loopback_resolver_the_guest_cannot():
     up = DnsUpstream(host="127.0.0.53")
     try:
         async with serving(disable_host_loopback=True, dns_upstreams=[("127.0.0.53", up.port)]) as (stack, guest):
-            guest.send(udp(47100, 53, dns_query(b"stub.test", 0x4242), dst=DNS))
+            guest.send(udp_frame(F4, 47100, 53, dns_query('stub.test', 0x4242), dst=DNS4))
             frames = await guest.recv()
             (reply,) = [dpkt.dns.DNS(p) for p in udp_payloads(frames)]
             assert reply.id == 0x4242 and reply.rcode == dpkt.dns.DNS_RCODE_NOERR
             assert [socket.inet_ntoa(rr.ip) for rr in reply.an] == ["10.0.2.99"]
             # the guest's own way to the resolver: through the gateway, and to 127.0.0.53 itself
-            guest.send(udp(47101, up.port, dns_query(b"direct.test", 1), dst=GW))
-            guest.send(tcp(47102, up.port, SYN, dst=GW))
-            guest.send(udp(47103, up.port, dns_query(b"direct.test", 2), dst=socket.inet_aton("127.0.0.53")))
+            guest.send(udp_frame(F4, 47101, up.port, dns_query('direct.test', 1), dst=GW4))
+            guest.send(tcp_frame(F4, 47102, up.port, SYN, dst=GW4, mss=1460))
+            guest.send(udp_frame(F4, 47103, up.port, dns_query('direct.test', 2), dst=socket.inet_aton("127.0.0.53")))
             frames = await guest.recv()
             assert [(t, c) for t, c, _ in icmp_errors(frames)] == [(3, 13)]
-            assert [s.flags & RST for s in Guest.tcp4(frames)] == [RST]
+            assert [s.flags & RST for s in GuestEnd.tcp4(frames)] == [RST]
             await asyncio.sleep(0.1)
             c = stack.counters
             assert (c["drop.host_loopback_disabled"], c["drop.udp_unroutable_dst"]) == (2, 1)
@@ -273,21 +272,21 @@ async def test_flow_table_full_evicts_the_longest_idle_udp_or_icmp_flow(remote):
 
             await tcp_open(guest, lst.getsockname()[1], 48000)
             await asyncio.sleep(0.02)
-            guest.send(udp(48001, srv.port, b"U"))
+            guest.send(udp_frame(F4, 48001, srv.port, b"U"))
             assert udp_payloads(await guest.recv()) == [b"U"]
             await asyncio.sleep(0.02)
-            guest.send(echo(77, remote))
+            guest.send(echo_frame(F4, 77, dst=remote))
             assert echo_replies(await guest.recv()) == [(77, remote)]
             await asyncio.sleep(0.02)
-            guest.send(udp(48001, srv.port, b"U again"))  # U is now the most recently used
+            guest.send(udp_frame(F4, 48001, srv.port, b"U again"))  # U is now the most recently used
             assert udp_payloads(await guest.recv()) == [b"U again"]
             await asyncio.sleep(0.02)
             assert table() == [("icmp", 77), ("tcp", 48000), ("udp", 48001)]
-            guest.send(udp(48002, srv.port, b"N1"))
+            guest.send(udp_frame(F4, 48002, srv.port, b"N1"))
             assert udp_payloads(await guest.recv()) == [b"N1"]
             assert table() == [("tcp", 48000), ("udp", 48001), ("udp", 48002)]
             await asyncio.sleep(0.02)
-            guest.send(udp(48003, srv.port, b"N2"))
+            guest.send(udp_frame(F4, 48003, srv.port, b"N2"))
             assert udp_payloads(await guest.recv()) == [b"N2"]
             assert table() == [("tcp", 48000), ("udp", 48002), ("udp", 48003)]
             c = stack.counters
@@ -312,10 +311,10 @@ async def test_flow_table_full_of_tcp_refuses_every_new_flow(remote):
             port = lst.getsockname()[1]
             await tcp_open(guest, port, 48100)
             await tcp_open(guest, port, 48101)
-            guest.send(tcp(48102, port, SYN, seq=7000))
-            segs = Guest.tcp4(await guest.recv())
+            guest.send(tcp_frame(F4, 48102, port, SYN, seq=7000, mss=1460))
+            segs = GuestEnd.tcp4(await guest.recv())
             assert [(s.flags & (SYN | RST), s.ack) for s in segs] == [(RST, 7001)]
-            guest.send(udp(48103, srv.port, b"dropped"), echo(5, remote))
+            guest.send(udp_frame(F4, 48103, srv.port, b"dropped"), echo_frame(F4, 5, dst=remote))
             frames = await guest.recv()
             assert udp_payloads(frames) == [] and echo_replies(frames) == []
             c = stack.counters
@@ -334,11 +333,11 @@ async def test_max_icmp_flows_drops_new_echo_flows_and_keeps_the_existing_one(re
 
     Mutant: ``Guard.admit`` skipping the per-protocol cap for ICMP: the second echo is answered."""
     async with serving(max_icmp_flows=1) as (stack, guest):
-        guest.send(echo(1, remote))
+        guest.send(echo_frame(F4, 1, dst=remote))
         assert echo_replies(await guest.recv()) == [(1, remote)]
-        guest.send(echo(2, remote))
+        guest.send(echo_frame(F4, 2, dst=remote))
         assert echo_replies(await guest.recv(0.3)) == []
-        guest.send(echo(1, remote))
+        guest.send(echo_frame(F4, 1, dst=remote))
         assert echo_replies(await guest.recv()) == [(1, remote)]
         assert stack.counters["drop.limit_icmp_flows"] == 1
         assert stack.counters["flows.icmp.opened"] == 1 and stack.parts.guard.active["icmp"] == 1
@@ -373,13 +372,13 @@ async def test_port_forwards_refused_when_the_flow_table_is_full():
             assert c["drop.forward_flow_table_full"] == 2 and c["forward_tcp_accepted"] == 1
             assert len(stack.parts.flows) == 1 and c["flows_evicted"] == 0
             # the guest's flow goes (it resets it): the forward opens a flow again
-            guest.send(tcp(48200, port, RST, seq=1001, ack=synack.seq + 1))
+            guest.send(tcp_frame(F4, 48200, port, RST, seq=1001, ack=synack.seq + 1))
             assert await until(lambda: not stack.parts.flows)
             with socket.socket() as client:
                 client.setblocking(False)
                 await loop.sock_connect(client, ("127.0.0.1", tfwd.host_port))
                 frames = await guest.recv()
-            syns = [s for s in Guest.tcp4(frames) if s.flags == SYN]  # the stack knows the guest's MAC
+            syns = [s for s in GuestEnd.tcp4(frames) if s.flags == SYN]  # the stack knows the guest's MAC
             assert [s.dport for s in syns] == [80]
             assert c["drop.forward_flow_table_full"] == 2
     finally:
@@ -415,7 +414,7 @@ async def test_host_connect_that_hangs_gets_icmp_host_unreachable_and_frees_its_
     try:
         with syns_dropped(port):
             async with serving(tcp_connect_timeout=0.6) as (stack, guest):
-                guest.send(tcp(48300, port, SYN, seq=100))
+                guest.send(tcp_frame(F4, 48300, port, SYN, seq=100, mss=1460))
                 assert await guest.recv(0.1) == []
                 assert stack.parts.guard.pending == 1 and stack.parts.guard.active["tcp"] == 1
                 (flow,) = stack.parts.flows.values()
@@ -442,7 +441,7 @@ async def test_udp_and_icmp_flows_close_after_their_idle_timeouts(remote):
     srv = UdpEcho()
     try:
         async with serving(udp_idle_timeout=0.3, icmp_idle_timeout=0.3) as (stack, guest):
-            guest.send(udp(48400, srv.port, b"one"), echo(3, remote))
+            guest.send(udp_frame(F4, 48400, srv.port, b"one"), echo_frame(F4, 3, dst=remote))
             frames = await guest.recv()
             assert udp_payloads(frames) == [b"one"] and echo_replies(frames) == [(3, remote)]
             assert sorted(f.proto_name for f in stack.parts.flows.values()) == ["icmp", "udp"]
@@ -450,7 +449,7 @@ async def test_udp_and_icmp_flows_close_after_their_idle_timeouts(remote):
             c = stack.counters
             assert c["udp_idle_closed"] == 1
             assert (c["flows.udp.closed"], c["flows.icmp.closed"]) == (1, 1)
-            guest.send(udp(48400, srv.port, b"two"))
+            guest.send(udp_frame(F4, 48400, srv.port, b"two"))
             assert udp_payloads(await guest.recv()) == [b"two"]
             assert c["flows.udp.opened"] == 2
     finally:
@@ -483,12 +482,12 @@ async def test_icmpv6_errors_rate_limited_to_a_burst_of_50_then_100_per_second(m
     async with serving(ipv6=True) as (stack, guest):
         clock = stack.parts.v6.err_bucket = FrozenClock(TokenBucket(), 1000.0)
         other = a6("fd00::77")
-        guest.send(*(tcp6(49000 + i, 80, SYN, other) for i in range(80)))
+        guest.send(*(tcp_frame(F6, 49000 + i, 80, SYN, dst=other) for i in range(80)))
         assert icmp6_errors(await guest.recv()) == [(1, 3)] * 50
         c = stack.counters
         assert (c["icmp6_errors_sent"], c["icmp6_errors_rate_limited"], c["drop.tcp6_unroutable_dst"]) == (50, 30, 80)
         clock.now += 0.1  # 10 tokens
-        guest.send(*(tcp6(49100 + i, 80, SYN, other) for i in range(20)))
+        guest.send(*(tcp_frame(F6, 49100 + i, 80, SYN, dst=other) for i in range(20)))
         assert icmp6_errors(await guest.recv()) == [(1, 3)] * 10
         assert (c["icmp6_errors_sent"], c["icmp6_errors_rate_limited"]) == (60, 40)
 
@@ -569,13 +568,13 @@ async def test_removing_a_forward_keeps_its_open_connections(stack_guest):  # no
     seg = await guest.expect_tcp()
     assert (seg.data, seg.seq, seg.flags & RST) == (b"after removal", sseq, 0)
     sseq += len(seg.data)
-    guest.send_tcp(8080, sport, gseq, sseq, ACK | PSH, data=b"still here")
+    guest.send(tcp_frame(F4, 8080, sport, ACK | PSH, gseq, sseq, data=b"still here"))
     assert await asyncio.wait_for(reader.readexactly(10), 3) == b"still here"
     gseq += 10
     (flow,) = [f for f in stack.parts.flows.values() if getattr(f, "forward_id", None) == fwd.id]
     assert flow.state == "ESTABLISHED"
     # it closes as usual: the guest's FIN is the host client's EOF
-    guest.send_tcp(8080, sport, gseq, sseq, FIN | ACK)
+    guest.send(tcp_frame(F4, 8080, sport, FIN | ACK, gseq, sseq))
     assert await asyncio.wait_for(reader.read(), 3) == b""
     writer.close()
     assert stack.counters["forwards.tcp.removed"] == 1 and stack.counters["tcp_resets"] == 0
@@ -753,7 +752,7 @@ async def test_a_flow_that_raises_is_reset_and_ends_and_its_sibling_carries_on(p
                 h.setblocking(False)
             await guest.recv(0.1)
             guest_ip = socket.inet_aton("10.0.2.15")
-            victim = stack.parts.flows[(6, guest_ip, 51000, GW, port)]
+            victim = stack.parts.flows[(6, guest_ip, 51000, GW4, port)]
             fired = []
 
             def fault():
@@ -780,10 +779,10 @@ async def test_a_flow_that_raises_is_reset_and_ends_and_its_sibling_carries_on(p
                     return healthy(conn, *args)
 
                 monkeypatch.setattr(TcpConnection, name, once)
-                guest.send(tcp(51000, port, ACK, seq=1001, ack=v_synack.seq + 1, data=b"from the guest"))
+                guest.send(tcp_frame(F4, 51000, port, ACK, seq=1001, ack=v_synack.seq + 1, data=b"from the guest"))
             frames = await guest.recv(1.0)
             assert fired == [path]
-            rsts = [seg for seg in Guest.tcp4(frames) if seg.dport == 51000 and seg.flags & RST]
+            rsts = [seg for seg in GuestEnd.tcp4(frames) if seg.dport == 51000 and seg.flags & RST]
             assert len(rsts) == 1
             assert await until(lambda: victim.key not in stack.parts.flows)
             await read_until_reset(v_host)  # what the guest sent before may come first
@@ -791,12 +790,12 @@ async def test_a_flow_that_raises_is_reset_and_ends_and_its_sibling_carries_on(p
             assert [str(r.exc_info[1]) for r in logged] == ["injected fault"]
             assert stack.counters["flow_errors"] == 1 and stack.counters["drop.internal_error"] == 0
             # the sibling carries on, both ways
-            guest.send(tcp(51001, port, ACK, seq=1001, ack=s_synack.seq + 1, data=b"sibling up"))
+            guest.send(tcp_frame(F4, 51001, port, ACK, seq=1001, ack=s_synack.seq + 1, data=b"sibling up"))
             assert await asyncio.wait_for(loop.sock_recv(s_host, 100), 2) == b"sibling up"
             s_host.send(b"sibling down")
-            down = [bytes(seg.data) for seg in Guest.tcp4(await guest.recv()) if seg.dport == 51001 and seg.data]
+            down = [bytes(seg.data) for seg in GuestEnd.tcp4(await guest.recv()) if seg.dport == 51001 and seg.data]
             assert down == [b"sibling down"]
-            assert stack.parts.flows[(6, guest_ip, 51001, GW, port)].state == "ESTABLISHED"
+            assert stack.parts.flows[(6, guest_ip, 51001, GW4, port)].state == "ESTABLISHED"
     finally:
         for h in hosts:
             h.close()

@@ -24,9 +24,10 @@ import pytest
 from aioslirp import NetworkConfig, Stack
 from aioslirp.frontends.netns import run_in_namespace
 
+from support.frames import DNS_A, DNS_AAAA
 from support.guests import GUEST_FAMILIES, LINK_MTU, guest_json, handshake_mss, need_tool, run_guest
 from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
-from support.stacks import DNS_A, DNS_AAAA, fd_count, stack_tasks
+from support.stacks import fd_count, stack_tasks
 
 pytestmark = pytest.mark.netns
 

@@ -191,7 +191,8 @@ async def test_python_hook_decides_guest_syns(kind, fam_name):
     its verdict, the held SYN replayed), to an odd port ICMP administratively prohibited; an async
     hook slower than policy_timeout gets the timeout verdict (deny)."""
     from aioslirp.config import NetworkConfig
-    from support.stacks import F4, F6, icmp_of, of_proto, recv_frames, served_stack, tcp_frame
+    from support.frames import F4, F6, icmp_of, of_proto, tcp_frame
+    from support.stacks import recv_frames, served_stack
 
     fam = F4 if fam_name == "ipv4" else F6
     if fam is F6:

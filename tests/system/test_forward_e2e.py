@@ -42,7 +42,7 @@ def free_port(kind=socket.SOCK_STREAM, family=socket.AF_INET, host: str = "127.0
     return port
 
 
-class Guest:
+class ForwardGuest:
     """One ``aioslirp run ... -- python forward_servers.py`` process."""
 
     def __init__(self, *opts: str) -> None:
@@ -143,7 +143,7 @@ def check_exchange(port: int, n_up: int, n_down: int, seed: int, **kw) -> float:
 def guest(tmp_path_factory):
     ports = {"tcp": free_port(), "udp": free_port(socket.SOCK_DGRAM), "closed": free_port()}
     api_path = str(tmp_path_factory.mktemp("fwd") / "api.sock")
-    g = Guest("-p", f"127.0.0.1:{ports['tcp']}:{GUEST_TCP}", "-p", f"{ports['udp']}:{GUEST_UDP}/udp",
+    g = ForwardGuest("-p", f"127.0.0.1:{ports['tcp']}:{GUEST_TCP}", "-p", f"{ports['udp']}:{GUEST_UDP}/udp",
               "--publish", f"127.0.0.1:{ports['closed']}:{GUEST_CLOSED}/tcp", "--api-socket", api_path)
     g.ports = ports
     g.api_path = api_path
@@ -319,7 +319,7 @@ def test_forwards_with_disable_host_loopback_and_ipv6_host(tmp_path):
     v6 = free_port(family=socket.AF_INET6, host="::1") if have_ipv6_loopback() else None
     if v6 is not None:
         opts += ["-p", f"[::1]:{v6}:{GUEST_TCP}"]
-    g = Guest(*opts)
+    g = ForwardGuest(*opts)
     try:
         check_exchange(tcp, 50_000, 50_000, 3)
         u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -579,7 +579,8 @@ async def test_stack_exit_cancels_handlers_and_closes_their_upstreams(v6):
     loopback) and a UDP handler, both waiting for ever, each family: leaving the Stack cancels both
     tasks, aborts the upstream (the server sees it end); no task, socket or fd is left."""
     from support.prereqs import have_ipv6_loopback
-    from support.stacks import F4, F6, of_proto, recv_frames, served_stack, tcp_frame, udp_frame
+    from support.frames import F4, F6, of_proto, tcp_frame, udp_frame
+    from support.stacks import recv_frames, served_stack
 
     if v6:
         need(have_ipv6_loopback(), "IPv6 on the test namespace's loopback")
@@ -692,7 +693,7 @@ async def test_upstream_proxy_names_the_destination():
     with the credentials of the environment; a proxy that refuses ends the flow (counted in ``failures``)."""
     from aioslirp.handlers.proxy import ProxyError, UpstreamProxy
 
-    class Flow:
+    class FakeFlow:
         destination, remote, name = ("192.0.2.80", 443), "192.0.2.80", "svc.test"
         owned: list = []
 
@@ -705,12 +706,12 @@ async def test_upstream_proxy_names_the_destination():
         try:
             up = UpstreamProxy(f"{kind}://127.0.0.1:{proxy.port}", env=env, no_proxy="")
             with pytest.raises(ProxyError):  # the test proxy cannot resolve svc.test: it refuses
-                await up.connect(Flow())
+                await up.connect(FakeFlow())
             assert proxy.seen[0][1] == "svc.test:443"
         finally:
-            for w in Flow.owned:
+            for w in FakeFlow.owned:
                 w.close()
-            Flow.owned.clear()
+            FakeFlow.owned.clear()
             await proxy.close()
 
 

@@ -27,7 +27,8 @@ from aioslirp.config import NetworkConfig
 from support import qemu
 from support.paths import REPO
 from support.servers import DataServer, DnsUpstream, pattern
-from support.vms import MB20, VM_TIMEOUT, check_vm, cli_server, guestvm, report, wait_path  # noqa: F401 (guestvm: a fixture)
+from support.vms import MB20, VM_TIMEOUT, check_vm, cli_server, report, wait_path
+from support.vms import guestvm  # noqa: F401 - a fixture: the kit's kernel + initramfs, built
 
 pytestmark = [pytest.mark.slow]
 

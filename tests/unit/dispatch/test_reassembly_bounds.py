@@ -41,14 +41,10 @@ from aioslirp.nat.hostsock import READ_SIZE
 from aioslirp.nat.tcp import TcpFlow
 from aioslirp.wire.ipv6 import parse_ipv6
 
-from support.frames import GUEST6, GW6, raw6, ref_checksum6
+from support.frames import GUEST4, GUEST6, GUEST_MAC, GW4, GW6, GW_MAC, raw6, ref_checksum6
 from support.servers import DataServer, UdpEcho, pattern
-from support.stacks import Guest
+from support.stacks import GuestEnd
 
-GUEST_MAC = bytes.fromhex("525400123456")
-GW_MAC = bytes.fromhex("52550a000202")
-GUEST = socket.inet_aton("10.0.2.15")
-GW = socket.inet_aton("10.0.2.2")
 REMOTE6 = bytes.fromhex("20010db8000000000000000000000001")
 
 
@@ -242,24 +238,24 @@ def test_bad_limit_value_is_one_line_naming_the_option_exit_2(value, words):
 
 
 # ---------------------------------------------------------------------------------- a whole Stack
-def frags4(l4: bytes, proto: int, ident: int, dst: bytes = GW, size: int = 1480) -> list[bytes]:
+def frags4(l4: bytes, proto: int, ident: int, dst: bytes = GW4, size: int = 1480) -> list[bytes]:
     """IPv4 fragments (Ethernet frames) of the upper-layer bytes ``l4``, ``size`` bytes each."""
     out = []
     for off in range(0, len(l4), size):
         chunk = l4[off:off + size]
         more = off + size < len(l4)
-        ip = dpkt.ip.IP(src=GUEST, dst=dst, p=proto, ttl=64, id=ident, mf=int(more), offset=off >> 3, data=chunk)
+        ip = dpkt.ip.IP(src=GUEST4, dst=dst, p=proto, ttl=64, id=ident, mf=int(more), offset=off >> 3, data=chunk)
         ip.len = 20 + len(chunk)
         ip.sum = 0
         out.append(bytes(dpkt.ethernet.Ethernet(src=GUEST_MAC, dst=GW_MAC, type=0x0800, data=ip)))
     return out
 
 
-def udp4_l4(sport: int, dport: int, payload: bytes, dst: bytes = GW) -> bytes:
+def udp4_l4(sport: int, dport: int, payload: bytes, dst: bytes = GW4) -> bytes:
     """UDP header and payload with the checksum dpkt computes over the IPv4 pseudo-header."""
     u = dpkt.udp.UDP(sport=sport, dport=dport, data=payload)
     u.ulen = 8 + len(payload)
-    ip = dpkt.ip.IP(src=GUEST, dst=dst, p=17, ttl=64, data=u)
+    ip = dpkt.ip.IP(src=GUEST4, dst=dst, p=17, ttl=64, data=u)
     ip.len = 20 + len(bytes(u))
     return bytes(ip)[20:]
 
@@ -326,7 +322,7 @@ async def serve(**cfg):
     await stack.__aenter__()
     task = asyncio.ensure_future(stack.serve(SocketPairTransport(b)))
     await asyncio.sleep(0)
-    return stack, Guest(a), task
+    return stack, GuestEnd(a), task
 
 
 async def stop(stack, guest, task) -> None:

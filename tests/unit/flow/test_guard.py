@@ -92,7 +92,7 @@ class Done:
         return self._done
 
 
-class Flow:
+class FakeFlow:
     """A flow as the guard and the flow table's sweep see it."""
 
     def __init__(self, proto_name="tcp", remote=HOST, dst_port=80, direction="outbound", transport=None,
@@ -256,8 +256,8 @@ def test_admit_policy_first_then_caps_then_fds_then_pending_then_rate(monkeypatc
     a cap before the fd budget, both before the pending connects and the rate."""
     g, stack = guard(monkeypatch, soft=FD_RESERVE + 3, max_flows=2, dns_max_inflight=1, max_tcp_flows=1,
                      max_pending_connects=4, new_flow_rate=1, new_flow_burst=1, egress_deny=["192.0.2.0/24"])
-    g.opened(Flow())  # one TCP flow, pending: the cap is reached
-    g.opened(Flow("udp"))  # two flows: the fd budget (2) is reached too
+    g.opened(FakeFlow())  # one TCP flow, pending: the cap is reached
+    g.opened(FakeFlow("udp"))  # two flows: the fd budget (2) is reached too
     assert g.admit(TCP, "192.0.2.1", 80) == DENIED
     assert g.admit(TCP, HOST, 80) == "limit_tcp_flows"
     assert g.admit(UDP, HOST, 53) == "limit_fds"
@@ -281,9 +281,9 @@ def test_admit_empty_policy_allows_everything(monkeypatch):
 @pytest.mark.parametrize(("proto", "name"), [(TCP, "tcp"), (UDP, "udp"), (ICMP, "icmp"), (ICMP6, "icmp"), (99, "tcp")])
 def test_admit_per_protocol_cap_at_its_edge(monkeypatch, proto, name):
     g, stack = guard(max_tcp_flows=2, max_udp_flows=2, max_icmp_flows=2, new_flow_rate=0)
-    g.opened(Flow(name, transport=object()))
+    g.opened(FakeFlow(name, transport=object()))
     assert g.admit(proto, HOST, 7) is None  # 1 of 2
-    g.opened(Flow(name, transport=object()))
+    g.opened(FakeFlow(name, transport=object()))
     assert g.admit(proto, HOST, 7) == f"limit_{name}_flows"
     assert drops(stack) == {f"drop.limit_{name}_flows": 1}
     others = {"tcp", "udp", "icmp"} - {name}
@@ -295,9 +295,9 @@ def test_admit_fd_budget_counts_all_protocols(monkeypatch):
     g, stack = guard(monkeypatch, soft=FD_RESERVE + 4, max_flows=3, dns_max_inflight=1, new_flow_rate=0)
     assert g.fd_budget == 3
     for name in ("tcp", "udp"):
-        g.opened(Flow(name, transport=object()))
+        g.opened(FakeFlow(name, transport=object()))
     assert g.admit(ICMP, HOST) is None  # 2 of 3
-    g.opened(Flow("icmp"))
+    g.opened(FakeFlow("icmp"))
     assert g.admit(ICMP, HOST) == "limit_fds"
     assert stack.counters["drop.limit_fds"] == 1
 
@@ -307,7 +307,7 @@ def test_admit_fd_budget_counts_all_protocols(monkeypatch):
 
 def test_pending_connects_per_destination_and_in_all(monkeypatch):
     g, stack = guard(max_pending_connects=8, new_flow_rate=0)  # 2 per (address, port)
-    a1, a2 = Flow(dst_port=1), Flow(dst_port=1)
+    a1, a2 = FakeFlow(dst_port=1), FakeFlow(dst_port=1)
     g.opened(a1)
     assert g.admit(TCP, HOST, 1) is None
     g.opened(a2)
@@ -322,19 +322,19 @@ def test_pending_connects_per_destination_and_in_all(monkeypatch):
     g.closed(a2)
     assert g.pending == 0
     for i in range(8):  # eight destinations, one pending each: the total bound
-        g.opened(Flow(dst_port=100 + i))
+        g.opened(FakeFlow(dst_port=100 + i))
     assert g.admit(TCP, HOST, 200) == "limit_pending_connects"
     assert stack.counters["drop.limit_pending_connects"] == 2
 
 
 def test_pending_only_outbound_tcp_without_transport(monkeypatch):
     g, _ = guard(max_pending_connects=4)
-    g.opened(Flow(direction="inbound"))  # a port forward: we connect into the guest
-    g.opened(Flow(transport=object()))  # connected already
-    g.opened(Flow("udp"))
-    g.opened(Flow(remote=None))  # a local service
+    g.opened(FakeFlow(direction="inbound"))  # a port forward: we connect into the guest
+    g.opened(FakeFlow(transport=object()))  # connected already
+    g.opened(FakeFlow("udp"))
+    g.opened(FakeFlow(remote=None))  # a local service
     assert g.pending == 0
-    g.opened(Flow(direction="outbound"))  # a guest-initiated connect still in progress
+    g.opened(FakeFlow(direction="outbound"))  # a guest-initiated connect still in progress
     assert g.pending == 1
     assert g.active == {"tcp": 4, "udp": 1, "icmp": 0}
 
@@ -343,18 +343,18 @@ def test_pending_set_swept_when_the_bound_is_reached(monkeypatch):
     """A pending connect that completed (transport set) or ended (done) without telling the
     guard is forgotten by the sweep, which runs at most every PRUNE_INTERVAL seconds."""
     g, _ = guard(max_pending_connects=4, new_flow_rate=0)  # 1 per destination
-    a = Flow(dst_port=1)
+    a = FakeFlow(dst_port=1)
     g.opened(a)
     a.transport = object()  # connected, but connected() was not called
     assert g.admit(TCP, HOST, 1, now=0.0) is None  # the sweep at t=0 forgets it
     assert g.pending == 0
-    b = Flow(dst_port=2)
+    b = FakeFlow(dst_port=2)
     g.opened(b)
     b.done = Done(True)  # ended
     assert g.admit(TCP, HOST, 2, now=PRUNE_INTERVAL / 2) == "limit_pending_connects"  # too soon for another sweep
     assert g.admit(TCP, HOST, 2, now=PRUNE_INTERVAL) is None  # exactly the interval later: swept
     assert g.pending == 0
-    c = Flow(dst_port=3)
+    c = FakeFlow(dst_port=3)
     g.opened(c)  # still connecting
     assert g.admit(TCP, HOST, 3, now=1.0) == "limit_pending_connects"
     assert g.pending == 1
@@ -362,14 +362,14 @@ def test_pending_set_swept_when_the_bound_is_reached(monkeypatch):
 
 def test_pending_destination_count_survives_partial_forget(monkeypatch):
     g, _ = guard(max_pending_connects=12, new_flow_rate=0)  # 3 per destination
-    flows = [Flow(dst_port=5) for _ in range(3)]
+    flows = [FakeFlow(dst_port=5) for _ in range(3)]
     for f in flows:
         g.opened(f)
     assert g.admit(TCP, HOST, 5) == "limit_pending_connects"
     g.connected(flows[0])
     g.connected(flows[0])  # twice: no effect
     assert g.admit(TCP, HOST, 5) is None
-    g.opened(Flow(dst_port=5))
+    g.opened(FakeFlow(dst_port=5))
     assert g.admit(TCP, HOST, 5) == "limit_pending_connects"
     g.closed(flows[1])
     g.closed(flows[2])
@@ -379,12 +379,12 @@ def test_pending_destination_count_survives_partial_forget(monkeypatch):
 
 def test_closed_never_counts_below_zero(monkeypatch):
     g, _ = guard()
-    g.closed(Flow("udp"))
-    g.closed(Flow("forward"))  # not a guarded protocol
+    g.closed(FakeFlow("udp"))
+    g.closed(FakeFlow("forward"))  # not a guarded protocol
     assert g.active == {"tcp": 0, "udp": 0, "icmp": 0}
-    g.opened(Flow("udp"))
-    g.opened(Flow("udp"))
-    g.closed(Flow("udp"))
+    g.opened(FakeFlow("udp"))
+    g.opened(FakeFlow("udp"))
+    g.closed(FakeFlow("udp"))
     assert g.active["udp"] == 1
 
 
@@ -407,7 +407,7 @@ def test_new_flow_rate_is_the_last_check(monkeypatch):
 def test_each_bound_is_logged_once_naming_its_option(monkeypatch, caplog):
     caplog.set_level(logging.INFO, "aioslirp.limits")
     g, _ = guard(max_udp_flows=1, new_flow_rate=0)
-    g.opened(Flow("udp"))
+    g.opened(FakeFlow("udp"))
     for _ in range(3):
         assert g.admit(UDP, HOST, 1) == "limit_udp_flows"
     assert [r.getMessage() for r in caplog.records] == [
@@ -503,10 +503,10 @@ def test_tcp_idle_timeout_off_leaves_the_other_kinds_interval():
 def test_sweep_expires_each_flow_by_its_own_rule_and_rearms():
     t, _, loop = table(tcp_idle_timeout=8.0, udp_idle_timeout=7200.0, icmp_idle_timeout=7200.0)
     at = loop.timers[0].when
-    idle = [Flow(last_active=at - 8.5, key=i, timeout=8.0) for i in range(2)]
-    edge = Flow(last_active=at - 8.0, key=2, timeout=8.0)  # exactly the timeout: not yet
-    busy = Flow(last_active=at - 1.0, key=3, timeout=8.0)
-    udp = Flow("udp", last_active=at - 100.0, key=4, timeout=None)  # its kind's rule says no
+    idle = [FakeFlow(last_active=at - 8.5, key=i, timeout=8.0) for i in range(2)]
+    edge = FakeFlow(last_active=at - 8.0, key=2, timeout=8.0)  # exactly the timeout: not yet
+    busy = FakeFlow(last_active=at - 1.0, key=3, timeout=8.0)
+    udp = FakeFlow("udp", last_active=at - 100.0, key=4, timeout=None)  # its kind's rule says no
     every = idle + [edge, busy, udp]
     for f in every:
         t.flows[f.key] = f
@@ -519,16 +519,16 @@ def test_sweep_expires_each_flow_by_its_own_rule_and_rearms():
 
 def test_sweep_recounts_active_flows_from_the_table():
     t, g, loop = table(tcp_idle_timeout=8.0)
-    g.opened(Flow("udp"))  # a flow that left the table without closed()
+    g.opened(FakeFlow("udp"))  # a flow that left the table without closed()
     for i, name in enumerate(("tcp", "tcp", "icmp", "forward")):
-        t.flows[i] = Flow(name, last_active=loop.now + 10, key=i)
+        t.flows[i] = FakeFlow(name, last_active=loop.now + 10, key=i)
     loop.fire()
     assert g.active == {"tcp": 2, "udp": 0, "icmp": 1}
 
 
 def test_sweep_stops_with_the_stack():
     t, _, loop = table(tcp_idle_timeout=8.0)
-    t.flows[0] = f = Flow(last_active=0.0, key=0, timeout=8.0)
+    t.flows[0] = f = FakeFlow(last_active=0.0, key=0, timeout=8.0)
     t.close()  # Stack.aclose
     assert loop.armed() == []
     assert f.expired_at == []
@@ -677,7 +677,7 @@ def test_a_first_connect_to_a_destination_does_not_spend_the_sweep():
     happens. (Kills Guard.admit ``_pending_dest.get(dest, 1)``.)"""
     g, _ = guard(max_pending_connects=4, new_flow_rate=0)  # 1 per destination
     assert g.admit(TCP, HOST, 1, now=0.0) is None
-    a = Flow(dst_port=1)
+    a = FakeFlow(dst_port=1)
     g.opened(a)
     a.transport = object()  # connected, but connected() was not called
     assert g.admit(TCP, HOST, 1, now=PRUNE_INTERVAL / 2) is None  # the first sweep forgets it

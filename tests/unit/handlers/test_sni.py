@@ -483,7 +483,7 @@ class Writer:
         self.closed = True
 
 
-class Flow:
+class FakeFlow:
     """What the verifier reads of a flow: to 192.0.2.10:``port``, allowed as allowed.test."""
 
     def __init__(self, port: int) -> None:
@@ -508,7 +508,7 @@ def verifier(*allow: str, onward=None) -> SniVerifier:
 
 async def verify(v: SniVerifier, data: bytes, port: int = 443) -> str:
     """``"passed"`` (the held bytes went upstream) or ``"reset"``."""
-    flow, guest = Flow(port), Writer()
+    flow, guest = FakeFlow(port), Writer()
     await v(flow, Reader(data), guest)
     if flow.upstream is not None:
         assert not guest.aborted and flow.upstream.written == data
@@ -554,7 +554,7 @@ async def test_too_long_timeout_and_eof_are_reset_and_nothing_is_closed_cleanly(
     v = verifier("allowed.test:443")
     assert await verify(v, b"GET / HTTP/1.1\r\nX-A: " + b"a" * MAX_HELD) == "reset"  # no end within MAX_HELD
     assert await verify(v, b"GET / HTTP/1.1\r\n") == "reset"  # EOF before the head's end
-    flow, guest = Flow(443), Writer()
+    flow, guest = FakeFlow(443), Writer()
     await v(flow, Reader(b""), guest)
     assert guest.closed and not guest.aborted and flow.upstream is None
     assert v.counters["egress.sni_denied"] == 2
@@ -584,7 +584,7 @@ class Chunks(Reader):
 
 async def test_bytes_arriving_in_pieces_are_held_together():
     v = verifier("allowed.test:443")
-    flow, guest = Flow(443), Writer()
+    flow, guest = FakeFlow(443), Writer()
     hello = client_hello("allowed.test")
     await v(flow, Chunks(hello, 7), guest)
     assert flow.upstream is not None and flow.upstream.written == hello
@@ -594,7 +594,7 @@ async def test_bytes_arriving_in_pieces_are_held_together():
 async def test_at_most_max_held_bytes_are_read_without_a_name(first):
     v = verifier("allowed.test:443")
     reader = Chunks(b"GET / HTTP/1.1\r\nX-A: " + b"a" * MAX_HELD, first, MAX_HELD * 2)
-    flow, guest = Flow(443), Writer()
+    flow, guest = FakeFlow(443), Writer()
     await v(flow, reader, guest)
     assert guest.aborted and len(reader.data) == 21  # what is past MAX_HELD stays unread
 
@@ -602,7 +602,7 @@ async def test_at_most_max_held_bytes_are_read_without_a_name(first):
 async def test_a_guest_that_names_nothing_in_time_is_reset_at_the_timeout(caplog):
     v = verifier("allowed.test:443")
     v.timeout = 0.05
-    flow, guest = Flow(443), Writer()
+    flow, guest = FakeFlow(443), Writer()
     loop = asyncio.get_running_loop()
     start = loop.time()
     with caplog.at_level("INFO", logger="aioslirp.limits"):
@@ -627,7 +627,7 @@ async def test_a_verified_flow_goes_through_the_onward_handlers_connect():
 
     onward = Onward()
     v = verifier("allowed.test:443", onward=onward)
-    flow, guest = Flow(443), Writer()
+    flow, guest = FakeFlow(443), Writer()
     flow.open_upstream = None  # not to be used
     await v(flow, Reader(client_hello("allowed.test")), guest)
     assert onward.flows == [flow] and first_name(flow.upstream.written) == ("name", "allowed.test", None)
@@ -681,7 +681,7 @@ async def test_each_reset_is_audited():
     await verify(v, client_hello("other.test"))
     await verify(v, client_hello("allowed.test"))
     await verify(v, request(b"Host: a\r\nHost: a"))
-    flow = Flow(443)
+    flow = FakeFlow(443)
     flow.guest = ("fd00::15", 4001)
     await v(flow, Reader(client_hello("other.test")), Writer())
     recs = Audit.records

@@ -24,9 +24,9 @@ from aioslirp.config.forward import parse_publish
 from aioslirp.frontends.api import ApiServer
 from aioslirp.nat.forward import SOURCE_PORTS, UnknownForwardError
 
-from support.frames import ACK, FIN, GUEST, GW, PSH, RST, SYN
+from support.frames import ACK, F4, FIN, GUEST4, GW4, PSH, RST, SYN, ip_frame, tcp_frame
 from support.prereqs import have_ipv6_loopback, need
-from support.stacks import FakeGuest, guest_accept, host_connect, is_arp_request
+from support.stacks import GuestEnd, guest_accept, host_connect, is_arp_request
 from support.stacks import stack_guest  # noqa: F401 - a fixture
 
 # ----------------------------------------------------------------------------- parsing
@@ -119,10 +119,9 @@ async def test_active_open_options_data_and_half_close(stack_guest):
     opts = dict(dpkt.tcp.parse_opts(syn.opts))
     assert opts[dpkt.tcp.TCP_OPT_MSS] == (1500 - 40).to_bytes(2, "big")
     assert dpkt.tcp.TCP_OPT_WSCALE in opts  # window scaling offered, as for outbound flows
-    key = (6, GUEST, 8080, GW, syn.sport)
+    key = (6, GUEST4, 8080, GW4, syn.sport)
     assert stack.parts.flows[key].state == "SYN-SENT"
-    guest.send_tcp(8080, syn.sport, 5000, syn.seq + 1, SYN | ACK, win=64240,
-                   opts=b"\x02\x04\x05\xb4\x01\x03\x03\x07")
+    guest.send(tcp_frame(F4, 8080, syn.sport, SYN | ACK, 5000, syn.seq + 1, opts=b"\x02\x04\x05\xb4\x01\x03\x03\x07", win=64240))
     seg = await guest.expect_tcp()
     while not seg.data:  # the ACK of the SYN-ACK may come alone
         seg = await guest.expect_tcp()
@@ -136,10 +135,10 @@ async def test_active_open_options_data_and_half_close(stack_guest):
     fin = await guest.expect_tcp()
     assert fin.flags & FIN and fin.seq == their
     their += 1
-    guest.send_tcp(8080, syn.sport, my_seq, their, ACK | PSH, b"reply from guest")
+    guest.send(tcp_frame(F4, 8080, syn.sport, ACK | PSH, my_seq, their, data=b"reply from guest"))
     my_seq += len(b"reply from guest")
     assert await asyncio.wait_for(reader.readexactly(16), 3) == b"reply from guest"
-    guest.send_tcp(8080, syn.sport, my_seq, their, ACK | FIN)
+    guest.send(tcp_frame(F4, 8080, syn.sport, ACK | FIN, my_seq, their))
     assert await asyncio.wait_for(reader.read(), 3) == b""  # EOF after the guest's FIN
     writer.close()
     # both sides closed: the flow leaves the table (after a short TIME-WAIT), no host socket kept
@@ -157,7 +156,7 @@ async def test_guest_closes_first_host_sees_eof(stack_guest):
     fwd = await stack.add_forward(PortForward(host_port=0, guest_port=22))
     reader, writer = await host_connect(fwd.host_port)
     sport, seq, their, _ = await guest_accept(guest, 22)
-    guest.send_tcp(22, sport, seq, their, ACK | PSH | FIN, b"banner\n")
+    guest.send(tcp_frame(F4, 22, sport, ACK | PSH | FIN, seq, their, data=b"banner\n"))
     assert await asyncio.wait_for(reader.read(), 3) == b"banner\n"
     # the host client can still send after the guest's FIN (half-close the other way)
     writer.write(b"still here")
@@ -181,7 +180,7 @@ async def test_guest_rst_resets_host_client_at_once(stack_guest):
     arp = await guest.expect(is_arp_request)
     guest.answer_arp(arp)
     syn = await guest.expect_tcp()
-    guest.send_tcp(9, syn.sport, 0, syn.seq + 1, RST | ACK)  # what a kernel sends for a closed port
+    guest.send(tcp_frame(F4, 9, syn.sport, RST | ACK, 0, syn.seq + 1))  # what a kernel sends for a closed port
     with pytest.raises(ConnectionResetError):
         await asyncio.wait_for(reader.read(100), 3)
     assert stack.counters["forward_connect_timeout"] == 0  # reset by the guest's RST, not our 2 s timeout
@@ -234,7 +233,7 @@ async def test_stack_exit_closes_listeners_and_flows():
     async with Stack(NetworkConfig(dns_upstreams=[("127.0.0.1", 9)])) as stack:
         task = asyncio.ensure_future(stack.serve(SocketPairTransport(b)))
         await asyncio.sleep(0)
-        guest = FakeGuest(a)
+        guest = GuestEnd(a)
         fwd = await stack.add_forward(PortForward(host_port=0, guest_port=80))
         ufwd = await stack.add_forward(PortForward(proto="udp", host_port=0, guest_port=53))
         reader, writer = await host_connect(fwd.host_port)
@@ -267,7 +266,7 @@ async def test_udp_forward_routes_replies_to_each_client(stack_guest):
     clients[0].sendto(b"one", ("127.0.0.1", fwd.host_port))
     guest.answer_arp(await guest.expect(is_arp_request))
     u1 = (await guest.expect(lambda e: isinstance(e.data, dpkt.ip.IP) and e.data.p == 17)).data
-    assert u1.src == GW and u1.dst == GUEST and u1.data.dport == 5353 and u1.data.data == b"one"
+    assert u1.src == GW4 and u1.dst == GUEST4 and u1.data.dport == 5353 and u1.data.data == b"one"
     big = bytes(range(256)) * 31 + b"x" * 64  # 8,000 bytes: fragmented both ways at MTU 1500
     clients[1].sendto(big, ("127.0.0.1", fwd.host_port))
     frags = []
@@ -278,8 +277,8 @@ async def test_udp_forward_routes_replies_to_each_client(stack_guest):
     sport2 = int.from_bytes(payload[0:2], "big")
     assert payload[8:] == big and sport2 != u1.data.sport
     # the guest answers each client from its port; each reply reaches the right client
-    guest.send_ip(dpkt.udp.UDP(sport=5353, dport=u1.data.sport, data=b"to one", ulen=8 + 6), 17)
-    guest.send_ip(dpkt.udp.UDP(sport=5353, dport=sport2, data=b"to two", ulen=8 + 6), 17)
+    guest.send(ip_frame(F4, dpkt.udp.UDP(sport=5353, dport=u1.data.sport, data=b"to one", ulen=8 + 6), 17))
+    guest.send(ip_frame(F4, dpkt.udp.UDP(sport=5353, dport=sport2, data=b"to two", ulen=8 + 6), 17))
     r0 = await asyncio.wait_for(loop.sock_recv(clients[0], 100), 2)
     r1 = await asyncio.wait_for(loop.sock_recv(clients[1], 100), 2)
     assert (r0, r1) == (b"to one", b"to two")

@@ -24,15 +24,13 @@ from aioslirp import NetworkConfig, Stack
 from aioslirp.nat.hostsock import READ_SIZE, HostSocket, TransportHost
 from aioslirp.wire.tcp import build_tcp
 
+from support.frames import ACK, FIN, GUEST4, GUEST_MAC, GW4, GW_MAC, PSH, RST, SYN
 from support.stacks import CollectTransport as Collect, fd_count  # after a gc: earlier tests' garbage does not close mid-count
 
 pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
-GUEST_MAC, GW_MAC = bytes.fromhex("525400123456"), bytes.fromhex("52550a000202")
 ETH = GW_MAC + GUEST_MAC + b"\x08\x00"
-GUEST, GW = socket.inet_aton("10.0.2.15"), socket.inet_aton("10.0.2.2")
 SEQ_ACK = struct.Struct("!II")
-SYN, FIN, RST, PSH, ACK = 0x02, 0x01, 0x04, 0x08, 0x10
 
 
 async def _session(body) -> None:
@@ -50,14 +48,14 @@ async def _session(body) -> None:
             on_frames = stack.parts.link.on_frames
 
             def guest(sport, seq, ack, flags, payload=b"", wnd=65535):
-                on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, wnd, b"", payload)], [True])
+                on_frames([build_tcp(ETH, GUEST4, GW4, sport, port, seq, ack, flags, wnd, b"", payload)], [True])
 
             sport = 40100
             guest(sport, 1000, 0, SYN)
             iss = SEQ_ACK.unpack_from(tr.out[-1], 38)[0]
             host, _ = srv.accept()
             guest(sport, 1001, iss + 1, ACK)
-            flow = stack.parts.flows[(6, GUEST, sport, GW, port)]
+            flow = stack.parts.flows[(6, GUEST4, sport, GW4, port)]
             assert isinstance(flow.transport, HostSocket)
             # room for full 256 KiB reads at once (what receive autotuning gives a bulk flow)
             flow.transport.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)

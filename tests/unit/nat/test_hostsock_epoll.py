@@ -26,13 +26,11 @@ from aioslirp import NetworkConfig, Stack
 from aioslirp.nat.hostsock import HostPoller, HostSocket
 from aioslirp.wire.tcp import build_tcp
 
+from support.frames import ACK, FIN, GUEST4, GUEST_MAC, GW4, GW_MAC, PSH, SYN
 from support.stacks import CollectTransport as Collect, fd_count
 
-GUEST_MAC, GW_MAC = bytes.fromhex("525400123456"), bytes.fromhex("52550a000202")
 ETH = GW_MAC + GUEST_MAC + b"\x08\x00"
-GUEST, GW = socket.inet_aton("10.0.2.15"), socket.inet_aton("10.0.2.2")
 SEQ_ACK = struct.Struct("!II")
-SYN, FIN, PSH, ACK = 0x02, 0x01, 0x08, 0x10
 
 
 def epoll_targets(epfd: int) -> int:
@@ -106,7 +104,7 @@ def test_connections_register_once_and_the_epoll_is_closed_with_the_stack(new_lo
             on_frames = stack.parts.link.on_frames
 
             def guest(sport, seq, ack, flags, data=b""):
-                on_frames([build_tcp(ETH, GUEST, GW, sport, port, seq, ack, flags, 65535, b"", data)], [True])
+                on_frames([build_tcp(ETH, GUEST4, GW4, sport, port, seq, ack, flags, 65535, b"", data)], [True])
 
             n = 12
             for i in range(n):
@@ -117,7 +115,7 @@ def test_connections_register_once_and_the_epoll_is_closed_with_the_stack(new_lo
                 host, _ = srv.accept()
                 guest(sport, 1001, iss + 1, ACK)
                 guest(sport, 1001, iss + 1, ACK | PSH, b"q")
-                flow = stack.parts.flows[(6, GUEST, sport, GW, port)]
+                flow = stack.parts.flows[(6, GUEST4, sport, GW4, port)]
                 assert isinstance(flow.transport, HostSocket)
                 assert poller.registered == 1 and epoll_targets(epfd) == 1  # one ADD, nothing more
                 assert host.recv(1) == b"q"
@@ -167,13 +165,13 @@ def test_a_paused_flow_gets_no_read_callback_until_resumed(new_loop):
             on_frames = stack.parts.link.on_frames
 
             def guest(seq, ack, flags, data=b""):
-                on_frames([build_tcp(ETH, GUEST, GW, 41500, port, seq, ack, flags, 65535, b"", data)], [True])
+                on_frames([build_tcp(ETH, GUEST4, GW4, 41500, port, seq, ack, flags, 65535, b"", data)], [True])
 
             guest(1000, 0, SYN)
             iss = SEQ_ACK.unpack_from(tr.out[-1], 38)[0]
             host, _ = srv.accept()
             guest(1001, iss + 1, ACK)
-            flow = stack.parts.flows[(6, GUEST, 41500, GW, port)]
+            flow = stack.parts.flows[(6, GUEST4, 41500, GW4, port)]
             hs = flow.transport
             assert isinstance(hs, HostSocket)
             tr.out.clear()

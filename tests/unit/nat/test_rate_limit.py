@@ -27,9 +27,10 @@ from aioslirp.errors import ConfigError
 from aioslirp.nat.pacing import RATE_MIN_WRITE, FlowPacing
 from aioslirp.ratelimit import MIN_BYTE_BURST, ByteBucket, byte_burst
 
+from support.frames import F4, udp_frame
 from support.guests import need_tool, run_guest
 from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
-from support.stacks import F4, recv_frames, served_stack, udp_frame
+from support.stacks import recv_frames, served_stack
 
 
 # ------------------------------------------------------------------ parsing

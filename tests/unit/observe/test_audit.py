@@ -15,18 +15,16 @@ import json
 import os
 import socket
 
-import dpkt
 import pytest
 
 from aioslirp import NetworkConfig
 from aioslirp.observe.audit import AuditLog
 
+from support.frames import ACK, FAMILIES, FIN, PSH, RST, SYN, of_proto, tcp_frame, udp_frame
 from support.guests import need_tool, run_guest
 from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
-from support.stacks import FAMILIES, of_proto, recv_frames, served_stack, tcp_frame, udp_frame
+from support.stacks import recv_frames, served_stack
 
-SYN, RST, ACK, FIN, PSH = (dpkt.tcp.TH_SYN, dpkt.tcp.TH_RST, dpkt.tcp.TH_ACK, dpkt.tcp.TH_FIN,
-                           dpkt.tcp.TH_PUSH)
 MSS = b"\x02\x04\x05\xb4"
 
 

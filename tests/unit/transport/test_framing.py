@@ -23,7 +23,8 @@ from aioslirp.transport.dgram import DgramTransport
 from aioslirp.transport.framing import FrameTooLarge, StreamDecoder, encode_frames
 from aioslirp.transport.stream import StreamTransport
 
-GUEST_MAC = bytes.fromhex("525400123456")
+from support.frames import GUEST_MAC
+
 FRAMES = [b"", b"\x01", bytes(range(14)), os.urandom(1514), os.urandom(9000), os.urandom(MAX_FRAME)]
 
 

@@ -17,11 +17,9 @@ import pytest
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
 from aioslirp.transport.pcap import PCAP_HEADER_LEN, PcapTransport
 
+from support.frames import GUEST4, GW4
 from support.paths import REPO
 from support.servers import DataServer, pattern
-
-GUEST = socket.inet_aton("10.0.2.15")
-GW = socket.inet_aton("10.0.2.2")
 
 
 def read_pcap(path) -> list:
@@ -83,16 +81,16 @@ def test_pcap_of_a_namespace_run_has_handshake_and_payload(tmp_path):
     segs = tcp_segments(records, server.port)
     syns = [(ip, t) for _ts, ip, t in segs if t.flags & dpkt.tcp.TH_SYN and not t.flags & dpkt.tcp.TH_ACK]
     (syn_ip, syn), = syns
-    assert syn_ip.src == GUEST and syn_ip.dst == GW and syn.dport == server.port
+    assert syn_ip.src == GUEST4 and syn_ip.dst == GW4 and syn.dport == server.port
     synacks = [(ip, t) for _ts, ip, t in segs if t.flags & dpkt.tcp.TH_SYN and t.flags & dpkt.tcp.TH_ACK]
     (sa_ip, synack), = synacks
-    assert sa_ip.src == GW and sa_ip.dst == GUEST and synack.sport == server.port
+    assert sa_ip.src == GW4 and sa_ip.dst == GUEST4 and synack.sport == server.port
     assert synack.ack == (syn.seq + 1) & 0xFFFFFFFF
-    assert stream(segs, GUEST, syn.seq) == f"DOWN {n} 5\n".encode()
-    down = stream(segs, GW, synack.seq)
+    assert stream(segs, GUEST4, syn.seq) == f"DOWN {n} 5\n".encode()
+    down = stream(segs, GW4, synack.seq)
     assert hashlib.sha256(down).hexdigest() == hashlib.sha256(pattern(n, 5)).hexdigest()
     fins = [ip.src for _ts, ip, t in segs if t.flags & dpkt.tcp.TH_FIN]
-    assert GUEST in fins and GW in fins
+    assert GUEST4 in fins and GW4 in fins
     stamps = [ts for ts, _buf in records]
     assert stamps == sorted(stamps)
     # the link is Ethernet and frames are whole (guest frames included: ARP, DHCP or IPv6 too)
@@ -148,7 +146,7 @@ async def test_pcap_wrapper_records_both_directions_and_flushes_on_close(tmp_pat
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     guest_mac = bytes.fromhex("525400123456")
     arp = (b"\xff" * 6 + guest_mac + b"\x08\x06" + bytes.fromhex("0001080006040001") + guest_mac
-           + GUEST + b"\x00" * 6 + GW)
+           + GUEST4 + b"\x00" * 6 + GW4)
     threads_before = {t.name for t in threading.enumerate()}
     try:
         async with Stack(NetworkConfig(dns_upstreams=[("127.0.0.1", 9)])) as stack:

@@ -24,8 +24,8 @@ from aioslirp.wire.ipv6 import (ALL_NODES, Ipv6, eth6, fragment6, l4_checksum_ok
 from aioslirp.wire.tcp import build_tcp
 from aioslirp.wire.udp import build_udp
 
-from support.frames import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, UNSPEC, a6, checksum_valid, eth,
-                            icmp6_frame, raw6, ref_checksum6, udp6_frame)
+from support.frames import (DNS6, GUEST6, GUEST_LL, GUEST_MAC, GW6, GW_LL, GW_MAC, UNSPEC, a6, checksum_valid,
+                            eth6_frame, icmp6_frame, raw6, ref_checksum6, udp6_frame)
 
 pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
@@ -123,7 +123,7 @@ def test_parse_plain_udp_tcp_icmp6():
 ])
 def test_parse_hostile_headers(pkt, reason):
     assert parse_ipv6(pkt, 0) == reason
-    assert parse_ipv6(eth(pkt)) == reason
+    assert parse_ipv6(eth6_frame(pkt)) == reason
 
 
 def ext(nh: int, body: bytes = b"") -> bytes:
