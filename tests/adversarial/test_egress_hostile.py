@@ -6,10 +6,8 @@ malformed rules are one-line errors naming the field. The upstream is a real UDP
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
-import threading
 
 import dpkt
 import pytest
@@ -19,46 +17,21 @@ from aioslirp.errors import ConfigError
 from aioslirp.flow.egress import Egress
 from aioslirp.services.dns import DnsForwarder
 
-
-class Upstream:
-    """UDP DNS on 127.0.0.1:<ephemeral>: ``big.test`` -> ``n`` A records (10.x.y.1), any other
-    name ``nI.many.test`` -> 198.18.(I>>8).(I&255)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                data, peer = self.sock.recvfrom(4096)
-            except OSError:
-                return
-            q = dpkt.dns.DNS(data)
-            name = q.qd[0].name.lower()
-            r = dpkt.dns.DNS(id=q.id, qr=dpkt.dns.DNS_R, rd=1, ra=1, qd=q.qd)
-            if name == "big.test":
-                r.an = [dpkt.dns.DNS.RR(name=name, type=1, cls=1, ttl=300, ip=bytes([10, i >> 8, i & 255, 1]))
-                        for i in range(self.n)]
-            else:
-                i = int(name.split(".")[0][1:])
-                r.an = [dpkt.dns.DNS.RR(name=name, type=1, cls=1, ttl=300, ip=bytes([198, 18, i >> 8, i & 255]))]
-            self.sock.sendto(bytes(r), peer)
-
-    def close(self) -> None:
-        self.sock.close()
+from support.frames import dns_query
+from support.servers import NameServer
 
 
-def query(name: str) -> bytes:
-    return bytes(dpkt.dns.DNS(id=7, rd=1, qd=[dpkt.dns.DNS.Q(name=name, type=1, cls=1)]))
+def answers(name: str) -> list[bytes]:
+    """``big.test`` -> 3000 A records (10.x.y.1), any other name ``nI.many.test`` -> 198.18.(I>>8).(I&255)."""
+    if name == "big.test":
+        return [bytes([10, i >> 8, i & 255, 1]) for i in range(3000)]
+    i = int(name.split(".")[0][1:])
+    return [bytes([198, 18, i >> 8, i & 255])]
 
 
 @pytest.fixture
 def upstream():
-    u = Upstream(3000)
+    u = NameServer(answers, ttl=300)
     yield u
     u.close()
 
@@ -77,7 +50,7 @@ def test_answer_with_thousands_of_addresses_binds_a_bounded_number(upstream):
 
     async def main():
         try:
-            return await f.resolve(query("big.test"), tcp=True, now=0.0)
+            return await f.resolve(dns_query("big.test", 7), tcp=True, now=0.0)
         finally:
             await f.close()
 
@@ -95,7 +68,7 @@ def test_guest_resolving_many_names_keeps_a_bounded_table(upstream):
     async def main():
         try:
             for i in range(500):
-                r = dpkt.dns.DNS(await f.resolve(query(f"n{i}.many.test"), now=float(i)))
+                r = dpkt.dns.DNS(await f.resolve(dns_query(f"n{i}.many.test", 7), now=float(i)))
                 assert r.rcode == 0 and len(r.an) == 1
         finally:
             await f.close()

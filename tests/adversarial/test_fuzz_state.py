@@ -78,6 +78,7 @@ from aioslirp import NetworkConfig, SocketPairTransport, Stack
 from support.frames import dns_query
 from support.namespaces import namespace_address
 from support.paths import REPO
+from support.servers import free_port
 
 GUEST_MAC = bytes.fromhex("525400123456")
 GW_MAC = bytes.fromhex("52550a000202")
@@ -349,12 +350,6 @@ class _DnsUp(_UdpEcho):
             pass
 
 
-def _free_port(family: int, kind: int) -> int:
-    with socket.socket(family, kind) as s:
-        s.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fd_table() -> dict:
     """fd -> what it points at, for this process."""
     out = {}
@@ -434,8 +429,8 @@ class StackMachine(RuleBasedStateMachine):
             tr, _ = await loop.create_datagram_endpoint(_UdpEcho, local_addr=(host, 0), family=fam)
             self.dgram.append(tr)
             ports["uecho" + tag] = tr.get_extra_info("sockname")[1]
-            ports["closed" + tag] = _free_port(fam, socket.SOCK_STREAM)  # nobody listens: connect refused
-            ports["uclosed" + tag] = _free_port(fam, socket.SOCK_DGRAM)  # nobody bound: ICMP port unreachable
+            ports["closed" + tag] = free_port(socket.SOCK_STREAM, host)  # nobody listens: connect refused
+            ports["uclosed" + tag] = free_port(socket.SOCK_DGRAM, host)  # nobody bound: ICMP port unreachable
         tr, _ = await loop.create_datagram_endpoint(_DnsUp, local_addr=("127.0.0.1", 0))
         self.dgram.append(tr)
         ports["dns"] = tr.get_extra_info("sockname")[1]

@@ -29,7 +29,7 @@ import pytest
 from support.namespaces import netns_holders
 from support.paths import GUEST_PROGRAMS
 from support.prereqs import need
-from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
+from support.servers import DataServer, UdpEcho, host_servers, pattern
 
 pytestmark = pytest.mark.netns
 
@@ -38,10 +38,8 @@ GUEST = str(GUEST_PROGRAMS / "hostile.py")
 
 @pytest.fixture(scope="module")
 def servers():
-    s = {"data": DataServer(), "dns": DnsUpstream(), "udp": UdpEcho()}
-    yield s
-    for v in s.values():
-        v.close()
+    with host_servers() as s:
+        yield s
 
 
 def aioslirp_run(servers, mode: str, args: dict, *opts: str) -> subprocess.Popen:

@@ -2,7 +2,7 @@
 asserted by value (issue 19, "tests that can fail").
 
 Most tests run a whole :class:`~aioslirp.Stack` in this process, fed crafted frames over a
-socketpair (``Guest`` and ``serving`` of ``tests/support/stacks.py``), with real host sockets in
+socketpair (``GuestEnd`` and ``serving`` of ``tests/support/stacks.py``), with real host sockets in
 pytest's loopback-only namespace: listeners on 127.0.0.1 / ``[::]``, and 198.18.0.1 added to
 ``lo`` (:func:`support.namespaces.namespace_address`) as a destination that is neither loopback nor
 the gateway. Where the promise is about a real guest (a Linux kernel's TCP, ``aioslirp run``'s

@@ -9,6 +9,10 @@
 * :class:`UdpEcho` — echoes every datagram.
 * :class:`DnsUpstream` — answers every A query with 10.0.2.99 over UDP and TCP (dpkt); AAAA
   queries with ``aaaa`` when given (else no answer records, as before).
+* :class:`NameServer` — UDP DNS answering A queries by name from a table or a function,
+  NXDOMAIN for the names it does not know.
+* :func:`host_servers` — a DataServer, a UdpEcho and a DnsUpstream for a ``with`` block.
+* :func:`free_port` — a port nothing is bound to: a refused connection, a port unreachable.
 
 Servers bind 127.0.0.1 by default; pass ``host="::1"`` for IPv6 loopback (``DnsUpstream``:
 any loopback address, e.g. ``"127.0.0.53"`` like systemd-resolved's stub).
@@ -16,6 +20,7 @@ any loopback address, e.g. ``"127.0.0.53"`` like systemd-resolved's stub).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import socket
@@ -212,3 +217,63 @@ class DnsUpstream:
     def close(self) -> None:
         self.udp.close()
         self.tcp.close()
+
+
+class NameServer:
+    """UDP DNS on 127.0.0.1:<ephemeral> (``.port``) answering A queries (RFC 1035) by name.
+
+    ``names``: a dict name -> IPv4 address (text), or a function name -> list of IPv4 addresses
+    (text or 4 bytes); a name it does not know (missing, or ``None``) gets NXDOMAIN; a known name
+    asked for another type gets no answer record. Names are looked up in lower case. ``ttl``:
+    of every answer record, seconds.
+    """
+
+    def __init__(self, names, ttl: int = 60) -> None:
+        self.lookup = names if callable(names) else (lambda n, t=names: [t[n]] if n in t else None)
+        self.ttl = ttl
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                data, peer = self.sock.recvfrom(4096)
+            except OSError:
+                return
+            q = dpkt.dns.DNS(data)
+            r = dpkt.dns.DNS(id=q.id, qr=dpkt.dns.DNS_R, rd=q.rd, ra=1, qd=q.qd)
+            qd = q.qd[0]
+            addrs = self.lookup(qd.name.lower())
+            if addrs is None:
+                r.rcode = dpkt.dns.DNS_RCODE_NXDOMAIN
+            elif qd.type == dpkt.dns.DNS_A:
+                r.an = [dpkt.dns.DNS.RR(name=qd.name, type=dpkt.dns.DNS_A, cls=dpkt.dns.DNS_IN, ttl=self.ttl,
+                                        ip=a if isinstance(a, bytes) else socket.inet_aton(a)) for a in addrs]
+            self.sock.sendto(bytes(r), peer)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@contextlib.contextmanager
+def host_servers(host: str = "127.0.0.1", aaaa: str | None = None):
+    """A :class:`DataServer` and a :class:`UdpEcho` on ``host`` and a :class:`DnsUpstream` on
+    127.0.0.1 (answering AAAA with ``aaaa``) for the ``with`` block; yields ``{"data", "udp",
+    "dns"}``. All are closed when it ends."""
+    servers = {"data": DataServer(host=host), "udp": UdpEcho(host=host), "dns": DnsUpstream(aaaa=aaaa)}
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+def free_port(kind: int = socket.SOCK_STREAM, host: str = "127.0.0.1") -> int:
+    """A port of ``host`` (IPv4 or IPv6 loopback) nothing is bound to for ``kind`` (SOCK_STREAM or
+    SOCK_DGRAM): bound and closed again at once. A connection to it is refused, a datagram to it
+    draws an ICMP port unreachable; or a server started next may listen on it."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, kind) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -27,6 +27,7 @@ from aioslirp.errors import ConfigError
 
 from support.namespaces import start_target_namespace
 from support.prereqs import importable, need
+from support.servers import free_port
 
 pytestmark = pytest.mark.netns
 
@@ -58,12 +59,6 @@ def usage_error(p: subprocess.CompletedProcess, option: str) -> str:
     line = one_line(p)
     assert line.startswith(f"aioslirp: error: {option}: "), line
     return line
-
-
-def free_port(kind=socket.SOCK_STREAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from aioslirp.frontends.netns import run_in_namespace
 
 from support.frames import DNS_A, DNS_AAAA
 from support.guests import GUEST_FAMILIES, LINK_MTU, guest_json, handshake_mss, need_tool, run_guest
-from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
+from support.servers import DataServer, DnsUpstream, UdpEcho, free_port, host_servers, pattern
 from support.stacks import fd_count, stack_tasks
 
 pytestmark = pytest.mark.netns
@@ -43,22 +43,8 @@ def fam(request):
 
 @pytest.fixture(scope="module")
 def servers(fam):
-    data = DataServer(host=fam.loopback)
-    udp = UdpEcho(host=fam.loopback)
-    dns = DnsUpstream(aaaa=DNS_AAAA)
-    yield {"data": data, "udp": udp, "dns": dns}
-    data.close()
-    udp.close()
-    dns.close()
-
-
-def closed_port(fam, kind: str) -> int:
-    """A port of ``fam.loopback`` nothing listens on (``kind``: "tcp" or "udp")."""
-    probe = socket.socket(getattr(socket, fam.af), socket.SOCK_STREAM if kind == "tcp" else socket.SOCK_DGRAM)
-    probe.bind((fam.loopback, 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    return port
+    with host_servers(fam.loopback, aaaa=DNS_AAAA) as s:
+        yield s
 
 
 def test_http_get_with_curl(servers, fam):
@@ -205,7 +191,7 @@ def test_closed_port_refused_fast(servers, fam):
     script = f"""
     import socket, json
     try:
-        socket.create_connection(("{fam.gw}", {closed_port(fam, "tcp")}), timeout=10)
+        socket.create_connection(("{fam.gw}", {free_port(socket.SOCK_STREAM, fam.loopback)}), timeout=10)
         err = "connected"
     except ConnectionRefusedError:
         err = "ECONNREFUSED"
@@ -327,7 +313,7 @@ def test_udp_to_closed_port_gets_port_unreachable(servers, fam):
     import socket, json
     s = socket.socket(socket.{fam.af}, socket.SOCK_DGRAM)
     s.settimeout(3)
-    s.connect(("{fam.gw}", {closed_port(fam, "udp")}))
+    s.connect(("{fam.gw}", {free_port(socket.SOCK_DGRAM, fam.loopback)}))
     s.send(b"hello")
     try:
         s.recv(100)

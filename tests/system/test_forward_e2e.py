@@ -23,6 +23,7 @@ import pytest
 
 from support.paths import GUEST_PROGRAMS
 from support.prereqs import have_ipv6_loopback, need
+from support.servers import free_port
 
 pytestmark = pytest.mark.netns
 
@@ -32,14 +33,6 @@ GUEST_TCP, GUEST_UDP, GUEST_CLOSED = 8080, 8081, 9999
 
 def pattern(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
-
-
-def free_port(kind=socket.SOCK_STREAM, family=socket.AF_INET, host: str = "127.0.0.1") -> int:
-    s = socket.socket(family, kind)
-    s.bind((host, 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 class ForwardGuest:
@@ -316,7 +309,7 @@ def test_start_errors_exit_with_one_line(tmp_path):
 def test_forwards_with_disable_host_loopback_and_ipv6_host(tmp_path):
     tcp, udp = free_port(), free_port(socket.SOCK_DGRAM)
     opts = ["--disable-host-loopback", "-p", f"{tcp}:{GUEST_TCP}", "-p", f"{udp}:{GUEST_UDP}/udp"]
-    v6 = free_port(family=socket.AF_INET6, host="::1") if have_ipv6_loopback() else None
+    v6 = free_port(host="::1") if have_ipv6_loopback() else None
     if v6 is not None:
         opts += ["-p", f"[::1]:{v6}:{GUEST_TCP}"]
     g = ForwardGuest(*opts)

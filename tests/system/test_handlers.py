@@ -28,7 +28,6 @@ import tempfile
 import threading
 import time
 
-import dpkt
 import pytest
 
 from aioslirp import NetworkConfig, Stack, splice
@@ -36,41 +35,10 @@ from aioslirp.frontends.netns import run_in_namespace
 
 from support.guests import need_tool
 from support.prereqs import need
-from support.servers import DataServer, pattern
+from support.servers import DataServer, NameServer, free_port, pattern
 from support.stacks import fd_count
 
 pytestmark = pytest.mark.netns
-
-
-class Names:
-    """A DNS upstream on 127.0.0.1 answering A queries from ``table`` (name -> address), else NXDOMAIN."""
-
-    def __init__(self, table: dict) -> None:
-        self.table = table
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                data, peer = self.sock.recvfrom(4096)
-            except OSError:
-                return
-            q = dpkt.dns.DNS(data)
-            r = dpkt.dns.DNS(id=q.id, qr=dpkt.dns.DNS_R, rd=q.rd, ra=1, qd=q.qd)
-            qd = q.qd[0]
-            addr = self.table.get(qd.name.lower())
-            if addr is None:
-                r.rcode = dpkt.dns.DNS_RCODE_NXDOMAIN
-            elif qd.type == dpkt.dns.DNS_A:
-                r.an = [dpkt.dns.DNS.RR(name=qd.name, type=dpkt.dns.DNS_A, cls=dpkt.dns.DNS_IN, ttl=60,
-                                        ip=socket.inet_aton(addr))]
-            self.sock.sendto(bytes(r), peer)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 async def run_guest(cfg, script: str, *args, timeout: float = 120, setup=None, **stack_kw):
@@ -260,7 +228,7 @@ async def test_handler_api_with_a_real_guest():
         stack.route("192.0.2.81:10", aborting)
         stack.route("192.0.2.53:5353/udp", udp_upper)
 
-    names = Names({"svc.test": "192.0.2.82"})
+    names = NameServer({"svc.test": "192.0.2.82"})
     try:
         out, stack = await run_guest(cfg(dns_upstreams=[("127.0.0.1", names.port)], egress_deny=["192.0.2.99"]),
                                      GUEST_API, setup=setup, tcp_handler=catch_all)
@@ -512,14 +480,6 @@ print(json.dumps(out))
 """
 
 
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 @pytest.mark.parametrize("kind", ["http", "socks5", "tinyproxy"])
 async def test_upstream_proxy_chaining(kind, tmp_path):
     """The guest's TCP flows through an upstream proxy (``--upstream-proxy``'s handler): plain HTTP (curl)
@@ -544,7 +504,7 @@ async def test_upstream_proxy_chaining(kind, tmp_path):
         if kind == "http":
             handler = Recorder(tmp_path, connect=handler.connect)
         try:
-            out, stack = await run_guest(cfg(), GUEST_PROXY, data.port, closed_port(), direct.port, tcp_handler=handler)
+            out, stack = await run_guest(cfg(), GUEST_PROXY, data.port, free_port(), direct.port, tcp_handler=handler)
         finally:
             if proxy is not None:
                 await proxy.close()
@@ -798,7 +758,7 @@ async def test_verify_sni_with_a_real_guest(sni_world):
     reads as ``Host: cdn.test`` (bare LFs, issue 24 item 3) and ``CONNECT cdn.test`` with ``Host:
     allowed.test`` (item 6)."""
     port = sni_world
-    names = Names({"allowed.test": "192.0.2.10", "cdn.test": "192.0.2.10"})
+    names = NameServer({"allowed.test": "192.0.2.10", "cdn.test": "192.0.2.10"})
     try:
         log = io.StringIO()
         out, stack = await run_guest(cfg(dns_upstreams=[("127.0.0.1", names.port)], egress_default="deny",

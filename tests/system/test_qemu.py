@@ -26,7 +26,7 @@ from aioslirp.config import NetworkConfig
 
 from support import qemu
 from support.paths import REPO
-from support.servers import DataServer, DnsUpstream, pattern
+from support.servers import host_servers, pattern
 from support.vms import MB20, VM_TIMEOUT, check_vm, cli_server, report, wait_path
 from support.vms import guestvm  # noqa: F401 - a fixture: the kit's kernel + initramfs, built
 
@@ -35,11 +35,8 @@ pytestmark = [pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def servers():
-    data = DataServer()
-    dns = DnsUpstream()
-    yield {"data": data, "dns": dns}
-    data.close()
-    dns.close()
+    with host_servers() as s:
+        yield s
 
 
 def dns_opt(servers) -> list[str]:

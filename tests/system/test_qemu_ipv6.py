@@ -15,7 +15,7 @@ import ipaddress
 import pytest
 
 from support import qemu
-from support.servers import DataServer, DnsUpstream, pattern
+from support.servers import host_servers, pattern
 from support.vms import MB20, VM_TIMEOUT, check_vm, cli_server, report, wait_path
 from support.vms import guestvm  # noqa: F401 - a fixture: the kit's kernel + initramfs, built
 
@@ -28,11 +28,8 @@ MB4 = 4 * 1024 * 1024
 
 @pytest.fixture(scope="module")
 def servers6():
-    data = DataServer(host="::1")
-    dns = DnsUpstream(aaaa=AAAA)
-    yield {"data": data, "dns": dns}
-    data.close()
-    dns.close()
+    with host_servers("::1", aaaa=AAAA) as s:
+        yield s
 
 
 async def test_guest_slaac_dns_ping_and_transfer_over_ipv6(guestvm, servers6, tmp_path, request):  # noqa: F811

@@ -38,7 +38,7 @@ from aioslirp.cli import slirp4netns as s4
 from aioslirp.cli.slirp4netns import HELP, UsageError, build_config, parse_args
 
 from support.prereqs import need
-from support.servers import DataServer, DnsUpstream, pattern
+from support.servers import DataServer, DnsUpstream, free_port, pattern
 
 SETPRIV = shutil.which("setpriv")
 #: Seconds an exit (hang-up, SIGTERM, target gone) may take before the test calls it a hang.
@@ -303,7 +303,7 @@ async def test_ready_once_after_attach_and_api_then_exit_on_hangup(tmp_path):
         assert eth.data.op == dpkt.arp.ARP_OP_REPLY and eth.data.spa == socket.inet_aton("10.0.2.2")
         # ... and the API socket listens; replies come in one read, "" means CIDR+100
         first, rest = await _api(h.api_path, {"execute": "add_hostfwd", "arguments": {
-            "proto": "tcp", "host_addr": "127.0.0.1", "host_port": _free_port(), "guest_addr": "", "guest_port": 80}})
+            "proto": "tcp", "host_addr": "127.0.0.1", "host_port": free_port(), "guest_addr": "", "guest_port": 80}})
         assert json.loads(first) == {"return": {"id": 1}} and rest == b""
         first, _ = await _api(h.api_path, {"execute": "list_hostfwd"})
         entries = json.loads(first)["return"]["entries"]
@@ -321,12 +321,6 @@ async def test_ready_once_after_attach_and_api_then_exit_on_hangup(tmp_path):
             h.task.cancel()
             await asyncio.gather(h.task, return_exceptions=True)
         h.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_no_ready_byte_when_the_api_socket_fails(tmp_path):
@@ -545,7 +539,7 @@ def test_binary_configures_serves_forwards_and_exits_on_hangup(tmp_path):
                 assert p.returncode == 0, p.stderr
                 assert p.stdout.split() == ["200000", hashlib.sha256(pattern(200000, 1)).hexdigest()]
                 # host -> namespace through add_hostfwd with guest_addr "" (= 10.0.2.100), one read
-                hp = _free_port()
+                hp = free_port()
                 with socket.socket(socket.AF_UNIX) as c:
                     c.connect(api)
                     c.sendall(json.dumps({"execute": "add_hostfwd", "arguments": {"proto": "tcp", "host_addr": "127.0.0.1",

@@ -27,6 +27,7 @@ from aioslirp.frontends.netns import run_in_namespace
 from aioslirp.observe import tracing
 
 from support.paths import REPO
+from support.servers import free_port
 
 pytestmark = pytest.mark.netns
 
@@ -71,14 +72,6 @@ class EchoOnce:
             pass
         self.sock.close()
         self.thread.join(5)
-
-
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def crr_script(port: int, n: int, *, refused_port: int | None = None, idle: float = 0.0) -> str:
@@ -129,7 +122,7 @@ def _subsequence(want: list, got: list) -> bool:
 
 async def test_spans_for_one_crr_cycle_and_a_refused_connection(memory_tracing):
     server = EchoOnce()
-    refused = closed_port()
+    refused = free_port()
     try:
         rc = await run_in_namespace(NetworkConfig(), [sys.executable, "-c", crr_script(server.port, 1, refused_port=refused)])
     finally:

@@ -16,6 +16,7 @@ from aioslirp.config import NetworkConfig
 from aioslirp.services.dns import DnsForwarder, DnsTcpSession, read_resolv_conf
 
 from support.prereqs import have_ipv6_loopback, need
+from support.servers import free_port
 
 ANSWER_IP = socket.inet_aton("192.0.2.7")  # data inside the answer only, never contacted
 
@@ -63,14 +64,6 @@ async def udp_upstream(script, port: int = 0):
     loop = asyncio.get_running_loop()
     transport, proto = await loop.create_datagram_endpoint(lambda: Upstream(script), local_addr=("127.0.0.1", port))
     return transport, proto, transport.get_extra_info("sockname")[1]
-
-
-def closed_port() -> int:
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def forwarder(*ports: int, timeout: float = 0.3, **kw) -> DnsForwarder:
@@ -152,7 +145,7 @@ async def test_failover_after_timeout(good, silent):
 
 
 async def test_failover_on_refused_is_immediate(good):
-    fwd = forwarder(closed_port(), good[1], timeout=2.0)
+    fwd = forwarder(free_port(socket.SOCK_DGRAM), good[1], timeout=2.0)
     resp = await fwd.resolve(query())
     check_answer(resp)
     # Immediate: the ICMP port unreachable moved on, no timeout ran (counted below).
@@ -189,7 +182,7 @@ async def test_mismatched_responses_ignored():
 
 
 async def test_all_upstreams_dead_servfail(silent):
-    fwd = forwarder(closed_port(), silent[1], closed_port(), timeout=0.2)
+    fwd = forwarder(free_port(socket.SOCK_DGRAM), silent[1], free_port(socket.SOCK_DGRAM), timeout=0.2)
     q = query(qid=0xBEEF)
     resp = await fwd.resolve(q)
     msg = dpkt.dns.DNS(resp)
@@ -206,7 +199,7 @@ async def test_down_upstream_logged_once_with_its_cause_and_again_after_recovery
     """An upstream with nothing listening: one WARNING naming it and the cause (not one per
     query), one INFO when it answers again, and a WARNING again when it fails after that."""
     caplog.set_level(logging.DEBUG, logger="aioslirp.services.dns")
-    port = closed_port()
+    port = free_port(socket.SOCK_DGRAM)
     fwd = forwarder(port, timeout=0.3)
     down = f"DNS upstream 127.0.0.1:{port} unreachable: connection refused; answering SERVFAIL"
 
@@ -283,7 +276,7 @@ async def test_truncated_answer_retried_over_tcp():
 
 
 async def test_malformed_queries():
-    fwd = forwarder(closed_port())
+    fwd = forwarder(free_port(socket.SOCK_DGRAM))
     assert await fwd.resolve(b"\x12\x34\x01") is None  # not even a header
     resp = await fwd.resolve(b"\x12\x34\x01\x00" + b"\x00" * 8)  # no question
     msg = dpkt.dns.DNS(resp)

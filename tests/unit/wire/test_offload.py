@@ -33,7 +33,7 @@ from aioslirp.wire.offload import (F_NEEDS_CSUM, GSO_NONE, GSO_TCPV4, GSO_TCPV6,
                                    complete_checksum)
 from aioslirp.wire.tcp import TcpOffloadBuilder, build_tcp
 
-from support.servers import DataServer, DnsUpstream, pattern
+from support.servers import DataServer, host_servers, pattern
 
 pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
@@ -123,11 +123,10 @@ def test_stack_trusts_only_flagged_frames():
 
 @pytest.fixture(scope="module")
 def servers():
-    data, data6, dns = DataServer(), DataServer(host="::1"), DnsUpstream()
-    yield {"data": data, "data6": data6, "dns": dns}
-    data.close()
-    data6.close()
-    dns.close()
+    with host_servers() as s:
+        data6 = DataServer(host="::1")
+        yield {**s, "data6": data6}
+        data6.close()
 
 
 def _run(servers, script: str, *opts: str, timeout: float = 120) -> dict:
