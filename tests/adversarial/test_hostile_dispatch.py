@@ -69,11 +69,13 @@ async def test_eviction_takes_the_longest_idle_udp_flow_never_tcp_and_looks_at_f
     try:
         async with serving(max_flows=8) as (stack, guest):
             # two TCP flows first: the oldest activity in the table, but never evicted
-            guest.send(tcp_frame(F4, 40000, lst.getsockname()[1], SYN, mss=1460), tcp_frame(F4, 40001, lst.getsockname()[1], SYN, mss=1460))
+            guest.send(tcp_frame(F4, 40000, lst.getsockname()[1], SYN, mss=1460),
+                       tcp_frame(F4, 40001, lst.getsockname()[1], SYN, mss=1460))
             assert await until(lambda: len(stack.parts.flows) == 2)
             guest.send(*(udp_frame(F4, 41000 + i, port, b"open") for i in range(6)))
             assert await until(lambda: len(stack.parts.flows) == 8)
-            guest.send(udp_frame(F4, 41000, port, b"again"), udp_frame(F4, 41001, port, b"again"))  # 41000, 41001 active again
+            # 41000, 41001 active again
+            guest.send(udp_frame(F4, 41000, port, b"again"), udp_frame(F4, 41001, port, b"again"))
             await processed(stack, 10)
             assert stack.parts.idle_order.examined == 0
             guest.send(udp_frame(F4, 41006, port, b"new"))  # table full: 41002 has been idle longest
@@ -102,7 +104,8 @@ async def test_eviction_costs_one_heap_entry_per_eviction_amortized():
         async with serving(max_flows=n) as (stack, guest):
             await send_all(guest, [udp_frame(F4, 42000 + i, port, b"open") for i in range(n)])
             assert await until(lambda: len(stack.parts.flows) == n)
-            await send_all(guest, [udp_frame(F4, 42000 + i, port, b"touch") for i in range(n)])  # every flow active again
+            # every flow active again
+            await send_all(guest, [udp_frame(F4, 42000 + i, port, b"touch") for i in range(n)])
             await processed(stack, 2 * n)
             await send_all(guest, [udp_frame(F4, 43000 + i, port, b"new") for i in range(n)])  # n evictions
             await processed(stack, 3 * n)
@@ -193,7 +196,8 @@ def fragments6(src: bytes, dst: bytes, nh: int, body: bytes, ident: int, step: i
     out = []
     for off in range(0, len(body), step):
         more = 1 if off + step < len(body) else 0
-        out.append(eth6_frame(raw6(src, dst, 44, struct.pack("!BBHI", nh, 0, off | more, ident) + body[off:off + step])))
+        frag = struct.pack("!BBHI", nh, 0, off | more, ident) + body[off:off + step]
+        out.append(eth6_frame(raw6(src, dst, 44, frag)))
     return out
 
 
@@ -270,7 +274,8 @@ async def test_ipv4_tcp_and_udp_from_or_to_port_zero_dropped_never_natted():
     up = DnsUpstream()
     try:
         async with serving(dns_upstreams=[("127.0.0.1", up.port)]) as (stack, guest):
-            guest.send(tcp_frame(F4, 0, lst.getsockname()[1], SYN, mss=1460))  # from port 0: no RST towards port 0 either
+            # from port 0: no RST towards port 0 either
+            guest.send(tcp_frame(F4, 0, lst.getsockname()[1], SYN, mss=1460))
             guest.send(tcp_frame(F4, 0, lst.getsockname()[1], ACK, ack=5))  # no flow, would be a RST to port 0
             assert await probe_echo4(guest, 1) == []
             guest.send(tcp_frame(F4, 40300, 0, SYN, mss=1460))  # to port 0: refused like a closed port
@@ -311,7 +316,8 @@ async def test_ipv6_tcp_and_udp_from_or_to_port_zero_dropped_never_natted():
 
     try:
         async with serving(ipv6=True, dns_upstreams=[("127.0.0.1", up.port)]) as (stack, guest):
-            guest.send(tcp_frame(F6, 0, lst.getsockname()[1], SYN, dst=GW6), tcp_frame(F6, 0, lst.getsockname()[1], ACK, dst=GW6))
+            guest.send(tcp_frame(F6, 0, lst.getsockname()[1], SYN, dst=GW6),
+                       tcp_frame(F6, 0, lst.getsockname()[1], ACK, dst=GW6))
             assert await probe6(1) == []
             guest.send(tcp_frame(F6, 40400, 0, SYN, dst=GW6))
             (rst,) = [dpkt.ethernet.Ethernet(f).data.data for f in await probe6(2)]

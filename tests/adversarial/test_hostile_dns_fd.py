@@ -274,7 +274,8 @@ def _child(scenario: str) -> None:
             base = nfds()
             loop = asyncio.get_running_loop()
             for i in range(400):  # 400 queries to a name the dead upstream never answers
-                await loop.sock_sendall(guest.sock, udp_frame(F4, 30000 + i, 53, dns_query('dead.test', qid=i), dst=DNS4))
+                query = dns_query("dead.test", qid=i)
+                await loop.sock_sendall(guest.sock, udp_frame(F4, 30000 + i, 53, query, dst=DNS4))
             await until(lambda: stack.parts.dns.stats["queries"] == 400, 5.0)
             await guest.recv(0.3)
             out["held"] = nfds() - base  # fds held by the flood

@@ -20,6 +20,7 @@ from aioslirp import compiled
 from support.paths import TESTS
 from support.prereqs import need
 
+
 pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
 PKG = Path(compiled.__file__).resolve().parent
@@ -33,14 +34,14 @@ sys.path.insert(0, sys.argv[1])
 from aioslirp import compiled
 from aioslirp.tcp.connection import TcpConnection
 from aioslirp.wire.tcp import TcpFrameBuilder, parse_segment, syn_options, SYN
-from support.tcp_conn import App, Link, MSS, run_transfer
+from support.tcp_conn import App, LossyWire, MSS, run_transfer
 
 rng = random.Random(5)
 size = 1 << 17
 host_data, guest_data = rng.randbytes(size), rng.randbytes(size)
 stack = TcpConnection(iss=2**32 - 500_000, mss=MSS, rcv_buf=128 * 1024, snd_buf=64 * 1024, now=0.0)
 guest = TcpConnection(iss=2**32 - 700_000, mss=MSS, rcv_buf=256 * 1024, snd_buf=64 * 1024, now=0.0)
-to_stack, to_guest = Link(rng, 0.05, 0.001, 0.002), Link(rng, 0.05, 0.001, 0.002)
+to_stack, to_guest = LossyWire(rng, 0.05, 0.001, 0.002), LossyWire(rng, 0.05, 0.001, 0.002)
 apps = (App(stack, host_data, rng), App(guest, guest_data, rng))
 b4 = TcpFrameBuilder(b"e" * 14, bytes([10, 0, 2, 2]), bytes([10, 0, 2, 15]), 80, 40000)
 b6 = TcpFrameBuilder(b"e" * 14, bytes(range(16)), bytes(range(16, 32)), 80, 40000, True)

@@ -197,11 +197,13 @@ def _hostile6() -> list:
         ("ipv6_bad_length", eth6_frame(raw6(F6.guest, gw6, 17, bytes(8), plen=500))),
         ("ipv6_ext_too_many", eth6_frame(raw6(F6.guest, gw6, 60, b"".join(bytes((60, 0)) + bytes(6) for _ in range(9))
                                        + bytes(8)))),
-        ("ipv6_hbh_not_first", eth6_frame(raw6(F6.guest, gw6, 60, bytes((0, 0)) + bytes(6) + bytes((17, 0)) + bytes(6)))),
+        ("ipv6_hbh_not_first",
+         eth6_frame(raw6(F6.guest, gw6, 60, bytes((0, 0)) + bytes(6) + bytes((17, 0)) + bytes(6)))),
         ("ipv6_routing_header", eth6_frame(raw6(F6.guest, gw6, 43, bytes((17, 0, 0, 1)) + bytes(4)))),
         ("ipv6_spoofed_src", udp6_frame(gw6, other, 1, 2, b"x")),
         ("ipv6_bad_src", udp6_frame(other, gw6, 1, 2, b"x")),
-        ("udp6_bad_checksum", eth6_frame(raw6(F6.guest, gw6, 17, struct.pack("!HHHH", 1, 2, 9, 0) + b"x"))),  # zero checksum
+        # zero checksum
+        ("udp6_bad_checksum", eth6_frame(raw6(F6.guest, gw6, 17, struct.pack("!HHHH", 1, 2, 9, 0) + b"x"))),
         ("icmp6_bad_checksum", eth6_frame(raw6(F6.guest, other, 58, bytes((128, 0, 0, 0)) + bytes(8)))),
         ("ndp_bad_hop_limit", icmp6_frame(GUEST_LL, a6("ff02::1:ff00:2"), 135, 0, bytes(4) + gw6 + slla, hlim=64)),
         ("ndp_ra_from_guest", icmp6_frame(GUEST_LL, a6("ff02::1"), 134, 0, bytes(12))),

@@ -152,7 +152,8 @@ async def test_unroutable_ipv4_destinations_never_reach_the_host():
         async with serving() as (stack, guest):
             for i, text in enumerate(UNROUTED4):
                 dst = socket.inet_aton(text)
-                guest.send(tcp_frame(F4, 45000 + i, port, SYN, dst=dst, mss=1460), udp_frame(F4, 46000 + i, port, b"x", dst=dst), echo_frame(F4, 100 + i, dst=dst))
+                guest.send(tcp_frame(F4, 45000 + i, port, SYN, dst=dst, mss=1460),
+                           udp_frame(F4, 46000 + i, port, b"x", dst=dst), echo_frame(F4, 100 + i, dst=dst))
             frames = await guest.recv()
             await asyncio.sleep(0.1)  # anything sent to the host has arrived by now
             errs = icmp_errors(frames)
@@ -230,15 +231,15 @@ async def test_dns_forwarder_reaches_a_loopback_resolver_the_guest_cannot():
     up = DnsUpstream(host="127.0.0.53")
     try:
         async with serving(disable_host_loopback=True, dns_upstreams=[("127.0.0.53", up.port)]) as (stack, guest):
-            guest.send(udp_frame(F4, 47100, 53, dns_query('stub.test', 0x4242), dst=DNS4))
+            guest.send(udp_frame(F4, 47100, 53, dns_query("stub.test", 0x4242), dst=DNS4))
             frames = await guest.recv()
             (reply,) = [dpkt.dns.DNS(p) for p in udp_payloads(frames)]
             assert reply.id == 0x4242 and reply.rcode == dpkt.dns.DNS_RCODE_NOERR
             assert [socket.inet_ntoa(rr.ip) for rr in reply.an] == ["10.0.2.99"]
             # the guest's own way to the resolver: through the gateway, and to 127.0.0.53 itself
-            guest.send(udp_frame(F4, 47101, up.port, dns_query('direct.test', 1), dst=GW4))
+            guest.send(udp_frame(F4, 47101, up.port, dns_query("direct.test", 1), dst=GW4))
             guest.send(tcp_frame(F4, 47102, up.port, SYN, dst=GW4, mss=1460))
-            guest.send(udp_frame(F4, 47103, up.port, dns_query('direct.test', 2), dst=socket.inet_aton("127.0.0.53")))
+            guest.send(udp_frame(F4, 47103, up.port, dns_query("direct.test", 2), dst=socket.inet_aton("127.0.0.53")))
             frames = await guest.recv()
             assert [(t, c) for t, c, _ in icmp_errors(frames)] == [(3, 13)]
             assert [s.flags & RST for s in GuestEnd.tcp4(frames)] == [RST]

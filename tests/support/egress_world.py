@@ -100,7 +100,7 @@ class Dns:
             s.close()
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
+class _BodyHandler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         self.send_response(200)
         self.send_header("Content-Length", str(len(BODY)))
@@ -131,7 +131,7 @@ def world():
         up, other = Dns("127.0.0.1"), Dns("192.0.2.30")
         es.callback(up.close)
         es.callback(other.close)
-        web, web2 = _Http6(("::", 0), _Handler), _Http6(("::", 0), _Handler)
+        web, web2 = _Http6(("::", 0), _BodyHandler), _Http6(("::", 0), _BodyHandler)
         for w in (web, web2):
             threading.Thread(target=w.serve_forever, daemon=True).start()
             es.callback(w.server_close)

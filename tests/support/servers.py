@@ -36,7 +36,7 @@ def pattern(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-class _Handler(socketserver.BaseRequestHandler):
+class _DataHandler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         sock: socket.socket = self.request
         buf = b""
@@ -93,7 +93,7 @@ class DataServer:
     """Threaded TCP server on ``host`` (default 127.0.0.1; ``"::1"`` for IPv6):<ephemeral>; ``.port``, ``.close()``."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
-        self.server = (_Server6 if ":" in host else _Server)((host, 0), _Handler)
+        self.server = (_Server6 if ":" in host else _Server)((host, 0), _DataHandler)
         self.server.commands = []
         self.server.events = []
         self.port = self.server.server_address[1]

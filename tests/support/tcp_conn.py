@@ -9,7 +9,7 @@ Sequence numbers sit near the top of the 32-bit space (ISS, IRS below) so that o
 tests already cross the wrap; ``L(n)``/``R(n)`` are our/the guest's sequence number ``n``
 bytes after the ISN.
 
-:class:`Link`, :class:`App` and :func:`run_transfer` simulate a lossy, reordering wire between
+:class:`LossyWire`, :class:`App` and :func:`run_transfer` simulate a lossy, reordering wire between
 two endpoints (one plays the stack, one the guest) and the byte streams behind them.
 """
 
@@ -128,7 +128,7 @@ def active(irs: int = R(0), *, t: float = 0.25, **synack) -> TcpConnection:
     return c
 
 
-class Link:
+class LossyWire:
     """One direction of a lossy virtual wire: latency plus random jitter (which reorders)."""
 
     def __init__(self, rng: random.Random, loss: float, delay: float, jitter: float = 0.0):
@@ -184,7 +184,7 @@ class App:
         self.conn.consume(len(view))
 
 
-def run_transfer(stack: TcpConnection, guest: TcpConnection, to_stack: Link, to_guest: Link, apps,
+def run_transfer(stack: TcpConnection, guest: TcpConnection, to_stack: LossyWire, to_guest: LossyWire, apps,
                  on_step=None) -> float:
     """Drive ``guest``'s active open to ``stack`` (passive) and both apps until both are CLOSED
     (at most 200,000 steps); ``on_step(now, segs)`` sees the stack's segments of each step before

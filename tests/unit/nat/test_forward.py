@@ -121,7 +121,8 @@ async def test_active_open_options_data_and_half_close(stack_guest):
     assert dpkt.tcp.TCP_OPT_WSCALE in opts  # window scaling offered, as for outbound flows
     key = (6, GUEST4, 8080, GW4, syn.sport)
     assert stack.parts.flows[key].state == "SYN-SENT"
-    guest.send(tcp_frame(F4, 8080, syn.sport, SYN | ACK, 5000, syn.seq + 1, opts=b"\x02\x04\x05\xb4\x01\x03\x03\x07", win=64240))
+    guest.send(tcp_frame(F4, 8080, syn.sport, SYN | ACK, 5000, syn.seq + 1, opts=b"\x02\x04\x05\xb4\x01\x03\x03\x07",
+                         win=64240))
     seg = await guest.expect_tcp()
     while not seg.data:  # the ACK of the SYN-ACK may come alone
         seg = await guest.expect_tcp()

@@ -25,7 +25,8 @@ from aioslirp.nat.hostsock import READ_SIZE, HostSocket, TransportHost
 from aioslirp.wire.tcp import build_tcp
 
 from support.frames import ACK, FIN, GUEST4, GUEST_MAC, GW4, GW_MAC, PSH, RST, SYN
-from support.stacks import CollectTransport as Collect, fd_count  # after a gc: earlier tests' garbage does not close mid-count
+# fd_count: after a gc, so that earlier tests' garbage does not close mid-count
+from support.stacks import CollectTransport as Collect, fd_count
 
 pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 

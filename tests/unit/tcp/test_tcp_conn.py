@@ -31,8 +31,8 @@ from aioslirp.tcp.seq import (
     seq_max,
 )
 
-from support.tcp_conn import (GWND, GWS, L, MSS, R, RCV_BUF, SND_BUF, X, App, Link, close_wait, established, events,
-                              fin_wait_1, fin_wait_2, new_conn, recv, run_transfer, seg, send, syn)
+from support.tcp_conn import (GWND, GWS, L, MSS, R, RCV_BUF, SND_BUF, X, App, LossyWire, close_wait, established,
+                              events, fin_wait_1, fin_wait_2, new_conn, recv, run_transfer, seg, send, syn)
 
 pytestmark = pytest.mark.perframe  # run again on the pure-Python modules (.ci/run)
 
@@ -980,8 +980,8 @@ def test_simulated_bulk_transfer_both_ways_with_loss(seed, size, loss, jitter):
     guest_data = rng.randbytes(size)
     stack = TcpConnection(iss=2**32 - 500_000, mss=MSS, rcv_buf=128 * 1024, snd_buf=64 * 1024, now=0.0)
     guest = TcpConnection(iss=2**32 - 700_000, mss=MSS, rcv_buf=256 * 1024, snd_buf=64 * 1024, now=0.0)
-    to_stack = Link(rng, loss, 0.001, jitter)
-    to_guest = Link(rng, loss, 0.001, jitter)
+    to_stack = LossyWire(rng, loss, 0.001, jitter)
+    to_guest = LossyWire(rng, loss, 0.001, jitter)
     stack_app = App(stack, host_data, rng)
     guest_app = App(guest, guest_data, rng)
 

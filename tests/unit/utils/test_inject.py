@@ -17,7 +17,7 @@ import pytest
 from aioslirp.inject import BATCH, InjectQueue
 
 
-class Link:
+class RecordingTransport:
     """A transport as the queue uses it: ``closed`` (a future, done once closed) and ``send_frames``."""
 
     def __init__(self) -> None:
@@ -44,7 +44,7 @@ class Closed:
         return True
 
 
-class Tracer:
+class TracerCalls:
     def __init__(self) -> None:
         self.queued: list = []
         self.discarded: list[list] = []
@@ -60,10 +60,10 @@ def frames(n: int, start: int = 0) -> list[bytes]:
     return [b"f%05d" % i for i in range(start, start + n)]
 
 
-def new_queue(maxsize: int = 1024, tracer=None) -> tuple[InjectQueue, collections.Counter, Link]:
+def new_queue(maxsize: int = 1024, tracer=None) -> tuple[InjectQueue, collections.Counter, RecordingTransport]:
     counters: collections.Counter = collections.Counter()
     q = InjectQueue(maxsize, counters, tracer)
-    q.transport = link = Link()
+    q.transport = link = RecordingTransport()
     return q, counters, link
 
 
@@ -78,7 +78,7 @@ def test_put_beyond_the_bound_is_refused_and_counted():
 
 
 def test_discard_forgets_the_queue_counted_as_no_transport():
-    tracer = Tracer()
+    tracer = TracerCalls()
     q, counters, link = new_queue(tracer=tracer)
     for f in frames(4):
         q.put(f)
@@ -101,7 +101,7 @@ def test_write_now_writes_in_batches_of_at_most_batch_frames_in_order():
 
 @pytest.mark.parametrize("gone", ["none", "closed"])
 def test_frames_for_a_transport_that_is_gone_are_counted_not_written(gone):
-    tracer = Tracer()
+    tracer = TracerCalls()
     q, counters, link = new_queue(tracer=tracer)
     if gone == "none":
         q.transport = None
