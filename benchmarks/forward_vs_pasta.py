@@ -12,7 +12,8 @@ What it does:
    ``benchmarks/run.py``; pasta needs a default route to exist, so a black-hole veth pair
    with both ends inside that namespace provides one). Nothing leaves the machine.
 2. For each backend, starts it with one TCP forward ``127.0.0.1:PORT -> guest :8080`` and,
-   as the command inside the new namespace, ``tests/fwd_guest.py`` (the guest server):
+   as the command inside the new namespace, the guest server
+   ``tests/support/guest_programs/forward_servers.py``:
    ``aioslirp run -p 127.0.0.1:PORT:8080`` (MTU 1500 and 65520) and
    ``pasta --config-net -t 127.0.0.1/PORT:8080``.
 3. Runs ``--rounds`` exchanges: the host client sends ``SIZE`` bytes and half-closes while
@@ -46,7 +47,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-GUEST_SERVER = os.path.join(ROOT, "tests", "fwd_guest.py")
+GUEST_SERVER = os.path.join(ROOT, "tests", "support", "guest_programs", "forward_servers.py")
 GUEST_PORT = 8080
 #: Seconds without progress after which a round counts as stalled.
 STALL_S = 20.0

@@ -2,7 +2,7 @@
 
 1. Moves itself into a fresh network namespace with only loopback (``aioslirp.host.isolate``),
    so nothing leaves the machine; starts one threaded TCP data server on 127.0.0.1 and one on
-   ``::1`` (``tests/hostservers.py``: ``DOWN n seed`` / ``UP``).
+   ``::1`` (``tests/support/servers.py``: ``DOWN n seed`` / ``UP``).
 2. For each family and each placement (unpinned; ``--pin CPU``: aioslirp and the guest on one
    CPU with ``taskset``, the path cost), runs ``aioslirp run`` with one guest Python process
    that downloads and uploads ``--mb`` MiB through the gateway (10.0.2.2 or [fd00::2]),
@@ -72,7 +72,7 @@ def run_family(family: str, port: int, mb: int, repeat: int, pin: str | None, ru
     p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         raise SystemExit(f"{family}: rc={p.returncode}\n{p.stderr[-2000:]}")
-    from hostservers import pattern
+    from support.servers import pattern
 
     want_down = hashlib.sha256(pattern(n, 7)).hexdigest()
     want_up = hashlib.sha256(pattern(n, 9)).hexdigest()
@@ -93,7 +93,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from aioslirp.host.isolate import isolate_network
-    from hostservers import DataServer
+    from support.servers import DataServer
 
     isolate_network()
     srv4, srv6 = DataServer(), DataServer(host="::1")

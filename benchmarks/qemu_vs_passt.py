@@ -14,7 +14,7 @@ What it does:
    so neither backend can reach anything but this machine's loopback. passt refuses to start
    without an external interface, so a veth pair with both ends inside this namespace and a
    default route into it (TEST-NET-1, nothing answers) stands in for one.
-2. Starts host servers on 127.0.0.1: an HTTP server (``tests/hostservers.py``) and one-off
+2. Starts host servers on 127.0.0.1: an HTTP server (``tests/support/servers.py``) and one-off
    ``iperf3 -s`` per measurement.
 3. For each round, MTU and backend (order alternated every round): starts the backend on a
    fresh UNIX socket (``aioslirp qemu --socket P --mtu M`` or ``passt -f -s P -m M -a 10.0.2.15
@@ -55,8 +55,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-import qemu_guest  # noqa: E402  (tests/qemu_guest.py)
-from hostservers import DataServer, pattern  # noqa: E402
+from support import qemu  # noqa: E402  (tests/support/qemu.py)
+from support.servers import DataServer, pattern  # noqa: E402
 
 from aioslirp.host.isolate import isolate_network  # noqa: E402
 
@@ -120,8 +120,8 @@ read U _ < /proc/uptime; echo DL_END=$U
 iperf3 -c 10.0.2.2 -p {p_up} -t 3 >/dev/null 2>&1; echo UP_RC=$?
 iperf3 -c 10.0.2.2 -p {p_down} -t 3 -R >/dev/null 2>&1; echo DOWN_RC=$?
 """
-            argv = qemu_guest.qemu_argv(f"stream,server=off,addr.type=unix,addr.path={sock}", cmd, workdir=workdir)
-            res = await qemu_guest.run_vm(argv, 180)
+            argv = qemu.qemu_argv(f"stream,server=off,addr.type=unix,addr.path={sock}", cmd, workdir=workdir)
+            res = await qemu.run_vm(argv, 180)
             cpu = cpu_seconds(proc.pid) - cpu0
         finally:
             proc.terminate()
@@ -180,7 +180,7 @@ def table(records: list[dict]) -> str:
 
 
 async def main_async(args) -> int:
-    qemu_guest.ensure_built()
+    qemu.ensure_built()
     data = DataServer()
     records = []
     workdir = Path(tempfile.mkdtemp(prefix="qemu-vs-passt-"))
@@ -204,8 +204,8 @@ async def main_async(args) -> int:
     out_dir = HERE / "results"
     out_dir.mkdir(exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    meta = {"accel": qemu_guest.accel(), "cpus": os.cpu_count(), "rounds": args.rounds,
-            "qemu": subprocess.run([qemu_guest.QEMU, "--version"], capture_output=True, text=True).stdout.split("\n")[0]}
+    meta = {"accel": qemu.accel(), "cpus": os.cpu_count(), "rounds": args.rounds,
+            "qemu": subprocess.run([qemu.QEMU, "--version"], capture_output=True, text=True).stdout.split("\n")[0]}
     (out_dir / f"qemu_vs_passt-{stamp}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     print()
     print(f"QEMU guest (-netdev stream, {meta['accel']}, {meta['cpus']} CPUs), medians over {args.rounds} round(s):")
@@ -225,7 +225,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("qemu_vs_passt: error: run as root (network namespace with a veth black hole for passt)", file=sys.stderr)
         return 2
-    for tool in ("passt", "iperf3", qemu_guest.QEMU):
+    for tool in ("passt", "iperf3", qemu.QEMU):
         if "passt" not in args.backends and tool == "passt":
             continue
         if shutil.which(tool) is None:

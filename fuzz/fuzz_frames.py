@@ -7,7 +7,7 @@ Run it on demand, as long as you like::
     python fuzz/fuzz_frames.py -runs=200000 -max_len=4096 CORPUS_DIR                  # bounded
     python fuzz/fuzz_frames.py --seeds CORPUS_DIR                                     # write seed inputs
 
-The suite runs it bounded (``tests/test_fuzz_atheris.py``, a few thousand inputs) when atheris
+The suite runs it bounded (``tests/adversarial/test_fuzz_atheris.py``, a few thousand inputs) when atheris
 is importable, and replays every file of ``fuzz/regressions/`` without atheris.
 
 Input format: a sequence of guest frames, each preceded by its length as two big-endian bytes

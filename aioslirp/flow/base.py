@@ -79,7 +79,7 @@ class Flow(Protocol):
 
     # Settable: the table rekeys a retired TCP flow and marks an evicted flow's outcome. The
     # others are read-only here (a flow may compute them), so each flow class follows the
-    # protocol as mypy checks it (tests/test_types.py).
+    # protocol as mypy checks it (tests/package/test_types.py).
     key: tuple
     outcome: str
 

@@ -22,7 +22,7 @@ native engine gets a mover of its own that follows :class:`HostMover` (the flow 
 through :class:`MoverFlow` when it hands the flow back. Nothing else in the flow changes.
 
 Both are :class:`typing.Protocol`: a mover does not subclass anything (``DnsTcpHost`` and
-``TcpHandlerHost`` live on floors that do not import this one); ``tests/test_types.py`` has mypy
+``TcpHandlerHost`` live on floors that do not import this one); ``tests/package/test_types.py`` has mypy
 check that each of the four follows :class:`HostMover`.
 """
 

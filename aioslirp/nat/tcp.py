@@ -294,7 +294,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         and whose writes buffer in C (measured: host->guest +16%, guest->host +18% and -24% CPU
         per GB against :class:`HostSocket`); connection set-up and request/response traffic keep
         the lighter :class:`HostSocket` (CRR -6%). Guest bytes that arrive meanwhile wait in the
-        connection (nothing ACKed is lost); see ``tests/test_hostsock.py``."""
+        connection (nothing ACKed is lost); see ``tests/unit/nat/test_hostsock.py``."""
         hs = self.transport
         if (self._upgrading or self.host_closed or self._finished or not isinstance(hs, HostSocket)
                 or self.rate_up is not None or self.rate_down is not None):  # a capped flow's reads stay bounded

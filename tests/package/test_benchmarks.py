@@ -1,0 +1,321 @@
+"""The benchmark harness's own tools (benchmarks/): the C and Python clients and servers
+speak the same protocol over real loopback sockets, and the report computes medians,
+ratios to pasta and the issue-7 target verdicts from records.
+
+No timing is asserted: only counts, protocol results and arithmetic on given numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from aioslirp import compiled
+
+from support.paths import REPO
+from support.prereqs import need
+
+BENCH = REPO / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import report  # noqa: E402
+
+
+def _free_ports() -> tuple[int, int]:
+    with socket.socket() as t, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+        t.bind(("127.0.0.1", 0))
+        u.bind(("127.0.0.1", 0))
+        return t.getsockname()[1], u.getsockname()[1]
+
+
+def _start_server(argv: list[str]) -> subprocess.Popen:
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert json.loads(line)["ready"] is True
+    return p
+
+
+def _stop_server(p: subprocess.Popen) -> dict:
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=10)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cbench(tmp_path_factory) -> str:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    need(cc, "no C compiler: the harness falls back to the Python client (apt-get install gcc)")
+    exe = tmp_path_factory.mktemp("bench") / "bench"
+    subprocess.run([cc, "-O2", "-Wall", "-Werror", "-o", str(exe), str(BENCH / "bench.c")], check=True)
+    return str(exe)
+
+
+def _check_latency(res: dict, mode: str) -> None:
+    assert res["mode"] == mode
+    assert res["n"] > 0
+    assert 0 < res["p50"] <= res["p90"] <= res["p99"] <= res["max"]
+    assert res["total"] >= res["n"]
+
+
+def test_c_client_and_server_over_loopback(cbench):
+    tcp, udp = _free_ports()
+    srv = _start_server([cbench, "server", "127.0.0.1", str(tcp), str(udp)])
+    try:
+        results = {}
+        for mode, port, extra in (("crr", tcp, []), ("rr", tcp, []), ("udprr", udp, []), ("ccrr", tcp, ["8"])):
+            p = subprocess.run([cbench, mode, "127.0.0.1", str(port), "0.3", "0.05", *extra],
+                               capture_output=True, text=True, timeout=30)
+            assert p.returncode == 0, p.stderr
+            res = json.loads(p.stdout)
+            _check_latency(res, mode)
+            assert res.get("errors", res.get("lost")) == 0
+            results[mode] = res
+        assert results["ccrr"]["parallel"] == 8
+    finally:
+        stats = _stop_server(srv)
+    # every CRR and concurrent CRR connection, plus the RR connection, reached the server
+    assert stats["accepted"] >= results["crr"]["total"] + results["ccrr"]["total"] + 1
+    assert stats["open"] == 0
+
+
+def test_python_client_and_server_over_loopback():
+    tcp, udp = _free_ports()
+    srv = _start_server([sys.executable, str(BENCH / "hostserver.py"), "127.0.0.1", str(tcp), str(udp)])
+    client = [sys.executable, str(BENCH / "client.py")]
+    try:
+        p = subprocess.run([*client, "probe", "127.0.0.1", str(tcp), "--udp-port", str(udp), "--timeout", "5"],
+                           capture_output=True, text=True, timeout=30)
+        assert json.loads(p.stdout)["ok"] is True
+        for mode, port, extra in (("crr", tcp, []), ("rr", tcp, []), ("udprr", udp, []),
+                                  ("ccrr", tcp, ["--parallel", "4"])):
+            p = subprocess.run([*client, mode, "127.0.0.1", str(port), "--duration", "0.3", "--warmup", "0.05",
+                                *extra], capture_output=True, text=True, timeout=30)
+            assert p.returncode == 0, p.stderr
+            res = json.loads(p.stdout.strip().splitlines()[-1])
+            _check_latency(res, mode)
+        idle = subprocess.Popen([*client, "idle", "127.0.0.1", str(tcp), "--count", "200", "--timeout", "20"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = json.loads(idle.stdout.readline())
+        assert ready == {"ready": True, "open": 200, "failed": 0, "setup_s": ready["setup_s"]}
+        idle.stdin.write("\n")
+        idle.stdin.flush()
+        assert json.loads(idle.stdout.readline())["open"] == 200
+        assert idle.wait(10) == 0
+    finally:
+        stats = _stop_server(srv)
+    assert stats["accepted"] >= 200
+
+
+def _rec(backend, test, rnd=0, placement="pinned", **kw):
+    return dict({"round": rnd, "placement": placement, "backend": backend, "test": test, "ok": True}, **kw)
+
+
+def test_report_medians_ratios_and_targets(tmp_path):
+    records = []
+    for rnd, (a, p, s) in enumerate(((300.0, 100.0, 90.0), (500.0, 100.0, 90.0), (400.0, 200.0, 90.0))):
+        records.append(_rec("aioslirp", "crr", rnd, result={"p50": a, "p90": a, "p99": a, "rate": 1.0, "total": 10},
+                            cpu_ms_per_1k_conn=50.0))
+        records.append(_rec("pasta", "crr", rnd, result={"p50": p, "p90": p, "p99": p, "rate": 1.0}))
+        records.append(_rec("slirp4netns-65520", "crr", rnd, result={"p50": s, "p90": s, "p99": s, "rate": 1.0}))
+    records += [
+        _rec("aioslirp", "tcp_up", result={"gbps": 5.0, "retransmits": 0}, cpu_s_per_gb=2.0),
+        _rec("pasta", "tcp_up", result={"gbps": 10.0, "retransmits": 0}, cpu_s_per_gb=0.5),
+        _rec("slirp4netns-65520", "tcp_up", result={"gbps": 4.0, "retransmits": 3}, cpu_s_per_gb=1.0),
+        _rec("aioslirp", "idle", result={"client": {"open": 10000, "setup_s": 3.0}},
+             backend_before={"VmRSS_mb": 30.0}, backend_loaded={"VmRSS_mb": 120.0, "fds": 10016}),
+        dict(_rec("pasta", "rr"), ok=False, error="boom"),
+    ]
+    summary = report.summarize(records)
+    a, p = summary["pinned"]["aioslirp"], summary["pinned"]["pasta"]
+    assert a["crr_p50"] == 400.0 and a["crr_p50_n"] == 3
+    assert p["crr_p50"] == 100.0
+    assert a["up_gbps"] == 5.0 and a["up_cpu_s_per_gb"] == 2.0
+    assert a["idle_rss_mb"] == 120.0 and a["idle_fds"] == 10016
+    assert "rr_p50" not in p  # failed records contribute nothing
+
+    rows = {name: met for _b, name, _v, _l, met in report.targets(summary["pinned"])}
+    assert rows["CRR p50 <= 2.0x pasta"] is False  # 400 > 2 x 100
+    assert rows["TCP ns->host >= slirp4netns-65520"] is True  # 5 >= 4
+    assert rows["CPU/GB ns->host <= 3x pasta"] is False  # 2.0 > 3 x 0.5
+    assert rows["RR p50 <= 2.0x pasta"] is None  # no pasta RR figure: no verdict
+
+    meta = {"backends": {"aioslirp": {"version": "0"}, "pasta": {"version": "1"},
+                         "slirp4netns-65520": {"version": "2"}},
+            "profile": {"rounds": 3, "placements": ["pinned"], "idle_flows": 10000, "idle_budget_s": 20},
+            "loadavg_start": [0.1, 0.1, 0.1], "loadavg_end": [0.2, 0.1, 0.1], "ncpu": 2, "pinned_cpu": 1}
+    md = report.markdown({"meta": meta, "summary": summary, "records": records})
+    assert "| aioslirp | 400 / 400 / 400 (4.00x)" in md
+    assert "| aioslirp | 5.00 (0.50x) | 2.00 (4.00x) | 0 |" in md
+    assert "| aioslirp | 10000 idle flows < 300 MB RSS | 120 MB (10000 open) | 300 MB | yes |" in md
+    assert "pinned pasta rr: boom" in md
+
+    page = tmp_path / "performance.md"
+    page.write_text(f"# P\n\nintro\n\n{report.START}\nold\n{report.END}\n\ntail\n")
+    report.update_docs(page, md, with_plot=True)
+    text = page.read_text()
+    assert text.startswith("# P\n\nintro\n\n") and text.endswith(f"{report.END}\n\ntail\n")
+    assert "old" not in text and "(4.00x)" in text and "![Benchmark results](performance.png)" in text
+
+
+def test_run_py_rejects_bad_options_with_one_line():
+    p = subprocess.run([sys.executable, str(BENCH / "run.py"), "--backends", "nosuch"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == ["run.py: error: --backends: unknown nosuch"]
+
+
+def test_interpreter_record_from_sysconfig():
+    source_opt = {"CONFIG_ARGS": "'--prefix=/opt/py' '--enable-optimizations' '--with-lto'", "PY_CFLAGS": "-O3"}
+    rec = report.interpreter_record("3.11.7", "CPython", "/opt/py/bin/python3.11", source_opt, extension=False)
+    assert rec == {"version": "3.11.7", "implementation": "CPython", "executable": "python3.11", "pgo": True,
+                   "lto": True, "distribution_build": False, "extension": False}
+    # the compiler flags alone are enough, and the extension flag is passed through
+    flags = report.interpreter_record("3.12.1", "CPython", "python", {"PY_CFLAGS_NODIST": "-flto -fprofile-use"},
+                                      extension=True)
+    assert (flags["pgo"], flags["lto"], flags["extension"]) == (True, True, True)
+    plain = report.interpreter_record("3.11.7", "CPython", "/x/.venv/bin/python",
+                                      {"CONFIG_ARGS": "'--prefix=/opt/python-3.11.7' '--enable-shared'",
+                                       "PY_CFLAGS": "-O3 -Wall"}, extension=False)
+    assert (plain["pgo"], plain["lto"], plain["executable"]) == (False, False, "python")
+    # a distribution's build does not show its PGO/LTO in sysconfig: unknown, not "no"
+    distro = report.interpreter_record("3.11.2", "CPython", "/usr/bin/python3",
+                                       {"CONFIG_ARGS": "'--enable-shared' '--prefix=/usr'"}, extension=False)
+    assert (distro["pgo"], distro["lto"], distro["distribution_build"]) == (None, None, True)
+    assert report.interpreter_text(rec) == \
+        "Python 3.11.7 (CPython, python3.11, PGO+LTO, no compiled extension)"
+    assert "no PGO/LTO" in report.interpreter_text(plain)
+    assert "not shown by sysconfig" in report.interpreter_text(distro)
+    now = report.current_interpreter()
+    # this process's aioslirp: compiled when every module of the compiled path loaded native
+    assert now["extension"] is all(compiled.status().values()) and now["version"] == platform.python_version()
+
+
+def test_ratios_to_the_faster_pasta_per_figure():
+    summary = {"pinned": {
+        "aioslirp": {"crr_p50": 600.0, "crr_cpu_ms_per_1k": 400.0, "up_gbps": 4.0, "down_gbps": 4.5},
+        "pasta": {"crr_p50": 300.0, "crr_cpu_ms_per_1k": 200.0, "up_gbps": 9.0, "down_gbps": 5.0},
+        "pasta-2026_07_16": {"crr_p50": 400.0, "crr_cpu_ms_per_1k": 100.0, "up_gbps": 0.5, "down_gbps": 6.0},
+        "slirp4netns-65520": {"crr_p50": 100.0, "up_gbps": 20.0},  # not a pasta: never the reference
+    }}
+    refs = report.references(summary)["pinned"]
+    assert refs == {"crr_p50": "pasta", "crr_cpu_ms_per_1k": "pasta-2026_07_16", "up_gbps": "pasta",
+                    "down_gbps": "pasta-2026_07_16"}
+    assert report.reference_values(summary["pinned"]) == {"crr_p50": 300.0, "crr_cpu_ms_per_1k": 100.0,
+                                                          "up_gbps": 9.0, "down_gbps": 6.0}
+    rows = {name: (val, met) for b, name, val, _l, met in report.targets(summary["pinned"]) if b == "aioslirp"}
+    assert rows["CRR p50 <= 2.0x pasta"] == (600.0, True)  # 600 <= 2 x 300 (the faster pasta's CRR)
+    meta = {"backends": {b: {"version": "0"} for b in summary["pinned"]},
+            "profile": {"rounds": 1, "placements": ["pinned"]}, "pinned_cpu": 1, "ncpu": 2,
+            "interpreter": report.interpreter_record("3.11.2", "CPython", "/usr/bin/python3", {}, False)}
+    md = report.markdown({"meta": meta, "summary": summary, "records": []})
+    assert "| aioslirp | 600 / – / – (2.00x) | – | – | 400 (4.00x) | – |" in md
+    assert "| pasta-2026_07_16 | 400 / – / – (1.33x) | – | – | 100 (1.00x) | – |" in md  # both pastas shown
+    assert "| pasta | 9.00 (1.00x) | – | – | 5.00 (0.83x) |" in md
+    assert "Ratios to the faster pasta per figure: CRR p50 pasta; CRR backend CPU pasta-2026_07_16." in md
+    assert "TCP ns->host pasta; TCP host->ns pasta-2026_07_16." in md
+    assert "Python 3.11.2 (CPython, python3, no PGO/LTO, no compiled extension)" in md
+    # one pasta: the same ratios, no note
+    one = {"pinned": {b: s for b, s in summary["pinned"].items() if b != "pasta-2026_07_16"}}
+    meta1 = dict(meta, backends={b: {"version": "0"} for b in one["pinned"]})
+    assert "faster pasta per figure:" not in report.markdown({"meta": meta1, "summary": one, "records": []})
+
+
+def test_pasta_backends_are_named_by_release():
+    import backends as B
+
+    assert B.pasta_name("2026_07_16.090d739") == "pasta-2026_07_16"
+    assert B.pasta_name("") == "pasta-custom"
+    assert B.Pasta().name == "pasta"
+    b = B.pasta_from_spec("new=/nonexistent/pasta", ["pasta"])
+    assert (b.name, b.binary, b.available()) == ("new", "/nonexistent/pasta", False)
+    assert b.argv("NS")[0] == "/nonexistent/pasta"
+    assert B.pasta_from_spec("/nonexistent/pasta", ["pasta-custom"]).name == "pasta-custom-2"
+
+
+@pytest.mark.netns
+def test_handler_bulk_smoke(tmp_path):
+    """benchmarks/handler_bulk.py end to end with tiny transfers: the 4 rows, every byte checked (figures are noise)."""
+    need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
+    out = tmp_path / "hb.json"
+    p = subprocess.run([sys.executable, str(BENCH / "handler_bulk.py"), "--size", "2", "--rounds", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == "| mode | direction | Gbit/s (median) | CPU s/GB (median) |"
+    rows = [line.split(" | ")[:2] for line in lines[2:] if line.startswith("| ")]
+    assert rows == [["| nat", "download"], ["| nat", "upload"], ["| identity", "download"], ["| identity", "upload"]]
+    result = json.loads(out.read_text())
+    assert len(result["records"]) == 4
+    assert all(r["bytes"] == 2_000_000 and r["gbps"] > 0 and r["cpu_s"] >= 0 for r in result["records"])
+
+
+def test_issue16_targets_to_the_faster_pasta_and_the_cpu_split():
+    records = [
+        _rec("aioslirp", "crr", result={"p50": 300.0, "p90": 1, "p99": 1, "rate": 1.0, "total": 2000},
+             cpu_ms_per_1k_conn=300.0, cpu_user_ms_per_1k_conn=180.0, cpu_sys_ms_per_1k_conn=120.0),
+        _rec("pasta", "crr", result={"p50": 210.0, "p90": 1, "p99": 1, "rate": 1.0}, cpu_ms_per_1k_conn=160.0),
+        _rec("pasta-2026", "crr", result={"p50": 190.0, "p90": 1, "p99": 1, "rate": 1.0}, cpu_ms_per_1k_conn=140.0),
+        _rec("aioslirp", "rr", result={"p50": 60.0, "rate": 1.0}),
+        _rec("pasta", "rr", result={"p50": 40.0, "rate": 1.0}),
+        _rec("aioslirp", "ccrr64", result={"p50": 9.0, "rate": 700.0}),
+        _rec("pasta-2026", "ccrr64", result={"p50": 9.0, "rate": 1000.0}),
+        _rec("aioslirp", "tcp_up", result={"gbps": 5.0}, cpu_s_per_gb=0.9),
+        _rec("pasta", "tcp_up", result={"gbps": 6.0}, cpu_s_per_gb=0.5),
+        _rec("slirp4netns-65520", "tcp_up", result={"gbps": 4.9}),
+        _rec("aioslirp", "idle", result={"client": {"open": 10000, "setup_s": 3.0}},
+             backend_before={"VmRSS_mb": 30.0}, backend_loaded={"VmRSS_mb": 99.0, "fds": 10016}),
+    ]
+    summary = report.summarize(records)["pinned"]
+    assert (summary["aioslirp"]["crr_cpu_user_ms_per_1k"], summary["aioslirp"]["crr_cpu_sys_ms_per_1k"]) == (180.0, 120.0)
+    rows = {name: (val, lim, met) for b, name, val, lim, met in report.targets16(summary, 10000)}
+    assert rows["CRR p50 <= 1.5x pasta"] == (300.0, "285 us", False)  # 1.5 x 190 (pasta-2026, the faster)
+    assert rows["RR p50 <= 1.5x pasta"] == (60.0, "60.0 us", True)  # 60 <= 1.5 x 40
+    assert rows["UDP RR p50 <= 1.5x pasta"] == (None, "– us", None)  # no figures: no verdict
+    assert rows["CPU per connection <= 2.0x pasta"] == (300.0, "280 ms/1000", False)  # 2 x 140
+    assert rows["64 concurrent connections >= 0.7x pasta's rate"] == (700.0, "700 conn/s", True)
+    # 0.8 x 6.0 = 4.8 Gbit/s is below slirp4netns-65520's 4.9: the higher floor counts
+    assert rows["TCP ns->host >= 0.8x pasta (bookworm) and >= slirp4netns-65520"] == (5.0, "4.90 Gbit/s", True)
+    assert rows["CPU/GB ns->host <= 2.0x pasta"] == (0.9, "1.00 s/GB", True)
+    assert rows["10,000 idle flows < 100 MB RSS"] == (99.0, "100 MB", True)
+    assert "10,000 idle flows < 100 MB RSS" not in {r[1] for r in report.targets16(summary, 2000)}  # quick runs
+    meta = {"backends": {b: {"version": "0"} for b in summary}, "profile": {"rounds": 1, "placements": ["pinned"],
+            "idle_flows": 10000}, "pinned_cpu": 1, "ncpu": 2,
+            "interpreter": report.interpreter_record("3.11.2", "CPython", "/usr/bin/python3", {}, False)}
+    md = report.markdown({"meta": meta, "summary": {"pinned": summary}, "records": []})
+    assert "### Issue 16 targets (pinned; pasta = the faster pasta per figure)" in md
+    assert "| aioslirp | CPU per connection <= 2.0x pasta | 300 | 280 ms/1000 | **no** |" in md
+    assert "(2.14x) | 180 / 120 |" in md  # CRR CPU 300 / 140, then its user / system parts
+
+
+def test_recorded_argv_names_no_directory_of_the_machine():
+    import run  # benchmarks/run.py (imports nothing that needs root)
+    repo = str(BENCH.parent)
+    argv = ["--pasta", f"new={repo}/.cache/peers/passt/pasta", "--build-peers",
+            f"{os.path.dirname(repo)}/shared/peers/build.sh", "--rounds", "3"]
+    assert run.portable_argv(argv) == ["--pasta", "new=.cache/peers/passt/pasta", "--build-peers",
+                                       "../shared/peers/build.sh", "--rounds", "3"]
+
+
+def test_profile_counts_per_iteration(tmp_path):
+    import importlib.util  # benchmarks/profile.py by its path: the stdlib has a module "profile" too
+    spec = importlib.util.spec_from_file_location("bench_profile", BENCH / "profile.py")
+    bench_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_profile)
+    counts = bench_profile.proc_counts(os.getpid())  # this process: the same files a backend has
+    assert {"voluntary_ctxt_switches", "nonvoluntary_ctxt_switches", "syscr", "syscw", "user_s", "sys_s"} <= set(counts)
+    assert counts["syscr"] > 0 and counts["user_s"] > 0
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"syscr": 8680, "voluntary_ctxt_switches": 530, "user_s": 0.2501}))
+    text = bench_profile.report_counts(f, 1000)
+    assert text.splitlines() == ["1000 iterations; per iteration:",
+                                 "  syscr                            8.68",
+                                 "  voluntary_ctxt_switches          0.53",
+                                 "  user_s                          250.1 us"]

@@ -1,0 +1,346 @@
+"""Rough edges a new user hit on the command line, each checked against the real command.
+
+The rule: bad user input (an option, a config value) is one line naming the option, exit
+status 2, no traceback, before anything is set up; a failure of an optional output while
+running (a trace file, an OTLP endpoint) is one warning line and never changes the exit
+status of ``aioslirp run`` (the command's). pytest runs in a loopback-only namespace
+(conftest.py): the OTLP endpoints, forwards and namespaces here stay inside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from aioslirp.config import NetworkConfig
+from aioslirp.errors import ConfigError
+
+from support.namespaces import start_target_namespace
+from support.prereqs import importable, need
+from support.servers import free_port
+
+pytestmark = pytest.mark.netns
+
+OTLP_HTTP = "opentelemetry.exporter.otlp.proto.http.trace_exporter"  # in the test extra
+
+#: Words of Python's ipaddress module that must not reach the user.
+IPADDRESS_WORDING = ("octets", "Expected", "parts expected", "does not appear to be", "Octet", "permitted",
+                     "Invalid netmask", "Only hex digits")
+
+need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
+
+
+def aioslirp(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aioslirp", *args], capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def one_line(p: subprocess.CompletedProcess) -> str:
+    """The single stderr line of ``p`` (asserts there is exactly one and no traceback)."""
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+def usage_error(p: subprocess.CompletedProcess, option: str) -> str:
+    """Assert ``p`` failed as bad user input naming ``option``; returns the message."""
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    line = one_line(p)
+    assert line.startswith(f"aioslirp: error: {option}: "), line
+    return line
+
+
+# ----------------------------------------------------------------------------------------
+# 1. --trace FILE (and --pcap FILE) that cannot be written
+
+
+@pytest.mark.parametrize("target", ["/dev/full", "/proc/version", "missing-dir", "a-directory"])
+def test_unwritable_trace_file_is_one_line_exit_2(tmp_path, target):
+    path = {"missing-dir": str(tmp_path / "no" / "t.jsonl"), "a-directory": str(tmp_path)}.get(target, target)
+    p = aioslirp("run", "--trace", path, "--", "true")
+    line = usage_error(p, "--trace")
+    if target == "/dev/full":
+        assert line == "aioslirp: error: --trace: cannot write '/dev/full': No space left on device"
+
+
+def test_unwritable_pcap_file_is_one_line_exit_2():
+    p = aioslirp("run", "--pcap", "/dev/full", "--", "true")
+    assert usage_error(p, "--pcap") == "aioslirp: error: --pcap: cannot write '/dev/full': No space left on device"
+
+
+def test_trace_write_failing_later_is_one_warning_and_keeps_the_exit_status(tmp_path):
+    """A file size limit of 300 bytes: the startup probe (zero bytes) passes, the first batch of
+    spans (one span line is longer) fails with EFBIG. One warning line, the command's status."""
+    path = tmp_path / "spans.jsonl"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300, resource.RLIM_INFINITY))
+
+    p = aioslirp("run", "--trace", str(path), "--", "sh", "-c", "exit 5", preexec_fn=limit)
+    assert p.returncode == 5, p.stderr
+    line = one_line(p)
+    assert line == (f"aioslirp: WARNING: --trace {path}: cannot write spans (File too large); "
+                    "spans from now on are not recorded")
+    assert path.stat().st_size <= 300
+
+
+def test_json_exporter_write_error_is_logged_once_and_counted(tmp_path, caplog):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from aioslirp.cli.observe import JsonLinesSpanExporter
+
+    tracer = TracerProvider(shutdown_on_exit=False).get_tracer("test")
+    spans = []
+    for i in range(3):
+        sp = tracer.start_span(f"s{i}")
+        sp.end()
+        spans.append(sp)
+    exporter = JsonLinesSpanExporter(str(tmp_path / "t.jsonl"), label="--trace t.jsonl")
+    assert exporter.export(spans[:1]) == SpanExportResult.SUCCESS
+
+    class Full:
+        def write(self, _data):
+            raise OSError(28, "No space left on device")
+
+        flush = close = lambda self: None
+
+    exporter._file = Full()
+    with caplog.at_level(logging.WARNING, logger="aioslirp.observe"):
+        assert exporter.export(spans[1:2]) == SpanExportResult.FAILURE
+        assert exporter.export(spans[2:]) == SpanExportResult.FAILURE
+        exporter.shutdown()
+    assert [r.getMessage() for r in caplog.records] == [
+        "--trace t.jsonl: cannot write spans (No space left on device); spans from now on are not recorded"]
+    assert (exporter.exported, exporter.dropped) == (1, 2)
+    assert json.loads((tmp_path / "t.jsonl").read_text())["name"] == "s0"
+
+
+# ----------------------------------------------------------------------------------------
+# 2. --otlp-endpoint that is dead: bounded exit, one warning line
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_dead_otlp_endpoint_exits_in_bounded_time_with_one_warning(status):
+    need(importable(OTLP_HTTP), f"{OTLP_HTTP} is missing (it is in the test extra)")
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
+    t0 = time.monotonic()
+    p = aioslirp("run", "--otlp-endpoint", endpoint, "--", "sh", "-c", f"exit {status}")
+    elapsed = time.monotonic() - t0
+    assert p.returncode == status, p.stderr
+    assert elapsed < 8, f"exit took {elapsed:.1f} s (the SDK retries for ~15 s unbounded)"
+    line = one_line(p)
+    assert line.startswith(f"aioslirp: WARNING: --otlp-endpoint {endpoint}: "), line
+    assert "(Connection refused)" in line
+
+
+def test_silent_otlp_endpoint_exits_in_bounded_time_with_one_warning():
+    """A server that accepts connections and never answers: requests would wait its whole
+    10 s timeout per attempt; the shutdown bound gives up after ~2 s."""
+    need(importable(OTLP_HTTP), f"{OTLP_HTTP} is missing (it is in the test extra)")
+    srv = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    endpoint = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    try:
+        t0 = time.monotonic()
+        p = aioslirp("run", "--otlp-endpoint", endpoint, "--", "true")
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        th.join(2)
+        srv.close()
+        for c in held:
+            c.close()
+    assert p.returncode == 0, p.stderr
+    assert elapsed < 8, f"exit took {elapsed:.1f} s"
+    line = one_line(p)
+    assert line.startswith(f"aioslirp: WARNING: --otlp-endpoint {endpoint}: "), line
+    assert held, "aioslirp never tried the endpoint"
+
+
+# ----------------------------------------------------------------------------------------
+# 3. --api-socket PATH that cannot be created: exit 2 like --pcap
+
+
+@pytest.mark.parametrize("case", ["missing-dir", "not-a-socket", "too-long"])
+def test_api_socket_bad_path_is_exit_2(tmp_path, case):
+    if case == "missing-dir":
+        path = tmp_path / "no" / "api.sock"
+        expect = f"directory {tmp_path / 'no'} does not exist"
+    elif case == "not-a-socket":
+        path = tmp_path / "file"
+        path.write_text("x")
+        expect = "exists and is not a socket"
+    else:
+        path = tmp_path / ("x" * 120)
+        expect = "UNIX socket paths are limited to 107"
+    p = aioslirp("run", "--api-socket", str(path), "--", "true")
+    assert expect in usage_error(p, "--api-socket")
+    p = aioslirp("run", "--pcap", str(tmp_path / "no" / "c.pcap"), "--", "true")
+    usage_error(p, "--pcap")  # the same kind of mistake, the same status
+
+
+# ----------------------------------------------------------------------------------------
+# 4. -p/--publish giving one host port twice
+
+
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        (["8080:80", "8080:81"], "host port 8080/tcp on 127.0.0.1 given twice"),
+        (["127.0.0.1:8080:80", "8080:81"], "host port 8080/tcp on 127.0.0.1 given twice"),
+        (["5353:53/udp", "5353:54/UDP"], "host port 5353/udp on 127.0.0.1 given twice"),
+        (["[::1]:8080:80", "[0:0::1]:8080:81"], "host port 8080/tcp on ::1 given twice"),
+        (["0.0.0.0:8080:80", "127.0.0.1:8080:81"],
+         "host port 8080/tcp given on 0.0.0.0 and on 127.0.0.1; 0.0.0.0 already means every address"),
+        (["[::1]:8080:80", "[::]:8080:81"], "host port 8080/tcp given on ::1 and on ::; :: already means every address"),
+    ],
+)
+def test_publish_same_host_port_twice_is_exit_2(specs, message):
+    args = [a for s in specs for a in ("-p", s)]
+    p = aioslirp("run", *args, "--", "true")
+    assert usage_error(p, "-p/--publish") == f"aioslirp: error: -p/--publish: {message}"
+
+
+def test_publish_same_port_different_protocol_or_family_is_fine():
+    port = free_port()
+    p = aioslirp("run", "-p", f"{port}:80", "-p", f"{port}:80/udp", "-p", f"[::1]:{port}:80", "--", "true")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""
+
+
+# ----------------------------------------------------------------------------------------
+# 5. address options: one line naming the option, no ipaddress wording
+
+
+@pytest.mark.parametrize(
+    "args, option, words",
+    [
+        (["--cidr", "fd00::/64"], "--cidr", ["'fd00::/64' is an IPv6 network", "--cidr6"]),
+        (["--cidr6", "10.0.0.0/24"], "--cidr6", ["'10.0.0.0/24' is an IPv4 network", "--cidr "]),
+        (["--cidr", "junk"], "--cidr", ["'junk' is not an IPv4 network (like 10.0.2.0/24)"]),
+        (["--cidr", "10.0.2.0/33"], "--cidr", ["is not an IPv4 network"]),
+        (["--cidr", "10.0.300.0/24"], "--cidr", ["is not an IPv4 network"]),
+        (["--cidr6", "junk"], "--cidr6", ["'junk' is not an IPv6 network (like fd00::/64)"]),
+        (["--cidr6", "fd00::/48"], "--cidr6", ["/64"]),
+        (["--dns", "junk"], "--dns", ["'junk' is not an IP address"]),
+        (["--dns", "fd00::zz"], "--dns", ["is not an IP address"]),
+        (["--dns", "1.2.3.4:0"], "--dns", ["out of range"]),
+        (["--allow", "junk"], "--allow", ["'junk'", "expected a CIDR network", "a domain name"]),
+        (["--deny", "10.0.0.0/99"], "--deny", ["is not a CIDR network"]),
+        (["-p", "1.2.3.400:80:80"], "--publish", ["is not an IP address"]),
+    ],
+)
+def test_address_options_say_what_is_wrong(args, option, words):
+    line = usage_error(aioslirp("run", *args, "--", "true"), option)
+    for w in words:
+        assert w in line, line
+    assert not any(w in line for w in IPADDRESS_WORDING), line
+
+
+@pytest.mark.parametrize("command", [["attach", "1"], ["qemu", "--socket", "SOCK"]])
+def test_cidr_family_mistake_in_other_commands(tmp_path, command):
+    command = [str(tmp_path / "q.sock") if a == "SOCK" else a for a in command]
+    p = aioslirp(command[0], "--cidr", "fd00::/64", *command[1:])
+    assert "--cidr6" in usage_error(p, "--cidr")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, text",
+    [
+        ({"cidr": "fd00::/64"}, "cidr", "'fd00::/64' is an IPv6 network; an IPv4 network is needed (like 10.0.2.0/24)"),
+        ({"cidr": "10.0.2"}, "cidr", "'10.0.2' is not an IPv4 network (like 10.0.2.0/24)"),
+        ({"gateway": "fd00::2"}, "gateway", "'fd00::2' is an IPv6 address; an IPv4 address is needed"),
+        ({"dns": "10.0.2.300"}, "dns", "'10.0.2.300' is not an IPv4 address"),
+        ({"cidr6": "10.0.0.0/8"}, "cidr6", "'10.0.0.0/8' is an IPv4 network; an IPv6 network is needed (like fd00::/64)"),
+        ({"gateway6": "10.0.2.2"}, "gateway6", "'10.0.2.2' is an IPv4 address; an IPv6 address is needed"),
+        ({"dns6": "fd00::zz"}, "dns6", "'fd00::zz' is not an IPv6 address"),
+    ],
+)
+def test_network_config_address_errors_have_our_wording(kwargs, field, text):
+    with pytest.raises(ConfigError) as info:
+        NetworkConfig(**kwargs).validate()
+    assert info.value.field == field
+    assert str(info.value) == f"{field}: {text}"
+
+
+# ----------------------------------------------------------------------------------------
+# 6. aioslirp attach brings lo up in the target namespace
+
+
+def _ns(pid: int, *argv: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(["nsenter", "-t", str(pid), "-n", *argv], capture_output=True, text=True, timeout=20, **kw)
+
+
+_LOOPBACK_ECHO = r"""
+import socket
+srv = socket.create_server(("127.0.0.1", 0))
+c = socket.create_connection(srv.getsockname(), timeout=5)
+a, _ = srv.accept()
+c.sendall(b"ping over lo")
+print(a.recv(100).decode())
+"""
+
+
+def test_attach_brings_loopback_up():
+    target = start_target_namespace()
+    proc = None
+    try:
+        (lo,) = json.loads(_ns(target.pid, "ip", "-j", "link", "show", "lo").stdout)
+        assert "UP" not in lo["flags"]  # a new namespace starts with lo down
+        proc = subprocess.Popen([sys.executable, "-m", "aioslirp", "attach", "--log-level", "info", str(target.pid)],
+                                stderr=subprocess.PIPE, text=True)
+        seen = []
+        while not any("serving tap0" in line for line in seen):  # configured, signal handlers set
+            line = proc.stderr.readline()
+            assert line, f"attach ended: {''.join(seen)}"
+            seen.append(line)
+        r = _ns(target.pid, "ip", "-j", "addr", "show", "dev", "tap0")
+        assert '"10.0.2.15"' in r.stdout, r
+        (lo,) = json.loads(_ns(target.pid, "ip", "-j", "link", "show", "lo").stdout)
+        assert "UP" in lo["flags"] and "LOWER_UP" in lo["flags"]
+        r = _ns(target.pid, sys.executable, "-c", _LOOPBACK_ECHO)
+        assert (r.returncode, r.stdout.strip()) == (0, "ping over lo"), r.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        rest = "".join(seen) + proc.stderr.read()
+        assert "Traceback" not in rest and "WARNING" not in rest and "ERROR" not in rest, rest
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc is not None:
+            proc.stderr.close()
+        target.kill()
+        target.wait()
+
+
+def test_run_with_an_empty_command_name_is_one_line_and_127():
+    p = subprocess.run([sys.executable, "-m", "aioslirp", "run", "--", ""], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 127, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "command not found" in lines[0] and "Traceback" not in p.stderr
