@@ -29,7 +29,7 @@ __all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack
            # the types an embedder is handed or hands over
            "Event", "EventLog", "AuditLog", "PolicyRequest", "Route", "GuestReader", "GuestWriter", "Datagrams",
            "UpstreamProxy", "Transport", "TransportWrapper", "PcapTransport"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 # The heavier names are imported on first use (PEP 562), so that entry points that do not

@@ -240,7 +240,7 @@ def common_options() -> argparse.ArgumentParser:
         "--api-socket",
         metavar="PATH",
         help="serve the slirp4netns-compatible control API on a Unix socket (add_hostfwd, list_hostfwd, "
-        "remove_hostfwd, get_stats, list_flows)",
+        "remove_hostfwd, get_stats, list_flows; egress rules: add_rule, remove_rule, list_rules)",
     )
     obs.add_argument(
         "--trace", metavar="FILE", help="record OpenTelemetry spans as JSON lines in FILE (see 'aioslirp trace-report')"

@@ -93,6 +93,12 @@ def _dumps(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+def _unknown_arguments(args: dict, known: tuple[str, ...]) -> str | None:
+    """The first key of ``args`` that is not in ``known`` (sorted, so the reply is stable), or ``None``."""
+    extra = sorted(k for k in args if k not in known)
+    return extra[0] if extra else None
+
+
 def _error(desc: str) -> dict:
     return {"error": {"desc": desc}}
 
@@ -327,6 +333,9 @@ class ApiServer:
 
     async def _add_rule(self, args: dict) -> dict:
         pre = "bad request: add_rule: "
+        unknown = _unknown_arguments(args, ("rule", "verdict", "close"))
+        if unknown:  # e.g. "action": "deny" must not pass as an allow rule with a key ignored
+            return _error(pre + f"bad arguments.{unknown}: not an argument (rule, verdict, close)")
         rule, verdict = args.get("rule"), args.get("verdict", "allow")
         if not isinstance(rule, str) or not rule.strip():
             return _error(pre + "bad arguments.rule")
@@ -347,6 +356,9 @@ class ApiServer:
 
     async def _remove_rule(self, args: dict) -> dict:
         pre = "bad request: remove_rule: "
+        unknown = _unknown_arguments(args, ("rule", "close"))
+        if unknown:
+            return _error(pre + f"bad arguments.{unknown}: not an argument (rule, close)")
         rule, close = args.get("rule"), args.get("close", False)
         if not isinstance(rule, str) or not rule.strip():
             return _error(pre + "bad arguments.rule")

@@ -50,6 +50,10 @@ FLAG_OPCODE = 0x7800
 FLAG_TC = 0x0200
 FLAG_RD = 0x0100
 FLAG_RA = 0x0080
+FLAG_AD = 0x0020  # RFC 4035 3.2.3, RFC 6840 5.7
+FLAG_CD = 0x0010  # RFC 4035 3.2.2
+FLAG_DO = 0x8000  # in an OPT RR's TTL field (RFC 3225 3)
+RCODE_NOTIMP = 4
 RCODE_FORMERR = 1
 RCODE_SERVFAIL = 2
 TYPE_OPT = 41  # EDNS(0), RFC 6891
@@ -156,11 +160,30 @@ def _error_response(query: bytes, rcode: int, question: bytes = b"") -> bytes:
     return _HDR.pack(qid, flags, 1 if question else 0, 0, 0, 0) + question
 
 
-def _clamp_edns(msg: bytes, limit: int) -> bytes:
-    """Lower the UDP payload size of an OPT RR (RFC 6891 6.1.2) to ``limit`` if larger.
+def upstream_query(query: bytes, question: tuple[bytes, int, int], limit: int | None) -> bytes:
+    """The query an upstream gets for the guest's ``query``, rebuilt from what was parsed, never
+    the guest's bytes: a header with ID 0 (each send sets its own), opcode QUERY, and of the
+    flags RD, AD and CD copied (RFC 1035 4.1.1, RFC 6840 5.7-5.9); one question, the name in
+    lower case (``question``: ``(qname_lower, qtype, qclass)``); and only when the guest's query
+    carried an OPT RR (RFC 6891 6.1.1), an OPT RR of our own holding its UDP payload size
+    (lowered to ``limit``, if given) and DO bit (RFC 3225), no option. Nothing else the guest
+    wrote (other records, EDNS options, case, bytes after the message) reaches the upstream:
+    none of it can carry data past the name policy."""
+    flags = struct.unpack_from("!H", query, 2)[0] & (FLAG_RD | FLAG_AD | FLAG_CD)
+    name, qtype, qclass = question
+    opt = _guest_opt(query)
+    out = _HDR.pack(0, flags, 1, 0, 0, 0 if opt is None else 1) + name + struct.pack("!HH", qtype, qclass)
+    if opt is not None:
+        payload, do = opt
+        if limit is not None and payload > limit:
+            payload = limit
+        out += b"\x00" + struct.pack("!HHIH", TYPE_OPT, max(payload, 512), do, 0)
+    return out
 
-    Best effort: returns ``msg`` unchanged when it cannot be walked.
-    """
+
+def _guest_opt(msg: bytes) -> tuple[int, int] | None:
+    """``(UDP payload size, DO bit as in the TTL field)`` of the OPT RR in ``msg``'s additional
+    section (RFC 6891 6.1.2-6.1.3), or ``None`` (none, or a message that cannot be walked)."""
     try:
         _, _, qd, an, ns, ar = _HDR.unpack_from(msg, 0)
         off = HEADER_LEN
@@ -168,13 +191,13 @@ def _clamp_edns(msg: bytes, limit: int) -> bytes:
             off = _skip_name(msg, off) + 4
         for i in range(an + ns + ar):
             off = _skip_name(msg, off)
-            rtype, rclass, _ttl, rdlen = struct.unpack_from("!HHIH", msg, off)
-            if rtype == TYPE_OPT and i >= an + ns and rclass > limit:
-                return msg[: off + 2] + struct.pack("!H", limit) + msg[off + 4 :]
+            rtype, rclass, ttl, rdlen = struct.unpack_from("!HHIH", msg, off)
+            if rtype == TYPE_OPT and i >= an + ns:
+                return rclass, ttl & FLAG_DO
             off += 10 + rdlen
     except (ValueError, struct.error):
         pass
-    return msg
+    return None
 
 
 def _hostport(upstream: tuple[str, int]) -> str:
@@ -391,6 +414,9 @@ class DnsForwarder:
         if flags & FLAG_QR:
             self.count("malformed")
             return None  # never answer a response (reflection loops)
+        if flags & FLAG_OPCODE:  # UPDATE, NOTIFY, ...: a stub resolver asks QUERY (RFC 1035 4.1.1)
+            self.count("notimp")
+            return _error_response(query, RCODE_NOTIMP)
         try:
             if qdcount != 1:
                 raise ValueError("QDCOUNT must be 1")
@@ -454,7 +480,13 @@ class DnsForwarder:
             if addrs:
                 policy.bind_answer(qname_text(question[0]), addrs, now)
             self._audit(policy, qname_text(question[0]), guest, "allow", rule, question[1])
-        return _HDR.pack(qid, *_HDR.unpack_from(reply, 0)[1:]) + reply[HEADER_LEN:]
+        # the upstream was asked the name in lower case: the guest gets its own spelling back
+        # (a resolver matching 0x20-randomised case, draft-vixie-dnsext-dns0x20, compares it)
+        asked, qname = query[HEADER_LEN:qend - 4], question[0]
+        body = reply[HEADER_LEN:]
+        if len(asked) == len(qname) and body[:len(qname)].lower() == qname:
+            body = asked + body[len(qname):]
+        return _HDR.pack(qid, *_HDR.unpack_from(reply, 0)[1:]) + body
 
     def _local(self, local: LocalRecords, query: bytes, qend: int, question, policy, now, guest) -> bytes:
         """Answer a query for a local name (``config.dns_records``) here: never upstream, never
@@ -488,8 +520,7 @@ class DnsForwarder:
 
     async def _forward(self, query: bytes, question, tcp: bool) -> bytes | None:
         upstreams = [u for u in self.upstreams if self.allow_upstream(u)]
-        if not tcp:
-            query = _clamp_edns(query, self.max_udp_payload)
+        query = upstream_query(query, question, None if tcp else self.max_udp_payload)
         for i, upstream in enumerate(upstreams):
             if self._closed:
                 return None

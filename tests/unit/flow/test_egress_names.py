@@ -484,6 +484,13 @@ def test_api_add_list_remove_rules(tmp_path):
     assert call("add_rule", rule="x.org", verdict="maybe")["error"]["desc"] == \
         "bad request: add_rule: bad arguments.verdict"
     assert call("add_rule")["error"]["desc"] == "bad request: add_rule: bad arguments.rule"
+    # a key the command does not know is refused, not ignored: "action": "deny" without "verdict"
+    # used to add an allow rule
+    assert call("add_rule", rule="127.0.0.1/32:8000", action="deny")["error"]["desc"] == \
+        "bad request: add_rule: bad arguments.action: not an argument (rule, verdict, close)"
+    assert call("remove_rule", rule="allowed.test:8080", verdcit="deny")["error"]["desc"] == \
+        "bad request: remove_rule: bad arguments.verdcit: not an argument (rule, close)"
+    assert [r["rule"] for r in call("list_rules")["return"]["rules"]] == ["allowed.test:8080", "192.0.2.0/24"]
     assert call("remove_rule", rule="nothere.test")["error"]["desc"] == "bad request: remove_rule: no such rule"
     assert call("remove_rule", rule="allowed.test:8080", close="yes")["error"]["desc"] == \
         "bad request: remove_rule: bad arguments.close"

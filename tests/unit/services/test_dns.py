@@ -174,7 +174,7 @@ async def test_mismatched_responses_ignored():
     try:
         fwd = forwarder(port)
         resp = await fwd.resolve(query())
-        check_answer(resp, name="ExAmPlE.TeSt")
+        check_answer(resp, name="example.test")  # the guest gets its own spelling of the name back
         assert fwd.stats["mismatched"] == 5 and fwd.stats["answered"] == 1
         await fwd.close()
     finally:
@@ -394,3 +394,41 @@ def test_tcp_session_framing():
     assert DnsTcpSession.frame(big)[:2] == b"\xff\xff"
     with pytest.raises(ValueError):
         DnsTcpSession.frame(b"z" * 65536)
+
+
+async def test_the_upstream_gets_a_query_rebuilt_from_what_was_parsed(good):
+    """A hostile guest's query for a name it may resolve carried data past the name policy: other
+    records, EDNS options, letter case and bytes after the message went to the upstream verbatim.
+    The upstream now gets header, question and (only if the guest had one) an option-less OPT RR
+    rebuilt from the parse; the guest still gets its own spelling of the name back."""
+    proto, port = good
+    fwd = forwarder(port)
+    q = dpkt.dns.DNS(query("ExAmPlE.TeSt"))
+    q.an = [dpkt.dns.DNS.RR(name="x.test", type=dpkt.dns.DNS_TXT, ttl=1, rdata=b"\x08EXFIL123")]
+    q.ar = [dpkt.dns.DNS.RR(name="", type=41, cls=1232, ttl=0x8000,  # DO set
+                            rdata=struct.pack("!HH", 65001, 6) + bytes.fromhex("deadbeefcafe"))]
+    raw = bytes(q) + b"J" * 170
+    resp = await fwd.resolve(raw)
+    msg = check_answer(resp, name="ExAmPlE.TeSt")
+    assert msg.qd[0].name == "ExAmPlE.TeSt"
+    sent = proto.received[-1]
+    expected = dpkt.dns.DNS(query("example.test"))
+    expected.ar = [dpkt.dns.DNS.RR(name="", type=41, cls=1232, ttl=0x8000, rdata=b"")]
+    assert sent[2:] == bytes(expected)[2:]
+    for leak in (b"EXFIL123", bytes.fromhex("deadbeefcafe"), b"JJJJ", b"ExAmPlE"):
+        assert leak not in sent
+    await fwd.close()
+
+
+@pytest.mark.parametrize("opcode", [dpkt.dns.DNS_IQUERY, dpkt.dns.DNS_STATUS, 4, dpkt.dns.DNS_UPDATE])
+async def test_an_opcode_other_than_query_is_not_implemented_and_never_forwarded(good, opcode):
+    """UPDATE (RFC 2136), NOTIFY (RFC 1996), STATUS, IQUERY: a stub resolver only asks QUERY; the
+    rest is answered NOTIMP here (RFC 1035 4.1.1) and reaches no upstream."""
+    proto, port = good
+    fwd = forwarder(port)
+    q = dpkt.dns.DNS(query())
+    q.opcode = opcode
+    resp = dpkt.dns.DNS(await fwd.resolve(bytes(q)))
+    assert resp.id == 0x4242 and resp.qr == dpkt.dns.DNS_R and resp.rcode == 4 and resp.opcode == opcode
+    assert proto.received == [] and fwd.stats["notimp"] == 1
+    await fwd.close()
