@@ -856,7 +856,7 @@ def sni_http_world():
     426. Yields ``(port, records)``."""
     import http.server
 
-    from hostservers import namespace_address
+    from support.namespaces import namespace_address
 
     records: list = []
 
@@ -978,9 +978,10 @@ def test_a_route_to_the_guest_side_gateway_address_is_warned_about(caplog):
 
 async def test_a_handled_udp_flow_is_listed_with_the_rule_that_let_it_through():
     """A UDP flow a Python handler took follows the Flow protocol like any flow (mypy checks it,
-    tests/test_types.py): ``stack.flows()`` lists it with the egress rule that allowed it (it had
+    tests/package/test_types.py): ``stack.flows()`` lists it with the egress rule that allowed it (it had
     no ``name`` / ``rule``: listing it raised ``AttributeError``)."""
-    from stack_helpers import F4, served_stack, udp_frame
+    from support.frames import F4, udp_frame
+    from support.stacks import served_stack
 
     async def echo(flow, datagrams):
         async for d in datagrams:
