@@ -2,9 +2,11 @@
 sockets, and the port forwards that make flows from the host.
 
 =============== ===========================================================================
-``tcp``         :class:`~aioslirp.nat.tcp.TcpFlow` / ``ForwardedTcpFlow``: a sans-IO
+``tcp``         :class:`~aioslirp.nat.tcp.TcpFlow`: a sans-IO
                 :class:`~aioslirp.tcp.connection.TcpConnection` driven by the loop and
                 relayed to a host socket
+``forwarded``   :class:`~aioslirp.nat.forwarded.ForwardedTcpFlow`: the TCP flow of a port
+                forward, opened towards the guest
 ``hostsock``    the host side of a TCP flow: connect, :class:`~aioslirp.nat.hostsock.HostSocket`
                 read through the stack's own epoll, ``TransportHost``, closing with an RST
 ``pacing``      :class:`~aioslirp.nat.pacing.FlowPacing`: the rate caps of a TCP flow and what

@@ -8,7 +8,7 @@ through ``Stack.add_forward()``/``remove_forward()``/``forwards()``) opens the h
 listener and turns what arrives there into flows in the stack's ordinary flow table:
 
 * **TCP**: a reader callback on the listening socket accepts host connections. Each accepted socket becomes a
-  :class:`~aioslirp.nat.tcp.ForwardedTcpFlow`: the stack makes sure it knows the guest's
+  :class:`~aioslirp.nat.forwarded.ForwardedTcpFlow`: the stack makes sure it knows the guest's
   MAC (an ARP request from the gateway when it does not, RFC 826), then *sends the SYN
   itself* (active open, :meth:`TcpConnection.connect`) from the gateway address
   (``10.0.2.2``) and a source port of its own, so the guest sees a connection from the
@@ -365,7 +365,7 @@ class Forwarder:
             self.ctx.running.loop.add_reader(lst.sock.fileno(), self._tcp_acceptable, lst)
 
     def _tcp_accepted(self, lst: _Listener, csock: socket.socket, peer) -> None:
-        from .tcp import ForwardedTcpFlow
+        from .forwarded import ForwardedTcpFlow
 
         ctx = self.ctx
         counters = ctx.counters

@@ -38,7 +38,8 @@ from aioslirp.nat.forward import Forwarder, UdpForwardFlow, _Listener
 from aioslirp.nat.hostsock import HostSocket, TransportHost
 from aioslirp.nat.icmp import IcmpEcho, IcmpFlow
 from aioslirp.nat.pacing import FlowPacing
-from aioslirp.nat.tcp import ForwardedTcpFlow, TcpFlow
+from aioslirp.nat.forwarded import ForwardedTcpFlow
+from aioslirp.nat.tcp import TcpFlow
 from aioslirp.nat.udp import UdpFlow
 from aioslirp.observe.audit import AuditLog, _Reader
 from aioslirp.ratelimit import ByteBucket, TokenBucket

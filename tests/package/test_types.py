@@ -94,7 +94,8 @@ from aioslirp.nat.forward import UdpForwardFlow
 from aioslirp.nat.hostsock import HostPoller, HostSocket, TransportHost
 from aioslirp.nat.icmp import IcmpFlow
 from aioslirp.nat.mover import HostMover, MoverFlow
-from aioslirp.nat.tcp import ForwardedTcpFlow, TcpFlow
+from aioslirp.nat.forwarded import ForwardedTcpFlow
+from aioslirp.nat.tcp import TcpFlow
 from aioslirp.nat.udp import UdpFlow
 from aioslirp.observe.audit import AuditLog
 from aioslirp.observe.tracing import Tracer

@@ -921,7 +921,7 @@ async def test_verify_sni_judges_every_request_of_a_connection(sni_http_world):
     content; h2c is refused; a WebSocket is a tunnel after the server's 101, not after its 426."""
     need_tool("curl", "curl")
     port, records = sni_http_world
-    names = Names({"allowed.test": "192.0.2.10", "cdn.test": "192.0.2.10"})
+    names = NameServer({"allowed.test": "192.0.2.10", "cdn.test": "192.0.2.10"})
     try:
         log = io.StringIO()
         out, stack = await run_guest(cfg(dns_upstreams=[("127.0.0.1", names.port)], egress_default="deny",
