@@ -137,7 +137,8 @@ class Stack:
 
     Args:
         config: the network (default: ``NetworkConfig()``).
-        tracer_provider: an OpenTelemetry ``TracerProvider``: trace this stack through it.
+        tracer_provider: an OpenTelemetry ``TracerProvider``: trace this stack through it, at
+            ``config.trace_level`` (``"flows"``, ``"timeline"``, ``"frames"``; docs/observability.md).
             ``None``: traced through the provider given to :func:`aioslirp.observe.tracing.enable`
             when that is in force, else not traced.
         audit: the audit log: an :class:`~aioslirp.observe.audit.AuditLog`, a path (``"-"``: stderr) or
