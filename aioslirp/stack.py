@@ -137,7 +137,8 @@ class Stack:
 
     Args:
         config: the network (default: ``NetworkConfig()``).
-        tracer_provider: an OpenTelemetry ``TracerProvider``: trace this stack through it.
+        tracer_provider: an OpenTelemetry ``TracerProvider``: trace this stack through it, at
+            ``config.trace_level`` (``"flows"``, ``"timeline"``, ``"frames"``; docs/observability.md).
             ``None``: traced through the provider given to :func:`aioslirp.observe.tracing.enable`
             when that is in force, else not traced.
         audit: the audit log: an :class:`~aioslirp.observe.audit.AuditLog`, a path (``"-"``: stderr) or
@@ -200,8 +201,15 @@ class Stack:
             tracer = tracing.Tracer(tracer_provider, table, queue)
         else:
             tracer = tracing.default_tracer(table, queue)
-        # handed to whoever records a trace point (the Link reads ctx.tracer)
-        self.tracer = ctx.tracer = table.tracer = queue.tracer = tracer
+        # The trace level decides, once, who gets the tracer (docs/observability.md, "Trace
+        # levels"): the flow table always (flow spans); the flows (ctx.tracer: the TCP timeline)
+        # from "timeline"; the link, the inject queue and serve()'s TraceTransport (per-frame
+        # spans and stamps) at "frames" only. A trace point left None costs its one branch.
+        level = cfg.trace_level
+        frame_tracer = tracer if level == "frames" else None
+        self.tracer = table.tracer = tracer
+        ctx.tracer = tracer if level != "flows" else None
+        queue.tracer = frame_tracer
         self._aux_tasks: set[asyncio.Task] = set()
         icmp = IcmpEcho(ctx)
         if tcp_handler is None and cfg.upstream_proxy is not None:  # --upstream-proxy
@@ -224,7 +232,7 @@ class Stack:
 
             v6 = Ipv6Path(ctx, l4)
             family6 = v6.family
-        link = Link(ctx, family4, ipv4, v6)
+        link = Link(ctx, family4, ipv4, v6, tracer=frame_tracer)
         self._parts = StackParts(ctx=ctx, table=table, flows=table.flows, idle_order=table.idle_order, guard=guard,
                                  inject_queue=queue, tasks=ctx.tasks, icmp=icmp, router=router, link=link, l4=l4,
                                  ipv4=ipv4, family4=family4, v6=v6, family6=family6, neighbors=neighbors)
@@ -472,9 +480,10 @@ class Stack:
         raw = transport
         for wrap in self.transport_wrappers:
             transport = wrap(transport)
-        if self.tracer is not None:  # the drain_to_guest / writer_wake trace points
-            transport = TraceTransport(transport, self.tracer)
         p = self._parts
+        frame_tracer = p.inject_queue.tracer  # the stack's tracer at trace level "frames" only
+        if frame_tracer is not None:  # the drain_to_guest / writer_wake trace points
+            transport = TraceTransport(transport, frame_tracer)
         self._transport = p.inject_queue.transport = transport
         p.ctx.offload = bool(getattr(transport, "offload", False))
         info = {"transport": type(transport).__name__}

@@ -74,7 +74,7 @@ ONE_PROCESS = textwrap.dedent("""
 
 def traced_run(trace: str | None, guest_argv: list, pin: str | None) -> dict:
     """Run ``guest_argv`` under ``aioslirp run`` (``--trace trace`` unless None); its JSON line."""
-    argv = [sys.executable, "-m", "aioslirp", "run", *(["--trace", trace] if trace else []), "--", *guest_argv]
+    argv = [sys.executable, "-m", "aioslirp", "run", *(["--trace", trace, "--trace-level", "frames"] if trace else []), "--", *guest_argv]
     if pin is not None:
         argv = ["taskset", "-c", pin] + argv
     p = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO,

@@ -111,7 +111,7 @@ class EchoServer:
 
 def run_mode(mode: str, port: int, n: int, warmup: int, pin: str | None, trace_file: str = "") -> dict:
     argv = [sys.executable, "-c", WRAPPER, REPO, mode, trace_file or "-",
-            "run", "--", sys.executable, "-c", CLIENT, str(port), str(n), str(warmup)]
+            "run", "--trace-level", "frames", "--", sys.executable, "-c", CLIENT, str(port), str(n), str(warmup)]
     if pin is not None:
         argv = ["taskset", "-c", pin] + argv
     p = subprocess.run(argv, capture_output=True, text=True, timeout=600)

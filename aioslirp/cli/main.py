@@ -46,6 +46,7 @@ _FIELD_OPTION = {
     "audit_log": "--audit-log",
     "upstream_proxy": "--upstream-proxy",
     "egress_default": "--egress-default",
+    "trace_level": "--trace-level",
 }
 _FIELD_OPTION.update({name: f"--limit {name}" for name in LIMIT_FIELDS})
 
@@ -147,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
         "events with the gap between consecutive events; per stage (pair of consecutive events) the "
         "p50/p90/p99 over all connections; the trace points' own durations; and a verdict naming the "
         "largest stage.",
-        epilog="example:\n  aioslirp run --trace crr.jsonl -- python3 client.py\n  aioslirp trace-report crr.jsonl --png crr.png",
+        epilog="example:\n  aioslirp run --trace crr.jsonl --trace-level timeline -- python3 client.py\n"
+        "  aioslirp trace-report crr.jsonl --png crr.png\n\n"
+        "The stages need --trace-level timeline or frames (the default, flows, records one span per\n"
+        "flow and no events); the per-frame trace points need --trace-level frames.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rep.add_argument("file", metavar="FILE", help="span file written by --trace")
@@ -236,6 +240,8 @@ def config_from_args(args: argparse.Namespace) -> NetworkConfig:
         kwargs.update(parse_rate_limit(args.rate_limit, "--rate-limit"))
     if getattr(args, "verify_sni", None):
         kwargs["verify_sni"] = True
+    if getattr(args, "trace_level", None) is not None:
+        kwargs["trace_level"] = args.trace_level
     if getattr(args, "upstream_proxy", None) is not None:
         kwargs["upstream_proxy"] = args.upstream_proxy
     if getattr(args, "no_proxy", None) is not None:

@@ -252,6 +252,15 @@ def common_options() -> argparse.ArgumentParser:
         "Collector, Tempo; OTEL_* variables apply; needs the otlp extra)",
     )
     obs.add_argument(
+        "--trace-level",
+        choices=("flows", "timeline", "frames"),
+        default=None,
+        help="what --trace/--otlp-endpoint record (docs/observability.md, 'Trace levels'): flows (default) one "
+        "span per NAT flow, nothing per frame; timeline also the TCP timeline as the flow spans' events (what "
+        "'aioslirp trace-report' breaks into stages); frames also a span per guest frame and per write to the "
+        "guest (process_guest_frame, drain_to_guest, writer_wake), several spans per packet",
+    )
+    obs.add_argument(
         "--log-level", type=_log_level, default="warning", metavar="LEVEL", help="debug, info, warning (default) or error"
     )
     return common

@@ -21,6 +21,13 @@ percentiles, microseconds); it also summarises the four trace points' own measur
 ``drain_to_guest`` write time, ``writer_wake`` queue wait), the CRR cycle (SYN to the next
 SYN) and the time inside the stack (SYN to ``closed``), and ends with a verdict line
 naming the largest stage by p50 among the stages seen in at least half the connections.
+
+What a file holds depends on the ``--trace-level`` it was recorded at (docs/observability.md,
+"Trace levels"); the report names the level it sees (:attr:`Report.level`) and says what is
+missing instead of guessing: at ``flows`` the flow spans carry no events, so there is no stage
+breakdown (each connection is ``syn → flow.end``); below ``frames`` there are no per-frame
+trace points (``process_guest_frame``, ``drain_to_guest``, ``writer_wake``) nor ``*.sent``
+events.
 """
 
 from __future__ import annotations
@@ -31,10 +38,18 @@ import sys
 from dataclasses import dataclass, field
 
 __all__ = ["load_spans", "build_report", "format_report", "plot_report", "cli_main", "Report", "Connection",
-           "IDLE_STAGE", "percentile"]
+           "IDLE_STAGE", "FRAME_SPANS", "percentile"]
 
 #: Name of the stage between one connection's guest FIN and the same guest's next SYN.
 IDLE_STAGE = "guest idle (fin.guest → next syn)"
+
+
+#: The spans recorded only at ``--trace-level frames``.
+FRAME_SPANS = frozenset({"process_guest_frame", "drain_to_guest", "writer_wake"})
+
+_NEEDS_TIMELINE = ("the flow spans carry no events (recorded at --trace-level flows): the stage breakdown "
+                   "needs --trace-level timeline or frames")
+_NEEDS_FRAMES = "(none: the per-frame trace points need --trace-level frames)"
 
 
 class ReportError(Exception):
@@ -100,6 +115,9 @@ class Report:
     in_stack: list  # sorted SYN -> closed (us)
     verdict: str = ""
     largest: str | None = None
+    #: The ``--trace-level`` the spans show: ``"frames"`` (per-frame spans seen), ``"timeline"``
+    #: (flow events or ``tcp.syn_ack`` spans seen), else ``"flows"``.
+    level: str = "flows"
 
 
 def load_spans(path: str) -> list:
@@ -139,9 +157,14 @@ def build_report(spans: list) -> Report:
     other: dict = {}
     points: dict = {"process_guest_frame: processing": [], "tcp.syn_ack: host connect": [],
                     "drain_to_guest: write": [], "writer_wake: queue wait (max of batch)": []}
+    names = set()
+    has_events = False
     for s in spans:
         name = s["name"]
+        names.add(name)
         attrs = s.get("attributes") or {}
+        if name.endswith(".flow") and s.get("events"):
+            has_events = True
         if name == "tcp.flow":
             events = [("syn", s["start_ns"])]
             evs = sorted(((e["name"], e["time_ns"]) for e in s.get("events") or ()), key=lambda e: e[1])
@@ -193,6 +216,10 @@ def build_report(spans: list) -> Report:
     in_stack = sorted((c.time_of("closed") - c.start_ns) / 1000.0 for c in conns if c.time_of("closed") is not None)
     rep = Report(spans=len(spans), connections=conns, other_flows=other, stages=stages, stage_order=order,
                  trace_points={k: sorted(v) for k, v in points.items()}, cycles=sorted(cycles), in_stack=in_stack)
+    if names & FRAME_SPANS:
+        rep.level = "frames"
+    elif has_events or "tcp.syn_ack" in names:
+        rep.level = "timeline"
     _verdict(rep)
     return rep
 
@@ -201,6 +228,9 @@ def _verdict(rep: Report) -> None:
     n = len(rep.connections)
     if not n:
         rep.verdict = "verdict: no TCP connections in this trace"
+        return
+    if rep.level == "flows":
+        rep.verdict = f"verdict: no stage breakdown: {_NEEDS_TIMELINE}"
         return
     need = max(1, n // 2)
     cands = [(percentile(v, 50), st) for st, v in rep.stages.items() if len(v) >= need]
@@ -234,7 +264,8 @@ def format_report(rep: Report, limit: int = 10, path: str = "") -> str:
     out = []
     n = len(rep.connections)
     others = ", ".join(f"{v} {k.split('.')[0].upper()}" for k, v in sorted(rep.other_flows.items()))
-    out.append(f"trace-report {path}: {rep.spans} spans, {n} TCP connections" + (f" (and {others} flows)" if others else ""))
+    out.append(f"trace-report {path}: {rep.spans} spans, {n} TCP connections" + (f" (and {others} flows)" if others else "")
+               + f", trace level {rep.level}")
     shown = rep.connections if limit <= 0 else rep.connections[:limit]
     for i, c in enumerate(shown, 1):
         total = (c.end_ns - c.start_ns) / 1000.0
@@ -251,6 +282,8 @@ def format_report(rep: Report, limit: int = 10, path: str = "") -> str:
         out.append(f"({n - len(shown)} more connections; --connections 0 prints all)")
     out.append("")
     out.append(f"stages over {n} connections (gap between consecutive events, us)")
+    if rep.level == "flows" and n:
+        out.append(f"  ({_NEEDS_TIMELINE})")
     width = max([len(s) for s in rep.stage_order] + [5])
     out.append(f"  {'stage':<{width}} {'n':>7} {'p50':>10} {'p90':>10} {'p99':>10}")
     for st in rep.stage_order:
@@ -264,6 +297,8 @@ def format_report(rep: Report, limit: int = 10, path: str = "") -> str:
     for k, v in rep.trace_points.items():
         out.append(f"  {k:<{width}} {len(v):>7} {_fmt(percentile(v, 50)):>10} {_fmt(percentile(v, 90)):>10} "
                    f"{_fmt(percentile(v, 99)):>10}")
+    if rep.level != "frames":
+        out.append(f"  {_NEEDS_FRAMES}")
     if rep.cycles or rep.in_stack:
         out.append("")
     if rep.cycles:

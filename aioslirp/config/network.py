@@ -19,7 +19,10 @@ from .upstream import parse_proxy_url
 from .rates import parse_rate
 from .records import HOST_NAME, parse_dns_records
 
-__all__ = ["ConfigError", "NetworkConfig", "parse_hostport"]
+__all__ = ["ConfigError", "NetworkConfig", "parse_hostport", "TRACE_LEVELS"]
+
+#: Values of :attr:`NetworkConfig.trace_level`, from the least recorded to the most.
+TRACE_LEVELS = ("flows", "timeline", "frames")
 
 #: Locally administered MAC used by the virtual gateway and DNS (slirp's 52:55:<IPv4 of the gateway>).
 DEFAULT_GATEWAY_MAC = "52:55:0a:00:02:02"
@@ -204,6 +207,12 @@ class NetworkConfig:
     #: SNI (or HTTP/1 ``Host``) names an allowed name bound to its address; else it is reset
     #: (:mod:`aioslirp.handlers.sni`; its SYN is answered before the host connect).
     verify_sni: bool = False
+    #: What a traced stack records (``--trace-level``; docs/observability.md, "Trace levels"):
+    #: ``"flows"`` (default) one span per NAT flow and nothing per frame; ``"timeline"`` also the
+    #: TCP timeline (the flow spans' events, the ``tcp.syn_ack`` span); ``"frames"`` also the
+    #: per-frame trace points (``process_guest_frame``, ``drain_to_guest``, ``writer_wake``, the
+    #: ``*.sent`` events). Read once, when the stack is made; no effect on an untraced stack.
+    trace_level: str = "flows"
 
     def validate(self) -> "NetworkConfig":
         """Check every field and normalise addresses. Returns ``self``; raises :class:`ConfigError`."""
@@ -309,6 +318,10 @@ class NetworkConfig:
         if log_to is not None and not (isinstance(log_to, str) and log_to.strip()) and not hasattr(log_to, "write"):
             if not hasattr(log_to, "__fspath__"):
                 raise ConfigError("audit_log", f"{log_to!r} is neither a path nor a writable file object")
+        level = str(self.trace_level).strip().lower()
+        if level not in TRACE_LEVELS:
+            raise ConfigError("trace_level", f"{self.trace_level!r} is not one of {', '.join(TRACE_LEVELS)}")
+        self.trace_level = level
         self.ipv6 = bool(self.ipv6)
         if self.ipv6:
             c6 = Ipv6Config.from_network(self)

@@ -53,9 +53,9 @@ class Link:
         ipv6: the IPv6 input (:meth:`Ipv6Path.dispatch <aioslirp.dispatch.ipv6.Ipv6Path.dispatch>`),
             or ``None`` (IPv6 off: such frames are dropped, ``drop.ipv6_disabled``).
 
-    Attributes:
-        tracer: the stack's :class:`~aioslirp.observe.tracing.Tracer` (``ctx.tracer``), or ``None``:
-            told of each guest frame after its dispatch (``process_guest_frame``).
+        tracer: the stack's :class:`~aioslirp.observe.tracing.Tracer` at trace level ``"frames"``
+            (``None``, the default: no per-frame trace point), kept as :attr:`tracer`: told of each
+            guest frame after its dispatch (``process_guest_frame``).
     """
 
     __slots__ = ("ctx", "counters", "drop", "queue", "table", "fam4", "neighbors", "ipv4", "ipv6", "tracer")
@@ -73,10 +73,11 @@ class Link:
     neighbors: NeighborCache
     ipv4: Ipv4Input
     ipv6: Ipv6Path | None
-    #: The stack's tracer (``None``: not traced).
+    #: The stack's tracer at trace level ``"frames"`` (``None``: no per-frame trace point).
     tracer: TracePoints | None
 
-    def __init__(self, ctx: FlowContext, fam4: Family4, ipv4: Ipv4Input, ipv6: Ipv6Path | None = None) -> None:
+    def __init__(self, ctx: FlowContext, fam4: Family4, ipv4: Ipv4Input, ipv6: Ipv6Path | None = None, *,
+                 tracer: TracePoints | None = None) -> None:
         self.ctx = ctx
         self.counters = ctx.counters
         self.drop = ctx.drop
@@ -86,7 +87,7 @@ class Link:
         self.neighbors = fam4.neighbors
         self.ipv4 = ipv4
         self.ipv6 = ipv6
-        self.tracer = ctx.tracer
+        self.tracer = tracer
 
     def on_frames(self, frames: list[bytes], csum_ok: Iterable[bool] | None = None) -> None:
         """A batch of guest frames from the transport (its sink, a :class:`~aioslirp.transport.base.FrameSink`).

@@ -36,6 +36,20 @@ Where each trace point is recorded:
   ``send_frames``; the inject queue stamps each frame it queues (``record_frame_queued``) and
   forgets those it drops unwritten (``record_discard``).
 
+Trace levels (``NetworkConfig.trace_level``, ``--trace-level``; docs/observability.md): the
+stack hands its tracer out once, when it is made, by level, so a trace point of a level not
+recorded is a ``None`` attribute (its one branch) and never a call:
+
+* ``"flows"`` (the default): the flow table only: one span per flow (``tcp.flow``,
+  ``udp.flow``, ``icmp.flow``) with its start and end attributes, no events, no child span;
+  nothing per frame, so a frame of no flow (ARP, ND, RA, DHCP) makes no span at all;
+* ``"timeline"``: also the flows' own hooks (``FlowContext.tracer``): the flow spans' events
+  (``host.connect``, ``syn_ack.queued``, ``established``, ``guest.data``, ``host.data``,
+  ``fin.*``, ``reset``, ``closed``, ``connect.*``) and the ``tcp.syn_ack`` span;
+* ``"frames"``: also the per-frame trace points: the link (``process_guest_frame``), the inject
+  queue's stamps and the ``TraceTransport`` (``drain_to_guest``, ``writer_wake`` and the
+  ``*.sent`` events); a flow span then ends when its last queued frame has been written.
+
 Spans (names and attributes; ``network.*``, ``client.*``, ``server.*`` follow the
 OpenTelemetry semantic conventions, the rest is ``aioslirp.*``):
 
@@ -113,6 +127,8 @@ _FLAG_LETTERS = ((FIN, "F"), (SYN, "S"), (RST, "R"), (PSH, "P"), (ACK, "A"))
 #: Connection events recorded from ``TcpConnection.next_event`` (``established`` and ``fin``
 #: are recorded from the guest segment that caused them, see :meth:`Tracer.record_segment`).
 _CONN_EVENTS = {"reset": "reset", "closed": "closed"}
+#: A TCP flow's ``outcome`` after a failed host connect -> ``aioslirp.tcp.outcome``.
+_FAILED_CONNECT = {"refused": "refused", "unreachable": "unreachable", "timeout": "unreachable"}
 
 
 def _safe(fn):
@@ -136,7 +152,7 @@ def _safe(fn):
 class _FlowTrace:
     """Tracing state of one flow: its span, a context for children, counters."""
 
-    __slots__ = ("span", "ctx", "pending", "closing", "to_guest", "n_guest", "n_host", "n_sent", "outcome",
+    __slots__ = ("span", "ctx", "pending", "closing", "n_guest", "n_host", "n_sent", "outcome",
                  "established", "fin_guest")
 
     def __init__(self, span, ctx) -> None:
@@ -144,7 +160,6 @@ class _FlowTrace:
         self.ctx = ctx
         self.pending = 0  # frames of this flow stamped in the inject queue
         self.closing = False  # the flow left the table; end the span once pending == 0
-        self.to_guest = 0
         self.n_guest = self.n_host = self.n_sent = 0
         self.outcome = None  # a TCP flow's failed connect: "refused" or "unreachable"
         self.established = False  # the "established" event was recorded
@@ -294,9 +309,10 @@ class Tracer:
             if from_guest > 0x7FFFFFFF:
                 from_guest = 0
             sp.set_attribute("aioslirp.bytes.from_guest", from_guest)
-            sp.set_attribute("aioslirp.bytes.to_guest", rec.to_guest)
+            sp.set_attribute("aioslirp.bytes.to_guest", flow.bytes_down)  # sent, at every trace level
             sp.set_attribute("aioslirp.tcp.state", conn.state)
-            outcome = rec.outcome or ("reset" if conn.reset else "closed")
+            # (below trace level "timeline" no record_connect_failed came: the flow says it)
+            outcome = rec.outcome or _FAILED_CONNECT.get(flow.outcome) or ("reset" if conn.reset else "closed")
             sp.set_attribute("aioslirp.tcp.outcome", outcome)
         else:
             up = flow.bytes_up
@@ -359,7 +375,6 @@ class Tracer:
         """The host socket delivered ``nbytes`` for the guest."""
         rec = self.records.get(flow)
         if rec is not None:
-            rec.to_guest += nbytes
             if rec.n_host < MAX_DATA_EVENTS:
                 rec.n_host += 1
                 rec.span.add_event("host.data", {"aioslirp.bytes": nbytes})

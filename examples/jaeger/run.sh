@@ -55,7 +55,7 @@ PORT="$(cat "$WORK/port")"
 
 # The guest: one process, N connect / 1-byte request / 1-byte response / close.
 OTEL_SERVICE_NAME="${OTEL_SERVICE_NAME:-aioslirp}" \
-"$PY" -m aioslirp run --otlp-endpoint "$OTLP" --trace "$TRACE" -- "$PY" -c '
+"$PY" -m aioslirp run --otlp-endpoint "$OTLP" --trace "$TRACE" --trace-level frames -- "$PY" -c '
 import socket, sys, time
 port, n = int(sys.argv[1]), int(sys.argv[2])
 lat = []

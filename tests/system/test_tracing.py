@@ -124,7 +124,8 @@ async def test_spans_for_one_crr_cycle_and_a_refused_connection(memory_tracing):
     server = EchoOnce()
     refused = free_port()
     try:
-        rc = await run_in_namespace(NetworkConfig(), [sys.executable, "-c", crr_script(server.port, 1, refused_port=refused)])
+        rc = await run_in_namespace(NetworkConfig(trace_level="frames"),
+                                    [sys.executable, "-c", crr_script(server.port, 1, refused_port=refused)])
     finally:
         server.close()
     assert rc == 0
@@ -286,7 +287,7 @@ def test_otlp_export_of_20_guest_connections():
     env.pop("OTEL_SERVICE_NAME", None)
     try:
         p = subprocess.run([sys.executable, "-m", "aioslirp", "run", "--otlp-endpoint", f"http://127.0.0.1:{receiver.port}",
-                            "--", sys.executable, "-c", crr_script(server.port, 20)],
+                            "--trace-level", "frames", "--", sys.executable, "-c", crr_script(server.port, 20)],
                            capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
         assert p.returncode == 0, p.stderr
         assert server.accepted == 20
@@ -370,8 +371,8 @@ def test_trace_file_and_report_show_the_real_gaps(tmp_path):
     server = EchoOnce(delay=0.040)
     trace = tmp_path / "crr.jsonl"
     try:
-        p = subprocess.run([sys.executable, "-m", "aioslirp", "run", "--trace", str(trace), "--",
-                            sys.executable, "-c", crr_script(server.port, 6, idle=0.300)],
+        p = subprocess.run([sys.executable, "-m", "aioslirp", "run", "--trace", str(trace), "--trace-level", "frames",
+                            "--", sys.executable, "-c", crr_script(server.port, 6, idle=0.300)],
                            capture_output=True, text=True, timeout=120, cwd=REPO)
     finally:
         server.close()
@@ -414,6 +415,35 @@ def test_trace_file_and_report_show_the_real_gaps(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_default_trace_level_records_flow_spans_only_and_the_report_says_what_it_lacks(tmp_path):
+    """``aioslirp run --trace`` without --trace-level: one span per flow (the connections, the
+    guest's DNS/ND traffic makes none of its own), no events, no per-frame span; trace-report
+    reads it, exits 0 and says the stages need --trace-level timeline and the trace points frames."""
+    server = EchoOnce()
+    trace = tmp_path / "flows.jsonl"
+    try:
+        p = subprocess.run([sys.executable, "-m", "aioslirp", "run", "--trace", str(trace), "--",
+                            sys.executable, "-c", crr_script(server.port, 3)],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    finally:
+        server.close()
+    assert p.returncode == 0, p.stderr
+    spans = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert spans and all(s["name"].endswith(".flow") and not s["parent_span_id"] and not s["events"] for s in spans)
+    flows = [s for s in spans if s["name"] == "tcp.flow" and s["attributes"]["server.port"] == server.port]
+    assert len(flows) == 3
+    assert all(s["attributes"]["aioslirp.tcp.outcome"] == "closed" for s in flows)
+    assert all(s["attributes"]["aioslirp.bytes.to_guest"] == 1 for s in flows)
+    p = subprocess.run([sys.executable, "-m", "aioslirp", "trace-report", str(trace)], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    assert "trace level flows" in p.stdout
+    assert "stage breakdown needs --trace-level timeline or frames" in p.stdout
+    assert "per-frame trace points need --trace-level frames" in p.stdout
+    (verdict,) = [line for line in p.stdout.splitlines() if line.startswith("verdict:")]
+    assert "--trace-level timeline" in verdict
+
+
 def test_trace_report_errors(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("not json\n\n")
@@ -436,8 +466,8 @@ def test_sigterm_flushes_spans(tmp_path):
         print("ready", flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-m", "aioslirp", "run", "--trace", str(trace), "--",
-                             sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "aioslirp", "run", "--trace", str(trace), "--trace-level", "timeline",
+                             "--", sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=REPO)
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -544,7 +574,7 @@ async def test_two_stacks_trace_into_their_own_providers_and_an_untraced_one_rec
 
     try:
         rcs = await asyncio.gather(*(
-            run_in_namespace(NetworkConfig(), [sys.executable, "-c", crr_script(srv.port, n)],
+            run_in_namespace(NetworkConfig(trace_level="frames"), [sys.executable, "-c", crr_script(srv.port, n)],
                              stack_factory=factory_for(name, provider))
             for name, srv, n, provider in zip("ABC", servers, counts, [*providers, None])))
     finally:

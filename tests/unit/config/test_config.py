@@ -24,6 +24,8 @@ from aioslirp import ConfigError, NetworkConfig
     (dict(dns_timeout=0), "dns_timeout"),
     (dict(max_flows="many"), "max_flows"),
     (dict(gateway_mac="52:55:0a:00:02"), "gateway_mac"),
+    (dict(trace_level="spans"), "trace_level"),
+    (dict(trace_level=None), "trace_level"),
 ])
 def test_bad_values_name_their_field(kw, field):
     with pytest.raises(ConfigError) as err:
@@ -39,6 +41,24 @@ def test_defaults_and_normalisation():
     assert (str(c.gateway), str(c.dns), str(c.guest)) == ("10.0.3.2", "10.0.3.3", "10.0.3.15")
     assert c.dns_upstreams == [("127.0.0.53", 53), ("::1", 5353), ("127.0.0.1", 5300)]
     assert c.gateway_mac_bytes == bytes.fromhex("52550a000202")
+    assert c.trace_level == "flows"
+    assert NetworkConfig(trace_level=" Timeline ").validate().trace_level == "timeline"
+
+
+def test_trace_level_option_sets_the_field_and_a_bad_one_is_one_line(capsys):
+    """``--trace-level`` on the commands that take --trace: into ``NetworkConfig.trace_level``;
+    a value not among flows/timeline/frames is one line naming the option (exit 2)."""
+    from aioslirp.cli.main import build_parser, config_from_args
+
+    parser = build_parser()
+    for cmd in (["run"], ["attach", "1"], ["qemu", "--socket", "x.sock"]):
+        assert config_from_args(parser.parse_args([*cmd, "--trace-level", "frames"])).trace_level == "frames"
+        assert config_from_args(parser.parse_args(cmd)).trace_level == "flows"
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["run", "--trace-level", "every"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--trace-level" in err[0] and "'every'" in err[0]
 
 
 @pytest.mark.parametrize("field", ["udp_idle_timeout", "icmp_idle_timeout", "tcp_idle_timeout", "tcp_linger",
