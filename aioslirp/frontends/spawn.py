@@ -424,9 +424,9 @@ def spawn(
     args = _check_argv(argv)
     if stack is None or config is not None:
         config = (config if config is not None else NetworkConfig()).validate()
-    for name, value in (("stdin", stdin), ("stdout", stdout), ("stderr", stderr)):
-        if value == STDOUT and name != "stderr":
-            raise ValueError(f"{name}=STDOUT is only valid for stderr")
+    for which, value in (("stdin", stdin), ("stdout", stdout), ("stderr", stderr)):
+        if value == STDOUT and which != "stderr":
+            raise ValueError(f"{which}=STDOUT is only valid for stderr")
     if name is not None or labels is not None:
         from ..config.identity import GuestIdentity
         from ..errors import ConfigError
