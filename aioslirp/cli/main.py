@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--connections", type=int, default=10, metavar="N", help="timelines to print (default 10; 0: all)"
     )
+    rep.add_argument(
+        "--guest", metavar="NAME", help="only the spans of the guest NAME (aioslirp.guest.name: run --name NAME)"
+    )
     rep.set_defaults(run=_cmd_trace_report)
 
     qemu = sub.add_parser(

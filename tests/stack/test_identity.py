@@ -237,3 +237,32 @@ def test_cli_name_and_labels_reach_the_audit_log_of_a_real_guest(tmp_path):
     recs = [json.loads(x) for x in log_path.read_text().splitlines()]
     (udp,) = [r for r in recs if r["event"] == "flow" and r["port"] == echo.port]
     assert udp["guest_name"] == "sandbox-7" and udp["labels"] == {"team": "red", "job": "42"}
+
+
+def test_trace_report_picks_one_guest_of_a_shared_span_file(tmp_path):
+    """A span file of two guests (one provider): ``trace-report --guest NAME`` reports that guest's
+    connections only; an unknown name is one error line."""
+    path = tmp_path / "t.jsonl"
+    lines = []
+    for i, (guest, port) in enumerate((("g1", 41001), ("g1", 41002), ("g2", 41003))):
+        t = 10**18 + i * 10**9
+        lines.append({"name": "tcp.flow", "trace_id": f"{i:032x}", "span_id": f"{i:016x}", "parent_span_id": None,
+                      "kind": "INTERNAL", "start_ns": t, "end_ns": t + 5 * 10**6, "status": "UNSET",
+                      "attributes": {"aioslirp.guest.name": guest, "client.address": "10.0.2.15",
+                                     "client.port": port, "server.address": "10.0.2.2", "server.port": 80},
+                      "events": [{"name": "established", "time_ns": t + 10**6, "attributes": {}},
+                                 {"name": "closed", "time_ns": t + 4 * 10**6, "attributes": {}}],
+                      "links": [], "resource": {"service.name": "aioslirp"}})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    def report(*args):
+        return subprocess.run([sys.executable, "-m", "aioslirp", "trace-report", str(path), *args],
+                              capture_output=True, text=True, timeout=60)
+
+    whole, g1, g2 = report(), report("--guest", "g1"), report("--guest", "g2")
+    assert whole.returncode == g1.returncode == g2.returncode == 0, whole.stderr + g1.stderr
+    assert all(f":{p}" in whole.stdout for p in (41001, 41002, 41003))
+    assert ":41001" in g1.stdout and ":41002" in g1.stdout and ":41003" not in g1.stdout
+    assert ":41003" in g2.stdout and ":41001" not in g2.stdout
+    none = report("--guest", "g9")
+    assert none.returncode == 2 and none.stderr.strip() == f"aioslirp: error: --guest: no span of guest 'g9' in {path}"
