@@ -343,9 +343,9 @@ class Guard:
         return d.allowed
 
     def _identity(self) -> GuestIdentity:
-        """The stack's guest identity (for its log lines), or the empty one without a context."""
-        ctx = self.ctx
-        return ctx.identity if ctx is not None else NO_IDENTITY
+        """The stack's guest identity (for its log lines), or the empty one without a context (or
+        a context of one's own without it)."""
+        return getattr(self.ctx, "identity", NO_IDENTITY)
 
     def _refuse(self, reason: str) -> str:
         self._drop(reason)
