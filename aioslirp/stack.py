@@ -43,6 +43,7 @@ from collections import Counter
 from .observe import tracing
 from .compiled import notice as compiled_notice
 from .config import NetworkConfig
+from .config.identity import GuestIdentity
 from .dispatch.family import Family4
 from .dispatch.ipv4 import Ipv4Input
 from .dispatch.l4 import L4
@@ -105,7 +106,7 @@ class Stack:
 
     * lifecycle: ``async with`` (:meth:`start`, then :meth:`aclose`), :meth:`serve`,
       :meth:`stop`, :meth:`reset_flows`;
-    * state: :attr:`config`, :attr:`counters`, :meth:`stats`, :meth:`flows`,
+    * state: :attr:`config`, :attr:`identity`, :attr:`counters`, :meth:`stats`, :meth:`flows`,
       :meth:`frame_outcomes`;
     * events and audit: :meth:`events`, :meth:`on_event`, :attr:`event_log`,
       :meth:`audit_records`, :meth:`reopen_audit_log`;
@@ -137,6 +138,13 @@ class Stack:
 
     Args:
         config: the network (default: ``NetworkConfig()``).
+        name: the guest's name (``None``, the default: none), non-empty printable text of at most
+            64 characters; with ``labels`` (a mapping ``str -> str``, at most 32 pairs, keys like
+            OpenTelemetry attribute names, values of at most 256 characters) it is the stack's
+            :attr:`identity`, carried by its audit records (``guest_name``, ``labels``), spans
+            (``aioslirp.guest.name``, ``aioslirp.guest.label.<key>``), events, :meth:`flows`
+            records (``guest_name``) and log lines (``[name] `` first), so that one audit log or
+            one tracer provider can serve many stacks (docs/observability.md).
         tracer_provider: an OpenTelemetry ``TracerProvider``: trace this stack through it, at
             ``config.trace_level`` (``"flows"``, ``"timeline"``, ``"frames"``; docs/observability.md).
             ``None``: traced through the provider given to :func:`aioslirp.observe.tracing.enable`
@@ -154,7 +162,8 @@ class Stack:
             once, with no host connect (see docs/handlers.md).
 
     Raises:
-        ConfigError: from the constructor when ``config`` is invalid.
+        ConfigError: from the constructor when ``config``, ``name`` or ``labels`` is invalid (one
+            line naming the field).
         OSError: from the constructor when the audit log's path cannot be opened.
     """
 
@@ -185,22 +194,24 @@ class Stack:
     _forwarder: object
     _own_audit: bool
 
-    def __init__(self, config: NetworkConfig | None = None, *, tracer_provider=None, audit=None,
-                 policy=None, tcp_handler=None, udp_handler=None) -> None:
+    def __init__(self, config: NetworkConfig | None = None, *, name: str | None = None, labels=None,
+                 tracer_provider=None, audit=None, policy=None, tcp_handler=None, udp_handler=None) -> None:
         self.config = cfg = (config if config is not None else NetworkConfig()).validate()
+        identity = GuestIdentity(name, labels)
         self.counters: Counter = Counter()
         queue = InjectQueue(cfg.inject_queue_size, self.counters)
         ctx = FlowContext(cfg, self.counters, queue, self.spawn_task,
                           rate_up=ByteBucket(cfg.rate_up) if cfg.rate_up is not None else None,
-                          rate_down=ByteBucket(cfg.rate_down) if cfg.rate_down is not None else None)
+                          rate_down=ByteBucket(cfg.rate_down) if cfg.rate_down is not None else None,
+                          identity=identity)
         rate = float(cfg.new_flow_rate)
         new_bucket = functools.partial(NewFlowBucket, rate, max(1, int(cfg.new_flow_burst))) if rate > 0 else None
         guard = ctx.guard = Guard(cfg, ctx.drop, new_bucket, ctx=ctx, hook=policy)
         table = ctx.table = FlowTable(cfg, self.counters, guard)
         if tracer_provider is not None:
-            tracer = tracing.Tracer(tracer_provider, table, queue)
+            tracer = tracing.Tracer(tracer_provider, table, queue, identity=identity)
         else:
-            tracer = tracing.default_tracer(table, queue)
+            tracer = tracing.default_tracer(table, queue, identity=identity)
         # The trace level decides, once, who gets the tracer (docs/observability.md, "Trace
         # levels"): the flow table always (flow spans); the flows (ctx.tracer: the TCP timeline)
         # from "timeline"; the link, the inject queue and serve()'s TraceTransport (per-frame
@@ -236,7 +247,7 @@ class Stack:
         self._parts = StackParts(ctx=ctx, table=table, flows=table.flows, idle_order=table.idle_order, guard=guard,
                                  inject_queue=queue, tasks=ctx.tasks, icmp=icmp, router=router, link=link, l4=l4,
                                  ipv4=ipv4, family4=family4, v6=v6, family6=family6, neighbors=neighbors)
-        self._flows = FlowRecords(table.flows, ctx)
+        self._flows = FlowRecords(table.flows, ctx, guest_name=identity.name)
         self._transport = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -254,9 +265,16 @@ class Stack:
             self._own_audit = not isinstance(audit, AuditLog)
             self._set_audit(audit if isinstance(audit, AuditLog) else AuditLog(audit))
         #: The bounded record of lifecycle events (:class:`~aioslirp.observe.events.EventLog`); see :meth:`events`.
-        self.event_log = EventLog()
+        self.event_log = EventLog(fields=identity.audit_fields)
 
     # ------------------------------------------------------------------ state
+    @property
+    def identity(self) -> GuestIdentity:
+        """The guest's name and labels (:class:`~aioslirp.config.identity.GuestIdentity`:
+        ``name``, ``None`` when not given; ``labels``, a read-only mapping, empty when none), as
+        given to the constructor; what its records, spans, events and log lines carry."""
+        return self._parts.ctx.identity
+
     @property
     def parts(self) -> StackParts:
         """The stack's internals, read-only (:class:`~aioslirp.stack_parts.StackParts`: ``ctx``,
@@ -319,9 +337,10 @@ class Stack:
                       if a is not None}
         for r in route.rules:
             if r.kind == 0 and r.plen == (32 if r.family == 4 else 128) and (r.family, r.net) in guest_side:
-                log.warning("route %r: %s is an address of the virtual network as the guest sees it; routes "
+                log.warning("%sroute %r: %s is an address of the virtual network as the guest sees it; routes "
                             "match the host side (the gateway is the host's loopback, 127.0.0.1 or ::1), so "
-                            "this one matches nothing", route.match, guest_side[(r.family, r.net)])
+                            "this one matches nothing", self.identity.log_prefix, route.match, guest_side[(r.family, r.net)],
+                            extra=self.identity.log_extra)
 
     def unroute(self, what) -> int:
         """Remove routes: ``what`` is a :class:`~aioslirp.handlers.routes.Route`, a handler, or a match
@@ -354,6 +373,9 @@ class Stack:
         p.table.start(loop)
         if ctx.audit is not None:
             ctx.audit.bind(loop, self.counters)
+        ident = ctx.identity
+        log.info("%sstack started: guest %s, gateway %s", ident.log_prefix, self.config.guest, self.config.gateway,
+                 extra=ident.log_extra)
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return (it resets the guest's flows first while the guest is still
@@ -424,6 +446,8 @@ class Stack:
             else:
                 audit.flush()
         self.event_log.close()
+        ident = ctx.identity
+        log.info("%sstack closed", ident.log_prefix, extra=ident.log_extra)
         tr = self.tracer
         if tr is not None:
             tr.record_stack_closed()
@@ -514,7 +538,8 @@ class Stack:
                 gone = None if seen or reason != "closed" or hint is None else hint(
                     exc if isinstance(exc, BaseException) else None)
                 if gone is not None:  # the guest's end is gone already: say why and what to check, now
-                    log.error("%s", gone)
+                    ident = self.identity
+                    log.error("%s%s", ident.log_prefix, gone, extra=ident.log_extra)
                     self.event_log.emit("error", message=gone, **info)
                 elif isinstance(exc, BaseException):
                     self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
@@ -572,7 +597,9 @@ class Stack:
     def _aux_done(self, t: asyncio.Task) -> None:
         self._aux_tasks.discard(t)
         if not t.cancelled() and t.exception() is not None:
-            log.error("auxiliary task %s failed", t.get_name(), exc_info=t.exception())
+            ident = self.identity
+            log.error("%sauxiliary task %s failed", ident.log_prefix, t.get_name(), exc_info=t.exception(),
+                      extra=ident.log_extra)
 
     # ------------------------------------------------------------------ frames
     def process_guest_frame(self, frame) -> None:
@@ -641,7 +668,7 @@ class Stack:
     # -------------------------------------------------------------- audit
     def _set_audit(self, audit) -> None:
         p = self._parts
-        p.ctx.audit = p.table.audit = audit
+        p.ctx.audit = p.table.audit = audit.for_guest(p.ctx.identity)  # the records carry the guest's name
         if self._loop is not None:
             audit.bind(self._loop, self.counters)
 

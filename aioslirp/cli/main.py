@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--connections", type=int, default=10, metavar="N", help="timelines to print (default 10; 0: all)"
     )
+    rep.add_argument(
+        "--guest", metavar="NAME", help="only the spans of the guest NAME (aioslirp.guest.name: run --name NAME)"
+    )
     rep.set_defaults(run=_cmd_trace_report)
 
     qemu = sub.add_parser(
@@ -320,6 +323,37 @@ def _api_socket_problem(path: str) -> str | None:
     return problem
 
 
+def _identity_factory(args: argparse.Namespace):
+    """``--name NAME`` and ``--label KEY=VALUE`` (repeatable): a ``Stack`` maker giving the stack that
+    name and those labels (``None`` when neither is given). ``ConfigError`` naming ``--name`` or
+    ``--label`` for a bad one."""
+    import functools
+
+    from ..config.identity import GuestIdentity
+
+    name = getattr(args, "name", None)
+    labels: dict[str, str] = {}
+    for item in getattr(args, "label", None) or ():
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError("--label", f"{item!r} is not KEY=VALUE")
+        if key in labels:
+            raise ConfigError("--label", f"{key!r} given twice")
+        labels[key] = value
+    if name is None and not labels:
+        return None
+    try:
+        GuestIdentity(name, labels)
+    except ConfigError as exc:
+        detail = str(exc).split(": ", 1)[-1]
+        if exc.field == "name":
+            raise ConfigError("--name", detail) from None
+        raise ConfigError("--label", f"{exc.field[7:-1]}: {detail}" if exc.field != "labels" else detail) from None
+    from ..stack import Stack
+
+    return functools.partial(Stack, name=name, labels=labels or None)
+
+
 def _events_factory(base, path: str):
     """Wrap the stack factory ``base`` (``None``: :class:`~aioslirp.Stack`) so that every lifecycle
     event of the stack is appended to ``path`` as one JSON line (:meth:`Event.to_json
@@ -368,7 +402,9 @@ def _stack_factory(args: argparse.Namespace, obs, unused_by: str | None = None):
     """
     from ..config.forward import parse_publish
 
-    base = obs.stack_factory() if obs.active else None
+    base = _identity_factory(args)
+    if obs.active:
+        base = obs.stack_factory(base)
     forwards = [parse_publish(v, "--publish") for v in args.publish or ()]
     _check_publish_clashes(forwards)
     api_socket = getattr(args, "api_socket", None)

@@ -16,7 +16,13 @@ Trace file format: one JSON object per line, one line per finished span::
      "parent_span_id": "<16 hex>" | null, "kind": "INTERNAL",
      "start_ns": <unix ns>, "end_ns": <unix ns>, "attributes": {...},
      "events": [{"name": ..., "time_ns": ..., "attributes": {...}}],
-     "links": [{"trace_id": ..., "span_id": ...}], "status": "UNSET"}
+     "links": [{"trace_id": ..., "span_id": ...}], "status": "UNSET",
+     "resource": {"service.name": "aioslirp", ...}}
+
+``resource`` is the attributes of the provider's resource (``service.name``...), on every line,
+so that lines of several processes in one file stay apart; the spans of each stack carry its
+guest's ``aioslirp.guest.name`` and ``aioslirp.guest.label.<key>`` in ``attributes`` (one
+provider serves every stack of a process).
 
 ``aioslirp trace-report FILE`` reads it (:mod:`aioslirp.cli.trace_report`).
 """
@@ -66,6 +72,7 @@ def span_to_dict(span) -> dict:
         "links": [{"trace_id": format(l.context.trace_id, "032x"), "span_id": format(l.context.span_id, "016x")}
                   for l in span.links],
         "status": span.status.status_code.name,
+        "resource": _plain(span.resource.attributes) if span.resource is not None else {},
     }
 
 

@@ -226,6 +226,19 @@ def common_options() -> argparse.ArgumentParser:
         "stderr); SIGHUP or a renamed FILE reopens it (logrotate). Format: docs/audit.md",
     )
     obs = common.add_argument_group("observability")
+    obs.add_argument(
+        "--name",
+        metavar="NAME",
+        help="the guest's name (printable, up to 64 characters), carried by its audit records (guest_name), "
+        "spans (aioslirp.guest.name), events, list_flows and log lines ([NAME] first)",
+    )
+    obs.add_argument(
+        "--label",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a label of the guest (repeatable, up to 32; KEY an attribute name, VALUE up to 256 characters), "
+        "carried as --name is (labels, aioslirp.guest.label.KEY)",
+    )
     obs.add_argument("--pcap", metavar="FILE", help="write every frame both ways to a pcap file (tshark, tcpdump, dpkt)")
     obs.add_argument(
         "--pcap-max-bytes", type=_byte_count, metavar="BYTES", help="stop capturing when the pcap file reaches BYTES (e.g. 100M)"

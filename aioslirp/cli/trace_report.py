@@ -37,8 +37,8 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-__all__ = ["load_spans", "build_report", "format_report", "plot_report", "cli_main", "Report", "Connection",
-           "IDLE_STAGE", "FRAME_SPANS", "percentile"]
+__all__ = ["load_spans", "guest_spans", "build_report", "format_report", "plot_report", "cli_main", "Report",
+           "Connection", "IDLE_STAGE", "FRAME_SPANS", "percentile"]
 
 #: Name of the stage between one connection's guest FIN and the same guest's next SYN.
 IDLE_STAGE = "guest idle (fin.guest → next syn)"
@@ -143,6 +143,12 @@ def load_spans(path: str) -> list:
     if not spans:
         raise ReportError(f"{path} holds no spans (write one with 'aioslirp run --trace {path} -- CMD')")
     return spans
+
+
+def guest_spans(spans: list, name: str) -> list:
+    """The spans of ``spans`` whose ``aioslirp.guest.name`` attribute is ``name`` (one guest's, in
+    a file that one tracer provider wrote for many stacks)."""
+    return [s for s in spans if (s.get("attributes") or {}).get("aioslirp.guest.name") == name]
 
 
 def _hostport(attrs: dict, addr: str, port: str) -> str:
@@ -360,10 +366,17 @@ def plot_report(rep: Report, out_path: str, max_connections: int = 40) -> None:
 def cli_main(args) -> int:
     """``aioslirp trace-report``: print the report; exit 0, or 2 with one line for bad input."""
     try:
-        rep = build_report(load_spans(args.file))
+        spans = load_spans(args.file)
     except ReportError as exc:
         print(f"aioslirp: error: FILE: {exc}", file=sys.stderr)
         return 2
+    guest = getattr(args, "guest", None)
+    if guest is not None:
+        spans = guest_spans(spans, guest)
+        if not spans:
+            print(f"aioslirp: error: --guest: no span of guest {guest!r} in {args.file}", file=sys.stderr)
+            return 2
+    rep = build_report(spans)
     if args.connections < 0:
         print("aioslirp: error: --connections: must be 0 or more", file=sys.stderr)
         return 2

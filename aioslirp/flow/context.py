@@ -28,6 +28,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from ..config import NetworkConfig
+from ..config.identity import NO_IDENTITY, GuestIdentity
 from ..inject import Frame, InjectQueue
 from ..ratelimit import ByteBucket
 from .base import AuditSink, TracePoints
@@ -129,12 +130,14 @@ class FlowContext:
         offload: the transport being served takes offload frames (a TAP with ``IFF_VNET_HDR``);
             set by ``Stack.serve`` per transport.
         closed: the stack is closing: no new flow is started.
+        identity: the stack's :class:`~aioslirp.config.identity.GuestIdentity` (name and labels;
+            its ``log_prefix`` / ``log_extra`` go with the log lines about this guest).
         running: what exists once the stack runs (:class:`Running`), set once by ``Stack.start``
             (:meth:`start`); not there before (``AttributeError``; :attr:`is_started` says).
     """
 
     __slots__ = ("config", "counters", "table", "guard", "queue", "inject", "tasks", "spawn", "tracer", "audit",
-                 "rate_up", "rate_down", "offload", "closed", "running")
+                 "rate_up", "rate_down", "offload", "closed", "running", "identity")
 
     config: NetworkConfig
     counters: dict[str, int]
@@ -153,9 +156,11 @@ class FlowContext:
     offload: bool
     closed: bool
     running: Running
+    identity: GuestIdentity
 
     def __init__(self, config: NetworkConfig, counters: dict[str, int], queue: InjectQueue, spawn: Callable[..., asyncio.Task],
-                 *, rate_up: ByteBucket | None = None, rate_down: ByteBucket | None = None) -> None:
+                 *, rate_up: ByteBucket | None = None, rate_down: ByteBucket | None = None,
+                 identity: GuestIdentity = NO_IDENTITY) -> None:
         # table and guard: set by the stack's constructor right after (the guard counts its drops
         # through this context, the table tells the guard), as is tracer (it reads the table)
         self.config = config
@@ -170,6 +175,7 @@ class FlowContext:
         self.rate_down = rate_down
         self.offload = False
         self.closed = False
+        self.identity = identity
 
     @property
     def is_started(self) -> bool:

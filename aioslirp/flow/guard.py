@@ -62,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from ..config.identity import NO_IDENTITY, GuestIdentity
 from .egress import Decision, Egress, guest_fields, wall
 
 __all__ = ["DENIED", "FD_RESERVE", "HELD", "PRUNE_INTERVAL", "Guard", "fd_budgets", "raise_fd_limit"]
@@ -313,7 +314,9 @@ class Guard:
         c[key] = c.get(key, 0) + 1
         if remote not in self._logged and len(self._logged) < _LOGGED_MAX:
             self._logged.add(remote)
-            log.info("egress policy: guest traffic to %s denied (%s)", remote, d.rule)
+            ident = self._identity()
+            log.info("%segress policy: guest traffic to %s denied (%s)", ident.log_prefix, remote, d.rule,
+                     extra=ident.log_extra)
         ctx = self.ctx
         a = ctx.audit if ctx is not None else None
         if a is not None:
@@ -339,12 +342,18 @@ class Guard:
             self.deny(d, proto, remote, port, guest, seen, now)
         return d.allowed
 
+    def _identity(self) -> GuestIdentity:
+        """The stack's guest identity (for its log lines), or the empty one without a context (or
+        a context of one's own without it)."""
+        return getattr(self.ctx, "identity", NO_IDENTITY)
+
     def _refuse(self, reason: str) -> str:
         self._drop(reason)
         if reason not in self._logged:
             self._logged.add(reason)
-            log.warning("refusing new guest flows: the %s bound is reached (counted as drop.%s; logged once; "
-                        "see --limit)", _FIELD_OF.get(reason, reason), reason)
+            ident = self._identity()
+            log.warning("%srefusing new guest flows: the %s bound is reached (counted as drop.%s; logged once; "
+                        "see --limit)", ident.log_prefix, _FIELD_OF.get(reason, reason), reason, extra=ident.log_extra)
         return reason
 
     def _prune(self, now: float) -> None:

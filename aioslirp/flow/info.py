@@ -53,6 +53,7 @@ class FlowInfo:
             forward's client); ``None`` when not kept (UDP flows) or a local service (DNS over TCP).
         forward_id: the id of the port forward it belongs to, or ``None``.
         rule: the egress rule that admitted the flow (its text), ``None`` when no rule decided.
+        guest_name: the name of the stack's guest (``Stack(name=...)``), ``None`` when it has none.
     """
 
     protocol: str
@@ -68,6 +69,7 @@ class FlowInfo:
     host: str | None = None
     forward_id: int | None = None
     rule: str | None = None
+    guest_name: str | None = None
 
     @property
     def remote(self) -> tuple:
@@ -78,8 +80,9 @@ class FlowInfo:
         return self.destination
 
 
-def flow_info(flow, now: float) -> FlowInfo:
-    """The :class:`FlowInfo` of ``flow`` (a :class:`~aioslirp.flow.base.Flow`) at loop time ``now`` (seconds)."""
+def flow_info(flow, now: float, guest_name: str | None = None) -> FlowInfo:
+    """The :class:`FlowInfo` of ``flow`` (a :class:`~aioslirp.flow.base.Flow`) at loop time ``now``
+    (seconds), of the guest named ``guest_name``."""
     up, down = flow.bytes_up, flow.bytes_down
     last = flow.last_active
     created = flow.started
@@ -97,6 +100,7 @@ def flow_info(flow, now: float) -> FlowInfo:
         direction=flow.direction,
         host=flow.remote,
         forward_id=flow.forward_id,
+        guest_name=guest_name,
     )
 
 
@@ -111,23 +115,27 @@ class FlowRecords:
     Args:
         table: the flow table's ``dict`` (key -> :class:`~aioslirp.flow.base.Flow`).
         ctx: the stack's :class:`~aioslirp.flow.context.FlowContext` (its clock once started).
+        guest_name: the guest's name each record carries (``None``: none).
     """
 
-    __slots__ = ("_table", "_ctx")
+    __slots__ = ("_table", "_ctx", "_guest_name")
 
     _table: dict
     _ctx: FlowContext
+    _guest_name: str | None
 
-    def __init__(self, table: dict, ctx: FlowContext) -> None:
+    def __init__(self, table: dict, ctx: FlowContext, guest_name: str | None = None) -> None:
         self._table = table
         self._ctx = ctx
+        self._guest_name = guest_name
 
     def __call__(self) -> list[FlowInfo]:
         table = self._table
         if not table:
             return []
         now = self._ctx.running.time()
-        return [flow_info(f, now) for f in list(table.values())]
+        name = self._guest_name
+        return [flow_info(f, now, name) for f in list(table.values())]
 
     def __repr__(self) -> str:
         return f"<stack.flows: call it for the FlowInfo records ({len(self._table)} flows)>"

@@ -36,7 +36,8 @@ Commands (``{"execute": NAME, "arguments": {...}}``) and replies:
     (the guest connected out) or ``inbound`` (a port forward); ``host`` is the host side
     (the remote for outbound flows, the host client for inbound ones); ``idle_s`` seconds
     since the flow's last activity; ``name`` (the DNS name whose binding let the flow through
-    the egress policy) and ``rule`` (the egress rule that allowed it) when known.
+    the egress policy) and ``rule`` (the egress rule that allowed it) when known;
+    ``guest_name`` when the stack has a name (``--name``).
 
 ``add_rule``
     ``arguments``: ``rule`` (egress rule text, e.g. ``"pypi.org:443"``, ``"10.0.0.0/8:8000-8999/tcp"``),
@@ -422,6 +423,8 @@ class ApiServer:
                 entry["name"] = info.name
             if info.rule is not None:
                 entry["rule"] = info.rule
+            if info.guest_name is not None:
+                entry["guest_name"] = info.guest_name
             out.append(entry)
         return {"return": {"flows": out}}
 

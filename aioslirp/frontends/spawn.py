@@ -205,6 +205,7 @@ class _Spawn:
         self.argv, self.config, self.stack, self.stdio = argv, config, stack, stdio
         self.env, self.cwd, self.pid_namespace = env, cwd, pid_namespace
         self.stop_timeout, self.setup_timeout, self.ifname, self.offload = stop_timeout, setup_timeout, ifname, offload
+        self.name, self.labels = None, None  # the made stack's identity (spawn()'s name= and labels=)
         self.guest: Guest | None = None
         self._own_stack = False
         self._serve_task: asyncio.Task | None = None
@@ -227,7 +228,7 @@ class _Spawn:
         if self.stack is None:
             from ..stack import Stack
 
-            self.stack = Stack(self.config)
+            self.stack = Stack(self.config, name=self.name, labels=self.labels)
             self._own_stack = True
             await self.stack.start()
         stack = self.stack
@@ -378,6 +379,8 @@ def spawn(
     setup_timeout: float = DEFAULT_SETUP_TIMEOUT,
     ifname: str = "tap0",
     offload: bool = True,
+    name: str | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> _Spawn:
     """Run ``argv`` in a new network namespace behind its own stack: ``async with spawn(argv) as guest:``.
 
@@ -400,6 +403,8 @@ def spawn(
         setup_timeout: seconds the namespace and the TAP may take.
         ifname: the TAP device's name.
         offload: a TAP with checksum/segmentation offload.
+        name, labels: the guest's identity, given to the stack made for it (``Stack(name=...,
+            labels=...)``: its audit records, spans, events and log lines carry them); not with ``stack``.
 
     Returns an async context manager whose ``__aenter__`` returns a :class:`Guest` once the
     command was executed (its network is up; the IPv6 address, with ``config.ipv6``, too).
@@ -409,7 +414,8 @@ def spawn(
     Raises:
         TypeError: at once, when ``argv`` is a ``str``/``bytes`` or holds a non-string.
         ValueError: at once, for an empty ``argv`` or a bad stdio argument.
-        aioslirp.ConfigError: at once, for an invalid ``config``.
+        aioslirp.ConfigError: at once, for an invalid ``config``, ``name`` or ``labels`` (or
+            ``name``/``labels`` given with ``stack``).
         NamespaceError: on entering, with one line naming the cause and the fix, when the
             namespace or the TAP cannot be made (no user namespaces, no ``/dev/net/tun``...).
         FileNotFoundError, PermissionError (``OSError``): on entering, when the command (or ``cwd``)
@@ -418,8 +424,18 @@ def spawn(
     args = _check_argv(argv)
     if stack is None or config is not None:
         config = (config if config is not None else NetworkConfig()).validate()
-    for name, value in (("stdin", stdin), ("stdout", stdout), ("stderr", stderr)):
-        if value == STDOUT and name != "stderr":
-            raise ValueError(f"{name}=STDOUT is only valid for stderr")
-    return _Spawn(args, config, stack, (stdin, stdout, stderr), env, cwd, pid_namespace, float(stop_timeout),
-                  float(setup_timeout), ifname, offload)
+    for which, value in (("stdin", stdin), ("stdout", stdout), ("stderr", stderr)):
+        if value == STDOUT and which != "stderr":
+            raise ValueError(f"{which}=STDOUT is only valid for stderr")
+    if name is not None or labels is not None:
+        from ..config.identity import GuestIdentity
+        from ..errors import ConfigError
+
+        if stack is not None:
+            raise ConfigError("name" if name is not None else "labels",
+                              "given with stack=: give them to that Stack(name=..., labels=...)")
+        GuestIdentity(name, labels)  # a bad one: ConfigError now, not on entering
+    sp = _Spawn(args, config, stack, (stdin, stdout, stderr), env, cwd, pid_namespace, float(stop_timeout),
+                float(setup_timeout), ifname, offload)
+    sp.name, sp.labels = name, labels
+    return sp

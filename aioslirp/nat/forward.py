@@ -230,7 +230,8 @@ class Forwarder:
         else:
             ctx.running.loop.add_reader(sock.fileno(), self._udp_readable, lst)
         ctx.counters[f"forwards.{fwd.proto}.added"] += 1
-        log.info("forwarding %s", fwd.spec())
+        ident = ctx.identity
+        log.info("%sforwarding %s", ident.log_prefix, fwd.spec(), extra=ident.log_extra)
         return fwd
 
     def remove(self, fwd_id: int) -> PortForward:
@@ -241,7 +242,8 @@ class Forwarder:
             raise UnknownForwardError(fwd_id, list(self._listeners))
         self._close_listener(lst)
         self.ctx.counters[f"forwards.{lst.fwd.proto}.removed"] += 1
-        log.info("removed forward %s", lst.fwd.spec())
+        ident = self.ctx.identity
+        log.info("%sremoved forward %s", ident.log_prefix, lst.fwd.spec(), extra=ident.log_extra)
         return lst.fwd
 
     def list(self) -> list[PortForward]:
@@ -348,7 +350,9 @@ class Forwarder:
             except OSError as exc:
                 # EMFILE/ENFILE/ENOBUFS...: stop accepting for a moment instead of spinning.
                 self.ctx.counters["forward_accept_errors"] += 1
-                log.warning("forward %s: accept failed: %s", lst.fwd.spec(), exc.strerror)
+                ident = self.ctx.identity
+                log.warning("%sforward %s: accept failed: %s", ident.log_prefix, lst.fwd.spec(), exc.strerror,
+                            extra=ident.log_extra)
                 loop = self.ctx.running.loop
                 loop.remove_reader(lst.sock.fileno())
                 loop.call_later(0.1, self._resume_accept, lst)
@@ -356,7 +360,9 @@ class Forwarder:
             try:
                 self._tcp_accepted(lst, csock, peer)
             except Exception:
-                log.exception("forward %s: cannot start a flow", lst.fwd.spec())
+                ident = self.ctx.identity
+                log.exception("%sforward %s: cannot start a flow", ident.log_prefix, lst.fwd.spec(),
+                              extra=ident.log_extra)
                 self.ctx.counters["flow_errors"] += 1
                 _reset_close(csock)
 

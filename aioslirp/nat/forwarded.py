@@ -77,7 +77,8 @@ class ForwardedTcpFlow(TcpFlow):
         except asyncio.CancelledError:
             pass
         except Exception:
-            log.exception("forwarded TCP flow %s failed", self.key)
+            ident = self.ctx.identity
+            log.exception("%sforwarded TCP flow %s failed", ident.log_prefix, self.key, extra=ident.log_extra)
             self.ctx.counters["flow_errors"] += 1
             self.conn.abort()
             self._emit(self.loop.time())

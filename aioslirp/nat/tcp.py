@@ -266,7 +266,8 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         except asyncio.CancelledError:
             pass
         except Exception:
-            log.exception("TCP flow %s failed", self.key)
+            ident = self.ctx.identity
+            log.exception("%sTCP flow %s failed", ident.log_prefix, self.key, extra=ident.log_extra)
             self.ctx.counters["flow_errors"] += 1
             self.conn.abort()
             self._emit(self.loop.time())

@@ -32,7 +32,7 @@ import time
 
 from ..ratelimit import TokenBucket
 
-__all__ = ["AuditLog", "DECISION_BURST", "DECISION_RATE", "EVENTS_QUEUE", "FIRST_KEYS", "FIRST_WINDOW",
+__all__ = ["AuditLog", "GuestAudit", "DECISION_BURST", "DECISION_RATE", "EVENTS_QUEUE", "FIRST_KEYS", "FIRST_WINDOW",
            "FLUSH_INTERVAL", "FLUSH_LINES", "SUMMARY_DELAY"]
 
 log = logging.getLogger("aioslirp.audit")
@@ -359,8 +359,18 @@ class AuditLog:
     def flow_ended(self, flow) -> None:
         """The record of ``flow`` (a :class:`~aioslirp.flow.base.Flow`) leaving the flow table:
         called once per flow by ``FlowTable.remove``. See docs/audit.md for the fields."""
+        self.record(self.flow_record(flow))
+
+    def for_guest(self, identity) -> AuditLog | GuestAudit:
+        """What a stack of ``identity`` (:class:`~aioslirp.config.identity.GuestIdentity`) hands its
+        flows: this log itself when the identity is empty, else a :class:`GuestAudit` adding
+        ``guest_name`` / ``labels`` to each record of that stack (one log may serve many stacks)."""
+        return GuestAudit(self, identity.audit_fields) if identity else self
+
+    def flow_record(self, flow) -> dict:
+        """The ``flow`` record of ``flow`` (docs/audit.md), not yet taken."""
         loop = self._loop
-        self.record({
+        return ({
             "event": "flow", "time": time.time(), "proto": flow.proto_name, "direction": flow.direction,
             "guest": flow.guest_ip, "guest_port": flow.guest_port, "dst": flow.dst_ip, "port": flow.dst_port,
             "name": flow.name, "verdict": "allow", "rule": flow.rule,
@@ -427,3 +437,38 @@ class AuditLog:
         """Take ``reader`` (one of :meth:`events`) off this log; it gets no more records. Idempotent."""
         if reader in self._readers:
             self._readers.remove(reader)
+
+
+class GuestAudit:
+    """One stack's front of a shared :class:`AuditLog`: :meth:`record` and :meth:`flow_ended` add
+    the stack's ``guest_name`` and ``labels`` (docs/audit.md) to each record, then hand it to the
+    log; every other name (``events``, ``bind``, ``flush``, ``close``, ``reopen``, ``records``...)
+    is the log's own. Made by :meth:`AuditLog.for_guest`; a dict update per record, nothing per frame.
+
+    Args:
+        log: the :class:`AuditLog`.
+        fields: what each record gets (``GuestIdentity.audit_fields``).
+    """
+
+    __slots__ = ("log", "fields")
+
+    log: AuditLog
+    fields: dict
+
+    def __init__(self, log: AuditLog, fields: dict) -> None:
+        self.log = log
+        self.fields = fields
+
+    def record(self, rec: dict) -> None:
+        """:meth:`AuditLog.record` of ``rec`` with the guest's fields."""
+        rec.update(self.fields)
+        self.log.record(rec)
+
+    def flow_ended(self, flow) -> None:
+        """:meth:`AuditLog.flow_ended` of ``flow`` with the guest's fields."""
+        rec = self.log.flow_record(flow)
+        rec.update(self.fields)
+        self.log.record(rec)
+
+    def __getattr__(self, name: str):
+        return getattr(self.log, name)

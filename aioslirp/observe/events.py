@@ -50,7 +50,8 @@ class Event:
         data: details, JSON-ready: ``transport`` (its class name) for all; ``ifname`` when known;
             ``reason`` for ``guest_link_down`` (``"closed"``: the transport closed, the guest went
             away; ``"stopped"``: :meth:`Stack.stop <aioslirp.stack.Stack.stop>`); ``message``
-            (one line) for ``error``.
+            (one line) for ``error``; ``guest_name`` and ``labels`` (a ``dict``) for all, when the
+            stack was given them (``Stack(name=..., labels=...)``).
     """
 
     name: str
@@ -69,10 +70,13 @@ class EventLog:
 
     At most ``maxlen`` events are kept (the oldest is dropped beyond it, counted in
     :attr:`dropped`), so that no reader, or one that never reads, can make it grow. Callbacks run
-    synchronously when an event is emitted (an exception is logged, never raised).
+    synchronously when an event is emitted (an exception is logged, never raised). ``fields``
+    (e.g. the stack's ``guest_name`` and ``labels``) are added to every event's ``data``.
     """
 
-    def __init__(self, maxlen: int = EVENT_HISTORY) -> None:
+    def __init__(self, maxlen: int = EVENT_HISTORY, *, fields: dict | None = None) -> None:
+        #: What every event's ``data`` gets (the stack's ``identity.audit_fields``: ``guest_name``, ``labels``).
+        self.fields = fields or {}
         self._ring: deque = deque(maxlen=max(1, int(maxlen)))
         self._seq = 0
         #: Events dropped from the history because it was full.
@@ -84,6 +88,8 @@ class EventLog:
     def emit(self, name: str, **data) -> Event:
         """Record event ``name`` with ``data`` (JSON-ready values); wake readers; run callbacks."""
         self._seq += 1
+        if self.fields:
+            data.update(self.fields)
         ev = Event(name, self._seq, time.time(), data)
         if len(self._ring) == self._ring.maxlen:
             self.dropped += 1

@@ -21,7 +21,9 @@ counted in :attr:`Tracer.errors` and logged once per hook; the data path goes on
 Everything the tracer remembers is its own: the record of each traced flow (a map keyed by
 the flow object, nothing is set on flows), the enqueue stamps of frames waiting in the
 inject queue, the flow records whose span has not ended. Two stacks in one process trace
-into their own providers, or one is traced and the other not.
+into their own providers, or into one: every span a tracer starts carries its stack's
+identity (``aioslirp.guest.name``, ``aioslirp.guest.label.<key>``, computed once when the
+tracer is made), so spans of many stacks in one provider (one export thread) are split by it.
 
 Where each trace point is recorded:
 
@@ -226,17 +228,22 @@ class Tracer:
             the OpenTelemetry API alone the spans are non-recording).
         flows: the stack's flow table (``get(key) -> flow``), to find a frame's flow.
         queue: the stack's inject queue (``len()``: its depth).
+        identity: the stack's :class:`~aioslirp.config.identity.GuestIdentity`: every span this
+            tracer starts carries its :attr:`guest` attributes (``aioslirp.guest.name``,
+            ``aioslirp.guest.label.<key>``), so one provider can serve many stacks.
 
     Attributes:
+        guest: the attributes every span gets (computed once here; ``{}`` without a name or labels).
         errors: internal errors of the hooks (each hook's first is logged).
 
     One per stack: the records it keeps (flow spans, frame stamps) belong to that stack.
     Every ``record_*`` hook (named apart from the data path's own ``on_*`` methods) is called after the work it describes, on the event loop's thread.
     """
 
-    def __init__(self, tracer_provider=None, flows=None, queue=None) -> None:
+    def __init__(self, tracer_provider=None, flows=None, queue=None, *, identity=None) -> None:
         from opentelemetry import trace
 
+        self.guest: dict = dict(identity.span_attributes) if identity is not None else {}
         self.otel = trace.get_tracer("aioslirp", tracer_provider=tracer_provider)
         self.flows = flows if flows is not None else {}
         self.queue = queue if queue is not None else ()
@@ -252,7 +259,9 @@ class Tracer:
         self._depth = 0  # inject queue depth then
 
     def span(self, name: str, attributes: dict | None = None):
-        """A context manager recording span ``name`` as the current span."""
+        """A context manager recording span ``name`` as the current span (with the :attr:`guest` attributes)."""
+        if self.guest:
+            attributes = {**attributes, **self.guest} if attributes else self.guest
         return self.otel.start_as_current_span(name, attributes=attributes)
 
     # ------------------------------------------------------------------ flows
@@ -289,6 +298,7 @@ class Tracer:
         rule = getattr(flow, "rule", None)
         if rule is not None:
             attrs["aioslirp.egress.rule"] = rule
+        attrs.update(self.guest)
         sp = self.otel.start_span(name + ".flow", attributes=attrs)
         rec = _FlowTrace(sp, trace.set_span_in_context(sp))
         self.records[flow] = rec
@@ -392,7 +402,7 @@ class Tracer:
         if rec is not None and not immediate:
             rec.span.add_event("host.connect", timestamp=t0)
         attrs = {"client.port": flow.guest_port, "server.port": flow.dst_port,
-                 "aioslirp.connect.immediate": immediate, "aioslirp.connect_us": connect_us}
+                 "aioslirp.connect.immediate": immediate, "aioslirp.connect_us": connect_us, **self.guest}
         sp = self.otel.start_span("tcp.syn_ack", context=rec.ctx if rec is not None else None, attributes=attrs,
                                   start_time=t0)
         sp.end(end_time=t1)
@@ -435,6 +445,7 @@ class Tracer:
             attrs["network.transport"] = transport
         if flags:
             attrs["aioslirp.tcp.flags"] = _flags_text(flags)
+        attrs.update(self.guest)
         sp = self.otel.start_span("process_guest_frame", context=rec.ctx if rec is not None else None,
                                   attributes=attrs, start_time=t0)
         sp.end(end_time=t1)
@@ -536,13 +547,13 @@ class Tracer:
         links = [Link(r.span.get_span_context()) for r in recs] if recs else None
         sp = self.otel.start_span("drain_to_guest", context=ctx, links=links, start_time=t0,
                                   attributes={"aioslirp.frames": len(batch), "aioslirp.queue_depth": depth,
-                                              "aioslirp.drain_us": (t1 - t0) / 1000.0})
+                                              "aioslirp.drain_us": (t1 - t0) / 1000.0, **self.guest})
         sp.end(end_time=t1)
         if first is not None:
             sp = self.otel.start_span("writer_wake", context=ctx, links=links, start_time=first,
                                       attributes={"aioslirp.frames": n_stamped,
                                                   "aioslirp.wait_us.max": wmax / 1000.0,
-                                                  "aioslirp.wait_us.min": wmin / 1000.0})
+                                                  "aioslirp.wait_us.min": wmin / 1000.0, **self.guest})
             sp.end(end_time=t1)
 
     # ------------------------------------------------------------------ the end
@@ -579,12 +590,12 @@ def disable() -> None:
     _default.clear()
 
 
-def default_tracer(flows, queue) -> Tracer | None:
-    """A :class:`Tracer` through the provider given to :func:`enable`, or ``None`` after
-    :func:`disable` (the default)."""
+def default_tracer(flows, queue, identity=None) -> Tracer | None:
+    """A :class:`Tracer` (of the stack's ``identity``) through the provider given to :func:`enable`,
+    or ``None`` after :func:`disable` (the default)."""
     if not _default:
         return None
-    tracer = Tracer(_default[0], flows, queue)
+    tracer = Tracer(_default[0], flows, queue, identity=identity)
     _made.add(tracer)
     return tracer
 

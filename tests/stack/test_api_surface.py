@@ -24,7 +24,7 @@ FACE = {
     # lifecycle
     "start", "serve", "stop", "farewell", "aclose", "reset_flows",
     # state
-    "config", "counters", "stats", "flows", "frame_outcomes",
+    "config", "identity", "counters", "stats", "flows", "frame_outcomes",
     # events and audit
     "events", "on_event", "event_log", "audit_records", "reopen_audit_log",
     # egress and Python handlers
