@@ -70,22 +70,13 @@ class ForwardedTcpFlow(TcpFlow):
         # host bytes wait for the handshake
         self.transport = HostSocket(run.host_poller, sock, self, self.ctx.queue.held(), self.rate_down)
 
-    async def _run(self) -> None:
-        try:
-            await self._open()
-            await self._wait_end()
-        except asyncio.CancelledError:
-            pass
-        except Exception:
-            ident = self.ctx.identity
-            log.exception("%sforwarded TCP flow %s failed", ident.log_prefix, self.key, extra=ident.log_extra)
-            self.ctx.counters["flow_errors"] += 1
-            self.conn.abort()
-            self._emit(self.loop.time())
-        finally:
-            if self._connect_timer is not None:
-                self._connect_timer.cancel()
-            self._teardown()
+    _what = "forwarded TCP flow"
+
+    def _teardown(self) -> None:
+        if self._connect_timer is not None:
+            self._connect_timer.cancel()
+            self._connect_timer = None
+        super()._teardown()
 
     async def _open(self) -> None:
         ctx, loop = self.ctx, self.loop

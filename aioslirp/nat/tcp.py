@@ -253,26 +253,36 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         return self.conn.state
 
     # ----------------------------------------------------------------- task
+    #: What the flow is called in the log line of a failure.
+    _what = "TCP flow"
+
     async def _run(self) -> None:
+        """The flow's task: open the host side (:meth:`_open`), then live until the end. A failure of
+        its own is logged and counted (``flow_errors``), the guest gets a RST; siblings go on."""
         try:
-            if self._host_factory is not None:
-                self.transport = self._host_factory(self)
-                if self.remote is not None:
-                    self.ctx.guard.connected(self)
-                self._accept(0.0, True)
-            elif self._pending_sock is not None:
-                await self._connect_wait()
+            await self._open()
             await self._wait_end()
         except asyncio.CancelledError:
             pass
         except Exception:
             ident = self.ctx.identity
-            log.exception("%sTCP flow %s failed", ident.log_prefix, self.key, extra=ident.log_extra)
+            log.exception("%s%s %s failed", ident.log_prefix, self._what, self.key, extra=ident.log_extra)
             self.ctx.counters["flow_errors"] += 1
             self.conn.abort()
             self._emit(self.loop.time())
         finally:
             self._teardown()
+
+    async def _open(self) -> None:
+        """The host side: a mover from the host factory (a Python handler's), or the wait for the
+        non-blocking connect started at the SYN."""
+        if self._host_factory is not None:
+            self.transport = self._host_factory(self)
+            if self.remote is not None:
+                self.ctx.guard.connected(self)
+            self._accept(0.0, True)
+        elif self._pending_sock is not None:
+            await self._connect_wait()
 
     async def _wait_end(self) -> None:
         """The task's life after the connect: wait for the flow's end, moving the host socket to an
