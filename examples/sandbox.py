@@ -2,8 +2,7 @@
 import asyncio
 import sys
 
-from aioslirp import NetworkConfig, Stack
-from aioslirp.frontends.netns import run_in_namespace
+from aioslirp import NetworkConfig, Stack, spawn
 
 
 async def report(events):
@@ -25,16 +24,12 @@ async def sandbox(argv, allow, dns=None, audit_log="audit.jsonl"):
         audit_log=audit_log,  # one JSON line per flow, denial and DNS decision
         rate_up="10mbit", rate_down="100mbit",  # per sandbox
     )
-    readers = []
-
-    def make_stack(cfg):
-        stack = Stack(cfg)
-        readers.append(asyncio.create_task(report(stack.audit_records())))
-        return stack
-
-    status = await run_in_namespace(config, argv, stack_factory=make_stack)
-    await asyncio.gather(*readers)
-    return status
+    async with Stack(config) as stack:
+        reader = asyncio.create_task(report(stack.audit_records()))
+        async with spawn(argv, stack=stack) as guest:
+            status = await guest.wait()
+    await reader  # the records end when the stack stops
+    return status if status >= 0 else 128 - status  # killed by signal N: 128 + N, as a shell says
 
 
 if __name__ == "__main__":
