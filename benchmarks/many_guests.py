@@ -26,7 +26,10 @@ Memory is VmRSS and the proportional set size (PSS: shared pages divided among t
 mapping them, from ``/proc/PID/smaps_rollup``) of the service process; ``baseline`` is the
 interpreter with aioslirp imported, before any stack. ``--profile-memory`` makes the service
 also print ``tracemalloc``'s largest allocation sites (with no flow and with all flows open) to
-stderr, and the per-type object counts growth of one stack.
+stderr, and the gc-tracked objects by type. ``--trace FILE`` traces every stack through one
+``TracerProvider`` (one export thread, spans as JSON lines in ``FILE``, each with the guest's
+``aioslirp.guest.name``) at ``--trace-level`` (default ``flows``: a span per flow, ended when the
+service stops), so that the figures include tracing.
 
 Prints a short table, or the JSON record with ``--json`` (``-`` for stdout)::
 
@@ -115,12 +118,24 @@ def service_main(args) -> int:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
+    provider = exporter = None
+    if args.trace:  # one provider (one export thread) for every stack
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from aioslirp.cli.observe import JsonLinesSpanExporter
+
+        provider = TracerProvider()
+        exporter = JsonLinesSpanExporter(args.trace)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    cfg = {"trace_level": args.trace_level} if args.trace else {}
+
     async def run() -> None:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         stacks, serving = [], []
         for i, fd in enumerate(fds):
-            stack = Stack(NetworkConfig(), name=f"guest-{i}", labels={"bench": "many_guests"})
+            stack = Stack(NetworkConfig(**cfg), name=f"guest-{i}", labels={"bench": "many_guests"},
+                          tracer_provider=provider)
             await stack.start()
             tr = SocketPairTransport(socket.socket(fileno=fd))
             serving.append(loop.create_task(stack.serve(tr)))
@@ -153,6 +168,7 @@ def service_main(args) -> int:
                 flows = sum(len(s.parts.flows) for s in stacks)
                 drops = sum(n for s in stacks for k, n in s.counters.items() if k.startswith("drop."))
                 reply({"mem": proc_memory(), "cpu_s": proc_cpu(), "flows": flows, "drops": drops,
+                       "fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
                        "serving": sum(not t.done() for t in serving)})
             elif cmd == "profile":
                 if snap is not None:
@@ -166,7 +182,9 @@ def service_main(args) -> int:
         await asyncio.gather(*serving, return_exceptions=True)
         for s in stacks:
             await s.aclose()
-        reply({"stopped": True})
+        if provider is not None:
+            provider.shutdown()  # flush
+        reply({"stopped": True, "spans": exporter.exported if exporter is not None else None})
 
     if not args.no_uvloop:
         try:
@@ -376,6 +394,8 @@ class Driver:
             cmd.append("--no-uvloop")
         if args.profile_memory:
             cmd.append("--profile-memory")
+        if args.trace:
+            cmd += ["--trace", os.path.abspath(args.trace), "--trace-level", args.trace_level]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=svc_fds,
                                 text=True, bufsize=1)
         for _a, b in pairs:
@@ -438,7 +458,7 @@ class Driver:
             resets = self.resets  # before the stop, whose farewell resets every flow
             if args.profile_memory:
                 await ask("profile")
-            await ask("stop")
+            stopped = await ask("stop")
         finally:
             if proc.poll() is None:
                 try:
@@ -485,7 +505,9 @@ class Driver:
             "flows": {"established": self.established, "open_in_service": opened["flows"],
                       "open_at_end": final["flows"], "resets": resets},
             "guests_answered": sum(1 for g in self.guests if g.answers),
+            "trace": {"level": args.trace_level, "spans": stopped["spans"]} if args.trace else None,
             "service_drops": final["drops"], "serving": final["serving"],
+            "service_fds": {"idle": idle0["fds"], "flows_open": opened["fds"]}, "service_threads": opened["threads"],
         }
 
 
@@ -506,9 +528,12 @@ def render(r: dict) -> str:
         f"  RSS per guest under load: {r['rss_kib_per_guest']} KiB; idle CPU {r['idle_cpu_pct']} %",
         f"  CPU under load: {c['service_pct']} % of a core, {c['per_guest_us_per_s']} us per guest per second, "
         f"{c['per_request_us']} us per request",
+        f"  service fds: {r['service_fds']['idle']} idle, {r['service_fds']['flows_open']} with the flows open; "
+        f"{r['service_threads']} thread(s)",
         f"  requests: {r['requests']['per_s']}/s answered, {r['requests']['retransmits']} retransmits",
         f"  latency (us): p50 {lat['p50']}  p90 {lat['p90']}  p99 {lat['p99']}  max {lat['max']}  "
         f"(worst guest's p50 {lat['worst_guest_p50']})",
+        *([f"  traced at {r['trace']['level']}: {r['trace']['spans']} spans"] if r.get("trace") else []),
         f"  guests answered: {r['guests_answered']}/{r['guests']}; flows open {r['flows']['open_in_service']}, "
         f"at end {r['flows']['open_at_end']}, resets {r['flows']['resets']}",
     ]
@@ -528,6 +553,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-uvloop", action="store_true")
     ap.add_argument("--profile-memory", action="store_true",
                     help="the service prints tracemalloc's largest sites and object counts to stderr")
+    ap.add_argument("--trace", metavar="FILE", help="trace every stack through one tracer provider, spans as "
+                    "JSON lines to FILE (the service's CPU and memory then include tracing)")
+    ap.add_argument("--trace-level", choices=("flows", "timeline", "frames"), default="flows",
+                    help="with --trace (default flows)")
     ap.add_argument("--service", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.service:

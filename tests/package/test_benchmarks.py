@@ -341,6 +341,21 @@ def test_many_guests_quick_every_guest_answered():
     assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
 
 
+def test_many_guests_one_tracer_provider_for_every_stack(tmp_path):
+    """--trace: the stacks share one provider; a flow span per guest, told apart by the guest's name."""
+    spans = tmp_path / "spans.jsonl"
+    p = subprocess.run([sys.executable, str(BENCH / "many_guests.py"), "--quick", "--guests", "5", "--trace",
+                        str(spans), "--json", "-"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["guests_answered"] == 5 and r["trace"] == {"level": "flows", "spans": 5}
+    assert r["service_threads"] == 2  # the loop's and the one export thread
+    records = [json.loads(line) for line in spans.read_text().splitlines()]
+    assert sorted(s["attributes"]["aioslirp.guest.name"] for s in records) == [f"guest-{i}" for i in range(5)]
+    assert {s["name"] for s in records} == {"tcp.flow"}
+    assert all(s["attributes"]["aioslirp.bytes.from_guest"] > 0 for s in records)
+
+
 def test_many_guests_rejects_bad_options_with_one_line():
     p = subprocess.run([sys.executable, str(BENCH / "many_guests.py"), "--guests", "0"],
                        capture_output=True, text=True, timeout=60)
