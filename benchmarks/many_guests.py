@@ -50,6 +50,7 @@ import asyncio
 import json
 import os
 import random
+import resource
 import socket
 import struct
 import subprocess
@@ -377,6 +378,7 @@ class Driver:
         args = self.args
         loop = self.loop = asyncio.get_running_loop()
         n = args.guests
+        self.loadavg_start = os.getloadavg()
 
         class Echo(asyncio.Protocol):
             def connection_made(self, transport):
@@ -485,7 +487,8 @@ class Driver:
         return {
             "guests": n, "rate_per_guest": self.rate, "size": args.size, "duration_s": round(window, 3),
             "python": ready["python"], "uvloop": ready["uvloop"], "compiled": ready["compiled"],
-            "aioslirp": ready["aioslirp"], "loadavg": os.getloadavg(), "ncpu": os.cpu_count(),
+            "aioslirp": ready["aioslirp"], "loadavg_start": self.loadavg_start, "loadavg": os.getloadavg(),
+            "ncpu": os.cpu_count(),
             "startup_s": round(ready["startup_s"], 3),
             "startup_ms_per_stack": round(ready["startup_s"] * 1e3 / n, 3),
             "memory_mb": {"baseline": mb(ready["baseline"]), "idle": mb(idle0["mem"]), "flows_open": mb(opened["mem"]),
@@ -564,9 +567,17 @@ def main(argv=None) -> int:
     if args.quick:
         args.guests, args.duration, args.warmup, args.idle = min(args.guests, 20), 2.0, 0.5, 0.5
         args.rate = max(args.rate, 5.0)
-    for name in ("guests", "rate", "size", "duration"):
+    for name in ("guests", "rate", "size", "duration", "idle"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name}: must be > 0")
+    if args.warmup < 0:
+        ap.error("--warmup: must be >= 0")
+    need = 2 * args.guests + 256  # both ends of every pair while the service starts, then a host socket per flow
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            ap.error(f"--guests: {args.guests} guests need {need} open files, the hard limit is {hard} (ulimit -Hn)")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))  # the service inherits it
     if args.size > 1400:
         ap.error("--size: at most 1400 (one segment each way)")
     if not args.no_uvloop:
