@@ -9,8 +9,8 @@ Two processes, so that the service's memory and CPU are its own:
   own ``socketpair(AF_UNIX, SOCK_SEQPACKET)`` through
   :class:`~aioslirp.transport.socketpair.SocketPairTransport`;
 * **the driver** (the process you start): the other end of every socket pair, a small guest per
-  pair built from :mod:`aioslirp.wire` frames (static address 10.0.2.15, the gateway's MAC known,
-  ARP requests answered; a minimal TCP client: handshake, one request in flight, retransmit after
+  pair built from :mod:`aioslirp.wire` frames (static address 10.0.2.15, or with ``--dhcp`` the
+  address of a DHCP lease; the gateway's MAC known, ARP requests answered; a minimal TCP client: handshake, one request in flight, retransmit after
   1 s, ACK of every answer) and the host server, an echo server on 127.0.0.1 that every guest
   reaches at 10.0.2.2 through its own stack's NAT.
 
@@ -59,6 +59,7 @@ import time
 
 from aioslirp.wire.arp import ARP_REPLY, build_arp, parse_arp
 from aioslirp.wire.tcp import build_tcp
+from aioslirp.wire.udp import build_udp
 
 GUEST_MAC = bytes.fromhex("525400123456")
 GW_MAC = bytes.fromhex("52550a000202")
@@ -67,6 +68,9 @@ GW4 = socket.inet_aton("10.0.2.2")
 SYN, FIN, RST, PSH, ACK = 0x02, 0x01, 0x04, 0x08, 0x10
 MSS_OPT = b"\x02\x04\x05\xb4"  # MSS 1460
 SEQ_MASK = 0xFFFFFFFF
+BOOTP = struct.Struct("!BBBBIHH4s4s4s4s16s64s128s")  # RFC 2131 section 2, 236 bytes
+DHCP_COOKIE = b"\x63\x82\x53\x63"
+DISCOVER, OFFER, REQUEST, DHCPACK = 1, 2, 3, 5
 
 
 # ----------------------------------------------------------------------------------- /proc figures
@@ -231,7 +235,7 @@ class Guest:
     """One guest: the driver's end of a socket pair, a static address, one TCP flow to the host."""
 
     __slots__ = ("i", "sock", "sport", "snd_nxt", "rcv_nxt", "state", "pending", "sent_at", "got",
-                 "answers", "latencies", "retransmits", "timer", "eth", "dport", "bench")
+                 "answers", "latencies", "retransmits", "timer", "eth", "dport", "bench", "addr", "xid")
 
     def __init__(self, i: int, sock: socket.socket, bench: "Driver") -> None:
         self.i, self.sock, self.bench = i, sock, bench
@@ -248,14 +252,54 @@ class Guest:
         self.timer = None
         self.eth = GW_MAC + GUEST_MAC + b"\x08\x00"
         self.dport = bench.port
+        self.addr = GUEST4  # static; with --dhcp, the address the lease gives
+        self.xid = random.getrandbits(32)
 
     def tcp(self, seq: int, flags: int, payload: bytes = b"", options: bytes = b"") -> None:
-        frame = build_tcp(self.eth, GUEST4, GW4, self.sport, self.dport, seq, self.rcv_nxt,
+        frame = build_tcp(self.eth, self.addr, GW4, self.sport, self.dport, seq, self.rcv_nxt,
                           flags, 65535, options, payload)
         try:
             self.sock.send(frame)
         except (BlockingIOError, InterruptedError):
             self.bench.send_full += 1  # lost: the retransmit timer sends it again
+
+    def dhcp(self, mtype: int = DISCOVER, offered: bytes = b"", server: bytes = b"") -> None:
+        """A DHCPDISCOVER (again after 1 s without an offer), or the DHCPREQUEST of an offer (RFC 2131 3.1)."""
+        self.state = "dhcp"
+        opts = bytes((53, 1, mtype))
+        if mtype == REQUEST:
+            opts += bytes((50, 4)) + offered + bytes((54, 4)) + server
+        msg = BOOTP.pack(1, 1, 6, 0, self.xid, 0, 0, bytes(4), bytes(4), bytes(4), bytes(4), GUEST_MAC + bytes(10),
+                         b"", b"") + DHCP_COOKIE + opts + bytes((55, 2, 1, 3, 255))
+        frame = b"\xff" * 6 + GUEST_MAC + b"\x08\x00" + build_udp(bytes(4), b"\xff" * 4, 68, 67, msg)
+        try:
+            self.sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            self.bench.send_full += 1
+        self.arm(1.0, self.dhcp)
+
+    def dhcp_reply(self, f: bytes, u: int) -> None:
+        """A DHCP message to port 68 at offset ``u`` (the UDP header): an offer is requested, an ack binds."""
+        b = u + 8
+        if len(f) < b + 240 or f[b] != 2 or struct.unpack_from("!I", f, b + 4)[0] != self.xid:
+            return
+        yiaddr = f[b + 16:b + 20]
+        opts, i, end = {}, b + 240, len(f)
+        while i < end and f[i] != 255:
+            if f[i] == 0:
+                i += 1
+                continue
+            if i + 2 > end:
+                break
+            opts[f[i]] = f[i + 2:i + 2 + f[i + 1]]
+            i += 2 + f[i + 1]
+        mtype = opts.get(53, b"\0")[0]
+        if mtype == OFFER:
+            self.dhcp(REQUEST, yiaddr, opts.get(54, GW4))
+        elif mtype == DHCPACK:
+            self.addr = yiaddr
+            self.bench.leases += 1
+            self.connect()
 
     def connect(self) -> None:
         self.state = "syn-sent"
@@ -298,13 +342,19 @@ class Guest:
         et = f[12:14]
         if et == b"\x08\x06":  # ARP: answer a request for our address
             a = parse_arp(f)
-            if a is not None and a[0] == 1 and a[4] == GUEST4:
-                self.sock.send(build_arp(ARP_REPLY, GUEST_MAC, GUEST4, a[1], a[2]))
+            if a is not None and a[0] == 1 and a[4] == self.addr:
+                self.sock.send(build_arp(ARP_REPLY, GUEST_MAC, self.addr, a[1], a[2]))
             return
-        if et != b"\x08\x00" or f[23] != 6:
+        if et != b"\x08\x00":
             return  # IPv6 RAs and the rest: not ours to answer
         ihl = (f[14] & 0x0F) * 4
         t = 14 + ihl
+        if f[23] == 17:
+            if self.state == "dhcp" and f[t + 2:t + 4] == b"\x00\x44":  # to port 68
+                self.dhcp_reply(f, t)
+            return
+        if f[23] != 6:
+            return
         sport, dport, seq, ack, off, flags = struct.unpack_from("!HHIIBB", f, t)
         if dport != self.sport:
             return
@@ -365,6 +415,7 @@ class Driver:
         self.send_full = 0
         self.resets = 0
         self.established = 0
+        self.leases = 0
         self._all_up: asyncio.Future | None = None
         self._slots: asyncio.Semaphore | None = None
 
@@ -430,7 +481,10 @@ class Driver:
             t0 = time.perf_counter()
             for g in self.guests:
                 await self._slots.acquire()
-                g.connect()
+                if args.dhcp:
+                    g.dhcp()
+                else:
+                    g.connect()
             try:
                 await asyncio.wait_for(asyncio.shield(self._all_up), 30 + n / 50)
             except asyncio.TimeoutError:
@@ -504,7 +558,7 @@ class Driver:
             "latency_us": {"p50": us(percentile(lat, 0.5)), "p90": us(percentile(lat, 0.9)),
                            "p99": us(percentile(lat, 0.99)), "max": us(max(lat) if lat else None),
                            "worst_guest_p50": us(per_guest_p50[-1] if per_guest_p50 else None)},
-            "connect_s": round(connect_s, 3),
+            "connect_s": round(connect_s, 3), "dhcp_leases": self.leases if args.dhcp else None,
             "flows": {"established": self.established, "open_in_service": opened["flows"],
                       "open_at_end": final["flows"], "resets": resets},
             "guests_answered": sum(1 for g in self.guests if g.answers),
@@ -521,7 +575,8 @@ def render(r: dict) -> str:
         f"{r['guests']} guests in one process (Python {r['python']}, {'uvloop' if r['uvloop'] else 'asyncio'}, "
         f"{'compiled' if r['compiled'] else 'pure Python'}), {r['rate_per_guest']} req/s each of {r['size']} B, "
         f"{r['duration_s']} s",
-        f"  start-up: {r['startup_s']} s ({r['startup_ms_per_stack']} ms per stack); flows up in {r['connect_s']} s",
+        f"  start-up: {r['startup_s']} s ({r['startup_ms_per_stack']} ms per stack); flows up in {r['connect_s']} s"
+        + (f" (DHCP first: {r['dhcp_leases']} leases)" if r.get("dhcp_leases") is not None else ""),
         "  service memory (MiB)  VmRSS  PSS",
     ]
     for k in ("baseline", "idle", "flows_open", "load"):
@@ -551,6 +606,8 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds under load (default 10)")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring (default 2)")
     ap.add_argument("--idle", type=float, default=3.0, help="seconds of the idle CPU window (default 3)")
+    ap.add_argument("--dhcp", action="store_true",
+                    help="each guest takes its address by DHCP before it connects (default: static 10.0.2.15)")
     ap.add_argument("--quick", action="store_true", help="20 guests, 2 s: a smoke run (the test's)")
     ap.add_argument("--json", metavar="PATH", help="write the JSON record to PATH ('-': stdout, no table)")
     ap.add_argument("--no-uvloop", action="store_true")

@@ -322,13 +322,14 @@ def test_profile_counts_per_iteration(tmp_path):
 
 
 def test_many_guests_quick_every_guest_answered():
-    """benchmarks/many_guests.py --quick: 20 stacks in a service process, a guest each with a live
-    flow through its own stack's NAT; the record has every figure and every guest was answered."""
-    p = subprocess.run([sys.executable, str(BENCH / "many_guests.py"), "--quick", "--json", "-"],
+    """benchmarks/many_guests.py --quick --dhcp: 20 stacks in a service process, a guest each that takes
+    a DHCP lease and holds a live flow through its own stack's NAT; the record has every figure and
+    every guest was answered."""
+    p = subprocess.run([sys.executable, str(BENCH / "many_guests.py"), "--quick", "--dhcp", "--json", "-"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert (r["guests"], r["guests_answered"]) == (20, 20)
+    assert (r["guests"], r["guests_answered"], r["dhcp_leases"]) == (20, 20, 20)
     assert r["flows"] == {"established": 20, "open_in_service": 20, "open_at_end": 20, "resets": 0}
     assert r["serving"] == 20 and r["uvloop"] is True
     for phase in ("baseline", "idle", "flows_open", "load"):
