@@ -10,14 +10,16 @@ Two processes, so that the service's memory and CPU are its own:
   :class:`~aioslirp.transport.socketpair.SocketPairTransport`;
 * **the driver** (the process you start): the other end of every socket pair, a small guest per
   pair built from :mod:`aioslirp.wire` frames (static address 10.0.2.15, or with ``--dhcp`` the
-  address of a DHCP lease; the gateway's MAC known, ARP requests answered; a minimal TCP client: handshake, one request in flight, retransmit after
-  1 s, ACK of every answer) and the host server, an echo server on 127.0.0.1 that every guest
+  address of a DHCP lease; the gateway's MAC known, ARP requests answered; a minimal TCP
+  client: handshake, one request in flight, retransmit after 1 s, ACK of every answer) and the
+  host server, an echo server on 127.0.0.1 that every guest
   reaches at 10.0.2.2 through its own stack's NAT.
 
 Phases: the service makes and starts the N stacks (start-up time), reports its memory with no
 flow; the service's CPU is read over an idle window; every guest opens its flow (at most 200
 handshakes in flight) and the memory with all flows open is read; then each guest sends a
-``--size``-byte request ``--rate`` times a second (random phase, one in flight) for ``--warmup``
+``--size``-byte request ``--rate`` times a second (random phase; one in flight, the next
+``1 / rate`` seconds after the answer) for ``--warmup``
 + ``--duration`` seconds; over the ``--duration`` window the service's CPU (user + system, from
 ``/proc``) and every answer's latency (request sent by the guest -> whole answer back, the
 driver's own scheduling delay included) are recorded, and the memory at its end.
@@ -37,8 +39,9 @@ Prints a short table, or the JSON record with ``--json`` (``-`` for stdout)::
     python benchmarks/many_guests.py --guests 200 --rate 10 --json out.json
     python benchmarks/many_guests.py --quick              # 20 guests, a few seconds: the test's run
 
-Exit status 1 when a guest's flow was never answered or a flow was lost. Needs no privileges
-(with N + a few hundred file descriptors in each process: ``ulimit -n``); traffic stays on
+Exit status 1 when a guest's flow was never answered or a flow was lost. Needs no privileges;
+the soft open-file limit is raised to 2 N + 256 (the hard limit, ``ulimit -Hn``, must allow it:
+else a one-line error). Traffic stays on
 127.0.0.1 and the socket pairs. Benchmarks are run on a quiet machine; the figures in
 docs/performance.md name the machine they came from.
 """
