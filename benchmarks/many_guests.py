@@ -41,9 +41,8 @@ Prints a short table, or the JSON record with ``--json`` (``-`` for stdout)::
 
 Exit status 1 when a guest's flow was never answered or a flow was lost. Needs no privileges;
 the soft open-file limit is raised to 2 N + 256 (the hard limit, ``ulimit -Hn``, must allow it:
-else a one-line error). Traffic stays on
-127.0.0.1 and the socket pairs. Benchmarks are run on a quiet machine; the figures in
-docs/performance.md name the machine they came from.
+else a one-line error). Traffic stays on 127.0.0.1 and the socket pairs. Benchmarks are run on
+a quiet machine; the figures in docs/performance.md name the machine they came from.
 """
 
 from __future__ import annotations
