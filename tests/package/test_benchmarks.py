@@ -319,3 +319,46 @@ def test_profile_counts_per_iteration(tmp_path):
                                  "  syscr                            8.68",
                                  "  voluntary_ctxt_switches          0.53",
                                  "  user_s                          250.1 us"]
+
+
+def test_many_guests_quick_every_guest_answered():
+    """benchmarks/many_guests.py --quick --dhcp: 20 stacks in a service process, a guest each that takes
+    a DHCP lease and holds a live flow through its own stack's NAT; the record has every figure and
+    every guest was answered."""
+    p = subprocess.run([sys.executable, str(BENCH / "many_guests.py"), "--quick", "--dhcp", "--json", "-"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (r["guests"], r["guests_answered"], r["dhcp_leases"]) == (20, 20, 20)
+    assert r["flows"] == {"established": 20, "open_in_service": 20, "open_at_end": 20, "resets": 0}
+    assert r["serving"] == 20 and r["uvloop"] is True
+    for phase in ("baseline", "idle", "flows_open", "load"):
+        assert r["memory_mb"][phase]["VmRSS_mb"] > 10  # an interpreter with aioslirp imported, at least
+    assert r["memory_mb"]["load"]["VmRSS_mb"] >= r["memory_mb"]["baseline"]["VmRSS_mb"]
+    assert r["startup_s"] > 0 and r["startup_ms_per_stack"] == pytest.approx(r["startup_s"] * 1e3 / 20, abs=0.03)
+    assert r["requests"]["answered_in_window"] > 0 and r["cpu"]["per_request_us"] is not None
+    assert r["cpu"]["service_s"] >= 0 and r["cpu"]["per_guest_us_per_s"] >= 0
+    lat = r["latency_us"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+
+
+def test_many_guests_one_tracer_provider_for_every_stack(tmp_path):
+    """--trace: the stacks share one provider; a flow span per guest, told apart by the guest's name."""
+    spans = tmp_path / "spans.jsonl"
+    p = subprocess.run([sys.executable, str(BENCH / "many_guests.py"), "--quick", "--guests", "5", "--trace",
+                        str(spans), "--json", "-"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["guests_answered"] == 5 and r["trace"] == {"level": "flows", "spans": 5}
+    assert r["service_threads"] == 2  # the loop's and the one export thread
+    records = [json.loads(line) for line in spans.read_text().splitlines()]
+    assert sorted(s["attributes"]["aioslirp.guest.name"] for s in records) == [f"guest-{i}" for i in range(5)]
+    assert {s["name"] for s in records} == {"tcp.flow"}
+    assert all(s["attributes"]["aioslirp.bytes.from_guest"] > 0 for s in records)
+
+
+def test_many_guests_rejects_bad_options_with_one_line():
+    p = subprocess.run([sys.executable, str(BENCH / "many_guests.py"), "--guests", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == "many_guests.py: error: --guests: must be > 0"
