@@ -34,7 +34,6 @@ only to themselves), answered by that guest's own stack.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import ipaddress
 import logging

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-import struct
 
 import dpkt
 import pytest
