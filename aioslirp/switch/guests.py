@@ -220,7 +220,14 @@ class GuestPort:
 
     def _from_guest(self, frames, csum_ok=None) -> None:
         """The guest transport's sink: one batch through the switch."""
-        to_stack, out = self._l2.forward(self.id, frames, self._clock())
+        try:
+            to_stack, out = self._l2.forward(self.id, frames, self._clock())
+        except Exception:  # never into the transport's reader: the batch is dropped and counted
+            c = self._state.counters
+            c["drop.internal_error"] += len(frames)
+            c["frames_dropped"] += len(frames)
+            log.exception("internal error switching a batch of guest frames")
+            return
         side = self._side
         if to_stack and side is not None:
             side.deliver(to_stack)

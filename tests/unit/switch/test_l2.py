@@ -149,3 +149,26 @@ def test_mac_table_pin_refuses_a_mac_another_port_holds():
     assert not t.pin(1, B, 1.0)  # learned by 2 and fresh
     assert t.pin(1, B, 6.0)  # aged: moves
     assert t.owner(B, 100.0) == 1
+
+
+def test_any_frames_are_switched_or_dropped_once_and_never_raise():
+    """Hostile input (hypothesis): every frame has one outcome on its port, the table stays bounded."""
+    from hypothesis import given, settings, strategies as st
+
+    macs = st.sampled_from([A, B, C, GW, BCAST, ND_MCAST, bytes(6), bytes.fromhex("0200000000aa")]) | st.binary(
+        min_size=6, max_size=6)
+    frame = st.tuples(macs, macs, st.binary(max_size=20)).map(lambda t: t[0] + t[1] + t[2]) | st.binary(max_size=13)
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.tuples(st.integers(1, 3), st.lists(frame, max_size=20), st.floats(0, 1000)), max_size=8))
+    def run(batches):
+        l2 = three(p3=True)
+        for port, frames, now in batches:
+            l2.forward(port, frames, now)
+        for state in l2.ports.values():
+            c = state.counters
+            outcomes = c["to_stack"] + c["switched"] + c["flooded"] + c["flooded_unknown"] + c["frames_dropped"]
+            assert c["frames_in"] == outcomes
+        assert len(l2.table) <= 4 * 3
+
+    run()
