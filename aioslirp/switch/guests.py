@@ -381,7 +381,7 @@ class Switch:
         stack = Stack(own, name=name, labels=labels, **stack_options)
         port_id = self._next_id
         self._next_id += 1
-        state = self._l2.add_port(port_id, isolated=isolated, mac=mac_b, now=now)
+        state = self._l2.add_port(port_id, isolated=isolated, mac=mac_b, ipv4=addr.packed, now=now)
         port = GuestPort(port_id, stack, addr, l2=self._l2, peers=self._ports, clock=self._loop.time, state=state)
         self._ports[port_id] = port
         self._by_stack[id(stack)] = port

@@ -9,6 +9,9 @@ and reads no clock (``now``, seconds of any monotonic origin, is passed in). The
   the gateway's MAC (``drop.gateway_mac``), a MAC another port holds (``drop.mac_in_use``: a
   guest spoofing another guest's MAC steals nothing), or a new MAC on a port that holds
   ``max_macs`` already (``drop.mac_limit``: a guest flooding MACs cannot grow the table);
+* a frame claiming **another guest's IPv4 address** (an ARP packet whose sender address, or an
+  IPv4 packet whose source address, is an address the switch gave another port) is dropped
+  (``drop.arp_spoofed``, ``drop.ip_spoofed``): no guest answers or sends for another's address;
 * a frame **to the gateway MAC** goes to the sender's own stack only (``to_stack``);
 * a **broadcast or multicast** frame (ARP requests, DHCP, IPv6 neighbour discovery) goes to the
   sender's own stack and to every other port the sender may reach (``flooded``);
@@ -121,15 +124,16 @@ class MacTable:
 
 class PortState:
     """What :class:`L2` knows of one port: whether it is ``isolated``, its pinned ``mac`` (``None``
-    until given or first heard), whether a guest is ``attached`` (frames are flooded only to
+    until given or first heard), its IPv4 address (``ipv4``, 4 bytes, or ``None``), whether a guest is ``attached`` (frames are flooded only to
     attached ports) and its ``counters`` (``frames_in``, ``to_stack``, ``switched``, ``flooded``,
     ``flooded_unknown``, ``frames_from_guests``, ``drop.<reason>``, ``frames_dropped``)."""
 
-    __slots__ = ("isolated", "mac", "attached", "counters")
+    __slots__ = ("isolated", "mac", "ipv4", "attached", "counters")
 
-    def __init__(self, isolated: bool = False, mac: bytes | None = None) -> None:
+    def __init__(self, isolated: bool = False, mac: bytes | None = None, ipv4: bytes | None = None) -> None:
         self.isolated = bool(isolated)
         self.mac = mac
+        self.ipv4 = ipv4
         self.attached = False
         self.counters: Counter = Counter()
 
@@ -142,7 +146,7 @@ class L2:
         max_macs: MACs one port may hold; ``mac_age``: seconds a learned MAC lives unheard.
     """
 
-    __slots__ = ("gateway_mac", "table", "ports", "_reach")
+    __slots__ = ("gateway_mac", "table", "ports", "_reach", "_addresses")
 
     def __init__(self, gateway_mac: bytes, max_macs: int = DEFAULT_MAX_MACS,
                  mac_age: float = DEFAULT_MAC_AGE) -> None:
@@ -150,23 +154,32 @@ class L2:
         self.table = MacTable(max_macs, mac_age)
         self.ports: dict[int, PortState] = {}
         self._reach: dict[int, tuple[int, ...]] = {}  # port -> the attached ports it floods to
+        self._addresses: dict[bytes, int] = {}  # a port's IPv4 address (4 bytes) -> the port
 
-    def add_port(self, port: int, *, isolated: bool = False, mac: bytes | None = None, now: float = 0.0) -> PortState:
-        """Add ``port`` (not attached yet). ``mac``: its pinned MAC. Raises ``ValueError`` when
-        ``port`` exists or another port holds ``mac``."""
+    def add_port(self, port: int, *, isolated: bool = False, mac: bytes | None = None, ipv4: bytes | None = None,
+                 now: float = 0.0) -> PortState:
+        """Add ``port`` (not attached yet). ``mac``: its pinned MAC; ``ipv4``: its address (4 bytes),
+        which no other port may claim. Raises ``ValueError`` when ``port`` exists or another port
+        holds ``mac`` or ``ipv4``."""
         if port in self.ports:
             raise ValueError(f"port {port} exists")
         if mac is not None and self.table.owner(mac, now) is not None:
             raise ValueError("the MAC is another port's")
-        state = self.ports[port] = PortState(isolated, mac)
+        if ipv4 is not None and ipv4 in self._addresses:
+            raise ValueError("the address is another port's")
+        state = self.ports[port] = PortState(isolated, mac, ipv4)
+        if ipv4 is not None:
+            self._addresses[ipv4] = port
         if mac is not None:
             self.table.pin(port, mac, now)
         self._recompute()
         return state
 
     def remove_port(self, port: int) -> None:
-        """Remove ``port`` and every MAC it holds."""
-        self.ports.pop(port, None)
+        """Remove ``port``, its address and every MAC it holds."""
+        state = self.ports.pop(port, None)
+        if state is not None and state.ipv4 is not None:
+            self._addresses.pop(state.ipv4, None)
         self.table.forget(port)
         self._recompute()
 
@@ -202,6 +215,7 @@ class L2:
         reach = self._reach[port]
         mine = state.mac
         ports = self.ports
+        addresses = self._addresses
         stack: list = []
         out: dict[int, list] = {}
         for f in frames:
@@ -225,6 +239,13 @@ class L2:
                     table.pin(port, src, now)
             else:
                 learn(port, src, now)
+            kind = f[12:14]
+            if addresses and len(f) >= 32 and (kind == b"\x08\x06" or kind == b"\x08\x00"):
+                claimed = bytes(f[28:32] if kind == b"\x08\x06" else f[26:30])  # ARP sender / IPv4 source
+                holder = addresses.get(claimed)
+                if holder is not None and holder != port:
+                    self._drop(c, "arp_spoofed" if kind == b"\x08\x06" else "ip_spoofed")
+                    continue
             dst = bytes(f[0:6])
             if dst == gw:
                 stack.append(f)

@@ -18,7 +18,7 @@ def eth(dst: bytes, src: bytes, payload: bytes = b"x" * 50) -> bytes:
 def three(**iso) -> L2:
     l2 = L2(GW, max_macs=4, mac_age=300.0)
     for port, mac in ((1, A), (2, B), (3, C)):
-        l2.add_port(port, isolated=iso.get(f"p{port}", False), mac=mac)
+        l2.add_port(port, isolated=iso.get(f"p{port}", False), mac=mac, ipv4=bytes([10, 0, 2, 14 + port]))
         l2.attach(port)
     return l2
 
@@ -81,6 +81,28 @@ def test_a_guest_spoofing_another_guests_mac_steals_nothing():
     assert l2.table.owner(A, 1.0) == 1
     f = eth(A, B)
     assert l2.forward(2, [f], 1.0)[1] == {1: [f]}  # traffic for A still goes to port 1
+
+
+def test_a_guest_claiming_another_guests_address_is_dropped():
+    """Gratuitous ARP for another guest's address (ARP spoofing to steal its traffic) and IPv4
+    from another guest's source address are dropped; the guest's own address passes."""
+    import socket
+
+    def arp(sha: bytes, spa: str, tpa: str) -> bytes:
+        body = b"\x00\x01\x08\x00\x06\x04\x00\x02" + sha + socket.inet_aton(spa) + BCAST + socket.inet_aton(tpa)
+        return BCAST + sha + b"\x08\x06" + body
+
+    def ip4(src_mac: bytes, dst_mac: bytes, src: str, dst: str) -> bytes:
+        hdr = b"\x45\x00\x00\x1c\x00\x00\x00\x00\x40\x11\x00\x00" + socket.inet_aton(src) + socket.inet_aton(dst)
+        return dst_mac + src_mac + b"\x08\x00" + hdr + bytes(8)
+
+    l2 = three()
+    spoof = [arp(C, "10.0.2.16", "10.0.2.16"), ip4(C, A, "10.0.2.16", "10.0.2.15")]
+    assert l2.forward(3, spoof, 1.0) == ([], {})
+    c = l2.ports[3].counters
+    assert (c["drop.arp_spoofed"], c["drop.ip_spoofed"]) == (1, 1)
+    own = [arp(C, "10.0.2.17", "10.0.2.17"), ip4(C, A, "10.0.2.17", "10.0.2.15")]
+    assert l2.forward(3, own, 1.0) == ([own[0]], {1: own, 2: [own[0]]})
 
 
 def test_a_learned_mac_of_another_guest_is_held_until_it_ages():
