@@ -2,7 +2,8 @@
 
 Public names: :class:`Stack`, :class:`NetworkConfig`, :class:`ConfigError`, and the
 transports :class:`TapTransport`, :class:`SocketPairTransport`, :class:`StreamTransport`
-(QEMU ``-netdev stream``), :class:`DgramTransport` (QEMU ``-netdev dgram``); :class:`QemuServer`; port forwards
+(QEMU ``-netdev stream``), :class:`DgramTransport` (QEMU ``-netdev dgram``); :class:`QemuServer`;
+:class:`Switch` (several guests on one virtual network, each behind a stack of its own; a :class:`GuestPort` each); port forwards
 :class:`PortForward` and :class:`ForwardError`; :func:`spawn` (a command in its own network namespace
 behind its own stack; a :class:`Guest`), :func:`attach` (serve an existing namespace) and :class:`NamespaceError`; :class:`FlowInfo`, the records of
 ``Stack.flows()``; flows to Python (docs/handlers.md):
@@ -24,7 +25,7 @@ from .config import NetworkConfig  # noqa: E402
 from .errors import ConfigError  # noqa: E402
 
 __all__ = ["ConfigError", "ForwardError", "NetworkConfig", "PortForward", "Stack", "SocketPairTransport", "TapTransport",
-           "StreamTransport", "DgramTransport", "QemuServer", "spawn", "Guest", "attach", "NamespaceError", "FlowInfo",
+           "StreamTransport", "DgramTransport", "QemuServer", "Switch", "GuestPort", "spawn", "Guest", "attach", "NamespaceError", "FlowInfo",
            "splice", "GuestFlow", "TapError",
            # the types an embedder is handed or hands over
            "Event", "EventLog", "AuditLog", "PolicyRequest", "Route", "GuestReader", "GuestWriter", "Datagrams",
@@ -44,6 +45,8 @@ _LAZY = {
     "StreamTransport": ".transport.stream",
     "DgramTransport": ".transport.dgram",
     "QemuServer": ".frontends.qemu",
+    "Switch": ".switch",
+    "GuestPort": ".switch",
     "spawn": ".frontends.spawn",
     "Guest": ".frontends.spawn",
     "NamespaceError": ".host.nsbase",

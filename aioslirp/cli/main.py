@@ -188,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--socket", metavar="PATH", help="UNIX socket path to listen on (created; removed on exit)")
     where.add_argument("--fd", type=_fd_number, metavar="N", help="serve the connected socket inherited as fd N (e.g. a socketpair end)")
     qemu.add_argument("--dgram", action="store_true", help="-netdev dgram: one frame per datagram (default: -netdev stream)")
+    qemu.add_argument("--switch", action="store_true",
+                      help="every QEMU connecting to --socket joins one virtual network as a new guest with its own "
+                      "stack (10.0.2.15, .16, ... by DHCP; named vm1, vm2, ..., or --name PREFIX; docs/qemu.md)")
+    qemu.add_argument("--max-guests", type=int, default=None, metavar="N",
+                      help="with --switch: guests at once (default 16); more connections are closed at once")
     qemu.set_defaults(run=_cmd_qemu)
     return parser
 
@@ -572,10 +577,61 @@ def _cmd_attach(args: argparse.Namespace) -> int:
     return _serve(args, prepare)
 
 
+def _check_switch_args(args: argparse.Namespace, obs) -> dict:
+    """``aioslirp qemu --switch``: its options (ConfigError naming the option) -> the keywords of
+    :func:`~aioslirp.frontends.qemu_switch.serve_qemu_switch` beyond the config and path."""
+    from ..config.records import check_name
+    from ..frontends.qemu_switch import DEFAULT_MAX_GUESTS, DEFAULT_NAME_PREFIX
+
+    if not args.switch:
+        if args.max_guests is not None:
+            raise ConfigError("--max-guests", "only with --switch")
+        return {}
+    if args.socket is None:
+        raise ConfigError("--switch", "needs --socket PATH (every QEMU connecting there joins the network)")
+    if args.dgram:
+        raise ConfigError("--switch", "serves -netdev stream guests only: drop --dgram")
+    for option, given in (("--publish", args.publish), ("--api-socket", getattr(args, "api_socket", None)),
+                          ("--events", getattr(args, "events", None)), ("--pcap", getattr(args, "pcap", None))):
+        if given:
+            raise ConfigError(option, "not used with --switch yet (one stack per guest; see docs/switch.md "
+                                      "for the library's Switch)")
+    if obs.active:
+        raise ConfigError("--trace", "not used with --switch yet (the library's Switch takes a tracer_provider "
+                                     "per guest: docs/switch.md)")
+    max_guests = DEFAULT_MAX_GUESTS if args.max_guests is None else args.max_guests
+    if max_guests < 1:
+        raise ConfigError("--max-guests", f"{max_guests}: must be at least 1")
+    prefix = DEFAULT_NAME_PREFIX if args.name is None else args.name
+    try:
+        check_name(f"{prefix}1", "--name")
+    except ConfigError:
+        raise ConfigError("--name", f"{prefix!r}: with --switch a prefix of DNS names (letters, digits, -)") from None
+    if "." in prefix:
+        raise ConfigError("--name", f"{prefix!r}: with --switch a prefix of one DNS label (no dots)")
+    labels: dict[str, str] = {}
+    for item in getattr(args, "label", None) or ():
+        key, eq, value = item.partition("=")
+        if not eq or not key or key in labels:
+            raise ConfigError("--label", f"{item!r} is not KEY=VALUE (once per KEY)")
+        labels[key] = value
+    return {"max_guests": max_guests, "name_prefix": prefix, "labels": labels or None}
+
+
 def _cmd_qemu(args: argparse.Namespace) -> int:
-    """``aioslirp qemu (--socket PATH [--dgram] | --fd N)``: serve QEMU guests."""
+    """``aioslirp qemu (--socket PATH [--dgram] [--switch] | --fd N)``: serve QEMU guests."""
 
     def prepare(config, obs):
+        switch = _check_switch_args(args, obs)
+        if switch:
+            _check_qemu_args(args)
+
+            def start_switch():
+                from ..frontends.qemu_switch import serve_qemu_switch
+
+                return serve_qemu_switch(config, path=args.socket, handle_signals=True, **switch)
+
+            return start_switch
         stack_factory = _stack_factory(args, obs)
         _check_qemu_args(args)
 

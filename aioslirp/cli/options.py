@@ -58,6 +58,16 @@ second stream connection is closed at once (logged), datagrams from a second sen
 dropped (logged). After a guest leaves, its flows are torn down and the next one is
 served. SIGINT/SIGTERM stop it (exit 0) and remove the socket. With --fd (stream or
 datagram socket, detected), serving ends when that guest leaves.
+
+Many guests on one network (--switch, stream sockets only): every QEMU that connects
+joins one virtual switch as a new guest with a stack of its own: 10.0.2.15, 10.0.2.16,
+... by DHCP, named vm1, vm2, ... (--name PREFIX) and vm1.aioslirp.internal in the other
+guests' DNS. Guests reach each other on the subnet and the host through the gateway.
+Give every VM its own MAC:
+  aioslirp qemu --socket /tmp/vms.sock --switch &
+  qemu-system-x86_64 ... -netdev stream,id=n0,server=off,addr.type=unix,addr.path=/tmp/vms.sock \
+                         -device virtio-net-pci,netdev=n0,mac=52:54:00:12:34:01
+  qemu-system-x86_64 ... (the same socket) -device virtio-net-pci,netdev=n0,mac=52:54:00:12:34:02
 """
 
 _ATTACH_EPILOG = """\

@@ -93,10 +93,16 @@ class NetworkConfig:
     #: Names the virtual DNS answers itself (``--dns-record NAME=ADDR``): ``{name: address or
     #: [addresses]}``, A records for IPv4 addresses, AAAA for IPv6, TTL 60 s; never sent upstream,
     #: not subject to the egress policy's name denials. ``host.aioslirp.internal`` is the gateway
-    #: (both families) unless given here. Validated to ``{name: (ipaddress addresses)}``.
+    #: (both families) unless given here. Validated to ``{name: (ipaddress addresses)}``; a
+    #: running stack's DNS answers from a new mapping of that shape assigned here (what
+    #: :class:`aioslirp.Switch` does as guests join and leave).
     dns_records: dict = field(default_factory=dict)
     #: DHCP lease time in seconds.
     lease_time: int = 86400
+    #: Addresses the DHCP pool holds, from ``guest`` up (the gateway and DNS addresses skipped);
+    #: ``None``: up to the end of ``cidr``. An :class:`aioslirp.Switch` gives each guest's stack 1:
+    #: it hands out that guest's address only.
+    dhcp_pool_size: int | None = None
     #: MAC address of the gateway / DNS.
     gateway_mac: str = DEFAULT_GATEWAY_MAC
     #: Seconds to wait for a host ``connect()`` before answering the guest's SYN with ICMP unreachable.
@@ -233,6 +239,8 @@ class NetworkConfig:
             raise ConfigError("dns", f"{self.dns} is the gateway address; they must differ")
         if self.guest in (self.gateway, self.dns):
             raise ConfigError("guest", f"{self.guest} is the gateway or DNS address; they must differ")
+        if self.dhcp_pool_size is not None and (not isinstance(self.dhcp_pool_size, int) or self.dhcp_pool_size < 1):
+            raise ConfigError("dhcp_pool_size", f"{self.dhcp_pool_size!r}: must be a positive whole number or None")
         if not isinstance(self.mtu, int) or not 576 <= self.mtu <= 65520:
             raise ConfigError("mtu", f"{self.mtu!r} is out of range 576-65520")
         if self.dns_upstreams is not None:

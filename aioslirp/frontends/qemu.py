@@ -37,7 +37,7 @@ from ..host.signals import request_stop
 from ..transport.dgram import DgramTransport
 from ..transport.stream import StreamTransport
 
-__all__ = ["QemuServer", "SocketInUse", "check_socket_path", "serve_qemu", "transport_for_fd"]
+__all__ = ["QemuServer", "SocketInUse", "check_socket_path", "bind_path", "serve_qemu", "transport_for_fd"]
 
 log = logging.getLogger("aioslirp.qemu")
 
@@ -78,7 +78,7 @@ def check_socket_path(path: str) -> str | None:
     return None
 
 
-def _bind_path(path: str, kind: int) -> socket.socket:
+def bind_path(path: str, kind: int) -> socket.socket:
     """Bind a new ``AF_UNIX`` socket of type ``kind`` at ``path``, replacing a stale socket file.
 
     Raises :class:`SocketInUse` when a live socket answers there, ``OSError`` otherwise.
@@ -171,12 +171,12 @@ class QemuServer:
         if self.path is None:
             return
         if self.dgram:
-            sock = _bind_path(self.path, socket.SOCK_DGRAM)
+            sock = bind_path(self.path, socket.SOCK_DGRAM)
             self._ino = os.stat(self.path).st_ino
             self.transport = DgramTransport(sock, name=self.path, on_guest_change=self._guest_changed)
             log.info("waiting for a QEMU guest on %s (-netdev dgram)", self.path)
             return
-        sock = _bind_path(self.path, socket.SOCK_STREAM)
+        sock = bind_path(self.path, socket.SOCK_STREAM)
         self._ino = os.stat(self.path).st_ino
         sock.listen(8)
         sock.setblocking(False)

@@ -14,7 +14,7 @@ Addressing of the reply (RFC 2131 section 4.1, no relay agents on the virtual LA
   ``ciaddr`` when set, else its ``yiaddr``), Ethernet destination the client's MAC.
 
 Leases: the pool runs from ``config.guest`` up to the last host address of
-``config.cidr``, skipping the gateway and DNS addresses. A MAC keeps its address
+``config.cidr`` (or ``config.dhcp_pool_size`` addresses), skipping the gateway and DNS addresses. A MAC keeps its address
 for the life of the server (also after RELEASE or expiry) unless the pool runs dry,
 in which case the binding that has been inactive longest is reused.
 """
@@ -234,6 +234,9 @@ class DhcpServer:
         }
         self._pool_first = int(config.guest)  # type: ignore[arg-type]
         self._pool_last = int(net.broadcast_address) - 1
+        size = getattr(config, "dhcp_pool_size", None)
+        if size is not None:  # e.g. 1 on a Switch: this guest's address only
+            self._pool_last = min(self._pool_last, self._pool_first + int(size) - 1)
         self._cursor = self._pool_first  # lowest address never handed out yet
         self._by_mac: dict[bytes, _Lease] = {}
         self._by_addr: dict[int, _Lease] = {}

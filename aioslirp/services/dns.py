@@ -268,7 +268,7 @@ class DnsForwarder:
 
     __slots__ = ("config", "resolv_conf", "resolv_check_interval", "max_inflight", "policy", "timeout",
                  "max_udp_payload", "stats", "_resolv_sig", "_resolv_checked", "_resolv_upstreams", "_inflight",
-                 "_queries", "_tcp_tasks", "_closed", "upstreams_off", "local", "down")
+                 "_queries", "_tcp_tasks", "_closed", "upstreams_off", "local", "_records", "down")
 
     config: NetworkConfig
     resolv_conf: str
@@ -289,6 +289,8 @@ class DnsForwarder:
     upstreams_off: bool
     #: The names answered here (``config.dns_records``), or ``None`` when there are none.
     local: LocalRecords | None
+    #: The ``config.dns_records`` mapping :attr:`local` was built from.
+    _records: dict | None
     #: Upstreams whose last query failed -> why (``"connection refused"``...): each is logged once
     #: (WARNING) when it goes down and once (INFO) when it answers again, not once per query.
     down: dict[tuple[str, int], str]
@@ -322,7 +324,18 @@ class DnsForwarder:
         self._closed = False
         self.upstreams_off = False
         self.down = {}
-        records = getattr(config, "dns_records", None)
+        self.local = None
+        self._records = None
+        self.set_records(getattr(config, "dns_records", None))
+
+    def set_records(self, records: dict | None) -> None:
+        """Answer ``records`` here from now on (:attr:`local`), in the shape
+        :func:`~aioslirp.config.records.parse_dns_records` returns (``{name: (addresses)}``);
+        ``None`` or empty: no local names. A query also notices ``config.dns_records`` replaced
+        by a new mapping of that shape (how :class:`aioslirp.Switch` names the guests of one
+        network in every guest's stack)."""
+        config = self.config
+        self._records = records
         host_side = {str(getattr(config, a)): lo for a, lo in (("gateway", "127.0.0.1"), ("gateway6", "::1"))
                      if getattr(config, a, None) is not None}
         self.local = LocalRecords(records, host_side=host_side) if records else None
@@ -427,6 +440,9 @@ class DnsForwarder:
         if self._closed:
             return None
         policy = self.policy
+        records = getattr(self.config, "dns_records", None)
+        if records is not self._records:  # replaced while the stack runs (a Switch naming its guests)
+            self.set_records(records)
         local = self.local
         if local is not None and local.lookup(question[0]) is not None:
             return self._local(local, query, qend, question, policy, now, guest)

@@ -54,6 +54,9 @@ EXPORTED = {
     "TransportWrapper": "aioslirp.transport.base",
     "PcapTransport": "aioslirp.transport.pcap",
     "FlowInfo": "aioslirp.flow.info",
+    # the shared switch (docs/switch.md): several guests on one network, a stack each
+    "Switch": "aioslirp.switch",
+    "GuestPort": "aioslirp.switch",
 }
 
 

@@ -345,3 +345,89 @@ def test_run_with_an_empty_command_name_is_one_line_and_127():
     assert p.returncode == 127, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "command not found" in lines[0] and "Traceback" not in p.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# aioslirp qemu --switch: its options, and two stream guests on one network
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--fd", "0", "--switch"], "--switch"),
+    (["--socket", "S", "--switch", "--dgram"], "--switch"),
+    (["--socket", "S", "--max-guests", "2"], "--max-guests"),
+    (["--socket", "S", "--switch", "--max-guests", "0"], "--max-guests"),
+    (["--socket", "S", "--switch", "--name", "a.b"], "--name"),
+    (["--socket", "S", "--switch", "--publish", "8080:80"], "--publish"),
+    (["--socket", "S", "--switch", "--pcap", "P"], "--pcap"),
+])
+def test_qemu_switch_bad_options_are_one_line_exit_2(tmp_path, args, option):
+    args = [str(tmp_path / a) if a in ("S", "P") else a for a in args]
+    usage_error(aioslirp("qemu", *args), option)
+
+
+def _stream_frame(frame: bytes) -> bytes:
+    return len(frame).to_bytes(4, "big") + frame
+
+
+def _stream_frames(sock: socket.socket, seconds: float) -> list:
+    """Frames read from a QEMU-stream socket within ``seconds``."""
+    sock.settimeout(seconds)
+    buf = b""
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            buf += data
+    except socket.timeout:
+        pass
+    out = []
+    while len(buf) >= 4:
+        n = int.from_bytes(buf[:4], "big")
+        out.append(buf[4:4 + n])
+        buf = buf[4 + n:]
+    return out
+
+
+def test_qemu_switch_serves_two_stream_guests_on_one_network(tmp_path):
+    import dpkt
+
+    path = tmp_path / "vms.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "aioslirp", "qemu", "--socket", str(path), "--switch", "--no-ipv6",
+                             "--dns", "127.0.0.1:9", "--name", "box", "--log-level", "info"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(500):
+            if path.exists():
+                break
+            time.sleep(0.02)
+        macs = (bytes.fromhex("525400000a01"), bytes.fromhex("525400000a02"))
+        socks = []
+        offers = []
+        for mac in macs:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(path))
+            socks.append(s)
+            time.sleep(0.3)  # joins in connection order: the first gets the first lease
+            dhcp = dpkt.dhcp.DHCP(op=1, xid=7, chaddr=mac + bytes(10), opts=[(53, b"\x01")])
+            udp = dpkt.udp.UDP(sport=68, dport=67, ulen=8 + len(bytes(dhcp)), data=bytes(dhcp))
+            ip = dpkt.ip.IP(src=bytes(4), dst=b"\xff" * 4, p=17, ttl=64, data=udp)
+            s.sendall(_stream_frame(bytes(dpkt.ethernet.Ethernet(src=mac, dst=b"\xff" * 6, type=0x0800, data=ip))))
+            replies = [dpkt.ethernet.Ethernet(f) for f in _stream_frames(s, 1.0)]
+            offer = next(e for e in replies if e.src == bytes.fromhex("52550a000202"))
+            offers.append(socket.inet_ntoa(offer.data.data.data[16:20]))  # yiaddr
+        assert offers == ["10.0.2.15", "10.0.2.16"]
+        # guest 2 broadcasts an ARP request: guest 1 gets it, switched
+        arp = dpkt.arp.ARP(op=1, sha=macs[1], spa=socket.inet_aton("10.0.2.16"), tha=bytes(6),
+                           tpa=socket.inet_aton("10.0.2.15"))
+        socks[1].sendall(_stream_frame(bytes(dpkt.ethernet.Ethernet(src=macs[1], dst=b"\xff" * 6, type=0x0806,
+                                                                     data=arp))))
+        got = [dpkt.ethernet.Ethernet(f) for f in _stream_frames(socks[0], 1.0)]
+        assert any(e.type == 0x0806 and e.src == macs[1] for e in got)
+    finally:
+        proc.terminate()
+        _out, err = proc.communicate(timeout=15)
+        for s in socks:
+            s.close()
+    assert proc.returncode == 0, err[-2000:]
+    assert "guest box1 joined" in err and "guest box2 joined" in err and not path.exists()

@@ -289,3 +289,14 @@ def test_replay_libslirp_corpus_discover(server):
     assert msg.chaddr == src_mac
     # The PXE client sets the broadcast flag.
     assert broadcast is bool(struct.unpack_from("!H", payload, 10)[0] & 0x8000)
+
+
+def test_a_pool_of_one_hands_out_that_address_only():
+    """``dhcp_pool_size=1`` (each guest's stack on a Switch): the guest's address, to its MAC; a
+    second MAC gets no offer while that lease is active (it keeps the address when asking again)."""
+    srv = DhcpServer(NetworkConfig(guest="10.0.2.20", dhcp_pool_size=1, lease_time=3600).validate())
+    assert dora(srv, MAC1, 0.0) == "10.0.2.20"
+    assert srv.handle(make(1, MAC2), MAC2, 10.0) is None
+    assert dora(srv, MAC1, 20.0) == "10.0.2.20"
+    with pytest.raises(Exception, match="dhcp_pool_size"):
+        NetworkConfig(dhcp_pool_size=0).validate()

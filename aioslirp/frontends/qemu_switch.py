@@ -1,0 +1,201 @@
+"""``aioslirp qemu --socket PATH --switch``: many QEMU guests on one virtual network.
+
+:class:`QemuSwitchServer` listens on PATH (``-netdev stream``, as :class:`~aioslirp.frontends.qemu.QemuServer`
+does) and puts every QEMU that connects on one :class:`~aioslirp.Switch` as a new guest, with a
+stack of its own: the next free address (``config.guest``, then up: its DHCP lease), the name
+``PREFIX<N>`` (``vm1``, ``vm2``..., N the guest's port number; ``PREFIX1.aioslirp.internal`` in the
+other guests' DNS) and the labels given. A guest that disconnects leaves the switch (its flows,
+address and name are freed). At most ``max_guests`` guests at once: a connection beyond is closed
+at once, with a warning. Guest-to-guest traffic is switched at layer 2; each guest's traffic to
+the outside goes through its own stack (docs/qemu.md, docs/switch.md).
+
+Every VM needs its own MAC (QEMU's default, ``52:54:00:12:34:56``, is the same for all): the
+switch keeps a MAC with the first guest that sent from it and drops another guest's frames from
+it (``drop.mac_in_use``), logged once per guest here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+
+from ..switch import Switch
+from ..transport.stream import StreamTransport
+from .qemu import bind_path
+
+__all__ = ["QemuSwitchServer", "serve_qemu_switch", "DEFAULT_MAX_GUESTS", "DEFAULT_NAME_PREFIX"]
+
+log = logging.getLogger("aioslirp.qemu")
+
+#: Guests served at once by default.
+DEFAULT_MAX_GUESTS = 16
+#: Guests are named ``vm1``, ``vm2``... by default.
+DEFAULT_NAME_PREFIX = "vm"
+
+
+class QemuSwitchServer:
+    """Serve every QEMU connecting to ``path`` as a guest of ``switch`` (an entered
+    :class:`~aioslirp.Switch`), until :meth:`close`.
+
+    Args:
+        switch: the switch the guests join.
+        path: the UNIX socket to listen on (a stale socket is replaced; a live one raises
+            :class:`~aioslirp.frontends.qemu.SocketInUse` from :meth:`start`).
+        max_guests: guests at once (>= 1); more connections are closed at once (``refused``).
+        name_prefix: guest N is named ``f"{name_prefix}{N}"``.
+        guest_options: keywords for every :meth:`Switch.add_guest <aioslirp.Switch.add_guest>`
+            (``labels``, ``audit``...).
+
+    Attributes:
+        guests: guests served so far; ``refused``: connections refused (over ``max_guests``).
+    """
+
+    def __init__(self, switch: Switch, path: str, *, max_guests: int = DEFAULT_MAX_GUESTS,
+                 name_prefix: str = DEFAULT_NAME_PREFIX, **guest_options) -> None:
+        self.switch = switch
+        self.path = path
+        self.max_guests = int(max_guests)
+        self.name_prefix = name_prefix
+        self.guest_options = guest_options
+        self.guests = 0
+        self.refused = 0
+        self._listener: socket.socket | None = None
+        self._ino: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Future | None = None
+        self._serving: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Listen on the path (QEMU may connect once this returns). Idempotent."""
+        if self._listener is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping = self._loop.create_future()
+        sock = bind_path(self.path, socket.SOCK_STREAM)
+        self._ino = os.stat(self.path).st_ino
+        sock.listen(16)
+        sock.setblocking(False)
+        self._listener = sock
+        self._loop.add_reader(sock.fileno(), self._accept)
+        log.info("waiting for QEMU guests on %s (-netdev stream; one switch, up to %d guests)", self.path,
+                 self.max_guests)
+
+    async def serve(self) -> None:
+        """Serve guests until :meth:`close`; then every guest's serving ends and the path goes."""
+        await self.start()
+        try:
+            await self._stopping
+        finally:
+            self._release()
+            tasks = list(self._serving)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _accept(self) -> None:
+        while self._listener is not None:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("accept on %s failed: %s", self.path, exc)
+                return
+            if len(self._serving) >= self.max_guests:
+                self.refused += 1
+                log.warning("refusing a guest on %s: %d guests already (--max-guests)", self.path, self.max_guests)
+                conn.close()
+                continue
+            t = self._loop.create_task(self._guest(conn))
+            self._serving.add(t)
+            t.add_done_callback(self._serving.discard)
+
+    async def _guest(self, conn: socket.socket) -> None:
+        sw = self.switch
+        self.guests += 1
+        n = self.guests
+        transport = StreamTransport(conn, name=f"{self.path}#{n}")
+        try:
+            stack = await sw.add_guest(name=f"{self.name_prefix}{n}", **self.guest_options)
+        except Exception as exc:
+            log.warning("guest %d on %s refused: %s", n, self.path, exc)
+            conn.close()
+            return
+        port = sw.port_of(stack)
+        log.info("guest %s joined on %s: %s", port.name, self.path, port.address)
+        warn = self._loop.call_later(10.0, self._check_mac, port)
+        try:
+            await sw.serve(stack, transport)
+        except Exception as exc:
+            log.warning("guest %s on %s: %s", port.name, self.path, exc)
+        finally:
+            warn.cancel()
+            log.info("guest %s left %s: %d frames in, %d switched, %d dropped", port.name, self.path,
+                     port.counters["frames_in"], port.counters["switched"], port.counters["frames_dropped"])
+            with contextlib.suppress(KeyError):
+                await sw.remove_guest(stack)
+
+    @staticmethod
+    def _check_mac(port) -> None:
+        if port.counters["drop.mac_in_use"]:
+            log.warning("guest %s sends from a MAC another guest holds; its frames are dropped: give every VM its "
+                        "own MAC (-device virtio-net-pci,netdev=...,mac=52:54:00:12:34:NN)", port.name)
+
+    def close(self) -> None:
+        """Stop: every guest's serving ends, the listener and the path go."""
+        if self._stopping is not None and not self._stopping.done():
+            self._stopping.set_result(None)
+
+    def _release(self) -> None:
+        if self._listener is not None:
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+        if self._ino is not None:
+            with contextlib.suppress(OSError):
+                if os.stat(self.path).st_ino == self._ino:
+                    os.unlink(self.path)
+            self._ino = None
+
+
+async def serve_qemu_switch(config, *, path: str, max_guests: int = DEFAULT_MAX_GUESTS,
+                            name_prefix: str = DEFAULT_NAME_PREFIX, labels=None, handle_signals: bool = False) -> int:
+    """``aioslirp qemu --socket PATH --switch``: serve QEMU guests on one switch until stopped
+    (SIGINT/SIGTERM with ``handle_signals``). Returns 0. Raises :class:`~aioslirp.frontends.qemu.SocketInUse`,
+    ``OSError`` (binding). ``config.audit_log``: one audit log for every guest (its records carry
+    ``guest_name``)."""
+    import signal
+
+    audit = None
+    if config.audit_log is not None:
+        from ..observe.audit import AuditLog
+
+        audit = AuditLog(config.audit_log)
+    loop = asyncio.get_running_loop()
+    installed = []
+    try:
+        async with Switch(config) as sw:
+            server = QemuSwitchServer(sw, path, max_guests=max_guests, name_prefix=name_prefix, labels=labels,
+                                      **({"audit": audit} if audit is not None else {}))
+            try:
+                await server.start()
+                if handle_signals:
+                    for sig in (signal.SIGINT, signal.SIGTERM):
+                        loop.add_signal_handler(sig, server.close)
+                        installed.append(sig)
+                    if audit is not None:
+                        loop.add_signal_handler(signal.SIGHUP, audit.reopen)
+                        installed.append(signal.SIGHUP)
+                await server.serve()
+            finally:
+                for sig in installed:
+                    loop.remove_signal_handler(sig)
+                server.close()
+            log.info("stopped after %d guest(s)", server.guests)
+    finally:
+        if audit is not None:
+            audit.close()
+    return 0
