@@ -15,10 +15,12 @@ __all__ = ["ConfigError", "host_address", "not_a_network", "not_an_address"]
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid. ``str(err)`` is one line naming the field."""
+    """A configuration value is invalid. ``str(err)`` is one line naming the field: ``"FIELD:
+    DETAIL"`` (``err.field``, ``err.detail``)."""
 
     def __init__(self, field_name: str, message: str) -> None:
         self.field = field_name
+        self.detail = message
         super().__init__(f"{field_name}: {message}")
 
 

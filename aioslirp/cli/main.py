@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "stack (10.0.2.15, .16, ... by DHCP; named vm1, vm2, ..., or --name PREFIX; docs/qemu.md)")
     qemu.add_argument("--max-guests", type=int, default=None, metavar="N",
                       help="with --switch: guests at once (default 16); more connections are closed at once")
+    qemu.add_argument("--lease", action="append", metavar="MAC=ADDRESS[,NAME]",
+                      help="with --switch (repeatable): the guest sending from MAC gets ADDRESS by DHCP (and the DNS "
+                      "name NAME) whenever it connects; the other guests get the addresses left")
     qemu.set_defaults(run=_cmd_qemu)
     return parser
 
@@ -584,8 +587,9 @@ def _check_switch_args(args: argparse.Namespace, obs) -> dict:
     from ..frontends.qemu_switch import DEFAULT_MAX_GUESTS, DEFAULT_NAME_PREFIX
 
     if not args.switch:
-        if args.max_guests is not None:
-            raise ConfigError("--max-guests", "only with --switch")
+        for option, given in (("--max-guests", args.max_guests is not None), ("--lease", args.lease)):
+            if given:
+                raise ConfigError(option, "only with --switch")
         return {}
     if args.socket is None:
         raise ConfigError("--switch", "needs --socket PATH (every QEMU connecting there joins the network)")
@@ -615,7 +619,17 @@ def _check_switch_args(args: argparse.Namespace, obs) -> dict:
         if not eq or not key or key in labels:
             raise ConfigError("--label", f"{item!r} is not KEY=VALUE (once per KEY)")
         labels[key] = value
-    return {"max_guests": max_guests, "name_prefix": prefix, "labels": labels or None}
+    from ..frontends.qemu_switch import parse_lease
+
+    leases: dict[bytes, tuple[str, str | None]] = {}
+    for item in args.lease or ():
+        mac, address, name = parse_lease(item)
+        if mac in leases:
+            raise ConfigError("--lease", f"{item!r}: that MAC has a lease already")
+        if name is not None and ("." in check_name(name, "--lease")):
+            raise ConfigError("--lease", f"{item!r}: NAME is one DNS label (no dots)")
+        leases[mac] = (address, name)
+    return {"max_guests": max_guests, "name_prefix": prefix, "labels": labels or None, "leases": leases or None}
 
 
 def _cmd_qemu(args: argparse.Namespace) -> int:

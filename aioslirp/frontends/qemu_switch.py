@@ -9,6 +9,11 @@ address and name are freed). At most ``max_guests`` guests at once: a connection
 at once, with a warning. Guest-to-guest traffic is switched at layer 2; each guest's traffic to
 the outside goes through its own stack (docs/qemu.md, docs/switch.md).
 
+With ``leases`` (``--lease MAC=ADDRESS[,NAME]``), a guest waits for its first frame before it
+joins: a guest sending from a leased MAC gets that address (and that name) whenever it connects,
+and the other guests get the free addresses the leases leave. Such an address is the static
+lease of that MAC: DHCP hands it out to that guest only.
+
 Every VM needs its own MAC (QEMU's default, ``52:54:00:12:34:56``, is the same for all): the
 switch keeps a MAC with the first guest that sent from it and drops another guest's frames from
 it (``drop.mac_in_use``), logged once per guest here.
@@ -22,11 +27,14 @@ import logging
 import os
 import socket
 
+from ..errors import ConfigError
 from ..switch import Switch
+from ..switch.guests import mac_text, parse_mac
 from ..transport.stream import StreamTransport
 from .qemu import bind_path
 
-__all__ = ["QemuSwitchServer", "serve_qemu_switch", "DEFAULT_MAX_GUESTS", "DEFAULT_NAME_PREFIX"]
+__all__ = ["QemuSwitchServer", "serve_qemu_switch", "parse_lease", "DEFAULT_MAX_GUESTS", "DEFAULT_NAME_PREFIX",
+           "FIRST_FRAME_TIMEOUT"]
 
 log = logging.getLogger("aioslirp.qemu")
 
@@ -34,6 +42,23 @@ log = logging.getLogger("aioslirp.qemu")
 DEFAULT_MAX_GUESTS = 16
 #: Guests are named ``vm1``, ``vm2``... by default.
 DEFAULT_NAME_PREFIX = "vm"
+#: Seconds a connection may take to send its first frame when there are leases; then it is closed.
+FIRST_FRAME_TIMEOUT = 60.0
+
+
+def parse_lease(text: str, field: str = "--lease") -> tuple[bytes, str, str | None]:
+    """``MAC=ADDRESS[,NAME]`` -> ``(mac, address, name)``: a static lease of the switch's network
+    (the address and name are checked when the switch reserves them). Raises :class:`ConfigError`
+    naming ``field``."""
+    mac, eq, rest = str(text).partition("=")
+    if not eq or not rest:
+        raise ConfigError(field, f"{text!r} is not MAC=ADDRESS[,NAME]")
+    address, _, name = rest.partition(",")
+    try:
+        mac_b = parse_mac(mac.strip(), field)
+    except ConfigError as exc:
+        raise ConfigError(field, f"{text!r}: {exc.detail}") from None
+    return mac_b, address.strip(), (name.strip() or None)
 
 
 class QemuSwitchServer:
@@ -46,6 +71,9 @@ class QemuSwitchServer:
             :class:`~aioslirp.frontends.qemu.SocketInUse` from :meth:`start`).
         max_guests: guests at once (>= 1); more connections are closed at once (``refused``).
         name_prefix: guest N is named ``f"{name_prefix}{N}"``.
+        leases: static leases, ``{mac (6 bytes): (address, name or None)}``: the address is
+            reserved on the switch at :meth:`start` (a ``ConfigError`` naming ``--lease`` when the
+            switch refuses it), and a guest whose first frame comes from that MAC gets it.
         guest_options: keywords for every :meth:`Switch.add_guest <aioslirp.Switch.add_guest>`
             (``labels``, ``audit``...).
 
@@ -54,8 +82,9 @@ class QemuSwitchServer:
     """
 
     def __init__(self, switch: Switch, path: str, *, max_guests: int = DEFAULT_MAX_GUESTS,
-                 name_prefix: str = DEFAULT_NAME_PREFIX, **guest_options) -> None:
+                 name_prefix: str = DEFAULT_NAME_PREFIX, leases=None, **guest_options) -> None:
         self.switch = switch
+        self.leases: dict[bytes, tuple[str, str | None]] = dict(leases or {})
         self.path = path
         self.max_guests = int(max_guests)
         self.name_prefix = name_prefix
@@ -73,6 +102,15 @@ class QemuSwitchServer:
         if self._listener is not None:
             return
         self._loop = asyncio.get_running_loop()
+        names = set()
+        for mac, (address, name) in self.leases.items():
+            try:
+                self.switch.reserve(address)
+            except ConfigError as exc:
+                raise ConfigError("--lease", f"{mac_text(mac)}={address}: {exc.detail}") from None
+            if name is not None and name in names:
+                raise ConfigError("--lease", f"the name {name!r} is given twice")
+            names.add(name)
         self._stopping = self._loop.create_future()
         sock = bind_path(self.path, socket.SOCK_STREAM)
         self._ino = os.stat(self.path).st_ino
@@ -118,8 +156,19 @@ class QemuSwitchServer:
         self.guests += 1
         n = self.guests
         transport = StreamTransport(conn, name=f"{self.path}#{n}")
+        options = dict(self.guest_options, name=f"{self.name_prefix}{n}")
+        if self.leases:
+            mac = await self._first_mac(conn)
+            if mac is None:
+                log.info("guest %d on %s sent no frame: closed", n, self.path)
+                conn.close()
+                return
+            address, name = self.leases.get(mac, (None, None))
+            options.update(mac=mac, address=address)
+            if name is not None:
+                options["name"] = name
         try:
-            stack = await sw.add_guest(name=f"{self.name_prefix}{n}", **self.guest_options)
+            stack = await sw.add_guest(**options)
         except Exception as exc:
             log.warning("guest %d on %s refused: %s", n, self.path, exc)
             conn.close()
@@ -137,6 +186,28 @@ class QemuSwitchServer:
                      port.counters["frames_in"], port.counters["switched"], port.counters["frames_dropped"])
             with contextlib.suppress(KeyError):
                 await sw.remove_guest(stack)
+
+    async def _first_mac(self, conn: socket.socket) -> bytes | None:
+        """The source MAC of the connection's first frame, peeked (the stream keeps it), or
+        ``None`` at EOF, after :data:`FIRST_FRAME_TIMEOUT`, or for a first frame too short to
+        carry an Ethernet header (4-byte length prefix, then the frame: source MAC at 10..16)."""
+        conn.setblocking(False)
+        deadline = self._loop.time() + FIRST_FRAME_TIMEOUT
+        while self._loop.time() < deadline:
+            try:
+                head = conn.recv(16, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                head = None
+            except OSError:
+                return None
+            if head == b"":
+                return None
+            if head is not None and len(head) >= 4 and int.from_bytes(head[:4], "big") < 14:
+                return None
+            if head is not None and len(head) == 16:
+                return head[10:16]
+            await asyncio.sleep(0.005 if head else 0.05)
+        return None
 
     @staticmethod
     def _check_mac(port) -> None:
@@ -162,7 +233,8 @@ class QemuSwitchServer:
 
 
 async def serve_qemu_switch(config, *, path: str, max_guests: int = DEFAULT_MAX_GUESTS,
-                            name_prefix: str = DEFAULT_NAME_PREFIX, labels=None, handle_signals: bool = False) -> int:
+                            name_prefix: str = DEFAULT_NAME_PREFIX, labels=None, leases=None,
+                            handle_signals: bool = False) -> int:
     """``aioslirp qemu --socket PATH --switch``: serve QEMU guests on one switch until stopped
     (SIGINT/SIGTERM with ``handle_signals``). Returns 0. Raises :class:`~aioslirp.frontends.qemu.SocketInUse`,
     ``OSError`` (binding). ``config.audit_log``: one audit log for every guest (its records carry
@@ -179,6 +251,7 @@ async def serve_qemu_switch(config, *, path: str, max_guests: int = DEFAULT_MAX_
     try:
         async with Switch(config) as sw:
             server = QemuSwitchServer(sw, path, max_guests=max_guests, name_prefix=name_prefix, labels=labels,
+                                      leases=leases,
                                       **({"audit": audit} if audit is not None else {}))
             try:
                 await server.start()

@@ -301,6 +301,7 @@ class Switch:
         self._by_stack: dict[int, GuestPort] = {}
         self._base_records: dict[int, dict] = {}  # port id -> its config's own dns_records
         self._next_id = 1
+        self._reserved: set[ipaddress.IPv4Address] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
@@ -396,6 +397,13 @@ class Switch:
                  " (isolated)" if isolated else "", extra=stack.identity.log_extra)
         return stack
 
+    def reserve(self, address) -> None:
+        """Keep ``address`` (an IPv4 address in ``config.cidr``) for a guest that names it in
+        :meth:`add_guest`: the default choice of an address skips it (a static lease whose guest
+        has not joined yet). Raises :class:`ConfigError` naming ``address`` as :meth:`add_guest` does."""
+        addr = self._address(address)
+        self._reserved.add(addr)
+
     def _address(self, address) -> ipaddress.IPv4Address:
         cfg = self.config
         net = cfg.cidr
@@ -416,7 +424,7 @@ class Switch:
         a = int(cfg.guest)
         while a < int(net.broadcast_address):
             addr = ipaddress.IPv4Address(a)
-            if addr not in taken and addr not in reserved:
+            if addr not in taken and addr not in reserved and addr not in self._reserved:
                 return addr
             a += 1
         raise ConfigError("address", f"no free address left in {net} from {cfg.guest} up")

@@ -359,6 +359,14 @@ def test_run_with_an_empty_command_name_is_one_line_and_127():
     (["--socket", "S", "--switch", "--name", "a.b"], "--name"),
     (["--socket", "S", "--switch", "--publish", "8080:80"], "--publish"),
     (["--socket", "S", "--switch", "--pcap", "P"], "--pcap"),
+    (["--socket", "S", "--lease", "52:54:00:00:0a:01=10.0.2.20"], "--lease"),
+    (["--socket", "S", "--switch", "--lease", "52:54:00:00:0a:01"], "--lease"),
+    (["--socket", "S", "--switch", "--lease", "01:00:5e:00:00:01=10.0.2.20"], "--lease"),
+    (["--socket", "S", "--switch", "--lease", "52:54:00:00:0a:01=10.0.2.2"], "--lease"),
+    (["--socket", "S", "--switch", "--lease", "52:54:00:00:0a:01=10.0.3.20"], "--lease"),
+    (["--socket", "S", "--switch", "--lease", "52:54:00:00:0a:01=10.0.2.20,a.b"], "--lease"),
+    (["--socket", "S", "--switch", "--lease", "52:54:00:00:0a:01=10.0.2.20",
+      "--lease", "52:54:00:00:0a:01=10.0.2.21"], "--lease"),
 ])
 def test_qemu_switch_bad_options_are_one_line_exit_2(tmp_path, args, option):
     args = [str(tmp_path / a) if a in ("S", "P") else a for a in args]
@@ -431,3 +439,54 @@ def test_qemu_switch_serves_two_stream_guests_on_one_network(tmp_path):
             s.close()
     assert proc.returncode == 0, err[-2000:]
     assert "guest box1 joined" in err and "guest box2 joined" in err and not path.exists()
+
+
+def _dhcp_offer(sock: socket.socket, mac: bytes) -> str:
+    """Send a DHCPDISCOVER from ``mac`` on a QEMU-stream socket; the address offered (yiaddr)."""
+    import dpkt
+
+    dhcp = dpkt.dhcp.DHCP(op=1, xid=7, chaddr=mac + bytes(10), opts=[(53, b"\x01")])
+    udp = dpkt.udp.UDP(sport=68, dport=67, ulen=8 + len(bytes(dhcp)), data=bytes(dhcp))
+    ip = dpkt.ip.IP(src=bytes(4), dst=b"\xff" * 4, p=17, ttl=64, data=udp)
+    sock.sendall(_stream_frame(bytes(dpkt.ethernet.Ethernet(src=mac, dst=b"\xff" * 6, type=0x0800, data=ip))))
+    replies = [dpkt.ethernet.Ethernet(f) for f in _stream_frames(sock, 2.0)]
+    offer = next(e for e in replies if e.src == bytes.fromhex("52550a000202"))
+    return socket.inet_ntoa(offer.data.data.data[16:20])
+
+
+def test_qemu_switch_lease_gives_a_mac_its_address_and_name_whatever_the_order(tmp_path):
+    """--lease MAC=ADDRESS,NAME: the leased guest connects first yet gets its own address and
+    name; an unleased guest gets the lowest address the leases leave (10.0.2.15); the leased
+    guest reconnecting gets the same address again."""
+    path = tmp_path / "vms.sock"
+    leased, other = bytes.fromhex("525400000a02"), bytes.fromhex("525400000a01")
+    proc = subprocess.Popen([sys.executable, "-m", "aioslirp", "qemu", "--socket", str(path), "--switch", "--no-ipv6",
+                             "--dns", "127.0.0.1:9", "--lease", "52:54:00:00:0a:02=10.0.2.15,web",
+                             "--log-level", "info"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    socks = []
+    try:
+        for _ in range(500):
+            if path.exists():
+                break
+            time.sleep(0.02)
+        offers = []
+        for mac in (leased, other):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(path))
+            socks.append(s)
+            offers.append(_dhcp_offer(s, mac))
+        socks[0].close()
+        time.sleep(0.5)  # the leased guest leaves, then comes back
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(path))
+        socks.append(s)
+        offers.append(_dhcp_offer(s, leased))
+    finally:
+        proc.terminate()
+        _out, err = proc.communicate(timeout=15)
+        for s in socks:
+            s.close()
+    assert offers == ["10.0.2.15", "10.0.2.16", "10.0.2.15"], (offers, err[-2000:])
+    assert proc.returncode == 0, err[-2000:]
+    assert "guest web joined" in err and "guest vm2 joined" in err, err[-2000:]
