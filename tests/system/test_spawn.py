@@ -487,21 +487,16 @@ def memory_kb(pid: int) -> tuple[int, int]:
     return got["Rss"], got["Pss"]
 
 
-def helpers_of(guest, command: str) -> list[int]:
-    """The processes from ``guest``'s top one down to its command (the program ``command``),
-    without the command and what it started: the helpers, top first."""
-    children: dict[int, list[int]] = {}
+def helpers_of(guest) -> list[int]:
+    """The helper processes of a guest in its PID namespace: its top process (the namespace
+    helper) and that one's only child (PID 1 of the namespace), top first."""
+    kids = []
     for pid in descendants(guest.pid):
         with contextlib.suppress(OSError, IndexError, ValueError):
             with open(f"/proc/{pid}/stat", "rb") as f:
-                children.setdefault(int(f.read().rsplit(b")", 1)[1].split()[1]), []).append(pid)
-    out, todo = [], [guest.pid]
-    while todo:
-        pid = todo.pop(0)
-        if exe(pid) != command:
-            out.append(pid)
-            todo += sorted(children.get(pid, ()))
-    return out
+                if int(f.read().rsplit(b")", 1)[1].split()[1]) == guest.pid:
+                    kids.append(pid)
+    return [guest.pid, *kids]
 
 
 async def test_twenty_guests_leave_no_interpreter_beside_the_service(native_init):
@@ -513,10 +508,14 @@ async def test_twenty_guests_leave_no_interpreter_beside_the_service(native_init
     async with contextlib.AsyncExitStack() as stack:
         guests = [await stack.enter_async_context(aioslirp.spawn(["sleep", "30"])) for _ in range(n)]
         await asyncio.sleep(0.3)  # every PID 1 has forked its command
+        below = {pid: exe(pid) for pid in descendants(os.getpid())}  # everything this service started
+        others = [path for path in below.values() if path != sleep]
+        assert not [path for path in others if "python" in os.path.basename(path)], others
+        assert others == [os.path.realpath(native_init)] * (2 * n), others
         rss = pss = 0
         for guest in guests:
             tree = process_tree(guest.pid)
-            helpers = helpers_of(guest, sleep)
+            helpers = helpers_of(guest)
             assert [exe(pid) for pid in helpers] == [os.path.realpath(native_init)] * 2, \
                 [(pid, exe(pid)) for pid in tree]
             assert len(tree) == 3  # the init, its PID 1, the command
@@ -546,9 +545,9 @@ def init_mode(request, monkeypatch, native_init) -> str:
     return native_and_fallback(request, monkeypatch, native_init)
 
 
-def assert_helpers(guest, mode: str, native_init: str, command: str) -> None:
+def assert_helpers(guest, mode: str, native_init: str) -> None:
     """The guest's helpers are two native inits (``native``) or two Python interpreters (``fallback``)."""
-    helpers = [exe(pid) for pid in helpers_of(guest, os.path.realpath(shutil.which(command)))]
+    helpers = [exe(pid) for pid in helpers_of(guest)]
     if mode == "native":
         assert helpers == [os.path.realpath(native_init)] * 2, helpers
     else:
@@ -562,7 +561,7 @@ async def test_exit_status_and_death_by_signal_are_the_commands(init_mode, nativ
     """The guest's ``returncode`` is the command's: its exit status, or ``-N`` when it died of
     signal N (with no core file of the helpers'), the native init as the Python PID 1."""
     async with aioslirp.spawn(["sh", "-c", f"read x; {script}"], stdin=PIPE) as guest:
-        assert_helpers(guest, init_mode, native_init, "sh")
+        assert_helpers(guest, init_mode, native_init)
         await guest.communicate(b"go\n")
         assert guest.returncode == status
 
@@ -573,7 +572,7 @@ async def test_signals_are_passed_on_to_the_command(init_mode, native_init):
              "while :; do sleep 0.05; done"
     async with aioslirp.spawn(["sh", "-c", script], stdout=PIPE) as guest:
         assert await guest.stdout.readline() == b"ready\n"
-        assert_helpers(guest, init_mode, native_init, "sh")
+        assert_helpers(guest, init_mode, native_init)
         for sig, line in ((signal.SIGUSR1, b"usr1\n"), (signal.SIGHUP, b"hup\n"), (signal.SIGTERM, b"term\n")):
             guest.send_signal(sig)
             assert await asyncio.wait_for(guest.stdout.readline(), 5) == line
@@ -587,6 +586,7 @@ async def test_orphans_are_reaped_and_killed_with_the_command(init_mode, native_
     script = f"(sh -c 'exit 0' &); (sleep {marker} &); echo forked; read x"
     async with aioslirp.spawn(["sh", "-c", script], stdin=PIPE, stdout=PIPE) as guest:
         assert await guest.stdout.readline() == b"forked\n"
+        assert_helpers(guest, init_mode, native_init)
         await asyncio.sleep(0.3)
         tree = process_tree(guest.pid)
         states = {}
@@ -611,6 +611,7 @@ async def test_killing_the_top_process_kills_the_whole_namespace(init_mode, nati
     marker = "1000.5"
     async with aioslirp.spawn(["sh", "-c", f"sleep {marker} & echo ok; wait"], stdout=PIPE) as guest:
         assert await guest.stdout.readline() == b"ok\n"
+        assert_helpers(guest, init_mode, native_init)
         guest.kill()
         assert await asyncio.wait_for(guest.wait(), 5) == -9
         for _ in range(50):
@@ -636,10 +637,11 @@ async def test_exec_errors_in_the_native_init_are_raised_as_before(native_init, 
             pass
     assert info.value.filename == str(tmp_path / "gone")
     env = {"PATH": str(tmp_path)}  # looked up in the command's own PATH, as os.execvpe does
-    (tmp_path / "hello").write_text("#!/bin/sh\necho hello from $0\n")
+    (tmp_path / "hello").write_text("#!/bin/sh\nread x; echo hello from $0\n")
     (tmp_path / "hello").chmod(0o755)
-    async with aioslirp.spawn(["hello"], env=env, stdout=PIPE) as guest:
-        out, _ = await guest.communicate()
+    async with aioslirp.spawn(["hello"], env=env, stdin=PIPE, stdout=PIPE) as guest:
+        assert_helpers(guest, "native", native_init)
+        out, _ = await guest.communicate(b"\n")
     assert out == f"hello from {tmp_path}/hello\n".encode()
 
 
@@ -670,7 +672,7 @@ async def test_without_a_native_init_a_python_pid1_runs_and_says_so_once_per_gue
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="aioslirp.spawn"):
             async with aioslirp.spawn(["sh", "-c", "read x; echo $x; exit 5"], stdin=PIPE, stdout=PIPE) as guest:
-                assert_helpers(guest, "fallback", "", "sh")
+                assert_helpers(guest, "fallback", "")
                 out, _ = await guest.communicate(b"fine\n")
         assert (out, guest.returncode) == (b"fine\n", 5)
         notes = [r for r in caplog.records if "Python PID 1" in r.getMessage()]
