@@ -76,7 +76,8 @@ class Guest:
         stack: the :class:`~aioslirp.Stack` serving the guest's TAP (``stack.flows()``, ``stack.stats()``,
             ``stack.add_forward()``, ``stack.events()``...).
         pid: the process id (in the host's PID namespace) of the guest's top process: with
-            ``pid_namespace`` the namespace helper that passes signals on to the command, else the command.
+            ``pid_namespace`` the native init that passes signals on to the command (or, without one, the
+            Python namespace helper), else the command.
         stdin: an ``asyncio.StreamWriter`` when ``stdin=PIPE``, else ``None``.
         stdout, stderr: ``asyncio.StreamReader`` when ``PIPE``, else ``None``.
         ifname: the TAP device's name in the guest's namespace (``"tap0"``).
