@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -678,3 +679,61 @@ async def test_without_a_native_init_a_python_pid1_runs_and_says_so_once_per_gue
         notes = [r for r in caplog.records if "Python PID 1" in r.getMessage()]
         assert [(r.levelname, "\n" in r.getMessage()) for r in notes] == ([("INFO", False)] if says else []), \
             (setting, executable, caplog.text)
+
+
+def sleeps(marker: str) -> list[int]:
+    """Pids of the ``sleep MARKER`` processes (not of a shell whose script names it)."""
+    return [pid for pid in sleeping_pids(f"sleep {marker}")
+            if _cmdline(pid) == f"sleep\0{marker}\0".encode()]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def test_when_the_service_dies_its_guests_die_with_it(init_mode, native_init, tmp_path):
+    """The service SIGKILLed (no clean-up of its own): the guest's top process gets SIGKILL
+    (``PR_SET_PDEATHSIG``, kept across the exec of the native init), its PID 1 too, and with it
+    everything in the namespace."""
+    import subprocess
+
+    marker = "1000.125"
+    script = tmp_path / "service.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, os, sys
+        import aioslirp
+
+        async def main():
+            async with aioslirp.spawn(["sh", "-c", "sleep {marker} & wait"]) as guest:
+                print(guest.pid, flush=True)
+                await asyncio.sleep(60)
+
+        asyncio.run(main())
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    service = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env)
+    try:
+        top = int(service.stdout.readline())
+        for _ in range(100):
+            if sleeps(marker) and len(descendants(service.pid)) >= 4:
+                break
+            time.sleep(0.05)
+        helpers = [exe(pid) for pid in [top, *[p for p in descendants(top) if exe(p) == exe(top)]]]
+        if init_mode == "native":
+            assert helpers == [os.path.realpath(native_init)] * 2, helpers
+        assert len(sleeps(marker)) == 1
+        service.kill()
+        service.wait(10)
+        for _ in range(100):
+            if not sleeps(marker) and not os.path.exists(f"/proc/{top}"):
+                break
+            time.sleep(0.05)
+        assert sleeps(marker) == [] and not os.path.exists(f"/proc/{top}")
+    finally:
+        service.kill()
+        service.wait(10)
+        service.stdout.close()
