@@ -44,8 +44,8 @@ Two ways to start it, one body:
 * **spawned** (``run``, ``attach``; :mod:`aioslirp.frontends.spawn`, :mod:`aioslirp.frontends.netns`):
   ``python -c`` running :func:`main` with two inherited fd numbers, the socket's and that of a
   pipe carrying the spec as JSON (read to its end and closed first): the spec (resolv.conf, the
-  interface; the command comes on the socket) is never on a command line or in an environment, where every user
-  of the host could read it. The parent already runs an event loop (and maybe threads), and
+  interface; the command comes on the socket) is never on a command line or in an environment,
+  where every user of the host could read it. The parent already runs an event loop (and maybe threads), and
   ``run`` must exec the command afterwards;
 * **forked** (``join``; :class:`ForkedChild`): ``os.fork`` at the drop-in's start-up, before
   any thread or event loop exists, so that the parent imports the stack meanwhile.
