@@ -7,6 +7,12 @@ warning, then a pure-Python install), or is switched off at run time (``AIOSLIRP
 see :mod:`aioslirp.compiled`). The list lives in ``aioslirp/compiled.py``; docs/performance.md
 has the measurements behind it.
 
+The same build compiles the native init of ``aioslirp.spawn()``'s PID namespace
+(``native/aioslirp_init.c``, a small C program, into ``aioslirp/host/aioslirp-init``; linked
+statically where the C library allows, for the smallest resident set), whether or not mypyc is
+there; without a C compiler, or with ``AIOSLIRP_NO_EXTENSIONS=1``, it is left out and a Python
+PID 1 runs per guest instead.
+
 Beside the native modules the build writes ``aioslirp/compiled.sha256``: the SHA-256 of each
 source that mypyc translated, in ``sha256sum`` format, so that ``aioslirp.compiled.stale()``
 can tell an edited source by content (an install writes files in no particular order, so their
@@ -20,7 +26,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,11 +48,19 @@ def _compiled_modules() -> list[str]:
 _TRANSLATED: list[tuple[str, str]] = []
 
 
+#: The native init's source, and where the build puts the program (in the package, beside
+#: ``aioslirp/host/nschild.py``, which looks for it there).
+INIT_SOURCE = os.path.join("native", "aioslirp_init.c")
+INIT_MODULE = "aioslirp.host.aioslirp-init"
+
+
 class OptionalBuildExt(build_ext):
     """A failed compile leaves a working pure-Python install (with a warning), as yarl/multidict do."""
 
     def run(self) -> None:
         self.parallel = self.parallel or os.cpu_count() or 1  # the small per-module shims side by side
+        if not os.environ.get("AIOSLIRP_NO_EXTENSIONS"):
+            self._build_init()
         try:
             super().run()
         except Exception as exc:  # noqa: BLE001 - any build failure means: no extension
@@ -80,6 +94,46 @@ class OptionalBuildExt(build_ext):
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001
             self._skip(exc)
+
+    def _init_path(self, inplace: bool) -> str:
+        """Where the native init goes: the package in the build tree, or the source tree (``pip install -e .``)."""
+        old, self.inplace = self.inplace, inplace
+        try:
+            return os.path.join(os.path.dirname(self.get_ext_fullpath(INIT_MODULE)), "aioslirp-init")
+        finally:
+            self.inplace = old
+
+    def get_outputs(self) -> list:
+        """The extension modules and the native init (when built), for the install's record."""
+        out = super().get_outputs()
+        path = self._init_path(bool(self.inplace))
+        return out + [path] if os.path.exists(path) else out
+
+    def _build_init(self) -> None:
+        """Compile and link ``native/aioslirp_init.c`` into the package: statically first (about
+        half the resident memory per process), else against the shared C library. A failure is a
+        warning: spawn() then runs a Python PID 1."""
+        from setuptools._distutils.ccompiler import new_compiler
+        from setuptools._distutils.sysconfig import customize_compiler
+
+        cc = new_compiler(verbose=self.verbose, dry_run=self.dry_run, force=self.force)
+        customize_compiler(cc)
+        src = INIT_SOURCE if os.path.abspath(os.getcwd()) == HERE else os.path.join(HERE, INIT_SOURCE)
+        target = self._init_path(False)
+        tmp = os.path.join(self.build_temp, "aioslirp-init")
+        try:
+            objs = cc.compile([src], output_dir=tmp, extra_postargs=["-O2", "-Wall"])
+            try:
+                cc.link_executable(objs, "aioslirp-init", output_dir=tmp, extra_postargs=["-static", "-s"])
+            except Exception:  # noqa: BLE001 - no static C library: the shared one
+                cc.link_executable(objs, "aioslirp-init", output_dir=tmp, extra_postargs=["-s"])
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            self.copy_file(os.path.join(tmp, "aioslirp-init"), target)
+            if self.inplace:  # pip install -e .: beside the sources
+                self.copy_file(target, self._init_path(True))
+        except Exception as exc:  # noqa: BLE001 - any failure means: no native init
+            print(f"WARNING: aioslirp's native init (aioslirp-init) was not built ({exc}); "
+                  "spawn() runs a Python PID 1 per guest instead", file=sys.stderr)
 
     @staticmethod
     def _skip(exc: BaseException) -> None:
@@ -117,4 +171,12 @@ def _ext_modules() -> list:
     )
 
 
-setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})
+class NativeDistribution(Distribution):
+    """A distribution with native code even when mypyc is absent (the native init): ``build_ext``
+    runs and the wheel is tagged for the platform; not with ``AIOSLIRP_NO_EXTENSIONS=1``."""
+
+    def has_ext_modules(self) -> bool:
+        return super().has_ext_modules() or not os.environ.get("AIOSLIRP_NO_EXTENSIONS")
+
+
+setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt}, distclass=NativeDistribution)

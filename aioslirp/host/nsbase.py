@@ -60,13 +60,14 @@ def helper_argv(sock_fd: int, spec_fd: int) -> list[str]:
 def start_helper(spec: dict, sock_fd: int, **popen_kw) -> subprocess.Popen:
     """Start the namespace child for ``spec`` with ``sock_fd`` (its end of the socket pair) inherited.
 
-    ``spec`` (argv, env, cwd, resolv.conf, the interface) is handed over through a pipe the child
-    inherits and reads to its end before anything else: none of it is on the child's command line
-    or in its environment (``/proc/PID/cmdline`` and ``environ`` are readable by every user of the
-    host, and callers put secrets in ``env``). A pipe, not a file: a file, even a memory file, is
-    subject to ``RLIMIT_FSIZE``, which a caller may have lowered. The pipe is widened to hold the
-    whole spec where the kernel allows (``F_SETPIPE_SZ``, up to ``/proc/sys/fs/pipe-max-size``), so
-    the write does not wait for the child. ``popen_kw`` go to ``subprocess.Popen``. Raises
+    ``spec`` (resolv.conf, the interface; ``spawn`` sends the command itself over the socket
+    later) is handed over through a pipe the child inherits and reads to its end before anything
+    else: none of it is on the child's command line or in its environment (``/proc/PID/cmdline``
+    and ``environ`` are readable by every user of the host, and callers put secrets in ``env``).
+    A pipe, not a file: a file, even a memory file, is subject to ``RLIMIT_FSIZE``, which a caller
+    may have lowered. The pipe is widened to hold the whole spec where the kernel allows
+    (``F_SETPIPE_SZ``, up to ``/proc/sys/fs/pipe-max-size``), so the write does not wait for the
+    child. ``popen_kw`` go to ``subprocess.Popen``. Raises
     ``OSError`` when the child cannot be started.
     """
     data = json.dumps(spec).encode()

@@ -12,14 +12,20 @@ body, whatever started it; ``spec`` (a JSON-able dict) says what to do:
 ``run`` mode: new network + mount namespace (plus a user namespace mapping our uid/gid to
 0 when not root), ``/`` made rprivate, a generated resolv.conf bind-mounted over
 ``/etc/resolv.conf``, ``lo`` up, the TAP created and configured; the TAP fd is sent to the
-parent, then the helper waits for ``b"g"`` ("go") and execs the command; ``b"g6"`` means "go
-once the TAP has its SLAAC address in ``prefix6``" (bounded wait). The command gets ``spec["cwd"]``
-and ``spec["env"]`` when given; when it cannot be executed the child sends
-``{"exec_error": ERRNO, "what": PATH}`` on the socket, which it keeps (close-on-exec) until the
-exec, so that the parent sees EOF once the command runs. With ``spec["pid_namespace"]`` the
-``unshare`` also makes a PID namespace: the helper forks its PID 1 (which mounts its ``/proc``
-when allowed, forks the command, passes signals on and reaps orphans, and exits with the
-command, killing everything left in the namespace) and ends as the command ended.
+parent, then the helper waits for ``b"g"`` ("go"); ``b"g6"`` means "go once the TAP has its
+SLAAC address in ``prefix6``" (bounded wait). After "go" the parent sends the command (argv,
+env, cwd: :func:`command_records`) on the socket, which the helper keeps (close-on-exec) until
+the command's exec, so that the parent sees EOF once the command runs; when it cannot be
+executed the parent gets ``{"exec_error": ERRNO, "cwd": BOOL}`` instead. Without
+``spec["pid_namespace"]`` the helper reads the command and execs it. With it, the ``unshare``
+also makes a PID namespace and the helper execs the native init ``spec["init"]``
+(``aioslirp-init SOCK_FD``, built from ``native/aioslirp_init.c``: :func:`native_init`), which
+reads the command, forks PID 1 (which mounts its ``/proc`` when allowed, forks the command,
+passes signals on, reaps orphans, and exits with the command, killing everything left in the
+namespace) and ends as the command ended: after the set-up no Python process stays alive for
+the guest. Where there is no native init (``spec["init"]`` is ``None``) or it cannot be
+executed, the helper does the same in Python (:func:`_run_in_pid_namespace`), staying alive with
+its forked PID 1.
 
 ``attach`` mode: enter an existing network namespace (and its owning user namespace when
 not root), bring ``lo`` up (as ``slirp4netns --configure`` does; a failure is a warning),
@@ -37,9 +43,9 @@ Two ways to start it, one body:
 
 * **spawned** (``run``, ``attach``; :mod:`aioslirp.frontends.spawn`, :mod:`aioslirp.frontends.netns`):
   ``python -c`` running :func:`main` with two inherited fd numbers, the socket's and that of a
-  pipe carrying the spec as JSON (read to its end and closed first): the spec (the command's argv,
-  env and cwd, resolv.conf) is never on a command line or in an environment, where every user
-  of the host could read it. The parent already runs an event loop (and maybe threads), and
+  pipe carrying the spec as JSON (read to its end and closed first): the spec (resolv.conf, the
+  interface; the command comes on the socket) is never on a command line or in an environment,
+  where every user of the host could read it. The parent already runs an event loop (and maybe threads), and
   ``run`` must exec the command afterwards;
 * **forked** (``join``; :class:`ForkedChild`): ``os.fork`` at the drop-in's start-up, before
   any thread or event loop exists, so that the parent imports the stack meanwhile.
@@ -61,13 +67,15 @@ import os
 import signal
 import socket
 import sys
-from typing import Callable
+from typing import Callable, NamedTuple
 
+from .. import compiled
 from .isolate import CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWUSER, map_ids, set_loopback_up, unshare
 
 CLONE_NEWPID = 0x20000000
 
-__all__ = ["ForkedChild", "SetupError", "main", "run_child", "set_pdeathsig", "setns", "tap_reply"]
+__all__ = ["Command", "ForkedChild", "INIT_ENV", "INIT_NAME", "SetupError", "command_records", "main", "native_init",
+           "read_command", "run_child", "set_pdeathsig", "setns", "tap_reply"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -80,6 +88,10 @@ NS_GET_USERNS = 0xB701
 RESOLV_CONF = "/etc/resolv.conf"
 #: Seconds a forked child may take to open (and configure) the TAP.
 SETUP_TIMEOUT = 30.0
+#: The native init's file name: setup.py builds it beside this module (``native/aioslirp_init.c``).
+INIT_NAME = "aioslirp-init"
+#: The environment variable naming a native init to use instead (e.g. one a distribution installs elsewhere).
+INIT_ENV = "AIOSLIRP_INIT"
 
 
 class SetupError(RuntimeError):
@@ -99,6 +111,17 @@ def set_pdeathsig(expected_ppid: int | None) -> None:
     _errno_call(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
     if expected_ppid is not None and os.getppid() != expected_ppid:
         os._exit(1)
+
+
+def native_init() -> str | None:
+    """The path of the native init that ``run`` mode execs with a PID namespace: ``$AIOSLIRP_INIT``
+    when set, else :data:`INIT_NAME` beside this module (built by setup.py). ``None`` when it is
+    not an executable file, or when ``AIOSLIRP_NO_EXTENSIONS`` is set (as for the compiled
+    modules): then a Python PID 1 stays alive per guest."""
+    if compiled.disabled():
+        return None
+    path = os.environ.get(INIT_ENV) or os.path.join(os.path.dirname(os.path.abspath(__file__)), INIT_NAME)
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 
 def setns(fd: int, nstype: int) -> None:
@@ -369,38 +392,38 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGCONT, signal.SIGWINCH, signal.SIGALRM)
 
 
-def _exec(argv: list[str], sock: socket.socket | None = None, spec: dict | None = None) -> int:
-    """Exec the command with ``spec``'s ``cwd`` and ``env``. When it cannot be executed:
-    with ``sock`` (kept open until the exec, close-on-exec) send ``{"exec_error": ERRNO,
-    "what": ...}`` to the parent; else print one line. Returns 127 (not found) or 126."""
-    spec = spec or {}
+def _exec(argv: list[str], sock: socket.socket | None = None, env: dict | None = None, cwd: str | None = None) -> int:
+    """Exec the command with ``cwd`` and ``env`` (``None``: ours). When it cannot be executed:
+    with ``sock`` (kept open until the exec, close-on-exec) send ``{"exec_error": ERRNO, "cwd":
+    BOOL}`` to the parent (``cwd``: the directory failed, not the command); else print one line.
+    Returns 127 (the command not found) or 126."""
     for sig in (signal.SIGPIPE, signal.SIGXFSZ) + FORWARDED:
         signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE/SIGXFSZ; exec would keep SIG_IGN
     if sock is not None:
         sock.set_inheritable(False)
-    what = argv[0] if argv else ""
+    in_cwd = False
     try:
         if not argv or not argv[0]:
             raise FileNotFoundError(errno.ENOENT, "command not found (an empty command name)")
-        if spec.get("cwd") is not None:
-            what = spec["cwd"]
-            os.chdir(spec["cwd"])
-            what = argv[0]
-        env = spec.get("env")
+        if cwd is not None:
+            in_cwd = True
+            os.chdir(cwd)
+            in_cwd = False
         if env is None:
             os.execvp(argv[0], argv)
         else:
             os.execvpe(argv[0], argv, env)
     except OSError as exc:
-        code = 127 if isinstance(exc, FileNotFoundError) and what == (argv[0] if argv else "") else 126
+        code = 127 if isinstance(exc, FileNotFoundError) and not in_cwd else 126
         if sock is not None:
             try:
-                _send(sock, {"exec_error": exc.errno or errno.ENOENT, "what": what})
+                _send(sock, {"exec_error": exc.errno or errno.ENOENT, "cwd": in_cwd})
                 return code
             except OSError:
                 pass
-        if what != (argv[0] if argv else ""):
-            print(f"aioslirp: cannot change to directory {what}: {exc.strerror}", file=sys.stderr)
+        what = argv[0] if argv else ""
+        if in_cwd:
+            print(f"aioslirp: cannot change to directory {cwd}: {exc.strerror}", file=sys.stderr)
         elif isinstance(exc, FileNotFoundError):
             print(f"aioslirp: {what}: command not found" + ("" if what else " (an empty command name)"),
                   file=sys.stderr)
@@ -439,14 +462,15 @@ def _fork(child: Callable[[], int], failed: int = 1) -> int:
     return pid
 
 
-def _run_in_pid_namespace(argv: list[str], sock: socket.socket, spec: dict) -> int:
-    """Fork PID 1 of the PID namespace made by ``unshare`` (:func:`_pid1`), pass signals on to it,
-    wait for it and end as the command ended (its exit status, or death by the same signal)."""
+def _run_in_pid_namespace(command: Command, sock: socket.socket) -> int:
+    """The Python PID 1, where the native init is absent: fork PID 1 of the PID namespace made by
+    ``unshare`` (:func:`_pid1`), pass signals on to it, wait for it and end as the command ended
+    (its exit status, or death by the same signal)."""
     r, w = os.pipe()
 
     def pid1() -> int:
         os.close(r)
-        return _pid1(argv, sock, spec, w)
+        return _pid1(command, sock, w)
 
     pid = _fork(pid1)
     os.close(w)
@@ -474,7 +498,7 @@ def _run_in_pid_namespace(argv: list[str], sock: socket.socket, spec: dict) -> i
     return code
 
 
-def _pid1(argv: list[str], sock: socket.socket, spec: dict, status_fd: int) -> int:
+def _pid1(command: Command, sock: socket.socket, status_fd: int) -> int:
     """PID 1 of the new PID namespace: mount its /proc (best effort), fork the command, pass
     signals on to it, reap every orphan, and when the command ends write its raw wait status to
     ``status_fd`` and exit, which kills whatever else is left in the namespace."""
@@ -482,11 +506,11 @@ def _pid1(argv: list[str], sock: socket.socket, spec: dict, status_fd: int) -> i
     with contextlib.suppress(OSError):
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
-    def command() -> int:
+    def run() -> int:
         os.close(status_fd)
-        return _exec(argv, sock, spec)
+        return _exec(command.argv, sock, command.env, command.cwd)
 
-    cmd = _fork(command, failed=127)
+    cmd = _fork(run, failed=127)
     sock.close()
     _forward_to(cmd)
     while True:
@@ -621,10 +645,87 @@ def run_child(sock: socket.socket, spec: dict) -> int:
         if wait_ipv6_address(ifname, spec["prefix6"]) is None:
             print(f"aioslirp: warning: {ifname} got no IPv6 address in {spec['prefix6']} within "
                   f"{IPV6_ADDRESS_TIMEOUT:g} s; starting the command anyway", file=sys.stderr)
-    argv = list(spec.get("argv") or [os.environ.get("SHELL") or "/bin/sh"])
+    if spec.get("pid_namespace") and spec.get("init"):
+        _exec_init(spec["init"], sock)  # returns only when it cannot be executed: the Python PID 1 then
+    command = read_command(sock)
+    if command is None:
+        sock.close()
+        return 1  # the parent went away before sending the command
     if spec.get("pid_namespace"):
-        return _run_in_pid_namespace(argv, sock, spec)
-    return _exec(argv, sock, spec)
+        return _run_in_pid_namespace(command, sock)
+    return _exec(command.argv, sock, command.env, command.cwd)
+
+
+def _exec_init(path: str, sock: socket.socket) -> None:
+    """Become the native init (``aioslirp-init SOCK_FD``: see ``native/aioslirp_init.c``), which
+    reads the command from ``sock``, forks PID 1 of the new PID namespace and ends as the command
+    ends: no interpreter stays alive for the guest. Returns when it cannot be executed."""
+    fd = sock.fileno()
+    try:
+        os.set_inheritable(fd, True)
+        os.execv(path, [path, str(fd)])
+    except OSError:
+        os.set_inheritable(fd, False)
+
+
+class Command(NamedTuple):
+    """The command a ``run`` child executes, as :func:`command_records` sends it."""
+
+    argv: list[str]
+    env: dict[str, str] | None  # None: the helper's own environment
+    cwd: str | None
+
+
+#: The first record of a command on the socket: this tag, then the payload's length (4 bytes, native order).
+COMMAND_TAG = b"AIOC"
+#: Bytes of payload per record (well under a socket's send buffer).
+COMMAND_RECORD = 32 * 1024
+
+
+def command_records(argv: list[str], env: dict[str, str] | None, cwd: str | None) -> list[bytes]:
+    """The records that carry a command to the ``run`` child (or its native init) after "go", on
+    the socket pair: ``COMMAND_TAG`` + length, then the payload in pieces of ``COMMAND_RECORD``
+    bytes. The payload is NUL-terminated strings: the count of arguments, of environment entries
+    (``-1``: the helper's own environment), 1 or 0 for a working directory, then the arguments,
+    ``NAME=value`` entries and the directory (``os.fsencode``). The values must hold no NUL and
+    the names no ``=`` (:func:`aioslirp.frontends.spawn.spawn` checks)."""
+    items = [str(len(argv)), str(-1 if env is None else len(env)), "1" if cwd is not None else "0", *argv]
+    if env is not None:
+        items += [f"{k}={v}" for k, v in env.items()]
+    if cwd is not None:
+        items.append(cwd)
+    payload = b"".join(os.fsencode(i) + b"\0" for i in items)
+    head = COMMAND_TAG + len(payload).to_bytes(4, sys.byteorder)
+    return [head] + [payload[i:i + COMMAND_RECORD] for i in range(0, len(payload), COMMAND_RECORD)]
+
+
+def read_command(sock: socket.socket) -> Command | None:
+    """The command sent by :func:`command_records` on ``sock`` (blocking), or ``None`` when the
+    parent closed the socket or sent something else."""
+    try:
+        head = sock.recv(8)
+        if len(head) != 8 or head[:4] != COMMAND_TAG:
+            return None
+        size = int.from_bytes(head[4:], sys.byteorder)
+        chunks, got = [], 0
+        while got < size:
+            chunk = sock.recv(size - got)
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError:
+        return None
+    items = [os.fsdecode(i) for i in b"".join(chunks).split(b"\0")[:-1]]
+    try:
+        argc, envc, has_cwd = int(items[0]), int(items[1]), int(items[2])
+    except (IndexError, ValueError):
+        return None
+    rest = items[3:]
+    if argc < 1 or len(rest) != argc + max(envc, 0) + has_cwd:
+        return None
+    env = None if envc < 0 else dict(e.split("=", 1) for e in rest[argc:argc + envc])
+    return Command(rest[:argc], env, rest[-1] if has_cwd else None)
 
 
 def _read_spec(fd: int) -> dict:

@@ -1,6 +1,8 @@
 """A non-editable install keeps the compiled per-frame path (issue 29): a wheel built from a
 checkout, and an sdist built by pip, installed into fresh virtual environments, load all their
-compiled modules (``aioslirp --version``: ``compiled per-frame path: on (8/8 modules)``).
+compiled modules (``aioslirp --version``: ``compiled per-frame path: on (8/8 modules)``), and
+the native init of ``spawn()`` (``aioslirp/host/aioslirp-init``, from ``native/aioslirp_init.c``),
+which ``aioslirp.host.nschild.native_init()`` finds there (issue 28).
 
 An install writes the native modules before the ``.py`` sources; the staleness check goes by
 the SHA-256 that the build recorded (``aioslirp/compiled.sha256``), not by file times.
@@ -38,7 +40,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 #: What a checkout holds that no build reads (and build products of an editable install).
 _NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", ".cache", "build", "site", "mutants", "benchmarks", "tests",
                                      "fuzz", "__pycache__", "*.egg-info", "*.so", compiled.RECORD, ".pytest_cache",
-                                     ".hypothesis")
+                                     ".hypothesis", "aioslirp-init")
 
 
 def _env() -> dict:
@@ -84,6 +86,11 @@ def _check_installed(venv: Path, cwd: Path) -> None:
     assert Path(where).resolve().is_relative_to(venv.resolve()), where
     lines = _run([venv / "bin" / "aioslirp", "--version"], cwd=cwd).splitlines()
     assert lines[-1] == f"compiled per-frame path: on ({N}/{N} modules)", lines
+    init = _run([venv / "bin" / "python", "-c", "from aioslirp.host.nschild import native_init; print(native_init())"],
+                cwd=cwd).strip()
+    assert init == str(Path(where).parent / "host" / "aioslirp-init"), init
+    p = subprocess.run([init], capture_output=True, text=True, timeout=60)  # no fd given: its usage line
+    assert (p.returncode, p.stderr) == (2, "aioslirp-init is internal to aioslirp (started by aioslirp.spawn)\n")
 
 
 def test_wheel_install_runs_compiled(checkout, tmp_path):
@@ -95,6 +102,8 @@ def test_wheel_install_runs_compiled(checkout, tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         record = z.read(f"aioslirp/{compiled.RECORD}").decode().splitlines()
+        init = z.getinfo("aioslirp/host/aioslirp-init")
+    assert (init.external_attr >> 16) & 0o111 == 0o111, oct(init.external_attr >> 16)  # executable
     native = [m for m in compiled.COMPILED if any(n.startswith(m.replace(".", "/") + ".") and n.endswith(".so")
                                                    for n in names)]
     assert native == list(compiled.COMPILED)
@@ -113,8 +122,9 @@ def test_sdist_install_runs_compiled(checkout, tmp_path):
     sdist = tmp_path / "sdist" / out.strip().splitlines()[-1]
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    assert {"setup.py", "pyproject.toml", "README.md", "aioslirp/compiled.py", "aioslirp/tcp/tcb.py"} <= names
-    assert not [n for n in names if n.endswith(".so") or n.endswith(compiled.RECORD)]
+    assert {"setup.py", "pyproject.toml", "README.md", "aioslirp/compiled.py", "aioslirp/tcp/tcb.py",
+            "native/aioslirp_init.c"} <= names
+    assert not [n for n in names if n.endswith(".so") or n.endswith(compiled.RECORD) or n.endswith("aioslirp-init")]
     venv = _venv(tmp_path / "venv")
     _run([venv / "bin" / "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--no-index", sdist],
          cwd=tmp_path)

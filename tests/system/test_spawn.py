@@ -8,16 +8,21 @@ pytest runs in a loopback-only network namespace (conftest.py): the host servers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import os
+import shutil
+import signal
 import sys
 import textwrap
+import time
 
 import pytest
 
 import aioslirp
 
+from support import nativeinit
 from support.paths import REPO
 from support.prereqs import need
 from support.servers import DataServer, pattern
@@ -27,6 +32,18 @@ pytestmark = pytest.mark.netns
 need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
 
 PIPE = asyncio.subprocess.PIPE
+
+
+@pytest.fixture(scope="module")
+def native_init(tmp_path_factory) -> str:
+    """The native init (installed, or built here from native/aioslirp_init.c)."""
+    return nativeinit.build(tmp_path_factory.mktemp("init"))
+
+
+@pytest.fixture(autouse=True)
+def _with_native_init(native_init, monkeypatch):
+    """Every guest here gets the native init, also in a checkout that was never built."""
+    monkeypatch.setenv("AIOSLIRP_INIT", native_init)
 
 
 @pytest.fixture
@@ -418,6 +435,9 @@ async def test_argv_env_and_config_never_show_in_a_helpers_proc_entries(pid_name
     assert out.decode().split() == [f"env-{secret}", f"arg-{secret}", "search", f"cfg-{secret}.test"]
     cmds, leaks = helpers_showing(seen, secret.encode(), (b"sh", b"grep", b"sleep"))
     assert any(b"aioslirp.host.nschild" in c for c in cmds), cmds  # the watch did see the helper
+    if pid_namespace:  # and the native init it became, and the PID 1 it forked (same command line)
+        inits = {pid for pid, cmd, _ in seen if cmd.split(b"\0", 1)[0].endswith(b"/aioslirp-init")}
+        assert len(inits) >= 2, cmds
     assert leaks == []
 
 
@@ -443,3 +463,277 @@ def test_aioslirp_run_helpers_show_nothing_of_the_command_or_config():
     cmds, leaks = helpers_showing(seen, secret.encode(), (b"sh", b"grep"))
     assert any(b"aioslirp.host.nschild" in c for c in cmds), cmds
     assert leaks == []
+
+
+# ------------------------------------------------------------- the native init: no interpreter per guest
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    return [root, *descendants(root)]
+
+
+def exe(pid: int) -> str:
+    return os.path.realpath(f"/proc/{pid}/exe")
+
+
+def memory_kb(pid: int) -> tuple[int, int]:
+    """``(RSS, PSS)`` of ``pid`` in KiB (``/proc/PID/smaps_rollup``)."""
+    got = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss"):
+                got[key] = int(rest.split()[0])
+    return got["Rss"], got["Pss"]
+
+
+def helpers_of(guest) -> list[int]:
+    """The helper processes of a guest in its PID namespace: its top process (the namespace
+    helper) and that one's only child (PID 1 of the namespace), top first."""
+    kids = []
+    for pid in descendants(guest.pid):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if int(f.read().rsplit(b")", 1)[1].split()[1]) == guest.pid:
+                    kids.append(pid)
+    return [guest.pid, *kids]
+
+
+async def test_twenty_guests_leave_no_interpreter_beside_the_service(native_init):
+    """Issue 28 item 1: 20 guests alive at once; below each, besides its command, only the native
+    init (the namespace helper, which execed it, and PID 1 of the guest's PID namespace): no
+    Python interpreter, and a few hundred KiB each."""
+    sleep = os.path.realpath(shutil.which("sleep"))
+    n = 20
+    async with contextlib.AsyncExitStack() as stack:
+        guests = [await stack.enter_async_context(aioslirp.spawn(["sleep", "30"])) for _ in range(n)]
+        await asyncio.sleep(0.3)  # every PID 1 has forked its command
+        below = {pid: exe(pid) for pid in descendants(os.getpid())}  # everything this service started
+        others = [path for path in below.values() if path != sleep]
+        assert not [path for path in others if "python" in os.path.basename(path)], others
+        assert others == [os.path.realpath(native_init)] * (2 * n), others
+        rss = pss = 0
+        for guest in guests:
+            tree = process_tree(guest.pid)
+            helpers = helpers_of(guest)
+            assert [exe(pid) for pid in helpers] == [os.path.realpath(native_init)] * 2, \
+                [(pid, exe(pid)) for pid in tree]
+            assert len(tree) == 3  # the init, its PID 1, the command
+            for pid in helpers:
+                r, p = memory_kb(pid)
+                rss, pss = rss + r, pss + p
+        print(f"\n{n} guests: helpers RSS {rss / n:.0f} KiB/guest, PSS {pss / n:.0f} KiB/guest")
+        assert rss / n < 3 * 1024, rss  # KiB per guest, both processes
+        assert pss / n < 1024, pss
+        for guest in guests:
+            assert guest.returncode is None
+    assert [g.returncode for g in guests] == [-15] * n  # the block's end: SIGTERM reached each command
+
+
+def native_and_fallback(request, monkeypatch, native_init) -> str:
+    """Set up the parametrized mode: ``"native"`` (the native init), ``"fallback"`` (``AIOSLIRP_NO_EXTENSIONS=1``:
+    the Python PID 1). Returns the mode."""
+    if request.param == "native":
+        nativeinit.use(monkeypatch, native_init)
+    else:
+        monkeypatch.setenv("AIOSLIRP_NO_EXTENSIONS", "1")
+    return request.param
+
+
+@pytest.fixture(params=["native", "fallback"])
+def init_mode(request, monkeypatch, native_init) -> str:
+    return native_and_fallback(request, monkeypatch, native_init)
+
+
+def assert_helpers(guest, mode: str, native_init: str) -> None:
+    """The guest's helpers are two native inits (``native``) or two Python interpreters (``fallback``)."""
+    helpers = [exe(pid) for pid in helpers_of(guest)]
+    if mode == "native":
+        assert helpers == [os.path.realpath(native_init)] * 2, helpers
+    else:
+        assert len(helpers) == 2 and all("python" in os.path.basename(h) for h in helpers), helpers
+
+
+@pytest.mark.parametrize("script, status", [("exit 0", 0), ("exit 7", 7), ("exit 255", 255),
+                                            ("kill -TERM $$", -15), ("kill -USR1 $$", -10),
+                                            ("kill -SEGV $$", -11), ("kill -QUIT $$", -3)])
+async def test_exit_status_and_death_by_signal_are_the_commands(init_mode, native_init, script, status):
+    """The guest's ``returncode`` is the command's: its exit status, or ``-N`` when it died of
+    signal N (with no core file of the helpers'), the native init as the Python PID 1."""
+    async with aioslirp.spawn(["sh", "-c", f"read x; {script}"], stdin=PIPE) as guest:
+        assert_helpers(guest, init_mode, native_init)
+        await guest.communicate(b"go\n")
+        assert guest.returncode == status
+
+
+async def test_signals_are_passed_on_to_the_command(init_mode, native_init):
+    """SIGUSR1, SIGHUP, SIGTERM sent to the guest reach the command (through the init and its PID 1)."""
+    script = "trap 'echo usr1' USR1; trap 'echo hup' HUP; trap 'echo term; exit 3' TERM; echo ready; " \
+             "while :; do sleep 0.05; done"
+    async with aioslirp.spawn(["sh", "-c", script], stdout=PIPE) as guest:
+        assert await guest.stdout.readline() == b"ready\n"
+        assert_helpers(guest, init_mode, native_init)
+        for sig, line in ((signal.SIGUSR1, b"usr1\n"), (signal.SIGHUP, b"hup\n"), (signal.SIGTERM, b"term\n")):
+            guest.send_signal(sig)
+            assert await asyncio.wait_for(guest.stdout.readline(), 5) == line
+        assert await asyncio.wait_for(guest.wait(), 5) == 3
+
+
+async def test_orphans_are_reaped_and_killed_with_the_command(init_mode, native_init):
+    """Orphans of the command become PID 1's: one that exits is reaped at once (no zombie), one
+    that lives on is killed when the command exits."""
+    marker = "1000.75"
+    script = f"(sh -c 'exit 0' &); (sleep {marker} &); echo forked; read x"
+    async with aioslirp.spawn(["sh", "-c", script], stdin=PIPE, stdout=PIPE) as guest:
+        assert await guest.stdout.readline() == b"forked\n"
+        assert_helpers(guest, init_mode, native_init)
+        await asyncio.sleep(0.3)
+        tree = process_tree(guest.pid)
+        states = {}
+        for pid in tree:
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    states[pid] = f.read().rsplit(b")", 1)[1].split()[0]
+        assert b"Z" not in states.values(), states
+        assert [exe(pid) for pid in tree].count(os.path.realpath(shutil.which("sleep"))) == 1, tree
+        await guest.communicate(b"done\n")
+        assert guest.returncode == 0
+        for _ in range(50):
+            if not sleeping_pids(f"sleep {marker}"):
+                break
+            await asyncio.sleep(0.05)
+        assert sleeping_pids(f"sleep {marker}") == []
+
+
+async def test_killing_the_top_process_kills_the_whole_namespace(init_mode, native_init):
+    """SIGKILL to the guest's top process (the native init cannot pass it on): its PID 1 dies
+    of ``PR_SET_PDEATHSIG``, and with it every process of the namespace."""
+    marker = "1000.5"
+    async with aioslirp.spawn(["sh", "-c", f"sleep {marker} & echo ok; wait"], stdout=PIPE) as guest:
+        assert await guest.stdout.readline() == b"ok\n"
+        assert_helpers(guest, init_mode, native_init)
+        guest.kill()
+        assert await asyncio.wait_for(guest.wait(), 5) == -9
+        for _ in range(50):
+            if not sleeping_pids(f"sleep {marker}"):
+                break
+            await asyncio.sleep(0.05)
+        assert sleeping_pids(f"sleep {marker}") == []
+
+
+async def test_exec_errors_in_the_native_init_are_raised_as_before(native_init, monkeypatch, tmp_path):
+    """A missing command, a directory that is no executable, a missing cwd: the same ``OSError``
+    as ``asyncio.create_subprocess_exec`` (with the name), the native init as the Python helper."""
+    nativeinit.use(monkeypatch, native_init)
+    with pytest.raises(FileNotFoundError) as info:
+        async with aioslirp.spawn(["aioslirp-no-such-command"]):
+            pass
+    assert info.value.filename == "aioslirp-no-such-command"
+    with pytest.raises(PermissionError):
+        async with aioslirp.spawn([str(tmp_path)]):
+            pass
+    with pytest.raises(FileNotFoundError) as info:
+        async with aioslirp.spawn(["true"], cwd=tmp_path / "gone"):
+            pass
+    assert info.value.filename == str(tmp_path / "gone")
+    env = {"PATH": str(tmp_path)}  # looked up in the command's own PATH, as os.execvpe does
+    (tmp_path / "hello").write_text("#!/bin/sh\nread x; echo hello from $0\n")
+    (tmp_path / "hello").chmod(0o755)
+    async with aioslirp.spawn(["hello"], env=env, stdin=PIPE, stdout=PIPE) as guest:
+        assert_helpers(guest, "native", native_init)
+        out, _ = await guest.communicate(b"\n")
+    assert out == f"hello from {tmp_path}/hello\n".encode()
+
+
+def test_nul_characters_and_bad_env_names_are_one_error_at_once():
+    with pytest.raises(ValueError, match="NUL"):
+        aioslirp.spawn(["echo", "a\0b"])
+    with pytest.raises(ValueError, match="env: the value of X"):
+        aioslirp.spawn(["true"], env={"X": "a\0b"})
+    with pytest.raises(ValueError, match="env: illegal environment variable name 'A=B'"):
+        aioslirp.spawn(["true"], env={"A=B": "c"})
+
+
+async def test_without_a_native_init_a_python_pid1_runs_and_says_so_once_per_guest(monkeypatch, caplog, tmp_path):
+    """The fallback: no native init (``AIOSLIRP_NO_EXTENSIONS=1``, or ``AIOSLIRP_INIT`` naming no
+    executable) is one INFO line and today's Python PID 1; an init that cannot be executed
+    (not a program) makes the helper fall back by itself. The guest runs the same in each case."""
+    import logging
+
+    bogus = tmp_path / "aioslirp-init"
+    bogus.write_text("not a program\n")
+    for setting, executable, says in (("AIOSLIRP_NO_EXTENSIONS", False, True), ("AIOSLIRP_INIT", False, True),
+                                      ("AIOSLIRP_INIT", True, False)):
+        monkeypatch.delenv("AIOSLIRP_NO_EXTENSIONS", raising=False)
+        monkeypatch.setenv("AIOSLIRP_INIT", str(bogus))
+        bogus.chmod(0o755 if executable else 0o644)
+        if setting == "AIOSLIRP_NO_EXTENSIONS":
+            monkeypatch.setenv(setting, "1")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="aioslirp.spawn"):
+            async with aioslirp.spawn(["sh", "-c", "read x; echo $x; exit 5"], stdin=PIPE, stdout=PIPE) as guest:
+                assert_helpers(guest, "fallback", "")
+                out, _ = await guest.communicate(b"fine\n")
+        assert (out, guest.returncode) == (b"fine\n", 5)
+        notes = [r for r in caplog.records if "Python PID 1" in r.getMessage()]
+        assert [(r.levelname, "\n" in r.getMessage()) for r in notes] == ([("INFO", False)] if says else []), \
+            (setting, executable, caplog.text)
+
+
+def sleeps(marker: str) -> list[int]:
+    """Pids of the ``sleep MARKER`` processes (not of a shell whose script names it)."""
+    return [pid for pid in sleeping_pids(f"sleep {marker}")
+            if _cmdline(pid) == f"sleep\0{marker}\0".encode()]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def test_when_the_service_dies_its_guests_die_with_it(init_mode, native_init, tmp_path):
+    """The service SIGKILLed (no clean-up of its own): the guest's top process gets SIGKILL
+    (``PR_SET_PDEATHSIG``, kept across the exec of the native init), its PID 1 too, and with it
+    everything in the namespace."""
+    import subprocess
+
+    marker = "1000.125"
+    script = tmp_path / "service.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, os, sys
+        import aioslirp
+
+        async def main():
+            async with aioslirp.spawn(["sh", "-c", "sleep {marker} & wait"]) as guest:
+                print(guest.pid, flush=True)
+                await asyncio.sleep(60)
+
+        asyncio.run(main())
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    service = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env)
+    try:
+        top = int(service.stdout.readline())
+        for _ in range(100):
+            if sleeps(marker) and len(descendants(service.pid)) >= 4:
+                break
+            time.sleep(0.05)
+        helpers = [exe(pid) for pid in [top, *[p for p in descendants(top) if exe(p) == exe(top)]]]
+        if init_mode == "native":
+            assert helpers == [os.path.realpath(native_init)] * 2, helpers
+        assert len(sleeps(marker)) == 1
+        service.kill()
+        service.wait(10)
+        for _ in range(100):
+            if not sleeps(marker) and not os.path.exists(f"/proc/{top}"):
+                break
+            time.sleep(0.05)
+        assert sleeps(marker) == [] and not os.path.exists(f"/proc/{top}")
+    finally:
+        service.kill()
+        service.wait(10)
+        service.stdout.close()
