@@ -42,6 +42,7 @@ from collections import Counter
 
 from .observe import tracing
 from .compiled import notice as compiled_notice
+from .native import status as native_status
 from .config import NetworkConfig
 from .config.identity import GuestIdentity
 from .dispatch.family import Family4
@@ -722,7 +723,8 @@ class Stack:
             {"counters": {NAME: int, ...},                     # every counter, sorted by name
              "flows": {"tcp": {STATE: int, ...}, "udp": int, "icmp": int},   # flows open now
              "inject_queue": {"depth": int, "size": int},      # frames queued for the guest / capacity
-             "compiled": str}                                  # one line: is the compiled path loaded
+             "compiled": str,                                  # one line: is the compiled path loaded
+             "native": str}                                    # "on" or "off (<reason>)": the native data plane
 
         Fields:
             counters: every entry of :attr:`counters` (monotonic event counts since the stack
@@ -751,6 +753,9 @@ class Stack:
                 beyond it are dropped (``drop.inject_full``).
             compiled: :func:`aioslirp.compiled.notice`, e.g. ``"compiled per-frame path: on (8/8
                 modules)"``, or off and why (``AIOSLIRP_NO_EXTENSIONS``, not built, a stale build).
+            native: :func:`aioslirp.native.status`: ``"on"``, or ``"off (<reason>)"`` (not switched
+                on, ``AIOSLIRP_NO_EXTENSIONS``, not built, a stale build), for this process; whether
+                this stack's transport reads natively is the transport's (``TapTransport.native``).
 
         The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.observe.metrics.register`.
         """
@@ -759,5 +764,6 @@ class Stack:
             "flows": self._flow_stats(),
             "inject_queue": {"depth": len(self._parts.inject_queue), "size": self.config.inject_queue_size},
             "compiled": compiled_notice(),
+            "native": native_status(),
         }
 

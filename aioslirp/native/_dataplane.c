@@ -1,0 +1,291 @@
+/* The CPython binding of aioslirp's native data plane (limited API 3.11, abi3): a thin layer
+ * over the C core in dataplane.c. Python objects are made here only, once per call or per
+ * frame handed to Python; the core touches none.
+ *
+ *   classify(buf, vnet=False) -> record tuple            (no counting)
+ *   reason_names() -> tuple[str, ...], reason_names6()   (index = the record's reason code)
+ *   Plane(read_size, batch, vnet)                        one transport's state:
+ *     .read_tap(fd) -> (frames, csum_ok | None, end, errno)
+ *     .classify(buf) -> record tuple                     (counted in .counters())
+ *     .counters() -> {"frames": n, reason: n, ...}
+ *
+ * The record tuple: (kind, reason, flags, proto, tcp_flags, ethertype, l2_off, l3_off, l4_off,
+ * payload_off, payload_len, end, sport, dport, src, dst), src/dst bytes of 4 or 16 (b"" before
+ * the IP header). MIT licensed, written for aioslirp. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dataplane.h"
+
+/* Frames of one read buffer before they go to Python; the buffer holds this many largest
+ * frames (a batch larger than that is read in several fills within one call). */
+#define FILL_FRAMES 8u
+
+static PyObject *record_tuple(const struct dp_frame *f)
+{
+    size_t alen = (f->flags & DP_F_IPV6) ? 16 : (f->l4_off ? 4 : 0);
+    return Py_BuildValue("(iiiiiiIIIIIIiiy#y#)", f->kind, f->reason, f->flags, f->proto, f->tcp_flags, f->ethertype,
+                         f->l2_off, f->l3_off, f->l4_off, f->payload_off, f->payload_len, f->end, f->sport, f->dport,
+                         (const char *)f->src, (Py_ssize_t)alen, (const char *)f->dst, (Py_ssize_t)alen);
+}
+
+static PyObject *classify_buffer(PyObject *obj, int vnet, struct dp_counters *counters)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    struct dp_frame f;
+    dp_classify((const uint8_t *)view.buf, (size_t)view.len, vnet, &f, counters);
+    PyBuffer_Release(&view);
+    return record_tuple(&f);
+}
+
+static PyObject *mod_classify(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"buf", "vnet", NULL};
+    PyObject *obj;
+    int vnet = 0;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p", kwlist, &obj, &vnet))
+        return NULL;
+    return classify_buffer(obj, vnet, NULL);
+}
+
+static PyObject *names_tuple(const char *(*name)(unsigned))
+{
+    PyObject *t = PyTuple_New(DP_R_COUNT);
+    if (!t)
+        return NULL;
+    for (unsigned i = 0; i < DP_R_COUNT; i++) {
+        PyObject *s = PyUnicode_FromString(name(i));
+        if (!s || PyTuple_SetItem(t, i, s) < 0) {
+            Py_DECREF(t);
+            return NULL;
+        }
+    }
+    return t;
+}
+
+static PyObject *mod_reason_names(PyObject *self, PyObject *unused)
+{
+    (void)self, (void)unused;
+    return names_tuple(dp_reason_name);
+}
+
+static PyObject *mod_reason_names6(PyObject *self, PyObject *unused)
+{
+    (void)self, (void)unused;
+    return names_tuple(dp_reason_name6);
+}
+
+/* ------------------------------------------------------------------ Plane */
+
+typedef struct {
+    PyObject_HEAD
+    uint8_t *buf;
+    size_t cap;
+    size_t read_size; /* bytes offered to each read(), the vnet header included */
+    unsigned batch;
+    int vnet;
+    struct dp_slot *slots;
+    struct dp_counters counters;
+} Plane;
+
+static int plane_init(PyObject *op, PyObject *args, PyObject *kwargs)
+{
+    Plane *self = (Plane *)op;
+    static char *kwlist[] = {"read_size", "batch", "vnet", NULL};
+    Py_ssize_t read_size, batch;
+    int vnet = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nn|p", kwlist, &read_size, &batch, &vnet))
+        return -1;
+    if (read_size < 1 || read_size > (1 << 20)) {
+        PyErr_SetString(PyExc_ValueError, "read_size must be 1..1048576 bytes");
+        return -1;
+    }
+    if (batch < 1 || batch > 65536) {
+        PyErr_SetString(PyExc_ValueError, "batch must be 1..65536");
+        return -1;
+    }
+    unsigned fill = (size_t)batch < FILL_FRAMES ? (unsigned)batch : FILL_FRAMES;
+    uint8_t *buf = PyMem_Malloc((size_t)read_size * fill);
+    struct dp_slot *slots = PyMem_Malloc(sizeof(struct dp_slot) * fill);
+    if (!buf || !slots) {
+        PyMem_Free(buf);
+        PyMem_Free(slots);
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyMem_Free(self->buf);
+    PyMem_Free(self->slots);
+    self->buf = buf;
+    self->slots = slots;
+    self->cap = (size_t)read_size * fill;
+    self->read_size = (size_t)read_size;
+    self->batch = (unsigned)batch;
+    self->vnet = vnet;
+    memset(&self->counters, 0, sizeof self->counters);
+    return 0;
+}
+
+static void plane_dealloc(PyObject *op)
+{
+    Plane *self = (Plane *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    PyMem_Free(self->buf);
+    PyMem_Free(self->slots);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(op);
+    Py_DECREF(tp);
+}
+
+/* read_tap(fd) -> (frames: list[bytes], csum_ok: list[bool] | None, end: int, errno: int).
+ * Reads up to batch frames (dp_tap_read, several fills when the buffer is full) and makes one
+ * bytes object per frame. end: a dp_read_end (DONE, AGAIN, EOF, ERROR). */
+static PyObject *plane_read_tap(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    if (!self->buf) {
+        PyErr_SetString(PyExc_ValueError, "Plane not initialised");
+        return NULL;
+    }
+    long fdl = PyLong_AsLong(arg);
+    if (fdl == -1 && PyErr_Occurred())
+        return NULL;
+    if (fdl < 0 || fdl > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "fd must be a non-negative int");
+        return NULL;
+    }
+    int fd = (int)fdl;
+    PyObject *frames = PyList_New(0);
+    PyObject *csum = self->vnet ? PyList_New(0) : (Py_INCREF(Py_None), Py_None);
+    if (!frames || !csum)
+        goto fail;
+    unsigned left = self->batch, fill = (unsigned)(self->cap / self->read_size);
+    enum dp_read_end end;
+    int err = 0;
+    do {
+        unsigned nslots = 0, reads = 0;
+        end = dp_tap_read(fd, self->buf, self->cap, self->read_size, self->vnet, left, self->slots, fill, &nslots,
+                          &reads, &err);
+        left -= reads;
+        for (unsigned i = 0; i < nslots; i++) {
+            const struct dp_slot *s = &self->slots[i];
+            PyObject *b = PyBytes_FromStringAndSize((const char *)self->buf + s->off, (Py_ssize_t)s->len);
+            if (!b)
+                goto fail;
+            int bad = PyList_Append(frames, b);
+            Py_DECREF(b);
+            if (bad)
+                goto fail;
+            if (self->vnet && PyList_Append(csum, s->csum_ok ? Py_True : Py_False) < 0)
+                goto fail;
+        }
+    } while (end == DP_READ_FULL && left > 0);
+    if (end == DP_READ_FULL)
+        end = DP_READ_DONE;
+    return Py_BuildValue("(NNii)", frames, csum, (int)end, err);
+fail:
+    Py_XDECREF(frames);
+    Py_XDECREF(csum);
+    return NULL;
+}
+
+static PyObject *plane_classify(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    return classify_buffer(arg, self->vnet, &self->counters);
+}
+
+static PyObject *plane_counters(PyObject *op, PyObject *unused)
+{
+    Plane *self = (Plane *)op;
+    (void)unused;
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+    PyObject *v = PyLong_FromUnsignedLongLong(self->counters.frames);
+    if (!v || PyDict_SetItemString(d, "frames", v) < 0)
+        goto fail;
+    Py_DECREF(v);
+    for (unsigned i = 1; i < DP_R_COUNT; i++) {
+        if (!self->counters.by_reason[i])
+            continue;
+        v = PyLong_FromUnsignedLongLong(self->counters.by_reason[i]);
+        if (!v || PyDict_SetItemString(d, dp_reason_name(i), v) < 0)
+            goto fail;
+        Py_DECREF(v);
+    }
+    return d;
+fail:
+    Py_XDECREF(v);
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyMethodDef plane_methods[] = {
+    {"read_tap", plane_read_tap, METH_O,
+     "read_tap(fd) -> (frames, csum_ok | None, end, errno): up to batch frames of a TAP fd, read until EAGAIN"},
+    {"classify", plane_classify, METH_O, "classify(buf) -> record tuple, counted in counters()"},
+    {"counters", plane_counters, METH_NOARGS, "counters() -> {'frames': n, reason: n}"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot plane_slots[] = {
+    {Py_tp_doc, "Plane(read_size, batch, vnet=False): the native data plane of one transport"},
+    {Py_tp_init, plane_init},
+    {Py_tp_dealloc, plane_dealloc},
+    {Py_tp_methods, plane_methods},
+    {0, NULL},
+};
+
+static PyType_Spec plane_spec = {
+    "aioslirp.native._dataplane.Plane", sizeof(Plane), 0, Py_TPFLAGS_DEFAULT, plane_slots,
+};
+
+/* ------------------------------------------------------------------ module */
+
+static PyMethodDef module_methods[] = {
+    {"classify", (PyCFunction)(void (*)(void))mod_classify, METH_VARARGS | METH_KEYWORDS,
+     "classify(buf, vnet=False) -> record tuple (not counted)"},
+    {"reason_names", mod_reason_names, METH_NOARGS, "reason_names() -> tuple of reason names by code"},
+    {"reason_names6", mod_reason_names6, METH_NOARGS, "reason_names6() -> the IPv6 names of the same reasons"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "aioslirp.native._dataplane", "aioslirp's native data plane (C core, limited API)", -1,
+    module_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__dataplane(void)
+{
+    PyObject *m = PyModule_Create(&module_def);
+    if (!m)
+        return NULL;
+    PyObject *plane = PyType_FromSpec(&plane_spec);
+    if (!plane || PyModule_AddObjectRef(m, "Plane", plane) < 0)
+        goto fail;
+    Py_DECREF(plane);
+    plane = NULL;
+    if (PyModule_AddIntConstant(m, "RECORD_SIZE", (long)sizeof(struct dp_frame)) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_DROP", DP_KIND_DROP) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_TCP", DP_KIND_TCP) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_UDP", DP_KIND_UDP) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_NOT_NATIVE", DP_KIND_NOT_NATIVE) < 0 ||
+        PyModule_AddIntConstant(m, "READ_DONE", DP_READ_DONE) < 0 ||
+        PyModule_AddIntConstant(m, "READ_AGAIN", DP_READ_AGAIN) < 0 ||
+        PyModule_AddIntConstant(m, "READ_EOF", DP_READ_EOF) < 0 ||
+        PyModule_AddIntConstant(m, "READ_ERROR", DP_READ_ERROR) < 0 ||
+        PyModule_AddIntConstant(m, "VNET_HDR_LEN", DP_VNET_HDR_LEN) < 0)
+        goto fail;
+    return m;
+fail:
+    Py_XDECREF(plane);
+    Py_DECREF(m);
+    return NULL;
+}

@@ -1,0 +1,135 @@
+/* aioslirp's native data plane: the C core (C11, no Python object in it).
+ *
+ * The core is sans-IO where it can be: dp_classify() reads a buffer and writes a fixed-size
+ * record; the one syscall loop, dp_tap_read(), sits behind a plain fd. The CPython binding is
+ * _dataplane.c (limited API), the Python face aioslirp/native/__init__.py.
+ *
+ * Every length taken from the wire (virtio-net header, Ethernet, IPv4 IHL and total length,
+ * IPv6 payload length, TCP data offset and options, UDP length) is checked once, in
+ * dp_classify(), against the buffer it came in; what follows reads only inside the offsets
+ * the record holds. A frame that fails a check is classified DP_KIND_DROP with its reason.
+ *
+ * MIT licensed, written for aioslirp. Ideas (batch reads until EAGAIN, a fixed record per
+ * frame) follow passt's design notes; no passt code is used.
+ */
+#ifndef AIOSLIRP_DATAPLANE_H
+#define AIOSLIRP_DATAPLANE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define DP_VNET_HDR_LEN 12u /* struct virtio_net_hdr_v1 after TUNSETVNETHDRSZ 12 */
+#define DP_ETH_HLEN 14u
+
+/* What a frame is: a NAT flow's segment the native plane may own (TCP, UDP), a frame for the
+ * Python path (ARP, ICMP, fragments, IPv6 extension headers: the reason says which), or a drop. */
+enum dp_kind {
+    DP_KIND_DROP = 0,
+    DP_KIND_TCP = 1,
+    DP_KIND_UDP = 2,
+    DP_KIND_NOT_NATIVE = 3,
+};
+
+/* Reasons: for DP_KIND_DROP the names the Python dispatch counts as drop.<name> (IPv4 names;
+ * the IPv6 ones where they differ); for DP_KIND_NOT_NATIVE why Python takes the frame.
+ * The order is the ABI of the binding (dp_reason_name()). */
+enum dp_reason {
+    DP_R_NONE = 0,
+    /* drops */
+    DP_R_TRUNCATED_VNET,     /* a virtio-net header without a frame */
+    DP_R_TRUNCATED_ETH,      /* shorter than an Ethernet header */
+    DP_R_BAD_SRC_MAC,        /* multicast/broadcast source MAC */
+    DP_R_UNKNOWN_ETHERTYPE,
+    DP_R_TRUNCATED_IP,       /* IPv4: shorter than 14 + 20 */
+    DP_R_BAD_IP_HEADER,      /* IPv4: version != 4 or IHL < 5 */
+    DP_R_BAD_IP_LENGTH,      /* IPv4: total length < IHL or past the frame */
+    DP_R_BAD_IP_CHECKSUM,    /* IPv4 header checksum */
+    DP_R_UNKNOWN_IP_PROTO,   /* IPv4: not TCP, UDP or ICMP */
+    DP_R_IPV6_TRUNCATED,
+    DP_R_IPV6_BAD_VERSION,
+    DP_R_IPV6_JUMBOGRAM,     /* payload length 0 (and Next Header not 59) */
+    DP_R_IPV6_BAD_LENGTH,    /* payload length past the frame */
+    DP_R_IPV6_BAD_SRC,       /* multicast source */
+    DP_R_TRUNCATED_TCP,      /* fewer than 20 bytes of TCP (IPv6: tcp6_truncated) */
+    DP_R_BAD_TCP_HEADER,     /* data offset < 5 or past the segment; a malformed option list */
+    DP_R_TRUNCATED_UDP,      /* fewer than 8 bytes of UDP (IPv6: udp6_truncated) */
+    DP_R_BAD_UDP_LENGTH,     /* UDP length < 8 or past the packet (IPv6: udp6_bad_length) */
+    /* not native: the Python path takes these */
+    DP_R_ARP,
+    DP_R_ICMP,               /* ICMP or ICMPv6 */
+    DP_R_FRAGMENT,           /* an IPv4 fragment (reassembled in Python) */
+    DP_R_IPV6_EXT,           /* IPv6 with extension headers, or No Next Header */
+    DP_R_COUNT
+};
+
+/* DP_F_* flags of a record. */
+#define DP_F_CSUM_OK 0x01u /* vnet header: NEEDS_CSUM or DATA_VALID (the guest kernel's word) */
+#define DP_F_VNET 0x02u    /* the buffer starts with a virtio-net header */
+#define DP_F_IPV6 0x04u    /* the addresses are 16 bytes (else 4, in src[0..3] / dst[0..3]) */
+
+/* The fixed-size record of one classified frame. Offsets are from the start of the buffer
+ * handed to dp_classify() (the virtio-net header, when there is one, is at 0). Fields past
+ * the point where a drop was decided are 0. For TCP/UDP: l3_off < l4_off < payload_off <=
+ * payload_off + payload_len <= end <= the buffer's length; TCP: payload_len == end -
+ * payload_off; UDP: payload_len is its length field - 8 (bytes after it, up to end, are not
+ * payload). end excludes Ethernet padding (bytes past the IP length). */
+struct dp_frame {
+    uint8_t kind;       /* enum dp_kind */
+    uint8_t reason;     /* enum dp_reason */
+    uint8_t flags;      /* DP_F_* */
+    uint8_t proto;      /* IPv4 protocol / IPv6 next header; 0 before the IP header */
+    uint8_t tcp_flags;  /* TCP: the 6 low flag bits (FIN SYN RST PSH ACK URG) */
+    uint8_t pad[1];
+    uint16_t ethertype;
+    uint32_t l2_off;    /* 0, or 12 with a virtio-net header */
+    uint32_t l3_off;
+    uint32_t l4_off;
+    uint32_t payload_off;
+    uint32_t payload_len;
+    uint32_t end;       /* end of the IP packet (l3_off + its length) */
+    uint16_t sport, dport;
+    uint8_t src[16], dst[16];
+};
+
+/* Drop and classification counters of one plane (by reason), and frames seen. */
+struct dp_counters {
+    uint64_t frames;
+    uint64_t by_reason[DP_R_COUNT];
+};
+
+/* Classify the frame in buf[0..len) (with a leading virtio-net header when vnet is non-zero)
+ * into *out; counts it in *counters when that is not NULL. Returns out->kind. Never reads
+ * outside buf[0..len). */
+int dp_classify(const uint8_t *buf, size_t len, int vnet, struct dp_frame *out, struct dp_counters *counters);
+
+/* The name of a reason ("bad_ip_length"), its IPv6 name for the L4 reasons that have one
+ * (dp_reason_name6), or NULL past DP_R_COUNT. */
+const char *dp_reason_name(unsigned reason);
+const char *dp_reason_name6(unsigned reason);
+
+/* One frame read from the TAP fd: where in the read buffer, how long, the vnet checksum bit. */
+struct dp_slot {
+    uint32_t off;
+    uint32_t len;
+    uint8_t csum_ok;
+};
+
+/* The outcome of one dp_tap_read() call. */
+enum dp_read_end {
+    DP_READ_FULL = 0,    /* the buffer or the slots ran out, reads left: call again */
+    DP_READ_DONE = 1,    /* max_reads reads done */
+    DP_READ_AGAIN = 2,   /* EAGAIN/EWOULDBLOCK/EINTR: nothing more now */
+    DP_READ_EOF = 3,     /* a read returned 0 */
+    DP_READ_ERROR = 4,   /* a read failed: *err holds errno */
+};
+
+/* Read frames from fd (one frame per read(), as a TAP gives them) into buf[0..cap), each read
+ * offered frame_size bytes (the largest frame accepted, with the vnet header when vnet), until
+ * max_reads reads were made, the fd says EAGAIN, EOF, an error, or buf/slots have no room for
+ * another read. With vnet, the 12-byte header is stripped (the slot points past it, csum_ok
+ * from its flags), and a read of the header alone (or less) is skipped. *nslots: slots filled;
+ * *reads: reads made (counted against max_reads, skipped ones included). */
+enum dp_read_end dp_tap_read(int fd, uint8_t *buf, size_t cap, size_t frame_size, int vnet, unsigned max_reads,
+                             struct dp_slot *slots, unsigned max_slots, unsigned *nslots, unsigned *reads, int *err);
+
+#endif

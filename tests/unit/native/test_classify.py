@@ -1,0 +1,336 @@
+"""The C frame classifier (aioslirp/native/dataplane.c) against the Python parsers of aioslirp.wire.
+
+:func:`reference` classifies a frame with the Python side's own parsers and checks, in the
+dispatch's order (``Link.dispatch``, ``Ipv4Input.input``, ``parse_ipv6``, ``L4.tcp`` and
+``L4.udp`` with ``parse_segment`` and the ``UDP`` struct): the same drop reason names, the same
+offsets and lengths, the same 5-tuple. Hypothesis generates valid frames and frames with one
+lying length field (IHL, total length, payload length, data offset, an option length, UDP
+length), truncated or padded, with and without the virtio-net header; every one must get the
+same record from C. Then one test per length field walks its boundary.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aioslirp import native
+from aioslirp.wire.checksum import checksum, partial
+from aioslirp.wire.ethernet import ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6
+from aioslirp.wire.ipv4 import IP_MF, IP_OFFMASK, IPV4
+from aioslirp.wire.ipv6 import parse_ipv6
+from aioslirp.wire.tcp import parse_segment
+from aioslirp.wire.udp import UDP
+
+from support.native import need_extension
+
+#: parse_ipv6 reasons the C core gives too (it does not walk extension headers: ``not_native``).
+_IPV6_BASE = {"ipv6_truncated", "ipv6_bad_version", "ipv6_jumbogram", "ipv6_bad_length", "ipv6_bad_src"}
+_V6_NAMES = {"truncated_tcp": "tcp6_truncated", "truncated_udp": "udp6_truncated", "bad_udp_length": "udp6_bad_length"}
+
+
+def _l4(proto: int, l4: memoryview, base: int, l4_off: int, end: int, v6: bool) -> dict:
+    """The TCP/UDP part of the reference, ``l4`` exactly the packet's transport bytes."""
+    name = (lambda r: "drop:" + _V6_NAMES.get(r, r)) if v6 else (lambda r: "drop:" + r)
+    n = len(l4)
+    if proto == 6:
+        if n < 20:
+            return {"kind": name("truncated_tcp")}
+        seg = parse_segment(l4)
+        if seg is None:
+            return {"kind": name("bad_tcp_header")}
+        sport, dport = struct.unpack_from("!HH", l4, 0)
+        return {"kind": "tcp", "sport": sport, "dport": dport, "tcp_flags": seg.flags, "l4_off": l4_off,
+                "payload_off": l4_off + n - len(seg.payload), "payload_len": len(seg.payload), "end": end}
+    if n < 8:
+        return {"kind": name("truncated_udp")}
+    sport, dport, ulen, _csum = UDP.unpack_from(l4, 0)
+    if ulen < 8 or ulen > n:
+        return {"kind": name("bad_udp_length")}
+    return {"kind": "udp", "sport": sport, "dport": dport, "l4_off": l4_off, "payload_off": l4_off + 8,
+            "payload_len": ulen - 8, "end": end}
+
+
+def reference(buf: bytes, vnet: bool) -> dict:
+    """What the Python side makes of ``buf`` (with a leading virtio-net header when ``vnet``): the
+    fields of a :class:`~aioslirp.native.FrameRecord` it determines."""
+    base = 0
+    if vnet:
+        if len(buf) <= 12:  # TapTransport: a header without a frame is skipped
+            return {"kind": "drop:truncated_vnet"}
+        base = 12
+    frame = buf[base:]
+    if len(frame) < 14:
+        return {"kind": "drop:truncated_eth"}
+    _dst, src_mac, ethertype = ETH.unpack_from(frame, 0)
+    if src_mac[0] & 1:
+        return {"kind": "drop:bad_src_mac"}
+    if ethertype == ETHERTYPE_ARP:
+        return {"kind": "not_native:arp"}
+    if ethertype == ETHERTYPE_IPV4:
+        if len(frame) < 34:
+            return {"kind": "drop:truncated_ip"}
+        ver_ihl, _tos, total, _id, flags_frag, _ttl, proto, _csum, src, dst = IPV4.unpack_from(frame, 14)
+        ihl = (ver_ihl & 0x0F) << 2
+        if ver_ihl >> 4 != 4 or ihl < 20:
+            return {"kind": "drop:bad_ip_header"}
+        if total < ihl or 14 + total > len(frame):
+            return {"kind": "drop:bad_ip_length"}
+        pkt = memoryview(frame)[14:14 + total]
+        if partial(pkt[:ihl]) != 0:
+            return {"kind": "drop:bad_ip_checksum"}
+        common = {"src": src, "dst": dst, "proto": proto}
+        if flags_frag & (IP_MF | IP_OFFMASK):
+            return {"kind": "not_native:fragment", **common}
+        if proto == 1:
+            return {"kind": "not_native:icmp", **common}
+        if proto not in (6, 17):
+            return {"kind": "drop:unknown_ip_proto"}
+        out = _l4(proto, pkt[ihl:], base, base + 14 + ihl, base + 14 + total, False)
+        return {**out, **common} if out["kind"] in ("tcp", "udp") else out
+    if ethertype == ETHERTYPE_IPV6:
+        r = parse_ipv6(frame)
+        if isinstance(r, str):
+            return {"kind": "drop:" + r} if r in _IPV6_BASE else {"kind": "not_native:ipv6_ext"}
+        common = {"src": r.src, "dst": r.dst}
+        if r.ext or r.proto not in (6, 17, 58):
+            return {"kind": "not_native:ipv6_ext", **common}
+        if r.proto == 58:
+            return {"kind": "not_native:icmp", **common}
+        out = _l4(r.proto, memoryview(frame)[r.l4:r.end], base, base + r.l4, base + r.end, True)
+        return {**out, **common, "proto": r.proto} if out["kind"] in ("tcp", "udp") else out
+    return {"kind": "drop:unknown_ethertype"}
+
+
+def check(buf: bytes, vnet: bool = False) -> native.FrameRecord:
+    """Classify ``buf`` in C and assert the record agrees with :func:`reference` and its own
+    invariants; returns the record."""
+    need_extension()
+    rec = native.classify(buf, vnet)
+    ref = reference(buf, vnet)
+    got = {k: getattr(rec, k) for k in ref}
+    assert got == ref, (buf.hex(), vnet)
+    if rec.kind in ("tcp", "udp"):
+        base = 12 if vnet else 0
+        assert rec.l2_off == base and rec.l3_off == base + 14
+        assert rec.l3_off < rec.l4_off < rec.payload_off <= rec.payload_off + rec.payload_len <= rec.end <= len(buf)
+        assert rec.flags & 1 == (bool(buf[0] & 3) if vnet else 0)
+        assert len(rec.src) == len(rec.dst) == (16 if rec.flags & 4 else 4)
+    return rec
+
+
+# ------------------------------------------------------------------ frame building
+MAC_GUEST = bytes.fromhex("525400123456")
+MAC_GW = bytes.fromhex("52550a000202")
+SRC4, DST4 = bytes([10, 0, 2, 15]), bytes([93, 184, 216, 34])
+SRC6, DST6 = bytes.fromhex("fd000000000000000000000000000015"), bytes.fromhex("20010db8000000000000000000000001")
+
+
+def tcp_header(sport=40000, dport=80, flags=0x18, doff=None, opts=b"") -> bytes:
+    doff = (20 + len(opts)) // 4 if doff is None else doff
+    return struct.pack("!HHIIBBHHH", sport, dport, 1000, 2000, (doff & 0xF) << 4, flags, 65535, 0, 0) + opts
+
+
+def udp_header(sport=40000, dport=53, ulen=None, payload=b"") -> bytes:
+    return struct.pack("!HHHH", sport, dport, 8 + len(payload) if ulen is None else ulen, 0)
+
+
+def ipv4(proto: int, l4: bytes, total=None, ihl=5, version=4, frag=0x4000, fix_sum=True, src=SRC4) -> bytes:
+    opts = bytes((ihl - 5) * 4) if ihl > 5 else b""
+    total = 20 + len(opts) + len(l4) if total is None else total
+    hdr = bytearray(struct.pack("!BBHHHBBH4s4s", (version << 4) | (ihl & 0xF), 0, total & 0xFFFF, 1, frag, 64, proto,
+                                0, src, DST4) + opts)
+    if fix_sum:
+        struct.pack_into("!H", hdr, 10, checksum(bytes(hdr)))
+    return bytes(hdr) + l4
+
+
+def ipv6(nh: int, l4: bytes, plen=None, version=6, src=SRC6) -> bytes:
+    plen = len(l4) if plen is None else plen
+    return struct.pack("!IHBB16s16s", version << 28, plen & 0xFFFF, nh, 64, src, DST6) + l4
+
+
+def eth(payload: bytes, ethertype=ETHERTYPE_IPV4, src=MAC_GUEST) -> bytes:
+    return MAC_GW + src + struct.pack("!H", ethertype) + payload
+
+
+def vnet_hdr(flags=1) -> bytes:
+    return struct.pack("=BBHHHHH", flags, 0, 0, 0, 0, 0, 0)
+
+
+# ------------------------------------------------------------------ Hypothesis
+_u16 = st.integers(0, 0xFFFF)
+#: A length field's value: None (the true one), the true one plus a small delta (the boundaries),
+#: or any 16-bit value.
+_lie16 = st.one_of(st.none(), st.none(), st.integers(-2, 2).map(lambda d: ("delta", d)), _u16, st.integers(0, 80))
+
+
+def _length(lie, true: int) -> int:
+    if lie is None:
+        return true
+    if isinstance(lie, tuple):
+        return max(0, min(0xFFFF, true + lie[1]))
+    return lie
+_opt_bytes = st.one_of(
+    st.sampled_from([b"", b"\x02\x04\x05\xb4", b"\x01\x01\x03\x03\x07\x04\x02\x00\x00", b"\x00\x00\x00\x00",
+                     b"\x01\x00\x00\x00", b"\x08\x0a" + bytes(8) + b"\x01\x01", b"\x05\x01\x00\x00", b"\x02\x00\x00\x00",
+                     b"\x02\x09" + bytes(6)]),
+    st.binary(max_size=40).map(lambda b: b[:len(b) // 4 * 4]))
+
+
+@st.composite
+def l4_parts(draw, proto: int) -> bytes:
+    payload = draw(st.binary(max_size=64))
+    if proto == 6:
+        opts = draw(_opt_bytes)
+        doff = draw(st.one_of(st.none(), st.integers(0, 15), st.integers(-1, 1).map(
+            lambda d: max(0, min(15, (20 + len(opts)) // 4 + d)))))
+        return tcp_header(draw(_u16), draw(_u16), draw(st.integers(0, 0xFF)), doff, opts) + payload
+    if proto == 17:
+        return udp_header(draw(_u16), draw(_u16), _length(draw(_lie16), 8 + len(payload)), payload) + payload
+    return draw(st.binary(max_size=40))
+
+
+@st.composite
+def frames(draw) -> tuple[bytes, bool]:
+    family = draw(st.sampled_from(["v4", "v4", "v6", "v6", "arp", "other"]))
+    proto = draw(st.sampled_from([6, 6, 6, 17, 17, 17, 1, 58, 0, 43, 44, 59, 60, 47]))
+    l4 = draw(l4_parts(proto))
+    src_mac = draw(st.sampled_from([MAC_GUEST, MAC_GUEST, b"\x01" + MAC_GUEST[1:]]))
+    if family == "v4":
+        ihl = draw(st.sampled_from([5, 5, 5, 6, 15, 4, 0]))
+        frag = draw(st.sampled_from([0x4000, 0x4000, 0, IP_MF, 0x0010, IP_MF | 0x0003]))
+        opts_len = (ihl - 5) * 4 if ihl > 5 else 0
+        packet = ipv4(proto, l4, _length(draw(_lie16), 20 + opts_len + len(l4)), ihl, draw(st.sampled_from([4, 4, 4, 6])), frag,
+                      draw(st.sampled_from([True, True, True, True, False])),
+                      draw(st.sampled_from([SRC4, bytes(4)])))
+        frame = eth(packet, ETHERTYPE_IPV4, src_mac)
+    elif family == "v6":
+        packet = ipv6(proto, l4, _length(draw(_lie16), len(l4)), draw(st.sampled_from([6, 6, 6, 4])),
+                      draw(st.sampled_from([SRC6, SRC6, b"\xff" + SRC6[1:]])))
+        frame = eth(packet, ETHERTYPE_IPV6, src_mac)
+    elif family == "arp":
+        frame = eth(draw(st.binary(max_size=40)), ETHERTYPE_ARP, src_mac)
+    else:
+        frame = eth(l4, draw(_u16), src_mac)
+    frame += draw(st.binary(max_size=24))  # Ethernet padding, or bytes past the IP length
+    cut = draw(st.one_of(st.none(), st.integers(0, len(frame))))
+    if cut is not None:
+        frame = frame[:cut]
+    vnet = draw(st.booleans())
+    if vnet:
+        frame = vnet_hdr(draw(st.integers(0, 3))) + frame
+    return frame, vnet
+
+
+@settings(max_examples=3000, deadline=None)
+@given(frames())
+def test_c_classifier_agrees_with_the_python_parsers(case):
+    buf, vnet = case
+    check(buf, vnet)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200), st.booleans())
+def test_c_classifier_agrees_on_any_bytes(buf, vnet):
+    check(buf, vnet)
+
+
+# ------------------------------------------------------------------ one test per length field
+def test_valid_frames_give_the_5_tuple_and_offsets():
+    rec = check(eth(ipv4(6, tcp_header(40000, 443, 0x02, opts=b"\x02\x04\x05\xb4") + b"data")) + bytes(6))
+    assert (rec.kind, rec.sport, rec.dport, rec.tcp_flags, rec.src, rec.dst) == ("tcp", 40000, 443, 2, SRC4, DST4)
+    assert (rec.l3_off, rec.l4_off, rec.payload_off, rec.payload_len, rec.end) == (14, 34, 58, 4, 62)
+    rec = check(vnet_hdr(2) + eth(ipv6(17, udp_header(5353, 53, payload=b"q") + b"q"), ETHERTYPE_IPV6), True)
+    assert (rec.kind, rec.sport, rec.dport, rec.payload_off, rec.payload_len, rec.flags) == ("udp", 5353, 53, 74, 1, 7)
+    assert (rec.src, rec.dst) == (SRC6, DST6)
+
+
+def test_vnet_header_length():
+    assert check(vnet_hdr(), True).kind == "drop:truncated_vnet"
+    assert check(vnet_hdr() + b"\x00", True).kind == "drop:truncated_eth"
+    assert check(eth(b"", ETHERTYPE_ARP), True).kind == "drop:truncated_eth"  # 14 bytes: 12 read as the header
+    assert check(vnet_hdr(0) + eth(b"", ETHERTYPE_ARP), True).kind == "not_native:arp"
+
+
+def test_ethernet_length():
+    frame = eth(b"", ETHERTYPE_ARP)
+    assert check(frame[:13]).kind == "drop:truncated_eth"
+    assert check(frame).kind == "not_native:arp"
+
+
+def test_ipv4_ihl():
+    seg = tcp_header()
+    assert check(eth(ipv4(6, seg, ihl=4))).kind == "drop:bad_ip_header"
+    assert check(eth(ipv4(6, seg, ihl=5))).kind == "tcp"
+    assert check(eth(ipv4(6, seg, ihl=15))).l4_off == 14 + 60
+    # IHL 15 (60 bytes) with the total length saying 40: shorter than the header
+    assert check(eth(ipv4(6, seg, ihl=15, total=40))).kind == "drop:bad_ip_length"
+
+
+def test_ipv4_total_length():
+    seg = tcp_header() + b"abcd"
+    good = eth(ipv4(6, seg))
+    assert check(good[:33]).kind == "drop:truncated_ip"
+    assert check(eth(ipv4(6, seg, total=44 + 1))).kind == "drop:bad_ip_length"  # one past the frame
+    assert check(eth(ipv4(6, seg, total=19))).kind == "drop:bad_ip_length"  # below the header
+    rec = check(eth(ipv4(6, seg, total=40)) + b"pad")  # the payload cut by the length: data offset says 20
+    assert (rec.kind, rec.payload_len, rec.end) == ("tcp", 0, 54)
+    assert check(eth(ipv4(6, seg, total=39))).kind == "drop:truncated_tcp"
+
+
+def test_ipv6_payload_length():
+    seg = udp_header(payload=b"xy") + b"xy"
+    assert check(eth(ipv6(17, seg), ETHERTYPE_IPV6)[:53]).kind == "drop:ipv6_truncated"
+    assert check(eth(ipv6(17, seg, plen=len(seg) + 1), ETHERTYPE_IPV6)).kind == "drop:ipv6_bad_length"
+    assert check(eth(ipv6(17, seg, plen=0), ETHERTYPE_IPV6)).kind == "drop:ipv6_jumbogram"
+    assert check(eth(ipv6(59, b"", plen=0), ETHERTYPE_IPV6)).kind == "not_native:ipv6_ext"
+    assert check(eth(ipv6(17, seg, plen=7), ETHERTYPE_IPV6) + b"!").kind == "drop:udp6_truncated"
+    rec = check(eth(ipv6(17, seg), ETHERTYPE_IPV6) + b"pad")
+    assert (rec.kind, rec.payload_len, rec.end) == ("udp", 2, 14 + 40 + 10)
+    assert check(eth(ipv6(0, bytes(8) + seg), ETHERTYPE_IPV6)).kind == "not_native:ipv6_ext"
+
+
+def test_tcp_data_offset():
+    for doff, kind in ((4, "drop:bad_tcp_header"), (5, "tcp"), (6, "drop:bad_tcp_header")):
+        assert check(eth(ipv4(6, tcp_header(doff=doff)))).kind == kind  # 6: past the 20-byte segment
+    assert check(eth(ipv4(6, tcp_header(doff=6) + b"\x01\x01\x01\x01"))).payload_off == 14 + 20 + 24
+    assert check(eth(ipv4(6, tcp_header()[:19]))).kind == "drop:truncated_tcp"
+    assert check(eth(ipv6(6, tcp_header()[:19]), ETHERTYPE_IPV6)).kind == "drop:tcp6_truncated"
+
+
+def test_tcp_option_length():
+    for opts, kind in ((b"\x02\x04\x05\xb4", "tcp"), (b"\x02\x00\x00\x00", "drop:bad_tcp_header"),
+                       (b"\x02\x05\x00\x00", "drop:bad_tcp_header"), (b"\x01\x01\x01\x02", "drop:bad_tcp_header"),
+                       (b"\x00\xff\xff\xff", "tcp"), (b"\x01\x01\x02\x02", "tcp")):
+        assert check(eth(ipv4(6, tcp_header(opts=opts)))).kind == kind, opts
+
+
+def test_udp_length():
+    payload = b"abc"
+    for ulen, kind in ((7, "drop:bad_udp_length"), (8, "udp"), (11, "udp"), (12, "drop:bad_udp_length")):
+        assert check(eth(ipv4(17, udp_header(ulen=ulen) + payload))).kind == kind
+    assert check(eth(ipv4(17, udp_header(ulen=9) + payload))).payload_len == 1
+    assert check(eth(ipv4(17, b"\x00" * 7))).kind == "drop:truncated_udp"
+    assert check(eth(ipv6(17, udp_header(ulen=12) + payload), ETHERTYPE_IPV6)).kind == "drop:udp6_bad_length"
+
+
+def test_ipv4_header_checksum_fragments_and_the_python_kinds():
+    assert check(eth(ipv4(6, tcp_header(), fix_sum=False))).kind == "drop:bad_ip_checksum"
+    assert check(eth(ipv4(6, tcp_header(), frag=IP_MF))).kind == "not_native:fragment"
+    assert check(eth(ipv4(1, bytes(8)))).kind == "not_native:icmp"
+    assert check(eth(ipv4(47, bytes(8)))).kind == "drop:unknown_ip_proto"
+    assert check(eth(b"", 0x88CC)).kind == "drop:unknown_ethertype"
+    assert check(eth(ipv4(6, tcp_header()), src=b"\x01" + MAC_GUEST[1:])).kind == "drop:bad_src_mac"
+
+
+def test_a_plane_counts_what_it_classifies():
+    ext = need_extension()
+    plane = ext.Plane(2048, 4, False)
+    for frame in (eth(ipv4(6, tcp_header())), eth(ipv4(6, tcp_header(), total=99)), eth(ipv4(6, tcp_header(), total=99)),
+                  eth(b"", ETHERTYPE_ARP), b"short"):
+        native.record(plane.classify(frame))
+    assert plane.counters() == {"frames": 5, "bad_ip_length": 2, "arp": 1, "truncated_eth": 1}
+    assert native.record(plane.classify(memoryview(eth(ipv4(17, udp_header()))))).kind == "udp"
