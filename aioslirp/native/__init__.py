@@ -45,13 +45,18 @@ from typing import NamedTuple
 from .. import compiled
 from .sources import DEPENDS, EXTENSION, RECORD
 
-__all__ = ["ENABLE_ENV", "FrameRecord", "classify", "enabled", "extension", "log_fallback", "notice", "record",
-           "status", "why_not"]
+__all__ = ["ENABLE_ENV", "READ_EOF", "READ_ERROR", "FrameRecord", "classify", "enabled", "extension", "log_fallback", "notice", "record",
+           "status", "wanted", "why_not"]
 
 log = logging.getLogger("aioslirp.native")
 
 #: ``AIOSLIRP_NATIVE=1`` turns the native data plane on (off by default while issue 26 is open).
 ENABLE_ENV = "AIOSLIRP_NATIVE"
+
+#: How ``Plane.read_tap`` ended (``enum dp_read_end`` of dataplane.h; the extension's
+#: ``READ_EOF``/``READ_ERROR``): a read returned 0 / a read failed (its errno comes along).
+READ_EOF = 3
+READ_ERROR = 4
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -84,9 +89,14 @@ def why_not() -> str:
     return _load()[1]
 
 
+def wanted() -> bool:
+    """True when ``AIOSLIRP_NATIVE=1`` is set (read at each call): the default of a transport's ``native``."""
+    return os.environ.get(ENABLE_ENV, "") == "1"
+
+
 def enabled() -> bool:
-    """True when the extension is usable and ``AIOSLIRP_NATIVE=1`` is set (read at each call)."""
-    return extension() is not None and os.environ.get(ENABLE_ENV, "") == "1"
+    """True when the extension is usable and :func:`wanted`."""
+    return extension() is not None and wanted()
 
 
 def status() -> str:
