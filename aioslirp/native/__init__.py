@@ -20,6 +20,9 @@ What is native so far:
 * :meth:`Plane.read_tap`: the TAP reader (:class:`~aioslirp.transport.tap.TapTransport` with
   ``native=True``): one call per readiness reads frames until ``EAGAIN`` (or the batch bound) into
   a preallocated buffer and returns them in one batch, with the virtio-net checksum flags.
+* The UDP NAT flows Python admitted (``AIOSLIRP_NATIVE=udp``, IPv4;
+  :class:`~aioslirp.nat.native_udp.NativeUdp`): their datagrams move in C both ways (the
+  ``Plane.udp_*`` methods), with ``udp_frames`` / ``udp_checksum_ok`` the sans-IO pieces.
 
 The switches:
 
