@@ -17,6 +17,13 @@ Beside the native modules the build writes ``aioslirp/compiled.sha256``: the SHA
 source that mypyc translated, in ``sha256sum`` format, so that ``aioslirp.compiled.stale()``
 can tell an edited source by content (an install writes files in no particular order, so their
 times say nothing).
+
+The same build compiles the native data plane (``aioslirp/native/``: a C11 core and its
+CPython binding, limited API, one ``abi3`` module) when a C compiler is there, and records the
+hashes of its C files in ``aioslirp/native/_dataplane.sha256``. ``AIOSLIRP_NO_MYPYC=1`` builds
+that alone; ``AIOSLIRP_SANITIZE=1`` builds it alone with AddressSanitizer and
+UndefinedBehaviorSanitizer (tests/adversarial/test_native_sanitized.py). The file names are in
+``aioslirp/native/sources.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _compiled_list() -> dict:
     path = os.path.join(HERE, "aioslirp", "compiled.py")
     ns: dict = {"__file__": path, "__name__": "aioslirp_compiled_list"}
+    with open(path, encoding="utf-8") as f:
+        exec(compile(f.read(), path, "exec"), ns)  # no package import at build time
+    return ns
+
+
+def _native_sources() -> dict:
+    path = os.path.join(HERE, "aioslirp", "native", "sources.py")
+    ns: dict = {"__file__": path, "__name__": "aioslirp_native_sources"}
     with open(path, encoding="utf-8") as f:
         exec(compile(f.read(), path, "exec"), ns)  # no package import at build time
     return ns
@@ -67,6 +82,21 @@ class OptionalBuildExt(build_ext):
             self._skip(exc)
             return
         self._write_record()
+        self._write_native_record()
+
+    def _write_native_record(self) -> None:
+        """``aioslirp/native/_dataplane.sha256`` beside the native data plane, when it was built:
+        the hash of each C file it was compiled from."""
+        native = _native_sources()
+        path = self.get_ext_fullpath(native["EXTENSION"])
+        if not os.path.exists(path):
+            return
+        lines = []
+        for rel in native["DEPENDS"]:
+            with open(os.path.join(HERE, rel), "rb") as f:
+                lines.append(f"{hashlib.sha256(f.read()).hexdigest()}  {rel}\n")
+        with open(os.path.join(os.path.dirname(path), native["RECORD"]), "w", encoding="ascii") as f:
+            f.writelines(lines)
 
     def _write_record(self) -> None:
         """``aioslirp/compiled.sha256`` beside the native modules (in the build tree, which goes
@@ -137,7 +167,7 @@ class OptionalBuildExt(build_ext):
 
     @staticmethod
     def _skip(exc: BaseException) -> None:
-        print(f"WARNING: aioslirp's compiled per-frame path was not built ({exc}); "
+        print(f"WARNING: aioslirp's compiled per-frame path or native data plane was not built ({exc}); "
               "the pure-Python modules are used", file=sys.stderr)
 
 
@@ -146,16 +176,39 @@ class OptionalBuildExt(build_ext):
 _BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
 
 
+def _native_extension() -> list:
+    """The native data plane: one limited-API (abi3) extension from the C core and its binding."""
+    from setuptools import Extension
+
+    native = _native_sources()
+    cflags = ["-std=c11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden"]
+    ldflags: list[str] = []
+    if os.environ.get(native["SANITIZE_ENV"]):
+        cflags = ["-std=c11", "-O1", "-g", "-Wall", "-Wextra", "-fsanitize=address,undefined",
+                  "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
+        ldflags = ["-fsanitize=address,undefined"]
+    return [Extension(native["EXTENSION"], sources=list(native["SOURCES"]), depends=list(native["DEPENDS"]),
+                      define_macros=[("Py_LIMITED_API", "0x030B0000")], py_limited_api=True,
+                      extra_compile_args=cflags, extra_link_args=ldflags)]
+
+
 def _ext_modules() -> list:
     if os.environ.get("AIOSLIRP_NO_EXTENSIONS") or not _BUILDS.intersection(sys.argv[1:]):
         return []
+    os.chdir(HERE)  # the extensions name their sources relative to the project
+    native = _native_sources()
+    if os.environ.get(native["SANITIZE_ENV"]) or os.environ.get(native["NO_MYPYC_ENV"]):
+        return _native_extension()
+    return _native_extension() + _mypyc_modules()
+
+
+def _mypyc_modules() -> list:
     try:
         from mypyc.build import mypycify
     except ImportError:
         print("WARNING: mypyc is not available; aioslirp is installed without its compiled per-frame path",
               file=sys.stderr)
         return []
-    os.chdir(HERE)  # mypycify takes paths relative to the project
     sources = _compiled_modules()
     for path in sources:  # hashed before mypyc reads them: an edit meanwhile shows as stale
         with open(path, "rb") as f:

@@ -36,7 +36,8 @@ except ImportError:
     except ImportError:
         from hashlib import sha256 as _sha256
 
-__all__ = ["COMPILED", "ENV", "RECORD", "disabled", "install_source_finder", "loaded", "notice", "stale", "status"]
+__all__ = ["COMPILED", "ENV", "RECORD", "changed_since_build", "disabled", "install_source_finder", "loaded", "notice",
+           "rebuild_hint", "stale", "status"]
 
 #: The environment variable that switches the compiled modules off (install time and run time).
 ENV = "AIOSLIRP_NO_EXTENSIONS"
@@ -67,10 +68,11 @@ RECORD = "compiled.sha256"
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def _recorded() -> dict[str, str]:
-    """``{"aioslirp/tcp/tcb.py": hex digest}`` from :data:`RECORD`; ``{}`` when there is none."""
+def _recorded(path: str | None = None) -> dict[str, str]:
+    """``{"aioslirp/tcp/tcb.py": hex digest}`` from the record at ``path`` (default :data:`RECORD`
+    in the package); ``{}`` when there is none."""
     try:
-        with open(os.path.join(_PKG_DIR, RECORD), encoding="ascii") as f:
+        with open(path or os.path.join(_PKG_DIR, RECORD), encoding="ascii") as f:
             lines = f.read().splitlines()
     except (OSError, ValueError):
         return {}
@@ -107,6 +109,31 @@ def stale() -> list[str]:
         if record.get(rel) != _sha256(source).hexdigest():
             out.append(name)
     return out
+
+
+def changed_since_build(record: str, sources: tuple[str, ...]) -> list[str]:
+    """The files of ``sources`` (paths relative to the project, ``"aioslirp/native/dataplane.c"``)
+    whose SHA-256 is not the one a build recorded in ``record`` (the path of a ``sha256sum``-format
+    file, as :data:`RECORD`); a file missing from the record, or a missing record, counts as
+    changed; a file that is not there (a wheel ships no C sources) cannot have changed. For the
+    native data plane (:mod:`aioslirp.native`), whose C files are not modules."""
+    recorded = _recorded(record)
+    project = os.path.dirname(_PKG_DIR)
+    out = []
+    for rel in sources:
+        try:
+            with open(os.path.join(project, rel), "rb") as f:
+                digest = _sha256(f.read()).hexdigest()
+        except OSError:
+            continue
+        if recorded.get(rel) != digest:
+            out.append(rel)
+    return out
+
+
+def rebuild_hint() -> str:
+    """How to rebuild this install (see :func:`_rebuild`)."""
+    return _rebuild()
 
 
 def _rebuild() -> str:

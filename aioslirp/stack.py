@@ -42,6 +42,8 @@ from collections import Counter
 
 from .observe import tracing
 from .compiled import notice as compiled_notice
+from .native import status as native_status
+from .native import udp_wanted as native_udp_wanted
 from .config import NetworkConfig
 from .config.identity import GuestIdentity
 from .dispatch.family import Family4
@@ -510,6 +512,12 @@ class Stack:
             transport = TraceTransport(transport, frame_tracer)
         self._transport = p.inject_queue.transport = transport
         p.ctx.offload = bool(getattr(transport, "offload", False))
+        native_udp = None
+        if (transport is raw and getattr(raw, "plane", None) is not None and native_udp_wanted()
+                and p.ctx.tracer is None and p.ctx.rate_up is None and p.ctx.rate_down is None):
+            from .nat.native_udp import NativeUdp  # AIOSLIRP_NATIVE=udp only (issue 26)
+
+            native_udp = p.ctx.native_udp = NativeUdp(p.ctx, raw)
         info = {"transport": type(transport).__name__}
         if getattr(transport, "ifname", None):
             info["ifname"] = transport.ifname
@@ -533,6 +541,9 @@ class Stack:
                     await self.farewell()  # asked to stop, the guest still there: RST its flows first
             finally:
                 transport.close()
+                if native_udp is not None:  # its flows back to their Python readers
+                    p.ctx.native_udp = None
+                    native_udp.detach()
                 exc = transport.closed.result() if transport.closed.done() else None
                 hint = getattr(raw, "gone_before_first_frame", None)  # a Transport's; a duck-typed one may lack it
                 gone = None if seen or reason != "closed" or hint is None else hint(
@@ -722,7 +733,8 @@ class Stack:
             {"counters": {NAME: int, ...},                     # every counter, sorted by name
              "flows": {"tcp": {STATE: int, ...}, "udp": int, "icmp": int},   # flows open now
              "inject_queue": {"depth": int, "size": int},      # frames queued for the guest / capacity
-             "compiled": str}                                  # one line: is the compiled path loaded
+             "compiled": str,                                  # one line: is the compiled path loaded
+             "native": str}                                    # "on" or "off (<reason>)": the native data plane
 
         Fields:
             counters: every entry of :attr:`counters` (monotonic event counts since the stack
@@ -751,6 +763,9 @@ class Stack:
                 beyond it are dropped (``drop.inject_full``).
             compiled: :func:`aioslirp.compiled.notice`, e.g. ``"compiled per-frame path: on (8/8
                 modules)"``, or off and why (``AIOSLIRP_NO_EXTENSIONS``, not built, a stale build).
+            native: :func:`aioslirp.native.status`: ``"on"``, or ``"off (<reason>)"`` (not switched
+                on, ``AIOSLIRP_NO_EXTENSIONS``, not built, a stale build), for this process; whether
+                this stack's transport reads natively is the transport's (``TapTransport.native``).
 
         The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.observe.metrics.register`.
         """
@@ -759,5 +774,6 @@ class Stack:
             "flows": self._flow_stats(),
             "inject_queue": {"depth": len(self._parts.inject_queue), "size": self.config.inject_queue_size},
             "compiled": compiled_notice(),
+            "native": native_status(),
         }
 

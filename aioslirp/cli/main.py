@@ -59,7 +59,8 @@ def _terminate(signum, _frame) -> None:
 
 
 class _VersionAction(argparse.Action):
-    """``--version``: the version, then one line on the compiled per-frame path (imported only here)."""
+    """``--version``: the version, then one line on the compiled per-frame path and one on the native
+    data plane (imported only here)."""
 
     def __init__(self, option_strings, version: str, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
                  help=None) -> None:  # noqa: A002 - argparse's name
@@ -68,9 +69,11 @@ class _VersionAction(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         from ..compiled import notice
+        from ..native import notice as native_notice
 
         print(self.version.replace("%(prog)s", parser.prog))
         print(notice())
+        print(native_notice())
         parser.exit()
 
 
@@ -87,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="run 'aioslirp run --help', 'aioslirp attach --help' or 'aioslirp qemu --help' for examples.",
     )
     parser.add_argument("--version", action=_VersionAction, version=f"%(prog)s {__version__}",
-                        help="print the version and whether the compiled per-frame path is loaded, then exit")
+                        help="print the version, whether the compiled per-frame path is loaded and whether "
+                             "the native data plane is on, then exit")
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 

@@ -23,6 +23,14 @@ or ``DATA_VALID`` (they come from the guest's kernel over memory, never a wire) 
 verifying it, and TCP flows send ~64 KB segments with partial checksums that the kernel
 segments and completes. Measured gains are in ``docs/performance.md``.
 
+Native reader (issue 26, :mod:`aioslirp.native`): with ``native=True`` (or ``AIOSLIRP_NATIVE=1``
+in the environment; off by default while the issue is open) each readiness of the fd is one call
+into C (:meth:`aioslirp.native` ``Plane.read_tap``) that reads frames until ``EAGAIN`` or the batch
+bound into a preallocated buffer (8 largest frames; a larger batch is read in several fills within
+the call) and returns them in one batch, with the same checksum flags: the same frames reach the
+same sink, as ``bytes``. Without the extension (not built, ``AIOSLIRP_NO_EXTENSIONS=1``, a stale
+build) the Python reader runs, with one log line.
+
 Rootless use needs ``/dev/net/tun`` to be world read-writable (mode 0666) and
 ``CAP_NET_ADMIN`` in the user namespace that owns the network namespace. Opening, creating
 and configuring the device (:func:`~aioslirp.transport.tapdev.open_tap`,
@@ -38,8 +46,9 @@ import errno
 import logging
 import os
 import socket
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
+from .. import native as native_plane
 from ..wire.offload import VNET_HDR_LEN, VNET_NONE, OffloadFrame
 from .base import MAX_FRAME, Transport
 from .tapdev import (IFF_VNET_HDR, TapError, in_our_netns, link_is_up, open_tap, set_offload, set_vnet_header_size,
@@ -77,12 +86,18 @@ class TapTransport(Transport):
     written may be :class:`~aioslirp.wire.offload.OffloadFrame` objects (partial checksum,
     up to ~64 KB). Without the flag on the fd, ``offload`` is ignored and stays False.
 
+    ``native``: read with the native data plane (:mod:`aioslirp.native`): one call into C per
+    readiness instead of one ``os.read`` per frame, the same frames and flags to the same sink
+    (as ``bytes``; a preallocated buffer of 8 times ``read_size``). ``None`` (the default):
+    ``AIOSLIRP_NATIVE=1`` in the environment says. Where the extension is not usable the Python
+    reader runs (one log line); :attr:`native` says which reader runs.
+
     Counters: ``frames_in``, ``frames_out``, ``send_errors`` (all dropped writes) and
     ``send_drops`` (dict reason -> count: ``eagain``, ``eio``, ``invalid``, ...).
     """
 
     __slots__ = ("_fd", "ifname", "_batch", "_read_size", "_reading", "_pidfds", "send_drops", "vnet_hdr", "offload",
-                 "created")
+                 "created", "native", "plane", "native_taken")
 
     gone_hint = "the TAP device still exists (ip link show {ifname}) and the namespace holding it was not removed"
 
@@ -98,9 +113,17 @@ class TapTransport(Transport):
     offload: bool
     #: :meth:`open_by_name` made the device (no interface had that name): nothing else is attached to it.
     created: bool
+    #: Guest frames are read by the native data plane (:mod:`aioslirp.native`), not ``os.read``.
+    native: bool
+    #: The native data plane of this transport (``aioslirp.native._dataplane.Plane``: its read buffer,
+    #: and the native UDP flows when the stack enables them); ``None`` for the Python reader.
+    plane: Any
+    #: Called after a read in which native UDP flows moved guest frames in C (set by the stack's
+    #: :class:`~aioslirp.nat.native_udp.NativeUdp`, which takes their counts from :attr:`plane`).
+    native_taken: Callable[[], None] | None
 
     def __init__(self, fd: int, *, ifname: str | None = None, batch: int = 64, read_size: int = MAX_FRAME,
-                 offload: bool = True) -> None:
+                 offload: bool = True, native: bool | None = None) -> None:
         super().__init__()
         if batch < 1:
             raise ValueError("batch must be >= 1")
@@ -134,6 +157,18 @@ class TapTransport(Transport):
                 except OSError as exc:
                     log.warning("TAP %s: checksum/segmentation offload unavailable (%s); computing checksums",
                                 ifname or fd, exc.strerror or exc)
+        if native is None:
+            native = native_plane.wanted()
+        if native and native_plane.extension() is None:
+            native_plane.log_fallback("TAP reader")
+            native = False
+        self.native = native
+        self.plane = None
+        if native:
+            ext = native_plane.extension()
+            assert ext is not None
+            self.plane = ext.Plane(self._read_size, self._batch, self.vnet_hdr)
+        self.native_taken = None
         os.set_blocking(fd, False)
 
     # -- construction ---------------------------------------------------------------------
@@ -187,7 +222,10 @@ class TapTransport(Transport):
                 self.closed.set_result(None)
             return
         assert self._loop is not None
-        self._loop.add_reader(self._fd, self._on_readable)
+        if self.native:
+            self._loop.add_reader(self._fd, self._on_readable_native)
+        else:
+            self._loop.add_reader(self._fd, self._on_readable)
         self._reading = True
 
     def _on_readable(self) -> None:
@@ -228,6 +266,32 @@ class TapTransport(Transport):
             pass
         except OSError as exc:
             error = exc
+        self._deliver(frames, csum_ok, error)
+
+    def _on_readable_native(self) -> None:
+        """:meth:`_on_readable` in one call into the native data plane (``Plane.read_tap``): the
+        same frames (as ``bytes``), the same ``csum_ok``, the same end on EOF or a read error."""
+        fd = self._fd
+        if fd < 0:
+            return
+        loop = self._loop
+        assert loop is not None
+        frames, csum_ok, end, err, taken = self.plane.read_tap(fd, loop.time())
+        if taken:
+            self.frames_in += taken
+            hook = self.native_taken
+            if hook is not None:
+                hook()
+        error: BaseException | None = None
+        if end == native_plane.READ_EOF:
+            error = EOFError("TAP fd reached end of file")
+        elif end == native_plane.READ_ERROR:
+            error = OSError(err, os.strerror(err))
+        self._deliver(frames, csum_ok, error)
+
+    def _deliver(self, frames: list, csum_ok: list[bool] | None, error: BaseException | None) -> None:
+        """Hand a batch read to the sink, then close on ``error`` (EOF or a read error)."""
+        fd = self._fd
         if frames:
             self.frames_in += len(frames)
             sink = self._on_frames

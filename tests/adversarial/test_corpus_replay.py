@@ -12,47 +12,10 @@ from __future__ import annotations
 import asyncio
 import socket
 
-import dpkt
 from aioslirp import NetworkConfig, SocketPairTransport, Stack
 
-from support.paths import SHARED
+from support.corpus import CORPUS, corpus_frames, fix_checksums, fix_checksums6
 from support.prereqs import need
-
-CORPUS = SHARED / "corpus" / "libslirp-fuzz"
-
-
-def corpus_frames():
-    out = []
-    for path in sorted(CORPUS.glob("IN_*/*")):
-        data = path.read_bytes()
-        if path.suffix == ".pkt":
-            out.append((path.name, data))
-            continue
-        try:
-            reader = dpkt.pcap.Reader(open(path, "rb"))
-        except Exception:
-            continue
-        if reader.datalink() != dpkt.pcap.DLT_EN10MB:
-            continue
-        for _ts, buf in reader:
-            out.append((path.name, buf))
-    return out
-
-
-def fix_checksums(buf: bytes) -> bytes:
-    """Recompute IPv4 header and L4 checksums (dpkt does it when sum fields are zeroed)."""
-    try:
-        eth = dpkt.ethernet.Ethernet(buf)
-    except Exception:
-        return buf
-    ip = eth.data
-    if isinstance(ip, dpkt.ip.IP):
-        ip.sum = 0
-        if isinstance(ip.data, (dpkt.tcp.TCP, dpkt.udp.UDP, dpkt.icmp.ICMP)):
-            ip.data.sum = 0
-        ip.len = 0
-        return bytes(eth)
-    return buf
 
 
 OWN = {socket.inet_aton("10.0.2.2"), socket.inet_aton("10.0.2.3")}
@@ -107,19 +70,6 @@ OWN6 = {socket.inet_pton(socket.AF_INET6, a) for a in ("fec0::2", "fec0::3")}
 
 def ipv6_frames():
     return [(n, f) for n, f in corpus_frames() if f[12:14] == b"\x86\xdd" and bytes(f[22:38]) not in OWN6]
-
-
-def fix_checksums6(buf: bytes) -> bytes:
-    """Recompute the TCP/UDP/ICMPv6 checksum of an IPv6 frame (dpkt does it when the sum is zeroed)."""
-    try:
-        eth = dpkt.ethernet.Ethernet(buf)
-    except Exception:
-        return buf
-    ip = eth.data
-    if isinstance(ip, dpkt.ip6.IP6) and isinstance(ip.data, (dpkt.tcp.TCP, dpkt.udp.UDP, dpkt.icmp6.ICMP6)):
-        ip.data.sum = 0
-        return bytes(eth)
-    return buf
 
 
 async def test_corpus_ipv6_replay_through_the_stack():

@@ -1,0 +1,190 @@
+"""The native data plane (issue 26, in progress): per-frame work in C under the Python control plane.
+
+Theory of operation
+-------------------
+The C core (``dataplane.c``, ``dataplane.h``: C11, no Python object in it) and its CPython binding
+(``_dataplane.c``, limited API, one ``abi3`` module ``aioslirp.native._dataplane``) are built by
+``setup.py`` when a C compiler is there (``aioslirp/native/sources.py`` names the files). This
+module imports the extension or records why not, and is the one place that says whether the
+native plane runs (:func:`status`, :func:`notice`, the ``native`` key of ``Stack.stats()`` and a
+line of ``aioslirp --version``).
+
+What is native so far:
+
+* :func:`classify` / :meth:`Plane.classify`: the sans-IO frame classifier. Every length from the
+  wire (virtio-net header, Ethernet, IPv4 IHL and total length, IPv6 payload length, TCP data
+  offset and options, UDP length) is checked once against the buffer, giving a fixed-size record
+  (:class:`FrameRecord`): ``tcp`` or ``udp`` (a NAT flow's candidate), ``not_native:<why>``
+  (ARP, ICMP, an IPv4 fragment, IPv6 extension headers: the Python path), or ``drop:<reason>``
+  with the reason the Python dispatch counts (``drop.bad_ip_length``...).
+* :meth:`Plane.read_tap`: the TAP reader (:class:`~aioslirp.transport.tap.TapTransport` with
+  ``native=True``): one call per readiness reads frames until ``EAGAIN`` (or the batch bound) into
+  a preallocated buffer and returns them in one batch, with the virtio-net checksum flags.
+* The UDP NAT flows Python admitted (``AIOSLIRP_NATIVE=udp``, IPv4;
+  :class:`~aioslirp.nat.native_udp.NativeUdp`): their datagrams move in C both ways (the
+  ``Plane.udp_*`` methods), with ``udp_frames`` / ``udp_checksum_ok`` the sans-IO pieces.
+
+The switches:
+
+* ``AIOSLIRP_NO_EXTENSIONS=1`` (:data:`aioslirp.compiled.ENV`): nothing native; the extension is
+  not even imported.
+* Off by default while issue 26 is open: ``AIOSLIRP_NATIVE=1`` (:data:`ENABLE_ENV`) turns the
+  native plane on where it exists (the TAP reader); a transport's ``native=True`` or ``False``
+  overrides it. ``AIOSLIRP_NATIVE=udp`` also moves admitted UDP NAT flows (IPv4) to it
+  (:class:`~aioslirp.nat.native_udp.NativeUdp`; :func:`udp_wanted`).
+* A missing extension (no compiler at install time), one that does not load, or one whose C
+  files changed since it was built (by SHA-256, :data:`~aioslirp.native.sources.RECORD`): off,
+  with the reason, and one log line when a transport falls back (:func:`log_fallback`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from types import ModuleType
+from typing import NamedTuple
+
+from .. import compiled
+from .sources import DEPENDS, EXTENSION, RECORD
+
+__all__ = ["ENABLE_ENV", "READ_EOF", "READ_ERROR", "FrameRecord", "classify", "enabled", "extension", "log_fallback", "notice", "record",
+           "status", "udp_wanted", "wanted", "why_not"]
+
+log = logging.getLogger("aioslirp.native")
+
+#: ``AIOSLIRP_NATIVE=1`` turns the native data plane on (off by default while issue 26 is open).
+ENABLE_ENV = "AIOSLIRP_NATIVE"
+
+#: How ``Plane.read_tap`` ended (``enum dp_read_end`` of dataplane.h; the extension's
+#: ``READ_EOF``/``READ_ERROR``): a read returned 0 / a read failed (its errno comes along).
+READ_EOF = 3
+READ_ERROR = 4
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str]:
+    """``(extension, "")``, or ``(None, why not)``: imported once per process."""
+    if compiled.disabled():
+        return None, f"{compiled.ENV} is set"
+    try:
+        ext = importlib.import_module(EXTENSION)  # a native module only: no .py of that name
+    except ModuleNotFoundError:
+        return None, "not built: no C compiler at install time"
+    except ImportError as exc:
+        return None, f"cannot load {EXTENSION}: {exc}"
+    changed = compiled.changed_since_build(os.path.join(_HERE, RECORD), DEPENDS)
+    if changed:
+        return None, f"stale build: {changed[0]} changed since; {compiled.rebuild_hint()}"
+    return ext, ""
+
+
+def extension() -> ModuleType | None:
+    """The extension module ``aioslirp.native._dataplane``, or ``None`` (:func:`why_not` says why)."""
+    return _load()[0]
+
+
+def why_not() -> str:
+    """Why the extension is not usable (``"AIOSLIRP_NO_EXTENSIONS is set"``, ``"not built: ..."``,
+    ``"stale build: ..."``), or ``""`` when it is."""
+    return _load()[1]
+
+
+def wanted() -> bool:
+    """True when ``AIOSLIRP_NATIVE`` is ``1`` or ``udp`` (read at each call): the default of a
+    transport's ``native``."""
+    return os.environ.get(ENABLE_ENV, "") in ("1", "udp")
+
+
+def udp_wanted() -> bool:
+    """True when ``AIOSLIRP_NATIVE=udp``: ``Stack.serve`` moves admitted UDP flows to a native TAP
+    transport's plane (:class:`~aioslirp.nat.native_udp.NativeUdp`)."""
+    return os.environ.get(ENABLE_ENV, "") == "udp"
+
+
+def enabled() -> bool:
+    """True when the extension is usable and :func:`wanted`."""
+    return extension() is not None and wanted()
+
+
+def status() -> str:
+    """``"on"``, or ``"off (<reason>)"``: built but not switched on, switched off, not built, stale."""
+    if extension() is None:
+        return f"off ({why_not()})"
+    if not enabled():
+        return f"off (built; not on by default yet: {ENABLE_ENV}=1 turns on the TAP reader)"
+    return "on"
+
+
+def notice() -> str:
+    """The line ``aioslirp --version`` prints: ``native data plane: on`` or ``native data plane: off (...)``."""
+    return f"native data plane: {status()}"
+
+
+@functools.cache
+def log_fallback(what: str) -> None:
+    """Log once per process (and per ``what``, e.g. ``"TAP reader"``) that the Python path runs
+    because the extension is not usable."""
+    log.info("native data plane: off for the %s (%s); the Python path runs", what, why_not())
+
+
+class FrameRecord(NamedTuple):
+    """One frame classified by the C core (offsets from the start of the buffer given, which
+    begins with the 12-byte virtio-net header when ``vnet``).
+
+    ``kind``: ``"tcp"``, ``"udp"``, ``"not_native:<why>"`` (``arp``, ``icmp``, ``fragment``,
+    ``ipv6_ext``) or ``"drop:<reason>"`` (the name the Python dispatch counts, IPv6 names for an
+    IPv6 frame's L4 reasons: ``drop:tcp6_truncated``). ``flags``: 1 checksum flagged valid or
+    partial by the vnet header, 2 the buffer has a vnet header, 4 IPv6. ``proto``: the IPv4
+    protocol or IPv6 next header. For ``tcp``/``udp``: ``l3_off < l4_off < payload_off``,
+    ``payload_off + payload_len <= end <= len(buf)``, ``end`` the end of the IP packet (Ethernet
+    padding excluded); ``src``/``dst`` 4 or 16 bytes (``b""`` before the IP header).
+    """
+
+    kind: str
+    flags: int
+    proto: int
+    tcp_flags: int
+    ethertype: int
+    l2_off: int
+    l3_off: int
+    l4_off: int
+    payload_off: int
+    payload_len: int
+    end: int
+    sport: int
+    dport: int
+    src: bytes
+    dst: bytes
+
+
+@functools.cache
+def _names() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    ext = extension()
+    assert ext is not None
+    return ext.reason_names(), ext.reason_names6()
+
+
+_KINDS = ("drop:", "tcp", "udp", "not_native:")
+
+
+def record(raw: tuple) -> FrameRecord:
+    """A :class:`FrameRecord` from the binding's tuple (``_dataplane.classify``/``Plane.classify``)."""
+    kind, reason, flags, *rest = raw
+    names4, names6 = _names()
+    prefix = _KINDS[kind]
+    if kind == 0 or kind == 3:
+        prefix += (names6 if flags & 4 else names4)[reason]
+    return FrameRecord(prefix, flags, *rest)
+
+
+def classify(buf, vnet: bool = False) -> FrameRecord:
+    """Classify one frame (bytes-like; with a leading virtio-net header when ``vnet``) in C.
+    Raises ``RuntimeError`` when the extension is not usable (:func:`why_not`)."""
+    ext = extension()
+    if ext is None:
+        raise RuntimeError(f"the native data plane is off: {why_not()}")
+    return record(ext.classify(buf, vnet))

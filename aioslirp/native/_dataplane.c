@@ -1,0 +1,559 @@
+/* The CPython binding of aioslirp's native data plane (limited API 3.11, abi3): a thin layer
+ * over the C core in dataplane.c. Python objects are made here only, once per call or per
+ * frame handed to Python; the core touches none.
+ *
+ *   classify(buf, vnet=False) -> record tuple            (no counting)
+ *   reason_names() -> tuple[str, ...], reason_names6()   (index = the record's reason code)
+ *   Plane(read_size, batch, vnet)                        one transport's state:
+ *     .read_tap(fd) -> (frames, csum_ok | None, end, errno)
+ *     .classify(buf) -> record tuple                     (counted in .counters())
+ *     .counters() -> {"frames": n, reason: n, ...}
+ *
+ * The record tuple: (kind, reason, flags, proto, tcp_flags, ethertype, l2_off, l3_off, l4_off,
+ * payload_off, payload_len, end, sport, dport, src, dst), src/dst bytes of 4 or 16 (b"" before
+ * the IP header). MIT licensed, written for aioslirp. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dataplane.h"
+
+/* Frames of one read buffer before they go to Python; the buffer holds this many largest
+ * frames (a batch larger than that is read in several fills within one call). */
+#define FILL_FRAMES 8u
+
+static PyObject *record_tuple(const struct dp_frame *f)
+{
+    size_t alen = (f->flags & DP_F_IPV6) ? 16 : (f->l4_off ? 4 : 0);
+    return Py_BuildValue("(iiiiiiIIIIIIiiy#y#)", f->kind, f->reason, f->flags, f->proto, f->tcp_flags, f->ethertype,
+                         f->l2_off, f->l3_off, f->l4_off, f->payload_off, f->payload_len, f->end, f->sport, f->dport,
+                         (const char *)f->src, (Py_ssize_t)alen, (const char *)f->dst, (Py_ssize_t)alen);
+}
+
+static PyObject *classify_buffer(PyObject *obj, int vnet, struct dp_counters *counters)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    struct dp_frame f;
+    dp_classify((const uint8_t *)view.buf, (size_t)view.len, vnet, &f, counters);
+    PyBuffer_Release(&view);
+    return record_tuple(&f);
+}
+
+static PyObject *mod_classify(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"buf", "vnet", NULL};
+    PyObject *obj;
+    int vnet = 0;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p", kwlist, &obj, &vnet))
+        return NULL;
+    return classify_buffer(obj, vnet, NULL);
+}
+
+static PyObject *names_tuple(const char *(*name)(unsigned))
+{
+    PyObject *t = PyTuple_New(DP_R_COUNT);
+    if (!t)
+        return NULL;
+    for (unsigned i = 0; i < DP_R_COUNT; i++) {
+        PyObject *s = PyUnicode_FromString(name(i));
+        if (!s || PyTuple_SetItem(t, i, s) < 0) {
+            Py_DECREF(t);
+            return NULL;
+        }
+    }
+    return t;
+}
+
+static PyObject *mod_reason_names(PyObject *self, PyObject *unused)
+{
+    (void)self, (void)unused;
+    return names_tuple(dp_reason_name);
+}
+
+static PyObject *mod_reason_names6(PyObject *self, PyObject *unused)
+{
+    (void)self, (void)unused;
+    return names_tuple(dp_reason_name6);
+}
+
+/* udp_frames(eth, src, dst, sport, dport, payload, hlim, mtu, ident4, ident6) -> list[bytes]:
+ * dp_udp_frames(), the frames of one host datagram for the guest (IPv6 when src is 16 bytes). */
+static PyObject *mod_udp_frames(PyObject *self, PyObject *args)
+{
+    Py_buffer eth, src, dst, payload;
+    int sport, dport, hlim;
+    unsigned int mtu, ident4;
+    unsigned long ident6;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*iiy*iIIk", &eth, &src, &dst, &sport, &dport, &payload, &hlim, &mtu, &ident4,
+                          &ident6))
+        return NULL;
+    PyObject *result = NULL;
+    uint8_t *out = NULL;
+    struct dp_slot *slots = NULL;
+    int v6 = src.len == 16;
+    unsigned n = 0;
+    size_t need;
+    if (eth.len != 14 || (src.len != 4 && src.len != 16) || dst.len != src.len || sport < 0 || sport > 0xFFFF ||
+        dport < 0 || dport > 0xFFFF || hlim < 0 || hlim > 255 || ident4 > 0xFFFF || ident6 > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_ValueError, "udp_frames: eth is 14 bytes, src/dst 4 or 16 (both), ports 16 bits, "
+                                          "hlim 8 bits, ident4 16 bits, ident6 32 bits");
+        goto done;
+    }
+    need = dp_udp_frames_size(v6, (size_t)payload.len, mtu, &n);
+    if (!need) {
+        PyErr_SetString(PyExc_ValueError, "udp_frames: payload too long or mtu out of range");
+        goto done;
+    }
+    out = PyMem_Malloc(need);
+    slots = PyMem_Malloc(sizeof *slots * n);
+    if (!out || !slots) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int got = dp_udp_frames(out, need, slots, n, eth.buf, v6, src.buf, dst.buf, (uint16_t)sport, (uint16_t)dport,
+                            payload.buf, (size_t)payload.len, (uint8_t)hlim, mtu, (uint16_t)ident4, (uint32_t)ident6);
+    if (got != (int)n) {
+        PyErr_SetString(PyExc_RuntimeError, "udp_frames: the frames do not fit the size computed for them");
+        goto done;
+    }
+    result = PyList_New(n);
+    if (!result)
+        goto done;
+    for (unsigned i = 0; i < n; i++) {
+        PyObject *b = PyBytes_FromStringAndSize((const char *)out + slots[i].off, (Py_ssize_t)slots[i].len);
+        if (!b || PyList_SetItem(result, i, b) < 0) {
+            Py_CLEAR(result);
+            goto done;
+        }
+    }
+done:
+    PyMem_Free(out);
+    PyMem_Free(slots);
+    PyBuffer_Release(&eth);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&payload);
+    return result;
+}
+
+/* udp_checksum_ok(src, dst, udp, trusted=False) -> bool: dp_udp_checksum_ok() for the datagram udp
+ * (header and payload, as long as its length field says; IPv6 when src is 16 bytes). */
+static PyObject *mod_udp_checksum_ok(PyObject *self, PyObject *args)
+{
+    Py_buffer src, dst, udp;
+    int trusted = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*|p", &src, &dst, &udp, &trusted))
+        return NULL;
+    PyObject *result = NULL;
+    if ((src.len != 4 && src.len != 16) || dst.len != src.len || udp.len < 8) {
+        PyErr_SetString(PyExc_ValueError, "udp_checksum_ok: src/dst 4 or 16 bytes (both), udp at least 8 bytes");
+    } else {
+        result = PyBool_FromLong(dp_udp_checksum_ok(src.len == 16, src.buf, dst.buf, udp.buf, (size_t)udp.len,
+                                                    trusted));
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&udp);
+    return result;
+}
+
+/* ------------------------------------------------------------------ Plane */
+
+typedef struct {
+    PyObject_HEAD
+    uint8_t *buf;
+    size_t cap;
+    size_t read_size; /* bytes offered to each read(), the vnet header included */
+    unsigned batch;
+    int vnet;
+    struct dp_slot *slots;
+    struct dp_counters counters;
+    /* native UDP flows (udp_enable): the table and its arrays, a scratch for one datagram */
+    struct dp_udp_table udp;
+    int udp_on;
+    struct dp_udp_flow *udp_flows;
+    int32_t *udp_heads;
+    uint32_t *udp_touched;
+    uint8_t *udp_scratch;
+} Plane;
+
+static int plane_init(PyObject *op, PyObject *args, PyObject *kwargs)
+{
+    Plane *self = (Plane *)op;
+    static char *kwlist[] = {"read_size", "batch", "vnet", NULL};
+    Py_ssize_t read_size, batch;
+    int vnet = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nn|p", kwlist, &read_size, &batch, &vnet))
+        return -1;
+    if (read_size < 1 || read_size > (1 << 20)) {
+        PyErr_SetString(PyExc_ValueError, "read_size must be 1..1048576 bytes");
+        return -1;
+    }
+    if (batch < 1 || batch > 65536) {
+        PyErr_SetString(PyExc_ValueError, "batch must be 1..65536");
+        return -1;
+    }
+    unsigned fill = (size_t)batch < FILL_FRAMES ? (unsigned)batch : FILL_FRAMES;
+    uint8_t *buf = PyMem_Malloc((size_t)read_size * fill);
+    struct dp_slot *slots = PyMem_Malloc(sizeof(struct dp_slot) * fill);
+    if (!buf || !slots) {
+        PyMem_Free(buf);
+        PyMem_Free(slots);
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyMem_Free(self->buf);
+    PyMem_Free(self->slots);
+    self->buf = buf;
+    self->slots = slots;
+    self->cap = (size_t)read_size * fill;
+    self->read_size = (size_t)read_size;
+    self->batch = (unsigned)batch;
+    self->vnet = vnet;
+    memset(&self->counters, 0, sizeof self->counters);
+    return 0;
+}
+
+static void plane_dealloc(PyObject *op)
+{
+    Plane *self = (Plane *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    PyMem_Free(self->buf);
+    PyMem_Free(self->slots);
+    PyMem_Free(self->udp_flows);
+    PyMem_Free(self->udp_heads);
+    PyMem_Free(self->udp_touched);
+    PyMem_Free(self->udp_scratch);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(op);
+    Py_DECREF(tp);
+}
+
+/* read_tap(fd, now=0.0) -> (frames: list[bytes], csum_ok: list[bool] | None, end: int, errno: int,
+ * taken: int). Reads up to batch frames (dp_tap_read, several fills when the buffer is full) and
+ * makes one bytes object per frame; frames of adopted UDP flows are moved in C at loop time now
+ * (taken: how many; udp_touched() says which flows). end: a dp_read_end (DONE, AGAIN, EOF, ERROR). */
+static PyObject *plane_read_tap(PyObject *op, PyObject *args)
+{
+    Plane *self = (Plane *)op;
+    if (!self->buf) {
+        PyErr_SetString(PyExc_ValueError, "Plane not initialised");
+        return NULL;
+    }
+    long fdl;
+    double now = 0.0;
+    if (!PyArg_ParseTuple(args, "l|d", &fdl, &now))
+        return NULL;
+    if (fdl < 0 || fdl > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "fd must be a non-negative int");
+        return NULL;
+    }
+    int fd = (int)fdl;
+    PyObject *frames = PyList_New(0);
+    PyObject *csum = self->vnet ? PyList_New(0) : (Py_INCREF(Py_None), Py_None);
+    if (!frames || !csum)
+        goto fail;
+    unsigned left = self->batch, fill = (unsigned)(self->cap / self->read_size);
+    enum dp_read_end end;
+    int err = 0;
+    uint64_t taken_before = self->udp.taken_frames;
+    do {
+        unsigned nslots = 0, reads = 0;
+        end = dp_tap_read(fd, self->buf, self->cap, self->read_size, self->vnet, left, self->slots, fill, &nslots,
+                          &reads, &err, self->udp_on ? &self->udp : NULL, now);
+        left -= reads;
+        for (unsigned i = 0; i < nslots; i++) {
+            const struct dp_slot *s = &self->slots[i];
+            PyObject *b = PyBytes_FromStringAndSize((const char *)self->buf + s->off, (Py_ssize_t)s->len);
+            if (!b)
+                goto fail;
+            int bad = PyList_Append(frames, b);
+            Py_DECREF(b);
+            if (bad)
+                goto fail;
+            if (self->vnet && PyList_Append(csum, s->csum_ok ? Py_True : Py_False) < 0)
+                goto fail;
+        }
+    } while (end == DP_READ_FULL && left > 0);
+    if (end == DP_READ_FULL)
+        end = DP_READ_DONE;
+    return Py_BuildValue("(NNiiK)", frames, csum, (int)end, err,
+                         (unsigned long long)(self->udp.taken_frames - taken_before));
+fail:
+    Py_XDECREF(frames);
+    Py_XDECREF(csum);
+    return NULL;
+}
+
+static PyObject *plane_classify(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    return classify_buffer(arg, self->vnet, &self->counters);
+}
+
+static PyObject *plane_counters(PyObject *op, PyObject *unused)
+{
+    Plane *self = (Plane *)op;
+    (void)unused;
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+    PyObject *v = PyLong_FromUnsignedLongLong(self->counters.frames);
+    if (!v || PyDict_SetItemString(d, "frames", v) < 0)
+        goto fail;
+    Py_DECREF(v);
+    for (unsigned i = 1; i < DP_R_COUNT; i++) {
+        if (!self->counters.by_reason[i])
+            continue;
+        v = PyLong_FromUnsignedLongLong(self->counters.by_reason[i]);
+        if (!v || PyDict_SetItemString(d, dp_reason_name(i), v) < 0)
+            goto fail;
+        Py_DECREF(v);
+    }
+    return d;
+fail:
+    Py_XDECREF(v);
+    Py_DECREF(d);
+    return NULL;
+}
+
+/* udp_enable(capacity): the table of native UDP flows (once). */
+static PyObject *plane_udp_enable(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    long cap = PyLong_AsLong(arg);
+    if (cap == -1 && PyErr_Occurred())
+        return NULL;
+    if (cap < 1 || cap > 65536 || self->udp_on) {
+        PyErr_SetString(PyExc_ValueError, "udp_enable: capacity 1..65536, once");
+        return NULL;
+    }
+    uint32_t nb = 1;
+    while (nb < 2 * (uint32_t)cap)
+        nb <<= 1;
+    self->udp_flows = PyMem_Malloc(sizeof(struct dp_udp_flow) * (size_t)cap);
+    self->udp_heads = PyMem_Malloc(sizeof(int32_t) * nb);
+    self->udp_touched = PyMem_Malloc(sizeof(uint32_t) * (size_t)cap);
+    self->udp_scratch = PyMem_Malloc(DP_UDP_SCRATCH);
+    if (!self->udp_flows || !self->udp_heads || !self->udp_touched || !self->udp_scratch) {
+        PyMem_Free(self->udp_flows), PyMem_Free(self->udp_heads), PyMem_Free(self->udp_touched);
+        PyMem_Free(self->udp_scratch);
+        self->udp_flows = NULL, self->udp_heads = NULL, self->udp_touched = NULL, self->udp_scratch = NULL;
+        return PyErr_NoMemory();
+    }
+    dp_udp_init(&self->udp, self->udp_flows, self->udp_heads, nb, self->udp_touched, (uint32_t)cap, 1);
+    self->udp_on = 1;
+    Py_RETURN_NONE;
+}
+
+static int udp_ready(Plane *self)
+{
+    if (!self->udp_on)
+        PyErr_SetString(PyExc_ValueError, "native UDP flows are not enabled (udp_enable)");
+    return self->udp_on;
+}
+
+/* udp_adopt(fd, guest_ip, guest_port, remote_ip, remote_port, eth, hlim, mtu, now) -> slot or -1. */
+static PyObject *plane_udp_adopt(PyObject *op, PyObject *args)
+{
+    Plane *self = (Plane *)op;
+    int fd, gport, rport, hlim;
+    unsigned int mtu;
+    double now;
+    Py_buffer gip, rip, eth;
+    if (!udp_ready(self) || !PyArg_ParseTuple(args, "iy*iy*iy*iId", &fd, &gip, &gport, &rip, &rport, &eth, &hlim,
+                                               &mtu, &now))
+        return NULL;
+    PyObject *result = NULL;
+    if (gip.len != 4 || rip.len != 4 || eth.len != 14 || gport < 0 || gport > 0xFFFF || rport < 0 ||
+        rport > 0xFFFF || hlim < 0 || hlim > 255 || mtu < 576 || mtu > 65535 || fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "udp_adopt: IPv4 addresses (4 bytes), eth 14 bytes, ports 16 bits, "
+                                          "hlim 8 bits, mtu 576..65535, fd >= 0");
+    } else {
+        result = PyLong_FromLong(dp_udp_adopt(&self->udp, fd, gip.buf, (uint16_t)gport, rip.buf, (uint16_t)rport,
+                                              eth.buf, (uint8_t)hlim, mtu, now));
+    }
+    PyBuffer_Release(&gip);
+    PyBuffer_Release(&rip);
+    PyBuffer_Release(&eth);
+    return result;
+}
+
+static struct dp_udp_flow *flow_at(Plane *self, PyObject *arg, int *slot)
+{
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred())
+        return NULL;
+    if (v < 0 || (uint32_t)v >= self->udp.cap || self->udp_flows[v].fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "no native UDP flow in that slot");
+        return NULL;
+    }
+    *slot = (int)v;
+    return &self->udp_flows[v];
+}
+
+/* udp_release(slot): forget the flow (its socket stays the caller's). */
+static PyObject *plane_udp_release(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    int slot;
+    if (!udp_ready(self) || !flow_at(self, arg, &slot))
+        return NULL;
+    dp_udp_release(&self->udp, slot);
+    Py_RETURN_NONE;
+}
+
+/* udp_last_header(slot) -> bytes: the guest's last IP header + 8 bytes of that flow (b"" if none). */
+static PyObject *plane_udp_last_header(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    int slot;
+    struct dp_udp_flow *f;
+    if (!udp_ready(self) || !(f = flow_at(self, arg, &slot)))
+        return NULL;
+    return PyBytes_FromStringAndSize((const char *)f->last_hdr, f->last_hdr_len);
+}
+
+/* udp_touched() -> (frames, bytes, [(slot, datagrams, bytes, blocked, errno, last_active), ...]): the
+ * guest frames moved and, per flow they touched, what happened since the last call (then zeroed). */
+static PyObject *plane_udp_touched(PyObject *op, PyObject *unused)
+{
+    Plane *self = (Plane *)op;
+    (void)unused;
+    if (!udp_ready(self))
+        return NULL;
+    struct dp_udp_table *t = &self->udp;
+    PyObject *list = PyList_New(t->ntouched);
+    if (!list)
+        return NULL;
+    for (uint32_t k = 0; k < t->ntouched; k++) {
+        struct dp_udp_flow *f = &t->flows[t->touched[k]];
+        PyObject *item = Py_BuildValue("(IKKKid)", t->touched[k], (unsigned long long)f->up_datagrams,
+                                       (unsigned long long)f->up_bytes, (unsigned long long)f->blocked, f->err,
+                                       f->last_active);
+        if (!item || PyList_SetItem(list, k, item) < 0) {
+            Py_DECREF(list);
+            return NULL;
+        }
+    }
+    PyObject *result = Py_BuildValue("(KKN)", (unsigned long long)t->taken_frames, (unsigned long long)t->taken_bytes,
+                                     list);
+    if (!result)
+        return NULL;
+    for (uint32_t k = 0; k < t->ntouched; k++) {
+        struct dp_udp_flow *f = &t->flows[t->touched[k]];
+        f->up_datagrams = f->up_bytes = f->blocked = 0;
+        f->err = 0;
+        f->touched = 0;
+    }
+    t->ntouched = 0;
+    t->taken_frames = t->taken_bytes = 0;
+    return result;
+}
+
+/* udp_host_readable(slot, tap_fd, vnet, now) -> (datagrams, bytes, frames_out, bytes_out,
+ * write_errors, errno): dp_udp_host() for the flow's host socket, its counts for this call. */
+static PyObject *plane_udp_host_readable(PyObject *op, PyObject *args)
+{
+    Plane *self = (Plane *)op;
+    PyObject *slot_obj;
+    int tap_fd, vnet, slot;
+    double now;
+    struct dp_udp_flow *f;
+    if (!udp_ready(self) || !PyArg_ParseTuple(args, "Oipd", &slot_obj, &tap_fd, &vnet, &now) ||
+        !(f = flow_at(self, slot_obj, &slot)))
+        return NULL;
+    uint64_t frames = 0, bytes = 0, werr = 0, bytes_before = f->down_bytes;
+    int guest_err = f->err; /* a send error of the guest direction stays for udp_touched() */
+    f->err = 0;
+    int moved = dp_udp_host(&self->udp, slot, tap_fd, vnet, now, self->udp_scratch, DP_UDP_SCRATCH, &frames, &bytes,
+                            &werr);
+    int err = f->err;
+    f->err = guest_err;
+    return Py_BuildValue("(iKKKKi)", moved, (unsigned long long)(f->down_bytes - bytes_before),
+                         (unsigned long long)frames, (unsigned long long)bytes, (unsigned long long)werr, err);
+}
+
+static PyMethodDef plane_methods[] = {
+    {"read_tap", plane_read_tap, METH_VARARGS,
+     "read_tap(fd, now=0.0) -> (frames, csum_ok | None, end, errno, taken): up to batch frames of a TAP fd, "
+     "read until EAGAIN; adopted UDP flows' frames moved in C (taken)"},
+    {"udp_enable", plane_udp_enable, METH_O, "udp_enable(capacity): native UDP flows, at most capacity at once"},
+    {"udp_adopt", plane_udp_adopt, METH_VARARGS,
+     "udp_adopt(fd, guest_ip, guest_port, remote_ip, remote_port, eth, hlim, mtu, now) -> slot, or -1"},
+    {"udp_release", plane_udp_release, METH_O, "udp_release(slot)"},
+    {"udp_last_header", plane_udp_last_header, METH_O, "udp_last_header(slot) -> the guest's last IP header + 8"},
+    {"udp_touched", plane_udp_touched, METH_NOARGS,
+     "udp_touched() -> (frames, bytes, [(slot, datagrams, bytes, blocked, errno, last_active), ...])"},
+    {"udp_host_readable", plane_udp_host_readable, METH_VARARGS,
+     "udp_host_readable(slot, tap_fd, vnet, now) -> (datagrams, bytes, frames_out, bytes_out, write_errors, errno)"},
+    {"classify", plane_classify, METH_O, "classify(buf) -> record tuple, counted in counters()"},
+    {"counters", plane_counters, METH_NOARGS, "counters() -> {'frames': n, reason: n}"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot plane_slots[] = {
+    {Py_tp_doc, "Plane(read_size, batch, vnet=False): the native data plane of one transport"},
+    {Py_tp_init, plane_init},
+    {Py_tp_dealloc, plane_dealloc},
+    {Py_tp_methods, plane_methods},
+    {0, NULL},
+};
+
+static PyType_Spec plane_spec = {
+    "aioslirp.native._dataplane.Plane", sizeof(Plane), 0, Py_TPFLAGS_DEFAULT, plane_slots,
+};
+
+/* ------------------------------------------------------------------ module */
+
+static PyMethodDef module_methods[] = {
+    {"classify", (PyCFunction)(void (*)(void))mod_classify, METH_VARARGS | METH_KEYWORDS,
+     "classify(buf, vnet=False) -> record tuple (not counted)"},
+    {"reason_names", mod_reason_names, METH_NOARGS, "reason_names() -> tuple of reason names by code"},
+    {"reason_names6", mod_reason_names6, METH_NOARGS, "reason_names6() -> the IPv6 names of the same reasons"},
+    {"udp_frames", mod_udp_frames, METH_VARARGS,
+     "udp_frames(eth, src, dst, sport, dport, payload, hlim, mtu, ident4, ident6) -> list[bytes]"},
+    {"udp_checksum_ok", mod_udp_checksum_ok, METH_VARARGS, "udp_checksum_ok(src, dst, udp, trusted=False) -> bool"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "aioslirp.native._dataplane", "aioslirp's native data plane (C core, limited API)", -1,
+    module_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__dataplane(void)
+{
+    PyObject *m = PyModule_Create(&module_def);
+    if (!m)
+        return NULL;
+    PyObject *plane = PyType_FromSpec(&plane_spec);
+    if (!plane || PyModule_AddObjectRef(m, "Plane", plane) < 0)
+        goto fail;
+    Py_DECREF(plane);
+    plane = NULL;
+    if (PyModule_AddIntConstant(m, "RECORD_SIZE", (long)sizeof(struct dp_frame)) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_DROP", DP_KIND_DROP) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_TCP", DP_KIND_TCP) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_UDP", DP_KIND_UDP) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_NOT_NATIVE", DP_KIND_NOT_NATIVE) < 0 ||
+        PyModule_AddIntConstant(m, "READ_DONE", DP_READ_DONE) < 0 ||
+        PyModule_AddIntConstant(m, "READ_AGAIN", DP_READ_AGAIN) < 0 ||
+        PyModule_AddIntConstant(m, "READ_EOF", DP_READ_EOF) < 0 ||
+        PyModule_AddIntConstant(m, "READ_ERROR", DP_READ_ERROR) < 0 ||
+        PyModule_AddIntConstant(m, "VNET_HDR_LEN", DP_VNET_HDR_LEN) < 0)
+        goto fail;
+    return m;
+fail:
+    Py_XDECREF(plane);
+    Py_DECREF(m);
+    return NULL;
+}
