@@ -53,6 +53,7 @@ from .handlers.routes import Router
 from .flow.guard import Guard
 from .flow.info import FlowInfo, FlowRecords  # noqa: F401  (FlowInfo: the records of stack.flows())
 from .flow.table import FlowTable
+from .fair import Scheduler
 from .heap import keep_freed_heap
 from .inject import InjectQueue
 from .nat.icmp import IcmpEcho
@@ -368,7 +369,12 @@ class Stack:
         dns = DnsForwarder(self.config)
         # what exists once the stack runs, all at once: the loop and its clock, DNS, one epoll for
         # the TCP flows' host sockets
-        ctx.start(Running(loop, dns, HostPoller(loop)))
+        # the guest's shares of the loop's fair scheduler (aioslirp.fair), one per direction
+        weight = self.config.fair_weight
+        up = down = None
+        if weight is not None:
+            up, down = Scheduler.for_loop(loop).join(weight, ctx.identity.name or "")
+        ctx.start(Running(loop, dns, HostPoller(loop), share_up=up, share_down=down))
         p.guard.start(dns, now=loop.time())
         p.table.start(loop)
         if ctx.audit is not None:
@@ -438,7 +444,11 @@ class Stack:
             self._transport.close()
         p.table.clear()
         if ctx.is_started:  # every host socket left the poller as its flow ended
-            ctx.running.host_poller.close()
+            running = ctx.running
+            running.host_poller.close()
+            for share in (running.share_up, running.share_down):
+                if share is not None:
+                    share.leave()  # (its flows are gone: their callbacks are dropped)
         audit = ctx.audit
         if audit is not None:
             if self._own_audit:
