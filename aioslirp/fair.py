@@ -23,9 +23,11 @@ charged after the fact:
 * One *pass* per loop iteration (``loop.call_soon``, only while some flow waits) serves the
   waiting guests: when none of them has credit left it advances the round counter by the
   fewest rounds that give one of them credit again (no empty loop iterations); each share gets
-  ``quantum`` per round. Each waiting guest with credit then resumes *one* of its waiting flows
-  (round robin among the guest's flows, in the order they began to wait), so a guest's flows
-  take turns and one pass moves about one read per guest.
+  ``quantum`` per round. The first waiting guest with credit then resumes *one* of its waiting
+  flows (round robin among the guest's flows, in the order they began to wait) and goes to the
+  end of the line, so that the guests take turns, a guest's flows take turns, and a loop
+  iteration holds about one bulk read whatever the number of guests: the latency a flood adds
+  to a light guest's request is about one read's work, not one read per flooding flow.
 * Credit is given lazily, by round: a share catches up ``(round - seen) * quantum`` when next
   charged or served, capped at one quantum, so an idle guest hoards no credit, and a guest that
   joins late starts with one quantum like the others.
@@ -54,7 +56,8 @@ __all__ = ["FairLink", "QUANTUM", "Scheduler", "Share"]
 
 log = logging.getLogger("aioslirp.fair")
 
-#: Bytes a share of weight 1 may move per round (a round: every backlogged guest served once).
+#: Bytes a share of weight 1 may move per round (a round: every backlogged guest served once):
+#: one host read of a bulk flow (``READ_SIZE`` of :mod:`aioslirp.nat.hostsock`, and uvloop's read size).
 QUANTUM = 256 * 1024
 
 
@@ -78,7 +81,7 @@ class Share:
     quantum: float
     deficit: float
     seen: int
-    #: The last round in which the guest moved bytes (counted in the link's ``_active``).
+    #: The last round in which the guest moved bytes (counted in the link's ``active``).
     mark: int
     #: Callbacks of the flows waiting for credit, served in this order.
     waiters: deque[Callable[[], None]]
@@ -107,7 +110,19 @@ class Share:
     def charge(self, n: int) -> bool:
         """``n`` bytes moved for this guest (or about to be). True: the guest is over its share
         for now; the caller stops moving bytes and calls :meth:`wait`."""
-        return self.link.charge(self, n)
+        link = self.link
+        r = link.round
+        if self.seen != r:
+            link.catch_up(self)
+        if self.mark != r:
+            self.mark = r
+            link.active += 1
+        d = self.deficit - n
+        self.deficit = d
+        self.moved += n
+        if d > 0:  # the hot path: one subtraction, no call
+            return False
+        return link.overdrawn(self)
 
     def available(self) -> float:
         """Bytes the guest may move now before it is over its share (<= 0: none)."""
@@ -135,7 +150,7 @@ class FairLink:
             needed pass.
     """
 
-    __slots__ = ("quantum", "round", "_schedule", "_waiting", "_pending", "_active", "_active_before", "shares",
+    __slots__ = ("quantum", "round", "_schedule", "_waiting", "_pending", "active", "_active_before", "shares",
                  "passes")
 
     quantum: float
@@ -146,8 +161,8 @@ class FairLink:
     _waiting: list[Share]
     #: A pass is scheduled.
     _pending: bool
-    #: Shares charged since :attr:`round` last moved.
-    _active: int
+    #: Shares charged since :attr:`round` last moved (:meth:`Share.charge` counts itself).
+    active: int
     #: Shares charged between the two moves of :attr:`round` before.
     _active_before: int
     #: How many shares are joined.
@@ -163,7 +178,7 @@ class FairLink:
         self._schedule = schedule
         self._waiting = []
         self._pending = False
-        self._active = 0
+        self.active = 0
         self._active_before = 0
         self.shares = 0
         self.passes = 0
@@ -201,23 +216,18 @@ class FairLink:
             share.seen = self.round
         return d
 
-    def charge(self, share: Share, n: int) -> bool:
-        """See :meth:`Share.charge`."""
-        d = self.catch_up(share) - n
-        share.deficit = d
-        if share.mark != self.round:
-            share.mark = self.round
-            self._active += 1
-        share.moved += n
-        if d > 0 or share.left:
+    def overdrawn(self, share: Share) -> bool:
+        """``share`` was charged to zero or below (:meth:`Share.charge`): True when it must wait
+        its turn; else (no contention) it is credited at once and False."""
+        if share.left:
             return False
-        if self._active <= 1 and self._active_before <= 1 and not self._waiting:
+        if self.active <= 1 and self._active_before <= 1 and not self._waiting:
             # no other guest moved bytes this round or the one before, none waits: no contention,
             # credit now (a guest alone on the loop never waits)
             self._advance(self._rounds_for(share))
             self.catch_up(share)
             share.mark = self.round
-            self._active = 1
+            self.active = 1
             return False
         return True
 
@@ -241,8 +251,8 @@ class FairLink:
 
     def _advance(self, k: int) -> None:
         self.round += k
-        self._active_before = self._active
-        self._active = 0
+        self._active_before = self.active
+        self.active = 0
 
     def run_pass(self) -> None:
         """One pass (the scheduled callback): give the waiting guests their rounds and resume one
@@ -259,13 +269,16 @@ class FairLink:
             if catch_up(s) <= 0:
                 continue
             resume = s.waiters.popleft()
-            if not s.waiters:
+            waiting.remove(s)
+            if s.waiters:  # to the end of the line: the next pass serves the next guest first
+                waiting.append(s)
+            else:
                 s.queued = False
-                waiting.remove(s)
             try:
                 resume()
             except Exception:  # one flow's failure does not cost the others their turn
                 log.exception("fair scheduler: a resume callback failed (share %s)", s.name)
+            break  # one flow a pass: the loop polls again before the next guest's read
         if waiting and not self._pending:
             self._pending = True
             self._schedule(self.run_pass)
