@@ -198,7 +198,8 @@ async def measure(args) -> dict:
             procs = []
             for name, kind, flows in guests:
                 weight = None if args.no_fair else weights.get(name, 1.0)
-                cfg = aioslirp.NetworkConfig(fair_weight=weight, ipv6=False)
+                # (the default weight is left to the config: the script also runs on a version without it)
+                cfg = aioslirp.NetworkConfig(ipv6=False, **({} if weight == 1.0 else {"fair_weight": weight}))
                 if kind == "download":
                     argv = [sys.executable, "-c", DOWNLOAD, "10.0.2.2", str(ports["source"]), str(flows),
                             str(d0), str(l0), str(l1)]
