@@ -7,7 +7,8 @@ installed, as ``aioslirp`` runs). A host server in a separate process (so that i
 turn of this process's loop) sends endless data to every connection on one port and echoes
 64-byte requests on another. The guests:
 
-* ``flood``: ``--flood-flows`` parallel downloads (default 4);
+* ``flood``: ``--flood-flows`` parallel downloads (default 4; ``--direction up``: uploads, to a
+  host sink, for the guest -> host direction);
 * ``n1`` .. ``nK``: one download each (``--neighbours K``, default 1);
 * ``lat1`` .. ``latM``: small request/response (64 bytes each way, one connection, a request
   every millisecond; ``--latency-guests M``, default 1).
@@ -65,6 +66,16 @@ class _Source(socketserver.BaseRequestHandler):
             pass
 
 
+class _Sink(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        buf = bytearray(CHUNK)
+        try:
+            while self.request.recv_into(buf):
+                pass
+        except OSError:
+            pass
+
+
 class _Echo(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         sock = self.request
@@ -89,7 +100,7 @@ def host_server(kind: str) -> None:
     one JSON line, and run until stdin closes. One process each: the source's sending threads
     would otherwise hold the interpreter lock while an echo waits (milliseconds of latency that
     are not the stack's)."""
-    srv = _Server(("127.0.0.1", 0), _Source if kind == "source" else _Echo)
+    srv = _Server(("127.0.0.1", 0), {"source": _Source, "sink": _Sink, "echo": _Echo}[kind])
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     print(json.dumps({kind: srv.server_address[1]}), flush=True)
     sys.stdin.read()
@@ -110,7 +121,12 @@ DOWNLOAD = textwrap.dedent("""
         s.setblocking(False)
         sel.register(s, selectors.EVENT_READ)
         socks.append(s)
+    up = len(sys.argv) > 7 and sys.argv[7] == "up"
+    if up:
+        for s in socks:
+            sel.modify(s, selectors.EVENT_WRITE)
     buf = bytearray(1 << 20)
+    data = memoryview(bytes(256 * 1024))
     got = 0
     t_m0, t_m1 = t0 + m0, t0 + m1
     while True:
@@ -119,7 +135,7 @@ DOWNLOAD = textwrap.dedent("""
             break
         for key, _ in sel.select(0.05):
             try:
-                n = key.fileobj.recv_into(buf)
+                n = key.fileobj.send(data) if up else key.fileobj.recv_into(buf)
             except BlockingIOError:
                 continue
             if now >= t_m0:
@@ -177,7 +193,8 @@ async def measure(args) -> dict:
     import aioslirp
 
     servers = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--host-server", kind],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for kind in ("source", "echo")]
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for kind in ("source" if args.direction == "down" else "sink", "echo")]
     try:
         ports: dict = {}
         for server in servers:
@@ -201,8 +218,9 @@ async def measure(args) -> dict:
                 # (the default weight is left to the config: the script also runs on a version without it)
                 cfg = aioslirp.NetworkConfig(ipv6=False, **({} if weight == 1.0 else {"fair_weight": weight}))
                 if kind == "download":
-                    argv = [sys.executable, "-c", DOWNLOAD, "10.0.2.2", str(ports["source"]), str(flows),
-                            str(d0), str(l0), str(l1)]
+                    port = ports["source"] if args.direction == "down" else ports["sink"]
+                    argv = [sys.executable, "-c", DOWNLOAD, "10.0.2.2", str(port), str(flows),
+                            str(d0), str(l0), str(l1), args.direction]
                 else:
                     argv = [sys.executable, "-c", LATENCY, "10.0.2.2", str(ports["echo"]), str(u0), str(u1),
                             str(l0), str(l1)]
@@ -232,7 +250,7 @@ async def measure(args) -> dict:
         for r in rows:
             if r["kind"] == "latency":
                 r["latency_ratio"] = r["loaded_p50_us"] / r["unloaded_p50_us"]
-        return {"fair": not args.no_fair, "duration": dur, "warmup": warm, "total_gbps": total * 8 / dur / 1e9,
+        return {"fair": not args.no_fair, "direction": args.direction, "duration": dur, "warmup": warm, "total_gbps": total * 8 / dur / 1e9,
                 "guests": rows}
     finally:
         for server in servers:
@@ -247,8 +265,9 @@ async def measure(args) -> dict:
 
 
 def print_report(res: dict) -> None:
+    what = "downloads" if res["direction"] == "down" else "uploads"
     print(f"fair scheduler: {'on' if res['fair'] else 'off'}; window {res['duration']:g} s after "
-          f"{res['warmup']:g} s warm-up; downloads in all {res['total_gbps']:.2f} Gbit/s")
+          f"{res['warmup']:g} s warm-up; {what} in all {res['total_gbps']:.2f} Gbit/s")
     print("| guest | flows | weight | Gbit/s | fair-share ratio | p50 unloaded us | p50 loaded us | latency ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in res["guests"]:
@@ -263,7 +282,9 @@ def print_report(res: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--host-server", choices=("source", "echo"), help=argparse.SUPPRESS)
+    ap.add_argument("--host-server", choices=("source", "sink", "echo"), help=argparse.SUPPRESS)
+    ap.add_argument("--direction", choices=("down", "up"), default="down",
+                    help="down: the guests download from the host (default); up: they upload to it")
     ap.add_argument("--flood-flows", type=int, default=4,
                     help="parallel downloads of the flooding guest (default 4; 0: no flooding guest)")
     ap.add_argument("--neighbours", type=int, default=1, help="guests with one download each (default 1)")
