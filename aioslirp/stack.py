@@ -358,7 +358,8 @@ class Stack:
 
     async def start(self) -> None:
         """Start the writer task, the idle sweep and the services, and hand the parts what exists
-        once the stack runs (``ctx.running``: the loop, DNS, the host poller). Called by ``async
+        once the stack runs (``ctx.running``: the loop, DNS, the host poller, the guest's shares of
+        the loop's fair scheduler, :mod:`aioslirp.fair`). Called by ``async
         with``; once per stack (``RuntimeError`` the second time)."""
         p = self._parts
         ctx = p.ctx
@@ -750,7 +751,8 @@ class Stack:
                 * ``tcp_*`` (``tcp_resets``, ``tcp_rst_sent``, ``tcp_idle_closed``,
                   ``tcp_connect_refused``, ``tcp_connect_unreachable``, ``tcp_host_read_paused``,
                   ``tcp_host_write_paused``, ``tcp_host_lost``: a host socket failed, e.g. the host
-                  peer reset, the guest got a RST...), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
+                  peer reset, the guest got a RST...; ``tcp_fair_wait_down`` / ``_up``: a flow
+                  waited for the guest's turn in the loop's fair scheduler, :mod:`aioslirp.fair`), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
                   ``udp_idle_closed``), ``icmp_*`` (echo and error counts, ``icmp_errors_rate_limited``),
                   ``ip_fragments`` / ``ip_reassembled``, ``arp.*``, ``ndp.*`` / ``ra_*`` / ``na_*``
                   (IPv6 neighbour discovery), ``forward_*`` (port forwards), ``flow_errors``.

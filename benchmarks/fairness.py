@@ -18,7 +18,9 @@ downloaders are connected but idle), then the downloads start, and after ``--war
 everything is measured for ``--duration`` seconds (*loaded*). Prints one row per guest: its
 download rate (Gbit/s) and its ratio to its fair share (the downloaders' total divided in
 proportion to their weights: 1.0 is exactly fair), and per latency guest the p50 round trip
-unloaded, loaded and their ratio; then one JSON line with the same figures.
+unloaded, loaded and their ratio; then one JSON line with the same figures (and per guest
+``fair_waits``: how often its flows waited for its turn, the stack's ``tcp_fair_wait_down`` +
+``tcp_fair_wait_up``).
 
 The issue-28 target: every guest >= 0.9 of its fair share and a latency ratio <= 1.5.
 ``--no-fair`` takes the guests out of the scheduler (``NetworkConfig(fair_weight=None)``):
@@ -234,12 +236,16 @@ async def measure(args) -> dict:
             outs = await asyncio.wait_for(asyncio.gather(*(g.stdout.read() for *_, g in procs)), l1 + 60)
             for *_, g in procs:
                 await g.wait()
+            # how often each guest's flows waited for its turn (0 without the scheduler)
+            waits = [{k: g.stack.counters.get(k, 0) for k in ("tcp_fair_wait_down", "tcp_fair_wait_up")}
+                     for *_, g in procs]
         rows = []
-        for (name, kind, flows, weight, _g), out in zip(procs, outs):
+        for (name, kind, flows, weight, _g), out, w in zip(procs, outs, waits):
             lines = out.decode().strip().splitlines()
             if not lines:
                 raise SystemExit(f"fairness.py: guest {name} printed nothing")
-            rows.append({"guest": name, "kind": kind, "flows": flows, "weight": weight, **json.loads(lines[-1])})
+            rows.append({"guest": name, "kind": kind, "flows": flows, "weight": weight, **json.loads(lines[-1]),
+                         "fair_waits": w.get("tcp_fair_wait_down", 0) + w.get("tcp_fair_wait_up", 0)})
         downloads = [r for r in rows if r["kind"] == "download"]
         total = sum(r["bytes"] for r in downloads)
         wsum = sum((r["weight"] or 1.0) for r in downloads)

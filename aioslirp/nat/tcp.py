@@ -48,8 +48,8 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-from ..flow.base import Flow, FlowFamily, admission
 from ..fair import Share
+from ..flow.base import Flow, FlowFamily, admission
 from ..flow.context import FlowContext
 from ..ratelimit import ByteBucket
 from ..tcp.connection import (CLOSE_WAIT, CLOSED, CLOSING, ESTABLISHED, LAST_ACK, SYN_RECEIVED, TIME_WAIT,
@@ -491,6 +491,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
                 mover.pause_reading()
             if not self.share_paused:
                 self.share_paused = True
+                self.ctx.counters["tcp_fair_wait_down"] += 1
                 share.wait(self._share_down_turn)
         self.flush(now)
 
@@ -564,6 +565,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
                     pending = conn.consume(n)
                     if share is not None and share.charge(n):  # over the guest's fair share: the rest waits its turn
                         self.share_held = True
+                        self.ctx.counters["tcp_fair_wait_up"] += 1
                         share.wait(self._share_up_turn)
                         break
                 if n < len(data):

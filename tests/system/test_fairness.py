@@ -50,6 +50,9 @@ def test_a_flooding_guest_leaves_its_neighbours_their_fair_share():
     lat = by["lat1"]
     assert lat["samples"][0] > 100 and lat["samples"][1] > 100
     assert lat["latency_ratio"] < 12, lat
+    # the downloaders took turns; the request/response guest, under its share, never waited
+    assert by["flood"]["fair_waits"] > 0 and by["n1"]["fair_waits"] > 0
+    assert lat["fair_waits"] == 0
 
 
 def test_a_flooding_uploader_leaves_its_neighbours_their_fair_share():
