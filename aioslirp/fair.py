@@ -12,10 +12,10 @@ from ~9.3 to ~1.5 Gbit/s). The :class:`Scheduler` of a loop (one per loop,
 :class:`FairLink`, deficit round robin (DRR, Shreedhar and Varghese 1995) over the shares,
 charged after the fact:
 
-* A share has a *deficit* (bytes it may still move) and a *quantum*: :data:`QUANTUM` times its
-  weight (``NetworkConfig.fair_weight``). Every byte the guest moves is :meth:`charged <Share.charge>`
-  to it. While the deficit stays above zero the guest's flows go on as before (nothing else
-  happens on the hot path: one subtraction).
+* A share has a *deficit* (bytes it may still move) and a *quantum*: :data:`QUANTUM` (up) or
+  :data:`QUANTUM_DOWN` (down) times its weight (``NetworkConfig.fair_weight``). Every byte the
+  guest moves is :meth:`charged <Share.charge>` to it. While the deficit stays above zero the
+  guest's flows go on as before (nothing else happens on the hot path: one subtraction).
 * A charge that leaves the deficit at or below zero, while another guest has moved bytes in the
   same round (contention), answers True: the flow that read or wrote pauses and waits
   (:meth:`Share.wait`, a callback). A guest alone on the loop is credited at once and never
@@ -52,13 +52,20 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["FairLink", "QUANTUM", "Scheduler", "Share"]
+__all__ = ["FairLink", "QUANTUM", "QUANTUM_DOWN", "Scheduler", "Share"]
 
 log = logging.getLogger("aioslirp.fair")
 
-#: Bytes a share of weight 1 may move per round (a round: every backlogged guest served once):
-#: one host read of a bulk flow (``READ_SIZE`` of :mod:`aioslirp.nat.hostsock`, and uvloop's read size).
+#: Bytes a share of weight 1 may move per round (a round: every backlogged guest served once),
+#: guest -> host (:attr:`Scheduler.up`): a flow's writes stop once its guest is over its share,
+#: so this is about the most one turn writes (a smaller one measured lower latency for a light
+#: guest and lower throughput: docs/performance.md).
 QUANTUM = 256 * 1024
+#: The same, host -> guest (:attr:`Scheduler.down`). A turn there is one host read (up to 256 KiB,
+#: ``READ_SIZE`` of :mod:`aioslirp.nat.hostsock` and uvloop's read size) charged after the fact,
+#: whatever the quantum; a smaller quantum makes finer rounds, which measured better both ways
+#: than 256 KiB (docs/performance.md, "Per-guest fairness").
+QUANTUM_DOWN = 64 * 1024
 
 
 class Share:
@@ -300,10 +307,11 @@ class Scheduler:
 
     _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, quantum: float = QUANTUM) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, quantum_up: float = QUANTUM,
+                 quantum_down: float = QUANTUM_DOWN) -> None:
         self.loop = loop
-        self.up = FairLink(loop.call_soon, quantum)
-        self.down = FairLink(loop.call_soon, quantum)
+        self.up = FairLink(loop.call_soon, quantum_up)
+        self.down = FairLink(loop.call_soon, quantum_down)
 
     @classmethod
     def for_loop(cls, loop: asyncio.AbstractEventLoop) -> "Scheduler":
