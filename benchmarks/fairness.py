@@ -20,7 +20,8 @@ download rate (Gbit/s) and its ratio to its fair share (the downloaders' total d
 proportion to their weights: 1.0 is exactly fair), and per latency guest the p50 round trip
 unloaded, loaded and their ratio; then one JSON line with the same figures (and per guest
 ``fair_waits``: how often its flows waited for its turn, the stack's ``tcp_fair_wait_down`` +
-``tcp_fair_wait_up``).
+``tcp_fair_wait_up``; and ``loop_cpu``: the CPU time of this process, the stacks' loop, per
+second of the loaded window: 1.0 is one core busy).
 
 The issue-28 target: every guest >= 0.9 of its fair share and a latency ratio <= 1.5.
 ``--no-fair`` takes the guests out of the scheduler (``NetworkConfig(fair_weight=None)``):
@@ -233,6 +234,10 @@ async def measure(args) -> dict:
             for *_, g in procs:
                 g.stdin.write(f"{t0}\n".encode())
                 await g.stdin.drain()
+            cpu: list[float] = []  # this process's CPU time (the loop's) at the loaded window's ends
+            loop = asyncio.get_running_loop()
+            for at in (l0, l1):
+                loop.call_later(max(0.0, t0 + at - time.time()), lambda: cpu.append(time.process_time()))
             outs = await asyncio.wait_for(asyncio.gather(*(g.stdout.read() for *_, g in procs)), l1 + 60)
             for *_, g in procs:
                 await g.wait()
@@ -256,7 +261,8 @@ async def measure(args) -> dict:
         for r in rows:
             if r["kind"] == "latency":
                 r["latency_ratio"] = r["loaded_p50_us"] / r["unloaded_p50_us"]
-        return {"fair": not args.no_fair, "direction": args.direction, "duration": dur, "warmup": warm, "total_gbps": total * 8 / dur / 1e9,
+        loop_cpu = (cpu[1] - cpu[0]) / dur if len(cpu) == 2 else None
+        return {"fair": not args.no_fair, "direction": args.direction, "duration": dur, "loop_cpu": loop_cpu, "warmup": warm, "total_gbps": total * 8 / dur / 1e9,
                 "guests": rows}
     finally:
         for server in servers:
@@ -273,7 +279,8 @@ async def measure(args) -> dict:
 def print_report(res: dict) -> None:
     what = "downloads" if res["direction"] == "down" else "uploads"
     print(f"fair scheduler: {'on' if res['fair'] else 'off'}; window {res['duration']:g} s after "
-          f"{res['warmup']:g} s warm-up; {what} in all {res['total_gbps']:.2f} Gbit/s")
+          f"{res['warmup']:g} s warm-up; {what} in all {res['total_gbps']:.2f} Gbit/s; "
+          f"the loop's process used {res['loop_cpu']:.2f} CPU")
     print("| guest | flows | weight | Gbit/s | fair-share ratio | p50 unloaded us | p50 loaded us | latency ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in res["guests"]:

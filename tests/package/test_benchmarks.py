@@ -330,12 +330,14 @@ def test_fairness_quick_prints_a_row_per_guest_and_the_figures():
     assert p.returncode == 0, p.stderr[-2000:]
     lines = p.stdout.splitlines()
     assert lines[0].startswith("fair scheduler: on; window 1 s after 0.5 s warm-up; downloads in all ")
+    assert " Gbit/s; the loop's process used " in lines[0] and lines[0].endswith(" CPU")
     assert lines[1] == ("| guest | flows | weight | Gbit/s | fair-share ratio | p50 unloaded us | p50 loaded us "
                         "| latency ratio |")
     rows = [line.split(" | ")[:3] for line in lines[3:-1]]
     assert rows == [["| flood", "4", "1"], ["| n1", "1", "1"], ["| n2", "1", "1"], ["| lat1", "-", "1"]]
     res = json.loads(lines[-1])
     assert res["fair"] is True and res["duration"] == 1.0 and res["warmup"] == 0.5
+    assert 0 < res["loop_cpu"] < 2.5  # one loop: about one core at most (plus a helper thread or two)
     downloads = [g for g in res["guests"] if g["kind"] == "download"]
     assert [g["guest"] for g in downloads] == ["flood", "n1", "n2"]
     assert all(g["bytes"] > 0 and g["gbps"] > 0 for g in downloads)
