@@ -220,3 +220,29 @@ def test_fair_weight_default_and_off():
     assert NetworkConfig().validate().fair_weight == 1.0
     assert NetworkConfig(fair_weight="2.5").validate().fair_weight == 2.5
     assert NetworkConfig(fair_weight=None).validate().fair_weight is None
+
+
+def test_one_scheduler_per_loop_with_both_directions():
+    import asyncio
+
+    from aioslirp.fair import QUANTUM_DOWN, Scheduler
+
+    loop, other = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        sched = Scheduler.for_loop(loop)
+        assert Scheduler.for_loop(loop) is sched and Scheduler.for_loop(other) is not sched
+        up, down = sched.join(2.0, "g")
+        assert (up.link, down.link) == (sched.up, sched.down)
+        assert up.quantum == 2 * QUANTUM and down.quantum == 2 * QUANTUM_DOWN
+        assert up.name == down.name == "g" and sched.up.shares == sched.down.shares == 1
+        # a pass goes through the loop: a second guest over its share waits for it
+        other_up, _ = sched.join()
+        up.charge(1)
+        assert other_up.charge(3 * QUANTUM) is True
+        turns = []
+        other_up.wait(lambda: turns.append("turn"))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert turns == ["turn"] and sched.up.passes == 1
+    finally:
+        loop.close()
+        other.close()
