@@ -40,8 +40,8 @@ apply on top: a capped guest moves less, the others share the rest (DRR is work-
 
 Bounded state: a share holds at most one waiting callback per flow and direction (each flow
 keeps a flag of its own: ``share_paused`` / ``share_held`` of :class:`~aioslirp.nat.tcp.TcpFlow`,
-so the number of the guest's flows is the bound), a link lists each waiting share once, and a closed
-stack's shares leave their links with their callbacks (:meth:`Share.leave`).
+so the number of the guest's flows is the bound), a link lists each waiting share once, and a
+closed stack's shares leave their links with their callbacks (:meth:`Share.leave`).
 
 Sans-IO: :class:`FairLink` reads no clock and schedules its pass through the ``schedule``
 callable it is given (``loop.call_soon`` in :class:`Scheduler`), so tests drive it by hand.
