@@ -262,7 +262,8 @@ async def measure(args) -> dict:
             if r["kind"] == "latency":
                 r["latency_ratio"] = r["loaded_p50_us"] / r["unloaded_p50_us"]
         loop_cpu = (cpu[1] - cpu[0]) / dur if len(cpu) == 2 else None
-        return {"fair": not args.no_fair, "direction": args.direction, "duration": dur, "loop_cpu": loop_cpu, "warmup": warm, "total_gbps": total * 8 / dur / 1e9,
+        return {"fair": not args.no_fair, "direction": args.direction, "duration": dur, "loop_cpu": loop_cpu,
+                "warmup": warm, "total_gbps": total * 8 / dur / 1e9,
                 "guests": rows}
     finally:
         for server in servers:
@@ -303,9 +304,11 @@ def main(argv=None) -> int:
     ap.add_argument("--neighbours", type=int, default=1, help="guests with one download each (default 1)")
     ap.add_argument("--latency-guests", type=int, default=1, help="request/response guests (default 1)")
     ap.add_argument("--duration", type=float, default=5.0, help="seconds of each measured window (default 5)")
-    ap.add_argument("--warmup", type=float, default=1.0, help="seconds of download before the loaded window (default 1)")
+    ap.add_argument("--warmup", type=float, default=1.0,
+                    help="seconds of transfer before the loaded window (default 1)")
     ap.add_argument("--weights", help="fair_weight per guest, e.g. flood=2,n1=0.5 (default 1 each)")
-    ap.add_argument("--no-fair", action="store_true", help="take the guests out of the fair scheduler (fair_weight=None)")
+    ap.add_argument("--no-fair", action="store_true",
+                    help="take the guests out of the fair scheduler (fair_weight=None)")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                     help="event loop (default uvloop, asyncio when uvloop is missing)")
     ap.add_argument("--quick", action="store_true", help="1 s windows, 0.5 s warm-up: a smoke run")
