@@ -55,6 +55,7 @@ from .handlers.routes import Router
 from .flow.guard import Guard
 from .flow.info import FlowInfo, FlowRecords  # noqa: F401  (FlowInfo: the records of stack.flows())
 from .flow.table import FlowTable
+from .fair import Scheduler
 from .heap import keep_freed_heap
 from .inject import InjectQueue
 from .nat.icmp import IcmpEcho
@@ -359,7 +360,8 @@ class Stack:
 
     async def start(self) -> None:
         """Start the writer task, the idle sweep and the services, and hand the parts what exists
-        once the stack runs (``ctx.running``: the loop, DNS, the host poller). Called by ``async
+        once the stack runs (``ctx.running``: the loop, DNS, the host poller, the guest's shares of
+        the loop's fair scheduler, :mod:`aioslirp.fair`). Called by ``async
         with``; once per stack (``RuntimeError`` the second time)."""
         p = self._parts
         ctx = p.ctx
@@ -370,7 +372,12 @@ class Stack:
         dns = DnsForwarder(self.config)
         # what exists once the stack runs, all at once: the loop and its clock, DNS, one epoll for
         # the TCP flows' host sockets
-        ctx.start(Running(loop, dns, HostPoller(loop)))
+        # the guest's shares of the loop's fair scheduler (aioslirp.fair), one per direction
+        weight = self.config.fair_weight
+        up = down = None
+        if weight is not None:
+            up, down = Scheduler.for_loop(loop).join(weight, ctx.identity.name or "")
+        ctx.start(Running(loop, dns, HostPoller(loop), share_up=up, share_down=down))
         p.guard.start(dns, now=loop.time())
         p.table.start(loop)
         if ctx.audit is not None:
@@ -440,7 +447,11 @@ class Stack:
             self._transport.close()
         p.table.clear()
         if ctx.is_started:  # every host socket left the poller as its flow ended
-            ctx.running.host_poller.close()
+            running = ctx.running
+            running.host_poller.close()
+            for share in (running.share_up, running.share_down):
+                if share is not None:
+                    share.leave()  # (its flows are gone: their callbacks are dropped)
         audit = ctx.audit
         if audit is not None:
             if self._own_audit:
@@ -752,7 +763,8 @@ class Stack:
                 * ``tcp_*`` (``tcp_resets``, ``tcp_rst_sent``, ``tcp_idle_closed``,
                   ``tcp_connect_refused``, ``tcp_connect_unreachable``, ``tcp_host_read_paused``,
                   ``tcp_host_write_paused``, ``tcp_host_lost``: a host socket failed, e.g. the host
-                  peer reset, the guest got a RST...), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
+                  peer reset, the guest got a RST...; ``tcp_fair_wait_down`` / ``_up``: a flow
+                  waited for the guest's turn in the loop's fair scheduler, :mod:`aioslirp.fair`), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
                   ``udp_idle_closed``), ``icmp_*`` (echo and error counts, ``icmp_errors_rate_limited``),
                   ``ip_fragments`` / ``ip_reassembled``, ``arp.*``, ``ndp.*`` / ``ra_*`` / ``na_*``
                   (IPv6 neighbour discovery), ``forward_*`` (port forwards), ``flow_errors``.

@@ -198,6 +198,12 @@ class NetworkConfig:
     #: See docs/audit.md.
     rate_up: float | str | None = None
     rate_down: float | str | None = None
+    #: The guest's weight in the fair scheduler of its event loop (:mod:`aioslirp.fair`): when
+    #: several stacks share one loop, each host link direction is shared between the busy guests
+    #: in proportion to their weights (deficit round robin per guest, not per flow). A positive
+    #: number; ``None``: the guest takes no part (its flows are never held back, and it counts
+    #: for no one's share). See docs/configuration.md, "Fair shares".
+    fair_weight: float | None = 1.0
     #: The audit log (``--audit-log``): a path (``"-"``: stderr) or a text file object; one
     #: JSON line per flow at its end (docs/audit.md). ``None``: no audit log.
     audit_log: object = None
@@ -320,6 +326,14 @@ class NetworkConfig:
         for name in ("rate_up", "rate_down"):
             if getattr(self, name) is not None:
                 setattr(self, name, parse_rate(getattr(self, name), name))
+        if self.fair_weight is not None:
+            try:
+                weight = float(self.fair_weight)
+            except (TypeError, ValueError):
+                weight = float("nan")
+            if isinstance(self.fair_weight, bool) or not 0 < weight < float("inf"):
+                raise ConfigError("fair_weight", f"{self.fair_weight!r}: must be a positive number (or None: not scheduled)")
+            self.fair_weight = weight
         if self.upstream_proxy is not None:
             parse_proxy_url(self.upstream_proxy, "upstream_proxy")
         log_to = self.audit_log

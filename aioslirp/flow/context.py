@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from ..config import NetworkConfig
 from ..config.identity import NO_IDENTITY, GuestIdentity
+from ..fair import Share
 from ..inject import Frame, InjectQueue
 from ..ratelimit import ByteBucket
 from .base import AuditSink, TracePoints
@@ -82,6 +83,10 @@ class Running:
         dns: the DNS forwarder (:class:`Resolver`: DNS over UDP and TCP to the DNS address).
         host_poller: the one epoll reading the TCP flows' host sockets (:class:`ReadPoller`,
             closed by ``Stack.aclose``).
+        share_up, share_down: the guest's :class:`~aioslirp.fair.Share` of the loop's fair
+            scheduler each way (``share_up``: guest -> host), or ``None`` (``fair_weight`` None:
+            not scheduled). TCP flows charge the bytes they move to them and wait their turn
+            when told (:mod:`aioslirp.fair`).
 
     Attributes:
         time: ``loop.time``, bound: the one clock of the data path (seconds). A batch of guest
@@ -90,18 +95,23 @@ class Running:
             limiters and ``last_active`` read the same clock. No wall clock on the frame path.
     """
 
-    __slots__ = ("loop", "time", "dns", "host_poller")
+    __slots__ = ("loop", "time", "dns", "host_poller", "share_up", "share_down")
 
     loop: asyncio.AbstractEventLoop
     time: Callable[[], float]
     dns: Resolver
     host_poller: ReadPoller
+    share_up: Share | None
+    share_down: Share | None
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, dns: Resolver, host_poller: ReadPoller) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, dns: Resolver, host_poller: ReadPoller, *,
+                 share_up: Share | None = None, share_down: Share | None = None) -> None:
         self.loop = loop
         self.time = loop.time
         self.dns = dns
         self.host_poller = host_poller
+        self.share_up = share_up
+        self.share_down = share_down
 
 
 class NativeFlows(Protocol):

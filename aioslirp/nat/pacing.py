@@ -1,5 +1,6 @@
 """What a :class:`~aioslirp.nat.tcp.TcpFlow` reports about itself at its end, and its pacing
-under the guest's rate caps (``--rate-limit``): :class:`FlowPacing`, a mixin of ``TcpFlow``.
+under the guest's rate caps (``--rate-limit``) and fair shares (:mod:`aioslirp.fair`):
+:class:`FlowPacing`, a mixin of ``TcpFlow``.
 
 Rate caps: ``rate_up`` / ``rate_down`` are the guest's shared
 :class:`~aioslirp.ratelimit.ByteBucket` each way. Towards the host, guest bytes are written
@@ -8,6 +9,11 @@ in the connection (its receive window closes) and a loop timer writes it once th
 refilled. Towards the guest, each host read is at most what the bucket holds (at least 4 KiB,
 see :class:`~aioslirp.nat.hostsock.HostSocket`), it is spent from the bucket, and reading pauses
 while the bucket is in debt, resumed by the same timer. Nothing is dropped.
+
+Fair shares: the bytes moved each way are charged to the guest's ``share_up`` / ``share_down``
+(:class:`~aioslirp.fair.Share`); when a charge says the guest is over its share, the flow stops
+reading (``share_paused``) or writing (``share_held``) and the loop's scheduler calls it back on
+the guest's turn (:meth:`FlowPacing._share_down_turn`, :meth:`FlowPacing._share_up_turn`).
 """
 
 from __future__ import annotations
@@ -88,9 +94,34 @@ class FlowPacing:
                 else:
                     self.rate_paused = False
                     tr = self.transport
-                    if tr is not None and not self.host_closed and not self.reading_paused:
+                    if tr is not None and not self.host_closed and not self.reading_paused and not self.share_paused:
                         tr.resume_reading()
             self.flush(now)
         except Exception:
             log.exception("TCP flow %s rate timer failed", self.key)
+            self.failed_internally()
+
+    # ----------------------------------------------------------------- fair shares (aioslirp.fair)
+    def _share_down_turn(self) -> None:
+        """The guest's turn to read from the host again (the fair scheduler's pass)."""
+        self.share_paused = False
+        if self._finished:
+            return
+        try:
+            tr = self.transport
+            if tr is not None and not self.host_closed and not self.reading_paused and not self.rate_paused:
+                tr.resume_reading()
+        except Exception:
+            log.exception("TCP flow %s: resuming its host reads failed", self.key)
+            self.failed_internally()
+
+    def _share_up_turn(self) -> None:
+        """The guest's turn to write to the host again (the fair scheduler's pass)."""
+        self.share_held = False
+        if self._finished:
+            return
+        try:
+            self.flush(self.loop.time())
+        except Exception:
+            log.exception("TCP flow %s: writing to the host on its turn failed", self.key)
             self.failed_internally()

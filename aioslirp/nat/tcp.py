@@ -18,6 +18,9 @@ asyncio protocol callbacks:
   guest's ACKs make room.
 * a FIN from either side becomes ``shutdown(SHUT_WR)`` / a FIN towards the other side;
   the reverse direction stays open. A RST either way tears the flow down.
+* fair shares (``share_up`` / ``share_down``, the guest's :class:`~aioslirp.fair.Share` of the
+  loop each way): the bytes moved are charged to them; over the guest's share, the flow stops
+  reading or writing until the loop's scheduler gives the guest its turn (:mod:`aioslirp.fair`).
 * rate caps (``rate_up`` / ``rate_down``, the guest's shared
   :class:`~aioslirp.ratelimit.ByteBucket` each way): towards the host, guest bytes are written
   only while the bucket holds them; the rest waits in the connection (its window closes) and
@@ -45,6 +48,7 @@ import time
 from collections.abc import Callable
 from typing import cast
 
+from ..fair import Share
 from ..flow.base import Flow, FlowFamily, admission
 from ..flow.context import FlowContext
 from ..ratelimit import ByteBucket
@@ -107,7 +111,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         "_upgrading", "_close_abort", "_pending_sock", "_connect_waiting", "_t0", "retired", "no_socket", "task",
         "_mark_dirty", "started", "_outcome", "rate_up", "rate_down", "rate_paused", "_rate_timer", "_rate_at",
         "name", "rule",
-        "_host_factory",
+        "_host_factory", "share_up", "share_down", "share_paused", "share_held",
     )
 
     #: The stack's :class:`~aioslirp.flow.context.FlowContext` (flow table, counters, inject queue, config).
@@ -183,6 +187,14 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
     rule: str | None
     #: ``host(flow)`` -> the in-process host side (DNS over TCP, a Python handler), or ``None``: a host socket.
     _host_factory: HostFactory | None
+    #: The guest's :class:`~aioslirp.fair.Share` of the loop each way (``ctx.running.share_up`` /
+    #: ``share_down``), ``None``: not scheduled (the DNS service, ``fair_weight`` None).
+    share_up: Share | None
+    share_down: Share | None
+    #: Reading the host side is paused: the guest is over its share down (waits for its turn).
+    share_paused: bool
+    #: Writing to the host side is held: the guest is over its share up (waits for its turn).
+    share_held: bool
 
     def __init__(self, ctx: FlowContext, fam: FlowFamily, key: tuple, remote: str | None, syn: Segment | None,
                  orig_header: bytes, now: float, host: HostFactory | None = None) -> None:
@@ -198,8 +210,12 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         self.name, self.rule = admission(ctx, self, remote)  # the egress decision's name and rule (Flow)
         if remote is not None:
             self.rate_up, self.rate_down = ctx.rate_up, ctx.rate_down
-        else:  # the DNS-over-TCP service is not capped
+            running = ctx.running
+            self.share_up, self.share_down = running.share_up, running.share_down
+        else:  # the DNS-over-TCP service is not capped nor scheduled
             self.rate_up = self.rate_down = None
+            self.share_up = self.share_down = None
+        self.share_paused = self.share_held = False
         self.rate_paused = False
         self._rate_timer = None
         self._rate_at = 0.0
@@ -328,7 +344,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
             return
         stream.set_write_buffer_limits(high=512 * 1024)
         self.host_paused = False  # HostSocket's wait for writability ended with it
-        if self.reading_paused or self.rate_paused:
+        if self.reading_paused or self.rate_paused or self.share_paused:
             # Enough for asyncio's transport (it starts reading after this callback and honours
             # the pause); uvloop starts reading regardless: data_received pauses it again.
             stream.pause_reading()
@@ -468,6 +484,15 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
                 if mover is not None:
                     mover.pause_reading()
                 self._rate_wake(now + wait)
+        share = self.share_down
+        if share is not None and share.charge(len(data)):  # over the guest's fair share: wait for its turn
+            mover = self.transport
+            if mover is not None:
+                mover.pause_reading()
+            if not self.share_paused:
+                self.share_paused = True
+                self.ctx.counters["tcp_fair_wait_down"] += 1
+                share.wait(self._share_down_turn)
         self.flush(now)
 
     def eof_received(self) -> bool:
@@ -526,7 +551,8 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
         if tr is not None and not self.host_closed:
             pending = conn.recv_pending  # in-order guest bytes not yet written to the host
             rate = self.rate_up
-            while pending and not self.host_paused:
+            share = self.share_up
+            while pending and not self.host_paused and not self.share_held:
                 data = conn.peek_chunk()
                 if rate is not None:  # --rate-limit up: write what the bucket holds, the rest waits
                     data = self._rate_cut(rate, data)
@@ -537,6 +563,11 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
                     if rate is not None:
                         rate.spend(n, now)
                     pending = conn.consume(n)
+                    if share is not None and share.charge(n):  # over the guest's fair share: the rest waits its turn
+                        self.share_held = True
+                        self.ctx.counters["tcp_fair_wait_up"] += 1
+                        share.wait(self._share_up_turn)
+                        break
                 if n < len(data):
                     break
             tr = self.transport  # None when a partial send started the move to a transport
@@ -547,7 +578,7 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
                     tr.write_eof()
             if self.reading_paused and conn.send_space > 0:
                 self.reading_paused = False
-                if not self.rate_paused:
+                if not self.rate_paused and not self.share_paused:
                     tr.resume_reading()
         self._emit(now)
         ev = conn.next_event()

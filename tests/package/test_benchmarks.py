@@ -362,3 +362,39 @@ def test_many_guests_rejects_bad_options_with_one_line():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == "many_guests.py: error: --guests: must be > 0"
+
+
+@pytest.mark.netns
+def test_fairness_quick_prints_a_row_per_guest_and_the_figures():
+    """benchmarks/fairness.py --quick end to end: the table's rows and the JSON line's shape (figures are noise)."""
+    need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
+    p = subprocess.run([sys.executable, str(BENCH / "fairness.py"), "--quick", "--neighbours", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("fair scheduler: on; window 1 s after 0.5 s warm-up; downloads in all ")
+    assert " Gbit/s; the loop's process used " in lines[0] and lines[0].endswith(" CPU")
+    assert lines[1] == ("| guest | flows | weight | Gbit/s | fair-share ratio | p50 unloaded us | p50 loaded us "
+                        "| latency ratio |")
+    rows = [line.split(" | ")[:3] for line in lines[3:-1]]
+    assert rows == [["| flood", "4", "1"], ["| n1", "1", "1"], ["| n2", "1", "1"], ["| lat1", "-", "1"]]
+    res = json.loads(lines[-1])
+    assert res["fair"] is True and res["duration"] == 1.0 and res["warmup"] == 0.5
+    assert 0 < res["loop_cpu"] < 2.5  # one loop: about one core at most (plus a helper thread or two)
+    downloads = [g for g in res["guests"] if g["kind"] == "download"]
+    assert [g["guest"] for g in downloads] == ["flood", "n1", "n2"]
+    assert all(g["bytes"] > 0 and g["gbps"] > 0 for g in downloads)
+    assert abs(sum(g["fair_share_ratio"] for g in downloads) - 3.0) < 1e-9  # the shares add up to the total
+    (lat,) = [g for g in res["guests"] if g["kind"] == "latency"]
+    assert lat["unloaded_p50_us"] > 0 and lat["loaded_p50_us"] > 0
+    assert lat["latency_ratio"] == pytest.approx(lat["loaded_p50_us"] / lat["unloaded_p50_us"])
+
+
+def test_fairness_rejects_bad_options_with_one_line():
+    for opts, text in ((["--weights", "nobody=2"], "no guest named 'nobody'"),
+                       (["--weights", "n1=0"], "--weights: 'n1=0': expected NAME=POSITIVE_NUMBER"),
+                       (["--neighbours", "-1"], "--neighbours: must be at least 0")):
+        p = subprocess.run([sys.executable, str(BENCH / "fairness.py"), *opts], capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode != 0
+        assert text in p.stderr, p.stderr

@@ -1,0 +1,331 @@
+"""Per-guest fairness of one event loop: deficit round robin over the guests (stacks) sharing it.
+
+Theory of operation
+-------------------
+Many :class:`~aioslirp.stack.Stack` objects may share one asyncio loop. Without a scheduler,
+each host socket or transport read callback gets one turn per loop iteration, so a guest with
+4 bulk flows gets 4 turns for a neighbour's 1 (measured: a neighbour's single download fell
+from ~9.3 to ~1.5 Gbit/s). The :class:`Scheduler` of a loop (one per loop,
+:meth:`Scheduler.for_loop`) gives each guest a :class:`Share` of each host link direction:
+:attr:`Scheduler.down` (host -> guest: bytes read from the guest's host sockets) and
+:attr:`Scheduler.up` (guest -> host: bytes written to them). Each direction is a
+:class:`FairLink`, deficit round robin (DRR, Shreedhar and Varghese 1995) over the shares,
+charged after the fact:
+
+* A share has a *deficit* (bytes it may still move) and a *quantum*: :data:`QUANTUM` (up) or
+  :data:`QUANTUM_DOWN` (down) times its weight (``NetworkConfig.fair_weight``). Every byte the
+  guest moves is :meth:`charged <Share.charge>` to it. While the deficit stays above zero the
+  guest's flows go on as before (nothing else happens on the hot path: one subtraction).
+* A charge that leaves the deficit at or below zero, while another guest has moved bytes in the
+  same round (contention), answers True: the flow that read or wrote pauses and waits
+  (:meth:`Share.wait`, a callback). A guest alone on the loop is credited at once and never
+  waits, so a single stack runs as without a scheduler.
+* One *pass* per loop iteration (``loop.call_soon``, only while some flow waits) serves the
+  waiting guests: when none of them has credit left it advances the round counter by the
+  fewest rounds that give one of them credit again (no empty loop iterations); each share gets
+  ``quantum`` per round. The first waiting guest with credit then resumes *one* of its waiting
+  flows (round robin among the guest's flows, in the order they began to wait) and goes to the
+  end of the line, so that the guests take turns, a guest's flows take turns, and a loop
+  iteration holds about one bulk read whatever the number of guests: the latency a flood adds
+  to a light guest's request is about one read's work, not one read per flooding flow.
+* Credit is given lazily, by round: a share catches up ``(round - seen) * quantum`` when next
+  charged or served, capped at one quantum, so an idle guest hoards no credit, and a guest that
+  joins late starts with one quantum like the others.
+
+So over any stretch of rounds every backlogged guest moves ``quantum * weight`` bytes a round,
+within one read per flow (a flow reads at most :data:`~aioslirp.nat.hostsock.READ_SIZE`), whatever
+its number of flows; a guest that moves little (request/response) always has credit and never
+waits. The per-guest rate caps (``rate_up`` / ``rate_down``, :class:`~aioslirp.ratelimit.ByteBucket`)
+apply on top: a capped guest moves less, the others share the rest (DRR is work-conserving).
+
+Bounded state: a share holds at most one waiting callback per flow and direction (each flow
+keeps a flag of its own: ``share_paused`` / ``share_held`` of :class:`~aioslirp.nat.tcp.TcpFlow`,
+so the number of the guest's flows is the bound), a link lists each waiting share once, and a
+closed stack's shares leave their links with their callbacks (:meth:`Share.leave`).
+
+Sans-IO: :class:`FairLink` reads no clock and schedules its pass through the ``schedule``
+callable it is given (``loop.call_soon`` in :class:`Scheduler`), so tests drive it by hand.
+Not thread-safe: everything on the loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+__all__ = ["FairLink", "QUANTUM", "QUANTUM_DOWN", "Scheduler", "Share"]
+
+log = logging.getLogger("aioslirp.fair")
+
+#: Bytes a share of weight 1 may move per round (a round: every backlogged guest served once),
+#: guest -> host (:attr:`Scheduler.up`): a flow's writes stop once its guest is over its share,
+#: so this is about the most one turn writes (a smaller one measured lower latency for a light
+#: guest and lower throughput: docs/performance.md).
+QUANTUM = 256 * 1024
+#: The same, host -> guest (:attr:`Scheduler.down`). A turn there is one host read (up to 256 KiB,
+#: ``READ_SIZE`` of :mod:`aioslirp.nat.hostsock` and uvloop's read size) charged after the fact,
+#: whatever the quantum; a smaller quantum makes finer rounds, which measured better both ways
+#: than 256 KiB (docs/performance.md, "Per-guest fairness").
+QUANTUM_DOWN = 64 * 1024
+
+
+class Share:
+    """One guest's share of one :class:`FairLink` (made by :meth:`FairLink.join`).
+
+    Attributes:
+        weight: the guest's weight (> 0); its quantum is ``link.quantum * weight`` bytes a round.
+        deficit: bytes the guest may still move before it waits (<= 0: in debt), as of round
+            :attr:`seen`.
+        moved: bytes charged in all (a counter).
+        waits: times one of its flows was made to wait (a counter).
+        name: a label for log lines and the benchmark (the stack's name).
+    """
+
+    __slots__ = ("link", "weight", "quantum", "deficit", "seen", "mark", "waiters", "queued", "moved", "waits",
+                 "name", "left")
+
+    link: FairLink
+    weight: float
+    quantum: float
+    deficit: float
+    seen: int
+    #: The last round in which the guest moved bytes (counted in the link's ``active``).
+    mark: int
+    #: Callbacks of the flows waiting for credit, served in this order.
+    waiters: deque[Callable[[], None]]
+    #: In the link's list of waiting shares.
+    queued: bool
+    moved: int
+    waits: int
+    name: str
+    #: :meth:`leave` ran: charges are counted but never wait.
+    left: bool
+
+    def __init__(self, link: FairLink, weight: float, name: str = "") -> None:
+        self.link = link
+        self.weight = weight
+        self.quantum = link.quantum * weight
+        self.deficit = self.quantum
+        self.seen = link.round
+        self.mark = -1
+        self.waiters = deque()
+        self.queued = False
+        self.moved = 0
+        self.waits = 0
+        self.name = name
+        self.left = False
+
+    def charge(self, n: int) -> bool:
+        """``n`` bytes moved for this guest (or about to be). True: the guest is over its share
+        for now; the caller stops moving bytes and calls :meth:`wait`."""
+        link = self.link
+        r = link.round
+        if self.seen != r:
+            link.catch_up(self)
+        if self.mark != r:
+            self.mark = r
+            link.active += 1
+        d = self.deficit - n
+        self.deficit = d
+        self.moved += n
+        if d > 0:  # the hot path: one subtraction, no call
+            return False
+        return link.overdrawn(self)
+
+    def available(self) -> float:
+        """Bytes the guest may move now before it is over its share (<= 0: none)."""
+        return self.link.catch_up(self)
+
+    def wait(self, resume: Callable[[], None]) -> None:
+        """Call ``resume()`` (no arguments, on the loop) once the guest has credit again and it
+        is this callback's turn among the guest's waiting flows. Each callback is called once;
+        a caller keeps one registered at a time (a flag of its own)."""
+        self.link.wait(self, resume)
+
+    def leave(self) -> list[Callable[[], None]]:
+        """The guest is gone (its stack closed): stop taking part. Returns the callbacks that
+        were waiting (not called). Idempotent."""
+        return self.link.leave(self)
+
+
+class FairLink:
+    """Deficit round robin over the :class:`Share` of each guest, for one direction of the host
+    link (see the module documentation).
+
+    Args:
+        quantum: bytes a round for weight 1 (default :data:`QUANTUM`), > 0.
+        schedule: ``schedule(fn)`` runs ``fn()`` soon, once (``loop.call_soon``); called once per
+            needed pass.
+    """
+
+    __slots__ = ("quantum", "round", "_schedule", "_waiting", "_pending", "active", "_active_before", "shares",
+                 "passes")
+
+    quantum: float
+    #: Rounds elapsed (each gave every share one quantum).
+    round: int
+    _schedule: Callable[[Callable[[], None]], object]
+    #: Shares with waiting flows, in the order they began to wait.
+    _waiting: list[Share]
+    #: A pass is scheduled.
+    _pending: bool
+    #: Shares charged since :attr:`round` last moved (:meth:`Share.charge` counts itself).
+    active: int
+    #: Shares charged between the two moves of :attr:`round` before.
+    _active_before: int
+    #: How many shares are joined.
+    shares: int
+    #: Passes run (a counter).
+    passes: int
+
+    def __init__(self, schedule: Callable[[Callable[[], None]], object], quantum: float = QUANTUM) -> None:
+        if not quantum > 0:
+            raise ValueError(f"quantum: {quantum!r} must be > 0")
+        self.quantum = float(quantum)
+        self.round = 0
+        self._schedule = schedule
+        self._waiting = []
+        self._pending = False
+        self.active = 0
+        self._active_before = 0
+        self.shares = 0
+        self.passes = 0
+
+    def join(self, weight: float = 1.0, name: str = "") -> Share:
+        """A new guest's share (``weight`` > 0); it starts with one quantum of credit."""
+        if not weight > 0 or weight == float("inf"):
+            raise ValueError(f"weight: {weight!r} must be a positive number")
+        self.shares += 1
+        return Share(self, float(weight), name)
+
+    def leave(self, share: Share) -> list[Callable[[], None]]:
+        """See :meth:`Share.leave`."""
+        if share.left:
+            return []
+        share.left = True
+        self.shares -= 1
+        if share.queued:
+            share.queued = False
+            self._waiting.remove(share)
+        left = list(share.waiters)
+        share.waiters.clear()
+        return left
+
+    def catch_up(self, share: Share) -> float:
+        """``share``'s deficit as of the current round (credit of the rounds it missed, at most
+        one quantum in all); returns it."""
+        seen = share.seen
+        d = share.deficit
+        if seen != self.round:
+            d += (self.round - seen) * share.quantum
+            if d > share.quantum:
+                d = share.quantum
+            share.deficit = d
+            share.seen = self.round
+        return d
+
+    def overdrawn(self, share: Share) -> bool:
+        """``share`` was charged to zero or below (:meth:`Share.charge`): True when it must wait
+        its turn; else (no contention) it is credited at once and False."""
+        if share.left:
+            return False
+        if self.active <= 1 and self._active_before <= 1 and not self._waiting:
+            # no other guest moved bytes this round or the one before, none waits: no contention,
+            # credit now (a guest alone on the loop never waits)
+            self._advance(self._rounds_for(share))
+            self.catch_up(share)
+            share.mark = self.round
+            self.active = 1
+            return False
+        return True
+
+    def wait(self, share: Share, resume: Callable[[], None]) -> None:
+        """See :meth:`Share.wait`."""
+        if share.left:
+            self._schedule(resume)
+            return
+        share.waiters.append(resume)
+        share.waits += 1
+        if not share.queued:
+            share.queued = True
+            self._waiting.append(share)
+        if not self._pending:
+            self._pending = True
+            self._schedule(self.run_pass)
+
+    def _rounds_for(self, share: Share) -> int:
+        """Rounds until ``share`` (caught up) has credit above zero again (>= 1)."""
+        return max(1, math.floor(-share.deficit / share.quantum) + 1)
+
+    def _advance(self, k: int) -> None:
+        self.round += k
+        self._active_before = self.active
+        self.active = 0
+
+    def run_pass(self) -> None:
+        """One pass (the scheduled callback): give the waiting guests their rounds and resume one
+        waiting flow of each guest that has credit. Schedules the next pass while flows wait."""
+        self._pending = False
+        self.passes += 1
+        waiting = self._waiting
+        if not waiting:
+            return
+        catch_up = self.catch_up
+        if all(catch_up(s) <= 0 for s in waiting):  # nobody has credit: the fewest rounds that give some
+            self._advance(min(self._rounds_for(s) for s in waiting))
+        for s in list(waiting):
+            if catch_up(s) <= 0:
+                continue
+            resume = s.waiters.popleft()
+            waiting.remove(s)
+            if s.waiters:  # to the end of the line: the next pass serves the next guest first
+                waiting.append(s)
+            else:
+                s.queued = False
+            try:
+                resume()
+            except Exception:  # one flow's failure does not cost the others their turn
+                log.exception("fair scheduler: a resume callback failed (share %s)", s.name)
+            break  # one flow a pass: the loop polls again before the next guest's read
+        if waiting and not self._pending:
+            self._pending = True
+            self._schedule(self.run_pass)
+
+
+class Scheduler:
+    """The fair scheduler of one event loop: :attr:`down` (host -> guest) and :attr:`up`
+    (guest -> host), each a :class:`FairLink` whose passes run through ``loop.call_soon``.
+
+    Made on first use by :meth:`for_loop` (a :class:`~aioslirp.stack.Stack` joins it when it
+    starts, with its ``NetworkConfig.fair_weight``, and leaves when it closes).
+    """
+
+    __slots__ = ("loop", "up", "down", "__weakref__")
+
+    loop: asyncio.AbstractEventLoop
+    up: FairLink
+    down: FairLink
+
+    _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, quantum_up: float = QUANTUM,
+                 quantum_down: float = QUANTUM_DOWN) -> None:
+        self.loop = loop
+        self.up = FairLink(loop.call_soon, quantum_up)
+        self.down = FairLink(loop.call_soon, quantum_down)
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> "Scheduler":
+        """The scheduler of ``loop`` (made on first use, forgotten with the loop)."""
+        sched = cls._by_loop.get(loop)
+        if sched is None:
+            sched = cls._by_loop[loop] = cls(loop)
+        return sched
+
+    def join(self, weight: float = 1.0, name: str = "") -> tuple[Share, Share]:
+        """A new guest's shares ``(up, down)`` of weight ``weight`` (> 0; ``ValueError`` else)."""
+        return self.up.join(weight, name), self.down.join(weight, name)

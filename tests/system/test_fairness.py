@@ -1,0 +1,73 @@
+"""Per-guest fairness (issue 28 item 2): real kernel guests in network namespaces, served by stacks
+sharing one event loop (``benchmarks/fairness.py``: ``aioslirp.spawn`` guests in one process on
+uvloop, a host source and a host echo in processes of their own).
+
+Guest ``flood`` runs 4 parallel downloads, guest ``n1`` one, guest ``lat1`` small request/response
+(64 bytes each way, p50 of its round trips alone, then beside the downloads); and the same with
+uploads (guest -> host).
+
+Tolerances, for a test on a shared 2-core machine: the issue's targets are ``n1`` >= 0.9 of its
+fair share and a latency ratio <= 1.5. Measured here with the scheduler, ``n1`` got 0.98-1.01 of
+its fair share; without it (``fair_weight=None``, the behaviour before) 0.30-0.39 (uploads: 0.47). The test asks
+for >= 0.85. The latency ratio measured 3.2-6 with the scheduler and 37-50 without it (on this
+machine the guests, the host servers and the kernel share the 2 cores with the loop: a flood in
+*another* process already raised ``lat1``'s p50 1.4x); the test asks for < 12, a bound that fails
+without the scheduler. See docs/performance.md, "Per-guest fairness".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support.paths import REPO
+from support.prereqs import need
+
+pytestmark = pytest.mark.netns
+
+need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
+
+
+def run_fairness(*opts: str) -> dict:
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fairness.py"), *opts],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_a_flooding_guest_leaves_its_neighbours_their_fair_share():
+    res = run_fairness("--duration", "2", "--warmup", "0.5")
+    by = {g["guest"]: g for g in res["guests"]}
+    assert res["fair"] is True and res["total_gbps"] > 0.5
+    # the single download gets its half of the link although the flood has 4 flows
+    assert by["n1"]["fair_share_ratio"] >= 0.85, by
+    assert by["flood"]["fair_share_ratio"] <= 1.15, by
+    # the request/response guest's p50 round trip, loaded vs alone (see the module documentation)
+    lat = by["lat1"]
+    assert lat["samples"][0] > 100 and lat["samples"][1] > 100
+    assert lat["latency_ratio"] < 12, lat
+    # the downloaders took turns; the request/response guest, under its share, never waited
+    assert by["flood"]["fair_waits"] > 0 and by["n1"]["fair_waits"] > 0
+    assert lat["fair_waits"] == 0
+
+
+def test_a_flooding_uploader_leaves_its_neighbours_their_fair_share():
+    # guest -> host: the same guests uploading to a host sink
+    res = run_fairness("--duration", "2", "--warmup", "0.5", "--direction", "up")
+    by = {g["guest"]: g for g in res["guests"]}
+    assert res["direction"] == "up" and res["total_gbps"] > 0.5
+    assert by["n1"]["fair_share_ratio"] >= 0.85, by
+    assert by["lat1"]["latency_ratio"] < 12, by["lat1"]
+
+
+def test_weights_divide_the_link_between_guests():
+    # the single download weighs 3: it gets 3/4 of the link, the 4-flow flood 1/4
+    res = run_fairness("--duration", "2", "--warmup", "0.5", "--latency-guests", "0", "--weights", "n1=3")
+    by = {g["guest"]: g for g in res["guests"]}
+    assert by["n1"]["weight"] == 3.0
+    assert by["n1"]["fair_share_ratio"] >= 0.85, by
+    assert by["n1"]["gbps"] > 1.7 * by["flood"]["gbps"], by  # (0.85 of 3/4 against the rest; equal weights: ~1)

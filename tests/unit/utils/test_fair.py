@@ -1,0 +1,248 @@
+"""The fair scheduler's core (:class:`aioslirp.fair.FairLink`), sans-IO: passes are run by hand.
+
+A "guest" here is a share with flows that each read ``chunk`` bytes per turn while they are not
+waiting (the way a TCP flow charges its host reads); the test plays the loop: each iteration,
+every running flow reads once, then the scheduled pass (if any) runs. No clock: DRR counts
+rounds; the per-guest rate caps are :class:`~aioslirp.ratelimit.ByteBucket` on a fake clock.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from aioslirp import NetworkConfig
+from aioslirp.errors import ConfigError
+from aioslirp.fair import QUANTUM, FairLink
+from aioslirp.ratelimit import ByteBucket
+
+Q = 64 * 1024
+
+
+class Loop:
+    """call_soon for the link: the callbacks run at the end of the current iteration."""
+
+    def __init__(self) -> None:
+        self.soon: list = []
+
+    def call_soon(self, fn) -> None:
+        self.soon.append(fn)
+
+    def run_soon(self) -> None:
+        todo, self.soon = self.soon, []
+        for fn in todo:
+            fn()
+
+
+class Flow:
+    """A bulk flow: reads ``chunk`` bytes per iteration while not waiting."""
+
+    def __init__(self, share, chunk: int, cap: ByteBucket | None = None) -> None:
+        self.share = share
+        self.chunk = chunk
+        self.waiting = False
+        self.moved = 0
+        self.cap = cap
+
+    def turn(self) -> None:
+        self.waiting = False
+
+    def step(self, now: float = 0.0) -> None:
+        if self.waiting:
+            return
+        n = self.chunk
+        if self.cap is not None:  # the guest's rate cap: read only what its bucket holds
+            if self.cap.wait(now) > 0:
+                return
+            self.cap.spend(n, now)
+        self.moved += n
+        if self.share.charge(n):
+            self.waiting = True
+            self.share.wait(self.turn)
+
+
+def run(loop: Loop, flows: list[Flow], iterations: int, dt: float = 0.0) -> None:
+    now = 0.0
+    for _ in range(iterations):
+        for f in flows:
+            f.step(now)
+        loop.run_soon()
+        now += dt
+
+
+def moved(flows) -> int:
+    return sum(f.moved for f in flows)
+
+
+def test_a_guest_with_four_flows_gets_the_same_share_as_a_guest_with_one():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    a, b = link.join(name="a"), link.join(name="b")
+    fa = [Flow(a, 256 * 1024) for _ in range(4)]
+    fb = [Flow(b, 256 * 1024)]
+    run(loop, fa + fb, 2000)
+    ratio = moved(fb) / moved(fa)
+    assert 0.95 <= ratio <= 1.05, ratio
+    assert a.moved == moved(fa) and b.moved == moved(fb)
+    # A's flows took turns: each moved about a quarter of A's bytes
+    for f in fa:
+        assert 0.2 <= f.moved / moved(fa) <= 0.3
+
+
+def test_weights_divide_the_link_in_proportion():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    heavy, light = link.join(3.0), link.join(1.0)
+    fh = [Flow(heavy, 128 * 1024) for _ in range(2)]
+    fl = [Flow(light, 128 * 1024) for _ in range(2)]
+    run(loop, fh + fl, 3000)
+    assert 2.85 <= moved(fh) / moved(fl) <= 3.15, moved(fh) / moved(fl)
+
+
+def test_a_capped_guest_moves_at_its_cap_and_the_others_share_the_rest():
+    # one iteration = 1 ms; the capped guest's bucket gives 16 KiB/ms, a quarter of a round's quantum
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    capped, free1, free2 = link.join(), link.join(), link.join()
+    cap = ByteBucket(16 * 1024 * 1000.0, burst=16 * 1024)
+    fc = [Flow(capped, 16 * 1024, cap) for _ in range(4)]
+    f1 = [Flow(free1, 256 * 1024) for _ in range(3)]
+    f2 = [Flow(free2, 256 * 1024)]
+    run(loop, fc + f1 + f2, 2000, dt=0.001)
+    assert 16 * 1024 * 1990 <= moved(fc) <= 16 * 1024 * 2001  # at its cap: under its fair share it never waits
+    assert capped.waits == 0
+    assert 0.95 <= moved(f1) / moved(f2) <= 1.05  # the two uncapped guests split what is left
+    assert moved(f2) > 3.5 * moved(fc)
+
+
+def test_credit_carries_over_between_rounds():
+    # reads of 100 and 40 KiB against a quantum of 64 KiB: the debt of one round is paid by the
+    # next ones, the credit left by a round is used in the next (no read is cut to fit)
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    a, b = link.join(), link.join()
+    fa, fb = [Flow(a, 100 * 1024)], [Flow(b, 40 * 1024) for _ in range(3)]
+    run(loop, fa + fb, 3000)
+    assert 0.97 <= moved(fa) / moved(fb) <= 1.03, moved(fa) / moved(fb)
+    assert a.waits > 100 and b.waits > 100
+    assert -100 * 1024 < a.deficit <= Q and -3 * 40 * 1024 < b.deficit <= Q
+
+
+def test_an_idle_guest_hoards_no_credit():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    busy1, busy2, idle = link.join(), link.join(), link.join()
+    run(loop, [Flow(busy1, 256 * 1024), Flow(busy2, 256 * 1024)], 1000)
+    assert link.round > 1000  # many rounds went by while the idle guest moved nothing
+    assert idle.available() == Q  # one quantum, not a thousand
+    # back from idle: after one quantum it waits like the others
+    assert idle.charge(Q - 1) is False
+    assert idle.charge(2) is True
+
+
+def test_a_new_guest_joining_gets_its_share_from_then_on():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    a = link.join()
+    fa = [Flow(a, 256 * 1024) for _ in range(4)]
+    run(loop, fa, 200)
+    alone = moved(fa)
+    assert alone == 200 * 4 * 256 * 1024  # alone, nothing ever waits
+    assert a.waits == 0 and link.passes == 0
+    b = link.join()
+    assert b.available() == Q  # one quantum to start with, not the rounds before it
+    fb = [Flow(b, 256 * 1024)]
+    run(loop, fa + fb, 2000)
+    ratio = moved(fb) / (moved(fa) - alone)
+    assert 0.95 <= ratio <= 1.05, ratio
+
+
+def test_a_light_guest_never_waits_beside_a_flood():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    flood, light = link.join(), link.join()
+    fl = [Flow(flood, 256 * 1024) for _ in range(8)]
+    small = Flow(light, 200)  # a request/response guest: 200 bytes an iteration
+    run(loop, fl + [small], 2000)
+    assert light.waits == 0 and small.moved == 2000 * 200
+    assert flood.waits > 0
+
+
+def test_a_guest_that_leaves_stops_waiting_and_the_rest_go_on():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    a, b = link.join(), link.join()
+    fa, fb = [Flow(a, 256 * 1024) for _ in range(2)], [Flow(b, 256 * 1024)]
+    run(loop, fa + fb, 50)
+    assert link.shares == 2
+    dropped = a.leave()
+    assert a.leave() == []  # idempotent
+    assert link.shares == 1
+    assert len(dropped) == sum(f.waiting for f in fa)
+    before = moved(fb)
+    run(loop, fb, 100)  # alone now: reads every iteration
+    assert moved(fb) - before == 100 * 256 * 1024
+
+
+def test_a_failing_resume_callback_costs_the_others_nothing(caplog):
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    a, b = link.join(name="a"), link.join(name="b")
+    a.charge(1)
+    assert b.charge(2 * Q) is True
+    b.wait(lambda: 1 / 0)
+    fb = Flow(b, 1)
+    b.wait(fb.turn)
+    fb.waiting = True
+    for _ in range(4):
+        loop.run_soon()
+    assert fb.waiting is False
+    assert "resume callback failed (share b)" in caplog.text
+
+
+def test_bad_weights_and_quanta_are_refused():
+    link = FairLink(lambda fn: None)
+    assert link.quantum == QUANTUM
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            link.join(bad)
+    with pytest.raises(ValueError):
+        FairLink(lambda fn: None, 0)
+
+
+@pytest.mark.parametrize("bad", [0, -2, "x", float("inf"), True])
+def test_fair_weight_errors_name_the_field(bad):
+    with pytest.raises(ConfigError) as ei:
+        NetworkConfig(fair_weight=bad).validate()
+    assert str(ei.value).startswith("fair_weight: ") and "\n" not in str(ei.value)
+
+
+def test_fair_weight_default_and_off():
+    assert NetworkConfig().validate().fair_weight == 1.0
+    assert NetworkConfig(fair_weight="2.5").validate().fair_weight == 2.5
+    assert NetworkConfig(fair_weight=None).validate().fair_weight is None
+
+
+def test_one_scheduler_per_loop_with_both_directions():
+    import asyncio
+
+    from aioslirp.fair import QUANTUM_DOWN, Scheduler
+
+    loop, other = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        sched = Scheduler.for_loop(loop)
+        assert Scheduler.for_loop(loop) is sched and Scheduler.for_loop(other) is not sched
+        up, down = sched.join(2.0, "g")
+        assert (up.link, down.link) == (sched.up, sched.down)
+        assert up.quantum == 2 * QUANTUM and down.quantum == 2 * QUANTUM_DOWN
+        assert up.name == down.name == "g" and sched.up.shares == sched.down.shares == 1
+        # a pass goes through the loop: a second guest over its share waits for it
+        other_up, _ = sched.join()
+        up.charge(1)
+        assert other_up.charge(3 * QUANTUM) is True
+        turns = []
+        other_up.wait(lambda: turns.append("turn"))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert turns == ["turn"] and sched.up.passes == 1
+    finally:
+        loop.close()
+        other.close()
