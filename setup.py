@@ -8,7 +8,7 @@ see :mod:`aioslirp.compiled`). The list lives in ``aioslirp/compiled.py``; docs/
 has the measurements behind it.
 
 The same build compiles the native init of ``aioslirp.spawn()``'s PID namespace
-(``native/aioslirp_init.c``, a small C program, into ``aioslirp/host/aioslirp-init``; linked
+(``aioslirp/native/init.c``, a small C program, into ``aioslirp/host/aioslirp-init``; linked
 statically where the C library allows, for the smallest resident set), whether or not mypyc is
 there; without a C compiler, or with ``AIOSLIRP_NO_EXTENSIONS=1``, it is left out and a Python
 PID 1 runs per guest instead.
@@ -65,7 +65,7 @@ _TRANSLATED: list[tuple[str, str]] = []
 
 #: The native init's source, and where the build puts the program (in the package, beside
 #: ``aioslirp/host/nschild.py``, which looks for it there).
-INIT_SOURCE = os.path.join("native", "aioslirp_init.c")
+INIT_SOURCE = os.path.join("aioslirp", "native", "init.c")
 INIT_MODULE = "aioslirp.host.aioslirp-init"
 
 
@@ -140,7 +140,7 @@ class OptionalBuildExt(build_ext):
         return out + [path] if os.path.exists(path) else out
 
     def _build_init(self) -> None:
-        """Compile and link ``native/aioslirp_init.c`` into the package: statically first (about
+        """Compile and link ``aioslirp/native/init.c`` into the package: statically first (about
         half the resident memory per process), else against the shared C library. A failure is a
         warning: spawn() then runs a Python PID 1."""
         from setuptools._distutils.ccompiler import new_compiler

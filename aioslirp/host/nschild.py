@@ -19,7 +19,7 @@ the command's exec, so that the parent sees EOF once the command runs; when it c
 executed the parent gets ``{"exec_error": ERRNO, "cwd": BOOL}`` instead. Without
 ``spec["pid_namespace"]`` the helper reads the command and execs it. With it, the ``unshare``
 also makes a PID namespace and the helper execs the native init ``spec["init"]``
-(``aioslirp-init SOCK_FD``, built from ``native/aioslirp_init.c``: :func:`native_init`), which
+(``aioslirp-init SOCK_FD``, built from ``aioslirp/native/init.c``: :func:`native_init`), which
 reads the command, forks PID 1 (which mounts its ``/proc`` when allowed, forks the command,
 passes signals on, reaps orphans, and exits with the command, killing everything left in the
 namespace) and ends as the command ended: after the set-up no Python process stays alive for
@@ -88,7 +88,7 @@ NS_GET_USERNS = 0xB701
 RESOLV_CONF = "/etc/resolv.conf"
 #: Seconds a forked child may take to open (and configure) the TAP.
 SETUP_TIMEOUT = 30.0
-#: The native init's file name: setup.py builds it beside this module (``native/aioslirp_init.c``).
+#: The native init's file name: setup.py builds it beside this module (``aioslirp/native/init.c``).
 INIT_NAME = "aioslirp-init"
 #: The environment variable naming a native init to use instead (e.g. one a distribution installs elsewhere).
 INIT_ENV = "AIOSLIRP_INIT"
@@ -657,7 +657,7 @@ def run_child(sock: socket.socket, spec: dict) -> int:
 
 
 def _exec_init(path: str, sock: socket.socket) -> None:
-    """Become the native init (``aioslirp-init SOCK_FD``: see ``native/aioslirp_init.c``), which
+    """Become the native init (``aioslirp-init SOCK_FD``: see ``aioslirp/native/init.c``), which
     reads the command from ``sock``, forks PID 1 of the new PID namespace and ends as the command
     ends: no interpreter stays alive for the guest. Returns when it cannot be executed."""
     fd = sock.fileno()

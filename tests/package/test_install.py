@@ -1,7 +1,7 @@
 """A non-editable install keeps the compiled per-frame path (issue 29): a wheel built from a
 checkout, and an sdist built by pip, installed into fresh virtual environments, load all their
 compiled modules (``aioslirp --version``: ``compiled per-frame path: on (8/8 modules)``), and
-the native init of ``spawn()`` (``aioslirp/host/aioslirp-init``, from ``native/aioslirp_init.c``),
+the native init of ``spawn()`` (``aioslirp/host/aioslirp-init``, from ``aioslirp/native/init.c``),
 which ``aioslirp.host.nschild.native_init()`` finds there (issue 28).
 
 An install writes the native modules before the ``.py`` sources; the staleness check goes by
@@ -125,7 +125,7 @@ def test_sdist_install_runs_compiled(checkout, tmp_path):
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert {"setup.py", "pyproject.toml", "README.md", "aioslirp/compiled.py", "aioslirp/tcp/tcb.py",
-            "native/aioslirp_init.c", "aioslirp/native/sources.py", "aioslirp/native/dataplane.c",
+            "aioslirp/native/init.c", "aioslirp/native/sources.py", "aioslirp/native/dataplane.c",
             "aioslirp/native/dataplane.h", "aioslirp/native/_dataplane.c"} <= names
     assert not [n for n in names if n.endswith(".so") or n.endswith(compiled.RECORD) or n.endswith("aioslirp-init")]
     venv = _venv(tmp_path / "venv")

@@ -1,6 +1,6 @@
 """The native init of ``aioslirp.spawn()`` for the tests that run guests: the one installed with
 the package (``pip install -e .`` builds it beside ``aioslirp/host/nschild.py``), else one built
-here from ``native/aioslirp_init.c`` with the system's C compiler, as setup.py builds it (a
+here from ``aioslirp/native/init.c`` with the system's C compiler, as setup.py builds it (a
 checkout that was never built, such as a git worktree), handed to aioslirp through
 ``AIOSLIRP_INIT``.
 """
@@ -18,7 +18,7 @@ from aioslirp.host.nschild import INIT_ENV, INIT_NAME
 from .paths import REPO
 from .prereqs import need
 
-SOURCE = REPO / "native" / "aioslirp_init.c"
+SOURCE = REPO / "aioslirp" / "native" / "init.c"
 
 
 def installed() -> str | None:
@@ -36,7 +36,7 @@ def build(where: Path) -> str:
     if found:
         return found
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    need(cc, "no C compiler to build native/aioslirp_init.c (apt-get install gcc)")
+    need(cc, "no C compiler to build aioslirp/native/init.c (apt-get install gcc)")
     out = where / INIT_NAME
     for link in (["-static"], []):
         p = subprocess.run([cc, "-O2", "-Wall", "-s", *link, "-o", str(out), str(SOURCE)], capture_output=True,

@@ -36,7 +36,7 @@ PIPE = asyncio.subprocess.PIPE
 
 @pytest.fixture(scope="module")
 def native_init(tmp_path_factory) -> str:
-    """The native init (installed, or built here from native/aioslirp_init.c)."""
+    """The native init (installed, or built here from aioslirp/native/init.c)."""
     return nativeinit.build(tmp_path_factory.mktemp("init"))
 
 
