@@ -33,7 +33,7 @@ class Loop:
             fn()
 
 
-class Flow:
+class BacklogFlow:
     """A bulk flow: reads ``chunk`` bytes per iteration while not waiting."""
 
     def __init__(self, share, chunk: int, cap: ByteBucket | None = None) -> None:
@@ -77,8 +77,8 @@ def test_a_guest_with_four_flows_gets_the_same_share_as_a_guest_with_one():
     loop = Loop()
     link = FairLink(loop.call_soon, Q)
     a, b = link.join(name="a"), link.join(name="b")
-    fa = [Flow(a, 256 * 1024) for _ in range(4)]
-    fb = [Flow(b, 256 * 1024)]
+    fa = [BacklogFlow(a, 256 * 1024) for _ in range(4)]
+    fb = [BacklogFlow(b, 256 * 1024)]
     run(loop, fa + fb, 2000)
     ratio = moved(fb) / moved(fa)
     assert 0.95 <= ratio <= 1.05, ratio
@@ -92,8 +92,8 @@ def test_weights_divide_the_link_in_proportion():
     loop = Loop()
     link = FairLink(loop.call_soon, Q)
     heavy, light = link.join(3.0), link.join(1.0)
-    fh = [Flow(heavy, 128 * 1024) for _ in range(2)]
-    fl = [Flow(light, 128 * 1024) for _ in range(2)]
+    fh = [BacklogFlow(heavy, 128 * 1024) for _ in range(2)]
+    fl = [BacklogFlow(light, 128 * 1024) for _ in range(2)]
     run(loop, fh + fl, 3000)
     assert 2.85 <= moved(fh) / moved(fl) <= 3.15, moved(fh) / moved(fl)
 
@@ -104,9 +104,9 @@ def test_a_capped_guest_moves_at_its_cap_and_the_others_share_the_rest():
     link = FairLink(loop.call_soon, Q)
     capped, free1, free2 = link.join(), link.join(), link.join()
     cap = ByteBucket(16 * 1024 * 1000.0, burst=16 * 1024)
-    fc = [Flow(capped, 16 * 1024, cap) for _ in range(4)]
-    f1 = [Flow(free1, 256 * 1024) for _ in range(3)]
-    f2 = [Flow(free2, 256 * 1024)]
+    fc = [BacklogFlow(capped, 16 * 1024, cap) for _ in range(4)]
+    f1 = [BacklogFlow(free1, 256 * 1024) for _ in range(3)]
+    f2 = [BacklogFlow(free2, 256 * 1024)]
     run(loop, fc + f1 + f2, 2000, dt=0.001)
     assert 16 * 1024 * 1990 <= moved(fc) <= 16 * 1024 * 2001  # at its cap: under its fair share it never waits
     assert capped.waits == 0
@@ -120,7 +120,7 @@ def test_credit_carries_over_between_rounds():
     loop = Loop()
     link = FairLink(loop.call_soon, Q)
     a, b = link.join(), link.join()
-    fa, fb = [Flow(a, 100 * 1024)], [Flow(b, 40 * 1024) for _ in range(3)]
+    fa, fb = [BacklogFlow(a, 100 * 1024)], [BacklogFlow(b, 40 * 1024) for _ in range(3)]
     run(loop, fa + fb, 3000)
     assert 0.97 <= moved(fa) / moved(fb) <= 1.03, moved(fa) / moved(fb)
     assert a.waits > 100 and b.waits > 100
@@ -131,7 +131,7 @@ def test_an_idle_guest_hoards_no_credit():
     loop = Loop()
     link = FairLink(loop.call_soon, Q)
     busy1, busy2, idle = link.join(), link.join(), link.join()
-    run(loop, [Flow(busy1, 256 * 1024), Flow(busy2, 256 * 1024)], 1000)
+    run(loop, [BacklogFlow(busy1, 256 * 1024), BacklogFlow(busy2, 256 * 1024)], 1000)
     assert link.round > 1000  # many rounds went by while the idle guest moved nothing
     assert idle.available() == Q  # one quantum, not a thousand
     # back from idle: after one quantum it waits like the others
@@ -143,14 +143,14 @@ def test_a_new_guest_joining_gets_its_share_from_then_on():
     loop = Loop()
     link = FairLink(loop.call_soon, Q)
     a = link.join()
-    fa = [Flow(a, 256 * 1024) for _ in range(4)]
+    fa = [BacklogFlow(a, 256 * 1024) for _ in range(4)]
     run(loop, fa, 200)
     alone = moved(fa)
     assert alone == 200 * 4 * 256 * 1024  # alone, nothing ever waits
     assert a.waits == 0 and link.passes == 0
     b = link.join()
     assert b.available() == Q  # one quantum to start with, not the rounds before it
-    fb = [Flow(b, 256 * 1024)]
+    fb = [BacklogFlow(b, 256 * 1024)]
     run(loop, fa + fb, 2000)
     ratio = moved(fb) / (moved(fa) - alone)
     assert 0.95 <= ratio <= 1.05, ratio
@@ -160,8 +160,8 @@ def test_a_light_guest_never_waits_beside_a_flood():
     loop = Loop()
     link = FairLink(loop.call_soon, Q)
     flood, light = link.join(), link.join()
-    fl = [Flow(flood, 256 * 1024) for _ in range(8)]
-    small = Flow(light, 200)  # a request/response guest: 200 bytes an iteration
+    fl = [BacklogFlow(flood, 256 * 1024) for _ in range(8)]
+    small = BacklogFlow(light, 200)  # a request/response guest: 200 bytes an iteration
     run(loop, fl + [small], 2000)
     assert light.waits == 0 and small.moved == 2000 * 200
     assert flood.waits > 0
@@ -171,7 +171,7 @@ def test_a_guest_that_leaves_stops_waiting_and_the_rest_go_on():
     loop = Loop()
     link = FairLink(loop.call_soon, Q)
     a, b = link.join(), link.join()
-    fa, fb = [Flow(a, 256 * 1024) for _ in range(2)], [Flow(b, 256 * 1024)]
+    fa, fb = [BacklogFlow(a, 256 * 1024) for _ in range(2)], [BacklogFlow(b, 256 * 1024)]
     run(loop, fa + fb, 50)
     assert link.shares == 2
     dropped = a.leave()
@@ -190,7 +190,7 @@ def test_a_failing_resume_callback_costs_the_others_nothing(caplog):
     a.charge(1)
     assert b.charge(2 * Q) is True
     b.wait(lambda: 1 / 0)
-    fb = Flow(b, 1)
+    fb = BacklogFlow(b, 1)
     b.wait(fb.turn)
     fb.waiting = True
     for _ in range(4):
