@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import socket
@@ -36,6 +35,7 @@ import stat
 from ..host.signals import request_stop
 from ..transport.dgram import DgramTransport
 from ..transport.stream import StreamTransport
+from ..transport.unixpath import SocketInUse, bind_path
 
 __all__ = ["QemuServer", "SocketInUse", "check_socket_path", "serve_qemu", "transport_for_fd"]
 
@@ -43,16 +43,6 @@ log = logging.getLogger("aioslirp.qemu")
 
 #: Longest usable ``sun_path`` (bytes), without the terminating NUL.
 MAX_SOCKET_PATH = 107
-
-
-class SocketInUse(OSError):
-    """Another process serves the socket path already. ``str(err)`` is one line."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(errno.EADDRINUSE, f"{path} is in use by another running server")
-
-    def __str__(self) -> str:
-        return str(self.strerror)
 
 
 def check_socket_path(path: str) -> str | None:
@@ -76,30 +66,6 @@ def check_socket_path(path: str) -> str | None:
     if not stat.S_ISSOCK(st.st_mode):
         return f"{path} exists and is not a socket"
     return None
-
-
-def _bind_path(path: str, kind: int) -> socket.socket:
-    """Bind a new ``AF_UNIX`` socket of type ``kind`` at ``path``, replacing a stale socket file.
-
-    Raises :class:`SocketInUse` when a live socket answers there, ``OSError`` otherwise.
-    """
-    if os.path.exists(path) or os.path.islink(path):
-        probe = socket.socket(socket.AF_UNIX, kind)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # stale: nobody listens
-        else:
-            raise SocketInUse(path)
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, kind)
-    try:
-        sock.bind(path)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def transport_for_fd(fd: int, *, dgram: bool | None = None):
@@ -171,12 +137,12 @@ class QemuServer:
         if self.path is None:
             return
         if self.dgram:
-            sock = _bind_path(self.path, socket.SOCK_DGRAM)
+            sock = bind_path(self.path, socket.SOCK_DGRAM)
             self._ino = os.stat(self.path).st_ino
             self.transport = DgramTransport(sock, name=self.path, on_guest_change=self._guest_changed)
             log.info("waiting for a QEMU guest on %s (-netdev dgram)", self.path)
             return
-        sock = _bind_path(self.path, socket.SOCK_STREAM)
+        sock = bind_path(self.path, socket.SOCK_STREAM)
         self._ino = os.stat(self.path).st_ino
         sock.listen(8)
         sock.setblocking(False)
