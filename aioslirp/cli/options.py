@@ -60,6 +60,21 @@ served. SIGINT/SIGTERM stop it (exit 0) and remove the socket. With --fd (stream
 datagram socket, detected), serving ends when that guest leaves.
 """
 
+_VHOST_USER_EPILOG = """\
+examples:
+  aioslirp vhost-user --socket /tmp/vm1.sock &
+  qemu-system-x86_64 ... -chardev socket,id=c0,path=/tmp/vm1.sock \\
+      -netdev vhost-user,id=n0,chardev=c0 -device virtio-net-pci,netdev=n0 \\
+      -object memory-backend-memfd,id=mem0,size=1G,share=on -machine memory-backend=mem0
+
+  cloud-hypervisor ... --memory size=1G,shared=on --net vhost_user=true,socket=/tmp/vm1.sock
+
+The guest's memory must be shared (memfd, share=on). With --client the front end listens
+(QEMU -chardev socket,...,server=on) and aioslirp connects, again whenever it goes. One
+front end at a time; when it leaves, its guest's flows are torn down and the next one is
+served. The guest sees the same network as with 'aioslirp qemu'. SIGINT/SIGTERM stop it.
+"""
+
 _ATTACH_EPILOG = """\
 examples:
   unshare -rn sleep infinity &                  a rootless namespace, then:

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "vring.h"
@@ -130,6 +131,17 @@ static PyObject *device_set_mem_table(PyObject *op, PyObject *arg)
         if (size == 0 || off > SIZE_MAX - size || gpa + size < gpa || uva + size < uva) {
             PyErr_Format(PyExc_ValueError, "region %zd: memory_size %llu at mmap_offset %llu is not mappable", i,
                          size, off);
+            goto fail;
+        }
+        struct stat st;
+        if (fstat(fd, &st) < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto fail;
+        }
+        if (S_ISREG(st.st_mode) && (st.st_size < 0 || (unsigned long long)st.st_size < off + size)) {
+            /* past the end of the file a read is SIGBUS: refused */
+            PyErr_Format(PyExc_ValueError, "region %zd: mmap_offset %llu + memory_size %llu is past the end of its "
+                         "file (%lld bytes)", i, off, size, (long long)st.st_size);
             goto fail;
         }
         void *p = mmap(NULL, (size_t)(size + off), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
