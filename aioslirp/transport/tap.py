@@ -46,7 +46,7 @@ import errno
 import logging
 import os
 import socket
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from .. import native as native_plane
 from ..wire.offload import VNET_HDR_LEN, VNET_NONE, OffloadFrame
@@ -97,7 +97,7 @@ class TapTransport(Transport):
     """
 
     __slots__ = ("_fd", "ifname", "_batch", "_read_size", "_reading", "_pidfds", "send_drops", "vnet_hdr", "offload",
-                 "created", "native", "_plane")
+                 "created", "native", "plane", "native_taken")
 
     gone_hint = "the TAP device still exists (ip link show {ifname}) and the namespace holding it was not removed"
 
@@ -115,8 +115,12 @@ class TapTransport(Transport):
     created: bool
     #: Guest frames are read by the native data plane (:mod:`aioslirp.native`), not ``os.read``.
     native: bool
-    #: The native plane's state (its read buffer), made when reading starts; ``None`` for the Python reader.
-    _plane: object | None
+    #: The native data plane of this transport (``aioslirp.native._dataplane.Plane``: its read buffer,
+    #: and the native UDP flows when the stack enables them); ``None`` for the Python reader.
+    plane: Any
+    #: Called after a read in which native UDP flows moved guest frames in C (set by the stack's
+    #: :class:`~aioslirp.nat.native_udp.NativeUdp`, which takes their counts from :attr:`plane`).
+    native_taken: Callable[[], None] | None
 
     def __init__(self, fd: int, *, ifname: str | None = None, batch: int = 64, read_size: int = MAX_FRAME,
                  offload: bool = True, native: bool | None = None) -> None:
@@ -159,7 +163,12 @@ class TapTransport(Transport):
             native_plane.log_fallback("TAP reader")
             native = False
         self.native = native
-        self._plane = None
+        self.plane = None
+        if native:
+            ext = native_plane.extension()
+            assert ext is not None
+            self.plane = ext.Plane(self._read_size, self._batch, self.vnet_hdr)
+        self.native_taken = None
         os.set_blocking(fd, False)
 
     # -- construction ---------------------------------------------------------------------
@@ -214,9 +223,6 @@ class TapTransport(Transport):
             return
         assert self._loop is not None
         if self.native:
-            ext = native_plane.extension()
-            assert ext is not None
-            self._plane = ext.Plane(self._read_size, self._batch, self.vnet_hdr)
             self._loop.add_reader(self._fd, self._on_readable_native)
         else:
             self._loop.add_reader(self._fd, self._on_readable)
@@ -268,7 +274,14 @@ class TapTransport(Transport):
         fd = self._fd
         if fd < 0:
             return
-        frames, csum_ok, end, err = self._plane.read_tap(fd)  # type: ignore[attr-defined]
+        loop = self._loop
+        assert loop is not None
+        frames, csum_ok, end, err, taken = self.plane.read_tap(fd, loop.time())
+        if taken:
+            self.frames_in += taken
+            hook = self.native_taken
+            if hook is not None:
+                hook()
         error: BaseException | None = None
         if end == native_plane.READ_EOF:
             error = EOFError("TAP fd reached end of file")
