@@ -4,8 +4,8 @@
 ``-fsanitize=address,undefined -fno-omit-frame-pointer`` (``-fno-sanitize-recover``: undefined
 behaviour aborts). The test builds a copy of the checkout that way in a temporary directory and
 runs the classifier's and the UDP pieces' unit tests, the corpus replay, the TAP reader's tests and
-the native UDP flows' differential test in a
-child interpreter with gcc's ``libasan`` preloaded (``ASAN_OPTIONS=detect_leaks=0``: the
+the native UDP flows' differential test, and the vhost-user rings against hostile front ends
+(tests/adversarial/test_vhost_hostile.py) in a child interpreter with gcc's ``libasan`` preloaded (``ASAN_OPTIONS=detect_leaks=0``: the
 interpreter's own allocations at exit are not the extension's). Any out-of-bounds access, use
 after free or undefined behaviour in C aborts the child: the test asserts a clean exit.
 Skipped (failed under CI) without gcc's libasan.
