@@ -175,7 +175,7 @@ static PyObject *device_set_num(PyObject *op, PyObject *args)
     if (!PyArg_ParseTuple(args, "iI", &q, &num) || queue_index(q) < 0)
         return NULL;
     if (vr_queue_set_num(&self->q[q], num) < 0) {
-        PyErr_Format(PyExc_ValueError, "num: %u (the queue size must be 1..%u)", num, VR_MAX_QUEUE);
+        PyErr_Format(PyExc_ValueError, "num: %u (the queue size must be a power of 2, 1..%u)", num, VR_MAX_QUEUE);
         return NULL;
     }
     Py_RETURN_NONE;

@@ -91,8 +91,8 @@ void vr_queue_free(struct vr_queue *q)
 
 int vr_queue_set_num(struct vr_queue *q, unsigned num)
 {
-    if (num == 0 || num > VR_MAX_QUEUE)
-        return -1;
+    if (num == 0 || num > VR_MAX_QUEUE || (num & (num - 1)))
+        return -1; /* a split ring's size is a power of 2 (virtio 1.1 2.6): indexes wrap at 65536 */
     struct vr_iov *iov = malloc(sizeof *iov * num);
     uint16_t *heads = malloc(sizeof *heads * num);
     uint32_t *lens = malloc(sizeof *lens * num);

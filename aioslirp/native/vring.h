@@ -91,7 +91,7 @@ struct vr_iov {
 
 /* One split virtqueue. The ring pointers are NULL until vr_queue_set_addr() succeeds. */
 struct vr_queue {
-    uint16_t num;            /* queue size (1..VR_MAX_QUEUE) */
+    uint16_t num;            /* queue size (a power of 2, 1..VR_MAX_QUEUE) */
     uint16_t last_avail;     /* next avail ring entry to take */
     uint16_t used_idx;       /* next used ring entry to fill (published by vr_flush) */
     uint16_t signalled_used; /* used_idx at the last call signalled */
@@ -108,7 +108,8 @@ struct vr_queue {
     uint32_t *lens;
 };
 
-/* Set the size (allocates iov/heads/lens; 0 on success, -1 when num is 0 or > VR_MAX_QUEUE or
+/* Set the size (allocates iov/heads/lens; 0 on success, -1 when num is not a power of 2 in
+ * 1..VR_MAX_QUEUE, whose ring positions index % num would jump when the 16-bit indexes wrap, or
  * malloc fails); forgets the ring addresses. */
 int vr_queue_set_num(struct vr_queue *q, unsigned num);
 void vr_queue_free(struct vr_queue *q);

@@ -240,7 +240,7 @@ async def test_a_memory_region_past_the_end_of_its_file_is_refused(backend):
         fe.close()
 
 
-@pytest.mark.parametrize("kind", ["fds_mismatch", "payload_too_large", "bad_queue"])
+@pytest.mark.parametrize("kind", ["fds_mismatch", "payload_too_large", "bad_queue", "num_not_power_of_2"])
 async def test_protocol_errors_drop_the_front_end_and_the_next_one_is_served(backend, kind):
     t, got, connect = backend
     fe = FakeFrontEnd(t.path)
@@ -249,8 +249,10 @@ async def test_protocol_errors_drop_the_front_end_and_the_next_one_is_served(bac
             fe.send(vu.SET_MEM_TABLE, fe.mem_table([(GPA, SIZE, UVA, 0), (GPA + SIZE, SIZE, UVA + SIZE, 0)]), [fe.fd])
         elif kind == "payload_too_large":
             fe.sock.sendall(vu.HEADER.pack(vu.SET_FEATURES, 1, 1 << 30))
-        else:
+        elif kind == "bad_queue":
             fe.send(vu.SET_VRING_NUM, vu.VRING_STATE.pack(7, 256))
+        else:  # the 16-bit indexes wrap at 65536: ring positions index % num would jump
+            fe.send(vu.SET_VRING_NUM, vu.VRING_STATE.pack(1, 100))
         await until(lambda: t.counters().get("protocol_errors") == 1)
         assert fe.sock.recv(1) == b""  # disconnected
     finally:
