@@ -6,7 +6,7 @@ Run as root from the repository (QEMU >= 8: ``../shared/guestvm/qemu-backports.s
 passt 2026 built by ``../shared/peers/build.sh`` into ``.cache/peers``, or ``--passt PATH``)::
 
     sudo .venv/bin/python benchmarks/vhost_user.py                  # 1 round, MTU 65520 and 1500
-    sudo .venv/bin/python benchmarks/vhost_user.py --rounds 3 --smp 2
+    sudo .venv/bin/python benchmarks/vhost_user.py --rounds 3 --smp 1,2
 
 What it does (the set-up of benchmarks/qemu_vs_passt.py): moves itself into a fresh network
 namespace with only loopback and a veth black hole for passt's default route; for each round,
@@ -78,8 +78,8 @@ def start_backend(name: str, sock: Path, mtu: int, passt: str, log) -> subproces
     return subprocess.Popen(argv, stdout=log, stderr=log, env=env)
 
 
-async def one_run(backend: str, mtu: int, args, workdir: Path) -> dict:
-    sock = workdir / f"{backend}-{mtu}.sock"
+async def one_run(backend: str, mtu: int, smp: int, args, workdir: Path) -> dict:
+    sock = workdir / f"{backend}-{mtu}-{smp}.sock"
     p_up, p_down = free_port(), free_port()
     iperfs = [subprocess.Popen(["iperf3", "-s", "-1", "-J", "-B", "127.0.0.1", "-p", str(p)],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for p in (p_up, p_down)]
@@ -88,7 +88,7 @@ async def one_run(backend: str, mtu: int, args, workdir: Path) -> dict:
 iperf3 -c 10.0.2.2 -p {p_up} -t {t} >/dev/null 2>&1; echo UP_RC=$?
 iperf3 -c 10.0.2.2 -p {p_down} -t {t} -R >/dev/null 2>&1; echo DOWN_RC=$?
 """
-    with open(workdir / f"{backend}-{mtu}.log", "w") as log:
+    with open(workdir / f"{backend}-{mtu}-{smp}.log", "w") as log:
         proc = start_backend(backend, sock, mtu, args.passt, log)
         try:
             for _ in range(1000):
@@ -100,11 +100,11 @@ iperf3 -c 10.0.2.2 -p {p_down} -t {t} -R >/dev/null 2>&1; echo DOWN_RC=$?
             time.sleep(0.2)
             cpu0 = cpu_seconds(proc.pid)
             if backend.endswith("vhost-user"):
-                argv = qemu.vhost_user_argv(sock, cmd, workdir=workdir, smp=args.smp)
+                argv = qemu.vhost_user_argv(sock, cmd, workdir=workdir, smp=smp)
             else:
                 argv = qemu.qemu_argv(f"stream,server=off,addr.type=unix,addr.path={sock}", cmd, workdir=workdir)
-                if args.smp != 1:
-                    argv[argv.index("-smp") + 1] = str(args.smp)
+                if smp != 1:
+                    argv[argv.index("-smp") + 1] = str(smp)
             res = await qemu.run_vm(argv, 60 + 4 * t)
             cpu = cpu_seconds(proc.pid) - cpu0
         finally:
@@ -123,7 +123,7 @@ iperf3 -c 10.0.2.2 -p {p_down} -t {t} -R >/dev/null 2>&1; echo DOWN_RC=$?
             out = ""
         outs.append(json.loads(out) if out.strip() else {})
     v = res.values
-    rec = {"backend": backend, "mtu": mtu, "smp": args.smp, "guest_rc": res.rc, "timed_out": res.timed_out,
+    rec = {"backend": backend, "mtu": mtu, "smp": smp, "guest_rc": res.rc, "timed_out": res.timed_out,
            "ok": res.rc == 0 and v.get("UP_RC") == "0" and v.get("DOWN_RC") == "0"}
     moved = 0
     try:
@@ -147,6 +147,11 @@ def median(recs, key):
 
 
 def table(records: list[dict]) -> str:
+    return "\n\n".join(f"guest -smp {smp}:\n\n" + _table([r for r in records if r["smp"] == smp])
+                       for smp in sorted({r["smp"] for r in records}))
+
+
+def _table(records: list[dict]) -> str:
     rows = ["| back end | MTU | runs ok | iperf3 guest→host (Mbit/s) | iperf3 host→guest (Mbit/s) "
             "| back end CPU per GB (s) |", "|---|---|---|---|---|---|"]
     for mtu in sorted({r["mtu"] for r in records}):
@@ -177,12 +182,12 @@ async def main_async(args) -> int:
     os.chmod(workdir, 0o755)
     try:
         for rnd in range(args.rounds):
-            for mtu in args.mtus:
+            for smp, mtu in [(smp, mtu) for smp in args.smp for mtu in args.mtus]:
                 order = list(args.backends)
                 if rnd % 2:
                     order.reverse()
                 for backend in order:
-                    rec = await one_run(backend, mtu, args, workdir)
+                    rec = await one_run(backend, mtu, smp, args, workdir)
                     rec["round"] = rnd
                     records.append(rec)
                     print(json.dumps({k: v for k, v in rec.items() if k != "console_tail"}), flush=True)
@@ -198,7 +203,7 @@ async def main_async(args) -> int:
             "qemu": subprocess.run([qemu.QEMU, "--version"], capture_output=True, text=True).stdout.split("\n")[0]}
     (out_dir / f"vhost_user-{stamp}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     print()
-    print(f"QEMU guest ({meta['accel']}, -smp {args.smp}, {meta['cpus']} host CPUs), iperf3 -t {args.seconds}, "
+    print(f"QEMU guest ({meta['accel']}, {meta['cpus']} host CPUs), iperf3 -t {args.seconds}, "
           f"medians over {args.rounds} round(s):")
     print()
     print(table(records))
@@ -213,7 +218,8 @@ def main() -> int:
     parser.add_argument("--backends", type=lambda s: s.split(","), default=list(BACKENDS),
                         help=f"comma-separated, of {','.join(BACKENDS)} (default all)")
     parser.add_argument("--seconds", type=int, default=4, help="iperf3 -t (default 4)")
-    parser.add_argument("--smp", type=int, default=1, help="guest CPUs (default 1)")
+    parser.add_argument("--smp", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                        help="comma-separated guest CPU counts (default 1)")
     parser.add_argument("--passt", metavar="PATH", help="the passt binary (default: the 2026 build in .cache/peers)")
     args = parser.parse_args()
     bad = [b for b in args.backends if b not in BACKENDS]
