@@ -138,6 +138,7 @@ iperf3 -c 10.0.2.2 -p {p_down} -t {t} -R >/dev/null 2>&1; echo DOWN_RC=$?
     rec["wall_s"] = round(res.wall, 2)
     if not rec["ok"]:
         rec["console_tail"] = res.tail(30)
+        rec["backend_log_tail"] = (workdir / f"{backend}-{mtu}-{smp}.log").read_text(errors="replace")[-3000:]
     return rec
 
 
@@ -190,9 +191,9 @@ async def main_async(args) -> int:
                     rec = await one_run(backend, mtu, smp, args, workdir)
                     rec["round"] = rnd
                     records.append(rec)
-                    print(json.dumps({k: v for k, v in rec.items() if k != "console_tail"}), flush=True)
+                    print(json.dumps({k: v for k, v in rec.items() if k not in ("console_tail", "backend_log_tail")}), flush=True)
                     if not rec["ok"]:
-                        print(rec.get("console_tail", ""), file=sys.stderr)
+                        print(rec.get("console_tail", ""), rec.get("backend_log_tail", ""), file=sys.stderr)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     out_dir = HERE / "results"

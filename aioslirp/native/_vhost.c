@@ -7,7 +7,7 @@
  *     .set_num(q, num) / .set_addr(q, desc, used, avail) / .set_base(q, base) / .get_base(q)
  *     .set_call(q, fd) / .set_features(hdr_len, mrg, event_idx) / .reset()
  *     .tx(kick_fd) -> (frames, csum_ok, more)      up to batch guest frames, one call signalled
- *     .rx(frames, start) -> (next, state)          frames[start:] into guest buffers
+ *     .rx(frames, start) -> (next, state, delivered)  frames[start:] into guest buffers
  *     .rx_kick_me(kick_fd) -> bool                 ask for a kick on new RX buffers; any now?
  *     .broken(q) -> str | None, .counters() -> dict
  *
@@ -346,8 +346,9 @@ fail:
 
 static PyObject *vnet_name;
 
-/* rx(frames, start) -> (next, state): frames[start:] (bytes-like; an object with a 12-byte .vnet
- * attribute, an OffloadFrame, gives its header) into the guest's RX buffers, one call signalled.
+/* rx(frames, start) -> (next, state, delivered): frames[start:] (bytes-like; an object with a 12-byte .vnet
+ * attribute, an OffloadFrame, gives its header; an object that is not bytes-like is dropped and
+ * counted in rx_dropped) into the guest's RX buffers, one call signalled.
  * state: RX_DONE, RX_WAITING (no buffers for frames[next]), RX_BROKEN. */
 static PyObject *device_rx(PyObject *op, PyObject *args)
 {
@@ -361,10 +362,10 @@ static PyObject *device_rx(PyObject *op, PyObject *args)
         return NULL;
     struct vr_queue *q = &self->q[RX];
     int pushed = 0, state = RX_DONE;
-    Py_ssize_t i = start < 0 ? 0 : start;
+    Py_ssize_t i = start < 0 ? 0 : start, delivered = 0;
     if (q->broken) {
         self->c.by_reason[VR_R_BROKEN]++;
-        return Py_BuildValue("(ni)", n, RX_BROKEN);
+        return Py_BuildValue("(nin)", n, RX_BROKEN, (Py_ssize_t)0);
     }
     for (; i < n; i++) {
         PyObject *o = PySequence_GetItem(seq, i);
@@ -388,9 +389,11 @@ static PyObject *device_rx(PyObject *op, PyObject *args)
         }
         hdr[10] = hdr[11] = 0;
         Py_buffer view;
-        if (PyObject_GetBuffer(o, &view, PyBUF_SIMPLE) < 0) {
+        if (PyObject_GetBuffer(o, &view, PyBUF_SIMPLE) < 0) { /* not bytes-like: dropped, counted */
+            PyErr_Clear();
             Py_DECREF(o);
-            goto fail;
+            self->rx_dropped++;
+            continue;
         }
         enum vr_pop r;
         if ((size_t)view.len > self->max_frame) {
@@ -403,6 +406,7 @@ static PyObject *device_rx(PyObject *op, PyObject *args)
         Py_DECREF(o);
         if (r == VR_OK) {
             pushed = 1;
+            delivered++;
             self->rx_frames++;
         } else if (r == VR_DROPPED) {
             pushed = 1; /* a bad chain may have gone back */
@@ -418,7 +422,7 @@ static PyObject *device_rx(PyObject *op, PyObject *args)
     }
     if (pushed)
         signal_call(self, RX);
-    return Py_BuildValue("(ni)", i, state);
+    return Py_BuildValue("(nin)", i, state, delivered);
 fail:
     if (pushed)
         signal_call(self, RX);
@@ -497,7 +501,7 @@ static PyMethodDef device_methods[] = {
     {"set_features", device_set_features, METH_VARARGS, "set_features(hdr_len, mrg, event_idx)"},
     {"reset", device_reset, METH_NOARGS, "reset(): unmap guest memory, forget the queues"},
     {"tx", device_tx, METH_O, "tx(kick_fd) -> (frames, csum_ok, more)"},
-    {"rx", device_rx, METH_VARARGS, "rx(frames, start) -> (next, state)"},
+    {"rx", device_rx, METH_VARARGS, "rx(frames, start) -> (next, state, delivered)"},
     {"rx_kick_me", device_rx_kick_me, METH_O, "rx_kick_me(kick_fd) -> whether RX buffers are available"},
     {"broken", device_broken, METH_O, "broken(q) -> why the queue is broken, or None"},
     {"ready", device_ready, METH_O, "ready(q) -> whether the queue's rings are set"},

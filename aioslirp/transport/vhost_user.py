@@ -244,8 +244,13 @@ class VhostUserTransport(Transport):
         if pending:
             self._queue(frames)
             return
-        done, state = self._dev.rx(frames, 0)
-        self.frames_out += done
+        try:
+            done, state, delivered = self._dev.rx(frames, 0)
+        except (TypeError, MemoryError) as exc:  # never raise (a frame that is not bytes-like is counted in C)
+            self._drop("error", len(frames))
+            log.warning("vhost-user %s: frames for the guest refused (%s)", self.path, exc)
+            return
+        self.frames_out += delivered
         if done < len(frames):
             if state == 1:  # no RX buffers now: keep the rest, wait for the guest's kick
                 self._queue(frames[done:] if done else frames)
@@ -665,8 +670,15 @@ class VhostUserTransport(Transport):
         if not pending or self._conn is None:
             return
         frames = list(pending)
-        done, state = self._dev.rx(frames, 0)
-        self.frames_out += done
+        try:
+            done, state, delivered = self._dev.rx(frames, 0)
+        except (TypeError, MemoryError) as exc:
+            self._drop("error", len(pending))
+            log.warning("vhost-user %s: frames for the guest refused (%s)", self.path, exc)
+            pending.clear()
+            self.bytes_buffered = 0
+            return
+        self.frames_out += delivered
         for _ in range(done):
             self.bytes_buffered -= len(pending.popleft())
         if state == 2:

@@ -208,7 +208,7 @@ async def test_hostile_rx_buffers_drop_the_frame_and_are_counted(backend, kind, 
     fe.publish(q, [h])
     t.send_frames([frame(9000)])  # more than 128 turns of the loop hold
     await until(lambda: t.counters().get(counter))
-    assert fe.used(0) == [(0, 0)] and t.counters()["rx_dropped"] == 1
+    assert fe.used(0) == [(0, 0)] and t.counters()["rx_dropped"] == 1 and t.frames_out == 0
 
 
 async def test_frames_no_buffer_of_the_guest_can_hold_are_dropped_not_kept(backend):
@@ -273,3 +273,15 @@ async def test_queue_count_and_unknown_requests(backend):
                                              fe.recv_reply(vu.GET_VRING_BASE))[1])
     assert vu.VRING_STATE.unpack(state) == (1, 0)
     assert t.counters()["unknown"] == 1
+
+
+async def test_send_frames_never_raises_for_a_frame_that_is_not_bytes(backend):
+    t, _, connect = backend
+    fe = await connect()
+    addrs = fe.post_rx(4, 2048)
+    a, b = frame(100), frame(120, 4)
+    t.send_frames([a, object(), b])  # type: ignore[list-item] - what a buggy caller might pass
+    assert t.counters()["rx_dropped"] == 1 and t.frames_out == 2
+    used = await until(lambda: fe.used(0) or None)
+    assert used == [(0, 112), (1, 132)]
+    assert fe.read(addrs[0] + 12, 100) == a and fe.read(addrs[1] + 12, 120) == b

@@ -106,7 +106,7 @@ def run_c(ext, c: Case, queue: int) -> dict:
             frames, csum, _more = dev.tx(-1)
             out["frames"] = [bytes(f) for f in frames]
         else:
-            out["next"], out["state"] = dev.rx(c.rx_frames, 0)
+            out["next"], out["state"], out["delivered"] = dev.rx(c.rx_frames, 0)
         used_idx = struct.unpack_from("<H", m, DATA_SIZE + USED + 2)[0]
         n = (used_idx - c.base) & 0xFFFF
         out["used"] = [struct.unpack_from("<II", m, DATA_SIZE + USED + 4 + 8 * ((c.base + k) % c.num)) for k in range(min(n, c.num))]
@@ -222,7 +222,7 @@ def run_model(c: Case, queue: int, ring_img: bytes | None = None) -> dict:
                 frames.append(body)
         out["frames"] = frames
     else:
-        state, k = 0, 0
+        state, k, delivered = 0, 0, 0
         for k, frame in enumerate(c.rx_frames):
             n = m.avail()
             if n < 0:
@@ -303,9 +303,11 @@ def run_model(c: Case, queue: int, ring_img: bytes | None = None) -> dict:
             if c.hdr_len >= 12:
                 m.mem[first[1] + 10:first[1] + 12] = struct.pack("<H", len(chains))
             m.used += chains
+            delivered += 1
         else:
             k = len(c.rx_frames)
         out["next"], out["state"] = k, state
+        out["delivered"] = delivered
         out["data"] = bytes(m.mem)
     out["used"] = m.used
     out["n_used"] = len(m.used)
