@@ -515,7 +515,10 @@ class VhostUserTransport(Transport):
         elif request == SET_VRING_ENABLE:
             q, on = self._state(p)
             self._rings[q].enabled = bool(on)
-            self._maybe_start(q)
+            if on:
+                self._maybe_start(q)
+            else:  # disabled: not walked until enabled again
+                self._stop_ring(q)
         elif request in (SET_LOG_BASE, SET_LOG_FD):
             ok = False  # no dirty logging (LOG_ALL / LOG_SHMFD not offered)
         else:

@@ -285,3 +285,16 @@ async def test_send_frames_never_raises_for_a_frame_that_is_not_bytes(backend):
     used = await until(lambda: fe.used(0) or None)
     assert used == [(0, 112), (1, 132)]
     assert fe.read(addrs[0] + 12, 100) == a and fe.read(addrs[1] + 12, 120) == b
+
+
+async def test_a_disabled_ring_is_not_walked_until_enabled_again(backend):
+    t, got, connect = backend
+    fe = await connect()
+    assert await asyncio.to_thread(fe.ack, vu.SET_VRING_ENABLE, vu.VRING_STATE.pack(1, 0)) == 0
+    a = frame(70, 1)
+    fe.send_frame(a)
+    await asyncio.sleep(0.1)
+    assert delivered(got) == []
+    assert await asyncio.to_thread(fe.ack, vu.SET_VRING_ENABLE, vu.VRING_STATE.pack(1, 1)) == 0
+    await until(lambda: delivered(got))
+    assert delivered(got) == [a]
