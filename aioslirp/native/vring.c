@@ -145,7 +145,7 @@ int vr_queue_remap(struct vr_queue *q, const struct vr_mem *m)
 
 void vr_queue_set_base(struct vr_queue *q, uint16_t base)
 {
-    q->last_avail = q->used_idx = q->signalled_used = base;
+    q->last_avail = q->used_idx = q->signalled_used = q->seen_avail = base;
     q->signalled_valid = 0;
     q->broken = 0;
 }
@@ -168,7 +168,9 @@ unsigned vr_avail_count(struct vr_queue *q)
 {
     if (!vr_queue_ready(q) || q->broken)
         return 0;
-    uint16_t n = (uint16_t)(avail_idx_acquire(q) - q->last_avail);
+    uint16_t idx = avail_idx_acquire(q);
+    q->seen_avail = idx;
+    uint16_t n = (uint16_t)(idx - q->last_avail);
     if (n > q->num) {
         q->broken = VR_R_AVAIL_JUMP;
         return 0;
@@ -219,16 +221,21 @@ int vr_should_call(struct vr_queue *q)
 
 int vr_kick_me(struct vr_queue *q, int on)
 {
-    if (!vr_queue_ready(q))
+    if (!vr_queue_ready(q) || q->broken)
         return 0;
+    uint16_t seen = q->seen_avail;
     if (q->event_idx) {
+        /* kick me when you make an entry past the last index I read: not past last_avail, which
+         * RX leaves behind chains too few for a frame (the driver, past it already, would never
+         * kick again) */
         if (on)
-            st16(q->used + 4 + 8u * q->num, q->last_avail);
+            st16(q->used + 4 + 8u * q->num, seen);
     } else {
         st16(q->used, on ? 0 : VR_USED_F_NO_NOTIFY);
     }
     __atomic_thread_fence(__ATOMIC_SEQ_CST); /* our word visible before the index is re-read */
-    return vr_avail_count(q) > 0;
+    uint16_t idx = ld16(q->avail + 2);
+    return idx != seen && vr_avail_count(q) > 0;
 }
 
 /* ------------------------------------------------------------------ TX */

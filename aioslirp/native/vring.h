@@ -95,6 +95,7 @@ struct vr_queue {
     uint16_t last_avail;     /* next avail ring entry to take */
     uint16_t used_idx;       /* next used ring entry to fill (published by vr_flush) */
     uint16_t signalled_used; /* used_idx at the last call signalled */
+    uint16_t seen_avail;     /* the avail index last read (vr_avail_count) */
     uint8_t signalled_valid;
     uint8_t event_idx;       /* VIRTIO_RING_F_EVENT_IDX negotiated */
     uint8_t broken;          /* enum vr_reason that broke it, or 0 */
@@ -153,9 +154,11 @@ void vr_flush(struct vr_queue *q);
 /* Whether the driver wants a call for what was published since the last one (EVENT_IDX:
  * used_event; else the avail ring's NO_INTERRUPT flag); records it as signalled when so. */
 int vr_should_call(struct vr_queue *q);
-/* Ask the driver for a kick when it makes more chains available (EVENT_IDX: avail_event =
- * last_avail; else clear NO_NOTIFY), or (on = 0) to not kick (NO_NOTIFY; EVENT_IDX: nothing).
- * Returns whether chains are available now (re-read after a full barrier). */
+/* Ask the driver for a kick when it makes more chains available than the avail index last read
+ * (EVENT_IDX: avail_event = that index; else clear NO_NOTIFY), or (on = 0) to not kick
+ * (NO_NOTIFY; EVENT_IDX: nothing). Returns whether the driver made chains available since that
+ * read (the index re-read after a full barrier): for RX, waiting for more buffers than it has,
+ * new ones to try with. */
 int vr_kick_me(struct vr_queue *q, int on);
 /* Chains available now (0 for a broken or unready queue). */
 unsigned vr_avail_count(struct vr_queue *q);

@@ -130,15 +130,23 @@ class FakeFrontEnd:
         self.buf_next = (off + n + 63) & ~63
         return GPA + off
 
-    def publish(self, q: int, heads, *, idx: int | None = None, kick: bool = True) -> None:
-        """Put ``heads`` in the avail ring and move its index (to ``idx`` if given: a jump)."""
+    def publish(self, q: int, heads, *, idx: int | None = None, kick: bool | str = True) -> bool:
+        """Put ``heads`` in the avail ring and move its index (to ``idx`` if given: a jump). ``kick``:
+        True, False, or ``"event"``: only when the device's avail_event asks for it (EVENT_IDX, as a
+        Linux driver does: virtio 1.1 2.6.10.2). Returns whether it kicked."""
         a = ring_base(q) + 0x1000
+        old = self.avail_idx[q]
         for h in heads:
             struct.pack_into("<H", self.mem, a + 4 + 2 * (self.avail_idx[q] % self.num), h)
             self.avail_idx[q] = (self.avail_idx[q] + 1) & 0xFFFF
-        struct.pack_into("<H", self.mem, a + 2, self.avail_idx[q] if idx is None else idx & 0xFFFF)
+        new = self.avail_idx[q] if idx is None else idx & 0xFFFF
+        struct.pack_into("<H", self.mem, a + 2, new)
+        if kick == "event":
+            event = struct.unpack_from("<H", self.mem, ring_base(q) + 0x2000 + 4 + 8 * self.num)[0]
+            kick = (new - event - 1) & 0xFFFF < (new - old) & 0xFFFF
         if kick:
             os.eventfd_write(self.kick[q], 1)
+        return bool(kick)
 
     def send_frame(self, frame: bytes, *, vnet: bytes = bytes(VNET_HDR), split: bool = False, kick: bool = True) -> int:
         """A guest frame on the TX queue (header and frame in one descriptor, or two); its head."""
@@ -154,8 +162,9 @@ class FakeFrontEnd:
         self.publish(q, [head], kick=kick)
         return head
 
-    def post_rx(self, count: int, size: int = 2048) -> list[int]:
-        """``count`` device-writable buffers of ``size`` bytes on the RX queue; their addresses."""
+    def post_rx(self, count: int, size: int = 2048, *, kick: bool | str = True) -> list[int]:
+        """``count`` device-writable buffers of ``size`` bytes on the RX queue; their addresses.
+        ``kick`` as for :meth:`publish`."""
         q = 0
         addrs = []
         heads = []
@@ -166,7 +175,7 @@ class FakeFrontEnd:
             self.next_desc[q] += 1
             addrs.append(addr)
             heads.append(head)
-        self.publish(q, heads)
+        self.publish(q, heads, kick=kick)
         return addrs
 
     def used(self, q: int) -> list[tuple[int, int]]:
