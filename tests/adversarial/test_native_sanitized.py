@@ -32,6 +32,7 @@ pytestmark = pytest.mark.timeout(900)
 
 #: The test files run under the sanitizers (relative to the checkout).
 SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test_udp_native.py",
+                   "tests/unit/native/test_udp_table.py",
                    "tests/adversarial/test_native_corpus.py",
                    "tests/system/test_tap_reader.py", "tests/stack/test_native_udp.py",
                    "tests/adversarial/test_vhost_hostile.py", "tests/adversarial/test_vring_model.py")
