@@ -278,6 +278,16 @@ class VhostUserTransport(Transport):
                     pass
                 self._ino = None
 
+    @property
+    def connected(self) -> bool:
+        """A front end is connected (its rings may not run yet)."""
+        return self._conn is not None
+
+    @property
+    def running(self) -> bool:
+        """Both queues of the connected front end are running (its guest's driver is up)."""
+        return self._conn is not None and self._rings[RX].started and self._rings[TX].started
+
     # -- counters ---------------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:

@@ -51,7 +51,7 @@ async def backend(tmp_path):
         fe = FakeFrontEnd(path, **kw)
         fes.append(fe)
         await asyncio.to_thread(fe.setup)
-        await until(lambda: t._rings[1].started)  # noqa: SLF001 - test of this module's own state
+        await until(lambda: t.running)
         return fe
 
     yield t, got, connect
@@ -331,3 +331,50 @@ async def test_a_device_waiting_for_buffers_does_not_spin(backend):
     cpu = time.process_time() - cpu
     assert t.frames_out == 0 and fe.used(0) == [] and t.bytes_buffered == 9000
     assert cpu < 0.1, f"{cpu:.3f} s of CPU in 0.3 s of waiting"
+
+
+async def test_random_control_messages_never_raise_and_the_next_front_end_is_served(backend):
+    """A front end sending random requests (any number 0..50, any payload up to 300 bytes, zero to
+    two fds, NEED_REPLY at random): the transport answers or drops the connection, never raises
+    into the loop, and serves a proper front end afterwards."""
+    import random
+    import socket as socket_mod
+
+    t, got, connect = backend
+    loop = asyncio.get_running_loop()
+    errors: list = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    memfd = os.memfd_create("x", 0)
+    os.ftruncate(memfd, 65536)
+    try:
+        for _ in range(30):
+            s = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+            s.connect(t.path)
+            s.setblocking(False)
+            for _ in range(rnd.randrange(1, 20)):
+                req = rnd.randrange(0, 51)
+                payload = rnd.randbytes(rnd.choice([0, 4, 8, 12, 40, rnd.randrange(0, 300)]))
+                flags = vu.VERSION | (vu.FLAG_NEED_REPLY if rnd.random() < 0.5 else 0)
+                fds = [memfd] * rnd.randrange(0, 3)
+                data = vu.HEADER.pack(req, flags, len(payload)) + payload
+                anc = [(socket_mod.SOL_SOCKET, socket_mod.SCM_RIGHTS, bytes(struct.pack(f"{len(fds)}i", *fds)))] \
+                    if fds else []
+                try:
+                    s.sendmsg([data], anc)
+                except OSError:
+                    break
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.01)
+            s.close()
+            await until(lambda: not t.connected)  # the transport saw it go
+    finally:
+        os.close(memfd)
+        loop.set_exception_handler(None)
+    assert errors == [], (seed, errors[:3])
+    fe = await connect()
+    good = frame(64, 1)
+    fe.send_frame(good)
+    await until(lambda: delivered(got))
+    assert delivered(got) == [good]

@@ -168,7 +168,7 @@ def run_model(c: Case, queue: int, ring_img: bytes | None = None) -> dict:
     def read(where, n):
         kind, off = where
         if kind == "r" and off + n > USED:  # the used ring, which the walk writes: not followed here
-            raise _Unmodelled
+            raise Unmodelled
         return bytes(m.mem[off:off + n]) if kind == "d" else ring[off:off + n]
 
     out: dict = {}
@@ -273,7 +273,7 @@ def run_model(c: Case, queue: int, ring_img: bytes | None = None) -> dict:
                         if where[0] == "d":
                             m.mem[where[1]:where[1] + take] = need[written:written + take]
                         else:  # into the ring region: the model does not follow ring writes
-                            raise _Unmodelled
+                            raise Unmodelled
                         written += take
                         in_chain += take
                         if written == len(need):
@@ -316,7 +316,7 @@ def run_model(c: Case, queue: int, ring_img: bytes | None = None) -> dict:
     return out
 
 
-class _Unmodelled(Exception):
+class Unmodelled(Exception):
     """A frame read from the used ring or written into the ring region (the model does not follow
     the walk's own writes there): the input is skipped for that queue."""
 
@@ -329,7 +329,7 @@ def check(ext, data: bytes) -> None:
     for queue in (1, 0):
         try:
             want = run_model(c, queue)
-        except _Unmodelled:
+        except Unmodelled:
             continue
         got = run_c(ext, c, queue)
         if queue == 1:
