@@ -88,15 +88,16 @@ class OptionalBuildExt(build_ext):
         """``aioslirp/native/_dataplane.sha256`` beside the native data plane, when it was built:
         the hash of each C file it was compiled from."""
         native = _native_sources()
-        path = self.get_ext_fullpath(native["EXTENSION"])
-        if not os.path.exists(path):
-            return
-        lines = []
-        for rel in native["DEPENDS"]:
-            with open(os.path.join(HERE, rel), "rb") as f:
-                lines.append(f"{hashlib.sha256(f.read()).hexdigest()}  {rel}\n")
-        with open(os.path.join(os.path.dirname(path), native["RECORD"]), "w", encoding="ascii") as f:
-            f.writelines(lines)
+        for prefix in ("", "VHOST_"):  # the data plane, the vhost-user rings
+            path = self.get_ext_fullpath(native[prefix + "EXTENSION"])
+            if not os.path.exists(path):
+                continue
+            lines = []
+            for rel in native[prefix + "DEPENDS"]:
+                with open(os.path.join(HERE, rel), "rb") as f:
+                    lines.append(f"{hashlib.sha256(f.read()).hexdigest()}  {rel}\n")
+            with open(os.path.join(os.path.dirname(path), native[prefix + "RECORD"]), "w", encoding="ascii") as f:
+                f.writelines(lines)
 
     def _write_record(self) -> None:
         """``aioslirp/compiled.sha256`` beside the native modules (in the build tree, which goes
@@ -177,7 +178,8 @@ _BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "in
 
 
 def _native_extension() -> list:
-    """The native data plane: one limited-API (abi3) extension from the C core and its binding."""
+    """The native data plane: limited-API (abi3) extensions from the C cores and their bindings (the
+    data plane, the vhost-user-net rings)."""
     from setuptools import Extension
 
     native = _native_sources()
@@ -187,9 +189,10 @@ def _native_extension() -> list:
         cflags = ["-std=c11", "-O1", "-g", "-Wall", "-Wextra", "-fsanitize=address,undefined",
                   "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
         ldflags = ["-fsanitize=address,undefined"]
-    return [Extension(native["EXTENSION"], sources=list(native["SOURCES"]), depends=list(native["DEPENDS"]),
-                      define_macros=[("Py_LIMITED_API", "0x030B0000")], py_limited_api=True,
-                      extra_compile_args=cflags, extra_link_args=ldflags)]
+    return [Extension(native[prefix + "EXTENSION"], sources=list(native[prefix + "SOURCES"]),
+                      depends=list(native[prefix + "DEPENDS"]), define_macros=[("Py_LIMITED_API", "0x030B0000")],
+                      py_limited_api=True, extra_compile_args=cflags, extra_link_args=ldflags)
+            for prefix in ("", "VHOST_")]  # the data plane, the vhost-user rings
 
 
 def _ext_modules() -> list:

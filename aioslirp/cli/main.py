@@ -50,8 +50,8 @@ _FIELD_OPTION = {
 }
 _FIELD_OPTION.update({name: f"--limit {name}" for name in LIMIT_FIELDS})
 
-from .options import (_ATTACH_EPILOG, _DESCRIPTION, _QEMU_EPILOG, _RUN_EPILOG, PROG, _fd_number,  # noqa: F401
-                      _Parser, common_options)
+from .options import (_ATTACH_EPILOG, _DESCRIPTION, _QEMU_EPILOG, _RUN_EPILOG, _VHOST_USER_EPILOG, PROG,  # noqa: F401
+                      _fd_number, _Parser, common_options)
 
 
 def _terminate(signum, _frame) -> None:
@@ -201,6 +201,24 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --switch (repeatable): the guest sending from MAC gets ADDRESS by DHCP (and the DNS "
                       "name NAME) whenever it connects; the other guests get the addresses left")
     qemu.set_defaults(run=_cmd_qemu)
+
+    vu = sub.add_parser(
+        "vhost-user",
+        parents=[common],
+        help="serve a VM over vhost-user-net (QEMU -netdev vhost-user, libvirt, cloud-hypervisor)",
+        description="Serve a virtual machine's virtio-net NIC as a vhost-user back end on a UNIX socket: "
+        "the front end shares the guest's memory and the rings are read and written in place. One front "
+        "end at a time; the next is served after one disconnects.",
+        usage="%(prog)s [OPTIONS] --socket PATH [--client]",
+        epilog=_VHOST_USER_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    vu.add_argument("--socket", metavar="PATH", required=True,
+                    help="UNIX socket path to listen on (created; removed on exit), or with --client to connect to")
+    vu.add_argument("--client", action="store_true",
+                    help="connect to a front end listening on PATH (QEMU -chardev socket,server=on), again "
+                         "whenever it goes")
+    vu.set_defaults(run=_cmd_vhost_user)
     return parser
 
 
@@ -662,6 +680,48 @@ def _cmd_qemu(args: argparse.Namespace) -> int:
         return start
 
     return _serve(args, prepare, socket_errors=True)
+
+
+def _cmd_vhost_user(args: argparse.Namespace) -> int:
+    """``aioslirp vhost-user --socket PATH [--client]``: serve a VM over vhost-user-net."""
+
+    def prepare(config, obs):
+        stack_factory = _stack_factory(args, obs)
+        _check_vhost_user_args(args)
+
+        def start():
+            from ..frontends.vhost_user import serve_vhost_user
+
+            return serve_vhost_user(config, path=args.socket, client=args.client, handle_signals=True,
+                                    stack_factory=stack_factory)
+
+        return start
+
+    return _serve(args, prepare, socket_errors=True)
+
+
+def _check_vhost_user_args(args: argparse.Namespace) -> None:
+    """Validate ``aioslirp vhost-user`` options; raises ConfigError naming the option."""
+    from ..frontends.qemu import check_socket_path
+    from ..native import vhost
+
+    if args.ifname:
+        raise ConfigError("--ifname", "not used by 'aioslirp vhost-user' (the guest's NIC is the front end's)")
+    if vhost.extension() is None:
+        raise ConfigError("--socket", f"vhost-user needs the native extension, which is not usable: {vhost.why_not()}")
+    if args.client:
+        import os
+
+        if not os.path.exists(args.socket):
+            return  # the front end may start later: connected to then
+        import stat
+
+        if not stat.S_ISSOCK(os.stat(args.socket).st_mode):
+            raise ConfigError("--socket", f"{args.socket} exists and is not a socket")
+        return
+    problem = check_socket_path(args.socket)
+    if problem:
+        raise ConfigError("--socket", problem)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -70,6 +70,21 @@ Give every VM its own MAC:
   qemu-system-x86_64 ... (the same socket) -device virtio-net-pci,netdev=n0,mac=52:54:00:12:34:02
 """
 
+_VHOST_USER_EPILOG = """\
+examples:
+  aioslirp vhost-user --socket /tmp/vm1.sock &
+  qemu-system-x86_64 ... -chardev socket,id=c0,path=/tmp/vm1.sock \\
+      -netdev vhost-user,id=n0,chardev=c0 -device virtio-net-pci,netdev=n0 \\
+      -object memory-backend-memfd,id=mem0,size=1G,share=on -machine memory-backend=mem0
+
+  cloud-hypervisor ... --memory size=1G,shared=on --net vhost_user=true,socket=/tmp/vm1.sock
+
+The guest's memory must be shared (memfd, share=on). With --client the front end listens
+(QEMU -chardev socket,...,server=on) and aioslirp connects, again whenever it goes. One
+front end at a time; when it leaves, its guest's flows are torn down and the next one is
+served. The guest sees the same network as with 'aioslirp qemu'. SIGINT/SIGTERM stop it.
+"""
+
 _ATTACH_EPILOG = """\
 examples:
   unshare -rn sleep infinity &                  a rootless namespace, then:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import socket
@@ -36,23 +35,14 @@ import stat
 from ..host.signals import request_stop
 from ..transport.dgram import DgramTransport
 from ..transport.stream import StreamTransport
+from ..transport.unixpath import SocketInUse, bind_path
 
-__all__ = ["QemuServer", "SocketInUse", "check_socket_path", "bind_path", "serve_qemu", "transport_for_fd"]
+__all__ = ["QemuServer", "SocketInUse", "check_socket_path", "serve_qemu", "transport_for_fd"]
 
 log = logging.getLogger("aioslirp.qemu")
 
 #: Longest usable ``sun_path`` (bytes), without the terminating NUL.
 MAX_SOCKET_PATH = 107
-
-
-class SocketInUse(OSError):
-    """Another process serves the socket path already. ``str(err)`` is one line."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(errno.EADDRINUSE, f"{path} is in use by another running server")
-
-    def __str__(self) -> str:
-        return str(self.strerror)
 
 
 def check_socket_path(path: str) -> str | None:
@@ -76,30 +66,6 @@ def check_socket_path(path: str) -> str | None:
     if not stat.S_ISSOCK(st.st_mode):
         return f"{path} exists and is not a socket"
     return None
-
-
-def bind_path(path: str, kind: int) -> socket.socket:
-    """Bind a new ``AF_UNIX`` socket of type ``kind`` at ``path``, replacing a stale socket file.
-
-    Raises :class:`SocketInUse` when a live socket answers there, ``OSError`` otherwise.
-    """
-    if os.path.exists(path) or os.path.islink(path):
-        probe = socket.socket(socket.AF_UNIX, kind)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # stale: nobody listens
-        else:
-            raise SocketInUse(path)
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, kind)
-    try:
-        sock.bind(path)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def transport_for_fd(fd: int, *, dgram: bool | None = None):

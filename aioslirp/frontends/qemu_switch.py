@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..switch import Switch
 from ..switch.guests import mac_text, parse_mac
 from ..transport.stream import StreamTransport
-from .qemu import bind_path
+from ..transport.unixpath import bind_path
 
 __all__ = ["QemuSwitchServer", "serve_qemu_switch", "parse_lease", "DEFAULT_MAX_GUESTS", "DEFAULT_NAME_PREFIX",
            "FIRST_FRAME_TIMEOUT"]

@@ -8,7 +8,8 @@ project. This module imports nothing.
 
 from __future__ import annotations
 
-__all__ = ["DEPENDS", "EXTENSION", "RECORD", "SANITIZE_ENV", "NO_MYPYC_ENV", "SOURCES"]
+__all__ = ["DEPENDS", "EXTENSION", "RECORD", "SANITIZE_ENV", "NO_MYPYC_ENV", "SOURCES", "VHOST_DEPENDS",
+           "VHOST_EXTENSION", "VHOST_RECORD", "VHOST_SOURCES"]
 
 #: The extension module (limited API, abi3).
 EXTENSION = "aioslirp.native._dataplane"
@@ -23,3 +24,9 @@ RECORD = "_dataplane.sha256"
 SANITIZE_ENV = "AIOSLIRP_SANITIZE"
 #: ``AIOSLIRP_NO_MYPYC=1`` at build time: the native data plane alone (no mypyc translation).
 NO_MYPYC_ENV = "AIOSLIRP_NO_MYPYC"
+
+#: The vhost-user-net rings (issue 27): a second limited-API extension, built the same way.
+VHOST_EXTENSION = "aioslirp.native._vhost"
+VHOST_SOURCES: tuple[str, ...] = ("aioslirp/native/vring.c", "aioslirp/native/_vhost.c")
+VHOST_DEPENDS: tuple[str, ...] = VHOST_SOURCES + ("aioslirp/native/vring.h",)
+VHOST_RECORD = "_vhost.sha256"

@@ -4,8 +4,8 @@
 ``-fsanitize=address,undefined -fno-omit-frame-pointer`` (``-fno-sanitize-recover``: undefined
 behaviour aborts). The test builds a copy of the checkout that way in a temporary directory and
 runs the classifier's and the UDP pieces' unit tests, the corpus replay, the TAP reader's tests and
-the native UDP flows' differential test in a
-child interpreter with gcc's ``libasan`` preloaded (``ASAN_OPTIONS=detect_leaks=0``: the
+the native UDP flows' differential test, and the vhost-user rings against hostile front ends
+(tests/adversarial/test_vhost_hostile.py) in a child interpreter with gcc's ``libasan`` preloaded (``ASAN_OPTIONS=detect_leaks=0``: the
 interpreter's own allocations at exit are not the extension's). Any out-of-bounds access, use
 after free or undefined behaviour in C aborts the child: the test asserts a clean exit.
 Skipped (failed under CI) without gcc's libasan.
@@ -34,7 +34,8 @@ pytestmark = pytest.mark.timeout(900)
 SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test_udp_native.py",
                    "tests/unit/native/test_udp_table.py",
                    "tests/adversarial/test_native_corpus.py",
-                   "tests/system/test_tap_reader.py", "tests/stack/test_native_udp.py")
+                   "tests/system/test_tap_reader.py", "tests/stack/test_native_udp.py",
+                   "tests/adversarial/test_vhost_hostile.py", "tests/adversarial/test_vring_model.py")
 
 
 def _libasan() -> Path | None:
@@ -60,7 +61,9 @@ def test_native_plane_is_clean_under_asan_and_ubsan(tmp_path):
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     (so,) = (tree / "aioslirp" / "native").glob("_dataplane*.so")
-    assert b"__asan_report_load" in so.read_bytes() and b"__ubsan_handle" in so.read_bytes()
+    (vso,) = (tree / "aioslirp" / "native").glob("_vhost*.so")  # the vhost-user rings
+    for lib in (so, vso):
+        assert b"__asan_report_load" in lib.read_bytes() and b"__ubsan_handle" in lib.read_bytes()
     env.pop(sources.SANITIZE_ENV)
     env.update(PYTHONPATH=str(tree), LD_PRELOAD=str(libasan), ASAN_OPTIONS=f"detect_leaks=0:abort_on_error=1:log_path={tmp_path}/asan",
                PYTHONMALLOC="malloc",  # every object from malloc, whose bounds ASan guards (not pymalloc arenas)

@@ -82,7 +82,7 @@ def _venv(path: Path) -> Path:
 
 def _check_installed(venv: Path, cwd: Path) -> None:
     """The ``aioslirp`` imported is the one in ``venv``, it runs compiled, and its native data plane
-    was built (and is off by default: issue 26 is open)."""
+    was built (and is off by default: issue 26 is open), the vhost-user rings' extension too."""
     where = _run([venv / "bin" / "python", "-c", "import aioslirp; print(aioslirp.__file__)"], cwd=cwd).strip()
     assert Path(where).resolve().is_relative_to(venv.resolve()), where
     lines = _run([venv / "bin" / "aioslirp", "--version"], cwd=cwd).splitlines()
@@ -93,6 +93,9 @@ def _check_installed(venv: Path, cwd: Path) -> None:
     assert init == str(Path(where).parent / "host" / "aioslirp-init"), init
     p = subprocess.run([init], capture_output=True, text=True, timeout=60)  # no fd given: its usage line
     assert (p.returncode, p.stderr) == (2, "aioslirp-init is internal to aioslirp (started by aioslirp.spawn)\n")
+    vhost = _run([venv / "bin" / "python", "-c", "from aioslirp.native import vhost; print(vhost.why_not() or 'usable')"],
+                 cwd=cwd).strip()
+    assert vhost == "usable", vhost  # the vhost-user rings' extension, built and recorded beside it
 
 
 def test_wheel_install_runs_compiled(checkout, tmp_path):
@@ -126,7 +129,8 @@ def test_sdist_install_runs_compiled(checkout, tmp_path):
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert {"setup.py", "pyproject.toml", "README.md", "aioslirp/compiled.py", "aioslirp/tcp/tcb.py",
             "aioslirp/native/init.c", "aioslirp/native/sources.py", "aioslirp/native/dataplane.c",
-            "aioslirp/native/dataplane.h", "aioslirp/native/_dataplane.c"} <= names
+            "aioslirp/native/dataplane.h", "aioslirp/native/_dataplane.c", "aioslirp/native/vring.c",
+            "aioslirp/native/vring.h", "aioslirp/native/_vhost.c"} <= names
     assert not [n for n in names if n.endswith(".so") or n.endswith(compiled.RECORD) or n.endswith("aioslirp-init")]
     venv = _venv(tmp_path / "venv")
     _run([venv / "bin" / "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--no-index", sdist],

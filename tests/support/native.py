@@ -31,6 +31,15 @@ BUILD_HINT = ("the native data plane is not usable here ({why}): build it with p
               "AIOSLIRP_NO_MYPYC=1 python setup.py build_ext --inplace")
 
 
+def need_vhost():
+    """The vhost-user rings' extension ``aioslirp.native._vhost`` (skip, or fail under CI, when it is
+    not usable)."""
+    from aioslirp.native import vhost
+
+    need(vhost.extension() is not None, BUILD_HINT.format(why=vhost.why_not()))
+    return vhost.extension()
+
+
 def need_extension():
     """The extension module (skip, or fail under CI, when it is not usable)."""
     need(native.extension() is not None, BUILD_HINT.format(why=native.why_not()))

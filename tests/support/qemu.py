@@ -121,6 +121,20 @@ def qemu_argv(netdev: str, cmd: str | None, *, workdir: Path, cache: Path | None
             "-netdev", f"{netdev},id=n0", "-device", f"virtio-net-pci,netdev=n0,mac={mac},romfile=", *extra]
 
 
+def vhost_user_argv(path, cmd: str | None, *, workdir: Path, listen: bool = False, mem: int = 256, smp: int = 1,
+                    **kwargs) -> list[str]:
+    """:func:`qemu_argv` for a ``-netdev vhost-user`` NIC on the UNIX socket ``path`` (QEMU connects;
+    with ``listen`` QEMU listens there and waits for the back end), the guest's RAM in a shared memfd
+    (vhost-user needs it). ``smp``: guest CPUs."""
+    argv = qemu_argv("vhost-user,chardev=vu0", cmd, workdir=workdir, mem=mem, **kwargs)
+    at = argv.index("-netdev")
+    argv[at:at] = ["-chardev", f"socket,id=vu0,path={path},server={'on' if listen else 'off'}",
+                   "-object", f"memory-backend-memfd,id=mem0,size={mem}M,share=on", "-machine", "memory-backend=mem0"]
+    if smp != 1:
+        argv[argv.index("-smp") + 1] = str(smp)
+    return argv
+
+
 @dataclass
 class VmResult:
     """What a guest run produced. ``rc``: the snippet's status (None: no marker); ``lines``:

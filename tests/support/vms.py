@@ -32,10 +32,11 @@ def guestvm():
 
 
 @contextlib.asynccontextmanager
-async def cli_server(tmp_path: Path, *args: str, pass_fds=()):
-    """``aioslirp qemu ARGS`` as a subprocess; yields it, then SIGTERM and expects exit 0."""
+async def cli_server(tmp_path: Path, *args: str, pass_fds=(), command: str = "qemu"):
+    """``aioslirp COMMAND ARGS`` (``qemu``, ``vhost-user``) as a subprocess; yields it, then SIGTERM
+    and expects exit 0."""
     log = open(tmp_path / "aioslirp.log", "w+")
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "aioslirp", "qemu", *args,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "aioslirp", command, *args,
                                                 "--log-level", "info", stdout=log, stderr=log, pass_fds=pass_fds)
     try:
         yield proc

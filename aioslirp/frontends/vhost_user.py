@@ -1,0 +1,59 @@
+"""``aioslirp vhost-user``: serve one VM at a time over vhost-user-net (QEMU, libvirt, cloud-hypervisor).
+
+:func:`serve_vhost_user` puts a :class:`~aioslirp.stack.Stack` behind a
+:class:`~aioslirp.transport.vhost_user.VhostUserTransport` on ``path`` (listening, or with
+``client`` connecting to a front end that listens there, again whenever it goes) until SIGINT or
+SIGTERM. When a front end disconnects (the VM powered off, QEMU killed or restarted) every flow
+its guest had is torn down (:meth:`Stack.reset_flows`), and the next front end on the same
+socket is served by the same stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..host.signals import request_stop
+from ..transport.vhost_user import VhostUserTransport
+
+__all__ = ["serve_vhost_user"]
+
+log = logging.getLogger("aioslirp.vhost_user")
+
+
+async def serve_vhost_user(config, *, path: str, client: bool = False, handle_signals: bool = False,
+                           stack_factory=None) -> int:
+    """Serve vhost-user front ends on ``path`` until stopped (SIGINT/SIGTERM with ``handle_signals``).
+    Returns 0 on a clean stop. Raises :class:`~aioslirp.transport.unixpath.SocketInUse` or
+    ``OSError`` (binding ``path``), ``RuntimeError`` (the native extension is not usable)."""
+    import signal
+
+    from ..stack import Stack
+
+    factory = stack_factory or Stack
+    loop = asyncio.get_running_loop()
+    async with factory(config) as stack:
+
+        def front_end(up: bool) -> None:
+            if not up:
+                n = stack.reset_flows()
+                log.info("vhost-user %s: the guest left; %d flow(s) torn down", path, n)
+
+        transport = VhostUserTransport(path, server=not client, on_front_end=front_end)
+        installed = []
+        try:
+            if handle_signals:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, request_stop, stack)
+                    installed.append(sig)
+                reopen = getattr(stack, "reopen_audit_log", None)
+                if reopen is not None:  # SIGHUP: reopen the --audit-log file (log rotation)
+                    loop.add_signal_handler(signal.SIGHUP, reopen)
+                    installed.append(signal.SIGHUP)
+            await stack.serve(transport)
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            transport.close()
+        log.info("stopped after %d front end(s); rings: %s", transport.front_ends, transport.counters())
+    return 0

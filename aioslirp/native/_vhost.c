@@ -1,0 +1,551 @@
+/* The CPython binding of aioslirp's vhost-user-net rings (limited API 3.11, abi3): a thin layer
+ * over vring.c. The vhost-user messages are Python (aioslirp/transport/vhost_user.py); this
+ * module holds guest memory (mmapped here) and the two queues, and moves the frames.
+ *
+ *   Device(max_frame, batch)                       one front end's device (queue 0 RX, 1 TX)
+ *     .set_mem_table([(gpa, size, uva, mmap_offset, fd), ...])   mmap (the fds stay the caller's)
+ *     .set_num(q, num) / .set_addr(q, desc, used, avail) / .set_base(q, base) / .get_base(q)
+ *     .set_call(q, fd) / .set_features(hdr_len, mrg, event_idx) / .reset()
+ *     .tx(kick_fd) -> (frames, csum_ok, more)      up to batch guest frames, one call signalled
+ *     .rx(frames, start) -> (next, state, delivered)  frames[start:] into guest buffers
+ *     .rx_kick_me(kick_fd) -> bool                 ask for a kick on new RX buffers; any now?
+ *     .broken(q) -> str | None, .counters() -> dict
+ *
+ * MIT licensed, written for aioslirp. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "vring.h"
+
+#define RX 0
+#define TX 1
+
+/* rx() states */
+#define RX_DONE 0
+#define RX_WAITING 1 /* the guest has no buffers for frames[next]: wait for its kick */
+#define RX_BROKEN 2
+
+typedef struct {
+    PyObject_HEAD
+    struct vr_mem mem;
+    struct vr_queue q[2];
+    int callfd[2];
+    size_t max_frame;
+    unsigned batch;
+    size_t hdr_len;
+    int mrg;
+    struct vr_counters c;
+    uint64_t tx_frames, rx_frames, calls, kicks, rx_dropped;
+} Device;
+
+static void unmap_all(struct vr_mem *m)
+{
+    for (unsigned i = 0; i < m->n; i++)
+        if (m->r[i].map)
+            munmap(m->r[i].map, m->r[i].map_len);
+    memset(m, 0, sizeof *m);
+}
+
+static int device_init(PyObject *op, PyObject *args, PyObject *kwargs)
+{
+    Device *self = (Device *)op;
+    static char *kwlist[] = {"max_frame", "batch", NULL};
+    Py_ssize_t max_frame, batch;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nn", kwlist, &max_frame, &batch))
+        return -1;
+    if (max_frame < 64 || max_frame > (1 << 20)) {
+        PyErr_SetString(PyExc_ValueError, "max_frame must be 64..1048576 bytes");
+        return -1;
+    }
+    if (batch < 1 || batch > 65536) {
+        PyErr_SetString(PyExc_ValueError, "batch must be 1..65536");
+        return -1;
+    }
+    unmap_all(&self->mem);
+    for (int i = 0; i < 2; i++) {
+        vr_queue_free(&self->q[i]);
+        memset(&self->q[i], 0, sizeof self->q[i]);
+        self->callfd[i] = -1;
+    }
+    self->max_frame = (size_t)max_frame;
+    self->batch = (unsigned)batch;
+    self->hdr_len = 12;
+    self->mrg = 1;
+    memset(&self->c, 0, sizeof self->c);
+    self->tx_frames = self->rx_frames = self->calls = self->kicks = self->rx_dropped = 0;
+    return 0;
+}
+
+static void device_dealloc(PyObject *op)
+{
+    Device *self = (Device *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    unmap_all(&self->mem);
+    vr_queue_free(&self->q[0]);
+    vr_queue_free(&self->q[1]);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(op);
+    Py_DECREF(tp);
+}
+
+static int queue_index(int q)
+{
+    if (q != RX && q != TX) {
+        PyErr_Format(PyExc_ValueError, "vring index %d: this device has queues 0 (RX) and 1 (TX)", q);
+        return -1;
+    }
+    return q;
+}
+
+/* set_mem_table(regions): each (gpa, size, uva, mmap_offset, fd); all mapped or none. */
+static PyObject *device_set_mem_table(PyObject *op, PyObject *arg)
+{
+    Device *self = (Device *)op;
+    Py_ssize_t n = PySequence_Size(arg);
+    if (n < 0)
+        return NULL;
+    if (n > (Py_ssize_t)VR_MAX_REGIONS) {
+        PyErr_Format(PyExc_ValueError, "nregions: %zd regions (at most %u)", n, VR_MAX_REGIONS);
+        return NULL;
+    }
+    struct vr_mem m;
+    memset(&m, 0, sizeof m);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PySequence_GetItem(arg, i);
+        if (!t)
+            goto fail;
+        unsigned long long gpa, size, uva, off;
+        int fd;
+        int ok = PyArg_ParseTuple(t, "KKKKi", &gpa, &size, &uva, &off, &fd);
+        Py_DECREF(t);
+        if (!ok)
+            goto fail;
+        if (size == 0 || off > SIZE_MAX - size || gpa + size < gpa || uva + size < uva) {
+            PyErr_Format(PyExc_ValueError, "region %zd: memory_size %llu at mmap_offset %llu is not mappable", i,
+                         size, off);
+            goto fail;
+        }
+        struct stat st;
+        if (fstat(fd, &st) < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto fail;
+        }
+        if (S_ISREG(st.st_mode) && (st.st_size < 0 || (unsigned long long)st.st_size < off + size)) {
+            /* past the end of the file a read is SIGBUS: refused */
+            PyErr_Format(PyExc_ValueError, "region %zd: mmap_offset %llu + memory_size %llu is past the end of its "
+                         "file (%lld bytes)", i, off, size, (long long)st.st_size);
+            goto fail;
+        }
+        void *p = mmap(NULL, (size_t)(size + off), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+        if (p == MAP_FAILED) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto fail;
+        }
+        m.r[m.n].gpa = gpa;
+        m.r[m.n].size = size;
+        m.r[m.n].uva = uva;
+        m.r[m.n].map = p;
+        m.r[m.n].map_len = (size_t)(size + off);
+        m.r[m.n].host = (uint8_t *)p + off;
+        m.n++;
+    }
+    unmap_all(&self->mem);
+    self->mem = m;
+    for (int i = 0; i < 2; i++)
+        vr_queue_remap(&self->q[i], &self->mem); /* a ring no longer mapped: not ready */
+    Py_RETURN_NONE;
+fail:
+    unmap_all(&m);
+    return NULL;
+}
+
+static PyObject *device_set_num(PyObject *op, PyObject *args)
+{
+    Device *self = (Device *)op;
+    int q;
+    unsigned int num;
+    if (!PyArg_ParseTuple(args, "iI", &q, &num) || queue_index(q) < 0)
+        return NULL;
+    if (vr_queue_set_num(&self->q[q], num) < 0) {
+        PyErr_Format(PyExc_ValueError, "num: %u (the queue size must be a power of 2, 1..%u)", num, VR_MAX_QUEUE);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *device_set_addr(PyObject *op, PyObject *args)
+{
+    Device *self = (Device *)op;
+    int q;
+    unsigned long long desc, used, avail;
+    if (!PyArg_ParseTuple(args, "iKKK", &q, &desc, &used, &avail) || queue_index(q) < 0)
+        return NULL;
+    if (!self->q[q].num) {
+        PyErr_Format(PyExc_ValueError, "vring %d: addresses before its size (SET_VRING_NUM)", q);
+        return NULL;
+    }
+    if (vr_queue_set_addr(&self->q[q], &self->mem, desc, used, avail) < 0) {
+        PyErr_Format(PyExc_ValueError, "vring %d: the descriptor, avail or used ring is not inside the memory "
+                     "table or not aligned", q);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *device_set_base(PyObject *op, PyObject *args)
+{
+    Device *self = (Device *)op;
+    int q;
+    unsigned int base;
+    if (!PyArg_ParseTuple(args, "iI", &q, &base) || queue_index(q) < 0)
+        return NULL;
+    vr_queue_set_base(&self->q[q], (uint16_t)base);
+    Py_RETURN_NONE;
+}
+
+static PyObject *device_get_base(PyObject *op, PyObject *arg)
+{
+    Device *self = (Device *)op;
+    long q = PyLong_AsLong(arg);
+    if ((q == -1 && PyErr_Occurred()) || queue_index((int)q) < 0)
+        return NULL;
+    return PyLong_FromLong(self->q[q].last_avail);
+}
+
+static PyObject *device_set_call(PyObject *op, PyObject *args)
+{
+    Device *self = (Device *)op;
+    int q, fd;
+    if (!PyArg_ParseTuple(args, "ii", &q, &fd) || queue_index(q) < 0)
+        return NULL;
+    self->callfd[q] = fd;
+    Py_RETURN_NONE;
+}
+
+static PyObject *device_set_features(PyObject *op, PyObject *args)
+{
+    Device *self = (Device *)op;
+    unsigned int hdr_len;
+    int mrg, event_idx;
+    if (!PyArg_ParseTuple(args, "Ipp", &hdr_len, &mrg, &event_idx))
+        return NULL;
+    if (hdr_len != 10 && hdr_len != 12) {
+        PyErr_SetString(PyExc_ValueError, "hdr_len must be 10 or 12");
+        return NULL;
+    }
+    self->hdr_len = hdr_len;
+    self->mrg = mrg;
+    self->q[0].event_idx = self->q[1].event_idx = (uint8_t)event_idx;
+    Py_RETURN_NONE;
+}
+
+static PyObject *device_reset(PyObject *op, PyObject *unused)
+{
+    Device *self = (Device *)op;
+    (void)unused;
+    unmap_all(&self->mem);
+    for (int i = 0; i < 2; i++) {
+        vr_queue_free(&self->q[i]);
+        memset(&self->q[i], 0, sizeof self->q[i]);
+        self->callfd[i] = -1;
+    }
+    Py_RETURN_NONE;
+}
+
+static void drain_eventfd(int fd)
+{
+    uint64_t v;
+    if (fd >= 0 && read(fd, &v, sizeof v) < 0 && errno != EAGAIN && errno != EINTR) {
+        /* a bad kick fd: nothing to clear; the rings are still walked */
+    }
+}
+
+static void signal_call(Device *self, int qi)
+{
+    struct vr_queue *q = &self->q[qi];
+    vr_flush(q);
+    if (vr_should_call(q) && self->callfd[qi] >= 0) {
+        uint64_t one = 1;
+        if (write(self->callfd[qi], &one, sizeof one) == sizeof one)
+            self->calls++;
+    }
+}
+
+/* tx(kick_fd) -> (frames: list[bytes], csum_ok: list[bool], more: bool). */
+static PyObject *device_tx(PyObject *op, PyObject *arg)
+{
+    Device *self = (Device *)op;
+    long kick = PyLong_AsLong(arg);
+    if (kick == -1 && PyErr_Occurred())
+        return NULL;
+    if (kick >= 0) {
+        drain_eventfd((int)kick);
+        self->kicks++;
+    }
+    struct vr_queue *q = &self->q[TX];
+    int pushed = 0, asked = 0, more = 0;
+    PyObject *frames = PyList_New(0), *csum = PyList_New(0);
+    if (!frames || !csum)
+        goto fail;
+    if (q->broken)
+        self->c.by_reason[VR_R_BROKEN]++;
+    for (unsigned got = 0;;) {
+        if (got == self->batch) {
+            more = vr_avail_count(q) > 0;
+            break;
+        }
+        unsigned niov;
+        size_t len;
+        uint16_t vnet, head;
+        enum vr_pop r = vr_tx_pop(q, &self->mem, self->hdr_len, self->max_frame, &niov, &len, &vnet, &head, &self->c);
+        if (r == VR_DROPPED) {
+            pushed = 1;
+            continue;
+        }
+        if (r == VR_EMPTY) {
+            if (asked || !vr_queue_ready(q))
+                break;
+            asked = 1; /* ask for a kick, then look once more: a chain made meanwhile is not missed */
+            if (!vr_kick_me(q, 1))
+                break;
+            continue;
+        }
+        if (r == VR_BROKEN)
+            break;
+        PyObject *b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len);
+        if (!b)
+            goto fail;
+        vr_iov_copy((uint8_t *)PyBytes_AsString(b), q->iov, niov);
+        vr_push_used(q, head, 0);
+        pushed = 1;
+        got++;
+        self->tx_frames++;
+        int bad = PyList_Append(frames, b);
+        Py_DECREF(b);
+        if (bad || PyList_Append(csum, (vnet & 3) ? Py_True : Py_False) < 0)
+            goto fail;
+    }
+    if (pushed)
+        signal_call(self, TX);
+    return Py_BuildValue("(NNO)", frames, csum, more ? Py_True : Py_False);
+fail:
+    if (pushed)
+        signal_call(self, TX);
+    Py_XDECREF(frames);
+    Py_XDECREF(csum);
+    return NULL;
+}
+
+static PyObject *vnet_name;
+
+/* rx(frames, start) -> (next, state, delivered): frames[start:] (bytes-like; an object with a 12-byte .vnet
+ * attribute, an OffloadFrame, gives its header; an object that is not bytes-like is dropped and
+ * counted in rx_dropped) into the guest's RX buffers, one call signalled.
+ * state: RX_DONE, RX_WAITING (no buffers for frames[next]), RX_BROKEN. */
+static PyObject *device_rx(PyObject *op, PyObject *args)
+{
+    Device *self = (Device *)op;
+    PyObject *seq;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "On", &seq, &start))
+        return NULL;
+    Py_ssize_t n = PySequence_Size(seq);
+    if (n < 0)
+        return NULL;
+    struct vr_queue *q = &self->q[RX];
+    int pushed = 0, state = RX_DONE;
+    Py_ssize_t i = start < 0 ? 0 : start, delivered = 0;
+    if (q->broken) {
+        self->c.by_reason[VR_R_BROKEN]++;
+        return Py_BuildValue("(nin)", n, RX_BROKEN, (Py_ssize_t)0);
+    }
+    for (; i < n; i++) {
+        PyObject *o = PySequence_GetItem(seq, i);
+        if (!o)
+            goto fail;
+        uint8_t hdr[12] = {0};
+        if (!PyBytes_Check(o)) {
+            PyObject *v = PyObject_GetAttr(o, vnet_name);
+            if (!v) {
+                PyErr_Clear();
+            } else {
+                Py_buffer hv;
+                if (PyObject_GetBuffer(v, &hv, PyBUF_SIMPLE) == 0) {
+                    memcpy(hdr, hv.buf, hv.len < 12 ? (size_t)hv.len : 12);
+                    PyBuffer_Release(&hv);
+                } else {
+                    PyErr_Clear();
+                }
+                Py_DECREF(v);
+            }
+        }
+        hdr[10] = hdr[11] = 0;
+        Py_buffer view;
+        if (PyObject_GetBuffer(o, &view, PyBUF_SIMPLE) < 0) { /* not bytes-like: dropped, counted */
+            PyErr_Clear();
+            Py_DECREF(o);
+            self->rx_dropped++;
+            continue;
+        }
+        enum vr_pop r;
+        if ((size_t)view.len > self->max_frame) {
+            r = VR_DROPPED;
+        } else {
+            r = vr_rx_put(q, &self->mem, self->mrg, self->hdr_len, hdr, (const uint8_t *)view.buf, (size_t)view.len,
+                          &self->c);
+        }
+        PyBuffer_Release(&view);
+        Py_DECREF(o);
+        if (r == VR_OK) {
+            pushed = 1;
+            delivered++;
+            self->rx_frames++;
+        } else if (r == VR_DROPPED) {
+            pushed = 1; /* a bad chain may have gone back */
+            self->rx_dropped++;
+        } else if (r == VR_EMPTY) {
+            state = RX_WAITING;
+            break;
+        } else {
+            state = RX_BROKEN;
+            i = n;
+            break;
+        }
+    }
+    if (pushed)
+        signal_call(self, RX);
+    return Py_BuildValue("(nin)", i, state, delivered);
+fail:
+    if (pushed)
+        signal_call(self, RX);
+    return NULL;
+}
+
+/* rx_kick_me(kick_fd) -> bool: clear the RX kick, ask for the next one; whether buffers are there now. */
+static PyObject *device_rx_kick_me(PyObject *op, PyObject *arg)
+{
+    Device *self = (Device *)op;
+    long kick = PyLong_AsLong(arg);
+    if (kick == -1 && PyErr_Occurred())
+        return NULL;
+    if (kick >= 0)
+        drain_eventfd((int)kick);
+    return PyBool_FromLong(vr_kick_me(&self->q[RX], 1));
+}
+
+static PyObject *device_broken(PyObject *op, PyObject *arg)
+{
+    Device *self = (Device *)op;
+    long q = PyLong_AsLong(arg);
+    if ((q == -1 && PyErr_Occurred()) || queue_index((int)q) < 0)
+        return NULL;
+    if (!self->q[q].broken)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(vr_reason_name(self->q[q].broken));
+}
+
+static PyObject *device_ready(PyObject *op, PyObject *arg)
+{
+    Device *self = (Device *)op;
+    long q = PyLong_AsLong(arg);
+    if ((q == -1 && PyErr_Occurred()) || queue_index((int)q) < 0)
+        return NULL;
+    return PyBool_FromLong(vr_queue_ready(&self->q[q]));
+}
+
+static int put(PyObject *d, const char *key, uint64_t value)
+{
+    PyObject *v = PyLong_FromUnsignedLongLong(value);
+    if (!v)
+        return -1;
+    int r = PyDict_SetItemString(d, key, v);
+    Py_DECREF(v);
+    return r;
+}
+
+static PyObject *device_counters(PyObject *op, PyObject *unused)
+{
+    Device *self = (Device *)op;
+    (void)unused;
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+    if (put(d, "tx_frames", self->tx_frames) < 0 || put(d, "rx_frames", self->rx_frames) < 0 ||
+        put(d, "calls", self->calls) < 0 || put(d, "kicks", self->kicks) < 0 ||
+        put(d, "rx_dropped", self->rx_dropped) < 0)
+        goto fail;
+    for (unsigned i = 1; i < VR_R_COUNT; i++)
+        if (self->c.by_reason[i] && put(d, vr_reason_name(i), self->c.by_reason[i]) < 0)
+            goto fail;
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyMethodDef device_methods[] = {
+    {"set_mem_table", device_set_mem_table, METH_O, "set_mem_table([(gpa, size, uva, mmap_offset, fd), ...])"},
+    {"set_num", device_set_num, METH_VARARGS, "set_num(q, num)"},
+    {"set_addr", device_set_addr, METH_VARARGS, "set_addr(q, desc_uva, used_uva, avail_uva)"},
+    {"set_base", device_set_base, METH_VARARGS, "set_base(q, base)"},
+    {"get_base", device_get_base, METH_O, "get_base(q) -> the next avail index"},
+    {"set_call", device_set_call, METH_VARARGS, "set_call(q, fd): -1 for none (the fd stays the caller's)"},
+    {"set_features", device_set_features, METH_VARARGS, "set_features(hdr_len, mrg, event_idx)"},
+    {"reset", device_reset, METH_NOARGS, "reset(): unmap guest memory, forget the queues"},
+    {"tx", device_tx, METH_O, "tx(kick_fd) -> (frames, csum_ok, more)"},
+    {"rx", device_rx, METH_VARARGS, "rx(frames, start) -> (next, state, delivered)"},
+    {"rx_kick_me", device_rx_kick_me, METH_O, "rx_kick_me(kick_fd) -> whether RX buffers are available"},
+    {"broken", device_broken, METH_O, "broken(q) -> why the queue is broken, or None"},
+    {"ready", device_ready, METH_O, "ready(q) -> whether the queue's rings are set"},
+    {"counters", device_counters, METH_NOARGS, "counters() -> dict"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot device_slots[] = {
+    {Py_tp_doc, "Device(max_frame, batch): one vhost-user-net device's memory and queues"},
+    {Py_tp_init, device_init},
+    {Py_tp_dealloc, device_dealloc},
+    {Py_tp_methods, device_methods},
+    {0, NULL},
+};
+
+static PyType_Spec device_spec = {
+    "aioslirp.native._vhost.Device", sizeof(Device), 0, Py_TPFLAGS_DEFAULT, device_slots,
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "aioslirp.native._vhost", "aioslirp's vhost-user-net rings (C core, limited API)", -1,
+    NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__vhost(void)
+{
+    PyObject *m = PyModule_Create(&module_def);
+    if (!m)
+        return NULL;
+    if (!vnet_name && !(vnet_name = PyUnicode_InternFromString("vnet")))
+        goto fail;
+    PyObject *dev = PyType_FromSpec(&device_spec);
+    if (!dev || PyModule_AddObjectRef(m, "Device", dev) < 0) {
+        Py_XDECREF(dev);
+        goto fail;
+    }
+    Py_DECREF(dev);
+    if (PyModule_AddIntConstant(m, "RX_DONE", RX_DONE) < 0 || PyModule_AddIntConstant(m, "RX_WAITING", RX_WAITING) < 0 ||
+        PyModule_AddIntConstant(m, "RX_BROKEN", RX_BROKEN) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_QUEUE", VR_MAX_QUEUE) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_REGIONS", VR_MAX_REGIONS) < 0)
+        goto fail;
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

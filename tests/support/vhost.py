@@ -1,0 +1,208 @@
+"""A vhost-user-net front end written for the tests: guest memory is a memfd mapped here, the
+rings are laid out in it by hand, the control messages go over the socket as QEMU sends them.
+
+:class:`FakeFrontEnd` (blocking socket, used from a test while the transport runs on the
+loop: every call that needs the back end to act is followed by ``await settle()``) sets the
+device up like QEMU does (features, owner, memory table with the memfd in SCM_RIGHTS, both
+vrings: num, addr, base, call, kick, enable) and then lets a test write any descriptor table,
+avail ring and index it likes: valid frames, and hostile ones (addresses outside the memory
+table, chains that loop, lengths past the region, avail index jumps).
+
+Guest-physical layout (``GPA`` base, ``SIZE`` bytes, the front end's virtual address ``UVA``):
+queue ``q``'s descriptor table, avail ring and used ring at ``ring_base(q)``, data buffers
+from ``DATA``.
+"""
+
+from __future__ import annotations
+
+import array
+import mmap
+import os
+import socket
+import struct
+
+from aioslirp.transport import vhost_user as vu
+
+GPA = 0x100000
+UVA = 0x7F0000000000
+SIZE = 4 * 1024 * 1024
+NUM = 256
+DATA = 0x40000  # offset of the first data buffer
+VNET_HDR = 12
+
+
+def ring_base(q: int) -> int:
+    return 0x1000 + q * 0x10000  # offset in the memfd; desc (16*NUM), avail at +0x1000, used at +0x2000
+
+
+class FakeFrontEnd:
+    """The front end's side of one connection, over ``path`` (a listening back end)."""
+
+    def __init__(self, path: str, *, features: int = vu.OFFERED_FEATURES, size: int = SIZE) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.sock.settimeout(5)
+        self.fd = os.memfd_create("guest", 0)
+        os.ftruncate(self.fd, size)
+        self.size = size
+        self.mem = mmap.mmap(self.fd, size)
+        self.features = features
+        self.kick = [os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)]
+        self.call = [os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)]
+        self.err = [os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)]
+        self.avail_idx = [0, 0]
+        self.next_desc = [0, 0]
+        self.used_seen = [0, 0]
+        self.buf_next = DATA
+
+    # -- messages ---------------------------------------------------------------------------------
+    def send(self, request: int, payload: bytes = b"", fds=(), need_reply: bool = False) -> None:
+        flags = vu.VERSION | (vu.FLAG_NEED_REPLY if need_reply else 0)
+        data = vu.HEADER.pack(request, flags, len(payload)) + payload
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        self.sock.sendmsg([data], anc)
+
+    def recv_reply(self, request: int) -> bytes:
+        head = self._recv_exact(vu.HEADER.size)
+        req, flags, size = vu.HEADER.unpack(head)
+        assert req == request and flags & vu.FLAG_REPLY, (req, flags)
+        return self._recv_exact(size)
+
+    def _recv_exact(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("the back end closed the connection")
+            out += chunk
+        return out
+
+    def call_u64(self, request: int) -> int:
+        self.send(request)
+        return vu.U64.unpack(self.recv_reply(request))[0]
+
+    def ack(self, request: int, payload: bytes = b"", fds=()) -> int:
+        """Send with NEED_REPLY (REPLY_ACK negotiated): the back end's status (0 success)."""
+        self.send(request, payload, fds, need_reply=True)
+        return vu.U64.unpack(self.recv_reply(request))[0]
+
+    def setup(self, *, num: int = NUM) -> None:
+        """What QEMU sends before the guest's driver runs, and the rings of a running driver."""
+        offered = self.call_u64(vu.GET_FEATURES)
+        assert offered == vu.OFFERED_FEATURES
+        self.send(vu.SET_FEATURES, vu.U64.pack(self.features & offered))
+        self.call_u64(vu.GET_PROTOCOL_FEATURES)
+        self.send(vu.SET_PROTOCOL_FEATURES, vu.U64.pack(vu.P_REPLY_ACK))
+        self.send(vu.SET_OWNER)
+        assert self.ack(vu.SET_MEM_TABLE, self.mem_table(), [self.fd]) == 0
+        for q in (0, 1):
+            self.setup_ring(q, num)
+
+    def mem_table(self, regions=None) -> bytes:
+        regions = regions or [(GPA, self.size, UVA, 0)]
+        return vu.MEM_HEADER.pack(len(regions), 0) + b"".join(vu.MEM_REGION.pack(*r) for r in regions)
+
+    def setup_ring(self, q: int, num: int = NUM) -> None:
+        self.num = num
+        base = ring_base(q)
+        self.mem[base:base + 0x3000] = bytes(0x3000)
+        self.avail_idx[q] = self.next_desc[q] = self.used_seen[q] = 0
+        self.send(vu.SET_VRING_NUM, vu.VRING_STATE.pack(q, num))
+        self.send(vu.SET_VRING_ADDR, vu.VRING_ADDR.pack(q, 0, UVA + base, UVA + base + 0x2000, UVA + base + 0x1000, 0))
+        self.send(vu.SET_VRING_BASE, vu.VRING_STATE.pack(q, 0))
+        self.send(vu.SET_VRING_CALL, vu.U64.pack(q), [self.call[q]])
+        self.send(vu.SET_VRING_ERR, vu.U64.pack(q), [self.err[q]])
+        self.send(vu.SET_VRING_KICK, vu.U64.pack(q), [self.kick[q]])
+        assert self.ack(vu.SET_VRING_ENABLE, vu.VRING_STATE.pack(q, 1)) == 0
+
+    # -- rings ------------------------------------------------------------------------------------
+    def put_desc(self, q: int, i: int, addr: int, length: int, flags: int = 0, nxt: int = 0) -> None:
+        struct.pack_into("<QIHH", self.mem, ring_base(q) + 16 * i, addr, length, flags, nxt)
+
+    def alloc(self, data: bytes | int) -> int:
+        """Guest-physical address of a new buffer holding ``data`` (or ``data`` zero bytes)."""
+        n = data if isinstance(data, int) else len(data)
+        off = self.buf_next
+        if off + n > self.size:
+            off = self.buf_next = DATA
+        if not isinstance(data, int):
+            self.mem[off:off + n] = data
+        self.buf_next = (off + n + 63) & ~63
+        return GPA + off
+
+    def publish(self, q: int, heads, *, idx: int | None = None, kick: bool | str = True) -> bool:
+        """Put ``heads`` in the avail ring and move its index (to ``idx`` if given: a jump). ``kick``:
+        True, False, or ``"event"``: only when the device's avail_event asks for it (EVENT_IDX, as a
+        Linux driver does: virtio 1.1 2.6.10.2). Returns whether it kicked."""
+        a = ring_base(q) + 0x1000
+        old = self.avail_idx[q]
+        for h in heads:
+            struct.pack_into("<H", self.mem, a + 4 + 2 * (self.avail_idx[q] % self.num), h)
+            self.avail_idx[q] = (self.avail_idx[q] + 1) & 0xFFFF
+        new = self.avail_idx[q] if idx is None else idx & 0xFFFF
+        struct.pack_into("<H", self.mem, a + 2, new)
+        if kick == "event":
+            event = struct.unpack_from("<H", self.mem, ring_base(q) + 0x2000 + 4 + 8 * self.num)[0]
+            kick = (new - event - 1) & 0xFFFF < (new - old) & 0xFFFF
+        if kick:
+            os.eventfd_write(self.kick[q], 1)
+        return bool(kick)
+
+    def send_frame(self, frame: bytes, *, vnet: bytes = bytes(VNET_HDR), split: bool = False, kick: bool = True) -> int:
+        """A guest frame on the TX queue (header and frame in one descriptor, or two); its head."""
+        q = 1
+        head = self.next_desc[q] % self.num
+        if split:
+            self.put_desc(q, head, self.alloc(vnet), len(vnet), vu_next(), (head + 1) % self.num)
+            self.put_desc(q, (head + 1) % self.num, self.alloc(frame), len(frame))
+            self.next_desc[q] += 2
+        else:
+            self.put_desc(q, head, self.alloc(vnet + frame), len(vnet) + len(frame))
+            self.next_desc[q] += 1
+        self.publish(q, [head], kick=kick)
+        return head
+
+    def post_rx(self, count: int, size: int = 2048, *, kick: bool | str = True) -> list[int]:
+        """``count`` device-writable buffers of ``size`` bytes on the RX queue; their addresses.
+        ``kick`` as for :meth:`publish`."""
+        q = 0
+        addrs = []
+        heads = []
+        for _ in range(count):
+            head = self.next_desc[q] % self.num
+            addr = self.alloc(size)
+            self.put_desc(q, head, addr, size, 2)  # VRING_DESC_F_WRITE
+            self.next_desc[q] += 1
+            addrs.append(addr)
+            heads.append(head)
+        self.publish(q, heads, kick=kick)
+        return addrs
+
+    def used(self, q: int) -> list[tuple[int, int]]:
+        """The used entries added since the last call: ``(head, len)``."""
+        u = ring_base(q) + 0x2000
+        idx = struct.unpack_from("<H", self.mem, u + 2)[0]
+        out = []
+        while self.used_seen[q] != idx:
+            out.append(struct.unpack_from("<II", self.mem, u + 4 + 8 * (self.used_seen[q] % self.num)))
+            self.used_seen[q] = (self.used_seen[q] + 1) & 0xFFFF
+        return out
+
+    def read(self, gpa: int, n: int) -> bytes:
+        return bytes(self.mem[gpa - GPA:gpa - GPA + n])
+
+    def calls(self, q: int) -> int:
+        try:
+            return os.eventfd_read(self.call[q])
+        except BlockingIOError:
+            return 0
+
+    def close(self) -> None:
+        self.sock.close()
+        self.mem.close()
+        for fd in [self.fd, *self.kick, *self.call, *self.err]:
+            os.close(fd)
+
+
+def vu_next() -> int:
+    return 1  # VRING_DESC_F_NEXT
