@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "dataplane.h"
+#include "_tcpnat.h"
 
 /* Frames of one read buffer before they go to Python; the buffer holds this many largest
  * frames (a batch larger than that is read in several fills within one call). */
@@ -93,6 +94,7 @@ typedef struct {
     int vnet;
     struct dp_slot *slots;
     struct dp_counters counters;
+    PyObject *tcp; /* a TcpEngine (attach_tcp): its flows' frames never reach Python */
 } Plane;
 
 static int plane_init(PyObject *op, PyObject *args, PyObject *kwargs)
@@ -138,6 +140,7 @@ static void plane_dealloc(PyObject *op)
     PyTypeObject *tp = Py_TYPE(op);
     PyMem_Free(self->buf);
     PyMem_Free(self->slots);
+    Py_CLEAR(self->tcp);
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(op);
     Py_DECREF(tp);
@@ -168,6 +171,8 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *arg)
     unsigned left = self->batch, fill = (unsigned)(self->cap / self->read_size);
     enum dp_read_end end;
     int err = 0;
+    void *tcp = self->tcp ? tcpnat_engine_of(self->tcp) : NULL;
+    double now = tcp ? tcpnat_now() : 0.0;
     do {
         unsigned nslots = 0, reads = 0;
         end = dp_tap_read(fd, self->buf, self->cap, self->read_size, self->vnet, left, self->slots, fill, &nslots,
@@ -175,6 +180,8 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *arg)
         left -= reads;
         for (unsigned i = 0; i < nslots; i++) {
             const struct dp_slot *s = &self->slots[i];
+            if (tcp && tcpnat_tap_frame(tcp, self->buf + s->off, s->len, s->csum_ok, now))
+                continue; /* a native TCP flow's frame */
             PyObject *b = PyBytes_FromStringAndSize((const char *)self->buf + s->off, (Py_ssize_t)s->len);
             if (!b)
                 goto fail;
@@ -188,6 +195,8 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *arg)
     } while (end == DP_READ_FULL && left > 0);
     if (end == DP_READ_FULL)
         end = DP_READ_DONE;
+    if (tcp)
+        tcpnat_batch_end(tcp);
     return Py_BuildValue("(NNii)", frames, csum, (int)end, err);
 fail:
     Py_XDECREF(frames);
@@ -227,7 +236,22 @@ fail:
     return NULL;
 }
 
+/* attach_tcp(engine | None): frames of the TcpEngine's flows are handed to it, not to Python. */
+static PyObject *plane_attach_tcp(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    if (arg != Py_None && !tcpnat_engine_of(arg)) {
+        PyErr_SetString(PyExc_TypeError, "attach_tcp() takes an open TcpEngine or None");
+        return NULL;
+    }
+    PyObject *old = self->tcp;
+    self->tcp = arg == Py_None ? NULL : Py_NewRef(arg);
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef plane_methods[] = {
+    {"attach_tcp", plane_attach_tcp, METH_O, "attach_tcp(engine | None): native TCP flows take their frames"},
     {"read_tap", plane_read_tap, METH_O,
      "read_tap(fd) -> (frames, csum_ok | None, end, errno): up to batch frames of a TAP fd, read until EAGAIN"},
     {"classify", plane_classify, METH_O, "classify(buf) -> record tuple, counted in counters()"},
@@ -272,6 +296,8 @@ PyMODINIT_FUNC PyInit__dataplane(void)
         goto fail;
     Py_DECREF(plane);
     plane = NULL;
+    if (tcpnat_add_type(m) < 0)
+        goto fail;
     if (PyModule_AddIntConstant(m, "RECORD_SIZE", (long)sizeof(struct dp_frame)) < 0 ||
         PyModule_AddIntConstant(m, "KIND_DROP", DP_KIND_DROP) < 0 ||
         PyModule_AddIntConstant(m, "KIND_TCP", DP_KIND_TCP) < 0 ||
