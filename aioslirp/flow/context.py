@@ -35,7 +35,7 @@ from .base import AuditSink, TracePoints
 from .guard import Guard
 from .table import FlowTable
 
-__all__ = ["FlowContext", "ReadPoller", "Resolver", "Running"]
+__all__ = ["FlowContext", "NativeTcpPlane", "ReadPoller", "Resolver", "Running"]
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -71,6 +71,14 @@ class ReadPoller(Protocol):
 
     def close(self) -> int:
         """Stop, and return how many fds were still watched."""
+        ...
+
+
+class NativeTcpPlane(Protocol):
+    """The native TCP engine as the dispatch asks it (:class:`aioslirp.nat.native_tcp.NativeTcp`)."""
+
+    def adopt(self, fam: Any, key: tuple, remote: str, seg: Any, orig_header: bytes, now: float) -> bool:
+        """Run an admitted guest SYN's flow natively; False: the Python path takes it."""
         ...
 
 
@@ -129,6 +137,9 @@ class FlowContext:
             UDP flows drop what they do not hold.
         offload: the transport being served takes offload frames (a TAP with ``IFF_VNET_HDR``);
             set by ``Stack.serve`` per transport.
+        native_tcp: the native TCP engine of the transport being served
+            (:class:`~aioslirp.nat.native_tcp.NativeTcp`, a :class:`NativeTcpPlane`), or ``None``:
+            TCP NAT flows run in Python. Set by ``Stack.serve`` per transport.
         closed: the stack is closing: no new flow is started.
         identity: the stack's :class:`~aioslirp.config.identity.GuestIdentity` (name and labels;
             its ``log_prefix`` / ``log_extra`` go with the log lines about this guest).
@@ -137,7 +148,7 @@ class FlowContext:
     """
 
     __slots__ = ("config", "counters", "table", "guard", "queue", "inject", "tasks", "spawn", "tracer", "audit",
-                 "rate_up", "rate_down", "offload", "closed", "running", "identity")
+                 "rate_up", "rate_down", "offload", "closed", "running", "identity", "native_tcp")
 
     config: NetworkConfig
     counters: dict[str, int]
@@ -157,6 +168,7 @@ class FlowContext:
     closed: bool
     running: Running
     identity: GuestIdentity
+    native_tcp: NativeTcpPlane | None
 
     def __init__(self, config: NetworkConfig, counters: dict[str, int], queue: InjectQueue, spawn: Callable[..., asyncio.Task],
                  *, rate_up: ByteBucket | None = None, rate_down: ByteBucket | None = None,
@@ -176,6 +188,7 @@ class FlowContext:
         self.offload = False
         self.closed = False
         self.identity = identity
+        self.native_tcp = None
 
     @property
     def is_started(self) -> bool:

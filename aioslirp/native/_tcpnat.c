@@ -28,7 +28,9 @@
 #include <netinet/tcp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/sockios.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/timerfd.h>
 #include <time.h>
@@ -201,6 +203,17 @@ static int r_shutdown(void *ctx, int fd)
     return shutdown(fd, SHUT_WR) < 0 ? -errno : 0;
 }
 
+static ssize_t r_space(void *ctx, int fd)
+{
+    (void)ctx;
+    int sndbuf = 0, outq = 0;
+    socklen_t len = sizeof sndbuf;
+    if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, &len) < 0 || ioctl(fd, SIOCOUTQ, &outq) < 0)
+        return -errno;
+    long room = (long)sndbuf / 2 - outq; /* SO_SNDBUF counts the kernel's overhead: half is payload */
+    return room > 0 ? room : 0;
+}
+
 static void r_close(void *ctx, int fd, int abort)
 {
     (void)ctx;
@@ -219,7 +232,8 @@ static int r_tap_write(void *ctx, const struct iovec *iov, int n)
 }
 
 static const struct tn_io real_io = {
-    NULL, r_open, r_connect, r_error, r_watch, r_send, r_peek, r_consume, r_rewind, r_shutdown, r_close, r_tap_write,
+    NULL, r_open, r_connect, r_error, r_watch, r_send, r_peek, r_consume, r_rewind, r_shutdown, r_space, r_close,
+    r_tap_write,
 };
 
 /* Does the kernel let a TCP socket peek at an offset (SO_PEEK_OFF, Linux 6.9)? */
@@ -373,6 +387,14 @@ static int f_shutdown(void *ctx, int fd)
     return 0;
 }
 
+static ssize_t f_space(void *ctx, int fd)
+{
+    struct fake_sock *s = fake_get(ctx, fd);
+    if (!s)
+        return -EBADF;
+    return s->space < 0 ? (ssize_t)1 << 30 : (ssize_t)s->space;
+}
+
 static void f_close(void *ctx, int fd, int abort)
 {
     struct fake_sock *s = fake_get(ctx, fd);
@@ -402,7 +424,8 @@ static int f_tap_write(void *ctx, const struct iovec *iov, int n)
 }
 
 static const struct tn_io fake_io = {
-    NULL, f_open, f_connect, f_error, f_watch, f_send, f_peek, f_consume, f_rewind, f_shutdown, f_close, f_tap_write,
+    NULL, f_open, f_connect, f_error, f_watch, f_send, f_peek, f_consume, f_rewind, f_shutdown, f_space, f_close,
+    f_tap_write,
 };
 
 /* ------------------------------------------------------------------ the type */
@@ -719,13 +742,14 @@ static PyObject *engine_counters(PyObject *op, PyObject *unused)
         return NULL;
     const struct tn_counters *c = tn_counters(g->e);
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
         (unsigned long long)c->frames_out, "tap_write_errors", (unsigned long long)c->tap_write_errors,
         "bad_checksum", (unsigned long long)c->bad_checksum, "out_of_window", (unsigned long long)c->out_of_window,
         "bad_ack", (unsigned long long)c->bad_ack, "syn_on_open", (unsigned long long)c->syn_on_open, "rst_bad_seq",
         (unsigned long long)c->rst_bad_seq, "dup_acks", (unsigned long long)c->dup_acks, "fast_retransmits",
         (unsigned long long)c->fast_retransmits, "rto", (unsigned long long)c->rto, "zero_window_probes",
         (unsigned long long)c->zero_window_probes, "host_write_paused", (unsigned long long)c->host_write_paused,
+        "window_updates", (unsigned long long)c->window_updates,
         "adopted", (unsigned long long)c->adopted, "ended", (unsigned long long)c->ended, "live",
         tn_live_flows(g->e), "peek_off", g->peek_off);
 }

@@ -57,8 +57,11 @@ struct tn_flow {
     uint32_t irs, rcv_nxt;     /* guest -> host */
     uint32_t iss, snd_una, snd_nxt, snd_max, snd_wnd, fin_seq; /* host -> guest */
     uint32_t last_wnd_field;   /* the guest's last window field (duplicate ACK detection) */
+    uint32_t space;            /* what the host socket takes (sock_space), less what was sent since */
+    uint32_t rcv_adv;          /* the right edge of the window we advertised last */
     double last_active, started, deadline;
     double rto, rto_at, persist_at, tw_until, connect_until;
+    double wnd_at, wnd_every;  /* our window is small: look at the socket's room again then */
     uint64_t bytes_up, bytes_down;
     uint8_t outcome, why;
     int32_t err;
@@ -79,6 +82,7 @@ struct tn_engine {
     uint32_t ring_cap, ring_head, ring_len;
     uint16_t ip_id;
     uint32_t rcv_wnd;          /* our window, bytes */
+    double now;                /* the time of the call being run */
     struct tn_counters c;
     uint8_t hdr[12 + 14 + 40 + 60];
     uint8_t peek[TN_PEEK_MAX];
@@ -340,6 +344,7 @@ static void rearm(struct tn_engine *e, struct tn_flow *f)
     case ST_ESTABLISHED:
         TAKE(f->rto_at);
         TAKE(f->persist_at);
+        TAKE(f->wnd_at);
         if (e->cfg.idle_timeout > 0)
             TAKE(f->last_active + e->cfg.idle_timeout);
         break;
@@ -484,9 +489,30 @@ size_t tn_take_records(struct tn_engine *e, struct tn_record *out, size_t max)
 
 /* ------------------------------------------------------------------ frames to the guest */
 
-static uint32_t adv_window(const struct tn_engine *e, const struct tn_flow *f)
+/* Below this many bytes of known room the socket is asked again (one getsockopt + ioctl). */
+#define SPACE_REFRESH (256u * 1024u)
+/* A window below this is watched (WND_WATCH_MIN s, doubling to WND_WATCH_MAX) for room. */
+#define WND_SMALL (64u * 1024u)
+#define WND_WATCH_MIN 0.001
+#define WND_WATCH_MAX 0.2
+
+/* Our window: what the host socket's send buffer takes (so that the guest does not send what
+ * would be dropped), at most rcv_wnd; 0 while a send() is blocked (until EPOLLOUT). */
+static uint32_t adv_window(struct tn_engine *e, struct tn_flow *f)
 {
-    return (f->fl & FL_TX_BLOCKED) ? 0 : e->rcv_wnd;
+    if (f->fl & FL_TX_BLOCKED)
+        return 0;
+    if (f->space < SPACE_REFRESH && (f->fl & FL_SOCK_OPEN)) {
+        ssize_t r = e->io.sock_space(e->io.ctx, f->fd);
+        f->space = r > 0 ? (r > (ssize_t)e->rcv_wnd ? e->rcv_wnd : (uint32_t)r) : 0;
+        if (f->space < WND_SMALL && f->wnd_at == 0 && f->space < e->rcv_wnd) {
+            /* no event says when the host peer reads: look again soon (the timer heap) */
+            f->wnd_every = WND_WATCH_MIN;
+            f->wnd_at = e->now + f->wnd_every;
+            rearm(e, f);
+        }
+    }
+    return f->space < e->rcv_wnd ? f->space : e->rcv_wnd;
 }
 
 /* One segment to the guest: seq, our rcv_nxt as ack (when ACK), flags, the payload (may be
@@ -530,11 +556,15 @@ static void send_seg(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8
     t[12] = (uint8_t)((thl / 4) << 4);
     t[13] = flags;
     uint32_t w = adv_window(e, f);
-    if (flags & TCP_SYN)
-        w = w > 65535 ? 65535 : w;
-    else
-        w >>= f->rcv_ws;
-    wr16(t + 14, (uint16_t)(w > 65535 ? 65535 : w));
+    if (!(f->fl & FL_TX_BLOCKED) && SEQ_GT(f->rcv_adv, f->rcv_nxt + w) && !(flags & TCP_SYN))
+        w = f->rcv_adv - f->rcv_nxt; /* the window's right edge never moves back (RFC 9293 3.8.6.2.2) */
+    uint8_t shift = (flags & TCP_SYN) ? 0 : f->rcv_ws;
+    uint32_t field = w >> shift;
+    if (field > 65535)
+        field = 65535;
+    wr16(t + 14, (uint16_t)field);
+    if ((flags & TCP_ACK) && SEQ_GT(f->rcv_nxt + (field << shift), f->rcv_adv))
+        f->rcv_adv = f->rcv_nxt + (field << shift);
     wr16(t + 16, 0);
     wr16(t + 18, 0);
     if (flags & TCP_SYN) {
@@ -804,6 +834,7 @@ static void connect_failed(struct tn_engine *e, struct tn_flow *f, int err)
 
 int tn_adopt(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t *slot, uint32_t *gen)
 {
+    e->now = now;
     if (lookup(e, a->v6 ? 1 : 0, a->guest_ip, a->guest_port, a->dst_ip, a->dst_port))
         return -EEXIST;
     struct tn_flow *f = alloc_flow(e);
@@ -819,7 +850,7 @@ int tn_adopt(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t
     memcpy(f->eth + 6, e->cfg.gw_mac, 6);
     wr16(f->eth + 12, f->v6 ? 0x86DDu : 0x0800u);
     f->irs = a->irs;
-    f->rcv_nxt = a->irs + 1;
+    f->rcv_nxt = f->rcv_adv = a->irs + 1;
     f->iss = a->iss;
     f->snd_una = f->snd_nxt = f->snd_max = a->iss + 1;
     f->snd_una = a->iss; /* the SYN-ACK is unacknowledged */
@@ -941,7 +972,7 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
             plen -= off;
             seq = f->rcv_nxt;
         }
-        uint32_t wnd = adv_window(e, f);
+        uint32_t wnd = SEQ_GT(f->rcv_adv, f->rcv_nxt) ? f->rcv_adv - f->rcv_nxt : 0; /* as advertised */
         if (seq != f->rcv_nxt) { /* old, or out of order: dropped (no reassembly) */
             e->c.out_of_window++;
             ack_later(e, f);
@@ -970,8 +1001,11 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
         }
         f->rcv_nxt += (uint32_t)took;
         f->bytes_up += took;
+        f->space = f->space > took ? f->space - (uint32_t)took : 0;
         ack_later(e, f);
     }
+    if (!plen && !fin && SEQ_LT(seq, f->rcv_nxt))
+        ack_later(e, f); /* a window probe (or keep-alive) below rcv_nxt: answered */
     if (fin && seq + (uint32_t)plen == f->rcv_nxt) {
         f->rcv_nxt++;
         f->fl |= FL_GUEST_FIN;
@@ -987,7 +1021,7 @@ static int rst_ok(struct tn_engine *e, struct tn_flow *f, uint32_t seq)
     if (seq == f->rcv_nxt)
         return 1;
     e->c.rst_bad_seq++;
-    uint32_t w = adv_window(e, f);
+    uint32_t w = SEQ_GT(f->rcv_adv, f->rcv_nxt) ? f->rcv_adv - f->rcv_nxt : 0;
     if (SEQ_GT(seq, f->rcv_nxt) && SEQ_LT(seq, f->rcv_nxt + (w ? w : 1)) && f->state != ST_TIME_WAIT)
         ack_later(e, f);
     return 0;
@@ -995,6 +1029,7 @@ static int rst_ok(struct tn_engine *e, struct tn_flow *f, uint32_t seq)
 
 int tn_frame(struct tn_engine *e, const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok, double now)
 {
+    e->now = now;
     if (rec->kind != DP_KIND_TCP || e->live == 0)
         return 0;
     int v6 = (rec->flags & DP_F_IPV6) ? 1 : 0;
@@ -1089,7 +1124,7 @@ int tn_frame(struct tn_engine *e, const uint8_t *buf, size_t len, const struct d
 
 void tn_flush(struct tn_engine *e, double now)
 {
-    (void)now;
+    e->now = now;
     while (e->ack_head) {
         struct tn_flow *f = &e->flows[e->ack_head - 1];
         e->ack_head = f->ack_next;
@@ -1103,6 +1138,7 @@ void tn_flush(struct tn_engine *e, double now)
 
 void tn_sock_event(struct tn_engine *e, uint64_t tag, uint32_t events, double now)
 {
+    e->now = now;
     uint32_t slot = (uint32_t)tag, gen = (uint32_t)(tag >> 32);
     if (slot >= e->cap)
         return;
@@ -1128,6 +1164,8 @@ void tn_sock_event(struct tn_engine *e, uint64_t tag, uint32_t events, double no
     }
     if ((events & TN_EV_OUT) && (f->fl & FL_TX_BLOCKED)) {
         f->fl &= (uint16_t)~FL_TX_BLOCKED;
+        f->space = 0; /* asked again */
+        e->c.window_updates++;
         if (f->state == ST_ESTABLISHED)
             send_ack(e, f); /* the window opens again */
     }
@@ -1174,6 +1212,20 @@ static void flow_timer(struct tn_engine *e, struct tn_flow *f, double now)
         if (f->state != ST_ESTABLISHED && f->state != ST_SYN_RCVD)
             return;
     }
+    if (f->wnd_at > 0 && now >= f->wnd_at) {
+        uint32_t before = f->space;
+        f->space = 0;
+        f->wnd_at = 0;
+        uint32_t w = adv_window(e, f); /* re-arms wnd_at while still small */
+        if (w > before && f->state == ST_ESTABLISHED) {
+            e->c.window_updates++;
+            send_ack(e, f);
+        }
+        if (f->wnd_at > 0) {
+            f->wnd_every = f->wnd_every * 2 > WND_WATCH_MAX ? WND_WATCH_MAX : f->wnd_every * 2;
+            f->wnd_at = now + f->wnd_every;
+        }
+    }
     if (f->persist_at > 0 && now >= f->persist_at) {
         if (f->snd_wnd == 0) { /* probe the closed window: an ACK it must answer */
             e->c.zero_window_probes++;
@@ -1189,6 +1241,7 @@ static void flow_timer(struct tn_engine *e, struct tn_flow *f, double now)
 
 void tn_timers(struct tn_engine *e, double now)
 {
+    e->now = now;
     while (e->hlen) {
         struct tn_flow *f = &e->flows[e->heap[0]];
         if (f->deadline > now)
@@ -1209,7 +1262,7 @@ double tn_next_deadline(const struct tn_engine *e, double now)
 
 int tn_close_flow(struct tn_engine *e, uint32_t slot, uint32_t gen, double now)
 {
-    (void)now;
+    e->now = now;
     if (slot >= e->cap)
         return -ENOENT;
     struct tn_flow *f = &e->flows[slot];
@@ -1241,6 +1294,6 @@ int tn_flow_info(const struct tn_engine *e, uint32_t slot, uint32_t gen, struct 
     out->bytes_up = f->bytes_up;
     out->bytes_down = f->bytes_down;
     out->snd_wnd = f->snd_wnd;
-    out->rcv_wnd = adv_window(e, f);
+    out->rcv_wnd = (f->fl & FL_TX_BLOCKED) ? 0 : (f->space < e->rcv_wnd ? f->space : e->rcv_wnd);
     return 0;
 }

@@ -74,6 +74,8 @@ struct tn_io {
     /* The peek offset was rewound to off (SO_PEEK_OFF; the fake ignores it). */
     int (*sock_rewind)(void *ctx, int fd, size_t off);
     int (*sock_shutdown_wr)(void *ctx, int fd);
+    /* Payload bytes the socket's send buffer takes now (about: SO_SNDBUF / 2 - SIOCOUTQ). */
+    ssize_t (*sock_space)(void *ctx, int fd);
     /* Close fd; abort: with SO_LINGER 0 (the host peer sees a RST). */
     void (*sock_close)(void *ctx, int fd, int abort);
     /* One frame to the guest (the iovec starts with the vnet header when the TAP has one). */
@@ -157,6 +159,7 @@ struct tn_counters {
     uint64_t rto;               /* retransmission timeouts */
     uint64_t zero_window_probes;
     uint64_t host_write_paused; /* a send() took part: our window closes */
+    uint64_t window_updates;    /* ... and opens again (EPOLLOUT) */
     uint64_t adopted;
     uint64_t ended;
 };

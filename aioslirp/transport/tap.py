@@ -97,7 +97,7 @@ class TapTransport(Transport):
     """
 
     __slots__ = ("_fd", "ifname", "_batch", "_read_size", "_reading", "_pidfds", "send_drops", "vnet_hdr", "offload",
-                 "created", "native", "_plane")
+                 "created", "native", "_plane", "_tcp")
 
     gone_hint = "the TAP device still exists (ip link show {ifname}) and the namespace holding it was not removed"
 
@@ -117,6 +117,8 @@ class TapTransport(Transport):
     native: bool
     #: The native plane's state (its read buffer), made when reading starts; ``None`` for the Python reader.
     _plane: object | None
+    #: The native TCP engine given by :meth:`attach_tcp`, or ``None``.
+    _tcp: object | None
 
     def __init__(self, fd: int, *, ifname: str | None = None, batch: int = 64, read_size: int = MAX_FRAME,
                  offload: bool = True, native: bool | None = None) -> None:
@@ -160,6 +162,7 @@ class TapTransport(Transport):
             native = False
         self.native = native
         self._plane = None
+        self._tcp = None
         os.set_blocking(fd, False)
 
     # -- construction ---------------------------------------------------------------------
@@ -217,10 +220,22 @@ class TapTransport(Transport):
             ext = native_plane.extension()
             assert ext is not None
             self._plane = ext.Plane(self._read_size, self._batch, self.vnet_hdr)
+            if self._tcp is not None:
+                self._plane.attach_tcp(self._tcp)  # type: ignore[attr-defined]
             self._loop.add_reader(self._fd, self._on_readable_native)
         else:
             self._loop.add_reader(self._fd, self._on_readable)
         self._reading = True
+
+    def attach_tcp(self, engine) -> None:
+        """Hand the guest frames of native TCP flows to ``engine`` (a ``TcpEngine`` of
+        :mod:`aioslirp.native`, or ``None`` to stop) in the native reader, before the sink sees
+        them (:mod:`aioslirp.nat.native_tcp`). Only with :attr:`native`; ``ValueError`` otherwise."""
+        if not self.native:
+            raise ValueError("attach_tcp needs the native reader (native=True)")
+        self._tcp = engine
+        if self._plane is not None:
+            self._plane.attach_tcp(engine)  # type: ignore[attr-defined]
 
     def _on_readable(self) -> None:
         """Read up to ``batch`` frames (until ``EAGAIN``) and hand them to the stack in one batch.
