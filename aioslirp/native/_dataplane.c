@@ -83,6 +83,89 @@ static PyObject *mod_reason_names6(PyObject *self, PyObject *unused)
     return names_tuple(dp_reason_name6);
 }
 
+/* udp_frames(eth, src, dst, sport, dport, payload, hlim, mtu, ident4, ident6) -> list[bytes]:
+ * dp_udp_frames(), the frames of one host datagram for the guest (IPv6 when src is 16 bytes). */
+static PyObject *mod_udp_frames(PyObject *self, PyObject *args)
+{
+    Py_buffer eth, src, dst, payload;
+    int sport, dport, hlim;
+    unsigned int mtu, ident4;
+    unsigned long ident6;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*iiy*iIIk", &eth, &src, &dst, &sport, &dport, &payload, &hlim, &mtu, &ident4,
+                          &ident6))
+        return NULL;
+    PyObject *result = NULL;
+    uint8_t *out = NULL;
+    struct dp_slot *slots = NULL;
+    int v6 = src.len == 16;
+    unsigned n = 0;
+    size_t need;
+    if (eth.len != 14 || (src.len != 4 && src.len != 16) || dst.len != src.len || sport < 0 || sport > 0xFFFF ||
+        dport < 0 || dport > 0xFFFF || hlim < 0 || hlim > 255 || ident4 > 0xFFFF || ident6 > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_ValueError, "udp_frames: eth is 14 bytes, src/dst 4 or 16 (both), ports 16 bits, "
+                                          "hlim 8 bits, ident4 16 bits, ident6 32 bits");
+        goto done;
+    }
+    need = dp_udp_frames_size(v6, (size_t)payload.len, mtu, &n);
+    if (!need) {
+        PyErr_SetString(PyExc_ValueError, "udp_frames: payload too long or mtu out of range");
+        goto done;
+    }
+    out = PyMem_Malloc(need);
+    slots = PyMem_Malloc(sizeof *slots * n);
+    if (!out || !slots) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int got = dp_udp_frames(out, need, slots, n, eth.buf, v6, src.buf, dst.buf, (uint16_t)sport, (uint16_t)dport,
+                            payload.buf, (size_t)payload.len, (uint8_t)hlim, mtu, (uint16_t)ident4, (uint32_t)ident6);
+    if (got != (int)n) {
+        PyErr_SetString(PyExc_RuntimeError, "udp_frames: the frames do not fit the size computed for them");
+        goto done;
+    }
+    result = PyList_New(n);
+    if (!result)
+        goto done;
+    for (unsigned i = 0; i < n; i++) {
+        PyObject *b = PyBytes_FromStringAndSize((const char *)out + slots[i].off, (Py_ssize_t)slots[i].len);
+        if (!b || PyList_SetItem(result, i, b) < 0) {
+            Py_CLEAR(result);
+            goto done;
+        }
+    }
+done:
+    PyMem_Free(out);
+    PyMem_Free(slots);
+    PyBuffer_Release(&eth);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&payload);
+    return result;
+}
+
+/* udp_checksum_ok(src, dst, udp, trusted=False) -> bool: dp_udp_checksum_ok() for the datagram udp
+ * (header and payload, as long as its length field says; IPv6 when src is 16 bytes). */
+static PyObject *mod_udp_checksum_ok(PyObject *self, PyObject *args)
+{
+    Py_buffer src, dst, udp;
+    int trusted = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*|p", &src, &dst, &udp, &trusted))
+        return NULL;
+    PyObject *result = NULL;
+    if ((src.len != 4 && src.len != 16) || dst.len != src.len || udp.len < 8) {
+        PyErr_SetString(PyExc_ValueError, "udp_checksum_ok: src/dst 4 or 16 bytes (both), udp at least 8 bytes");
+    } else {
+        result = PyBool_FromLong(dp_udp_checksum_ok(src.len == 16, src.buf, dst.buf, udp.buf, (size_t)udp.len,
+                                                    trusted));
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&udp);
+    return result;
+}
+
 /* ------------------------------------------------------------------ Plane */
 
 typedef struct {
@@ -278,6 +361,9 @@ static PyMethodDef module_methods[] = {
      "classify(buf, vnet=False) -> record tuple (not counted)"},
     {"reason_names", mod_reason_names, METH_NOARGS, "reason_names() -> tuple of reason names by code"},
     {"reason_names6", mod_reason_names6, METH_NOARGS, "reason_names6() -> the IPv6 names of the same reasons"},
+    {"udp_frames", mod_udp_frames, METH_VARARGS,
+     "udp_frames(eth, src, dst, sport, dport, payload, hlim, mtu, ident4, ident6) -> list[bytes]"},
+    {"udp_checksum_ok", mod_udp_checksum_ok, METH_VARARGS, "udp_checksum_ok(src, dst, udp, trusted=False) -> bool"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -290,3 +290,156 @@ enum dp_read_end dp_tap_read(int fd, uint8_t *buf, size_t cap, size_t frame_size
     *reads = r;
     return end;
 }
+
+/* ---- checksums (RFC 1071), as aioslirp.wire.checksum computes them ---- */
+
+/* The sum of the 16-bit big-endian words of p[0..n) (an odd last byte padded with 0), unreduced. */
+static uint64_t sum_words(const uint8_t *p, size_t n)
+{
+    uint64_t s = 0;
+    size_t i = 0;
+    for (; i + 1 < n; i += 2)
+        s += rd16(p + i);
+    if (i < n)
+        s += (uint64_t)p[i] << 8;
+    return s;
+}
+
+/* aioslirp.wire.checksum.finish(): the field value for a sum (0 when the sum is 0 mod 0xFFFF). */
+static uint16_t finish_sum(uint64_t s)
+{
+    s %= 0xFFFFu;
+    return (uint16_t)(s ? 0xFFFFu - s : 0);
+}
+
+static inline void wr16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)(v >> 8);
+    p[1] = (uint8_t)v;
+}
+
+static inline void wr32(uint8_t *p, uint32_t v)
+{
+    wr16(p, (uint16_t)(v >> 16));
+    wr16(p + 2, (uint16_t)v);
+}
+
+int dp_udp_checksum_ok(int v6, const uint8_t *src, const uint8_t *dst, const uint8_t *udp, size_t ulen, int trusted)
+{
+    if (trusted)
+        return 1;
+    if (udp[6] == 0 && udp[7] == 0)
+        return !v6;
+    size_t alen = v6 ? 16 : 4;
+    uint64_t s = sum_words(src, alen) + sum_words(dst, alen) + PROTO_UDP + ulen + sum_words(udp, ulen);
+    return s % 0xFFFFu == 0;
+}
+
+/* The IPv4 header (20 bytes, no options) at p, with its checksum. */
+static void ipv4_header(uint8_t *p, const uint8_t *src, const uint8_t *dst, size_t total, uint16_t ident,
+                        uint16_t flags_frag, uint8_t ttl)
+{
+    p[0] = 0x45;
+    p[1] = 0;
+    wr16(p + 2, (uint16_t)total);
+    wr16(p + 4, ident);
+    wr16(p + 6, flags_frag);
+    p[8] = ttl;
+    p[9] = PROTO_UDP;
+    p[10] = p[11] = 0;
+    memcpy(p + 12, src, 4);
+    memcpy(p + 16, dst, 4);
+    wr16(p + 10, finish_sum(sum_words(p, 20)));
+}
+
+static void ipv6_header(uint8_t *p, const uint8_t *src, const uint8_t *dst, size_t plen, uint8_t nh, uint8_t hlim)
+{
+    wr32(p, 6u << 28);
+    wr16(p + 4, (uint16_t)plen);
+    p[6] = nh;
+    p[7] = hlim;
+    memcpy(p + 8, src, 16);
+    memcpy(p + 24, dst, 16);
+}
+
+size_t dp_udp_frames_size(int v6, size_t plen, unsigned mtu, unsigned *nframes)
+{
+    size_t ip_hlen = v6 ? 40 : 20, ulen = 8 + plen, total = ip_hlen + ulen;
+    if (plen > (v6 ? 65527u : 65507u) || mtu < (v6 ? 1280u : 68u) || mtu > 65535u)
+        return 0;
+    if (total <= mtu) {
+        *nframes = 1;
+        return DP_ETH_HLEN + total;
+    }
+    size_t step = v6 ? ((mtu - 48) & ~(size_t)7) : ((mtu - 20) & ~(size_t)7);
+    size_t n = (ulen + step - 1) / step;
+    *nframes = (unsigned)n;
+    return n * (DP_ETH_HLEN + ip_hlen + (v6 ? 8 : 0)) + ulen;
+}
+
+int dp_udp_frames(uint8_t *out, size_t cap, struct dp_slot *slots, unsigned max_slots, const uint8_t eth[14], int v6,
+                  const uint8_t *src, const uint8_t *dst, uint16_t sport, uint16_t dport, const uint8_t *payload,
+                  size_t plen, uint8_t hlim, unsigned mtu, uint16_t ident4, uint32_t ident6)
+{
+    unsigned n;
+    size_t need = dp_udp_frames_size(v6, plen, mtu, &n);
+    if (!need || need > cap || n > max_slots)
+        return -1;
+    size_t ip_hlen = v6 ? 40 : 20, ulen = 8 + plen, alen = v6 ? 16 : 4;
+    /* The UDP header's checksum over the whole datagram, before any fragmenting. */
+    uint8_t uh[8];
+    wr16(uh, sport);
+    wr16(uh + 2, dport);
+    wr16(uh + 4, (uint16_t)ulen);
+    uh[6] = uh[7] = 0;
+    uint64_t s = sum_words(src, alen) + sum_words(dst, alen) + PROTO_UDP + ulen + sum_words(uh, 8);
+    /* the payload starts at an even offset (8): its words continue the header's */
+    s += sum_words(payload, plen);
+    uint16_t csum = finish_sum(s);
+    wr16(uh + 6, csum ? csum : 0xFFFFu);
+    if (n == 1) {
+        memcpy(out, eth, DP_ETH_HLEN);
+        uint8_t *ip = out + DP_ETH_HLEN;
+        if (v6)
+            ipv6_header(ip, src, dst, ulen, PROTO_UDP, hlim);
+        else
+            ipv4_header(ip, src, dst, ip_hlen + ulen, ident4, 0, hlim);
+        memcpy(ip + ip_hlen, uh, 8);
+        memcpy(ip + ip_hlen + 8, payload, plen);
+        slots[0].off = 0;
+        slots[0].len = (uint32_t)(DP_ETH_HLEN + ip_hlen + ulen);
+        slots[0].csum_ok = 0;
+        return 1;
+    }
+    size_t step = v6 ? ((mtu - 48) & ~(size_t)7) : ((mtu - 20) & ~(size_t)7);
+    size_t used = 0;
+    for (unsigned i = 0; i < n; i++) {
+        size_t off = (size_t)i * step, chunk = ulen - off < step ? ulen - off : step;
+        int more = off + chunk < ulen;
+        uint8_t *f = out + used, *ip = f + DP_ETH_HLEN, *data;
+        memcpy(f, eth, DP_ETH_HLEN);
+        if (v6) {
+            ipv6_header(ip, src, dst, 8 + chunk, 44, hlim);
+            ip[40] = PROTO_UDP;
+            ip[41] = 0;
+            wr16(ip + 42, (uint16_t)(off | (more ? 1u : 0u)));
+            wr32(ip + 44, ident6);
+            data = ip + 48;
+        } else {
+            ipv4_header(ip, src, dst, 20 + chunk, ident4, (uint16_t)((more ? 0x2000u : 0u) | (off >> 3)), hlim);
+            data = ip + 20;
+        }
+        /* the datagram's bytes [off, off + chunk): the 8-byte UDP header, then the payload */
+        size_t k = 0;
+        for (; off + k < 8 && k < chunk; k++)
+            data[k] = uh[off + k];
+        if (k < chunk)
+            memcpy(data + k, payload + (off + k - 8), chunk - k);
+        size_t flen = (size_t)(data - f) + chunk;
+        slots[i].off = (uint32_t)used;
+        slots[i].len = (uint32_t)flen;
+        slots[i].csum_ok = 0;
+        used += flen;
+    }
+    return (int)n;
+}

@@ -132,4 +132,30 @@ enum dp_read_end {
 enum dp_read_end dp_tap_read(int fd, uint8_t *buf, size_t cap, size_t frame_size, int vnet, unsigned max_reads,
                              struct dp_slot *slots, unsigned max_slots, unsigned *nslots, unsigned *reads, int *err);
 
+/* ---- UDP, host -> guest (the native UDP flows' output; sans-IO) ----
+ *
+ * dp_udp_frames() writes the Ethernet frames that carry one datagram from the host to the guest
+ * into out[0..cap), one after another, and their places into slots: the IPv4 or IPv6 packet
+ * (UDP checksum over the pseudo-header, a computed 0 sent as 0xFFFF; IPv4 with identification
+ * ident4, DF clear, TTL hlim; IPv6 with hop limit hlim) behind the 14-byte header eth, fragmented
+ * to mtu as the Python path does (aioslirp.wire.ipv4.fragment: fragments of (mtu - 20) & ~7
+ * bytes; aioslirp.wire.ipv6.fragment6: a Fragment header with identification ident6, pieces of
+ * (mtu - 48) & ~7 bytes). v6: addresses of 16 bytes (else 4). Returns the number of frames, or
+ * -1 when out or slots are too small or the datagram or the MTU is out of range (payload at
+ * most 65,507 bytes for IPv4, 65,527 for IPv6; mtu at least 68 / 1280). */
+int dp_udp_frames(uint8_t *out, size_t cap, struct dp_slot *slots, unsigned max_slots, const uint8_t eth[14], int v6,
+                  const uint8_t *src, const uint8_t *dst, uint16_t sport, uint16_t dport, const uint8_t *payload,
+                  size_t plen, uint8_t hlim, unsigned mtu, uint16_t ident4, uint32_t ident6);
+
+/* The bytes out[] needs for dp_udp_frames() (and the frames, in *nframes), or 0 when out of range. */
+size_t dp_udp_frames_size(int v6, size_t plen, unsigned mtu, unsigned *nframes);
+
+/* ---- UDP, guest -> host ----
+ *
+ * The checksum rule of the Python dispatch (aioslirp.dispatch.l4.L4.udp) for a UDP datagram
+ * udp[0..ulen) (header included, ulen from its length field) between src and dst: 1 when valid,
+ * or trusted (the guest kernel flagged it), or 0 over IPv4 (no checksum); 0 otherwise, and a
+ * zero checksum over IPv6 is invalid (RFC 8200 8.1). */
+int dp_udp_checksum_ok(int v6, const uint8_t *src, const uint8_t *dst, const uint8_t *udp, size_t ulen, int trusted);
+
 #endif

@@ -3,7 +3,7 @@
 ``AIOSLIRP_SANITIZE=1`` makes ``setup.py`` build the native extension alone with
 ``-fsanitize=address,undefined -fno-omit-frame-pointer`` (``-fno-sanitize-recover``: undefined
 behaviour aborts). The test builds a copy of the checkout that way in a temporary directory and
-runs the classifier's unit tests, the corpus replay through it and the TAP reader's tests in a
+runs the classifier's and the UDP pieces' unit tests, the corpus replay and the TAP reader's tests in a
 child interpreter with gcc's ``libasan`` preloaded (``ASAN_OPTIONS=detect_leaks=0``: the
 interpreter's own allocations at exit are not the extension's). Any out-of-bounds access, use
 after free or undefined behaviour in C aborts the child: the test asserts a clean exit.
@@ -30,7 +30,8 @@ from support.prereqs import need
 pytestmark = pytest.mark.timeout(900)
 
 #: The test files run under the sanitizers (relative to the checkout).
-SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/adversarial/test_native_corpus.py",
+SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test_udp_native.py",
+                   "tests/adversarial/test_native_corpus.py",
                    "tests/system/test_tap_reader.py")
 
 

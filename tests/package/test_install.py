@@ -115,7 +115,9 @@ def test_sdist_install_runs_compiled(checkout, tmp_path):
     sdist = tmp_path / "sdist" / out.strip().splitlines()[-1]
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    assert {"setup.py", "pyproject.toml", "README.md", "aioslirp/compiled.py", "aioslirp/tcp/tcb.py"} <= names
+    assert {"setup.py", "pyproject.toml", "README.md", "aioslirp/compiled.py", "aioslirp/tcp/tcb.py",
+            "aioslirp/native/sources.py", "aioslirp/native/dataplane.c", "aioslirp/native/dataplane.h",
+            "aioslirp/native/_dataplane.c"} <= names
     assert not [n for n in names if n.endswith(".so") or n.endswith(compiled.RECORD)]
     venv = _venv(tmp_path / "venv")
     _run([venv / "bin" / "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--no-index", sdist],
