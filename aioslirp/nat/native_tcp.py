@@ -179,6 +179,9 @@ class NativeTcp:
                                int(cfg.mtu), int(cfg.max_flows), int(cfg.tcp_buffer), float(cfg.tcp_idle_timeout),
                                float(cfg.tcp_connect_timeout), float(cfg.tcp_linger))
         attach(engine)
+        ident = ctx.identity
+        log.info("%snative data plane: guest TCP flows run in C (peek offset: %s)", ident.log_prefix,
+                 "SO_PEEK_OFF" if engine.counters().get("peek_off") else "a discard buffer", extra=ident.log_extra)
         return cls(ctx, engine)
 
     # -------------------------------------------------------------- flows

@@ -56,6 +56,7 @@ struct tn_flow {
     uint8_t eth[14];           /* the Ethernet header towards the guest */
     uint32_t irs, rcv_nxt;     /* guest -> host */
     uint32_t iss, snd_una, snd_nxt, snd_max, snd_wnd, fin_seq; /* host -> guest */
+    uint32_t snd_wl1, snd_wl2; /* seq and ack of the segment that last set the window (RFC 9293 3.10.7.4) */
     uint32_t last_wnd_field;   /* the guest's last window field (duplicate ACK detection) */
     uint32_t space;            /* what the host socket takes (sock_space), less what was sent since */
     uint32_t rcv_adv;          /* the right edge of the window we advertised last */
@@ -710,7 +711,8 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
         return;
     for (;;) {
         uint32_t inflight = f->snd_nxt - f->snd_una;
-        uint32_t room = f->snd_wnd > inflight ? f->snd_wnd - inflight : 0;
+        uint32_t edge = f->snd_wl2 + f->snd_wnd; /* the window is relative to the ACK that carried it */
+        uint32_t room = SEQ_GT(edge, f->snd_nxt) ? edge - f->snd_nxt : 0;
         if (inflight + room > TN_DISCARD)
             room = inflight < TN_DISCARD ? TN_DISCARD - inflight : 0;
         if (!(f->fl & (FL_RX_READY | FL_RDHUP)))
@@ -868,6 +870,8 @@ int tn_adopt(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t
         f->rcv_ws = ws;
     }
     f->snd_wnd = a->wnd; /* a SYN's window is never scaled */
+    f->snd_wl1 = a->irs;
+    f->snd_wl2 = a->iss + 1;
     f->last_wnd_field = a->wnd;
     f->last_active = f->started = now;
     f->rto = RTO_MIN;
@@ -911,8 +915,8 @@ static int ack_of_fin(const struct tn_flow *f, uint32_t ack)
 }
 
 /* An ACK from the guest in ESTABLISHED: consume what it acknowledges, window, duplicates. */
-static void take_ack(struct tn_engine *e, struct tn_flow *f, uint32_t ack, uint32_t wfield, int has_data,
-                     double now)
+static void take_ack(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint32_t ack, uint32_t wfield,
+                     int has_data, double now)
 {
     uint32_t wnd = (f->fl & FL_WS) ? (wfield << f->snd_ws) : wfield;
     if (SEQ_GT(ack, f->snd_max)) { /* acknowledges what was never sent */
@@ -943,17 +947,22 @@ static void take_ack(struct tn_engine *e, struct tn_flow *f, uint32_t ack, uint3
         e->c.dup_acks++;
         if (++f->dupacks == DUPACK_THRESHOLD) {
             e->c.fast_retransmits++;
-            f->snd_wnd = wnd;
             rewind_send(e, f, now);
         }
     }
     f->last_wnd_field = wfield;
-    int opened = wnd > f->snd_wnd;
-    f->snd_wnd = wnd;
-    if (wnd)
-        f->persist_at = 0;
-    if (opened)
-        f->fl |= FL_RX_READY; /* the socket may hold what the closed window held back */
+    /* the window, from a segment no older than the one that set it last (RFC 9293 3.10.7.4) */
+    if (SEQ_GE(ack, f->snd_una) &&
+        (SEQ_LT(f->snd_wl1, seq) || (f->snd_wl1 == seq && SEQ_LE(f->snd_wl2, ack)))) {
+        int opened = SEQ_GT(ack + wnd, f->snd_wl2 + f->snd_wnd);
+        f->snd_wnd = wnd;
+        f->snd_wl1 = seq;
+        f->snd_wl2 = ack;
+        if (wnd)
+            f->persist_at = 0;
+        if (opened)
+            f->fl |= FL_RX_READY; /* the socket may hold what the closed window held back */
+    }
     rearm(e, f);
 }
 
@@ -1108,7 +1117,7 @@ int tn_frame(struct tn_engine *e, const uint8_t *buf, size_t len, const struct d
     default:
         break;
     }
-    take_ack(e, f, ack, wfield, plen > 0, now);
+    take_ack(e, f, seq, ack, wfield, plen > 0, now);
     if (f->state != ST_ESTABLISHED)
         return 1;
     take_payload(e, f, seq, pay, plen, flags & TCP_FIN);

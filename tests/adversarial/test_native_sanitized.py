@@ -32,7 +32,9 @@ pytestmark = pytest.mark.timeout(900)
 #: The test files run under the sanitizers (relative to the checkout).
 SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test_udp_native.py",
                    "tests/adversarial/test_native_corpus.py",
-                   "tests/system/test_tap_reader.py")
+                   "tests/system/test_tap_reader.py", "tests/unit/native/test_tcp_engine.py",
+                   "tests/unit/native/test_tcp_differential.py", "tests/adversarial/test_native_tcp_hostile.py",
+                   "tests/system/test_native_tcp.py")
 
 
 def _libasan() -> Path | None:
