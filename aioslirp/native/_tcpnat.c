@@ -12,7 +12,7 @@
  *     .input(frame, csum_ok, now) -> bool             (one guest frame, no vnet header)
  *     .close_flow(slot, gen, now) -> bool
  *     .info(slot, gen) -> (state, last_active, bytes_up, bytes_down, snd_wnd, rcv_wnd) | None
- *     .counters() -> dict; .live() -> int; .close()
+ *     .counters() -> dict; .live() -> int; .forget_tap(); .close()
  *   fake only: .fake_connect_mode(err), .fake_frames() -> [bytes], .fake_connect_done(fd, err, now),
  *     .fake_host_send(fd, data, now), .fake_host_eof(fd, now), .fake_host_reset(fd, now),
  *     .fake_send_space(fd, n, now), .fake_received(fd) -> bytes, .fake_socket(fd) -> dict
@@ -227,6 +227,8 @@ static void r_close(void *ctx, int fd, int abort)
 static int r_tap_write(void *ctx, const struct iovec *iov, int n)
 {
     Engine *g = ctx;
+    if (g->tap_fd < 0) /* the transport closed its fd (which another open may reuse) */
+        return -EBADF;
     ssize_t r = writev(g->tap_fd, iov, n);
     return r < 0 ? -errno : 0;
 }
@@ -768,6 +770,13 @@ static PyObject *engine_fileno(PyObject *op, PyObject *unused)
     return PyLong_FromLong(g->epfd);
 }
 
+static PyObject *engine_forget_tap(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    ((Engine *)op)->tap_fd = -1;
+    Py_RETURN_NONE;
+}
+
 static PyObject *engine_close(PyObject *op, PyObject *unused)
 {
     (void)unused;
@@ -965,6 +974,7 @@ static PyMethodDef engine_methods[] = {
     {"live", engine_live, METH_NOARGS, "live() -> flows alive"},
     {"fileno", engine_fileno, METH_NOARGS, "fileno() -> the epoll fd"},
     {"close", engine_close, METH_NOARGS, "close(): every socket aborted, the epoll closed"},
+    {"forget_tap", engine_forget_tap, METH_NOARGS, "forget_tap(): the TAP fd is closing: write no frame to it"},
     {"fake_connect_mode", fake_connect_mode, METH_O, "fake: connects of new sockets give this errno (0: at once)"},
     {"fake_frames", fake_frames, METH_NOARGS, "fake: the frames written to the guest since the last call"},
     {"fake_connect_done", fake_connect_done, METH_VARARGS, "fake_connect_done(fd, err, now)"},

@@ -360,6 +360,8 @@ class TapTransport(Transport):
                 os.close(pidfd)
         self._pidfds.clear()
         fd, self._fd = self._fd, -1
+        if self._tcp is not None:  # the native TCP engine writes to the fd itself: not after this
+            self._tcp.forget_tap()  # type: ignore[attr-defined]
         if fd >= 0:
             if self._reading and loop is not None:
                 loop.remove_reader(fd)
