@@ -123,9 +123,10 @@ class NativeTcpFlow:
         """Nothing: the engine sends its own frames."""
 
     def on_segment(self, seg, now: float) -> bool:
-        """A guest segment that reached Python: the engine no longer has this 5-tuple (the flow
-        ended and its record is on the way), so the segment belongs to no flow (False)."""
-        return False
+        """A guest segment that reached Python. While the engine runs the flow, it was read in the
+        same batch as the SYN, before the adoption (a retransmitted SYN): dropped (True). Once the
+        flow ended in the engine (its record is on the way) it belongs to no flow (False)."""
+        return self.state != "CLOSED"
 
     def retire(self) -> None:
         """The 5-tuple is wanted by a new guest connection: take the engine's records (this

@@ -1,0 +1,72 @@
+"""The Python side of native TCP flows (aioslirp.nat.native_tcp) in a Stack in this process, with the
+engine's fake sockets (no TAP, no kernel TCP): what L4 hands it, what stays in the flow table."""
+
+from __future__ import annotations
+
+import errno
+
+from aioslirp import NetworkConfig, Stack
+from aioslirp.nat.native_tcp import NativeTcp, NativeTcpFlow
+
+from support.frames import ACK, F4, GW_MAC, RST, SYN, tcp_frame
+from support.native import need_extension
+
+
+async def _stack_with_fake_engine(connect: int = 0):
+    ext = need_extension()
+    stack = Stack(NetworkConfig())
+    await stack.start()
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
+    eng.fake_connect_mode(connect)
+    ctx = stack.parts.ctx
+    ctx.native_tcp = NativeTcp(ctx, eng)
+    return stack, eng
+
+
+async def test_a_syn_read_in_the_same_batch_as_the_first_is_not_a_second_flow():
+    """Two copies of a guest SYN in one batch: the first is adopted by the engine; the second was
+    read before the adoption (so it reaches Python) and is dropped, not made a second flow."""
+    stack, eng = await _stack_with_fake_engine()
+    try:
+        syn = tcp_frame(F4, 40000, 8080, SYN, seq=1000, mss=1460)
+        stack.parts.link.on_frames([syn, syn])
+        flows = list(stack.parts.flows.values())
+        assert len(flows) == 1 and isinstance(flows[0], NativeTcpFlow)
+        assert eng.live() == 1 and len(eng.fake_frames()) == 1  # one SYN-ACK
+        assert stack.counters["handled.tcp_syn"] == 1 and stack.counters["handled.tcp"] == 1
+        assert flows[0].state == "SYN_RECEIVED" and flows[0].transport is not None
+    finally:
+        stack.parts.ctx.native_tcp.close()
+        stack.parts.ctx.native_tcp = None
+        await stack.aclose()
+
+
+async def test_a_refused_connect_is_counted_and_recorded_as_on_the_python_path():
+    stack, eng = await _stack_with_fake_engine(errno.ECONNREFUSED)
+    try:
+        stack.parts.link.on_frames([tcp_frame(F4, 40001, 8080, SYN, seq=5, mss=1460)])
+        assert not stack.parts.flows
+        c = stack.counters
+        assert c["tcp_connect_refused"] == 1 and c["flows.tcp.opened"] == c["flows.tcp.closed"] == 1
+        (rst,) = eng.fake_frames()
+        assert rst[47] == RST | ACK
+    finally:
+        stack.parts.ctx.native_tcp.close()
+        stack.parts.ctx.native_tcp = None
+        await stack.aclose()
+
+
+async def test_a_guest_rst_ends_the_flow_and_its_table_entry():
+    """The engine's end record takes the flow out of the table, counted as the Python path counts it."""
+    stack, eng = await _stack_with_fake_engine()
+    try:
+        stack.parts.link.on_frames([tcp_frame(F4, 40002, 8080, SYN, seq=5, mss=1460)])
+        (flow,) = stack.parts.flows.values()
+        assert eng.input(tcp_frame(F4, 40002, 8080, RST, seq=6), False, 0.0)  # as the TAP reader hands it
+        stack.parts.ctx.native_tcp.poll()
+        assert not stack.parts.flows and flow.outcome == "reset"
+        assert stack.counters["tcp_resets"] == 1 and stack.counters["handled.tcp"] == 0
+    finally:
+        stack.parts.ctx.native_tcp.close()
+        stack.parts.ctx.native_tcp = None
+        await stack.aclose()
