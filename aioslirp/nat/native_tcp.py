@@ -49,7 +49,23 @@ _REC_CONNECTED, _REC_ENDED = 1, 2
 #: ``enum tn_outcome`` of tcpnat.h -> the flow's outcome (``None``: shutdown by Python, kept as set).
 _OUTCOMES = (None, "closed", "reset", "refused", "unreachable", "timeout", None)
 #: ``enum tn_why`` of tcpnat.h -> the counter of the Python path.
-_WHY_COUNTERS = (None, "tcp_resets", "tcp_host_lost", "tcp_idle_closed", None, None)
+_WHY_COUNTERS = (None, "tcp_resets", "tcp_host_lost", "tcp_idle_closed", None, None, None)
+#: Seconds in TIME-WAIT after the guest's last segment: ``TcpConnection``'s ``time_wait``, which
+#: the Python path leaves at its default.
+TIME_WAIT = 1.0
+
+
+class _Ended:
+    """``flow.done`` of a :class:`NativeTcpFlow`: ``done()`` says whether the engine ended it (what
+    the guard asks of a pending connect, as of a ``TcpFlow``'s future)."""
+
+    __slots__ = ("flow",)
+
+    def __init__(self, flow: "NativeTcpFlow") -> None:
+        self.flow = flow
+
+    def done(self) -> bool:
+        return self.flow._final is not None
 
 
 class NativeTcpFlow:
@@ -64,7 +80,7 @@ class NativeTcpFlow:
     forward_id = None
 
     __slots__ = ("key", "guest_ip", "guest_port", "dst_ip", "dst_port", "remote", "started", "name", "rule",
-                 "_outcome", "_plane", "slot", "gen", "_final", "orig_header", "fam", "transport")
+                 "_outcome", "_plane", "slot", "gen", "_final", "orig_header", "fam", "transport", "done")
 
     def __init__(self, plane: "NativeTcp", fam, key: tuple, remote: str, orig_header: bytes, now: float) -> None:
         self.key = key
@@ -80,6 +96,8 @@ class NativeTcpFlow:
         #: ``None`` while the host connect is pending (the guard counts pending connects by it),
         #: then the :class:`NativeTcp` that moves its bytes.
         self.transport: NativeTcp | None = None
+        #: ``done.done()``: the flow ended (:class:`_Ended`).
+        self.done = _Ended(self)
         self.name, self.rule = admission(plane.ctx, self, remote)
 
     def _info(self):
@@ -178,7 +196,7 @@ class NativeTcp:
         cfg = ctx.config
         engine = ext.TcpEngine(transport.fd, transport.vnet_hdr, transport.offload, cfg.gateway_mac_bytes,
                                int(cfg.mtu), int(cfg.max_flows), int(cfg.tcp_buffer), float(cfg.tcp_idle_timeout),
-                               float(cfg.tcp_connect_timeout), float(cfg.tcp_linger))
+                               float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT)
         attach(engine)
         ident = ctx.identity
         log.info("%snative data plane: guest TCP flows run in C (peek offset: %s)", ident.log_prefix,

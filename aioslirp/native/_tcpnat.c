@@ -4,7 +4,7 @@
  * sockets in memory, frames collected: tests drive the core with a fake clock).
  *
  *   TcpEngine(tap_fd, vnet, offload, gw_mac, mtu, max_flows, rcv_buf, idle_timeout,
- *             connect_timeout, linger, fake=False)
+ *             connect_timeout, linger, fake=False, time_wait=1.0)
  *     .fileno() -> the epoll fd to watch for reading (-1 fake)
  *     .adopt(v6, guest_mac, guest_ip, guest_port, dst_ip, dst_port, host_ip, host_port,
  *            irs, iss, mss, wscale, wnd, now) -> (status, slot, gen)
@@ -436,13 +436,14 @@ static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
 {
     Engine *g = (Engine *)op;
     static char *kwlist[] = {"tap_fd", "vnet", "offload", "gw_mac", "mtu", "max_flows", "rcv_buf", "idle_timeout",
-                             "connect_timeout", "linger", "fake", NULL};
+                             "connect_timeout", "linger", "fake", "time_wait", NULL};
     int tap_fd, vnet, offload, fake = 0;
+    double time_wait = 1.0;
     Py_buffer mac;
     unsigned int mtu, max_flows, rcv_buf;
     double idle, connect_to, linger;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ippy*IIIddd|p", kwlist, &tap_fd, &vnet, &offload, &mac, &mtu,
-                                     &max_flows, &rcv_buf, &idle, &connect_to, &linger, &fake))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ippy*IIIddd|pd", kwlist, &tap_fd, &vnet, &offload, &mac, &mtu,
+                                     &max_flows, &rcv_buf, &idle, &connect_to, &linger, &fake, &time_wait))
         return -1;
     if (g->e) {
         PyBuffer_Release(&mac);
@@ -469,6 +470,7 @@ static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
     cfg.idle_timeout = idle;
     cfg.connect_timeout = connect_to;
     cfg.linger = linger;
+    cfg.time_wait = time_wait;
     if (getentropy(cfg.hash_key, sizeof cfg.hash_key) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;

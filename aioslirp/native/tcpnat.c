@@ -63,6 +63,7 @@ struct tn_flow {
     double last_active, started, deadline;
     double rto, rto_at, persist_at, tw_until, connect_until;
     double wnd_at, wnd_every;  /* our window is small: look at the socket's room again then */
+    double progress_at;        /* our FIN sent: its time, then of each ACK of new data (linger) */
     uint64_t bytes_up, bytes_down;
     uint8_t outcome, why;
     int32_t err;
@@ -89,9 +90,10 @@ struct tn_engine {
     uint8_t peek[TN_PEEK_MAX];
 };
 
+/* RFC 9293's names, as aioslirp.tcp.tcb spells them */
 static const char *const state_names[] = {
-    "CLOSED", "SYN_RECEIVED", "SYN_RECEIVED", "ESTABLISHED", "TIME_WAIT", "CLOSED",
-    "CLOSE_WAIT", "FIN_WAIT_1", "FIN_WAIT_2", "LAST_ACK", "CLOSING",
+    "CLOSED", "SYN-RECEIVED", "SYN-RECEIVED", "ESTABLISHED", "TIME-WAIT", "CLOSED",
+    "CLOSE-WAIT", "FIN-WAIT-1", "FIN-WAIT-2", "LAST-ACK", "CLOSING",
 };
 enum { SN_CLOSE_WAIT = 6, SN_FIN_WAIT_1, SN_FIN_WAIT_2, SN_LAST_ACK, SN_CLOSING, SN_COUNT };
 
@@ -328,6 +330,24 @@ static void heap_remove(struct tn_engine *e, struct tn_flow *f)
     }
 }
 
+/* FIN-WAIT-2 (bounded by the guest's silence) or LAST-ACK / CLOSING (by progress): tcp_linger. */
+static int linger_applies(const struct tn_flow *f)
+{
+    uint16_t fl = f->fl;
+    return (fl & FL_FIN_SENT) && (((fl & FL_FIN_ACKED) && !(fl & FL_GUEST_FIN)) ||
+                                  ((fl & FL_GUEST_FIN) && !(fl & FL_FIN_ACKED)));
+}
+
+static double linger_deadline(const struct tn_engine *e, const struct tn_flow *f)
+{
+    if (e->cfg.linger <= 0)
+        return 0;
+    double from = f->progress_at;
+    if (!(f->fl & FL_GUEST_FIN) && f->last_active > from) /* FIN-WAIT-2: any guest segment counts */
+        from = f->last_active;
+    return from + e->cfg.linger;
+}
+
 /* The flow's next deadline from its timers; the heap follows. */
 static void rearm(struct tn_engine *e, struct tn_flow *f)
 {
@@ -346,6 +366,8 @@ static void rearm(struct tn_engine *e, struct tn_flow *f)
         TAKE(f->rto_at);
         TAKE(f->persist_at);
         TAKE(f->wnd_at);
+        if (linger_applies(f))
+            TAKE(linger_deadline(e, f));
         if (e->cfg.idle_timeout > 0)
             TAKE(f->last_active + e->cfg.idle_timeout);
         break;
@@ -671,11 +693,11 @@ static void maybe_done(struct tn_engine *e, struct tn_flow *f, double now)
     uint16_t need = FL_GUEST_FIN | FL_FIN_ACKED;
     if ((f->fl & need) != need || f->state != ST_ESTABLISHED)
         return;
-    if ((f->fl & FL_WE_FIRST) && e->cfg.linger > 0) {
+    if ((f->fl & FL_WE_FIRST) && e->cfg.time_wait > 0) {
         close_sock(e, f, 0);
         f->state = ST_TIME_WAIT;
-        f->rto_at = f->persist_at = 0;
-        f->tw_until = now + e->cfg.linger;
+        f->rto_at = f->persist_at = f->wnd_at = 0;
+        f->tw_until = now + e->cfg.time_wait;
         rearm(e, f);
         return;
     }
@@ -694,6 +716,8 @@ static void send_fin(struct tn_engine *e, struct tn_flow *f, double now)
 {
     if (!(f->fl & FL_GUEST_FIN))
         f->fl |= FL_WE_FIRST;
+    if (!(f->fl & FL_FIN_SENT) && f->progress_at == 0)
+        f->progress_at = now;
     f->fl |= FL_FIN_SENT;
     f->fin_seq = f->snd_nxt;
     send_seg(e, f, f->snd_nxt, TCP_FIN | TCP_ACK, NULL, 0);
@@ -937,6 +961,7 @@ static void take_ack(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint3
         if (ack_of_fin(f, ack))
             f->fl |= FL_FIN_ACKED;
         f->snd_una = ack;
+        f->progress_at = now;
         if (SEQ_LT(f->snd_nxt, f->snd_una)) /* acked past a rewind: resume from there */
             f->snd_nxt = f->snd_una;
         f->dupacks = 0;
@@ -1100,6 +1125,8 @@ int tn_frame(struct tn_engine *e, const uint8_t *buf, size_t len, const struct d
         e->c.bad_ack++; /* nothing was sent to it yet */
         return 1;
     case ST_TIME_WAIT:
+        f->tw_until = now + e->cfg.time_wait; /* time_wait after the guest's last segment */
+        rearm(e, f);
         if (flags & TCP_FIN)
             ack_later(e, f); /* its FIN again: our ACK was lost */
         return 1;
@@ -1206,6 +1233,10 @@ static void flow_timer(struct tn_engine *e, struct tn_flow *f, double now)
     }
     if (e->cfg.idle_timeout > 0 && now >= f->last_active + e->cfg.idle_timeout) {
         abort_flow(e, f, TN_OUT_TIMEOUT, TN_WHY_IDLE, 0);
+        return;
+    }
+    if (linger_applies(f) && e->cfg.linger > 0 && now >= linger_deadline(e, f)) {
+        abort_flow(e, f, TN_OUT_RESET, TN_WHY_LINGER, 0); /* as the Python path: an RST after tcp_linger */
         return;
     }
     if (f->rto_at > 0 && now >= f->rto_at) {

@@ -16,7 +16,8 @@
  *   they are read with MSG_PEEK at the offset snd_nxt - snd_una (SO_PEEK_OFF when the kernel
  *   has it, else into a discard buffer first) and consumed with recv(MSG_TRUNC) when the guest
  *   ACKs. Retransmission rewinds snd_nxt to snd_una (RTO with backoff, or 3 duplicate ACKs).
- * - FIN/RST/half-close both ways; a zero window is probed; idle, connect and linger timers.
+ * - FIN/RST/half-close both ways; a zero window is probed; idle, connect, linger and TIME-WAIT
+ *   timers (the Python path's: tcp_idle_timeout, tcp_connect_timeout, tcp_linger, time_wait).
  *
  * The core does no syscall itself: sockets, the TAP write and the epoll registration go
  * through struct tn_io (function pointers), the clock comes in as `now` (seconds, the
@@ -90,7 +91,8 @@ struct tn_config {
     int offload;             /* ... flagged NEEDS_CSUM, GSO for payloads above the MSS */
     double idle_timeout;     /* s without a guest segment before RST both ways; 0: never */
     double connect_timeout;  /* s for the host connect */
-    double linger;           /* s in TIME-WAIT (we closed first) */
+    double linger;           /* s of guest silence in FIN-WAIT-2, of no progress in LAST-ACK/CLOSING: then RST */
+    double time_wait;        /* s in TIME-WAIT after the guest's last segment (we closed first) */
     uint8_t gw_mac[6];       /* the source MAC of frames to the guest */
     uint64_t hash_key[2];    /* the flow hash's key (random per engine) */
 };
@@ -135,6 +137,7 @@ enum tn_why {
     TN_WHY_IDLE,          /* tcp_idle_closed */
     TN_WHY_RETRIES,       /* retransmissions to the guest gave up */
     TN_WHY_CONNECT,       /* the connect failed or timed out */
+    TN_WHY_LINGER,        /* tcp_linger ran out in FIN-WAIT-2, LAST-ACK or CLOSING */
 };
 
 struct tn_record {

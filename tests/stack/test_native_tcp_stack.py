@@ -12,11 +12,11 @@ from support.frames import ACK, F4, GW_MAC, RST, SYN, tcp_frame
 from support.native import need_extension
 
 
-async def _stack_with_fake_engine(connect: int = 0):
+async def _stack_with_fake_engine(connect: int = 0, max_flows: int = 8):
     ext = need_extension()
     stack = Stack(NetworkConfig())
     await stack.start()
-    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, max_flows, 1 << 20, 60.0, 10.0, 1.0, fake=True)
     eng.fake_connect_mode(connect)
     ctx = stack.parts.ctx
     ctx.native_tcp = NativeTcp(ctx, eng)
@@ -34,7 +34,7 @@ async def test_a_syn_read_in_the_same_batch_as_the_first_is_not_a_second_flow():
         assert len(flows) == 1 and isinstance(flows[0], NativeTcpFlow)
         assert eng.live() == 1 and len(eng.fake_frames()) == 1  # one SYN-ACK
         assert stack.counters["handled.tcp_syn"] == 1 and stack.counters["handled.tcp"] == 1
-        assert flows[0].state == "SYN_RECEIVED" and flows[0].transport is not None
+        assert flows[0].state == "SYN-RECEIVED" and flows[0].transport is not None
     finally:
         stack.parts.ctx.native_tcp.close()
         stack.parts.ctx.native_tcp = None
@@ -66,6 +66,30 @@ async def test_a_guest_rst_ends_the_flow_and_its_table_entry():
         stack.parts.ctx.native_tcp.poll()
         assert not stack.parts.flows and flow.outcome == "reset"
         assert stack.counters["tcp_resets"] == 1 and stack.counters["handled.tcp"] == 0
+    finally:
+        stack.parts.ctx.native_tcp.close()
+        stack.parts.ctx.native_tcp = None
+        await stack.aclose()
+
+
+async def test_syns_to_a_destination_whose_connects_hang_meet_the_pending_bound():
+    """Native flows count as pending connects in the guard until the engine connects them (or they
+    end), as Python flows do: a flood of SYNs to one destination meets the per-destination bound
+    (``max_pending_connects`` / 4), with no internal error."""
+    stack, eng = await _stack_with_fake_engine(errno.EINPROGRESS, max_flows=1024)
+    try:
+        frames = [tcp_frame(F4, 10000 + i, 8080, SYN, seq=i, mss=1460) for i in range(600)]
+        for i in range(0, len(frames), 64):
+            stack.parts.link.on_frames(frames[i:i + 64])
+        c = stack.counters
+        per_dest = stack.config.max_pending_connects // 4
+        assert eng.live() == per_dest == c["handled.tcp_syn"]
+        assert c["drop.limit_pending_connects"] == 600 - per_dest and c["drop.internal_error"] == 0
+        fd = eng.fake_fds()[0]
+        eng.fake_connect_done(fd, 0, 0.0)  # one connects: it no longer counts as pending
+        stack.parts.ctx.native_tcp.poll()
+        stack.parts.link.on_frames([tcp_frame(F4, 30000, 8080, SYN, seq=1, mss=1460)])
+        assert c["handled.tcp_syn"] == per_dest + 1
     finally:
         stack.parts.ctx.native_tcp.close()
         stack.parts.ctx.native_tcp = None

@@ -166,7 +166,7 @@ def run_native(seed, up, down, loss, jitter, dup, v6: bool) -> tuple[bytes, byte
     ext = need_extension()
     fam = F6 if v6 else F4
     rng, to_stack, to_guest = wires(seed, loss, jitter, dup)
-    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 0.0, 10.0, 0.5, fake=True)
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 0.0, 10.0, 60.0, fake=True)
     guest = guest_conn()
     guest_app = App(guest, up, rng)
     host_got = bytearray()

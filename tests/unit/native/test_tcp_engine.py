@@ -147,12 +147,12 @@ def test_half_close_guest_first_then_host(v6):
     assert f.host_received() == b"req" and f.e.fake_socket(f.fd)["shut_wr"] == 1
     (a,) = f.out()
     assert a.ack == M(IRS + 5)
-    assert f.info()[0] == "CLOSE_WAIT"
+    assert f.info()[0] == "CLOSE-WAIT"
     f.host_send(b"reply")
     f.host_eof()
     segs = f.out()
     assert segs[0].payload == b"reply" and segs[-1].flags & FIN and segs[-1].seq == M(ISS + 6)
-    assert f.info()[0] == "LAST_ACK"
+    assert f.info()[0] == "LAST-ACK"
     f.send(ACK, seq=IRS + 5, ack=ISS + 7)
     f.poll(0.1)
     assert ended(f)[3] == OUT_CLOSED and ended(f)[6:] == (3, 5)
@@ -166,18 +166,54 @@ def test_host_closes_first_then_time_wait_then_a_new_syn_goes_to_python(v6):
     f.host_eof()
     segs = f.out()
     assert segs[-1].flags & FIN
-    assert f.info()[0] in ("FIN_WAIT_1",)
+    assert f.info()[0] in ("FIN-WAIT-1",)
     f.send(ACK, ack=ISS + 5)
-    assert f.info()[0] == "FIN_WAIT_2"
+    assert f.info()[0] == "FIN-WAIT-2"
     f.send(ACK | PSH, ack=ISS + 5, data=b"more")  # the guest may still send: half-close
     assert f.host_received() == b"more"
     f.send(ACK | FIN, seq=IRS + 5, ack=ISS + 5)
-    assert f.info()[0] == "TIME_WAIT"
+    assert f.info()[0] == "TIME-WAIT"
     f.send(ACK | FIN, seq=IRS + 5, ack=ISS + 5)  # its FIN again: acknowledged again
     assert [s.ack for s in f.out()][-1] == M(IRS + 6)
     assert not f.e.input(f.frame(SYN, seq=IRS + 100000, ack=0), False, 1.0)  # a new incarnation: not ours
     f.poll(1.0)
     assert ended(f)[3] == OUT_CLOSED
+
+
+@V
+def test_time_wait_lasts_a_second_after_the_guests_last_segment(v6):
+    f = EngineFlow(v6).established()
+    f.host_eof()
+    f.out()
+    f.send(ACK | FIN, seq=IRS + 1, ack=ISS + 2, at=0.5)
+    assert f.info()[0] == "TIME-WAIT"
+    f.send(ACK | FIN, seq=IRS + 1, ack=ISS + 2, at=1.2)  # again: TIME-WAIT starts over
+    f.poll(2.1)
+    assert f.info()[0] == "TIME-WAIT"
+    f.poll(2.25)
+    assert ended(f)[3] == OUT_CLOSED
+
+
+@V
+def test_linger_bounds_fin_wait_2_silence_and_last_ack_without_progress(v6):
+    f = EngineFlow(v6, linger=3.0).established()
+    f.host_eof()
+    f.out()
+    f.send(ACK, ack=ISS + 2, at=1.0)  # our FIN acknowledged: FIN-WAIT-2
+    f.send(ACK, data=b"x", at=2.0)  # the guest still sends: not silent
+    f.poll(4.9)
+    assert f.info()[0] == "FIN-WAIT-2"
+    f.poll(5.1)
+    (rst,) = [s for s in f.out() if s.flags & RST]
+    assert ended(f)[3:5] == (OUT_RESET, 6)
+    g = EngineFlow(v6, linger=3.0, engine=f.e, gport=40001).established()
+    g.send(ACK | FIN, at=6.0)  # the guest closes first: CLOSE-WAIT
+    g.host_eof()  # ours goes out at 6.0: LAST-ACK, never acknowledged
+    assert g.info()[0] == "LAST-ACK"
+    g.poll(8.9)
+    assert g.info()[0] == "LAST-ACK"
+    g.poll(9.1)
+    assert ended(g)[3:5] == (OUT_RESET, 6)
 
 
 @V
