@@ -203,13 +203,14 @@ static int r_shutdown(void *ctx, int fd)
     return shutdown(fd, SHUT_WR) < 0 ? -errno : 0;
 }
 
-static ssize_t r_space(void *ctx, int fd)
+static ssize_t r_space(void *ctx, int fd, uint32_t *queued)
 {
     (void)ctx;
     int sndbuf = 0, outq = 0;
     socklen_t len = sizeof sndbuf;
     if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, &len) < 0 || ioctl(fd, SIOCOUTQ, &outq) < 0)
         return -errno;
+    *queued = outq > 0 ? (uint32_t)outq : 0;
     long room = (long)sndbuf / 2 - outq; /* SO_SNDBUF counts the kernel's overhead: half is payload */
     return room > 0 ? room : 0;
 }
@@ -389,11 +390,12 @@ static int f_shutdown(void *ctx, int fd)
     return 0;
 }
 
-static ssize_t f_space(void *ctx, int fd)
+static ssize_t f_space(void *ctx, int fd, uint32_t *queued)
 {
     struct fake_sock *s = fake_get(ctx, fd);
     if (!s)
         return -EBADF;
+    *queued = s->space >= 0 ? 1 : 0; /* a limited fake socket is one whose peer reads slowly */
     return s->space < 0 ? (ssize_t)1 << 30 : (ssize_t)s->space;
 }
 

@@ -526,10 +526,12 @@ static uint32_t adv_window(struct tn_engine *e, struct tn_flow *f)
     if (f->fl & FL_TX_BLOCKED)
         return 0;
     if (f->space < SPACE_REFRESH && (f->fl & FL_SOCK_OPEN)) {
-        ssize_t r = e->io.sock_space(e->io.ctx, f->fd);
+        uint32_t queued = 0;
+        ssize_t r = e->io.sock_space(e->io.ctx, f->fd, &queued);
         f->space = r > 0 ? (r > (ssize_t)e->rcv_wnd ? e->rcv_wnd : (uint32_t)r) : 0;
-        if (f->space < WND_SMALL && f->wnd_at == 0 && f->space < e->rcv_wnd) {
-            /* no event says when the host peer reads: look again soon (the timer heap) */
+        if (f->space < WND_SMALL && queued && f->wnd_at == 0 && f->space < e->rcv_wnd) {
+            /* the host peer has bytes to read: no event says when it does, so look again soon
+             * (the timer heap); a small send buffer with nothing queued grows as it is used */
             f->wnd_every = WND_WATCH_MIN;
             f->wnd_at = e->now + f->wnd_every;
             rearm(e, f);

@@ -75,8 +75,9 @@ struct tn_io {
     /* The peek offset was rewound to off (SO_PEEK_OFF; the fake ignores it). */
     int (*sock_rewind)(void *ctx, int fd, size_t off);
     int (*sock_shutdown_wr)(void *ctx, int fd);
-    /* Payload bytes the socket's send buffer takes now (about: SO_SNDBUF / 2 - SIOCOUTQ). */
-    ssize_t (*sock_space)(void *ctx, int fd);
+    /* Payload bytes the socket's send buffer takes now (about: SO_SNDBUF / 2 - SIOCOUTQ); *queued:
+     * the bytes in it the host peer has not acknowledged yet (SIOCOUTQ). */
+    ssize_t (*sock_space)(void *ctx, int fd, uint32_t *queued);
     /* Close fd; abort: with SO_LINGER 0 (the host peer sees a RST). */
     void (*sock_close)(void *ctx, int fd, int abort);
     /* One frame to the guest (the iovec starts with the vnet header when the TAP has one). */

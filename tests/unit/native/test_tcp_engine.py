@@ -70,6 +70,23 @@ def test_a_partial_send_acknowledges_only_what_was_taken_and_closes_the_window(v
 
 
 @V
+def test_a_window_kept_small_by_a_slow_host_reader_is_watched_and_reopened(v6):
+    """Our window is the host socket's room; while it is small and the host peer has bytes to read,
+    a timer (1 ms, doubling) looks again and sends a window update when it grew."""
+    f = EngineFlow(v6, rcv_buf=200_000).established()  # our window at most 200,000: shift 2
+    f.e.fake_send_space(f.fd, 30000, 0.0)  # a host peer reading slowly: 30,000 bytes of room
+    f.send(ACK, data=b"u" * 20000)
+    (a,) = f.out()
+    assert a.ack == M(IRS + 20001) and (a.wnd << 2) < 50_000  # no more room: the edge stays (never back)
+    f.e.fake_send_space(f.fd, -1, 0.0)  # it read everything (no event says so: no send was refused)
+    assert f.out() == []
+    f.poll(0.0011)
+    (u,) = f.out()
+    assert u.ack == M(IRS + 20001) and (u.wnd << 2) >= 190_000
+    assert f.e.counters()["window_updates"] == 1
+
+
+@V
 def test_out_of_order_and_old_data_are_dropped_with_a_duplicate_ack(v6):
     f = EngineFlow(v6).established()
     f.send(ACK, seq=IRS + 11, data=b"later")  # a gap before it
