@@ -197,11 +197,12 @@ class NativeTcp:
         engine = ext.TcpEngine(transport.fd, transport.vnet_hdr, transport.offload, cfg.gateway_mac_bytes,
                                int(cfg.mtu), int(cfg.max_flows), int(cfg.tcp_buffer), float(cfg.tcp_idle_timeout),
                                float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT)
-        attach(engine)
+        plane = cls(ctx, engine)
+        attach(engine, plane.poll)
         ident = ctx.identity
         log.info("%snative data plane: guest TCP flows run in C (peek offset: %s)", ident.log_prefix,
                  "SO_PEEK_OFF" if engine.counters().get("peek_off") else "a discard buffer", extra=ident.log_extra)
-        return cls(ctx, engine)
+        return plane
 
     # -------------------------------------------------------------- flows
     def adopt(self, fam, key: tuple, remote: str, seg, orig_header: bytes, now: float) -> bool:

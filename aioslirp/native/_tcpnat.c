@@ -12,7 +12,7 @@
  *     .input(frame, csum_ok, now) -> bool             (one guest frame, no vnet header)
  *     .close_flow(slot, gen, now) -> bool
  *     .info(slot, gen) -> (state, last_active, bytes_up, bytes_down, snd_wnd, rcv_wnd) | None
- *     .counters() -> dict; .live() -> int; .forget_tap(); .close()
+ *     .counters() -> dict; .live() -> int; .forget_tap(); .pending() -> bool; .hook_records(on); .close()
  *   fake only: .fake_connect_mode(err), .fake_frames() -> [bytes], .fake_connect_done(fd, err, now),
  *     .fake_host_send(fd, data, now), .fake_host_eof(fd, now), .fake_host_reset(fd, now),
  *     .fake_send_space(fd, n, now), .fake_received(fd) -> bytes, .fake_socket(fd) -> dict
@@ -62,6 +62,7 @@ typedef struct {
     PyObject_HEAD
     struct tn_engine *e;
     int tap_fd, epfd, tfd, fake, peek_off;
+    int hooked; /* the TAP reader's caller takes the records after each batch (pending()): no wake-up */
     double armed; /* the timerfd's deadline, 0 none */
     /* fake */
     struct fake_sock *fs;
@@ -572,11 +573,11 @@ static int get_addr(PyObject *o, int v6, uint8_t *out, const char *name)
 }
 
 /* The timerfd follows the engine's next deadline (re-armed only when it moves earlier or fired). */
-static void arm_timer(Engine *g, double now)
+static void arm_timer(Engine *g, double now, int from_reader)
 {
     if (g->fake || g->tfd < 0)
         return;
-    double next = tn_next_deadline(g->e, now);
+    double next = tn_next_deadline(g->e, now, from_reader && g->hooked);
     if (next < 0 || (g->armed > 0 && g->armed <= next && g->armed > now))
         return;
     if (next <= now)
@@ -653,7 +654,7 @@ static PyObject *engine_adopt(PyObject *op, PyObject *args)
     a.wnd = wnd;
     uint32_t slot = 0, gen = 0;
     int r = tn_adopt(g->e, &a, now, &slot, &gen);
-    arm_timer(g, now);
+    arm_timer(g, now, 0);
     return Py_BuildValue("(iII)", r, slot, gen);
 }
 
@@ -689,7 +690,7 @@ static PyObject *engine_poll(PyObject *op, PyObject *args)
     tn_timers(g->e, now);
     tn_flush(g->e, now);
     PyObject *recs = take_records(g);
-    arm_timer(g, now);
+    arm_timer(g, now, 0);
     return recs;
 }
 
@@ -708,7 +709,7 @@ static PyObject *engine_input(PyObject *op, PyObject *args)
     int took = tcpnat_tap_frame(g, (const uint8_t *)b.buf, (size_t)b.len, csum_ok, now);
     tn_flush(g->e, now);
     PyBuffer_Release(&b);
-    arm_timer(g, now);
+    arm_timer(g, now, 0);
     return PyBool_FromLong(took);
 }
 
@@ -772,6 +773,23 @@ static PyObject *engine_fileno(PyObject *op, PyObject *unused)
     Engine *g = (Engine *)op;
     (void)unused;
     return PyLong_FromLong(g->epfd);
+}
+
+static PyObject *engine_pending(PyObject *op, PyObject *unused)
+{
+    Engine *g = (Engine *)op;
+    (void)unused;
+    return PyBool_FromLong(g->e && tn_records_pending(g->e));
+}
+
+static PyObject *engine_hook_records(PyObject *op, PyObject *arg)
+{
+    Engine *g = (Engine *)op;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    g->hooked = on;
+    Py_RETURN_NONE;
 }
 
 static PyObject *engine_forget_tap(PyObject *op, PyObject *unused)
@@ -979,6 +997,9 @@ static PyMethodDef engine_methods[] = {
     {"fileno", engine_fileno, METH_NOARGS, "fileno() -> the epoll fd"},
     {"close", engine_close, METH_NOARGS, "close(): every socket aborted, the epoll closed"},
     {"forget_tap", engine_forget_tap, METH_NOARGS, "forget_tap(): the TAP fd is closing: write no frame to it"},
+    {"pending", engine_pending, METH_NOARGS, "pending() -> bool: records wait to be taken (poll())"},
+    {"hook_records", engine_hook_records, METH_O,
+     "hook_records(on): the TAP reader's caller asks pending() after each batch and polls: no timer wake-up for them"},
     {"fake_connect_mode", fake_connect_mode, METH_O, "fake: connects of new sockets give this errno (0: at once)"},
     {"fake_frames", fake_frames, METH_NOARGS, "fake: the frames written to the guest since the last call"},
     {"fake_connect_done", fake_connect_done, METH_VARARGS, "fake_connect_done(fd, err, now)"},
@@ -1043,7 +1064,7 @@ void tcpnat_batch_end(void *engine)
         return;
     double now = mono_now();
     tn_flush(g->e, now);
-    arm_timer(g, now);
+    arm_timer(g, now, 1);
 }
 
 double tcpnat_now(void)

@@ -1293,9 +1293,14 @@ void tn_timers(struct tn_engine *e, double now)
     }
 }
 
-double tn_next_deadline(const struct tn_engine *e, double now)
+int tn_records_pending(const struct tn_engine *e)
 {
-    if (e->ring_len)
+    return e->ring_len != 0;
+}
+
+double tn_next_deadline(const struct tn_engine *e, double now, int timers_only)
+{
+    if (e->ring_len && !timers_only)
         return now;
     return e->hlen ? e->flows[e->heap[0]].deadline : -1.0;
 }

@@ -194,8 +194,11 @@ void tn_sock_event(struct tn_engine *e, uint64_t tag, uint32_t events, double no
 void tn_timers(struct tn_engine *e, double now);
 
 /* The next deadline (seconds), or a negative value when there is none. Records waiting to be
- * taken count as due now. */
-double tn_next_deadline(const struct tn_engine *e, double now);
+ * taken count as due now unless timers_only. */
+double tn_next_deadline(const struct tn_engine *e, double now, int timers_only);
+
+/* Records wait to be taken. */
+int tn_records_pending(const struct tn_engine *e);
 
 /* Move up to max records into out; returns how many. A flow's slot is reused only after its
  * ENDED record was taken. */

@@ -46,7 +46,7 @@ import errno
 import logging
 import os
 import socket
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .. import native as native_plane
 from ..wire.offload import VNET_HDR_LEN, VNET_NONE, OffloadFrame
@@ -97,7 +97,7 @@ class TapTransport(Transport):
     """
 
     __slots__ = ("_fd", "ifname", "_batch", "_read_size", "_reading", "_pidfds", "send_drops", "vnet_hdr", "offload",
-                 "created", "native", "_plane", "_tcp")
+                 "created", "native", "_plane", "_tcp", "_tcp_ended")
 
     gone_hint = "the TAP device still exists (ip link show {ifname}) and the namespace holding it was not removed"
 
@@ -117,8 +117,9 @@ class TapTransport(Transport):
     native: bool
     #: The native plane's state (its read buffer), made when reading starts; ``None`` for the Python reader.
     _plane: object | None
-    #: The native TCP engine given by :meth:`attach_tcp`, or ``None``.
+    #: The native TCP engine given by :meth:`attach_tcp`, or ``None``, and what takes its records.
     _tcp: object | None
+    _tcp_ended: Callable[[], None] | None
 
     def __init__(self, fd: int, *, ifname: str | None = None, batch: int = 64, read_size: int = MAX_FRAME,
                  offload: bool = True, native: bool | None = None) -> None:
@@ -163,6 +164,7 @@ class TapTransport(Transport):
         self.native = native
         self._plane = None
         self._tcp = None
+        self._tcp_ended = None
         os.set_blocking(fd, False)
 
     # -- construction ---------------------------------------------------------------------
@@ -227,13 +229,18 @@ class TapTransport(Transport):
             self._loop.add_reader(self._fd, self._on_readable)
         self._reading = True
 
-    def attach_tcp(self, engine) -> None:
+    def attach_tcp(self, engine, ended: Callable[[], None] | None = None) -> None:
         """Hand the guest frames of native TCP flows to ``engine`` (a ``TcpEngine`` of
         :mod:`aioslirp.native`, or ``None`` to stop) in the native reader, before the sink sees
-        them (:mod:`aioslirp.nat.native_tcp`). Only with :attr:`native`; ``ValueError`` otherwise."""
+        them (:mod:`aioslirp.nat.native_tcp`). ``ended()`` is called after a batch in which the
+        engine ended flows (its records wait: ``engine.pending()``), instead of a timer wake-up.
+        Only with :attr:`native`; ``ValueError`` otherwise."""
         if not self.native:
             raise ValueError("attach_tcp needs the native reader (native=True)")
         self._tcp = engine
+        self._tcp_ended = ended
+        if engine is not None:
+            engine.hook_records(ended is not None)
         if self._plane is not None:
             self._plane.attach_tcp(engine)  # type: ignore[attr-defined]
 
@@ -289,6 +296,9 @@ class TapTransport(Transport):
             error = EOFError("TAP fd reached end of file")
         elif end == native_plane.READ_ERROR:
             error = OSError(err, os.strerror(err))
+        ended = self._tcp_ended
+        if ended is not None and self._tcp.pending():  # type: ignore[attr-defined]
+            ended()  # native TCP flows ended in this batch: their records, now
         self._deliver(frames, csum_ok, error)
 
     def _deliver(self, frames: list, csum_ok: list[bool] | None, error: BaseException | None) -> None:

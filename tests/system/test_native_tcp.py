@@ -182,3 +182,45 @@ async def test_native_tcp_flows_against_the_kernel(fam, monkeypatch, tmp_path):
     assert len(ups) == 1 and ups[0]["end"] == "closed"
     downs = [x for x in tcp if x.get("bytes_down") == 3000000]
     assert len(downs) == 1
+
+
+async def test_flows_ended_by_a_batch_of_guest_frames_are_taken_after_it():
+    """The TAP reader hands a native flow's frames to the engine; when a batch ends flows (here the
+    guest's RST), the transport calls back at once (``attach_tcp(engine, ended)``) instead of the
+    engine's timer waking the loop, and the end record is there to take."""
+    import socket
+
+    from aioslirp.native import extension
+    from aioslirp.transport.tap import TapTransport
+    from support.frames import F4, GUEST_MAC, GW_MAC, RST, SYN, tcp_frame
+
+    need_extension()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    t = TapTransport(a.detach(), native=True)
+    engine = extension().TcpEngine(t.fd, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 60.0)
+    ended_calls: list = []
+    t.attach_tcp(engine, lambda: ended_calls.append(engine.poll()))
+    got: list = []
+    await t.open(lambda frames, csum_ok=None: got.extend(frames))
+    try:
+        loop = asyncio.get_running_loop()
+        st, slot, gen = engine.adopt(False, GUEST_MAC, F4.guest, 40000, F4.gw, port, socket.inet_aton("127.0.0.1"),
+                                     port, 1000, 5000, 1460, 7, 65535, loop.time())
+        assert st == 0  # connected at once (loopback): the SYN-ACK is on the TAP
+        assert len(b.recv(2048)) > 54
+        b.send(tcp_frame(F4, 40000, port, RST, seq=1001))
+        b.send(tcp_frame(F4, 40001, port, SYN, seq=7, mss=1460))  # another flow's: for Python
+        for _ in range(100):
+            if ended_calls:
+                break
+            await asyncio.sleep(0.01)
+        assert len(ended_calls) == 1 and [r[:4] for r in ended_calls[0]] == [(slot, gen, 2, 2)]
+        assert len(got) == 1  # only the frame of no native flow reached the sink
+        assert engine.live() == 0
+    finally:
+        t.close()
+        engine.close()
+        listener.close()
+        b.close()
