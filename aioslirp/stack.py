@@ -43,6 +43,7 @@ from collections import Counter
 from .observe import tracing
 from .compiled import notice as compiled_notice
 from .native import status as native_status
+from .native import udp_wanted as native_udp_wanted
 from .config import NetworkConfig
 from .config.identity import GuestIdentity
 from .dispatch.family import Family4
@@ -512,6 +513,12 @@ class Stack:
             transport = TraceTransport(transport, frame_tracer)
         self._transport = p.inject_queue.transport = transport
         p.ctx.offload = bool(getattr(transport, "offload", False))
+        native_udp = None
+        if (transport is raw and getattr(raw, "plane", None) is not None and native_udp_wanted()
+                and p.ctx.tracer is None and p.ctx.rate_up is None and p.ctx.rate_down is None):
+            from .nat.native_udp import NativeUdp  # AIOSLIRP_NATIVE=udp only (issue 26)
+
+            native_udp = p.ctx.native_udp = NativeUdp(p.ctx, raw)
         info = {"transport": type(transport).__name__}
         if getattr(transport, "ifname", None):
             info["ifname"] = transport.ifname
@@ -539,6 +546,9 @@ class Stack:
                 if native_tcp is not None:  # its flows end (RST to the guest), its sockets close
                     native_tcp.close()
                 transport.close()
+                if native_udp is not None:  # its flows back to their Python readers
+                    p.ctx.native_udp = None
+                    native_udp.detach()
                 exc = transport.closed.result() if transport.closed.done() else None
                 hint = getattr(raw, "gone_before_first_frame", None)  # a Transport's; a duck-typed one may lack it
                 gone = None if seen or reason != "closed" or hint is None else hint(

@@ -309,6 +309,9 @@ class L4:
             if flow.connect_error is not None:
                 fam.icmp_error(flow.connect_error, pkt, now)
             return None
+        native = self.ctx.native_udp
+        if native is not None:  # the native data plane moves its datagrams from now on (issue 26)
+            native.adopt(flow)
         return flow
 
     # -------------------------------------------------------------- DNS over UDP

@@ -112,6 +112,14 @@ class Running:
         self.host_poller = host_poller
 
 
+class NativeFlows(Protocol):
+    """What the flows see of the native data plane's flows of one kind (``FlowContext.native_udp``:
+    :class:`~aioslirp.nat.native_udp.NativeUdp`): a new flow is offered to it once admitted."""
+
+    def adopt(self, flow: Any) -> None:
+        """Move ``flow``'s datagrams to the native plane if it can take them; else nothing changes."""
+
+
 class FlowContext:
     """The stack's parts as the flows and the dispatch see them (see the module documentation).
 
@@ -137,6 +145,9 @@ class FlowContext:
             UDP flows drop what they do not hold.
         offload: the transport being served takes offload frames (a TAP with ``IFF_VNET_HDR``);
             set by ``Stack.serve`` per transport.
+        native_udp: the :class:`~aioslirp.nat.native_udp.NativeUdp` of the transport being served
+            (native UDP flows, issue 26), or ``None`` (off: the default); set by ``Stack.serve``. A
+            new UDP NAT flow is offered to it (``native_udp.adopt(flow)``) once admitted.
         native_tcp: the native TCP engine of the transport being served
             (:class:`~aioslirp.nat.native_tcp.NativeTcp`, a :class:`NativeTcpPlane`), or ``None``:
             TCP NAT flows run in Python. Set by ``Stack.serve`` per transport.
@@ -148,7 +159,7 @@ class FlowContext:
     """
 
     __slots__ = ("config", "counters", "table", "guard", "queue", "inject", "tasks", "spawn", "tracer", "audit",
-                 "rate_up", "rate_down", "offload", "closed", "running", "identity", "native_tcp")
+                 "rate_up", "rate_down", "offload", "native_udp", "closed", "running", "identity", "native_tcp")
 
     config: NetworkConfig
     counters: dict[str, int]
@@ -165,6 +176,7 @@ class FlowContext:
     rate_up: ByteBucket | None
     rate_down: ByteBucket | None
     offload: bool
+    native_udp: NativeFlows | None
     closed: bool
     running: Running
     identity: GuestIdentity
@@ -185,6 +197,7 @@ class FlowContext:
         self.audit = None
         self.rate_up = rate_up
         self.rate_down = rate_down
+        self.native_udp = None
         self.offload = False
         self.closed = False
         self.identity = identity

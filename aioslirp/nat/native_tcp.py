@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-When a stack serves a :class:`~aioslirp.transport.tap.TapTransport` whose reader is native
-(``native=True`` or ``AIOSLIRP_NATIVE=1``), :meth:`NativeTcp.start` makes the C engine
+When a stack serves a :class:`~aioslirp.transport.tap.TapTransport` whose reader is native, with
+``AIOSLIRP_NATIVE=1`` (or ``tcp``; ``1,udp`` with native UDP flows), :meth:`NativeTcp.start` makes the C engine
 (``aioslirp.native._dataplane.TcpEngine``, ``aioslirp/native/tcpnat.c``) for it and hands it to the
 TAP reader (``TapTransport.attach_tcp``). Python stays the control plane:
 
@@ -187,7 +187,8 @@ class NativeTcp:
         when the native plane does not run TCP flows there: not a TAP read natively, a wrapped
         transport (pcap, traces), a tracer or rate caps on the stack (module documentation)."""
         attach = getattr(transport, "attach_tcp", None)
-        if (attach is None or not getattr(transport, "native", False) or ctx.tracer is not None
+        if (attach is None or not getattr(transport, "native", False) or not native.tcp_wanted()
+                or ctx.tracer is not None
                 or ctx.rate_up is not None or ctx.rate_down is not None):
             return None
         ext = native.extension()

@@ -8,6 +8,11 @@ to the link MTU (up to 65,507 bytes of payload). ``ECONNREFUSED`` from the host 
 (ICMPv6) port unreachable towards the guest (RFC 792 / RFC 1122 3.2.2.1, RFC 4443 3.1),
 quoting the guest's last datagram; ``EHOSTUNREACH`` / ``ENETUNREACH`` host / network
 unreachable.
+
+A flow may be adopted by the native data plane (:class:`~aioslirp.nat.native_udp.NativeUdp`,
+issue 26): its datagrams then move in C both ways, and the plane reports what moved in batches
+(:meth:`UdpFlow.go_native`); the flow stays in the table as it was, with its counters and its
+last activity kept current.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ class UdpFlow(SocketFlow):
     forward_id = None
 
     __slots__ = ("guest_port", "dst_port", "last_header", "bytes_up", "bytes_down", "connect_error", "_build",
-                 "_inject", "name", "rule")
+                 "_inject", "name", "rule", "native", "native_slot")
 
     guest_port: int
     dst_port: int
@@ -70,12 +75,18 @@ class UdpFlow(SocketFlow):
     #: The egress decision's DNS name and rule (see :class:`~aioslirp.flow.base.Flow`).
     name: str | None
     rule: str | None
+    #: The :class:`~aioslirp.nat.native_udp.NativeUdp` moving this flow's datagrams, or ``None``.
+    native: Any
+    #: Its slot in the native plane's UDP table (meaningful while :attr:`native` is set).
+    native_slot: int
 
     def __init__(self, ctx, fam, key: tuple, remote: str, now: float | None = None) -> None:
         loop = ctx.running.loop
         super().__init__(ctx, fam, key, loop.time() if now is None else now, ctx.config.udp_idle_timeout)
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.name, self.rule = admission(ctx, self, remote)
+        self.native = None
+        self.native_slot = -1
         self.last_header = b""
         self.bytes_up = self.bytes_down = 0
         self.sock = None
@@ -137,6 +148,40 @@ class UdpFlow(SocketFlow):
             counters["udp_datagrams_down"] += 1
             self._inject(self._build(self.dst_ip, self.guest_ip, self.dst_port, self.guest_port, data),
                          self.guest_ip)
+
+    def go_native(self, native: Any, slot: int, host_readable: Any) -> None:
+        """Hand this flow to the native data plane (:meth:`NativeUdp.adopt
+        <aioslirp.nat.native_udp.NativeUdp.adopt>`): the host socket is read by ``host_readable(self)``
+        from now on instead of :meth:`_readable`."""
+        self.native = native
+        self.native_slot = slot
+        fd = self.sock.fileno()
+        self.loop.remove_reader(fd)
+        self.loop.add_reader(fd, host_readable, self)
+
+    def leave_native(self) -> None:
+        """Back to the Python path (the native plane went away with its transport): this flow reads
+        its host socket itself again."""
+        self.native = None
+        self.native_slot = -1
+        if self.sock is not None:
+            fd = self.sock.fileno()
+            self.loop.remove_reader(fd)
+            self.loop.add_reader(fd, self._readable)
+
+    def shutdown(self) -> None:
+        """Leave the native plane (if it moved this flow), then as :meth:`SocketFlow.shutdown
+        <aioslirp.nat.datagram.SocketFlow.shutdown>`."""
+        native = self.native
+        if native is not None:
+            self.native = None
+            native.release(self)
+        super().shutdown()
+
+    def host_error(self, exc: OSError) -> None:
+        """The host socket failed (``exc``), seen by the native plane: as on the Python path, an
+        ICMP error to the guest quoting its last datagram, or a debug line."""
+        self._error(exc)
 
     def _error(self, exc: OSError) -> None:
         kind = _ERR_KINDS.get(exc.errno)

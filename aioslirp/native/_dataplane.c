@@ -177,6 +177,13 @@ typedef struct {
     int vnet;
     struct dp_slot *slots;
     struct dp_counters counters;
+    /* native UDP flows (udp_enable): the table and its arrays, a scratch for one datagram */
+    struct dp_udp_table udp;
+    int udp_on;
+    struct dp_udp_flow *udp_flows;
+    int32_t *udp_heads;
+    uint32_t *udp_touched;
+    uint8_t *udp_scratch;
     PyObject *tcp; /* a TcpEngine (attach_tcp): its flows' frames never reach Python */
 } Plane;
 
@@ -223,24 +230,30 @@ static void plane_dealloc(PyObject *op)
     PyTypeObject *tp = Py_TYPE(op);
     PyMem_Free(self->buf);
     PyMem_Free(self->slots);
+    PyMem_Free(self->udp_flows);
+    PyMem_Free(self->udp_heads);
+    PyMem_Free(self->udp_touched);
+    PyMem_Free(self->udp_scratch);
     Py_CLEAR(self->tcp);
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(op);
     Py_DECREF(tp);
 }
 
-/* read_tap(fd) -> (frames: list[bytes], csum_ok: list[bool] | None, end: int, errno: int).
- * Reads up to batch frames (dp_tap_read, several fills when the buffer is full) and makes one
- * bytes object per frame. end: a dp_read_end (DONE, AGAIN, EOF, ERROR). */
-static PyObject *plane_read_tap(PyObject *op, PyObject *arg)
+/* read_tap(fd, now=0.0) -> (frames: list[bytes], csum_ok: list[bool] | None, end: int, errno: int,
+ * taken: int). Reads up to batch frames (dp_tap_read, several fills when the buffer is full) and
+ * makes one bytes object per frame; frames of adopted UDP flows are moved in C at loop time now
+ * (taken: how many; udp_touched() says which flows). end: a dp_read_end (DONE, AGAIN, EOF, ERROR). */
+static PyObject *plane_read_tap(PyObject *op, PyObject *args)
 {
     Plane *self = (Plane *)op;
     if (!self->buf) {
         PyErr_SetString(PyExc_ValueError, "Plane not initialised");
         return NULL;
     }
-    long fdl = PyLong_AsLong(arg);
-    if (fdl == -1 && PyErr_Occurred())
+    long fdl;
+    double now = 0.0;
+    if (!PyArg_ParseTuple(args, "l|d", &fdl, &now))
         return NULL;
     if (fdl < 0 || fdl > INT_MAX) {
         PyErr_SetString(PyExc_ValueError, "fd must be a non-negative int");
@@ -254,16 +267,17 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *arg)
     unsigned left = self->batch, fill = (unsigned)(self->cap / self->read_size);
     enum dp_read_end end;
     int err = 0;
+    uint64_t taken_before = self->udp.taken_frames;
     void *tcp = self->tcp ? tcpnat_engine_of(self->tcp) : NULL;
-    double now = tcp ? tcpnat_now() : 0.0;
+    double tcp_now = tcp ? tcpnat_now() : 0.0;
     do {
         unsigned nslots = 0, reads = 0;
         end = dp_tap_read(fd, self->buf, self->cap, self->read_size, self->vnet, left, self->slots, fill, &nslots,
-                          &reads, &err);
+                          &reads, &err, self->udp_on ? &self->udp : NULL, now);
         left -= reads;
         for (unsigned i = 0; i < nslots; i++) {
             const struct dp_slot *s = &self->slots[i];
-            if (tcp && tcpnat_tap_frame(tcp, self->buf + s->off, s->len, s->csum_ok, now))
+            if (tcp && tcpnat_tap_frame(tcp, self->buf + s->off, s->len, s->csum_ok, tcp_now))
                 continue; /* a native TCP flow's frame */
             PyObject *b = PyBytes_FromStringAndSize((const char *)self->buf + s->off, (Py_ssize_t)s->len);
             if (!b)
@@ -280,7 +294,8 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *arg)
         end = DP_READ_DONE;
     if (tcp)
         tcpnat_batch_end(tcp);
-    return Py_BuildValue("(NNii)", frames, csum, (int)end, err);
+    return Py_BuildValue("(NNiiK)", frames, csum, (int)end, err,
+                         (unsigned long long)(self->udp.taken_frames - taken_before));
 fail:
     Py_XDECREF(frames);
     Py_XDECREF(csum);
@@ -319,6 +334,163 @@ fail:
     return NULL;
 }
 
+/* udp_enable(capacity): the table of native UDP flows (once). */
+static PyObject *plane_udp_enable(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    long cap = PyLong_AsLong(arg);
+    if (cap == -1 && PyErr_Occurred())
+        return NULL;
+    if (cap < 1 || cap > 65536 || self->udp_on) {
+        PyErr_SetString(PyExc_ValueError, "udp_enable: capacity 1..65536, once");
+        return NULL;
+    }
+    uint32_t nb = 1;
+    while (nb < 2 * (uint32_t)cap)
+        nb <<= 1;
+    self->udp_flows = PyMem_Malloc(sizeof(struct dp_udp_flow) * (size_t)cap);
+    self->udp_heads = PyMem_Malloc(sizeof(int32_t) * nb);
+    self->udp_touched = PyMem_Malloc(sizeof(uint32_t) * (size_t)cap);
+    self->udp_scratch = PyMem_Malloc(DP_UDP_SCRATCH);
+    if (!self->udp_flows || !self->udp_heads || !self->udp_touched || !self->udp_scratch) {
+        PyMem_Free(self->udp_flows), PyMem_Free(self->udp_heads), PyMem_Free(self->udp_touched);
+        PyMem_Free(self->udp_scratch);
+        self->udp_flows = NULL, self->udp_heads = NULL, self->udp_touched = NULL, self->udp_scratch = NULL;
+        return PyErr_NoMemory();
+    }
+    dp_udp_init(&self->udp, self->udp_flows, self->udp_heads, nb, self->udp_touched, (uint32_t)cap, 1);
+    self->udp_on = 1;
+    Py_RETURN_NONE;
+}
+
+static int udp_ready(Plane *self)
+{
+    if (!self->udp_on)
+        PyErr_SetString(PyExc_ValueError, "native UDP flows are not enabled (udp_enable)");
+    return self->udp_on;
+}
+
+/* udp_adopt(fd, guest_ip, guest_port, remote_ip, remote_port, eth, hlim, mtu, now) -> slot or -1. */
+static PyObject *plane_udp_adopt(PyObject *op, PyObject *args)
+{
+    Plane *self = (Plane *)op;
+    int fd, gport, rport, hlim;
+    unsigned int mtu;
+    double now;
+    Py_buffer gip, rip, eth;
+    if (!udp_ready(self) || !PyArg_ParseTuple(args, "iy*iy*iy*iId", &fd, &gip, &gport, &rip, &rport, &eth, &hlim,
+                                               &mtu, &now))
+        return NULL;
+    PyObject *result = NULL;
+    if (gip.len != 4 || rip.len != 4 || eth.len != 14 || gport < 0 || gport > 0xFFFF || rport < 0 ||
+        rport > 0xFFFF || hlim < 0 || hlim > 255 || mtu < 576 || mtu > 65535 || fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "udp_adopt: IPv4 addresses (4 bytes), eth 14 bytes, ports 16 bits, "
+                                          "hlim 8 bits, mtu 576..65535, fd >= 0");
+    } else {
+        result = PyLong_FromLong(dp_udp_adopt(&self->udp, fd, gip.buf, (uint16_t)gport, rip.buf, (uint16_t)rport,
+                                              eth.buf, (uint8_t)hlim, mtu, now));
+    }
+    PyBuffer_Release(&gip);
+    PyBuffer_Release(&rip);
+    PyBuffer_Release(&eth);
+    return result;
+}
+
+static struct dp_udp_flow *flow_at(Plane *self, PyObject *arg, int *slot)
+{
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred())
+        return NULL;
+    if (v < 0 || (uint32_t)v >= self->udp.cap || self->udp_flows[v].fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "no native UDP flow in that slot");
+        return NULL;
+    }
+    *slot = (int)v;
+    return &self->udp_flows[v];
+}
+
+/* udp_release(slot): forget the flow (its socket stays the caller's). */
+static PyObject *plane_udp_release(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    int slot;
+    if (!udp_ready(self) || !flow_at(self, arg, &slot))
+        return NULL;
+    dp_udp_release(&self->udp, slot);
+    Py_RETURN_NONE;
+}
+
+/* udp_last_header(slot) -> bytes: the guest's last IP header + 8 bytes of that flow (b"" if none). */
+static PyObject *plane_udp_last_header(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    int slot;
+    struct dp_udp_flow *f;
+    if (!udp_ready(self) || !(f = flow_at(self, arg, &slot)))
+        return NULL;
+    return PyBytes_FromStringAndSize((const char *)f->last_hdr, f->last_hdr_len);
+}
+
+/* udp_touched() -> (frames, bytes, [(slot, datagrams, bytes, blocked, errno, last_active), ...]): the
+ * guest frames moved and, per flow they touched, what happened since the last call (then zeroed). */
+static PyObject *plane_udp_touched(PyObject *op, PyObject *unused)
+{
+    Plane *self = (Plane *)op;
+    (void)unused;
+    if (!udp_ready(self))
+        return NULL;
+    struct dp_udp_table *t = &self->udp;
+    PyObject *list = PyList_New(t->ntouched);
+    if (!list)
+        return NULL;
+    for (uint32_t k = 0; k < t->ntouched; k++) {
+        struct dp_udp_flow *f = &t->flows[t->touched[k]];
+        PyObject *item = Py_BuildValue("(IKKKid)", t->touched[k], (unsigned long long)f->up_datagrams,
+                                       (unsigned long long)f->up_bytes, (unsigned long long)f->blocked, f->err,
+                                       f->last_active);
+        if (!item || PyList_SetItem(list, k, item) < 0) {
+            Py_DECREF(list);
+            return NULL;
+        }
+    }
+    PyObject *result = Py_BuildValue("(KKN)", (unsigned long long)t->taken_frames, (unsigned long long)t->taken_bytes,
+                                     list);
+    if (!result)
+        return NULL;
+    for (uint32_t k = 0; k < t->ntouched; k++) {
+        struct dp_udp_flow *f = &t->flows[t->touched[k]];
+        f->up_datagrams = f->up_bytes = f->blocked = 0;
+        f->err = 0;
+        f->touched = 0;
+    }
+    t->ntouched = 0;
+    t->taken_frames = t->taken_bytes = 0;
+    return result;
+}
+
+/* udp_host_readable(slot, tap_fd, vnet, now) -> (datagrams, bytes, frames_out, bytes_out,
+ * write_errors, errno): dp_udp_host() for the flow's host socket, its counts for this call. */
+static PyObject *plane_udp_host_readable(PyObject *op, PyObject *args)
+{
+    Plane *self = (Plane *)op;
+    PyObject *slot_obj;
+    int tap_fd, vnet, slot;
+    double now;
+    struct dp_udp_flow *f;
+    if (!udp_ready(self) || !PyArg_ParseTuple(args, "Oipd", &slot_obj, &tap_fd, &vnet, &now) ||
+        !(f = flow_at(self, slot_obj, &slot)))
+        return NULL;
+    uint64_t frames = 0, bytes = 0, werr = 0, bytes_before = f->down_bytes;
+    int guest_err = f->err; /* a send error of the guest direction stays for udp_touched() */
+    f->err = 0;
+    int moved = dp_udp_host(&self->udp, slot, tap_fd, vnet, now, self->udp_scratch, DP_UDP_SCRATCH, &frames, &bytes,
+                            &werr);
+    int err = f->err;
+    f->err = guest_err;
+    return Py_BuildValue("(iKKKKi)", moved, (unsigned long long)(f->down_bytes - bytes_before),
+                         (unsigned long long)frames, (unsigned long long)bytes, (unsigned long long)werr, err);
+}
+
 /* attach_tcp(engine | None): frames of the TcpEngine's flows are handed to it, not to Python. */
 static PyObject *plane_attach_tcp(PyObject *op, PyObject *arg)
 {
@@ -335,8 +507,18 @@ static PyObject *plane_attach_tcp(PyObject *op, PyObject *arg)
 
 static PyMethodDef plane_methods[] = {
     {"attach_tcp", plane_attach_tcp, METH_O, "attach_tcp(engine | None): native TCP flows take their frames"},
-    {"read_tap", plane_read_tap, METH_O,
-     "read_tap(fd) -> (frames, csum_ok | None, end, errno): up to batch frames of a TAP fd, read until EAGAIN"},
+    {"read_tap", plane_read_tap, METH_VARARGS,
+     "read_tap(fd, now=0.0) -> (frames, csum_ok | None, end, errno, taken): up to batch frames of a TAP fd, "
+     "read until EAGAIN; adopted UDP flows' frames moved in C (taken)"},
+    {"udp_enable", plane_udp_enable, METH_O, "udp_enable(capacity): native UDP flows, at most capacity at once"},
+    {"udp_adopt", plane_udp_adopt, METH_VARARGS,
+     "udp_adopt(fd, guest_ip, guest_port, remote_ip, remote_port, eth, hlim, mtu, now) -> slot, or -1"},
+    {"udp_release", plane_udp_release, METH_O, "udp_release(slot)"},
+    {"udp_last_header", plane_udp_last_header, METH_O, "udp_last_header(slot) -> the guest's last IP header + 8"},
+    {"udp_touched", plane_udp_touched, METH_NOARGS,
+     "udp_touched() -> (frames, bytes, [(slot, datagrams, bytes, blocked, errno, last_active), ...])"},
+    {"udp_host_readable", plane_udp_host_readable, METH_VARARGS,
+     "udp_host_readable(slot, tap_fd, vnet, now) -> (datagrams, bytes, frames_out, bytes_out, write_errors, errno)"},
     {"classify", plane_classify, METH_O, "classify(buf) -> record tuple, counted in counters()"},
     {"counters", plane_counters, METH_NOARGS, "counters() -> {'frames': n, reason: n}"},
     {NULL, NULL, 0, NULL},

@@ -5,6 +5,8 @@
 
 #include <errno.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #define ETHERTYPE_IPV4 0x0800u
@@ -245,7 +247,8 @@ int dp_classify(const uint8_t *buf, size_t len, int vnet, struct dp_frame *f, st
 }
 
 enum dp_read_end dp_tap_read(int fd, uint8_t *buf, size_t cap, size_t frame_size, int vnet, unsigned max_reads,
-                             struct dp_slot *slots, unsigned max_slots, unsigned *nslots, unsigned *reads, int *err)
+                             struct dp_slot *slots, unsigned max_slots, unsigned *nslots, unsigned *reads, int *err,
+                             struct dp_udp_table *udp, double now)
 {
     size_t used = 0;
     unsigned n = 0, r = 0;
@@ -280,6 +283,8 @@ enum dp_read_end dp_tap_read(int fd, uint8_t *buf, size_t cap, size_t frame_size
             off += DP_VNET_HDR_LEN;
             flen -= DP_VNET_HDR_LEN;
         }
+        if (udp && udp->count && dp_udp_guest(udp, buf + off, flen, csum_ok, now))
+            continue; /* moved by a native UDP flow: its buffer space is reused */
         slots[n].off = (uint32_t)off;
         slots[n].len = (uint32_t)flen;
         slots[n].csum_ok = csum_ok;
@@ -442,4 +447,190 @@ int dp_udp_frames(uint8_t *out, size_t cap, struct dp_slot *slots, unsigned max_
         used += flen;
     }
     return (int)n;
+}
+
+/* ---- native UDP flows (IPv4) ---- */
+
+static uint32_t flow_hash(const uint8_t gip[4], uint16_t gport, const uint8_t rip[4], uint16_t rport)
+{
+    uint8_t k[12];
+    memcpy(k, gip, 4);
+    memcpy(k + 4, rip, 4);
+    k[8] = (uint8_t)(gport >> 8), k[9] = (uint8_t)gport, k[10] = (uint8_t)(rport >> 8), k[11] = (uint8_t)rport;
+    uint32_t h = 2166136261u; /* FNV-1a */
+    for (int i = 0; i < 12; i++)
+        h = (h ^ k[i]) * 16777619u;
+    return h;
+}
+
+void dp_udp_init(struct dp_udp_table *t, struct dp_udp_flow *flows, int32_t *heads, uint32_t nbuckets,
+                 uint32_t *touched, uint32_t cap, uint16_t ident)
+{
+    memset(t, 0, sizeof *t);
+    t->flows = flows;
+    t->heads = heads;
+    t->nbuckets = nbuckets;
+    t->touched = touched;
+    t->cap = cap;
+    t->ident = ident;
+    for (uint32_t i = 0; i < nbuckets; i++)
+        heads[i] = -1;
+    for (uint32_t i = 0; i < cap; i++) {
+        memset(&flows[i], 0, sizeof flows[i]);
+        flows[i].fd = -1;
+        flows[i].next = i + 1 < cap ? (int32_t)(i + 1) : -1;
+    }
+    t->free_head = cap ? 0 : -1;
+}
+
+static int lookup(const struct dp_udp_table *t, const uint8_t gip[4], uint16_t gport, const uint8_t rip[4],
+                  uint16_t rport)
+{
+    for (int32_t i = t->heads[flow_hash(gip, gport, rip, rport) & (t->nbuckets - 1)]; i >= 0; i = t->flows[i].next) {
+        const struct dp_udp_flow *f = &t->flows[i];
+        if (f->guest_port == gport && f->remote_port == rport && !memcmp(f->guest_ip, gip, 4) &&
+            !memcmp(f->remote_ip, rip, 4))
+            return i;
+    }
+    return -1;
+}
+
+int dp_udp_adopt(struct dp_udp_table *t, int fd, const uint8_t guest_ip[4], uint16_t guest_port,
+                 const uint8_t remote_ip[4], uint16_t remote_port, const uint8_t eth[14], uint8_t hlim, uint32_t mtu,
+                 double now)
+{
+    if (fd < 0 || t->free_head < 0 || lookup(t, guest_ip, guest_port, remote_ip, remote_port) >= 0)
+        return -1;
+    int32_t i = t->free_head;
+    struct dp_udp_flow *f = &t->flows[i];
+    t->free_head = f->next;
+    memset(f, 0, sizeof *f);
+    f->fd = fd;
+    memcpy(f->guest_ip, guest_ip, 4);
+    memcpy(f->remote_ip, remote_ip, 4);
+    f->guest_port = guest_port;
+    f->remote_port = remote_port;
+    memcpy(f->eth, eth, 14);
+    f->hlim = hlim;
+    f->mtu = mtu;
+    f->last_active = now;
+    uint32_t b = flow_hash(guest_ip, guest_port, remote_ip, remote_port) & (t->nbuckets - 1);
+    f->next = t->heads[b];
+    t->heads[b] = i;
+    t->count++;
+    return i;
+}
+
+int dp_udp_release(struct dp_udp_table *t, int slot)
+{
+    if (slot < 0 || (uint32_t)slot >= t->cap || t->flows[slot].fd < 0)
+        return -1;
+    struct dp_udp_flow *f = &t->flows[slot];
+    int32_t *link = &t->heads[flow_hash(f->guest_ip, f->guest_port, f->remote_ip, f->remote_port) & (t->nbuckets - 1)];
+    while (*link != slot)
+        link = &t->flows[*link].next;
+    *link = f->next;
+    if (f->touched) { /* out of the touched list */
+        for (uint32_t k = 0; k < t->ntouched; k++) {
+            if (t->touched[k] == (uint32_t)slot) {
+                t->touched[k] = t->touched[--t->ntouched];
+                break;
+            }
+        }
+    }
+    memset(f, 0, sizeof *f);
+    f->fd = -1;
+    f->next = t->free_head;
+    t->free_head = slot;
+    t->count--;
+    return 0;
+}
+
+static void touch(struct dp_udp_table *t, struct dp_udp_flow *f)
+{
+    if (!f->touched) {
+        f->touched = 1;
+        t->touched[t->ntouched++] = (uint32_t)(f - t->flows);
+    }
+}
+
+int dp_udp_guest(struct dp_udp_table *t, const uint8_t *frame, size_t len, int csum_ok, double now)
+{
+    if (!t->count)
+        return 0;
+    struct dp_frame r;
+    if (dp_classify(frame, len, 0, &r, NULL) != DP_KIND_UDP || (r.flags & DP_F_IPV6))
+        return 0;
+    int slot = lookup(t, r.src, r.sport, r.dst, r.dport);
+    if (slot < 0)
+        return 0;
+    struct dp_udp_flow *f = &t->flows[slot];
+    if (memcmp(frame + 6, f->eth, 6)) /* another source MAC: Python learns it */
+        return 0;
+    const uint8_t *udp = frame + r.l4_off;
+    if (!dp_udp_checksum_ok(0, r.src, r.dst, udp, 8 + (size_t)r.payload_len, csum_ok))
+        return 0; /* Python drops and counts it */
+    size_t hl = r.l4_off - r.l3_off + 8; /* at most 60 + 8 */
+    memcpy(f->last_hdr, frame + r.l3_off, hl);
+    f->last_hdr_len = (uint8_t)hl;
+    f->last_active = now;
+    ssize_t sent = send(f->fd, frame + r.payload_off, r.payload_len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (sent >= 0) {
+        f->up_datagrams++;
+        f->up_bytes += r.payload_len;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        f->blocked++;
+    } else {
+        f->err = errno;
+    }
+    touch(t, f);
+    t->taken_frames++;
+    t->taken_bytes += len;
+    return 1;
+}
+
+int dp_udp_host(struct dp_udp_table *t, int slot, int tap_fd, int vnet, double now, uint8_t *scratch, size_t cap,
+                uint64_t *frames_out, uint64_t *bytes_out, uint64_t *write_errors)
+{
+    static const uint8_t zero_vnet[DP_VNET_HDR_LEN];
+    if (slot < 0 || (uint32_t)slot >= t->cap || t->flows[slot].fd < 0 || cap < 65536)
+        return -1;
+    struct dp_udp_flow *f = &t->flows[slot];
+    struct dp_slot fs[128]; /* mtu >= 576 (dp_udp_adopt's caller): at most 119 fragments */
+    int moved = 0;
+    for (int i = 0; i < 64; i++) {
+        ssize_t n = recv(f->fd, scratch, 65536, MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                f->err = errno;
+            break;
+        }
+        f->last_active = now;
+        f->down_datagrams++;
+        f->down_bytes += (uint64_t)n;
+        moved++;
+        int nf = dp_udp_frames(scratch + 65536, cap - 65536, fs, 128, f->eth, 0, f->remote_ip, f->guest_ip,
+                               f->remote_port, f->guest_port, scratch, (size_t)n, f->hlim, f->mtu, t->ident++, 0);
+        if (nf < 0) { /* longer than an IPv4 datagram can carry: nothing to send */
+            (*write_errors)++;
+            continue;
+        }
+        for (int k = 0; k < nf; k++) {
+            uint8_t *fr = scratch + 65536 + fs[k].off;
+            ssize_t w;
+            if (vnet) {
+                struct iovec iov[2] = {{(void *)zero_vnet, DP_VNET_HDR_LEN}, {fr, fs[k].len}};
+                w = writev(tap_fd, iov, 2);
+            } else {
+                w = write(tap_fd, fr, fs[k].len);
+            }
+            if (w < 0) {
+                (*write_errors)++;
+            } else {
+                (*frames_out)++;
+                *bytes_out += fs[k].len;
+            }
+        }
+    }
+    return moved;
 }

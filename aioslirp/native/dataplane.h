@@ -128,9 +128,13 @@ enum dp_read_end {
  * max_reads reads were made, the fd says EAGAIN, EOF, an error, or buf/slots have no room for
  * another read. With vnet, the 12-byte header is stripped (the slot points past it, csum_ok
  * from its flags), and a read of the header alone (or less) is skipped. *nslots: slots filled;
- * *reads: reads made (counted against max_reads, skipped ones included). */
+ * *reads: reads made (counted against max_reads, skipped ones included). With udp (not NULL),
+ * a frame of an adopted UDP flow is moved to its host socket (dp_udp_guest, at time now) and
+ * takes no slot. */
+struct dp_udp_table;
 enum dp_read_end dp_tap_read(int fd, uint8_t *buf, size_t cap, size_t frame_size, int vnet, unsigned max_reads,
-                             struct dp_slot *slots, unsigned max_slots, unsigned *nslots, unsigned *reads, int *err);
+                             struct dp_slot *slots, unsigned max_slots, unsigned *nslots, unsigned *reads, int *err,
+                             struct dp_udp_table *udp, double now);
 
 /* ---- UDP, host -> guest (the native UDP flows' output; sans-IO) ----
  *
@@ -157,5 +161,67 @@ size_t dp_udp_frames_size(int v6, size_t plen, unsigned mtu, unsigned *nframes);
  * or trusted (the guest kernel flagged it), or 0 over IPv4 (no checksum); 0 otherwise, and a
  * zero checksum over IPv6 is invalid (RFC 8200 8.1). */
 int dp_udp_checksum_ok(int v6, const uint8_t *src, const uint8_t *dst, const uint8_t *udp, size_t ulen, int trusted);
+
+/* ---- native UDP flows (IPv4): a flow Python admitted, its datagrams moved in C ----
+ *
+ * Python admits a flow (policy, limits, the connected host socket) and hands it to the table
+ * (dp_udp_adopt). Then a guest frame of that flow, read by the TAP reader, goes to the host
+ * socket from C (dp_udp_guest: the 5-tuple, the guest's MAC and the UDP checksum must match,
+ * else the frame goes to Python as before), and host datagrams become guest frames in C
+ * (dp_udp_host: recv until EAGAIN, dp_udp_frames, write to the TAP). Per flow, the table keeps
+ * what Python's flow keeps (datagrams and bytes each way, the last activity, the guest's last IP
+ * header + 8 bytes for ICMP errors, the last socket error) and which flows a read touched, for
+ * Python to take in one batch (dp_udp_touched). Fixed capacity, no allocation after init. */
+#define DP_UDP_HDR_MAX 68u /* a 60-byte IPv4 header + 8 */
+
+struct dp_udp_flow {
+    int fd;                 /* the connected host socket; -1: a free slot */
+    int err;                /* the last host socket error (errno), 0 none; taken by Python */
+    uint8_t guest_ip[4], remote_ip[4];
+    uint16_t guest_port, remote_port;
+    uint8_t eth[14];        /* frames to the guest: the guest's MAC, the gateway's, EtherType */
+    uint8_t hlim;
+    uint8_t touched;        /* in the touched list since Python last took it */
+    uint8_t last_hdr_len;
+    uint8_t last_hdr[DP_UDP_HDR_MAX];
+    uint32_t mtu;
+    int32_t next;           /* hash chain / free list */
+    uint64_t up_datagrams, up_bytes, down_datagrams, down_bytes, blocked;
+    double last_active;     /* the caller's clock (loop time) of the last datagram either way */
+};
+
+struct dp_udp_table {
+    struct dp_udp_flow *flows;
+    int32_t *heads;          /* hash buckets, nbuckets a power of two */
+    uint32_t cap, nbuckets, count;
+    int32_t free_head;
+    uint32_t *touched;       /* slots touched since dp_udp_touched(), at most cap */
+    uint32_t ntouched;
+    uint16_t ident;          /* IPv4 identification of the datagrams we send */
+    uint64_t taken_frames, taken_bytes;  /* guest frames consumed, since Python took them */
+};
+
+/* The bytes a table of cap flows needs in each array (the caller allocates them). */
+void dp_udp_init(struct dp_udp_table *t, struct dp_udp_flow *flows, int32_t *heads, uint32_t nbuckets,
+                 uint32_t *touched, uint32_t cap, uint16_t ident);
+/* Adopt a flow: returns its slot, or -1 (table full, or that 5-tuple is there already). */
+int dp_udp_adopt(struct dp_udp_table *t, int fd, const uint8_t guest_ip[4], uint16_t guest_port,
+                 const uint8_t remote_ip[4], uint16_t remote_port, const uint8_t eth[14], uint8_t hlim, uint32_t mtu,
+                 double now);
+/* Forget a slot (the caller closes the socket). Returns 0, or -1 for a slot not in use. */
+int dp_udp_release(struct dp_udp_table *t, int slot);
+/* A guest frame (no vnet header) read at now: 1 when it was an adopted flow's datagram, sent to
+ * its host socket (or dropped there, counted in the flow: EAGAIN, an error kept in err); 0 when
+ * it is not one (the caller hands it to Python). */
+int dp_udp_guest(struct dp_udp_table *t, const uint8_t *frame, size_t len, int csum_ok, double now);
+/* Host datagrams of slot: recv until EAGAIN (at most 64), each written to tap_fd as guest frames
+ * (with a zero virtio-net header when vnet); scratch (cap bytes, at least DP_UDP_SCRATCH) holds
+ * one datagram and its frames. The flow's MTU must be at least 576 (at most 119 fragments).
+ * Returns the datagrams moved (counted in the flow), or -1 for a slot not in use; adds the frames
+ * written and their bytes (without the vnet header, as Python counts) to frames_out and bytes_out,
+ * and the frames the TAP refused to write_errors. */
+#define DP_UDP_SCRATCH (65536u + 65536u + 128u * 64u)
+int dp_udp_host(struct dp_udp_table *t, int slot, int tap_fd, int vnet, double now, uint8_t *scratch, size_t cap,
+                uint64_t *frames_out, uint64_t *bytes_out, uint64_t *write_errors);
 
 #endif

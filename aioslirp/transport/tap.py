@@ -46,7 +46,7 @@ import errno
 import logging
 import os
 import socket
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import native as native_plane
 from ..wire.offload import VNET_HDR_LEN, VNET_NONE, OffloadFrame
@@ -97,7 +97,7 @@ class TapTransport(Transport):
     """
 
     __slots__ = ("_fd", "ifname", "_batch", "_read_size", "_reading", "_pidfds", "send_drops", "vnet_hdr", "offload",
-                 "created", "native", "_plane", "_tcp", "_tcp_ended")
+                 "created", "native", "plane", "native_taken", "_tcp", "_tcp_ended")
 
     gone_hint = "the TAP device still exists (ip link show {ifname}) and the namespace holding it was not removed"
 
@@ -115,10 +115,14 @@ class TapTransport(Transport):
     created: bool
     #: Guest frames are read by the native data plane (:mod:`aioslirp.native`), not ``os.read``.
     native: bool
-    #: The native plane's state (its read buffer), made when reading starts; ``None`` for the Python reader.
-    _plane: object | None
+    #: The native data plane of this transport (``aioslirp.native._dataplane.Plane``: its read buffer,
+    #: and the native UDP flows when the stack enables them); ``None`` for the Python reader.
+    plane: Any
+    #: Called after a read in which native UDP flows moved guest frames in C (set by the stack's
+    #: :class:`~aioslirp.nat.native_udp.NativeUdp`, which takes their counts from :attr:`plane`).
+    native_taken: Callable[[], None] | None
     #: The native TCP engine given by :meth:`attach_tcp`, or ``None``, and what takes its records.
-    _tcp: object | None
+    _tcp: Any
     _tcp_ended: Callable[[], None] | None
 
     def __init__(self, fd: int, *, ifname: str | None = None, batch: int = 64, read_size: int = MAX_FRAME,
@@ -162,7 +166,12 @@ class TapTransport(Transport):
             native_plane.log_fallback("TAP reader")
             native = False
         self.native = native
-        self._plane = None
+        self.plane = None
+        if native:
+            ext = native_plane.extension()
+            assert ext is not None
+            self.plane = ext.Plane(self._read_size, self._batch, self.vnet_hdr)
+        self.native_taken = None
         self._tcp = None
         self._tcp_ended = None
         os.set_blocking(fd, False)
@@ -219,11 +228,6 @@ class TapTransport(Transport):
             return
         assert self._loop is not None
         if self.native:
-            ext = native_plane.extension()
-            assert ext is not None
-            self._plane = ext.Plane(self._read_size, self._batch, self.vnet_hdr)
-            if self._tcp is not None:
-                self._plane.attach_tcp(self._tcp)  # type: ignore[attr-defined]
             self._loop.add_reader(self._fd, self._on_readable_native)
         else:
             self._loop.add_reader(self._fd, self._on_readable)
@@ -241,8 +245,7 @@ class TapTransport(Transport):
         self._tcp_ended = ended
         if engine is not None:
             engine.hook_records(ended is not None)
-        if self._plane is not None:
-            self._plane.attach_tcp(engine)  # type: ignore[attr-defined]
+        self.plane.attach_tcp(engine)
 
     def _on_readable(self) -> None:
         """Read up to ``batch`` frames (until ``EAGAIN``) and hand them to the stack in one batch.
@@ -290,15 +293,22 @@ class TapTransport(Transport):
         fd = self._fd
         if fd < 0:
             return
-        frames, csum_ok, end, err = self._plane.read_tap(fd)  # type: ignore[attr-defined]
+        loop = self._loop
+        assert loop is not None
+        frames, csum_ok, end, err, taken = self.plane.read_tap(fd, loop.time())
+        if taken:
+            self.frames_in += taken
+            hook = self.native_taken
+            if hook is not None:
+                hook()
+        ended = self._tcp_ended
+        if ended is not None and self._tcp.pending():
+            ended()  # native TCP flows ended in this batch: their records, now
         error: BaseException | None = None
         if end == native_plane.READ_EOF:
             error = EOFError("TAP fd reached end of file")
         elif end == native_plane.READ_ERROR:
             error = OSError(err, os.strerror(err))
-        ended = self._tcp_ended
-        if ended is not None and self._tcp.pending():  # type: ignore[attr-defined]
-            ended()  # native TCP flows ended in this batch: their records, now
         self._deliver(frames, csum_ok, error)
 
     def _deliver(self, frames: list, csum_ok: list[bool] | None, error: BaseException | None) -> None:
@@ -371,7 +381,7 @@ class TapTransport(Transport):
         self._pidfds.clear()
         fd, self._fd = self._fd, -1
         if self._tcp is not None:  # the native TCP engine writes to the fd itself: not after this
-            self._tcp.forget_tap()  # type: ignore[attr-defined]
+            self._tcp.forget_tap()
         if fd >= 0:
             if self._reading and loop is not None:
                 loop.remove_reader(fd)

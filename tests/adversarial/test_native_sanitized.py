@@ -3,7 +3,8 @@
 ``AIOSLIRP_SANITIZE=1`` makes ``setup.py`` build the native extension alone with
 ``-fsanitize=address,undefined -fno-omit-frame-pointer`` (``-fno-sanitize-recover``: undefined
 behaviour aborts). The test builds a copy of the checkout that way in a temporary directory and
-runs the classifier's and the UDP pieces' unit tests, the corpus replay and the TAP reader's tests in a
+runs the classifier's and the UDP pieces' unit tests, the corpus replay, the TAP reader's tests and
+the native UDP flows' differential test in a
 child interpreter with gcc's ``libasan`` preloaded (``ASAN_OPTIONS=detect_leaks=0``: the
 interpreter's own allocations at exit are not the extension's). Any out-of-bounds access, use
 after free or undefined behaviour in C aborts the child: the test asserts a clean exit.
@@ -31,10 +32,11 @@ pytestmark = pytest.mark.timeout(900)
 
 #: The test files run under the sanitizers (relative to the checkout).
 SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test_udp_native.py",
+                   "tests/unit/native/test_udp_table.py",
                    "tests/adversarial/test_native_corpus.py",
-                   "tests/system/test_tap_reader.py", "tests/unit/native/test_tcp_engine.py",
-                   "tests/unit/native/test_tcp_differential.py", "tests/adversarial/test_native_tcp_hostile.py",
-                   "tests/system/test_native_tcp.py")
+                   "tests/system/test_tap_reader.py", "tests/stack/test_native_udp.py",
+                   "tests/unit/native/test_tcp_engine.py", "tests/unit/native/test_tcp_differential.py",
+                   "tests/adversarial/test_native_tcp_hostile.py", "tests/system/test_native_tcp.py")
 
 
 def _libasan() -> Path | None:

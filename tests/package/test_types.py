@@ -166,7 +166,7 @@ def test_the_flow_context_is_whole_when_made_and_running_is_set_once_at_start():
     stack = Stack(NetworkConfig(dns_upstreams=[("127.0.0.1", 9)]))
     ctx = stack.parts.ctx
     assert isinstance(ctx, FlowContext) and not ctx.is_started
-    off = {"tracer", "audit", "rate_up", "rate_down", "native_tcp"}
+    off = {"tracer", "audit", "rate_up", "rate_down", "native_udp", "native_tcp"}
     assert {n for n in FlowContext.__slots__ if n != "running" and getattr(ctx, n) is None} <= off
     with pytest.raises(AttributeError):
         ctx.running

@@ -1,0 +1,131 @@
+"""The native plane's UDP flow table (``Plane.udp_*``, dp_udp_* in aioslirp/native/dataplane.c),
+driven directly with real sockets: adoption and its bounds, the guest direction inside the TAP
+reader (what it moves, what it leaves to Python), the host direction (frames as the Python path
+builds them, with and without the virtio-net header), and the errors it reports."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+
+import pytest
+
+from aioslirp.wire.checksum import checksum
+from aioslirp.wire.ethernet import ETH, ETHERTYPE_IPV4
+from aioslirp.wire.ipv4 import fragment
+from aioslirp.wire.udp import build_udp
+
+from support.native import need_extension
+
+GUEST_MAC, GW_MAC = bytes.fromhex("525400123456"), bytes.fromhex("52550a000202")
+GUEST, GW = bytes([10, 0, 2, 15]), bytes([10, 0, 2, 2])
+ETH_TO_GUEST = ETH.pack(GUEST_MAC, GW_MAC, ETHERTYPE_IPV4)
+
+
+@pytest.fixture
+def world():
+    """A plane with UDP on; a TAP stand-in (SEQPACKET pair: ``tap`` the plane's end, ``guest``
+    the guest's); a host socket connected to a loopback ``server``."""
+    ext = need_extension()
+    plane = ext.Plane(2048, 16, False)
+    plane.udp_enable(4)
+    tap, guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    tap.setblocking(False)
+    guest.setblocking(False)
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+    host = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    host.connect(server.getsockname())
+    host.setblocking(False)
+    yield plane, tap, guest, host, server
+    for s in (tap, guest, host, server):
+        s.close()
+
+
+def _adopt(plane, host, gport=40000, rport=5353, mtu=1500) -> int:
+    return plane.udp_adopt(host.fileno(), GUEST, gport, GW, rport, ETH_TO_GUEST, 64, mtu, 1.0)
+
+
+def guest_frame(payload: bytes, sport=40000, dport=5353, src_mac=GUEST_MAC) -> bytes:
+    pkt = build_udp(GUEST, GW, sport, dport, payload)
+    return ETH.pack(GW_MAC, src_mac, ETHERTYPE_IPV4) + bytes(pkt)
+
+
+def test_adoption_bounds_duplicates_and_release(world):
+    plane, _tap, _guest, host, _server = world
+    slots = [_adopt(plane, host, gport=40000 + i) for i in range(4)]
+    assert sorted(slots) == [0, 1, 2, 3]
+    assert _adopt(plane, host, gport=50000) == -1  # full
+    plane.udp_release(slots[1])
+    assert _adopt(plane, host, gport=40000) == -1  # that 5-tuple is there already
+    assert _adopt(plane, host, gport=50000) == slots[1]  # the freed slot again
+    with pytest.raises(ValueError, match="no native UDP flow"):
+        plane.udp_release(7)
+    with pytest.raises(ValueError, match="mtu 576"):
+        plane.udp_adopt(host.fileno(), GUEST, 1, GW, 2, ETH_TO_GUEST, 64, 575, 1.0)
+    with pytest.raises(ValueError, match="once"):
+        plane.udp_enable(4)
+
+
+def test_the_reader_moves_an_adopted_flows_datagrams_and_leaves_the_rest(world):
+    plane, tap, guest, host, server = world
+    slot = _adopt(plane, host)
+    frames = [guest_frame(b"one"), guest_frame(b"two"), guest_frame(b"other port", sport=40001),
+              guest_frame(b"other mac", src_mac=bytes.fromhex("525400999999"))]
+    bad = bytearray(guest_frame(b"bad sum"))
+    bad[40] ^= 0xFF
+    frames.append(bytes(bad))
+    for f in frames:
+        guest.send(f)
+    delivered, _csum, _end, _err, taken = plane.read_tap(tap.fileno(), 5.5)
+    assert taken == 2 and delivered == frames[2:]  # another flow, another MAC, a bad checksum: Python's
+    assert [server.recv(100), server.recv(100)] == [b"one", b"two"]
+    got_frames, got_bytes, touched = plane.udp_touched()
+    assert (got_frames, got_bytes) == (2, len(frames[0]) + len(frames[1]))
+    assert touched == [(slot, 2, 6, 0, 0, 5.5)]
+    assert plane.udp_touched() == (0, 0, [])  # taken once
+    assert plane.udp_last_header(slot) == frames[1][14:14 + 28]  # the IP header + 8 of the last one
+
+
+@pytest.mark.parametrize("vnet", [False, True])
+def test_host_datagrams_become_the_python_paths_frames(world, vnet):
+    plane, tap, guest, host, server = world
+    slot = _adopt(plane, host, mtu=1500)
+    client = host.getsockname()
+    payloads = [b"short", os.urandom(3000)]
+    for p in payloads:
+        server.sendto(p, client)
+    moved, nbytes, nframes, fbytes, werr, err = plane.udp_host_readable(slot, tap.fileno(), vnet, 7.0)
+    assert (moved, nbytes, nframes, werr, err) == (2, 5 + 3000, 1 + 3, 0, 0)
+    got = [guest.recv(70000) for _ in range(nframes)]
+    if vnet:
+        assert all(g[:12] == bytes(12) for g in got)
+        got = [g[12:] for g in got]
+    assert fbytes == sum(map(len, got))
+    want = []
+    for p, first in zip(payloads, (got[0], got[1])):
+        ident = struct.unpack_from("!H", first, 18)[0]  # the plane's own identification
+        pkt = bytearray(build_udp(GW, GUEST, 5353, 40000, p))
+        struct.pack_into("!HHHH", pkt, 4, ident, 0, struct.unpack_from("!H", pkt, 8)[0], 0)
+        struct.pack_into("!H", pkt, 10, checksum(bytes(pkt[:20])))
+        want += [ETH_TO_GUEST + bytes(f) for f in fragment(pkt, 1500)]
+    assert got == want
+
+
+def test_host_errors_and_tap_write_errors_are_reported(world):
+    plane, tap, guest, host, server = world
+    slot = _adopt(plane, host)
+    server.sendto(b"x", host.getsockname())
+    closed = os.dup(tap.fileno())
+    os.close(closed)
+    moved, _n, nframes, _fb, werr, err = plane.udp_host_readable(slot, closed, False, 1.0)
+    assert (moved, nframes, werr, err) == (1, 0, 1, 0)  # the TAP refused the frame: counted
+    server.close()  # nothing listens: the next send draws ECONNREFUSED
+    host.send(b"probe")
+    for _ in range(100):
+        moved, _n, _f, _fb, _w, err = plane.udp_host_readable(slot, tap.fileno(), False, 2.0)
+        if err:
+            break
+    assert err == errno.ECONNREFUSED and moved == 0  # for the flow to turn into ICMP port unreachable
