@@ -41,6 +41,7 @@ enum {
 #define FL_ACK_DUE 0x0100u    /* an ACK goes out at the next tn_flush() */
 #define FL_WS 0x0200u         /* window scaling on (the guest offered it) */
 #define FL_SOCK_OPEN 0x0400u
+#define FL_SPACE_STALE 0x0800u /* the socket's room may have changed since it was asked (sock_space) */
 
 struct tn_flow {
     uint32_t gen;
@@ -525,7 +526,8 @@ static uint32_t adv_window(struct tn_engine *e, struct tn_flow *f)
 {
     if (f->fl & FL_TX_BLOCKED)
         return 0;
-    if (f->space < SPACE_REFRESH && (f->fl & FL_SOCK_OPEN)) {
+    if (f->space < SPACE_REFRESH && (f->fl & (FL_SOCK_OPEN | FL_SPACE_STALE)) == (FL_SOCK_OPEN | FL_SPACE_STALE)) {
+        f->fl &= (uint16_t)~FL_SPACE_STALE;
         uint32_t queued = 0;
         ssize_t r = e->io.sock_space(e->io.ctx, f->fd, &queued);
         f->space = r > 0 ? (r > (ssize_t)e->rcv_wnd ? e->rcv_wnd : (uint32_t)r) : 0;
@@ -913,7 +915,7 @@ int tn_adopt(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t
         return fd;
     }
     f->fd = fd;
-    f->fl |= FL_SOCK_OPEN;
+    f->fl |= FL_SOCK_OPEN | FL_SPACE_STALE;
     int r = e->io.sock_watch(e->io.ctx, fd, tag_of(e, f));
     if (r < 0) {
         abort_flow(e, f, TN_OUT_REFUSED, TN_WHY_CONNECT, -r);
@@ -1038,6 +1040,8 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
         f->rcv_nxt += (uint32_t)took;
         f->bytes_up += took;
         f->space = f->space > took ? f->space - (uint32_t)took : 0;
+        if (took)
+            f->fl |= FL_SPACE_STALE; /* the send buffer grows with use (autotuning): ask again */
         ack_later(e, f);
     }
     if (!plen && !fin && SEQ_LT(seq, f->rcv_nxt))
@@ -1203,6 +1207,7 @@ void tn_sock_event(struct tn_engine *e, uint64_t tag, uint32_t events, double no
     if ((events & TN_EV_OUT) && (f->fl & FL_TX_BLOCKED)) {
         f->fl &= (uint16_t)~FL_TX_BLOCKED;
         f->space = 0; /* asked again */
+        f->fl |= FL_SPACE_STALE;
         e->c.window_updates++;
         if (f->state == ST_ESTABLISHED)
             send_ack(e, f); /* the window opens again */
@@ -1257,6 +1262,7 @@ static void flow_timer(struct tn_engine *e, struct tn_flow *f, double now)
     if (f->wnd_at > 0 && now >= f->wnd_at) {
         uint32_t before = f->space;
         f->space = 0;
+        f->fl |= FL_SPACE_STALE;
         f->wnd_at = 0;
         uint32_t w = adv_window(e, f); /* re-arms wnd_at while still small */
         if (w > before && f->state == ST_ESTABLISHED) {
