@@ -22,7 +22,8 @@ TAP reader (``TapTransport.attach_tcp``). Python stays the control plane:
   ``tcp_host_lost``, ``tcp_idle_closed``).
 
 Not on the native plane in this first version (the Python path takes them, unchanged): a stack
-with a tracer (any ``trace_level``) or rate caps (``rate_limit``), a transport wrapped for pcap
+with a tracer at ``trace_level`` ``timeline`` or ``frames`` (at ``flows``, the default, native flows
+get their flow span from the table as Python ones do) or rate caps (``rate_limit``), a transport wrapped for pcap
 or traces, flows to Python handlers and to the DNS service, port forwards (host -> guest), and
 every transport other than the TAP. The engine's own counters are in ``Stack.stats()`` under
 ``native_tcp``.
@@ -66,6 +67,21 @@ class _Ended:
 
     def done(self) -> bool:
         return self.flow._final is not None
+
+
+class _ConnView:
+    """What the flow spans read of a TCP flow's connection at its end (the tracer's
+    ``record_flow_closed`` at trace level ``flows``): the bytes taken from the guest as
+    ``rcv_nxt - irs - 1``, the state, whether it was reset."""
+
+    __slots__ = ("irs", "rcv_nxt", "fin_received", "state", "reset")
+
+    def __init__(self, flow: "NativeTcpFlow") -> None:
+        self.irs = 0
+        self.rcv_nxt = (flow.bytes_up + 1) & 0xFFFFFFFF
+        self.fin_received = False
+        self.state = flow.state
+        self.reset = flow.outcome == "reset"
 
 
 class NativeTcpFlow:
@@ -136,6 +152,11 @@ class NativeTcpFlow:
     @outcome.setter
     def outcome(self, value: str) -> None:
         self._outcome = value
+
+    @property
+    def conn(self) -> _ConnView:
+        """A view of the connection for the flow spans (:class:`_ConnView`)."""
+        return _ConnView(self)
 
     def flush(self, now: float) -> None:
         """Nothing: the engine sends its own frames."""

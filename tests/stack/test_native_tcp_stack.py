@@ -94,3 +94,38 @@ async def test_syns_to_a_destination_whose_connects_hang_meet_the_pending_bound(
         stack.parts.ctx.native_tcp.close()
         stack.parts.ctx.native_tcp = None
         await stack.aclose()
+
+
+async def test_a_native_flow_gets_its_flow_span_at_trace_level_flows():
+    """At ``trace_level`` ``flows`` (the default) TCP flows stay native and the flow table gives each
+    its span, as for a Python flow: the bytes from and to the guest, the state and the outcome."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    ext = need_extension()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stack = Stack(NetworkConfig(trace_level="flows"), tracer_provider=provider)
+    await stack.start()
+    ctx = stack.parts.ctx
+    assert ctx.tracer is None  # what lets NativeTcp.start run TCP flows natively
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
+    ctx.native_tcp = NativeTcp(ctx, eng)
+    try:
+        stack.parts.link.on_frames([tcp_frame(F4, 40003, 8080, SYN, seq=5, mss=1460)])
+        (synack,) = eng.fake_frames()
+        iss = int.from_bytes(synack[38:42], "big")
+        assert eng.input(tcp_frame(F4, 40003, 8080, ACK, seq=6, ack=iss + 1, data=b"abc"), False, 0.0)
+        assert eng.input(tcp_frame(F4, 40003, 8080, RST, seq=9), False, 0.0)
+        ctx.native_tcp.poll()
+        assert not stack.parts.flows
+        (span,) = [s for s in exporter.get_finished_spans() if s.attributes.get("aioslirp.tcp.outcome")]
+        assert span.attributes["aioslirp.bytes.from_guest"] == 3 and span.attributes["aioslirp.bytes.to_guest"] == 0
+        assert span.attributes["aioslirp.tcp.outcome"] == "reset"
+        assert stack.tracer.errors == 0
+    finally:
+        ctx.native_tcp.close()
+        ctx.native_tcp = None
+        await stack.aclose()
