@@ -206,7 +206,8 @@ class NativeTcp:
     def start(cls, ctx, transport) -> "NativeTcp | None":
         """The engine for ``transport`` (what the stack serves, after its wrappers), or ``None``
         when the native plane does not run TCP flows there: not a TAP read natively, a wrapped
-        transport (pcap, traces), a tracer or rate caps on the stack (module documentation)."""
+        transport (pcap, traces), a TCP timeline tracer (``trace_level`` ``timeline`` or ``frames``) or rate
+        caps on the stack (module documentation)."""
         attach = getattr(transport, "attach_tcp", None)
         if (attach is None or not getattr(transport, "native", False) or not native.tcp_wanted()
                 or ctx.tracer is not None
