@@ -193,6 +193,10 @@ class NativeTcp:
 
     __slots__ = ("ctx", "engine", "flows", "loop", "_fd")
 
+    #: More keyword arguments of the engine (tests: ``{"peek_off": False}`` takes the fallback for
+    #: kernels without ``SO_PEEK_OFF``, a discard buffer).
+    engine_options: dict = {}
+
     def __init__(self, ctx, engine) -> None:
         self.ctx = ctx
         self.engine = engine
@@ -219,7 +223,8 @@ class NativeTcp:
         cfg = ctx.config
         engine = ext.TcpEngine(transport.fd, transport.vnet_hdr, transport.offload, cfg.gateway_mac_bytes,
                                int(cfg.mtu), int(cfg.max_flows), int(cfg.tcp_buffer), float(cfg.tcp_idle_timeout),
-                               float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT)
+                               float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT,
+                               **cls.engine_options)
         plane = cls(ctx, engine)
         attach(engine, plane.poll)
         ident = ctx.identity

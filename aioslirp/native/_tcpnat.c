@@ -4,7 +4,8 @@
  * sockets in memory, frames collected: tests drive the core with a fake clock).
  *
  *   TcpEngine(tap_fd, vnet, offload, gw_mac, mtu, max_flows, rcv_buf, idle_timeout,
- *             connect_timeout, linger, fake=False, time_wait=1.0)
+ *             connect_timeout, linger, fake=False, time_wait=1.0, peek_off=True)
+ *     (peek_off=False: peek past the unacknowledged bytes into a discard buffer, as without SO_PEEK_OFF)
  *     .fileno() -> the epoll fd to watch for reading (-1 fake)
  *     .adopt(v6, guest_mac, guest_ip, guest_port, dst_ip, dst_port, host_ip, host_port,
  *            irs, iss, mss, wscale, wnd, now) -> (status, slot, gen)
@@ -439,14 +440,15 @@ static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
 {
     Engine *g = (Engine *)op;
     static char *kwlist[] = {"tap_fd", "vnet", "offload", "gw_mac", "mtu", "max_flows", "rcv_buf", "idle_timeout",
-                             "connect_timeout", "linger", "fake", "time_wait", NULL};
-    int tap_fd, vnet, offload, fake = 0;
+                             "connect_timeout", "linger", "fake", "time_wait", "peek_off", NULL};
+    int tap_fd, vnet, offload, fake = 0, peek_off = 1;
     double time_wait = 1.0;
     Py_buffer mac;
     unsigned int mtu, max_flows, rcv_buf;
     double idle, connect_to, linger;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ippy*IIIddd|pd", kwlist, &tap_fd, &vnet, &offload, &mac, &mtu,
-                                     &max_flows, &rcv_buf, &idle, &connect_to, &linger, &fake, &time_wait))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ippy*IIIddd|pdp", kwlist, &tap_fd, &vnet, &offload, &mac, &mtu,
+                                     &max_flows, &rcv_buf, &idle, &connect_to, &linger, &fake, &time_wait,
+                                     &peek_off))
         return -1;
     if (g->e) {
         PyBuffer_Release(&mac);
@@ -492,7 +494,7 @@ static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
         io = fake_io;
         g->peek_off = 1;
     } else {
-        g->peek_off = probe_peek_off();
+        g->peek_off = peek_off && probe_peek_off(); /* peek_off=False: the discard-buffer fallback (tests) */
         g->epfd = epoll_create1(EPOLL_CLOEXEC);
         g->tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
         if (g->epfd < 0 || g->tfd < 0) {

@@ -40,6 +40,17 @@ def fam(request):
     return GUEST_FAMILIES[request.param]
 
 
+@pytest.fixture(params=["peek_off", "discard"])
+def peek(request, monkeypatch):
+    """How the engine reads past the bytes the guest has not acknowledged: ``SO_PEEK_OFF`` (this
+    kernel has it) or the fallback for kernels without it, a discard buffer (``peek_off=False``)."""
+    if request.param == "discard":
+        from aioslirp.nat.native_tcp import NativeTcp
+
+        monkeypatch.setattr(NativeTcp, "engine_options", {"peek_off": False})
+    return request.param
+
+
 def guest_script(fam, port: int, closed_port: int) -> str:
     gw = fam.gw
     return textwrap.dedent(f"""
@@ -106,18 +117,20 @@ def guest_script(fam, port: int, closed_port: int) -> str:
 
 
 async def _watch_flows(stack_box: list, port: int, seen: list) -> None:
-    """Record the first native flow to ``port`` seen ESTABLISHED in ``stack.flows()``."""
+    """Record the first native flow to ``port`` seen ESTABLISHED in ``stack.flows()``, and the
+    engine's counters then."""
     while True:
         if stack_box:
             for f in stack_box[0].flows():
                 if (f.protocol == "tcp" and f.destination[1] == port and f.state == "ESTABLISHED"
                         and f.bytes_from_guest):
                     seen.append(f)
+                    seen.append(stack_box[0].stats().get("native_tcp"))
                     return
         await asyncio.sleep(0.02)
 
 
-async def test_native_tcp_flows_against_the_kernel(fam, monkeypatch, tmp_path):
+async def test_native_tcp_flows_against_the_kernel(fam, peek, monkeypatch, tmp_path):
     need_extension()
     need_tool("curl", "curl")
     monkeypatch.setenv("AIOSLIRP_NATIVE", "1")
@@ -169,7 +182,8 @@ async def test_native_tcp_flows_against_the_kernel(fam, monkeypatch, tmp_path):
     assert not stack.parts.flows
     # stack.flows() showed a native flow as it shows a Python one
     assert seen, "no native flow seen ESTABLISHED in stack.flows()"
-    f = seen[0]
+    f, engine_counters = seen
+    assert engine_counters["peek_off"] == (peek == "peek_off")
     assert f.guest[1] > 0 and f.bytes_from_guest == len(b"WAIT\n") + 10 and f.bytes_to_guest == 0
     assert f.host == fam.loopback and f.idle < 5
     # one audit record per flow, with the engine's outcome and byte counts
