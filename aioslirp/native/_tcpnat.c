@@ -50,7 +50,7 @@
 #define FAKE_BUF_MAX (64u << 20)
 
 struct fake_sock {
-    int used, closed, aborted, shut_wr, eof, reset, connect_err, pending_err;
+    int used, closed, aborted, shut_wr, eof, reset, connect_err, pending_err, watch_out;
     uint64_t tag;
     uint8_t *rx;        /* host -> guest bytes not consumed yet */
     size_t rx_len, rx_cap;
@@ -137,11 +137,18 @@ static int r_error(void *ctx, int fd)
     return -err;
 }
 
-static int r_watch(void *ctx, int fd, uint64_t tag)
+static int r_watch(void *ctx, int fd, uint64_t tag, int out)
+{
+    Engine *g = ctx;
+    struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLET | (out ? EPOLLOUT : 0), .data.u64 = tag};
+    return epoll_ctl(g->epfd, EPOLL_CTL_ADD, fd, &ev) < 0 ? -errno : 0;
+}
+
+static int r_want_out(void *ctx, int fd, uint64_t tag)
 {
     Engine *g = ctx;
     struct epoll_event ev = {.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET, .data.u64 = tag};
-    return epoll_ctl(g->epfd, EPOLL_CTL_ADD, fd, &ev) < 0 ? -errno : 0;
+    return epoll_ctl(g->epfd, EPOLL_CTL_MOD, fd, &ev) < 0 ? -errno : 0;
 }
 
 static ssize_t r_send(void *ctx, int fd, const uint8_t *buf, size_t len)
@@ -237,7 +244,7 @@ static int r_tap_write(void *ctx, const struct iovec *iov, int n)
 }
 
 static const struct tn_io real_io = {
-    NULL, r_open, r_connect, r_error, r_watch, r_send, r_peek, r_consume, r_rewind, r_shutdown, r_space, r_close,
+    NULL, r_open, r_connect, r_error, r_watch, r_want_out, r_send, r_peek, r_consume, r_rewind, r_shutdown, r_space, r_close,
     r_tap_write,
 };
 
@@ -318,12 +325,23 @@ static int f_error(void *ctx, int fd)
     return -e;
 }
 
-static int f_watch(void *ctx, int fd, uint64_t tag)
+static int f_watch(void *ctx, int fd, uint64_t tag, int out)
 {
     struct fake_sock *s = fake_get(ctx, fd);
     if (!s)
         return -EBADF;
     s->tag = tag;
+    s->watch_out = out;
+    return 0;
+}
+
+static int f_want_out(void *ctx, int fd, uint64_t tag)
+{
+    struct fake_sock *s = fake_get(ctx, fd);
+    if (!s)
+        return -EBADF;
+    s->tag = tag;
+    s->watch_out = 1;
     return 0;
 }
 
@@ -430,7 +448,7 @@ static int f_tap_write(void *ctx, const struct iovec *iov, int n)
 }
 
 static const struct tn_io fake_io = {
-    NULL, f_open, f_connect, f_error, f_watch, f_send, f_peek, f_consume, f_rewind, f_shutdown, f_space, f_close,
+    NULL, f_open, f_connect, f_error, f_watch, f_want_out, f_send, f_peek, f_consume, f_rewind, f_shutdown, f_space, f_close,
     f_tap_write,
 };
 
@@ -849,6 +867,10 @@ static PyObject *fake_frames(PyObject *op, PyObject *unused)
 
 static void fake_event(Engine *g, struct fake_sock *s, uint32_t ev, double now)
 {
+    if (!s->watch_out) /* as epoll: writability only when watched */
+        ev &= ~TN_EV_OUT;
+    if (!ev)
+        return;
     tn_sock_event(g->e, s->tag, ev, now);
     tn_flush(g->e, now);
 }
@@ -961,8 +983,8 @@ static PyObject *fake_socket(PyObject *op, PyObject *arg)
     struct fake_sock *s = fake_arg(g, (int)fd);
     if (!s)
         return NULL;
-    return Py_BuildValue("{sisisisn}", "closed", s->closed, "aborted", s->aborted, "shut_wr", s->shut_wr, "unread",
-                         (Py_ssize_t)s->rx_len);
+    return Py_BuildValue("{sisisisnsi}", "closed", s->closed, "aborted", s->aborted, "shut_wr", s->shut_wr, "unread",
+                         (Py_ssize_t)s->rx_len, "watch_out", s->watch_out);
 }
 
 static PyObject *fake_fds(PyObject *op, PyObject *unused)

@@ -42,6 +42,7 @@ enum {
 #define FL_WS 0x0200u         /* window scaling on (the guest offered it) */
 #define FL_SOCK_OPEN 0x0400u
 #define FL_SPACE_STALE 0x0800u /* the socket's room may have changed since it was asked (sock_space) */
+#define FL_WATCH_OUT 0x1000u   /* the socket's writability is watched (EPOLLOUT) */
 
 struct tn_flow {
     uint32_t gen;
@@ -916,23 +917,26 @@ int tn_adopt(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t
     }
     f->fd = fd;
     f->fl |= FL_SOCK_OPEN | FL_SPACE_STALE;
-    int r = e->io.sock_watch(e->io.ctx, fd, tag_of(e, f));
-    if (r < 0) {
-        abort_flow(e, f, TN_OUT_REFUSED, TN_WHY_CONNECT, -r);
+    /* watched once the connect says how it goes: writability only while it is in progress (no
+     * wake-up for the writable edge of a connect done at once, as towards loopback) */
+    int r = e->io.sock_connect(e->io.ctx, fd, f->v6, a->host_ip, a->host_port);
+    if (r != 0 && r != -EINPROGRESS) {
+        connect_failed(e, f, -r);
         return r;
     }
-    r = e->io.sock_connect(e->io.ctx, fd, f->v6, a->host_ip, a->host_port);
+    int w = e->io.sock_watch(e->io.ctx, fd, tag_of(e, f), r == -EINPROGRESS);
+    if (w < 0) {
+        abort_flow(e, f, TN_OUT_REFUSED, TN_WHY_CONNECT, -w);
+        return w;
+    }
     if (r == 0) {
         connected(e, f, now);
         return 0;
     }
-    if (r == -EINPROGRESS) {
-        f->connect_until = now + e->cfg.connect_timeout;
-        rearm(e, f);
-        return 1;
-    }
-    connect_failed(e, f, -r);
-    return r;
+    f->fl |= FL_WATCH_OUT;
+    f->connect_until = now + e->cfg.connect_timeout;
+    rearm(e, f);
+    return 1;
 }
 
 /* ------------------------------------------------------------------ guest -> host */
@@ -1036,6 +1040,10 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
             e->c.host_write_paused++;
             f->fl |= FL_TX_BLOCKED;
             fin = 0;
+            if (!(f->fl & FL_WATCH_OUT)) { /* EPOLLOUT from now on: it says when the window opens */
+                f->fl |= FL_WATCH_OUT;
+                e->io.sock_want_out(e->io.ctx, f->fd, tag_of(e, f));
+            }
         }
         f->rcv_nxt += (uint32_t)took;
         f->bytes_up += took;

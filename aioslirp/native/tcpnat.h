@@ -64,8 +64,10 @@ struct tn_io {
     int (*sock_connect)(void *ctx, int fd, int v6, const uint8_t *addr, uint16_t port);
     /* The outcome of a connect in progress once the socket is writable: 0 or -errno. */
     int (*sock_error)(void *ctx, int fd);
-    /* Watch fd for TN_EV_* (edge-triggered), the event tagged with tag. */
-    int (*sock_watch)(void *ctx, int fd, uint64_t tag);
+    /* Watch fd for TN_EV_* (edge-triggered), the event tagged with tag; writability only with out
+     * (a connect in progress). want_out: from now on writability too (a send took part). */
+    int (*sock_watch)(void *ctx, int fd, uint64_t tag, int out);
+    int (*sock_want_out)(void *ctx, int fd, uint64_t tag);
     ssize_t (*sock_send)(void *ctx, int fd, const uint8_t *buf, size_t len);
     /* Copy up to len bytes of the receive queue from offset skip without consuming them:
      * bytes copied, 0 at end of stream (past skip), -EAGAIN none now, -errno. */

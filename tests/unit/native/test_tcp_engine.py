@@ -57,9 +57,11 @@ def test_data_both_ways_is_acknowledged_as_the_socket_takes_it(v6):
 @V
 def test_a_partial_send_acknowledges_only_what_was_taken_and_closes_the_window(v6):
     f = EngineFlow(v6).established()
+    assert f.e.fake_socket(f.fd)["watch_out"] == 0  # connected at once: writability not watched
     f.e.fake_send_space(f.fd, 3, f.now)
     f.send(ACK, data=b"abcdef")
     assert f.host_received() == b"abc"
+    assert f.e.fake_socket(f.fd)["watch_out"] == 1  # now it is: EPOLLOUT says when the window opens
     (a,) = f.out()
     assert a.ack == M(IRS + 4) and a.wnd == 0
     f.e.fake_send_space(f.fd, -1, f.now)  # writable again: EPOLLOUT
@@ -247,6 +249,7 @@ def test_refused_connect_is_a_rst_ack_to_the_guest(v6):
 def test_connect_in_progress_then_done_or_timed_out(v6):
     f = EngineFlow(v6, connect=errno.EINPROGRESS)
     assert f.status == 1 and f.out() == []
+    assert f.e.fake_socket(f.fd)["watch_out"] == 1  # the connect's end comes as writability
     assert f.send(SYN, seq=IRS, ack=0)  # its SYN again while connecting: taken, not answered
     assert f.out() == []
     f.e.fake_connect_done(f.fd, 0, 0.01)
