@@ -66,6 +66,7 @@ from .ratelimit import TokenBucket as NewFlowBucket
 from .services.dhcp import DhcpServer
 from .services.dns import DnsForwarder
 from .nat.hostsock import HostPoller
+from .nat.native_tcp import NativeTcp
 from .transport.trace import TraceTransport
 from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
 
@@ -538,6 +539,7 @@ class Stack:
         except Exception as exc:
             self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
             raise
+        p.ctx.native_tcp = NativeTcp.start(p.ctx, transport)  # TCP NAT flows in C (a native TAP reader)
         self.event_log.emit("ready", **info)
         if p.v6 is not None:
             p.v6.start_ra()  # an RA at once, then periodically (RFC 4861 6.2.4)
@@ -551,6 +553,9 @@ class Stack:
                 if self._stopped.done() and transport.closed is not None and not transport.closed.done():
                     await self.farewell()  # asked to stop, the guest still there: RST its flows first
             finally:
+                native_tcp, p.ctx.native_tcp = p.ctx.native_tcp, None
+                if native_tcp is not None:  # its flows end (RST to the guest), its sockets close
+                    native_tcp.close()
                 transport.close()
                 if native_udp is not None:  # its flows back to their Python readers
                     p.ctx.native_udp = None
@@ -778,6 +783,11 @@ class Stack:
             native: :func:`aioslirp.native.status`: ``"on"``, or ``"off (<reason>)"`` (not switched
                 on, ``AIOSLIRP_NO_EXTENSIONS``, not built, a stale build), for this process; whether
                 this stack's transport reads natively is the transport's (``TapTransport.native``).
+            native_tcp: only while a TAP read natively is served with TCP flows on the native plane
+                (:mod:`aioslirp.nat.native_tcp`): the engine's counters (``frames``, ``frames_out``,
+                drops by reason: ``bad_checksum``, ``out_of_window``, ``bad_ack``, ``syn_on_open``,
+                ``rst_bad_seq``; ``dup_acks``, ``fast_retransmits``, ``rto``, ``zero_window_probes``,
+                ``host_write_paused``, ``adopted``, ``ended``, ``live``, ``peek_off``).
 
         The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.observe.metrics.register`.
         """
@@ -787,5 +797,6 @@ class Stack:
             "inject_queue": {"depth": len(self._parts.inject_queue), "size": self.config.inject_queue_size},
             "compiled": compiled_notice(),
             "native": native_status(),
+            **({"native_tcp": self._parts.ctx.native_tcp.counters()} if self._parts.ctx.native_tcp is not None else {}),
         }
 

@@ -102,8 +102,11 @@ def _dpkg_version(pkg: str) -> str:
 
 class Aioslirp(Backend):
     def __init__(self, mtu: int | None = None, python: str | None = None, extra: Sequence[str] = (),
-                 python_args: Sequence[str] = (), name: str | None = None, tree: str | None = None) -> None:
+                 python_args: Sequence[str] = (), name: str | None = None, tree: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         super().__init__()
+        #: Environment variables for the backend's process (e.g. ``AIOSLIRP_NATIVE=1``: the native data plane).
+        self.env = dict(env or {})
         self.mtu = mtu
         self.python = python or sys.executable
         self.extra = list(extra)
@@ -116,22 +119,28 @@ class Aioslirp(Backend):
             self.description += " " + " ".join(extra)
         if tree:
             self.description += f" (package from {tree})"
+        if self.env:
+            self.description += " with " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items()))
 
     def start(self, ns: str, preexec: Callable[[], None], log_path: str) -> None:
-        if not self.tree:
+        if not self.tree and not self.env:
             return super().start(ns, preexec, log_path)
-        old = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = self.tree + (os.pathsep + old if old else "")
+        saved = {k: os.environ.get(k) for k in ("PYTHONPATH", *self.env)}
+        if self.tree:
+            old = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = self.tree + (os.pathsep + old if old else "")
+        os.environ.update(self.env)
         try:
             # cwd "/" so that "-m" does not import a package from the current directory first
             self._log = open(log_path, "ab")
             self.proc = subprocess.Popen(self.argv(ns), stdout=self._log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, preexec_fn=preexec, cwd="/")
         finally:
-            if old is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = old
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         time.sleep(0.05)
         if self.proc.poll() is not None:
             raise BackendError(f"{self.name} exited at once with status {self.proc.returncode} (see {log_path})")

@@ -191,6 +191,10 @@ class L4:
             if got is not None:
                 self.counters["handler_flows.tcp"] += 1
                 host = functools.partial(run_handler, got[0], got[1], router.failed)
+        if host is None and remote is not None:
+            plane = self.ctx.native_tcp
+            if plane is not None and plane.adopt(fam, key, remote, seg, orig, now):  # the C engine runs it
+                return self.handled("tcp_syn")
         if not TcpFlow(self.ctx, fam, key, remote, seg, orig, now, host).no_socket:  # else refused, counted
             self.handled("tcp_syn")
 

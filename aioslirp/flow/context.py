@@ -36,7 +36,7 @@ from .base import AuditSink, TracePoints
 from .guard import Guard
 from .table import FlowTable
 
-__all__ = ["FlowContext", "ReadPoller", "Resolver", "Running"]
+__all__ = ["FlowContext", "NativeTcpPlane", "ReadPoller", "Resolver", "Running"]
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -72,6 +72,14 @@ class ReadPoller(Protocol):
 
     def close(self) -> int:
         """Stop, and return how many fds were still watched."""
+        ...
+
+
+class NativeTcpPlane(Protocol):
+    """The native TCP engine as the dispatch asks it (:class:`aioslirp.nat.native_tcp.NativeTcp`)."""
+
+    def adopt(self, fam: Any, key: tuple, remote: str, seg: Any, orig_header: bytes, now: float) -> bool:
+        """Run an admitted guest SYN's flow natively; False: the Python path takes it."""
         ...
 
 
@@ -150,6 +158,9 @@ class FlowContext:
         native_udp: the :class:`~aioslirp.nat.native_udp.NativeUdp` of the transport being served
             (native UDP flows, issue 26), or ``None`` (off: the default); set by ``Stack.serve``. A
             new UDP NAT flow is offered to it (``native_udp.adopt(flow)``) once admitted.
+        native_tcp: the native TCP engine of the transport being served
+            (:class:`~aioslirp.nat.native_tcp.NativeTcp`, a :class:`NativeTcpPlane`), or ``None``:
+            TCP NAT flows run in Python. Set by ``Stack.serve`` per transport.
         closed: the stack is closing: no new flow is started.
         identity: the stack's :class:`~aioslirp.config.identity.GuestIdentity` (name and labels;
             its ``log_prefix`` / ``log_extra`` go with the log lines about this guest).
@@ -158,7 +169,7 @@ class FlowContext:
     """
 
     __slots__ = ("config", "counters", "table", "guard", "queue", "inject", "tasks", "spawn", "tracer", "audit",
-                 "rate_up", "rate_down", "offload", "native_udp", "closed", "running", "identity")
+                 "rate_up", "rate_down", "offload", "native_udp", "closed", "running", "identity", "native_tcp")
 
     config: NetworkConfig
     counters: dict[str, int]
@@ -179,6 +190,7 @@ class FlowContext:
     closed: bool
     running: Running
     identity: GuestIdentity
+    native_tcp: NativeTcpPlane | None
 
     def __init__(self, config: NetworkConfig, counters: dict[str, int], queue: InjectQueue, spawn: Callable[..., asyncio.Task],
                  *, rate_up: ByteBucket | None = None, rate_down: ByteBucket | None = None,
@@ -199,6 +211,7 @@ class FlowContext:
         self.offload = False
         self.closed = False
         self.identity = identity
+        self.native_tcp = None
 
     @property
     def is_started(self) -> bool:

@@ -31,7 +31,9 @@ The switches:
 * Off by default while issue 26 is open: ``AIOSLIRP_NATIVE=1`` (:data:`ENABLE_ENV`) turns the
   native plane on where it exists (the TAP reader); a transport's ``native=True`` or ``False``
   overrides it. ``AIOSLIRP_NATIVE=udp`` also moves admitted UDP NAT flows (IPv4) to it
-  (:class:`~aioslirp.nat.native_udp.NativeUdp`; :func:`udp_wanted`).
+  (:class:`~aioslirp.nat.native_udp.NativeUdp`; :func:`udp_wanted`); ``AIOSLIRP_NATIVE=1`` (or
+  ``tcp``) runs admitted guest TCP NAT flows in C (:class:`~aioslirp.nat.native_tcp.NativeTcp`;
+  :func:`tcp_wanted`); ``AIOSLIRP_NATIVE=1,udp`` both.
 * A missing extension (no compiler at install time), one that does not load, or one whose C
   files changed since it was built (by SHA-256, :data:`~aioslirp.native.sources.RECORD`): off,
   with the reason, and one log line when a transport falls back (:func:`log_fallback`).
@@ -50,7 +52,7 @@ from .. import compiled
 from .sources import DEPENDS, EXTENSION, RECORD
 
 __all__ = ["ENABLE_ENV", "READ_EOF", "READ_ERROR", "FrameRecord", "classify", "enabled", "extension", "log_fallback", "notice", "record",
-           "status", "udp_wanted", "wanted", "why_not"]
+           "status", "tcp_wanted", "udp_wanted", "wanted", "why_not"]
 
 log = logging.getLogger("aioslirp.native")
 
@@ -93,16 +95,27 @@ def why_not() -> str:
     return _load()[1]
 
 
+def _parts() -> set[str]:
+    """The parts of ``AIOSLIRP_NATIVE``, a comma list (``1`` and ``tcp`` are the same part)."""
+    return {"tcp" if p == "1" else p for p in os.environ.get(ENABLE_ENV, "").replace(" ", "").split(",") if p}
+
+
 def wanted() -> bool:
-    """True when ``AIOSLIRP_NATIVE`` is ``1`` or ``udp`` (read at each call): the default of a
-    transport's ``native``."""
-    return os.environ.get(ENABLE_ENV, "") in ("1", "udp")
+    """True when ``AIOSLIRP_NATIVE`` is ``1``, ``tcp`` or ``udp``, or a comma list of them (read at
+    each call): the default of a transport's ``native``."""
+    return bool(_parts() & {"tcp", "udp"})
 
 
 def udp_wanted() -> bool:
-    """True when ``AIOSLIRP_NATIVE=udp``: ``Stack.serve`` moves admitted UDP flows to a native TAP
-    transport's plane (:class:`~aioslirp.nat.native_udp.NativeUdp`)."""
-    return os.environ.get(ENABLE_ENV, "") == "udp"
+    """True when ``AIOSLIRP_NATIVE`` holds ``udp``: ``Stack.serve`` moves admitted UDP flows to a native
+    TAP transport's plane (:class:`~aioslirp.nat.native_udp.NativeUdp`)."""
+    return "udp" in _parts()
+
+
+def tcp_wanted() -> bool:
+    """True when ``AIOSLIRP_NATIVE`` holds ``1`` (or ``tcp``): ``Stack.serve`` runs admitted guest TCP NAT
+    flows on a native TAP transport's engine (:class:`~aioslirp.nat.native_tcp.NativeTcp`)."""
+    return "tcp" in _parts()
 
 
 def enabled() -> bool:

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "dataplane.h"
+#include "_tcpnat.h"
 
 /* Frames of one read buffer before they go to Python; the buffer holds this many largest
  * frames (a batch larger than that is read in several fills within one call). */
@@ -183,6 +184,7 @@ typedef struct {
     int32_t *udp_heads;
     uint32_t *udp_touched;
     uint8_t *udp_scratch;
+    PyObject *tcp; /* a TcpEngine (attach_tcp): its flows' frames never reach Python */
 } Plane;
 
 static int plane_init(PyObject *op, PyObject *args, PyObject *kwargs)
@@ -232,6 +234,7 @@ static void plane_dealloc(PyObject *op)
     PyMem_Free(self->udp_heads);
     PyMem_Free(self->udp_touched);
     PyMem_Free(self->udp_scratch);
+    Py_CLEAR(self->tcp);
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(op);
     Py_DECREF(tp);
@@ -265,6 +268,8 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *args)
     enum dp_read_end end;
     int err = 0;
     uint64_t taken_before = self->udp.taken_frames;
+    void *tcp = self->tcp ? tcpnat_engine_of(self->tcp) : NULL;
+    double tcp_now = tcp ? tcpnat_now() : 0.0;
     do {
         unsigned nslots = 0, reads = 0;
         end = dp_tap_read(fd, self->buf, self->cap, self->read_size, self->vnet, left, self->slots, fill, &nslots,
@@ -272,6 +277,8 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *args)
         left -= reads;
         for (unsigned i = 0; i < nslots; i++) {
             const struct dp_slot *s = &self->slots[i];
+            if (tcp && tcpnat_tap_frame(tcp, self->buf + s->off, s->len, s->csum_ok, tcp_now))
+                continue; /* a native TCP flow's frame */
             PyObject *b = PyBytes_FromStringAndSize((const char *)self->buf + s->off, (Py_ssize_t)s->len);
             if (!b)
                 goto fail;
@@ -285,6 +292,8 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *args)
     } while (end == DP_READ_FULL && left > 0);
     if (end == DP_READ_FULL)
         end = DP_READ_DONE;
+    if (tcp)
+        tcpnat_batch_end(tcp);
     return Py_BuildValue("(NNiiK)", frames, csum, (int)end, err,
                          (unsigned long long)(self->udp.taken_frames - taken_before));
 fail:
@@ -482,7 +491,22 @@ static PyObject *plane_udp_host_readable(PyObject *op, PyObject *args)
                          (unsigned long long)frames, (unsigned long long)bytes, (unsigned long long)werr, err);
 }
 
+/* attach_tcp(engine | None): frames of the TcpEngine's flows are handed to it, not to Python. */
+static PyObject *plane_attach_tcp(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    if (arg != Py_None && !tcpnat_engine_of(arg)) {
+        PyErr_SetString(PyExc_TypeError, "attach_tcp() takes an open TcpEngine or None");
+        return NULL;
+    }
+    PyObject *old = self->tcp;
+    self->tcp = arg == Py_None ? NULL : Py_NewRef(arg);
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef plane_methods[] = {
+    {"attach_tcp", plane_attach_tcp, METH_O, "attach_tcp(engine | None): native TCP flows take their frames"},
     {"read_tap", plane_read_tap, METH_VARARGS,
      "read_tap(fd, now=0.0) -> (frames, csum_ok | None, end, errno, taken): up to batch frames of a TAP fd, "
      "read until EAGAIN; adopted UDP flows' frames moved in C (taken)"},
@@ -540,6 +564,8 @@ PyMODINIT_FUNC PyInit__dataplane(void)
         goto fail;
     Py_DECREF(plane);
     plane = NULL;
+    if (tcpnat_add_type(m) < 0)
+        goto fail;
     if (PyModule_AddIntConstant(m, "RECORD_SIZE", (long)sizeof(struct dp_frame)) < 0 ||
         PyModule_AddIntConstant(m, "KIND_DROP", DP_KIND_DROP) < 0 ||
         PyModule_AddIntConstant(m, "KIND_TCP", DP_KIND_TCP) < 0 ||

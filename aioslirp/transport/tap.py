@@ -97,7 +97,7 @@ class TapTransport(Transport):
     """
 
     __slots__ = ("_fd", "ifname", "_batch", "_read_size", "_reading", "_pidfds", "send_drops", "vnet_hdr", "offload",
-                 "created", "native", "plane", "native_taken")
+                 "created", "native", "plane", "native_taken", "_tcp", "_tcp_ended")
 
     gone_hint = "the TAP device still exists (ip link show {ifname}) and the namespace holding it was not removed"
 
@@ -121,6 +121,9 @@ class TapTransport(Transport):
     #: Called after a read in which native UDP flows moved guest frames in C (set by the stack's
     #: :class:`~aioslirp.nat.native_udp.NativeUdp`, which takes their counts from :attr:`plane`).
     native_taken: Callable[[], None] | None
+    #: The native TCP engine given by :meth:`attach_tcp`, or ``None``, and what takes its records.
+    _tcp: Any
+    _tcp_ended: Callable[[], None] | None
 
     def __init__(self, fd: int, *, ifname: str | None = None, batch: int = 64, read_size: int = MAX_FRAME,
                  offload: bool = True, native: bool | None = None) -> None:
@@ -169,6 +172,8 @@ class TapTransport(Transport):
             assert ext is not None
             self.plane = ext.Plane(self._read_size, self._batch, self.vnet_hdr)
         self.native_taken = None
+        self._tcp = None
+        self._tcp_ended = None
         os.set_blocking(fd, False)
 
     # -- construction ---------------------------------------------------------------------
@@ -228,6 +233,20 @@ class TapTransport(Transport):
             self._loop.add_reader(self._fd, self._on_readable)
         self._reading = True
 
+    def attach_tcp(self, engine, ended: Callable[[], None] | None = None) -> None:
+        """Hand the guest frames of native TCP flows to ``engine`` (a ``TcpEngine`` of
+        :mod:`aioslirp.native`, or ``None`` to stop) in the native reader, before the sink sees
+        them (:mod:`aioslirp.nat.native_tcp`). ``ended()`` is called after a batch in which the
+        engine ended flows (its records wait: ``engine.pending()``), instead of a timer wake-up.
+        Only with :attr:`native`; ``ValueError`` otherwise."""
+        if not self.native:
+            raise ValueError("attach_tcp needs the native reader (native=True)")
+        self._tcp = engine
+        self._tcp_ended = ended
+        if engine is not None:
+            engine.hook_records(ended is not None)
+        self.plane.attach_tcp(engine)
+
     def _on_readable(self) -> None:
         """Read up to ``batch`` frames (until ``EAGAIN``) and hand them to the stack in one batch.
 
@@ -282,6 +301,9 @@ class TapTransport(Transport):
             hook = self.native_taken
             if hook is not None:
                 hook()
+        ended = self._tcp_ended
+        if ended is not None and self._tcp.pending():
+            ended()  # native TCP flows ended in this batch: their records, now
         error: BaseException | None = None
         if end == native_plane.READ_EOF:
             error = EOFError("TAP fd reached end of file")
@@ -358,6 +380,8 @@ class TapTransport(Transport):
                 os.close(pidfd)
         self._pidfds.clear()
         fd, self._fd = self._fd, -1
+        if self._tcp is not None:  # the native TCP engine writes to the fd itself: not after this
+            self._tcp.forget_tap()
         if fd >= 0:
             if self._reading and loop is not None:
                 loop.remove_reader(fd)

@@ -154,7 +154,8 @@ def test_each_implementation_follows_the_protocol_it_is_typed_by(checked):
 
 def test_the_flow_context_is_whole_when_made_and_running_is_set_once_at_start():
     """What the types say holds at run time: every part of the :class:`FlowContext` exists once the
-    stack is made (``None`` only for a feature that is off: tracer, audit log, rate caps), and what
+    stack is made (``None`` only for a feature that is off: tracer, audit log, rate caps, native TCP
+    flows: set per transport served), and what
     exists once the stack runs (the loop and its clock, DNS, the host poller) comes at its start,
     all at once, in ``ctx.running``; frames need it (``RuntimeError`` before)."""
     import asyncio
@@ -165,7 +166,7 @@ def test_the_flow_context_is_whole_when_made_and_running_is_set_once_at_start():
     stack = Stack(NetworkConfig(dns_upstreams=[("127.0.0.1", 9)]))
     ctx = stack.parts.ctx
     assert isinstance(ctx, FlowContext) and not ctx.is_started
-    off = {"tracer", "audit", "rate_up", "rate_down", "native_udp"}
+    off = {"tracer", "audit", "rate_up", "rate_down", "native_udp", "native_tcp"}
     assert {n for n in FlowContext.__slots__ if n != "running" and getattr(ctx, n) is None} <= off
     with pytest.raises(AttributeError):
         ctx.running

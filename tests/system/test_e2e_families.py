@@ -26,6 +26,7 @@ from aioslirp.frontends.netns import run_in_namespace
 
 from support.frames import DNS_A, DNS_AAAA
 from support.guests import GUEST_FAMILIES, LINK_MTU, guest_json, handshake_mss, need_tool, run_guest
+from support.native import need_extension
 from support.servers import DataServer, DnsUpstream, UdpEcho, free_port, host_servers, pattern
 from support.stacks import fd_count, stack_tasks
 
@@ -36,8 +37,22 @@ ANSWER = {"A": DNS_A, "AAAA": DNS_AAAA}  # what DnsUpstream(aaaa=DNS_AAAA) answe
 IPV6_ONLY = pytest.mark.parametrize("fam", ["ipv6"], indirect=True)
 
 
+@pytest.fixture(scope="module", autouse=True, params=["python", "native"])
+def plane(request):
+    """Every test runs on the Python data path and again on the native data plane
+    (``AIOSLIRP_NATIVE=1``: the TAP read in C, guest TCP NAT flows in aioslirp/native/tcpnat.c;
+    tests/system/test_native_tcp.py checks that they do run there)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "native":
+            need_extension()
+            mp.setenv("AIOSLIRP_NATIVE", "1")
+        else:
+            mp.delenv("AIOSLIRP_NATIVE", raising=False)
+        yield request.param
+
+
 @pytest.fixture(scope="module", params=list(GUEST_FAMILIES))
-def fam(request):
+def fam(request, plane):
     return GUEST_FAMILIES[request.param]
 
 

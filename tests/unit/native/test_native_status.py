@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from aioslirp import Stack, compiled, native
 from aioslirp.native import sources
 
@@ -83,3 +85,14 @@ def test_changed_since_build_goes_by_content(tmp_path, monkeypatch):
     assert compiled.changed_since_build(str(record), sources.DEPENDS) == [sources.SOURCES[0]]
     record.unlink()
     assert compiled.changed_since_build(str(record), sources.DEPENDS) == list(sources.DEPENDS)
+
+
+@pytest.mark.parametrize("value, reader, tcp, udp", [
+    ("", False, False, False), ("0", False, False, False), ("1", True, True, False), ("tcp", True, True, False),
+    ("udp", True, False, True), ("1,udp", True, True, True), ("udp, tcp", True, True, True), ("yes", False, False, False),
+])
+def test_the_native_switch_is_a_comma_list_of_parts(monkeypatch, value, reader, tcp, udp):
+    """``AIOSLIRP_NATIVE``: ``1`` (or ``tcp``) the TAP reader and native TCP flows, ``udp`` the reader
+    and native UDP flows, a comma list for both."""
+    monkeypatch.setenv("AIOSLIRP_NATIVE", value)
+    assert (native.wanted(), native.tcp_wanted(), native.udp_wanted()) == (reader, tcp, udp)

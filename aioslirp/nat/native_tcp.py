@@ -1,0 +1,328 @@
+"""Guest TCP flows on the native data plane (issue 26): the Python side of the C engine.
+
+Theory of operation
+-------------------
+When a stack serves a :class:`~aioslirp.transport.tap.TapTransport` whose reader is native, with
+``AIOSLIRP_NATIVE=1`` (or ``tcp``; ``1,udp`` with native UDP flows), :meth:`NativeTcp.start` makes the C engine
+(``aioslirp.native._dataplane.TcpEngine``, ``aioslirp/native/tcpnat.c``) for it and hands it to the
+TAP reader (``TapTransport.attach_tcp``). Python stays the control plane:
+
+* **One upcall per new flow.** :class:`~aioslirp.dispatch.l4.L4` admits a guest SYN as always
+  (egress policy and hook, the guard's bounds, flow table room, handler routing); a plain NAT
+  flow (no Python handler, not the DNS-over-TCP service) is then adopted by the engine
+  (:meth:`NativeTcp.adopt`) instead of becoming a :class:`~aioslirp.nat.tcp.TcpFlow`: a
+  :class:`NativeTcpFlow` stands for it in the flow table (limits, ``stack.flows()``, counters,
+  the audit log), the engine opens the host socket, answers the SYN and from then on takes
+  every guest frame of the 5-tuple in C, before Python sees it.
+* **One record per ended flow.** The engine's epoll (host sockets and one timerfd) is one reader
+  of the event loop; its callback (:meth:`NativeTcp.poll`) runs the socket events and timers in
+  C and returns what ended: the placeholder leaves the table with the engine's outcome and byte
+  counts, counted as the Python path counts them (``tcp_connect_refused``,
+  ``tcp_connect_unreachable`` with its ICMP error to the guest, ``tcp_resets``,
+  ``tcp_host_lost``, ``tcp_idle_closed``).
+
+Not on the native plane in this first version (the Python path takes them, unchanged): a stack
+with a tracer at ``trace_level`` ``timeline`` or ``frames`` (at ``flows``, the default, native flows
+get their flow span from the table as Python ones do) or rate caps (``rate_limit``), a transport wrapped for pcap
+or traces, flows to Python handlers and to the DNS service, port forwards (host -> guest), and
+every transport other than the TAP. The engine's own counters are in ``Stack.stats()`` under
+``native_tcp``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import socket
+
+from .. import native
+from ..flow.base import admission
+from ..wire.icmp import KIND_HOST, KIND_NET
+from ..wire.ip import PROTO_TCP
+
+__all__ = ["NativeTcp", "NativeTcpFlow"]
+
+log = logging.getLogger("aioslirp.tcp")
+
+_REC_CONNECTED, _REC_ENDED = 1, 2
+#: ``enum tn_outcome`` of tcpnat.h -> the flow's outcome (``None``: shutdown by Python, kept as set).
+_OUTCOMES = (None, "closed", "reset", "refused", "unreachable", "timeout", None)
+#: ``enum tn_why`` of tcpnat.h -> the counter of the Python path.
+_WHY_COUNTERS = (None, "tcp_resets", "tcp_host_lost", "tcp_idle_closed", None, None, None)
+#: Seconds in TIME-WAIT after the guest's last segment: ``TcpConnection``'s ``time_wait``, which
+#: the Python path leaves at its default.
+TIME_WAIT = 1.0
+
+
+class _Ended:
+    """``flow.done`` of a :class:`NativeTcpFlow`: ``done()`` says whether the engine ended it (what
+    the guard asks of a pending connect, as of a ``TcpFlow``'s future)."""
+
+    __slots__ = ("flow",)
+
+    def __init__(self, flow: "NativeTcpFlow") -> None:
+        self.flow = flow
+
+    def done(self) -> bool:
+        return self.flow._final is not None
+
+
+class _ConnView:
+    """What the flow spans read of a TCP flow's connection at its end (the tracer's
+    ``record_flow_closed`` at trace level ``flows``): the bytes taken from the guest as
+    ``rcv_nxt - irs - 1``, the state, whether it was reset."""
+
+    __slots__ = ("irs", "rcv_nxt", "fin_received", "state", "reset")
+
+    def __init__(self, flow: "NativeTcpFlow") -> None:
+        self.irs = 0
+        self.rcv_nxt = (flow.bytes_up + 1) & 0xFFFFFFFF
+        self.fin_received = False
+        self.state = flow.state
+        self.reset = flow.outcome == "reset"
+
+
+class NativeTcpFlow:
+    """The flow table's entry of a TCP flow the native engine runs (a
+    :class:`~aioslirp.flow.base.Flow`): its addresses and admission as Python knew them; its
+    state, activity and byte counts read from the engine while it lives, its end from the
+    engine's record."""
+
+    proto = PROTO_TCP
+    proto_name = "tcp"
+    direction = "outbound"
+    forward_id = None
+
+    __slots__ = ("key", "guest_ip", "guest_port", "dst_ip", "dst_port", "remote", "started", "name", "rule",
+                 "_outcome", "_plane", "slot", "gen", "_final", "orig_header", "fam", "transport", "done")
+
+    def __init__(self, plane: "NativeTcp", fam, key: tuple, remote: str, orig_header: bytes, now: float) -> None:
+        self.key = key
+        _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
+        self.remote = remote
+        self.started = now
+        self._outcome: str | None = None
+        self._plane = plane
+        self.slot = self.gen = -1
+        self._final: tuple[int, int] | None = None  # (bytes_up, bytes_down) once ended
+        self.orig_header = orig_header
+        self.fam = fam
+        #: ``None`` while the host connect is pending (the guard counts pending connects by it),
+        #: then the :class:`NativeTcp` that moves its bytes.
+        self.transport: NativeTcp | None = None
+        #: ``done.done()``: the flow ended (:class:`_Ended`).
+        self.done = _Ended(self)
+        self.name, self.rule = admission(plane.ctx, self, remote)
+
+    def _info(self):
+        if self._final is not None or self.slot < 0:
+            return None
+        return self._plane.engine.info(self.slot, self.gen)
+
+    @property
+    def state(self) -> str:
+        info = self._info()
+        return "CLOSED" if info is None else info[0]
+
+    @property
+    def last_active(self) -> float:
+        info = self._info()
+        return self.started if info is None else info[1]
+
+    @property
+    def bytes_up(self) -> int:
+        if self._final is not None:
+            return self._final[0]
+        info = self._info()
+        return 0 if info is None else info[2]
+
+    @property
+    def bytes_down(self) -> int:
+        if self._final is not None:
+            return self._final[1]
+        info = self._info()
+        return 0 if info is None else info[3]
+
+    @property
+    def outcome(self) -> str:
+        return self._outcome or "closed"
+
+    @outcome.setter
+    def outcome(self, value: str) -> None:
+        self._outcome = value
+
+    @property
+    def conn(self) -> _ConnView:
+        """A view of the connection for the flow spans (:class:`_ConnView`)."""
+        return _ConnView(self)
+
+    def flush(self, now: float) -> None:
+        """Nothing: the engine sends its own frames."""
+
+    def on_segment(self, seg, now: float) -> bool:
+        """A guest segment that reached Python. While the engine runs the flow, it was read in the
+        same batch as the SYN, before the adoption (a retransmitted SYN): dropped (True). Once the
+        flow ended in the engine (its record is on the way) it belongs to no flow (False)."""
+        return self.state != "CLOSED"
+
+    def retire(self) -> None:
+        """The 5-tuple is wanted by a new guest connection: take the engine's records (this
+        flow's end among them), then leave the table if still in it."""
+        self._plane.poll()
+        self._plane.ctx.table.remove(self)
+
+    def fail(self) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """End now (stack exit, reset, eviction): RST to the guest, the host socket aborted."""
+        self._plane.close_flow(self)
+
+    def expire(self, now: float) -> bool:
+        """The engine runs the idle timeout itself (``tcp_idle_timeout``)."""
+        return False
+
+
+class NativeTcp:
+    """The native TCP engine of one served TAP and the flows it runs (see the module documentation).
+
+    ``ctx``: the stack's :class:`~aioslirp.flow.context.FlowContext`; ``engine``: the
+    ``TcpEngine``; its epoll is read by :meth:`poll` from the loop."""
+
+    __slots__ = ("ctx", "engine", "flows", "loop", "_fd")
+
+    #: More keyword arguments of the engine (tests: ``{"peek_off": False}`` takes the fallback for
+    #: kernels without ``SO_PEEK_OFF``, a discard buffer).
+    engine_options: dict = {}
+
+    def __init__(self, ctx, engine) -> None:
+        self.ctx = ctx
+        self.engine = engine
+        self.flows: dict[tuple[int, int], NativeTcpFlow] = {}
+        self.loop = ctx.running.loop
+        self._fd = engine.fileno()
+        if self._fd >= 0:
+            self.loop.add_reader(self._fd, self.poll)
+
+    @classmethod
+    def start(cls, ctx, transport) -> "NativeTcp | None":
+        """The engine for ``transport`` (what the stack serves, after its wrappers), or ``None``
+        when the native plane does not run TCP flows there: not a TAP read natively, a wrapped
+        transport (pcap, traces), a TCP timeline tracer (``trace_level`` ``timeline`` or ``frames``) or rate
+        caps on the stack (module documentation)."""
+        attach = getattr(transport, "attach_tcp", None)
+        if (attach is None or not getattr(transport, "native", False) or not native.tcp_wanted()
+                or ctx.tracer is not None
+                or ctx.rate_up is not None or ctx.rate_down is not None):
+            return None
+        ext = native.extension()
+        if ext is None or not hasattr(ext, "TcpEngine"):
+            return None
+        cfg = ctx.config
+        engine = ext.TcpEngine(transport.fd, transport.vnet_hdr, transport.offload, cfg.gateway_mac_bytes,
+                               int(cfg.mtu), int(cfg.max_flows), int(cfg.tcp_buffer), float(cfg.tcp_idle_timeout),
+                               float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT,
+                               **cls.engine_options)
+        plane = cls(ctx, engine)
+        attach(engine, plane.poll)
+        ident = ctx.identity
+        log.info("%snative data plane: guest TCP flows run in C (peek offset: %s)", ident.log_prefix,
+                 "SO_PEEK_OFF" if engine.counters().get("peek_off") else "a discard buffer", extra=ident.log_extra)
+        return plane
+
+    # -------------------------------------------------------------- flows
+    def adopt(self, fam, key: tuple, remote: str, seg, orig_header: bytes, now: float) -> bool:
+        """Run the admitted guest SYN ``seg`` of ``key`` (to host address ``remote``) natively.
+        True: the flow is the engine's (or already over: refused, unreachable, no socket; counted);
+        False: the engine has no room, the Python path takes it."""
+        _, src, sport, dst, dport = key
+        v6 = len(src) == 16
+        try:
+            host = socket.inet_pton(socket.AF_INET6 if v6 else socket.AF_INET, remote)
+        except OSError:
+            return False  # not a numeric address of the family: the Python path
+        flow = NativeTcpFlow(self, fam, key, remote, orig_header, now)
+        eth = fam.eth_to(src)
+        status, slot, gen = self.engine.adopt(
+            v6, eth[:6], src, sport, dst, dport, host, dport, seg.seq, random.getrandbits(32),
+            -1 if seg.mss is None else seg.mss, -1 if seg.wscale is None else seg.wscale, seg.wnd, now)
+        if status in (-errno.ENOSPC, -errno.EEXIST):
+            return False
+        flow.slot, flow.gen = slot, gen
+        self.flows[(slot, gen)] = flow
+        table = self.ctx.table
+        table.add(flow)
+        if status == 0:
+            flow.transport = self
+            self.ctx.guard.connected(flow)
+        elif status < 0:
+            self.poll()  # its end is queued: counted, the ICMP error, out of the table
+        return True
+
+    def close_flow(self, flow: NativeTcpFlow) -> None:
+        """End ``flow`` now (:meth:`NativeTcpFlow.shutdown`)."""
+        if self.engine.close_flow(flow.slot, flow.gen, self.loop.time()):
+            self.poll()
+        else:
+            self.flows.pop((flow.slot, flow.gen), None)
+            self.ctx.table.remove(flow)
+
+    def poll(self) -> None:
+        """Run the engine's socket events and timers; take its records (the loop's reader)."""
+        try:
+            records = self.engine.poll()
+        except ValueError:  # closed
+            return
+        for slot, gen, kind, outcome, why, err, up, down in records:
+            flow = self.flows.get((slot, gen))
+            if flow is None:
+                continue
+            if kind == _REC_CONNECTED:
+                flow.transport = self
+                self.ctx.guard.connected(flow)
+                continue
+            del self.flows[(slot, gen)]
+            self._ended(flow, outcome, why, err, up, down)
+
+    def _ended(self, flow: NativeTcpFlow, outcome: int, why: int, err: int, up: int, down: int) -> None:
+        flow._final = (up, down)
+        name = _OUTCOMES[outcome] if 0 <= outcome < len(_OUTCOMES) else None
+        ctx = self.ctx
+        counters = ctx.counters
+        if name is not None and flow._outcome is None:
+            flow._outcome = name
+        if name == "refused":
+            counters["tcp_connect_refused"] += 1
+        elif name in ("unreachable", "timeout") and why == 5:  # the connect failed
+            counters["tcp_connect_unreachable"] += 1
+            log.debug("connect %s:%d failed: %s", flow.remote, flow.dst_port, os.strerror(err))
+            flow.fam.icmp_error(KIND_NET if err == errno.ENETUNREACH else KIND_HOST, flow.orig_header)
+        counter = _WHY_COUNTERS[why] if 0 <= why < len(_WHY_COUNTERS) else None
+        if counter is not None:
+            counters[counter] += 1
+        ctx.table.remove(flow)
+
+    def counters(self) -> dict:
+        """The engine's counters (``Stack.stats()['native_tcp']``)."""
+        try:
+            return self.engine.counters()
+        except ValueError:
+            return {}
+
+    def close(self) -> None:
+        """End every native flow (RST to the guest where it can still be written) and the engine;
+        its counters are added to the stack's as ``native_tcp.<name>``."""
+        if self._fd >= 0:
+            self.loop.remove_reader(self._fd)
+            self._fd = -1
+        now = self.loop.time()
+        for flow in list(self.flows.values()):
+            self.engine.close_flow(flow.slot, flow.gen, now)
+        self.poll()
+        counters = self.ctx.counters
+        for name, value in self.counters().items():
+            if name not in ("live", "peek_off") and value:
+                counters["native_tcp." + name] += value
+        self.engine.close()

@@ -1,0 +1,22 @@
+/* What the data plane's binding (_dataplane.c) uses of the TCP engine's binding (_tcpnat.c):
+ * the TcpEngine type and the TAP reader's hook. MIT licensed, written for aioslirp. */
+#ifndef AIOSLIRP__TCPNAT_H
+#define AIOSLIRP__TCPNAT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Add the type TcpEngine to the module. */
+int tcpnat_add_type(PyObject *module);
+/* The engine behind a TcpEngine object, or NULL (not one, or closed). */
+void *tcpnat_engine_of(PyObject *obj);
+/* A guest frame (no vnet header) from the TAP reader: 1 when a native flow took it. */
+int tcpnat_tap_frame(void *engine, const uint8_t *frame, size_t len, int csum_ok, double now);
+/* The end of a batch of guest frames: the ACKs due go out, the timer follows. */
+void tcpnat_batch_end(void *engine);
+/* CLOCK_MONOTONIC in seconds (the clock of loop.time()). */
+double tcpnat_now(void);
+
+#endif

@@ -1,0 +1,231 @@
+/* aioslirp's native TCP NAT engine (issue 26): guest-initiated TCP flows to host sockets, the
+ * whole lifecycle in C after Python admitted the flow.
+ *
+ * Theory of operation
+ * -------------------
+ * Python (aioslirp.dispatch.l4 / aioslirp.nat.native_tcp) admits a guest SYN and calls
+ * tn_adopt() with the SYN's parameters and the NAT'd host address. From then on every guest
+ * frame of that 5-tuple is handed to tn_frame() by the TAP reader (before Python sees it), and
+ * every readiness of the flow's host socket to tn_sock_event(). Nothing is buffered in user
+ * space beyond one frame:
+ *
+ * - guest -> host: an in-order payload is send()-ed at once; only what the socket took is
+ *   acknowledged. Out-of-order segments and those beyond the window are dropped with a
+ *   duplicate ACK (no reassembly queue). A partial send closes our window until EPOLLOUT.
+ * - host -> guest: bytes the guest has not acknowledged stay in the kernel's receive queue;
+ *   they are read with MSG_PEEK at the offset snd_nxt - snd_una (SO_PEEK_OFF when the kernel
+ *   has it, else into a discard buffer first) and consumed with recv(MSG_TRUNC) when the guest
+ *   ACKs. Retransmission rewinds snd_nxt to snd_una (RTO with backoff, or 3 duplicate ACKs).
+ * - FIN/RST/half-close both ways; a zero window is probed; idle, connect, linger and TIME-WAIT
+ *   timers (the Python path's: tcp_idle_timeout, tcp_connect_timeout, tcp_linger, time_wait).
+ *
+ * The core does no syscall itself: sockets, the TAP write and the epoll registration go
+ * through struct tn_io (function pointers), the clock comes in as `now` (seconds, the
+ * CLOCK_MONOTONIC of loop.time()). The binding (_tcpnat.c) gives the real seam (syscalls) or a
+ * fake one (tests drive the engine with fake sockets and a fake clock).
+ *
+ * Bounds: the flow table is a fixed array of max_flows flows and an open-addressing hash of
+ * at least twice that many slots (a keyed hash), allocated once; one 64 KiB peek buffer and,
+ * without SO_PEEK_OFF, one discard buffer of TN_DISCARD bytes per engine; the record ring
+ * holds 2 records per flow slot. A hostile guest cannot grow any of these: every length comes
+ * from dp_classify()'s checked record (struct dp_frame), and a frame is read only inside it.
+ *
+ * MIT licensed, written for aioslirp. Ideas from passt's design notes (peek and consume,
+ * rewind on retransmit); no passt code is used.
+ */
+#ifndef AIOSLIRP_TCPNAT_H
+#define AIOSLIRP_TCPNAT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include "dataplane.h"
+
+/* The guest's largest possible window with the in-flight bytes of the discard fallback. */
+#define TN_DISCARD (1u << 20)
+/* Largest payload peeked (and put in one frame with offload) at once. */
+#define TN_PEEK_MAX 65495u
+
+/* Socket events given to tn_sock_event() (the epoll bits). */
+#define TN_EV_IN 0x001u
+#define TN_EV_OUT 0x004u
+#define TN_EV_ERR 0x008u
+#define TN_EV_HUP 0x010u
+#define TN_EV_RDHUP 0x2000u
+
+/* The syscalls of the engine, behind function pointers. Every call returns >= 0 or -errno. */
+struct tn_io {
+    void *ctx;
+    /* A non-blocking TCP socket of family AF_INET (v6 0) or AF_INET6, TCP_NODELAY set. */
+    int (*sock_open)(void *ctx, int v6);
+    /* Start connecting fd to addr:port (addr 4 or 16 bytes): 0 connected, -EINPROGRESS, -errno. */
+    int (*sock_connect)(void *ctx, int fd, int v6, const uint8_t *addr, uint16_t port);
+    /* The outcome of a connect in progress once the socket is writable: 0 or -errno. */
+    int (*sock_error)(void *ctx, int fd);
+    /* Watch fd for TN_EV_* (edge-triggered), the event tagged with tag; writability only with out
+     * (a connect in progress). want_out: from now on writability too (a send took part). */
+    int (*sock_watch)(void *ctx, int fd, uint64_t tag, int out);
+    int (*sock_want_out)(void *ctx, int fd, uint64_t tag);
+    ssize_t (*sock_send)(void *ctx, int fd, const uint8_t *buf, size_t len);
+    /* Copy up to len bytes of the receive queue from offset skip without consuming them:
+     * bytes copied, 0 at end of stream (past skip), -EAGAIN none now, -errno. */
+    ssize_t (*sock_peek)(void *ctx, int fd, uint8_t *buf, size_t len, size_t skip);
+    /* Drop n bytes from the head of the receive queue. */
+    ssize_t (*sock_consume)(void *ctx, int fd, size_t n);
+    /* The peek offset was rewound to off (SO_PEEK_OFF; the fake ignores it). */
+    int (*sock_rewind)(void *ctx, int fd, size_t off);
+    int (*sock_shutdown_wr)(void *ctx, int fd);
+    /* Payload bytes the socket's send buffer takes now (about: SO_SNDBUF / 2 - SIOCOUTQ); *queued:
+     * the bytes in it the host peer has not acknowledged yet (SIOCOUTQ). */
+    ssize_t (*sock_space)(void *ctx, int fd, uint32_t *queued);
+    /* Close fd; abort: with SO_LINGER 0 (the host peer sees a RST). */
+    void (*sock_close)(void *ctx, int fd, int abort);
+    /* One frame to the guest (the iovec starts with the vnet header when the TAP has one). */
+    int (*tap_write)(void *ctx, const struct iovec *iov, int iovcnt);
+};
+
+struct tn_config {
+    uint32_t max_flows;      /* flows at most (the stack's max_flows) */
+    uint32_t mtu;            /* the guest link's MTU: our MSS is mtu - 40 (IPv4) / - 60 (IPv6) */
+    uint32_t rcv_buf;        /* the largest window advertised to the guest, bytes (tcp_buffer) */
+    int vnet;                /* frames to the TAP start with a 12-byte virtio-net header */
+    int offload;             /* ... flagged NEEDS_CSUM, GSO for payloads above the MSS */
+    double idle_timeout;     /* s without a guest segment before RST both ways; 0: never */
+    double connect_timeout;  /* s for the host connect */
+    double linger;           /* s of guest silence in FIN-WAIT-2, of no progress in LAST-ACK/CLOSING: then RST */
+    double time_wait;        /* s in TIME-WAIT after the guest's last segment (we closed first) */
+    uint8_t gw_mac[6];       /* the source MAC of frames to the guest */
+    uint64_t hash_key[2];    /* the flow hash's key (random per engine) */
+};
+
+/* What Python hands over for a new flow (the guest's SYN, its addresses, the host). */
+struct tn_adopt {
+    int v6;
+    uint8_t guest_mac[6];
+    uint8_t guest_ip[16], dst_ip[16]; /* 4 bytes used for IPv4 */
+    uint16_t guest_port, dst_port;
+    uint8_t host_ip[16];              /* the NAT'd address connected to */
+    uint16_t host_port;
+    uint32_t irs;                     /* the guest's ISN */
+    uint32_t iss;                     /* ours */
+    int mss;                          /* the guest's MSS option, -1 none */
+    int wscale;                       /* its window scale option, -1 none */
+    uint32_t wnd;                     /* its SYN's window field */
+};
+
+/* Records for Python (tn_take_records). */
+enum tn_rec_kind {
+    TN_REC_CONNECTED = 1, /* the host connect completed (after tn_adopt said in progress) */
+    TN_REC_ENDED = 2,     /* the flow is over: outcome, errno, byte counts */
+};
+
+enum tn_outcome {
+    TN_OUT_NONE = 0,
+    TN_OUT_CLOSED,       /* FIN both ways */
+    TN_OUT_RESET,        /* a RST from the guest, or the host peer's */
+    TN_OUT_REFUSED,      /* the host refused the connect: RST|ACK to the guest */
+    TN_OUT_UNREACHABLE,  /* the connect failed otherwise: Python sends ICMP (err says which) */
+    TN_OUT_TIMEOUT,      /* connect, idle or retransmission timeout */
+    TN_OUT_SHUTDOWN,     /* tn_close_flow() (Python's shutdown) */
+    TN_OUT_COUNT
+};
+
+/* Why an ended flow ended, in more detail than the outcome: Python's counters. */
+enum tn_why {
+    TN_WHY_NONE = 0,
+    TN_WHY_GUEST_RST,     /* tcp_resets */
+    TN_WHY_HOST_LOST,     /* tcp_host_lost: the host peer reset, an error */
+    TN_WHY_IDLE,          /* tcp_idle_closed */
+    TN_WHY_RETRIES,       /* retransmissions to the guest gave up */
+    TN_WHY_CONNECT,       /* the connect failed or timed out */
+    TN_WHY_LINGER,        /* tcp_linger ran out in FIN-WAIT-2, LAST-ACK or CLOSING */
+};
+
+struct tn_record {
+    uint32_t slot, gen;
+    uint8_t kind, outcome, why, pad;
+    int32_t err;
+    uint64_t bytes_up, bytes_down;
+};
+
+/* Counters of the engine (guest frames it took, drops by reason, socket events). */
+struct tn_counters {
+    uint64_t frames;            /* guest frames of native flows */
+    uint64_t frames_out;        /* frames written to the guest */
+    uint64_t tap_write_errors;
+    uint64_t bad_checksum;
+    uint64_t out_of_window;     /* data out of order, beyond the window, or old: dup ACK */
+    uint64_t bad_ack;           /* an ACK of unsent data, or no ACK flag */
+    uint64_t syn_on_open;       /* a SYN on an open flow: challenge ACK */
+    uint64_t rst_bad_seq;       /* a RST not at rcv_nxt: dropped (challenge ACK in window) */
+    uint64_t dup_acks;
+    uint64_t fast_retransmits;
+    uint64_t rto;               /* retransmission timeouts */
+    uint64_t zero_window_probes;
+    uint64_t host_write_paused; /* a send() took part: our window closes */
+    uint64_t window_updates;    /* ... and opens again (EPOLLOUT) */
+    uint64_t adopted;
+    uint64_t ended;
+};
+
+struct tn_engine;
+
+/* A new engine (NULL on a bad config or no memory). The io is copied. */
+struct tn_engine *tn_new(const struct tn_config *cfg, const struct tn_io *io);
+void tn_free(struct tn_engine *e); /* closes every socket still open (abort) */
+
+/* Adopt a flow: 0 connected at once (SYN-ACK sent), 1 connecting, -EEXIST the 5-tuple is
+ * native already, -ENOSPC no slot, or -errno of a failed socket/connect (the flow is then
+ * over already: its ENDED record is queued; a refusal was answered with RST|ACK). */
+int tn_adopt(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t *slot, uint32_t *gen);
+
+/* A guest frame (without the vnet header) classified as rec: 1 when a native flow took it
+ * (processed or dropped and counted), 0 when Python should. csum_ok: the vnet header vouched
+ * for the L4 checksum. */
+int tn_frame(struct tn_engine *e, const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok, double now);
+
+/* Send the ACKs that guest frames made due (after a batch of guest frames). */
+void tn_flush(struct tn_engine *e, double now);
+
+/* A readiness of the socket whose tag was tag (TN_EV_* bits). */
+void tn_sock_event(struct tn_engine *e, uint64_t tag, uint32_t events, double now);
+
+/* Run the timers due at now. */
+void tn_timers(struct tn_engine *e, double now);
+
+/* The next deadline (seconds), or a negative value when there is none. Records waiting to be
+ * taken count as due now unless timers_only. */
+double tn_next_deadline(const struct tn_engine *e, double now, int timers_only);
+
+/* Records wait to be taken. */
+int tn_records_pending(const struct tn_engine *e);
+
+/* Move up to max records into out; returns how many. A flow's slot is reused only after its
+ * ENDED record was taken. */
+size_t tn_take_records(struct tn_engine *e, struct tn_record *out, size_t max);
+
+/* End a flow from Python (stack exit, reset, eviction): RST to the guest, socket aborted. Its
+ * ENDED record (TN_OUT_SHUTDOWN) is queued. -ENOENT when (slot, gen) is not a live flow. */
+int tn_close_flow(struct tn_engine *e, uint32_t slot, uint32_t gen, double now);
+
+/* What Python shows of a live flow. state: an index into tn_state_name(). */
+struct tn_info {
+    uint8_t state;
+    double last_active;
+    uint64_t bytes_up, bytes_down;
+    uint32_t snd_wnd, rcv_wnd;
+};
+int tn_flow_info(const struct tn_engine *e, uint32_t slot, uint32_t gen, struct tn_info *out);
+const char *tn_state_name(unsigned state);
+const char *tn_outcome_name(unsigned outcome);
+
+const struct tn_counters *tn_counters(const struct tn_engine *e);
+uint32_t tn_live_flows(const struct tn_engine *e);
+uint32_t tn_capacity(const struct tn_engine *e);
+
+/* The hash of the guest side's 5-tuple (exposed for the tests of its spread). */
+uint64_t tn_hash(const uint64_t key[2], int v6, const uint8_t *gip, uint16_t gport, const uint8_t *dip, uint16_t dport);
+
+#endif

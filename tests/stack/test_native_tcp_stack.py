@@ -1,0 +1,131 @@
+"""The Python side of native TCP flows (aioslirp.nat.native_tcp) in a Stack in this process, with the
+engine's fake sockets (no TAP, no kernel TCP): what L4 hands it, what stays in the flow table."""
+
+from __future__ import annotations
+
+import errno
+
+from aioslirp import NetworkConfig, Stack
+from aioslirp.nat.native_tcp import NativeTcp, NativeTcpFlow
+
+from support.frames import ACK, F4, GW_MAC, RST, SYN, tcp_frame
+from support.native import need_extension
+
+
+async def _stack_with_fake_engine(connect: int = 0, max_flows: int = 8):
+    ext = need_extension()
+    stack = Stack(NetworkConfig())
+    await stack.start()
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, max_flows, 1 << 20, 60.0, 10.0, 1.0, fake=True)
+    eng.fake_connect_mode(connect)
+    ctx = stack.parts.ctx
+    ctx.native_tcp = NativeTcp(ctx, eng)
+    return stack, eng
+
+
+async def test_a_syn_read_in_the_same_batch_as_the_first_is_not_a_second_flow():
+    """Two copies of a guest SYN in one batch: the first is adopted by the engine; the second was
+    read before the adoption (so it reaches Python) and is dropped, not made a second flow."""
+    stack, eng = await _stack_with_fake_engine()
+    try:
+        syn = tcp_frame(F4, 40000, 8080, SYN, seq=1000, mss=1460)
+        stack.parts.link.on_frames([syn, syn])
+        flows = list(stack.parts.flows.values())
+        assert len(flows) == 1 and isinstance(flows[0], NativeTcpFlow)
+        assert eng.live() == 1 and len(eng.fake_frames()) == 1  # one SYN-ACK
+        assert stack.counters["handled.tcp_syn"] == 1 and stack.counters["handled.tcp"] == 1
+        assert flows[0].state == "SYN-RECEIVED" and flows[0].transport is not None
+    finally:
+        stack.parts.ctx.native_tcp.close()
+        stack.parts.ctx.native_tcp = None
+        await stack.aclose()
+
+
+async def test_a_refused_connect_is_counted_and_recorded_as_on_the_python_path():
+    stack, eng = await _stack_with_fake_engine(errno.ECONNREFUSED)
+    try:
+        stack.parts.link.on_frames([tcp_frame(F4, 40001, 8080, SYN, seq=5, mss=1460)])
+        assert not stack.parts.flows
+        c = stack.counters
+        assert c["tcp_connect_refused"] == 1 and c["flows.tcp.opened"] == c["flows.tcp.closed"] == 1
+        (rst,) = eng.fake_frames()
+        assert rst[47] == RST | ACK
+    finally:
+        stack.parts.ctx.native_tcp.close()
+        stack.parts.ctx.native_tcp = None
+        await stack.aclose()
+
+
+async def test_a_guest_rst_ends_the_flow_and_its_table_entry():
+    """The engine's end record takes the flow out of the table, counted as the Python path counts it."""
+    stack, eng = await _stack_with_fake_engine()
+    try:
+        stack.parts.link.on_frames([tcp_frame(F4, 40002, 8080, SYN, seq=5, mss=1460)])
+        (flow,) = stack.parts.flows.values()
+        assert eng.input(tcp_frame(F4, 40002, 8080, RST, seq=6), False, 0.0)  # as the TAP reader hands it
+        stack.parts.ctx.native_tcp.poll()
+        assert not stack.parts.flows and flow.outcome == "reset"
+        assert stack.counters["tcp_resets"] == 1 and stack.counters["handled.tcp"] == 0
+    finally:
+        stack.parts.ctx.native_tcp.close()
+        stack.parts.ctx.native_tcp = None
+        await stack.aclose()
+
+
+async def test_syns_to_a_destination_whose_connects_hang_meet_the_pending_bound():
+    """Native flows count as pending connects in the guard until the engine connects them (or they
+    end), as Python flows do: a flood of SYNs to one destination meets the per-destination bound
+    (``max_pending_connects`` / 4), with no internal error."""
+    stack, eng = await _stack_with_fake_engine(errno.EINPROGRESS, max_flows=1024)
+    try:
+        frames = [tcp_frame(F4, 10000 + i, 8080, SYN, seq=i, mss=1460) for i in range(600)]
+        for i in range(0, len(frames), 64):
+            stack.parts.link.on_frames(frames[i:i + 64])
+        c = stack.counters
+        per_dest = stack.config.max_pending_connects // 4
+        assert eng.live() == per_dest == c["handled.tcp_syn"]
+        assert c["drop.limit_pending_connects"] == 600 - per_dest and c["drop.internal_error"] == 0
+        fd = eng.fake_fds()[0]
+        eng.fake_connect_done(fd, 0, 0.0)  # one connects: it no longer counts as pending
+        stack.parts.ctx.native_tcp.poll()
+        stack.parts.link.on_frames([tcp_frame(F4, 30000, 8080, SYN, seq=1, mss=1460)])
+        assert c["handled.tcp_syn"] == per_dest + 1
+    finally:
+        stack.parts.ctx.native_tcp.close()
+        stack.parts.ctx.native_tcp = None
+        await stack.aclose()
+
+
+async def test_a_native_flow_gets_its_flow_span_at_trace_level_flows():
+    """At ``trace_level`` ``flows`` (the default) TCP flows stay native and the flow table gives each
+    its span, as for a Python flow: the bytes from and to the guest, the state and the outcome."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    ext = need_extension()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stack = Stack(NetworkConfig(trace_level="flows"), tracer_provider=provider)
+    await stack.start()
+    ctx = stack.parts.ctx
+    assert ctx.tracer is None  # what lets NativeTcp.start run TCP flows natively
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
+    ctx.native_tcp = NativeTcp(ctx, eng)
+    try:
+        stack.parts.link.on_frames([tcp_frame(F4, 40003, 8080, SYN, seq=5, mss=1460)])
+        (synack,) = eng.fake_frames()
+        iss = int.from_bytes(synack[38:42], "big")
+        assert eng.input(tcp_frame(F4, 40003, 8080, ACK, seq=6, ack=iss + 1, data=b"abc"), False, 0.0)
+        assert eng.input(tcp_frame(F4, 40003, 8080, RST, seq=9), False, 0.0)
+        ctx.native_tcp.poll()
+        assert not stack.parts.flows
+        (span,) = [s for s in exporter.get_finished_spans() if s.attributes.get("aioslirp.tcp.outcome")]
+        assert span.attributes["aioslirp.bytes.from_guest"] == 3 and span.attributes["aioslirp.bytes.to_guest"] == 0
+        assert span.attributes["aioslirp.tcp.outcome"] == "reset"
+        assert stack.tracer.errors == 0
+    finally:
+        ctx.native_tcp.close()
+        ctx.native_tcp = None
+        await stack.aclose()
