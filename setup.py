@@ -147,7 +147,7 @@ class OptionalBuildExt(build_ext):
         from setuptools._distutils.ccompiler import new_compiler
         from setuptools._distutils.sysconfig import customize_compiler
 
-        cc = new_compiler(verbose=self.verbose, dry_run=self.dry_run, force=self.force)
+        cc = new_compiler()  # (no verbose/dry_run/force: newer setuptools dropped them)
         customize_compiler(cc)
         src = INIT_SOURCE if os.path.abspath(os.getcwd()) == HERE else os.path.join(HERE, INIT_SOURCE)
         target = self._init_path(False)

@@ -43,7 +43,6 @@ from collections import Counter
 from .observe import tracing
 from .compiled import notice as compiled_notice
 from .native import status as native_status
-from .native import udp_wanted as native_udp_wanted
 from .config import NetworkConfig
 from .config.identity import GuestIdentity
 from .dispatch.family import Family4
@@ -67,6 +66,7 @@ from .services.dhcp import DhcpServer
 from .services.dns import DnsForwarder
 from .nat.hostsock import HostPoller
 from .nat.native_tcp import NativeTcp
+from .nat.native_udp import NativeUdp
 from .transport.trace import TraceTransport
 from .wire.neighbors import MAX_NEIGHBORS, NeighborCache
 
@@ -524,12 +524,7 @@ class Stack:
             transport = TraceTransport(transport, frame_tracer)
         self._transport = p.inject_queue.transport = transport
         p.ctx.offload = bool(getattr(transport, "offload", False))
-        native_udp = None
-        if (transport is raw and getattr(raw, "plane", None) is not None and native_udp_wanted()
-                and p.ctx.tracer is None and p.ctx.rate_up is None and p.ctx.rate_down is None):
-            from .nat.native_udp import NativeUdp  # AIOSLIRP_NATIVE=udp only (issue 26)
-
-            native_udp = p.ctx.native_udp = NativeUdp(p.ctx, raw)
+        native_udp = p.ctx.native_udp = NativeUdp.start(p.ctx, raw, transport)  # UDP NAT flows in C (issue 26)
         info = {"transport": type(transport).__name__}
         if getattr(transport, "ifname", None):
             info["ifname"] = transport.ifname

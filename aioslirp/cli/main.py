@@ -51,7 +51,7 @@ _FIELD_OPTION = {
 _FIELD_OPTION.update({name: f"--limit {name}" for name in LIMIT_FIELDS})
 
 from .options import (_ATTACH_EPILOG, _DESCRIPTION, _QEMU_EPILOG, _RUN_EPILOG, _VHOST_USER_EPILOG, PROG,  # noqa: F401
-                      _fd_number, _Parser, common_options)
+                      _fd_number, _Parser, check_switch_args, common_options)
 
 
 def _terminate(signum, _frame) -> None:
@@ -602,63 +602,11 @@ def _cmd_attach(args: argparse.Namespace) -> int:
     return _serve(args, prepare)
 
 
-def _check_switch_args(args: argparse.Namespace, obs) -> dict:
-    """``aioslirp qemu --switch``: its options (ConfigError naming the option) -> the keywords of
-    :func:`~aioslirp.frontends.qemu_switch.serve_qemu_switch` beyond the config and path."""
-    from ..config.records import check_name
-    from ..frontends.qemu_switch import DEFAULT_MAX_GUESTS, DEFAULT_NAME_PREFIX
-
-    if not args.switch:
-        for option, given in (("--max-guests", args.max_guests is not None), ("--lease", args.lease)):
-            if given:
-                raise ConfigError(option, "only with --switch")
-        return {}
-    if args.socket is None:
-        raise ConfigError("--switch", "needs --socket PATH (every QEMU connecting there joins the network)")
-    if args.dgram:
-        raise ConfigError("--switch", "serves -netdev stream guests only: drop --dgram")
-    for option, given in (("--publish", args.publish), ("--api-socket", getattr(args, "api_socket", None)),
-                          ("--events", getattr(args, "events", None)), ("--pcap", getattr(args, "pcap", None))):
-        if given:
-            raise ConfigError(option, "not used with --switch yet (one stack per guest; see docs/switch.md "
-                                      "for the library's Switch)")
-    if obs.active:
-        raise ConfigError("--trace", "not used with --switch yet (the library's Switch takes a tracer_provider "
-                                     "per guest: docs/switch.md)")
-    max_guests = DEFAULT_MAX_GUESTS if args.max_guests is None else args.max_guests
-    if max_guests < 1:
-        raise ConfigError("--max-guests", f"{max_guests}: must be at least 1")
-    prefix = DEFAULT_NAME_PREFIX if args.name is None else args.name
-    try:
-        check_name(f"{prefix}1", "--name")
-    except ConfigError:
-        raise ConfigError("--name", f"{prefix!r}: with --switch a prefix of DNS names (letters, digits, -)") from None
-    if "." in prefix:
-        raise ConfigError("--name", f"{prefix!r}: with --switch a prefix of one DNS label (no dots)")
-    labels: dict[str, str] = {}
-    for item in getattr(args, "label", None) or ():
-        key, eq, value = item.partition("=")
-        if not eq or not key or key in labels:
-            raise ConfigError("--label", f"{item!r} is not KEY=VALUE (once per KEY)")
-        labels[key] = value
-    from ..frontends.qemu_switch import parse_lease
-
-    leases: dict[bytes, tuple[str, str | None]] = {}
-    for item in args.lease or ():
-        mac, address, name = parse_lease(item)
-        if mac in leases:
-            raise ConfigError("--lease", f"{item!r}: that MAC has a lease already")
-        if name is not None and ("." in check_name(name, "--lease")):
-            raise ConfigError("--lease", f"{item!r}: NAME is one DNS label (no dots)")
-        leases[mac] = (address, name)
-    return {"max_guests": max_guests, "name_prefix": prefix, "labels": labels or None, "leases": leases or None}
-
-
 def _cmd_qemu(args: argparse.Namespace) -> int:
     """``aioslirp qemu (--socket PATH [--dgram] [--switch] | --fd N)``: serve QEMU guests."""
 
     def prepare(config, obs):
-        switch = _check_switch_args(args, obs)
+        switch = check_switch_args(args, obs)
         if switch:
             _check_qemu_args(args)
 

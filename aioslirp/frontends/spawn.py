@@ -41,7 +41,8 @@ from .. import compiled
 from ..config import NetworkConfig
 from ..host.nsbase import (DEFAULT_SETUP_TIMEOUT, NamespaceError, iface_spec, log_serve_end, readable,
                            resolv_conf_text, start_helper, stop_serving)
-from ..host.nschild import command_records, native_init, tap_reply
+from ..host.command import command_records
+from ..host.nschild import native_init, tap_reply
 
 __all__ = ["DEFAULT_STOP_TIMEOUT", "Guest", "spawn"]
 

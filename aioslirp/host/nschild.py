@@ -14,7 +14,7 @@ body, whatever started it; ``spec`` (a JSON-able dict) says what to do:
 ``/etc/resolv.conf``, ``lo`` up, the TAP created and configured; the TAP fd is sent to the
 parent, then the helper waits for ``b"g"`` ("go"); ``b"g6"`` means "go once the TAP has its
 SLAAC address in ``prefix6``" (bounded wait). After "go" the parent sends the command (argv,
-env, cwd: :func:`command_records`) on the socket, which the helper keeps (close-on-exec) until
+env, cwd: :func:`~aioslirp.host.command.command_records`) on the socket, which the helper keeps (close-on-exec) until
 the command's exec, so that the parent sees EOF once the command runs; when it cannot be
 executed the parent gets ``{"exec_error": ERRNO, "cwd": BOOL}`` instead. Without
 ``spec["pid_namespace"]`` the helper reads the command and execs it. With it, the ``unshare``
@@ -67,15 +67,16 @@ import os
 import signal
 import socket
 import sys
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from .. import compiled
 from .isolate import CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWUSER, map_ids, set_loopback_up, unshare
+from .command import Command, read_command
 
 CLONE_NEWPID = 0x20000000
 
-__all__ = ["Command", "ForkedChild", "INIT_ENV", "INIT_NAME", "SetupError", "command_records", "main", "native_init",
-           "read_command", "run_child", "set_pdeathsig", "setns", "tap_reply"]
+__all__ = ["ForkedChild", "INIT_ENV", "INIT_NAME", "SetupError", "main", "native_init", "run_child", "set_pdeathsig",
+           "setns", "tap_reply"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -666,66 +667,6 @@ def _exec_init(path: str, sock: socket.socket) -> None:
         os.execv(path, [path, str(fd)])
     except OSError:
         os.set_inheritable(fd, False)
-
-
-class Command(NamedTuple):
-    """The command a ``run`` child executes, as :func:`command_records` sends it."""
-
-    argv: list[str]
-    env: dict[str, str] | None  # None: the helper's own environment
-    cwd: str | None
-
-
-#: The first record of a command on the socket: this tag, then the payload's length (4 bytes, native order).
-COMMAND_TAG = b"AIOC"
-#: Bytes of payload per record (well under a socket's send buffer).
-COMMAND_RECORD = 32 * 1024
-
-
-def command_records(argv: list[str], env: dict[str, str] | None, cwd: str | None) -> list[bytes]:
-    """The records that carry a command to the ``run`` child (or its native init) after "go", on
-    the socket pair: ``COMMAND_TAG`` + length, then the payload in pieces of ``COMMAND_RECORD``
-    bytes. The payload is NUL-terminated strings: the count of arguments, of environment entries
-    (``-1``: the helper's own environment), 1 or 0 for a working directory, then the arguments,
-    ``NAME=value`` entries and the directory (``os.fsencode``). The values must hold no NUL and
-    the names no ``=`` (:func:`aioslirp.frontends.spawn.spawn` checks)."""
-    items = [str(len(argv)), str(-1 if env is None else len(env)), "1" if cwd is not None else "0", *argv]
-    if env is not None:
-        items += [f"{k}={v}" for k, v in env.items()]
-    if cwd is not None:
-        items.append(cwd)
-    payload = b"".join(os.fsencode(i) + b"\0" for i in items)
-    head = COMMAND_TAG + len(payload).to_bytes(4, sys.byteorder)
-    return [head] + [payload[i:i + COMMAND_RECORD] for i in range(0, len(payload), COMMAND_RECORD)]
-
-
-def read_command(sock: socket.socket) -> Command | None:
-    """The command sent by :func:`command_records` on ``sock`` (blocking), or ``None`` when the
-    parent closed the socket or sent something else."""
-    try:
-        head = sock.recv(8)
-        if len(head) != 8 or head[:4] != COMMAND_TAG:
-            return None
-        size = int.from_bytes(head[4:], sys.byteorder)
-        chunks, got = [], 0
-        while got < size:
-            chunk = sock.recv(size - got)
-            if not chunk:
-                return None
-            chunks.append(chunk)
-            got += len(chunk)
-    except OSError:
-        return None
-    items = [os.fsdecode(i) for i in b"".join(chunks).split(b"\0")[:-1]]
-    try:
-        argc, envc, has_cwd = int(items[0]), int(items[1]), int(items[2])
-    except (IndexError, ValueError):
-        return None
-    rest = items[3:]
-    if argc < 1 or len(rest) != argc + max(envc, 0) + has_cwd:
-        return None
-    env = None if envc < 0 else dict(e.split("=", 1) for e in rest[argc:argc + envc])
-    return Command(rest[:argc], env, rest[-1] if has_cwd else None)
 
 
 def _read_spec(fd: int) -> dict:

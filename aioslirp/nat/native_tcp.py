@@ -66,7 +66,7 @@ class _Ended:
         self.flow = flow
 
     def done(self) -> bool:
-        return self.flow._final is not None
+        return self.flow.ended
 
 
 class _ConnView:
@@ -152,6 +152,18 @@ class NativeTcpFlow:
     @outcome.setter
     def outcome(self, value: str) -> None:
         self._outcome = value
+
+    @property
+    def ended(self) -> bool:
+        """True once the engine ended the flow (:meth:`finish`)."""
+        return self._final is not None
+
+    def finish(self, bytes_up: int, bytes_down: int, outcome: str | None) -> None:
+        """The engine ended the flow: its final byte counts (guest -> host, host -> guest) and
+        its outcome (``None``, or one already set by Python, keeps the one it has)."""
+        self._final = (bytes_up, bytes_down)
+        if outcome is not None and self._outcome is None:
+            self._outcome = outcome
 
     @property
     def conn(self) -> _ConnView:
@@ -287,12 +299,10 @@ class NativeTcp:
             self._ended(flow, outcome, why, err, up, down)
 
     def _ended(self, flow: NativeTcpFlow, outcome: int, why: int, err: int, up: int, down: int) -> None:
-        flow._final = (up, down)
         name = _OUTCOMES[outcome] if 0 <= outcome < len(_OUTCOMES) else None
+        flow.finish(up, down, name)
         ctx = self.ctx
         counters = ctx.counters
-        if name is not None and flow._outcome is None:
-            flow._outcome = name
         if name == "refused":
             counters["tcp_connect_refused"] += 1
         elif name in ("unreachable", "timeout") and why == 5:  # the connect failed

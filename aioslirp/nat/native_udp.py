@@ -67,6 +67,19 @@ class NativeUdp:
     #: slot -> the adopted flow.
     flows: dict[int, UdpFlow]
 
+    @classmethod
+    def start(cls, ctx: Any, transport: Any, served: Any) -> "NativeUdp | None":
+        """The native UDP flows of ``transport`` (the raw transport a stack serves; ``served``: what
+        it serves after its wrappers), or ``None`` when the native plane does not run UDP flows
+        there: ``AIOSLIRP_NATIVE`` without ``udp``, a transport not read natively, a wrapped one
+        (pcap, traces), a tracer or rate caps on the stack (module documentation)."""
+        from .. import native
+
+        if (served is not transport or getattr(transport, "plane", None) is None or not native.udp_wanted()
+                or ctx.tracer is not None or ctx.rate_up is not None or ctx.rate_down is not None):
+            return None
+        return cls(ctx, transport)
+
     def __init__(self, ctx: Any, transport: Any, capacity: int = CAPACITY) -> None:
         self.ctx = ctx
         self.counters = ctx.counters

@@ -13,7 +13,7 @@ while the bucket is in debt, resumed by the same timer. Nothing is dropped.
 Fair shares: the bytes moved each way are charged to the guest's ``share_up`` / ``share_down``
 (:class:`~aioslirp.fair.Share`); when a charge says the guest is over its share, the flow stops
 reading (``share_paused``) or writing (``share_held``) and the loop's scheduler calls it back on
-the guest's turn (:meth:`FlowPacing._share_down_turn`, :meth:`FlowPacing._share_up_turn`).
+the guest's turn (one turn callback per direction, each a bound method of the flow's pacing).
 """
 
 from __future__ import annotations
