@@ -113,6 +113,8 @@ def reference(buf: bytes, vnet: bool) -> dict:
     if ethertype == ETHERTYPE_IPV6:
         r = parse_ipv6(frame)
         if isinstance(r, str):
+            if r == "ipv6_jumbogram" and frame[18:20] != b"\0\0":  # a Jumbo Payload option in a
+                return {"kind": "not_native:ipv6_ext"}            # hop-by-hop header: Python's to drop
             return {"kind": "drop:" + r} if r in _IPV6_BASE else {"kind": "not_native:ipv6_ext"}
         common = {"src": r.src, "dst": r.dst}
         if r.ext or r.proto not in (6, 17, 58):
