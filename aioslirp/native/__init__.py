@@ -51,7 +51,7 @@ from typing import NamedTuple
 from .. import compiled
 from .sources import DEPENDS, EXTENSION, RECORD
 
-__all__ = ["ENABLE_ENV", "READ_EOF", "READ_ERROR", "FrameRecord", "classify", "enabled", "extension", "log_fallback", "notice", "record",
+__all__ = ["ENABLE_ENV", "READ_EOF", "READ_ERROR", "FrameRecord", "classify", "enabled", "extension", "load_extension", "log_fallback", "notice", "record",
            "status", "tcp_wanted", "udp_wanted", "wanted", "why_not"]
 
 log = logging.getLogger("aioslirp.native")
@@ -67,21 +67,29 @@ READ_ERROR = 4
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@functools.cache
-def _load() -> tuple[ModuleType | None, str]:
-    """``(extension, "")``, or ``(None, why not)``: imported once per process."""
+def load_extension(name: str, record: str, depends: tuple[str, ...]) -> tuple[ModuleType | None, str]:
+    """``(module, "")`` for the native extension ``name``, or ``(None, why not)``: switched off
+    (``AIOSLIRP_NO_EXTENSIONS``), not built, not loadable, or stale (a file of ``depends`` changed
+    since the build hashed it into ``record``, a file beside this module). The one rule for every
+    native extension of the package (the data plane's, the vhost-user rings')."""
     if compiled.disabled():
         return None, f"{compiled.ENV} is set"
     try:
-        ext = importlib.import_module(EXTENSION)  # a native module only: no .py of that name
+        ext = importlib.import_module(name)  # a native module only: no .py of that name
     except ModuleNotFoundError:
         return None, "not built: no C compiler at install time"
     except ImportError as exc:
-        return None, f"cannot load {EXTENSION}: {exc}"
-    changed = compiled.changed_since_build(os.path.join(_HERE, RECORD), DEPENDS)
+        return None, f"cannot load {name}: {exc}"
+    changed = compiled.changed_since_build(os.path.join(_HERE, record), depends)
     if changed:
         return None, f"stale build: {changed[0]} changed since; {compiled.rebuild_hint()}"
     return ext, ""
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str]:
+    """``(extension, "")``, or ``(None, why not)``: imported once per process."""
+    return load_extension(EXTENSION, RECORD, DEPENDS)
 
 
 def extension() -> ModuleType | None:

@@ -10,32 +10,18 @@ fallback: :class:`~aioslirp.transport.vhost_user.VhostUserTransport` needs it an
 from __future__ import annotations
 
 import functools
-import importlib
-import os
 from types import ModuleType
 
-from .. import compiled
+from . import load_extension
 from .sources import VHOST_DEPENDS, VHOST_EXTENSION, VHOST_RECORD
 
 __all__ = ["extension", "why_not"]
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @functools.cache
 def _load() -> tuple[ModuleType | None, str]:
-    if compiled.disabled():
-        return None, f"{compiled.ENV} is set"
-    try:
-        ext = importlib.import_module(VHOST_EXTENSION)
-    except ModuleNotFoundError:
-        return None, "not built: no C compiler at install time"
-    except ImportError as exc:
-        return None, f"cannot load {VHOST_EXTENSION}: {exc}"
-    changed = compiled.changed_since_build(os.path.join(_HERE, VHOST_RECORD), VHOST_DEPENDS)
-    if changed:
-        return None, f"stale build: {changed[0]} changed since; {compiled.rebuild_hint()}"
-    return ext, ""
+    return load_extension(VHOST_EXTENSION, VHOST_RECORD, VHOST_DEPENDS)
 
 
 def extension() -> ModuleType | None:
