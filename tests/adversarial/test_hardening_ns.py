@@ -207,26 +207,35 @@ def wait_no_flows(api: str, timeout: float = 10.0) -> dict:
         time.sleep(0.1)
 
 
-#: Tolerance of the RSS comparison after 10,000 connections (docs/security.md): the allocators
-#: (pymalloc, glibc, libuv) keep some freed arenas (measured +0.1 to +6 MiB after the first
-#: 10,000, flat over the next 30,000); a leak of 1 KiB per connection would show as ~10 MiB.
-RSS_TOLERANCE_KB = 8 * 1024
+#: Bounds of the RSS comparison over 10,000 connections (docs/security.md). The allocators (pymalloc,
+#: glibc, libuv) keep some freed arenas the first time round (measured +0.1 to +8.2 MiB after the
+#: first 10,000, depending on the machine's load), so the first round only has a loose bound; the
+#: leak check is the second round of 10,000 against the first: flat, where a leak of 1 KiB per
+#: connection would show as ~10 MiB.
+FIRST_ROUND_KB = 16 * 1024
+SECOND_ROUND_KB = 3 * 1024
 
 
 def test_10000_short_connections_return_to_baseline(servers, tmp_path):
     api = str(tmp_path / "api.sock")
     count = 10000
-    p = aioslirp_run(servers, "crr", {"port": servers["data"].port, "warm": 2000, "count": count}, "--api-socket", api)
+    p = aioslirp_run(servers, "crr", {"port": servers["data"].port, "warm": 2000, "count": count, "rounds": 2},
+                     "--api-socket", api)
+    rss: list[int] = []
+    fds: list[int] = []
     try:
         assert read_json(p)["phase"] == "warm"
         assert not wait_no_flows(api)["flows"]
         pid = p.pid
-        fds0, rss0 = proc_fds(pid), proc_rss_kb(pid)
-        p.stdin.write("go\n")
-        p.stdin.flush()
-        done = read_json(p, 120)
-        st = wait_no_flows(api)
-        fds1, rss1 = proc_fds(pid), proc_rss_kb(pid)
+        fds.append(proc_fds(pid))
+        rss.append(proc_rss_kb(pid))
+        for _ in range(2):
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            done = read_json(p, 120)
+            st = wait_no_flows(api)
+            fds.append(proc_fds(pid))
+            rss.append(proc_rss_kb(pid))
         p.stdin.write("end\n")
         p.stdin.flush()
         r, _ = finish(p, 30)
@@ -234,13 +243,15 @@ def test_10000_short_connections_return_to_baseline(servers, tmp_path):
         if p.poll() is None:
             p.kill()
     c = st["counters"]
-    print(f"\n{count} connections in {done['took']:.1f} s ({count / done['took']:.0f}/s); fds {fds0} -> {fds1}; "
-          f"RSS {rss0} kB -> {rss1} kB ({(rss1 - rss0) / 1024:+.1f} MiB)")
+    print(f"\n2 x {count} connections ({count / done['took']:.0f}/s); fds {fds}; RSS kB {rss} "
+          f"({(rss[1] - rss[0]) / 1024:+.1f} MiB, then {(rss[2] - rss[1]) / 1024:+.1f} MiB)")
+    assert r["count"] == count
     assert not st["flows"]
-    assert c["flows.tcp.opened"] >= count + 2000 and c["flows.tcp.opened"] == c["flows.tcp.closed"]
+    assert c["flows.tcp.opened"] >= 2 * count + 2000 and c["flows.tcp.opened"] == c["flows.tcp.closed"]
     assert c.get("drop.internal_error", 0) == 0 and c.get("flow_errors", 0) == 0
-    assert fds1 == fds0
-    assert rss1 - rss0 <= RSS_TOLERANCE_KB
+    assert fds[0] == fds[1] == fds[2]
+    assert rss[1] - rss[0] <= FIRST_ROUND_KB
+    assert rss[2] - rss[1] <= SECOND_ROUND_KB
 
 
 @pytest.mark.parametrize("ignore_term", [False, True], ids=["command-exits", "command-ignores-sigterm"])
