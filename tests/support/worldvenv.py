@@ -114,11 +114,17 @@ def build_world_venv(work: Path) -> tuple[Path, Path]:
             f"{BASE_PYTHON} is {vver}, tests run {sys.version_info[0]}.{sys.version_info[1]}: cannot share dependencies"
         )
     whl = _build_wheel(work)
+    # Without PYTHONPATH: a checkout on it (PYTHONPATH=$PWD, as the worktrees run the suite) holds
+    # aioslirp.egg-info, so pip would find aioslirp "already installed" and install no scripts.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(vpy), "install", "-q", "--no-deps", "--no-index", str(whl)],
         check=True,
         timeout=120,
+        env=env,
     )
+    if not (venv / "bin" / "aioslirp").exists():
+        raise RuntimeError(f"pip installed no console scripts into {venv}")
     site_dir = Path(
         subprocess.run(
             [str(vpy), "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True, text=True, check=True
