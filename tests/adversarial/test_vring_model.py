@@ -2,7 +2,8 @@
 same rules (``tests/support/vring_model.py``) over random rings: queue sizes 1..32 (powers of 2), descriptors
 below, inside and past the memory regions, lengths up to 4 GiB, loops, next indexes and heads past
 the queue, avail index jumps; the same frames, used entries, drop counters, broken state and guest
-memory, on the TX and the RX queue. Seeded (``AIOSLIRP_VRING_SEED=N`` repeats a run); also run
+memory, on the TX and the RX queue. Seeded (``AIOSLIRP_VRING_SEED=N`` repeats a run; ``AIOSLIRP_VRING_CASES``, default 1,000
+random rings, a new seed each run); also run
 under ASan/UBSan (tests/adversarial/test_native_sanitized.py). The unbounded search is
 ``fuzz/fuzz_vring.py`` (tests/adversarial/test_fuzz_vring.py)."""
 
@@ -20,7 +21,8 @@ def test_c_walker_equals_the_model_on_random_rings():
     seed = int(os.environ.get("AIOSLIRP_VRING_SEED") or random.randrange(1, 2**31))
     rnd = random.Random(seed)
     delivered = rx_ok = 0
-    for _ in range(3000):
+    cases = int(os.environ.get("AIOSLIRP_VRING_CASES", "1000"))
+    for _ in range(cases):
         data = bytes(rnd.randrange(256) for _ in range(rnd.randrange(5, 300)))
         try:
             vring_model.check(ext, data)
@@ -34,7 +36,8 @@ def test_c_walker_equals_the_model_on_random_rings():
                 continue
             delivered += bool(out.get("frames"))
             rx_ok += any(n for _, n in out["used"]) if queue == 0 else 0
-    assert delivered > 20 and rx_ok > 20, (seed, delivered, rx_ok)  # not only drops were compared
+    # not only drops were compared: about 2% of the random rings deliver a frame on each queue
+    assert delivered > cases // 100 and rx_ok > cases // 100, (seed, delivered, rx_ok)
 
 
 def test_the_model_catches_a_walker_that_reads_past_a_region():
