@@ -91,7 +91,8 @@ def check_clean(stack: Stack, transport: VhostUserTransport) -> dict:
     c = transport.counters()
     assert not transport.broken(), transport.broken()
     drops = {k: v for k, v in c.items() if v and k not in ("tx_frames", "rx_frames", "calls", "kicks", "messages",
-                                                              "mem_tables", "send_not_ready", "send_front_end_gone")}
+                                                              "mem_tables", "rings_resumed", "send_not_ready",
+                                                              "send_front_end_gone")}
     assert drops == {}, c
     assert stack.counters.get("frames_dropped", 0) == 0, {k: v for k, v in stack.counters.items() if "drop" in k}
     return c
@@ -275,3 +276,39 @@ async def test_chained_frames_and_a_full_rx_ring(echo, tmp_path, request):
     # all 1000 (and an unsolicited RA or so, if one came meanwhile) went through the ring
     assert stats["RX-packets"] - stats0["RX-packets"] == c["rx_frames"] - c0["rx_frames"] >= 1000, (stats, c)
     assert stats["RX-nombuf"] == 0 and transport.bytes_buffered == 0, stats
+
+
+async def test_a_restarted_back_end_resumes_testpmd_where_its_rings_are(echo, tmp_path, request):
+    """testpmd listens and outlives the back end (``aioslirp vhost-user --client`` restarted):
+    virtio_user sets the device up again for the next back end with SET_VRING_BASE 0 while its
+    rings are further on. That back end resumes from the used indexes: testpmd's old frames are
+    not sent again, the RX queue is not taken for broken, the echoes reach testpmd."""
+    sock = str(tmp_path / "pmd.sock")
+    pmd = None
+    rounds = []
+    try:
+        for i in range(2):
+            async with Stack(NetworkConfig()) as stack:
+                transport = VhostUserTransport(sock, server=False, reconnect=0.2)
+                serving = asyncio.ensure_future(stack.serve(transport))
+                try:
+                    if pmd is None:
+                        pmd = await Testpmd.start(sock, server=True, dport=echo.port, burst=8)
+                    await until("the rings running", lambda: transport.running)
+                    await asyncio.sleep(0.3)  # anything taken again would be taken by now
+                    stats = await exchange(pmd, echo, 1, 8)
+                    rounds.append((stats, transport.counters(), dict(stack.counters), transport.broken()))
+                finally:
+                    transport.close()
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(serving, 10)
+    finally:
+        if pmd is not None:
+            assert await pmd.close() == 0, pmd.tail()
+    (s1, c1, k1, b1), (s2, c2, k2, b2) = rounds
+    report(request, "second_back_end_counters", c2)
+    assert c1["tx_frames"] == c1["rx_frames"] == 8 and "rings_resumed" not in c1 and not b1, c1
+    assert c2.get("rings_resumed") == 2 and not b2, (c2, b2)
+    assert c2["tx_frames"] == 8 and k2["frames_in"] == 8, (c2, k2)  # the 8 new frames, not the 8 old again
+    assert c2["rx_frames"] == 8 and s2["RX-packets"] == 16 and s2["TX-packets"] == 16, (c2, s2)
+    assert echo.count == 16
