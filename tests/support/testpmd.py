@@ -3,9 +3,9 @@
 no VM; testpmd is driven in interactive mode over its standard input.
 
 No hugepages are needed: ``--no-huge`` memory is memfd-backed (DPDK >= 20.11), so it can be
-shared with the back end in ``SET_MEM_TABLE``. Two lcores: the main one reads the commands, the
-forwarding one busy-polls the rings between ``start`` and ``stop`` only (keep those windows short:
-it burns a core).
+shared with the back end in ``SET_MEM_TABLE``. Two lcores on one CPU: the main one reads the
+commands, the forwarding one busy-polls the rings between ``start`` and ``stop`` only (keep those
+windows short: it burns that CPU).
 
 Frames it makes: ``start tx_first N`` sends ``N`` bursts of ``--burst`` UDP/IPv4 frames from the
 txonly engine (addresses set by :func:`Testpmd.start`: ``guest_ip:sport`` to ``peer_ip:dport``,
@@ -17,6 +17,7 @@ frame back with MAC, IP and L4 source and destination swapped).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 
@@ -57,8 +58,9 @@ class Testpmd:
         wait for its prompt: the port is started (virtio_user has set the
         features, the memory table and both rings by then)."""
         vdev = f"net_virtio_user0,path={path},queues=1,mac={GUEST_MAC}" + (",server=1" if server else "")
+        cpu = min(os.sched_getaffinity(0))  # both lcores on one CPU: the main one mostly waits for input
         # stdbuf: its printf output is block-buffered into a pipe, the prompt is not (it came first)
-        argv = ["stdbuf", "-o0", TESTPMD, "--no-huge", "-m", "256", "--no-pci", "--no-shconf", "-l", "0-1",
+        argv = ["stdbuf", "-o0", TESTPMD, "--no-huge", "-m", "256", "--no-pci", "--no-shconf", f"--lcores=0@{cpu},1@{cpu}",
                 "--log-level=pmd.net.virtio.*:debug", f"--vdev={vdev}", "--",
                 "-i", "--total-num-mbufs=2048", f"--forward-mode={mode}", f"--burst={burst}",
                 f"--tx-ip={guest_ip},{peer_ip}", f"--tx-udp={sport},{dport}", f"--eth-peer=0,{peer_mac}"]
