@@ -192,12 +192,13 @@ static PyObject *device_set_addr(PyObject *op, PyObject *args)
         PyErr_Format(PyExc_ValueError, "vring %d: addresses before its size (SET_VRING_NUM)", q);
         return NULL;
     }
-    if (vr_queue_set_addr(&self->q[q], &self->mem, desc, used, avail) < 0) {
+    int r = vr_queue_set_addr(&self->q[q], &self->mem, desc, used, avail);
+    if (r < 0) {
         PyErr_Format(PyExc_ValueError, "vring %d: the descriptor, avail or used ring is not inside the memory "
                      "table or not aligned", q);
         return NULL;
     }
-    Py_RETURN_NONE;
+    return PyBool_FromLong(r);
 }
 
 static PyObject *device_set_base(PyObject *op, PyObject *args)
@@ -494,7 +495,8 @@ fail:
 static PyMethodDef device_methods[] = {
     {"set_mem_table", device_set_mem_table, METH_O, "set_mem_table([(gpa, size, uva, mmap_offset, fd), ...])"},
     {"set_num", device_set_num, METH_VARARGS, "set_num(q, num)"},
-    {"set_addr", device_set_addr, METH_VARARGS, "set_addr(q, desc_uva, used_uva, avail_uva)"},
+    {"set_addr", device_set_addr, METH_VARARGS, "set_addr(q, desc_uva, used_uva, avail_uva) -> whether the queue "
+     "resumes from the used ring's index (not the base)"},
     {"set_base", device_set_base, METH_VARARGS, "set_base(q, base)"},
     {"get_base", device_get_base, METH_O, "get_base(q) -> the next avail index"},
     {"set_call", device_set_call, METH_VARARGS, "set_call(q, fd): -1 for none (the fd stays the caller's)"},

@@ -133,7 +133,18 @@ int vr_queue_set_addr(struct vr_queue *q, const struct vr_mem *m, uint64_t desc,
     q->desc_uva = desc;
     q->used_uva = used;
     q->avail_uva = avail;
-    return translate(q, m);
+    if (translate(q, m) < 0)
+        return -1;
+    /* Every chain below the used index was consumed, by us or by a back end before us (the
+     * front end kept running: DPDK virtio_user in server mode sends SET_VRING_BASE 0 to the back
+     * end that connects next). Resume there, as DPDK's vhost library and libvhost-user do: from
+     * the base, the old TX chains would be sent again and the RX avail index would jump. */
+    uint16_t u = ld16(q->used + 2);
+    if (u == q->last_avail)
+        return 0;
+    q->last_avail = q->used_idx = q->signalled_used = q->seen_avail = u;
+    q->signalled_valid = 0;
+    return 1;
 }
 
 int vr_queue_remap(struct vr_queue *q, const struct vr_mem *m)

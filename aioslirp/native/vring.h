@@ -115,7 +115,8 @@ struct vr_queue {
 int vr_queue_set_num(struct vr_queue *q, unsigned num);
 void vr_queue_free(struct vr_queue *q);
 /* Translate and keep the three ring addresses (front-end virtual addresses); 0, or -1 when any
- * of the three areas is not inside one region (the queue then has no rings). */
+ * of the three areas is not inside one region (the queue then has no rings), or 1 when the used
+ * ring's index was not the base (SET_VRING_BASE) and the queue now resumes from it. */
 int vr_queue_set_addr(struct vr_queue *q, const struct vr_mem *m, uint64_t desc, uint64_t used, uint64_t avail);
 /* Re-translate the kept addresses after a new memory table (-1: no longer mapped). */
 int vr_queue_remap(struct vr_queue *q, const struct vr_mem *m);

@@ -37,7 +37,10 @@ front end listens and the transport connects, and connects again (every ``reconn
 when it goes. Either way one front end at a time is served; when it disconnects (QEMU killed,
 restarted) its memory is unmapped, its eventfds closed, and the next one is served by the same
 transport: :attr:`~aioslirp.transport.base.Transport.closed` stays pending (``on_front_end``
-is called with ``False`` and then ``True``, for example to reset the old guest's flows).
+is called with ``False`` and then ``True``, for example to reset the old guest's flows). A front
+end that outlives its back end (DPDK virtio_user with ``server=1`` when this process restarts)
+sends ``SET_VRING_BASE`` 0 for rings that are further on: each queue resumes from its used
+ring's index, as DPDK's vhost library and libvhost-user do (``rings_resumed``).
 """
 
 from __future__ import annotations
@@ -204,7 +207,9 @@ class VhostUserTransport(Transport):
         self.bytes_buffered = 0
         self.send_drops: dict[str, int] = {}
         #: Control-plane counters: ``messages``, ``refused`` (a second front end), ``protocol_errors``,
-        #: ``unknown`` (requests not handled), ``mem_tables``.
+        #: ``unknown`` (requests not handled), ``mem_tables``, ``rings_resumed`` (a queue whose used
+        #: ring's index was not the base: the front end ran with another back end, which
+        #: consumed the chains below it; taken from there).
         self.protocol: dict[str, int] = collections.defaultdict(int)
         #: Front ends served so far.
         self.front_ends = 0
@@ -508,10 +513,15 @@ class VhostUserTransport(Transport):
             index, _flags, desc, used, avail, _log = VRING_ADDR.unpack_from(p)
             q = self._queue_index(index)
             try:
-                dev.set_addr(q, desc, used, avail)
+                resumed = dev.set_addr(q, desc, used, avail)
             except ValueError as exc:
                 log.warning("vhost-user %s: %s", self.path, exc)
                 ok = False
+            else:
+                if resumed:  # the front end ran with a back end before us (the chains below were consumed)
+                    self.protocol["rings_resumed"] += 1
+                    log.info("vhost-user %s: queue %d resumes at the used ring's index %d (not the base)",
+                             self.path, q, dev.get_base(q))
         elif request == SET_VRING_BASE:
             q, base = self._state(p)
             dev.set_base(q, base)

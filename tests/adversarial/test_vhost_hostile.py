@@ -109,6 +109,37 @@ async def test_frames_wait_for_buffers_then_go_when_the_guest_posts_them(backend
     assert [fe.read(a + 12, 200) for a in addrs] == frames and t.bytes_buffered == 0
 
 
+async def test_a_front_end_that_outlived_its_back_end_is_resumed_where_the_rings_are(backend):
+    """DPDK virtio_user (``server=1``) keeps its rings when the back end goes, and sends the next
+    back end SET_VRING_BASE 0: the queues resume from the used ring's index; the old guest frames
+    are not taken again, the RX ring (its avail index now past the queue size from 0) is not
+    broken."""
+    t, got, connect = backend
+    fe = await connect()
+    old = [frame(100, i) for i in range(3)]
+    for f in old:
+        fe.send_frame(f)
+    await until(lambda: len(delivered(got)) == 3)
+    fe.post_rx(fe.num, 2048)  # every RX buffer, as a polling driver posts them
+    t.send_frames([frame(100, 9)])
+    await until(lambda: t.frames_out == 1)
+    assert fe.used(0) == [(0, 12 + 100)]
+    fe.post_rx(1, 2048)  # the buffer given back, posted again: avail index num + 1
+    fe.sock.close()  # the back end goes (sees EOF); the same front end comes back, rings as they were
+    await until(lambda: not t.connected)
+    await asyncio.to_thread(fe.resume, t.path)
+    await until(lambda: t.running and t.front_ends == 2)
+    assert not t.broken(), t.broken()
+    new = frame(200, 5)
+    fe.send_frame(new)
+    await until(lambda: len(delivered(got)) >= 4)
+    await asyncio.sleep(0.05)
+    assert delivered(got) == [*old, new] and t.counters()["tx_frames"] == 4  # (counted across front ends)
+    t.send_frames([frame(300, 7)])
+    assert await until(lambda: fe.used(0)) == [(1, 12 + 300)]  # the next buffer
+    assert not t.broken() and t.frames_out == 2 and t.counters()["rings_resumed"] == 2
+
+
 # ----------------------------------------------------------------------------- hostile TX chains
 def _hostile(fe: FakeFrontEnd, kind: str) -> None:
     q, n = 1, fe.num

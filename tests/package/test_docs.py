@@ -112,7 +112,7 @@ def test_the_test_command_starts_with_the_prerequisites():
         named.update(re.findall(r'need_tool\("[^"]+", "([^"]+)"\)', test.read_text()))
     assert {"curl", "bind9-dnsutils", "iputils-ping", "iproute2", "iperf3"} <= named
     assert named <= packages, named - packages
-    assert {"gcc", "tshark", "tinyproxy", "iptables"} <= packages
+    assert {"gcc", "tshark", "tinyproxy", "iptables", "dpdk-dev", "librte-net-virtio23"} <= packages
 
 
 def test_one_package_name_for_dig():

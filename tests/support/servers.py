@@ -6,7 +6,7 @@
   what it read, closes; ``SLOWUP``: the same, reading 4 KiB every 2 ms (a slow reader);
   ``RSTME``: resets the connection (SO_LINGER 0); ``WAIT``: reads until EOF or reset and
   records which in :attr:`DataServer.events`; ``HTTP`` requests (``GET /<nbytes>``) get a minimal HTTP/1.0 response.
-* :class:`UdpEcho` — echoes every datagram.
+* :class:`UdpEcho` — echoes every datagram (counts them, by length).
 * :class:`DnsUpstream` — answers every A query with 10.0.2.99 over UDP and TCP (dpkt); AAAA
   queries with ``aaaa`` when given (else no answer records, as before).
 * :class:`NameServer` — UDP DNS answering A queries by name from a table or a function,
@@ -20,6 +20,7 @@ any loopback address, e.g. ``"127.0.0.53"`` like systemd-resolved's stub).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import random
@@ -121,6 +122,9 @@ class UdpEcho:
         self.sock.bind((host, 0))
         self.port = self.sock.getsockname()[1]
         self.count = 0
+        #: Datagrams received by length (bytes of UDP payload), and the last sender's address.
+        self.lengths: collections.Counter = collections.Counter()
+        self.peer = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -130,6 +134,8 @@ class UdpEcho:
                 data, addr = self.sock.recvfrom(65535)
             except OSError:
                 return
+            self.lengths[len(data)] += 1
+            self.peer = addr
             self.count += 1
             self.sock.sendto(data, addr)
 

@@ -115,6 +115,29 @@ class FakeFrontEnd:
         self.send(vu.SET_VRING_KICK, vu.U64.pack(q), [self.kick[q]])
         assert self.ack(vu.SET_VRING_ENABLE, vu.VRING_STATE.pack(q, 1)) == 0
 
+    def resume(self, path: str) -> None:
+        """Connect again (a back end that restarted) and set the device up as DPDK virtio_user does
+        then (``server=1``): the rings as they are, in its order (num, base 0, addr)."""
+        self.sock.close()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.sock.settimeout(5)
+        offered = self.call_u64(vu.GET_FEATURES)
+        self.send(vu.SET_FEATURES, vu.U64.pack(self.features & offered))
+        self.call_u64(vu.GET_PROTOCOL_FEATURES)
+        self.send(vu.SET_PROTOCOL_FEATURES, vu.U64.pack(vu.P_REPLY_ACK))
+        self.send(vu.SET_OWNER)
+        assert self.ack(vu.SET_MEM_TABLE, self.mem_table(), [self.fd]) == 0
+        for q in (0, 1):
+            base = ring_base(q)
+            self.send(vu.SET_VRING_NUM, vu.VRING_STATE.pack(q, self.num))
+            self.send(vu.SET_VRING_BASE, vu.VRING_STATE.pack(q, 0))
+            self.send(vu.SET_VRING_ADDR, vu.VRING_ADDR.pack(q, 0, UVA + base, UVA + base + 0x2000,
+                                                            UVA + base + 0x1000, 0))
+            self.send(vu.SET_VRING_CALL, vu.U64.pack(q), [self.call[q]])
+            self.send(vu.SET_VRING_KICK, vu.U64.pack(q), [self.kick[q]])
+            assert self.ack(vu.SET_VRING_ENABLE, vu.VRING_STATE.pack(q, 1)) == 0
+
     # -- rings ------------------------------------------------------------------------------------
     def put_desc(self, q: int, i: int, addr: int, length: int, flags: int = 0, nxt: int = 0) -> None:
         struct.pack_into("<QIHH", self.mem, ring_base(q) + 16 * i, addr, length, flags, nxt)
