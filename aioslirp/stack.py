@@ -519,12 +519,13 @@ class Stack:
         for wrap in self.transport_wrappers:
             transport = wrap(transport)
         p = self._parts
+        untraced = transport  # the native plane's flows stay native when traced (they trace themselves)
         frame_tracer = p.inject_queue.tracer  # the stack's tracer at trace level "frames" only
         if frame_tracer is not None:  # the drain_to_guest / writer_wake trace points
             transport = TraceTransport(transport, frame_tracer)
         self._transport = p.inject_queue.transport = transport
         p.ctx.offload = bool(getattr(transport, "offload", False))
-        native_udp = p.ctx.native_udp = NativeUdp.start(p.ctx, raw, transport)  # UDP NAT flows in C (issue 26)
+        native_udp = p.ctx.native_udp = NativeUdp.start(p.ctx, raw, untraced)  # UDP NAT flows in C (issue 26)
         info = {"transport": type(transport).__name__}
         if getattr(transport, "ifname", None):
             info["ifname"] = transport.ifname
@@ -534,7 +535,8 @@ class Stack:
         except Exception as exc:
             self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
             raise
-        p.ctx.native_tcp = NativeTcp.start(p.ctx, transport)  # TCP NAT flows in C (a native TAP reader)
+        # TCP NAT flows in C (a native TAP reader; its trace points at the stack's trace level)
+        p.ctx.native_tcp = NativeTcp.start(p.ctx, untraced, frames_traced=frame_tracer is not None)
         self.event_log.emit("ready", **info)
         if p.v6 is not None:
             p.v6.start_ra()  # an RA at once, then periodically (RFC 4861 6.2.4)

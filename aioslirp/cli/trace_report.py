@@ -18,7 +18,8 @@ connection):
 Per stage the report gives n, p50, p90 and p99 over all connections (nearest-rank
 percentiles, microseconds); it also summarises the four trace points' own measurements
 (``process_guest_frame`` processing time, ``tcp.syn_ack`` host connect time,
-``drain_to_guest`` write time, ``writer_wake`` queue wait), the CRR cycle (SYN to the next
+``drain_to_guest`` write time, ``writer_wake`` queue wait, and on the native data plane the
+time its poll wake-up ran socket events and timers), the CRR cycle (SYN to the next
 SYN) and the time inside the stack (SYN to ``closed``), and ends with a verdict line
 naming the largest stage by p50 among the stages seen in at least half the connections.
 
@@ -162,7 +163,8 @@ def build_report(spans: list) -> Report:
     conns: list[Connection] = []
     other: dict = {}
     points: dict = {"process_guest_frame: processing": [], "tcp.syn_ack: host connect": [],
-                    "drain_to_guest: write": [], "writer_wake: queue wait (max of batch)": []}
+                    "drain_to_guest: write": [], "writer_wake: queue wait (max of batch)": [],
+                    "writer_wake: native poll wake-up": []}
     names = set()
     has_events = False
     for s in spans:
@@ -192,6 +194,8 @@ def build_report(spans: list) -> Report:
             points["drain_to_guest: write"].append(float(attrs["aioslirp.drain_us"]))
         elif name == "writer_wake" and "aioslirp.wait_us.max" in attrs:
             points["writer_wake: queue wait (max of batch)"].append(float(attrs["aioslirp.wait_us.max"]))
+        elif name == "writer_wake" and "aioslirp.wake_us" in attrs:  # the native plane's (its events run)
+            points["writer_wake: native poll wake-up"].append(float(attrs["aioslirp.wake_us"]))
     conns.sort(key=lambda c: c.start_ns)
 
     stages: dict = {}

@@ -21,12 +21,20 @@ TAP reader (``TapTransport.attach_tcp``). Python stays the control plane:
   ``tcp_connect_unreachable`` with its ICMP error to the guest, ``tcp_resets``,
   ``tcp_host_lost``, ``tcp_idle_closed``).
 
+* **Trace points stay on the native plane.** Tracing keeps flows native: at ``trace_level``
+  ``flows`` the flow table gives native flows their span as it does Python's; from ``timeline``
+  the engine's trace points are switched on (``TcpEngine.trace``: fixed-size records in a ring
+  of :data:`TRACE_RING` records in C, a full ring counted as ``native_tcp.trace_overflow``, never
+  grown) and :meth:`NativeTcp.poll` drains the ring, on the same wake-up that takes the records,
+  into the Python path's spans: ``tcp.syn_ack`` (with ``host.connect`` and ``syn_ack.queued``
+  on the flow span) from ``timeline``; ``process_guest_frame``, ``drain_to_guest`` and
+  ``writer_wake`` (``aioslirp.plane`` ``native``) at ``frames``. The per-segment events of the
+  timeline (``established``, ``guest.data``, ``fin.*``) are the Python path's only.
+
 Not on the native plane in this first version (the Python path takes them, unchanged): a stack
-with a tracer at ``trace_level`` ``timeline`` or ``frames`` (at ``flows``, the default, native flows
-get their flow span from the table as Python ones do) or rate caps (``rate_limit``), a transport wrapped for pcap
-or traces, flows to Python handlers and to the DNS service, port forwards (host -> guest), and
-every transport other than the TAP. The engine's own counters are in ``Stack.stats()`` under
-``native_tcp``.
+with rate caps (``rate_limit``), a transport wrapped for pcap, flows to Python handlers and to
+the DNS service, port forwards (host -> guest), and every transport other than the TAP. The
+engine's own counters are in ``Stack.stats()`` under ``native_tcp``.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import logging
 import os
 import random
 import socket
+import time
 
 from .. import native
 from ..flow.base import admission
@@ -51,6 +60,12 @@ _REC_CONNECTED, _REC_ENDED = 1, 2
 _OUTCOMES = (None, "closed", "reset", "refused", "unreachable", "timeout", None)
 #: ``enum tn_why`` of tcpnat.h -> the counter of the Python path.
 _WHY_COUNTERS = (None, "tcp_resets", "tcp_host_lost", "tcp_idle_closed", None, None, None)
+#: Trace records the engine's ring holds between two drains (40 bytes each, allocated once when
+#: tracing is on); beyond it new records are dropped and counted (``native_tcp.trace_overflow``).
+TRACE_RING = 8192
+#: ``enum tn_trace_type`` of tcpnat.h.
+_TR_FRAME, _TR_SYN_ACK, _TR_DRAIN, _TR_WAKE = 1, 2, 3, 4
+
 #: Seconds in TIME-WAIT after the guest's last segment: ``TcpConnection``'s ``time_wait``, which
 #: the Python path leaves at its default.
 TIME_WAIT = 1.0
@@ -203,30 +218,36 @@ class NativeTcp:
     ``ctx``: the stack's :class:`~aioslirp.flow.context.FlowContext`; ``engine``: the
     ``TcpEngine``; its epoll is read by :meth:`poll` from the loop."""
 
-    __slots__ = ("ctx", "engine", "flows", "loop", "_fd")
+    __slots__ = ("ctx", "engine", "flows", "loop", "_fd", "tracer", "frames_traced")
 
     #: More keyword arguments of the engine (tests: ``{"peek_off": False}`` takes the fallback for
     #: kernels without ``SO_PEEK_OFF``, a discard buffer).
     engine_options: dict = {}
 
-    def __init__(self, ctx, engine) -> None:
+    def __init__(self, ctx, engine, frames_traced: bool = False) -> None:
         self.ctx = ctx
         self.engine = engine
         self.flows: dict[tuple[int, int], NativeTcpFlow] = {}
         self.loop = ctx.running.loop
+        #: The stack's tracer from trace level ``timeline`` (``ctx.tracer``), else ``None``: the
+        #: engine's trace points are on while it is set; ``frames_traced``: level ``frames``.
+        self.tracer = ctx.tracer
+        self.frames_traced = frames_traced and self.tracer is not None
+        if self.tracer is not None:
+            engine.trace(TRACE_RING)
         self._fd = engine.fileno()
         if self._fd >= 0:
             self.loop.add_reader(self._fd, self.poll)
 
     @classmethod
-    def start(cls, ctx, transport) -> "NativeTcp | None":
-        """The engine for ``transport`` (what the stack serves, after its wrappers), or ``None``
-        when the native plane does not run TCP flows there: not a TAP read natively, a wrapped
-        transport (pcap, traces), a TCP timeline tracer (``trace_level`` ``timeline`` or ``frames``) or rate
-        caps on the stack (module documentation)."""
+    def start(cls, ctx, transport, frames_traced: bool = False) -> "NativeTcp | None":
+        """The engine for ``transport`` (what the stack serves, after its wrappers other than the
+        trace points'), or ``None`` when the native plane does not run TCP flows there: not a TAP
+        read natively, a transport wrapped for pcap, or rate caps on the stack (module
+        documentation). ``frames_traced``: the stack traces at level ``frames`` (the per-frame
+        trace points too)."""
         attach = getattr(transport, "attach_tcp", None)
         if (attach is None or not getattr(transport, "native", False) or not native.tcp_wanted()
-                or ctx.tracer is not None
                 or ctx.rate_up is not None or ctx.rate_down is not None):
             return None
         ext = native.extension()
@@ -237,7 +258,7 @@ class NativeTcp:
                                int(cfg.mtu), int(cfg.max_flows), int(cfg.tcp_buffer), float(cfg.tcp_idle_timeout),
                                float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT,
                                **cls.engine_options)
-        plane = cls(ctx, engine)
+        plane = cls(ctx, engine, frames_traced)
         attach(engine, plane.poll)
         ident = ctx.identity
         log.info("%snative data plane: guest TCP flows run in C (peek offset: %s)", ident.log_prefix,
@@ -287,6 +308,8 @@ class NativeTcp:
             records = self.engine.poll()
         except ValueError:  # closed
             return
+        if self.tracer is not None:  # before the ends below: their flows are still known
+            self._drain_trace()
         for slot, gen, kind, outcome, why, err, up, down in records:
             flow = self.flows.get((slot, gen))
             if flow is None:
@@ -297,6 +320,31 @@ class NativeTcp:
                 continue
             del self.flows[(slot, gen)]
             self._ended(flow, outcome, why, err, up, down)
+
+    def _drain_trace(self) -> None:
+        """The engine's trace records (``struct tn_trace_rec`` of tcpnat.h) as the tracer's spans."""
+        records, _overflow = self.engine.trace_take()  # the overflow is in counters()
+        if not records:
+            return
+        tr = self.tracer
+        frames = self.frames_traced
+        flows = self.flows
+        off = time.time_ns() - time.monotonic_ns()  # CLOCK_MONOTONIC -> the spans' clock
+        for kind, slot, gen, t_ns, dur, a, b, c, flags in records:
+            t1 = t_ns + off
+            if kind == _TR_SYN_ACK:
+                flow = flows.get((slot, gen))
+                if flow is not None:
+                    tr.record_syn_ack(flow, a / 1e6, False, at=t1)
+            elif not frames:
+                continue
+            elif kind == _TR_FRAME:
+                tr.record_native_frame(flows.get((slot, gen)), t1 - dur, t1, a, b, flags)
+            elif kind == _TR_DRAIN:
+                flow = None if b else flows.get((slot, gen))
+                tr.record_native_drain(() if flow is None else (flow,), t1 - dur, t1, a)
+            elif kind == _TR_WAKE:
+                tr.record_native_wake(t1 - dur, t1, a, b, c)
 
     def _ended(self, flow: NativeTcpFlow, outcome: int, why: int, err: int, up: int, down: int) -> None:
         name = _OUTCOMES[outcome] if 0 <= outcome < len(_OUTCOMES) else None

@@ -21,7 +21,9 @@ quoting the last datagram the plane saw). The idle sweep, eviction, the audit re
 ``Stack.flows()`` therefore see the flow as on the Python path.
 
 Made by ``Stack.serve`` for a native TAP transport when ``AIOSLIRP_NATIVE=udp`` and nothing
-observes frames one by one or shapes them: no pcap or trace wrapper, no tracer, no rate cap.
+observes frames one by one or shapes them: no pcap wrapper, no rate cap. Tracing keeps the flows
+native (the flow table gives each its span); their datagrams have no per-frame trace point yet
+(the TCP engine's ring, :mod:`aioslirp.nat.native_tcp`, has them for TCP flows).
 Adopted: IPv4 flows whose guest MAC is known, on a link MTU of at least 576; not to the DHCP
 server ports. Frames the plane writes do not pass the inject queue: they leave when the host
 datagram arrives, not at the end of the loop turn. When the transport goes, :meth:`detach` hands
@@ -72,11 +74,12 @@ class NativeUdp:
         """The native UDP flows of ``transport`` (the raw transport a stack serves; ``served``: what
         it serves after its wrappers), or ``None`` when the native plane does not run UDP flows
         there: ``AIOSLIRP_NATIVE`` without ``udp``, a transport not read natively, a wrapped one
-        (pcap, traces), a tracer or rate caps on the stack (module documentation)."""
+        (pcap; ``served`` is taken before the trace points' wrapper) or rate caps on the stack
+        (module documentation)."""
         from .. import native
 
         if (served is not transport or getattr(transport, "plane", None) is None or not native.udp_wanted()
-                or ctx.tracer is not None or ctx.rate_up is not None or ctx.rate_down is not None):
+                or ctx.rate_up is not None or ctx.rate_down is not None):
             return None
         return cls(ctx, transport)
 

@@ -14,6 +14,8 @@
  *     .close_flow(slot, gen, now) -> bool
  *     .info(slot, gen) -> (state, last_active, bytes_up, bytes_down, snd_wnd, rcv_wnd) | None
  *     .counters() -> dict; .live() -> int; .forget_tap(); .pending() -> bool; .hook_records(on); .close()
+ *     .trace(capacity)                                 (trace points on, a ring of capacity records; 0 off)
+ *     .trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags), ...], overflow)  (slot -1: no flow)
  *   fake only: .fake_connect_mode(err), .fake_frames() -> [bytes], .fake_connect_done(fd, err, now),
  *     .fake_host_send(fd, data, now), .fake_host_eof(fd, now), .fake_host_reset(fd, now),
  *     .fake_send_space(fd, n, now), .fake_received(fd) -> bytes, .fake_socket(fd) -> dict
@@ -689,6 +691,8 @@ static PyObject *engine_poll(PyObject *op, PyObject *args)
     double now = nowo == Py_None ? mono_now() : PyFloat_AsDouble(nowo);
     if (now == -1.0 && PyErr_Occurred())
         return NULL;
+    uint32_t nsock = 0, ntimer = 0;
+    uint64_t t0 = tn_tracing(g->e) ? tn_clock_ns() : 0; /* the wake-up trace point's start */
     if (!g->fake) {
         struct epoll_event evs[64];
         int n;
@@ -701,13 +705,17 @@ static PyObject *engine_poll(PyObject *op, PyObject *args)
                         /* EAGAIN: fired and read already */
                     }
                     g->armed = 0;
+                    ntimer++;
                     continue;
                 }
+                nsock++;
                 tn_sock_event(g->e, evs[i].data.u64, evs[i].events, now);
             }
         } while (n == 64);
     }
     tn_timers(g->e, now);
+    if (t0 && (nsock || ntimer))
+        tn_trace_wake(g->e, nsock, ntimer, t0);
     tn_flush(g->e, now);
     PyObject *recs = take_records(g);
     arm_timer(g, now, 0);
@@ -769,7 +777,7 @@ static PyObject *engine_counters(PyObject *op, PyObject *unused)
         return NULL;
     const struct tn_counters *c = tn_counters(g->e);
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
         (unsigned long long)c->frames_out, "tap_write_errors", (unsigned long long)c->tap_write_errors,
         "bad_checksum", (unsigned long long)c->bad_checksum, "out_of_window", (unsigned long long)c->out_of_window,
         "bad_ack", (unsigned long long)c->bad_ack, "syn_on_open", (unsigned long long)c->syn_on_open, "rst_bad_seq",
@@ -777,7 +785,8 @@ static PyObject *engine_counters(PyObject *op, PyObject *unused)
         (unsigned long long)c->fast_retransmits, "rto", (unsigned long long)c->rto, "zero_window_probes",
         (unsigned long long)c->zero_window_probes, "host_write_paused", (unsigned long long)c->host_write_paused,
         "window_updates", (unsigned long long)c->window_updates,
-        "adopted", (unsigned long long)c->adopted, "ended", (unsigned long long)c->ended, "live",
+        "adopted", (unsigned long long)c->adopted, "ended", (unsigned long long)c->ended, "trace_overflow",
+        (unsigned long long)tn_trace_overflow(g->e), "live",
         tn_live_flows(g->e), "peek_off", g->peek_off);
 }
 
@@ -810,6 +819,54 @@ static PyObject *engine_hook_records(PyObject *op, PyObject *arg)
         return NULL;
     g->hooked = on;
     Py_RETURN_NONE;
+}
+
+/* trace(capacity): the trace points on with a ring of capacity records, or off (0). */
+static PyObject *engine_trace(PyObject *op, PyObject *arg)
+{
+    Engine *g = (Engine *)op;
+    unsigned long cap = PyLong_AsUnsignedLong(arg);
+    if (cap == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (!ready(g))
+        return NULL;
+    if (cap > TN_TRACE_MAX) {
+        PyErr_Format(PyExc_ValueError, "trace capacity must be 0..%u records", TN_TRACE_MAX);
+        return NULL;
+    }
+    if (tn_trace_enable(g->e, (uint32_t)cap) < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags), ...], overflow) */
+static PyObject *engine_trace_take(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    Engine *g = (Engine *)op;
+    if (!ready(g))
+        return NULL;
+    PyObject *list = PyList_New(0);
+    if (!list)
+        return NULL;
+    struct tn_trace_rec recs[64];
+    size_t n;
+    while ((n = tn_trace_take(g->e, recs, 64)) > 0) {
+        for (size_t i = 0; i < n; i++) {
+            const struct tn_trace_rec *r = &recs[i];
+            PyObject *t = Py_BuildValue("(ilIKIIIIi)", (int)r->type,
+                                        r->slot == TN_TRACE_NO_FLOW ? -1L : (long)r->slot, r->gen,
+                                        (unsigned long long)r->t_ns, r->dur_ns, r->a, r->b, r->c,
+                                        (int)r->tcp_flags);
+            if (!t || PyList_Append(list, t) < 0) {
+                Py_XDECREF(t);
+                Py_DECREF(list);
+                return NULL;
+            }
+            Py_DECREF(t);
+        }
+    }
+    return Py_BuildValue("(NK)", list, (unsigned long long)tn_trace_overflow(g->e));
 }
 
 static PyObject *engine_forget_tap(PyObject *op, PyObject *unused)
@@ -871,7 +928,10 @@ static void fake_event(Engine *g, struct fake_sock *s, uint32_t ev, double now)
         ev &= ~TN_EV_OUT;
     if (!ev)
         return;
+    uint64_t t0 = tn_tracing(g->e) ? tn_clock_ns() : 0;
     tn_sock_event(g->e, s->tag, ev, now);
+    if (t0) /* one socket event: the wake-up of a real poll() that saw it */
+        tn_trace_wake(g->e, 1, 0, t0);
     tn_flush(g->e, now);
 }
 
@@ -1020,6 +1080,9 @@ static PyMethodDef engine_methods[] = {
     {"live", engine_live, METH_NOARGS, "live() -> flows alive"},
     {"fileno", engine_fileno, METH_NOARGS, "fileno() -> the epoll fd"},
     {"close", engine_close, METH_NOARGS, "close(): every socket aborted, the epoll closed"},
+    {"trace", engine_trace, METH_O, "trace(capacity): trace points on with a ring of capacity records (0: off)"},
+    {"trace_take", engine_trace_take, METH_NOARGS,
+     "trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags)], overflow): the trace records, oldest first"},
     {"forget_tap", engine_forget_tap, METH_NOARGS, "forget_tap(): the TAP fd is closing: write no frame to it"},
     {"pending", engine_pending, METH_NOARGS, "pending() -> bool: records wait to be taken (poll())"},
     {"hook_records", engine_hook_records, METH_O,

@@ -3,6 +3,8 @@
 #define _GNU_SOURCE
 #include "tcpnat.h"
 
+#include <time.h>
+
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -88,6 +90,14 @@ struct tn_engine {
     uint32_t rcv_wnd;          /* our window, bytes */
     double now;                /* the time of the call being run */
     struct tn_counters c;
+    /* trace points (tn_trace_enable): the ring, NULL while off */
+    struct tn_trace_rec *tr;
+    uint32_t tr_cap, tr_head, tr_len;
+    uint64_t tr_overflow;
+    uint32_t tr_out;           /* frames written since the last TN_TR_DRAIN */
+    uint32_t tr_slot;          /* ... the flow of the last one, */
+    uint8_t tr_mixed;          /* ... and whether they belong to more than one */
+    uint64_t tr_first_ns;      /* ... when the first was written */
     uint8_t hdr[12 + 14 + 40 + 60];
     uint8_t peek[TN_PEEK_MAX];
 };
@@ -451,6 +461,7 @@ void tn_free(struct tn_engine *e)
     free(e->htab);
     free(e->heap);
     free(e->ring);
+    free(e->tr);
     free(e);
 }
 
@@ -510,6 +521,135 @@ size_t tn_take_records(struct tn_engine *e, struct tn_record *out, size_t max)
         }
     }
     return n;
+}
+
+/* ------------------------------------------------------------------ trace points */
+
+/* One predictable branch per point while off; nothing at all with -DTN_NO_TRACE. */
+#ifdef TN_NO_TRACE
+#define TRACING(e) 0
+#else
+#define TRACING(e) __builtin_expect((e)->tr != NULL, 0)
+#endif
+
+uint64_t tn_clock_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+int tn_tracing(const struct tn_engine *e)
+{
+    return TRACING(e);
+}
+
+int tn_trace_enable(struct tn_engine *e, uint32_t capacity)
+{
+    if (capacity > TN_TRACE_MAX)
+        return -EINVAL;
+    free(e->tr);
+    e->tr = NULL;
+    e->tr_cap = e->tr_head = e->tr_len = 0;
+    e->tr_overflow = 0;
+    e->tr_out = 0;
+    e->tr_mixed = 0;
+    if (capacity == 0)
+        return 0;
+    e->tr = calloc(capacity, sizeof *e->tr);
+    if (!e->tr)
+        return -ENOMEM;
+    e->tr_cap = capacity;
+    return 0;
+}
+
+/* The next record of the ring (zeroed but for type, slot, gen and the time), or NULL when the
+ * ring is full (counted). */
+static struct tn_trace_rec *trace_rec(struct tn_engine *e, uint8_t type, const struct tn_flow *f, uint64_t t_ns)
+{
+    if (e->tr_len == e->tr_cap) {
+        e->tr_overflow++;
+        return NULL;
+    }
+    struct tn_trace_rec *r = &e->tr[(e->tr_head + e->tr_len++) % e->tr_cap];
+    memset(r, 0, sizeof *r);
+    r->type = type;
+    r->slot = f ? (uint32_t)(f - e->flows) : TN_TRACE_NO_FLOW;
+    r->gen = f ? f->gen : 0;
+    r->t_ns = t_ns;
+    return r;
+}
+
+static inline uint32_t clamp32(uint64_t v)
+{
+    return v > UINT32_MAX ? UINT32_MAX : (uint32_t)v;
+}
+
+/* A frame to the guest was written (send_seg): note it for the next TN_TR_DRAIN. */
+static void trace_out(struct tn_engine *e, const struct tn_flow *f)
+{
+    uint32_t slot = (uint32_t)(f - e->flows);
+    if (e->tr_out == 0) {
+        e->tr_first_ns = tn_clock_ns();
+        e->tr_mixed = 0;
+    } else if (slot != e->tr_slot) {
+        e->tr_mixed = 1;
+    }
+    e->tr_slot = slot;
+    e->tr_out++;
+}
+
+/* TN_TR_DRAIN: the frames written since the last one (nothing when none was). */
+static void trace_drain(struct tn_engine *e)
+{
+    if (e->tr_out == 0)
+        return;
+    uint64_t t = tn_clock_ns();
+    struct tn_trace_rec *r = trace_rec(e, TN_TR_DRAIN, NULL, t);
+    if (r) {
+        struct tn_flow *f = &e->flows[e->tr_slot];
+        r->slot = e->tr_slot;
+        r->gen = f->gen;
+        r->a = e->tr_out;
+        r->b = e->tr_mixed;
+        r->dur_ns = clamp32(t - e->tr_first_ns);
+    }
+    e->tr_out = 0;
+}
+
+void tn_trace_wake(struct tn_engine *e, uint32_t sock_events, uint32_t timer, uint64_t t0_ns)
+{
+    if (!TRACING(e))
+        return;
+    uint64_t t = tn_clock_ns();
+    struct tn_trace_rec *r = trace_rec(e, TN_TR_WAKE, NULL, t);
+    if (r) {
+        r->a = sock_events;
+        r->b = timer;
+        r->c = e->tr_out;
+        r->dur_ns = clamp32(t > t0_ns ? t - t0_ns : 0);
+    }
+}
+
+size_t tn_trace_take(struct tn_engine *e, struct tn_trace_rec *out, size_t max)
+{
+    size_t n = 0;
+    while (n < max && e->tr_len) {
+        out[n++] = e->tr[e->tr_head];
+        e->tr_head = (e->tr_head + 1) % e->tr_cap;
+        e->tr_len--;
+    }
+    return n;
+}
+
+uint64_t tn_trace_overflow(const struct tn_engine *e)
+{
+    return e->tr_overflow;
+}
+
+int tn_trace_pending(const struct tn_engine *e)
+{
+    return e->tr_len != 0;
 }
 
 /* ------------------------------------------------------------------ frames to the guest */
@@ -632,10 +772,13 @@ static void send_seg(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8
         wr16(t + 16, c);
     }
     struct iovec iov[2] = {{h, vh + 14 + iphl + thl}, {(void *)pay, plen}};
-    if (e->io.tap_write(e->io.ctx, iov, plen ? 2 : 1) < 0)
+    if (e->io.tap_write(e->io.ctx, iov, plen ? 2 : 1) < 0) {
         e->c.tap_write_errors++;
-    else
+    } else {
         e->c.frames_out++;
+        if (TRACING(e))
+            trace_out(e, f);
+    }
 }
 
 static void send_ack(struct tn_engine *e, struct tn_flow *f)
@@ -843,7 +986,7 @@ static struct tn_flow *alloc_flow(struct tn_engine *e)
     return f;
 }
 
-static void connected(struct tn_engine *e, struct tn_flow *f, double now)
+static void connected(struct tn_engine *e, struct tn_flow *f, double now, int at_once)
 {
     f->state = ST_SYN_RCVD;
     f->connect_until = 0;
@@ -851,6 +994,14 @@ static void connected(struct tn_engine *e, struct tn_flow *f, double now)
     send_seg(e, f, f->iss, TCP_SYN | TCP_ACK, NULL, 0);
     f->rto_at = now + f->rto;
     rearm(e, f);
+    if (TRACING(e)) {
+        struct tn_trace_rec *r = trace_rec(e, TN_TR_SYN_ACK, f, tn_clock_ns());
+        if (r) {
+            double us = (now - f->started) * 1e6;
+            r->a = us <= 0 ? 0 : clamp32((uint64_t)us);
+            r->b = (uint32_t)at_once;
+        }
+    }
 }
 
 static void connect_failed(struct tn_engine *e, struct tn_flow *f, int err)
@@ -863,7 +1014,17 @@ static void connect_failed(struct tn_engine *e, struct tn_flow *f, int err)
     }
 }
 
+static int adopt_in(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t *slot, uint32_t *gen);
+
 int tn_adopt(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t *slot, uint32_t *gen)
+{
+    int r = adopt_in(e, a, now, slot, gen);
+    if (TRACING(e)) /* a SYN-ACK (or RST) written at once leaves now: its drain */
+        trace_drain(e);
+    return r;
+}
+
+static int adopt_in(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t *slot, uint32_t *gen)
 {
     e->now = now;
     if (lookup(e, a->v6 ? 1 : 0, a->guest_ip, a->guest_port, a->dst_ip, a->dst_port))
@@ -930,7 +1091,7 @@ int tn_adopt(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t
         return w;
     }
     if (r == 0) {
-        connected(e, f, now);
+        connected(e, f, now, 1);
         return 0;
     }
     f->fl |= FL_WATCH_OUT;
@@ -1075,7 +1236,37 @@ static int rst_ok(struct tn_engine *e, struct tn_flow *f, uint32_t seq)
     return 0;
 }
 
+static int frame_in(struct tn_engine *e, const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok,
+                    double now);
+
 int tn_frame(struct tn_engine *e, const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok, double now)
+{
+    if (!TRACING(e))
+        return frame_in(e, buf, len, rec, csum_ok, now);
+    /* TN_TR_FRAME: the flow as found before the frame (it may end while processing it) */
+    const struct tn_flow *f = NULL;
+    if (rec->kind == DP_KIND_TCP && e->live)
+        f = lookup(e, (rec->flags & DP_F_IPV6) ? 1 : 0, rec->src, rec->sport, rec->dst, rec->dport);
+    uint64_t t0 = tn_clock_ns();
+    uint64_t out0 = e->c.frames_out;
+    uint32_t gen = f ? f->gen : 0;
+    int took = frame_in(e, buf, len, rec, csum_ok, now);
+    if (took && f) {
+        uint64_t t1 = tn_clock_ns();
+        struct tn_trace_rec *r = trace_rec(e, TN_TR_FRAME, f, t1);
+        if (r) {
+            r->gen = gen;
+            r->tcp_flags = rec->tcp_flags;
+            r->a = clamp32(len);
+            r->b = clamp32(e->c.frames_out - out0);
+            r->dur_ns = clamp32(t1 - t0);
+        }
+    }
+    return took;
+}
+
+static int frame_in(struct tn_engine *e, const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok,
+                    double now)
 {
     e->now = now;
     if (rec->kind != DP_KIND_TCP || e->live == 0)
@@ -1182,6 +1373,8 @@ void tn_flush(struct tn_engine *e, double now)
         if (f->fl & FL_ACK_DUE)
             send_ack(e, f);
     }
+    if (TRACING(e))
+        trace_drain(e);
 }
 
 /* ------------------------------------------------------------------ socket events and timers */
@@ -1200,7 +1393,7 @@ void tn_sock_event(struct tn_engine *e, uint64_t tag, uint32_t events, double no
             return;
         int r = e->io.sock_error(e->io.ctx, f->fd);
         if (r == 0 && !(events & TN_EV_ERR)) {
-            connected(e, f, now);
+            connected(e, f, now, 0);
             push_record(e, f, TN_REC_CONNECTED);
         } else {
             connect_failed(e, f, r ? -r : ECONNREFUSED);
@@ -1309,7 +1502,7 @@ void tn_timers(struct tn_engine *e, double now)
 
 int tn_records_pending(const struct tn_engine *e)
 {
-    return e->ring_len != 0;
+    return e->ring_len != 0 || e->tr_len != 0;
 }
 
 double tn_next_deadline(const struct tn_engine *e, double now, int timers_only)

@@ -225,6 +225,55 @@ const struct tn_counters *tn_counters(const struct tn_engine *e);
 uint32_t tn_live_flows(const struct tn_engine *e);
 uint32_t tn_capacity(const struct tn_engine *e);
 
+/* ------------------------------------------------------------------ trace points
+ * The native plane's own trace points (docs/observability.md, trace level "frames"): off (the
+ * default) each costs one predictable branch on a NULL ring; on (tn_trace_enable), each writes
+ * one fixed-size record into a bounded ring that Python drains (tn_trace_take) into the same
+ * OpenTelemetry spans as the Python path's. A full ring drops the new record and counts it
+ * (tn_trace_overflow); it never grows. Built with -DTN_NO_TRACE the points are compiled out
+ * (the A/B of their cost when off). Timestamps are CLOCK_MONOTONIC nanoseconds. */
+enum tn_trace_type {
+    TN_TR_FRAME = 1,   /* a guest frame of a native flow processed: a = frame bytes, b = frames it
+                        * queued to the guest, tcp_flags = its flags, dur_ns = processing time */
+    TN_TR_SYN_ACK = 2, /* the SYN-ACK of a new flow queued: a = host connect us, b = 1 when the
+                        * connect completed at once (inside tn_adopt) */
+    TN_TR_DRAIN = 3,   /* frames written to the guest since the last drain: a = frames, b = 1 when
+                        * they belong to more than one flow (slot: the last one's), dur_ns = from
+                        * the first write to the record */
+    TN_TR_WAKE = 4,    /* a poll wake-up of the engine's epoll: a = socket events, b = timer
+                        * expirations, c = frames written while running them, dur_ns = the time
+                        * it ran them; slot TN_TRACE_NO_FLOW */
+};
+#define TN_TRACE_NO_FLOW UINT32_MAX
+/* Largest ring tn_trace_enable() takes (records of 40 bytes: 40 MiB). */
+#define TN_TRACE_MAX (1u << 20)
+
+/* One trace record: fixed size, written in place in the ring. t_ns: when the point ended
+ * (CLOCK_MONOTONIC ns); it began dur_ns before. */
+struct tn_trace_rec {
+    uint8_t type, tcp_flags;
+    uint16_t pad;
+    uint32_t slot, gen;
+    uint32_t a, b, c;
+    uint32_t dur_ns;
+    uint64_t t_ns;
+};
+
+/* Switch the trace points on with a ring of capacity records (1..TN_TRACE_MAX; the ring is
+ * allocated once), or off with 0 (records not taken are dropped). 0, -EINVAL, -ENOMEM. */
+int tn_trace_enable(struct tn_engine *e, uint32_t capacity);
+/* Move up to max trace records, oldest first, into out; returns how many. */
+size_t tn_trace_take(struct tn_engine *e, struct tn_trace_rec *out, size_t max);
+/* Records dropped because the ring was full (since tn_trace_enable). */
+uint64_t tn_trace_overflow(const struct tn_engine *e);
+/* Trace records wait to be taken. */
+int tn_trace_pending(const struct tn_engine *e);
+/* The binding's wake-up point: one TN_TR_WAKE record (t0_ns: when the wake-up began). */
+void tn_trace_wake(struct tn_engine *e, uint32_t sock_events, uint32_t timer, uint64_t t0_ns);
+/* Tracing is on (the binding's test before it reads the clock for tn_trace_wake). */
+int tn_tracing(const struct tn_engine *e);
+uint64_t tn_clock_ns(void);
+
 /* The hash of the guest side's 5-tuple (exposed for the tests of its spread). */
 uint64_t tn_hash(const uint64_t key[2], int v6, const uint8_t *gip, uint16_t gport, const uint8_t *dip, uint16_t dport);
 

@@ -390,12 +390,13 @@ class Tracer:
                 rec.span.add_event("host.data", {"aioslirp.bytes": nbytes})
 
     @_safe
-    def record_syn_ack(self, flow, connect_time: float, immediate: bool) -> None:
+    def record_syn_ack(self, flow, connect_time: float, immediate: bool, at: int | None = None) -> None:
         """Trace point 2: the SYN-ACK of a new guest connection was queued (``conn.accept``).
 
-        ``connect_time``: seconds the host connect took; ``immediate``: no host connect was needed.
+        ``connect_time``: seconds the host connect took; ``immediate``: no host connect was needed;
+        ``at``: when the SYN-ACK was queued (``time.time_ns()``; ``None``: now).
         """
-        t1 = _now()
+        t1 = _now() if at is None else at
         t0 = t1 if immediate else t1 - int(connect_time * 1e9)
         rec = self.records.get(flow)
         connect_us = int(connect_time * 1e6)
@@ -555,6 +556,56 @@ class Tracer:
                                                   "aioslirp.wait_us.max": wmax / 1000.0,
                                                   "aioslirp.wait_us.min": wmin / 1000.0, **self.guest})
             sp.end(end_time=t1)
+
+    # ------------------------------------------------------------------ the native plane
+    # Trace points 1, 3 and 4 of the native data plane (aioslirp.nat.native_tcp drains the C
+    # engine's trace ring into these; point 2 is record_syn_ack with ``at``). Times are
+    # ``time.time_ns()`` values; ``flow`` is the flow table's entry, or None once it left.
+
+    @_safe
+    def record_native_frame(self, flow, t0: int, t1: int, nbytes: int, queued: int, flags: int) -> None:
+        """Trace point 1 on the native plane: a guest frame of ``flow`` (``nbytes`` long, TCP
+        ``flags``) processed from ``t0`` to ``t1`` in C, putting ``queued`` frames out to the guest."""
+        rec = self.records.get(flow) if flow is not None else None
+        attrs = {"aioslirp.frame.bytes": nbytes, "aioslirp.frames_queued": queued,
+                 "aioslirp.processing_us": (t1 - t0) / 1000.0, "network.transport": "tcp",
+                 "aioslirp.plane": "native"}
+        if flow is not None:
+            v6 = len(flow.key[1]) == 16
+            attrs["aioslirp.ethertype"] = 0x86DD if v6 else 0x0800
+            attrs["network.type"] = "ipv6" if v6 else "ipv4"
+        if flags:
+            attrs["aioslirp.tcp.flags"] = _flags_text(flags)
+        attrs.update(self.guest)
+        sp = self.otel.start_span("process_guest_frame", context=rec.ctx if rec is not None else None,
+                                  attributes=attrs, start_time=t0)
+        sp.end(end_time=t1)
+
+    @_safe
+    def record_native_drain(self, flows, t0: int, t1: int, frames: int) -> None:
+        """Trace point 3 on the native plane: ``frames`` written to the guest by C from ``t0`` to
+        ``t1``, of ``flows`` (the one flow whose frames they all were, else empty: many)."""
+        from opentelemetry.trace import Link
+
+        recs = [r for r in (self.records.get(f) for f in flows) if r is not None]
+        ctx = recs[0].ctx if len(recs) == 1 else None
+        links = [Link(r.span.get_span_context()) for r in recs] if recs else None
+        sp = self.otel.start_span("drain_to_guest", context=ctx, links=links, start_time=t0,
+                                  attributes={"aioslirp.frames": frames, "aioslirp.queue_depth": 0,
+                                              "aioslirp.drain_us": (t1 - t0) / 1000.0,
+                                              "aioslirp.plane": "native", **self.guest})
+        sp.end(end_time=t1)
+
+    @_safe
+    def record_native_wake(self, t0: int, t1: int, socket_events: int, timers: int, frames: int) -> None:
+        """Trace point 4 on the native plane: the engine's epoll woke the loop; from ``t0`` to ``t1``
+        C ran ``socket_events`` socket readinesses and ``timers`` timer expirations, writing
+        ``frames`` frames to the guest."""
+        sp = self.otel.start_span("writer_wake", start_time=t0,
+                                  attributes={"aioslirp.frames": frames, "aioslirp.events.socket": socket_events,
+                                              "aioslirp.events.timer": timers, "aioslirp.wake_us": (t1 - t0) / 1000.0,
+                                              "aioslirp.plane": "native", **self.guest})
+        sp.end(end_time=t1)
 
     # ------------------------------------------------------------------ the end
     @_safe

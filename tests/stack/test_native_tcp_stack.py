@@ -110,7 +110,7 @@ async def test_a_native_flow_gets_its_flow_span_at_trace_level_flows():
     stack = Stack(NetworkConfig(trace_level="flows"), tracer_provider=provider)
     await stack.start()
     ctx = stack.parts.ctx
-    assert ctx.tracer is None  # what lets NativeTcp.start run TCP flows natively
+    assert ctx.tracer is None  # no timeline: the engine's trace points stay off
     eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
     ctx.native_tcp = NativeTcp(ctx, eng)
     try:
@@ -125,6 +125,58 @@ async def test_a_native_flow_gets_its_flow_span_at_trace_level_flows():
         assert span.attributes["aioslirp.bytes.from_guest"] == 3 and span.attributes["aioslirp.bytes.to_guest"] == 0
         assert span.attributes["aioslirp.tcp.outcome"] == "reset"
         assert stack.tracer.errors == 0
+    finally:
+        ctx.native_tcp.close()
+        ctx.native_tcp = None
+        await stack.aclose()
+
+
+async def test_at_trace_level_frames_native_flows_stay_native_and_trace_from_the_ring():
+    """At ``trace_level`` ``frames`` the engine's trace points are on and :meth:`NativeTcp.poll` drains
+    its ring into the Python path's spans: ``tcp.syn_ack`` and ``process_guest_frame`` children of
+    the native flow's span, ``drain_to_guest`` of that flow, ``writer_wake`` with its event counts."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    ext = need_extension()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stack = Stack(NetworkConfig(trace_level="frames"), tracer_provider=provider)
+    await stack.start()
+    ctx = stack.parts.ctx
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
+    eng.fake_connect_mode(errno.EINPROGRESS)
+    ctx.native_tcp = NativeTcp(ctx, eng, frames_traced=True)
+    try:
+        stack.parts.link.on_frames([tcp_frame(F4, 40004, 8080, SYN, seq=5, mss=1460)])
+        (flow,) = stack.parts.flows.values()
+        assert isinstance(flow, NativeTcpFlow)  # traced, and still native
+        eng.fake_connect_done(eng.fake_fds()[0], 0, flow.started + 0.002)  # 2 ms of host connect
+        (synack,) = eng.fake_frames()
+        iss = int.from_bytes(synack[38:42], "big")
+        assert eng.input(tcp_frame(F4, 40004, 8080, ACK, seq=6, ack=iss + 1, data=b"abc"), False, flow.started + 0.003)
+        ctx.native_tcp.poll()
+        spans = exporter.get_finished_spans()
+        by_name: dict = {}
+        for s in spans:
+            by_name.setdefault(s.name, []).append(s)
+        (syn_ack,) = by_name["tcp.syn_ack"]
+        assert syn_ack.attributes["aioslirp.connect_us"] == 2000 and syn_ack.attributes["server.port"] == 8080
+        flow_ctx = syn_ack.parent
+        assert flow_ctx is not None
+        (frame,) = [s for s in by_name["process_guest_frame"] if s.attributes.get("aioslirp.plane") == "native"]
+        assert frame.parent.span_id == flow_ctx.span_id
+        assert frame.attributes["aioslirp.tcp.flags"] == "A"
+        assert frame.attributes["aioslirp.frame.bytes"] == 57 and frame.attributes["network.type"] == "ipv4"
+        drains = [s for s in by_name["drain_to_guest"] if s.attributes.get("aioslirp.plane") == "native"]
+        assert [d.attributes["aioslirp.frames"] for d in drains] == [1, 1]  # the SYN-ACK, the data's ACK
+        assert all(d.parent.span_id == flow_ctx.span_id for d in drains)
+        (wake,) = by_name["writer_wake"]
+        assert wake.attributes["aioslirp.events.socket"] == 1 and wake.attributes["aioslirp.frames"] == 1
+        assert all(s.end_time >= s.start_time for s in spans)
+        assert stack.tracer.errors == 0 and eng.counters()["trace_overflow"] == 0
     finally:
         ctx.native_tcp.close()
         ctx.native_tcp = None
