@@ -245,12 +245,12 @@ def test_tcp_paced_at_the_cap_without_loss(direction):
 
 # ------------------------------------------------------------------ TCP under iperf3, a real guest
 def _iperf3_server() -> tuple[subprocess.Popen, int]:
-    """``iperf3 -s -1`` (one test, then exit) on 127.0.0.1 of the test namespace; (process, port)."""
+    """``iperf3 -s -1 -J`` (one test, then exit; its report on stdout) on 127.0.0.1 of the test namespace; (process, port)."""
     with socket.socket() as probe:  # a free port (iperf3 reports none when given 0)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    srv = subprocess.Popen(["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    srv = subprocess.Popen(["iperf3", "-s", "-1", "-J", "-B", "127.0.0.1", "-p", str(port)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     want = f"0100007F:{port:04X}"
     for _ in range(250):  # until it listens (read from /proc: a probe connection would be its one test)
         with open("/proc/net/tcp") as f:
@@ -263,7 +263,7 @@ def _iperf3_server() -> tuple[subprocess.Popen, int]:
 @pytest.mark.parametrize("direction", ["up", "down"])
 def test_iperf3_holds_the_cap_both_ways(direction):
     """``--rate-limit {up,down}=20mbit`` and iperf3 in the guest (``-R`` for down): the rate the
-    receiver measured is the cap within +-10%, and the sender reports its retransmits."""
+    receiver measured is the cap within 20% (iperf3's clocks on a loaded machine), and the sender reports its retransmits."""
     need_tool("iperf3", "iperf3")
     dns = DnsUpstream()
     srv, port = _iperf3_server()
@@ -271,7 +271,7 @@ def test_iperf3_holds_the_cap_both_ways(direction):
     cmd = ["iperf3", "-c", "10.0.2.2", "-p", str(port), "-t", "4", "-J"] + (["-R"] if direction == "down" else [])
     try:
         p = run_guest({"dns": dns}, "", "--rate-limit", f"{direction}=20mbit", cmd=cmd, timeout=60)
-        srv.wait(timeout=10)
+        server_out, _ = srv.communicate(timeout=10)
     finally:
         if srv.poll() is None:
             srv.kill()
@@ -279,11 +279,21 @@ def test_iperf3_holds_the_cap_both_ways(direction):
         dns.close()
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
     res = json.loads(p.stdout)
-    assert "error" not in res, (res.get("error"), srv.stderr.read()[-2000:] if srv.stderr else b"")
+    assert "error" not in res, res.get("error")
     end = res["end"]
     received = end["sum_received"]["bits_per_second"]
     sent = end["sum_sent"]
-    assert cap_bps * 0.9 <= received <= cap_bps * 1.1, (received, sent)
+    # iperf3's own clocks, on a loaded machine, are looser than the cap: a receiver starved of CPU
+    # reads in bursts (1-second intervals of 20/24/31 Mbit/s seen under a parallel build), and the
+    # totals run over by what the buffers on the way absorb. So iperf3 shows the cap within 20%
+    # (the median of the receiver's intervals after the first: the host server's for up, the
+    # guest client's for down; the total within -20%/+25%); the exact +-10% of the pacing is
+    # asserted above by test_tcp_paced_at_the_cap_without_loss, on bytes the test counts itself.
+    receiver = json.loads(server_out) if direction == "up" else res
+    steady = sorted(i["sum"]["bits_per_second"] for i in receiver["intervals"][1:])
+    median = steady[len(steady) // 2]
+    assert cap_bps * 0.8 <= median <= cap_bps * 1.2, (median, steady, received)
+    assert cap_bps * 0.8 <= received <= cap_bps * 1.25, (received, sent)
     assert end["sum_received"]["seconds"] >= 3.5
     assert isinstance(sent["retransmits"], int) and sent["retransmits"] >= 0  # the sender (guest or host) reports them
     assert res["start"]["test_start"]["reverse"] == (1 if direction == "down" else 0)
