@@ -96,25 +96,31 @@ class NativeTcpFlow:
     forward_id = None
 
     __slots__ = ("key", "guest_ip", "guest_port", "dst_ip", "dst_port", "remote", "started", "name", "rule",
-                 "_outcome", "_plane", "slot", "gen", "_final", "orig_header", "fam", "transport", "done")
+                 "_outcome", "_plane", "slot", "gen", "_final", "orig_header", "fam", "transport")
 
-    def __init__(self, plane: "NativeTcp", fam, key: tuple, remote: str, orig_header: bytes, now: float) -> None:
+    def __init__(self, plane: "NativeTcp", fam, key: tuple, remote: str, orig_header: bytes, now: float,
+                 slot: int, gen: int, transport: "NativeTcp | None") -> None:
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.remote = remote
         self.started = now
         self._outcome: str | None = None
         self._plane = plane
-        self.slot = self.gen = -1
+        self.slot = slot
+        self.gen = gen
         self._final: tuple[int, int] | None = None  # (bytes_up, bytes_down) once ended
         self.orig_header = orig_header
         self.fam = fam
         #: ``None`` while the host connect is pending (the guard counts pending connects by it),
         #: then the :class:`NativeTcp` that moves its bytes.
-        self.transport: NativeTcp | None = None
-        #: ``done.done()``: the flow ended (:class:`_Ended`).
-        self.done = _Ended(self)
+        self.transport = transport
         self.name, self.rule = admission(plane.ctx, self, remote)
+
+    @property
+    def done(self) -> _Ended:
+        """``done.done()``: the flow ended (:class:`_Ended`; made when asked, as the guard asks
+        only of a pending connect)."""
+        return _Ended(self)
 
     def _info(self):
         if self._final is not None or self.slot < 0:
@@ -255,21 +261,18 @@ class NativeTcp:
             host = socket.inet_pton(socket.AF_INET6 if v6 else socket.AF_INET, remote)
         except OSError:
             return False  # not a numeric address of the family: the Python path
-        flow = NativeTcpFlow(self, fam, key, remote, orig_header, now)
-        eth = fam.eth_to(src)
+        mss, wscale = seg.mss, seg.wscale
         status, slot, gen = self.engine.adopt(
-            v6, eth[:6], src, sport, dst, dport, host, dport, seg.seq, random.getrandbits(32),
-            -1 if seg.mss is None else seg.mss, -1 if seg.wscale is None else seg.wscale, seg.wnd, now)
-        if status in (-errno.ENOSPC, -errno.EEXIST):
+            v6, fam.eth_to(src)[:6], src, sport, dst, dport, host, dport, seg.seq, random.getrandbits(32),
+            -1 if mss is None else mss, -1 if wscale is None else wscale, seg.wnd, now)
+        if status == -errno.ENOSPC or status == -errno.EEXIST:
             return False
-        flow.slot, flow.gen = slot, gen
+        # connected at once (status 0, the usual case towards loopback): the table entry is never
+        # a pending connect for the guard (as if it had been counted and forgotten at once)
+        flow = NativeTcpFlow(self, fam, key, remote, orig_header, now, slot, gen, self if status == 0 else None)
         self.flows[(slot, gen)] = flow
-        table = self.ctx.table
-        table.add(flow)
-        if status == 0:
-            flow.transport = self
-            self.ctx.guard.connected(flow)
-        elif status < 0:
+        self.ctx.table.add(flow)
+        if status < 0:
             self.poll()  # its end is queued: counted, the ICMP error, out of the table
         return True
 
