@@ -244,7 +244,7 @@ class NativeTcp:
                                float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT,
                                **cls.engine_options)
         plane = cls(ctx, engine)
-        attach(engine, plane.poll)
+        attach(engine, plane.take)
         ident = ctx.identity
         log.info("%snative data plane: guest TCP flows run in C (peek offset: %s)", ident.log_prefix,
                  "SO_PEEK_OFF" if engine.counters().get("peek_off") else "a discard buffer", extra=ident.log_extra)
@@ -290,6 +290,18 @@ class NativeTcp:
             records = self.engine.poll()
         except ValueError:  # closed
             return
+        self._records(records)
+
+    def take(self) -> None:
+        """Take the engine's records, nothing else (the TAP reader's hook after a batch that ended
+        flows: the socket events are this object's reader's, not a second ``epoll_wait``)."""
+        try:
+            records = self.engine.records()
+        except ValueError:  # closed
+            return
+        self._records(records)
+
+    def _records(self, records: list) -> None:
         for slot, gen, kind, outcome, why, err, up, down in records:
             flow = self.flows.get((slot, gen))
             if flow is None:

@@ -319,3 +319,18 @@ def test_the_same_tuple_cannot_be_adopted_twice():
     f = EngineFlow()
     g = EngineFlow(engine=f.e)
     assert g.status == -errno.EEXIST
+
+
+@V
+def test_records_takes_the_end_records_alone_without_running_timers(v6):
+    """``records()`` (what the TAP reader's hook takes after a batch that ended flows): the records
+    waiting, as ``poll()`` returns them, and nothing else: no socket event, no timer runs (a due
+    retransmission of another flow waits for ``poll()``)."""
+    f = EngineFlow(v6).established()
+    other = EngineFlow(v6, engine=f.e, gport=41000)  # its SYN-ACK unacknowledged: a retransmission due later
+    assert len(other.out()) == 1 and f.e.records() == []
+    f.send(RST | ACK, seq=IRS + 1)
+    (rec,) = f.e.records()
+    assert rec[:4] == (f.slot, f.gen, REC_ENDED, OUT_RESET)
+    assert f.e.records() == [] and other.out() == []  # taken once; no timer ran
+    assert f.e.poll(5.0) == [] and [s.flags for s in other.out()] == [SYN | ACK]  # poll() runs them
