@@ -107,6 +107,28 @@ async def test_an_ended_native_flow_is_freed_at_once_not_by_the_cycle_collector(
         await stack.aclose()
 
 
+async def test_a_flow_the_full_engine_leaves_to_python_keeps_the_egress_rule_that_allowed_it():
+    """The engine has no room: the Python path takes the SYN, and its flow carries the egress rule
+    that let it through (the audit record's ``rule``), as the native flows do; the admission's
+    decision is not taken by a native flow that was never made."""
+    ext = need_extension()
+    stack = Stack(NetworkConfig(egress_allow=["127.0.0.0/8"]))
+    await stack.start()
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 1, 1 << 20, 60.0, 10.0, 1.0, fake=True)
+    ctx = stack.parts.ctx
+    ctx.native_tcp = NativeTcp(ctx, eng)
+    try:
+        stack.parts.link.on_frames([tcp_frame(F4, 40010, 8080, SYN, seq=5, mss=1460)])
+        stack.parts.link.on_frames([tcp_frame(F4, 40011, 8080, SYN, seq=5, mss=1460)])  # no room in the engine
+        flows = {f.guest_port: f for f in stack.parts.flows.values()}
+        assert isinstance(flows[40010], NativeTcpFlow) and not isinstance(flows[40011], NativeTcpFlow)
+        assert flows[40010].rule == flows[40011].rule == "127.0.0.0/8"
+    finally:
+        ctx.native_tcp.close()
+        ctx.native_tcp = None
+        await stack.aclose()
+
+
 async def test_syns_to_a_destination_whose_connects_hang_meet_the_pending_bound():
     """Native flows count as pending connects in the guard until the engine connects them (or they
     end), as Python flows do: a flood of SYNs to one destination meets the per-destination bound
