@@ -111,25 +111,31 @@ class NativeTcpFlow:
     forward_id = None
 
     __slots__ = ("key", "guest_ip", "guest_port", "dst_ip", "dst_port", "remote", "started", "name", "rule",
-                 "_outcome", "_plane", "slot", "gen", "_final", "orig_header", "fam", "transport", "done")
+                 "_outcome", "_plane", "slot", "gen", "_final", "orig_header", "fam", "transport")
 
-    def __init__(self, plane: "NativeTcp", fam, key: tuple, remote: str, orig_header: bytes, now: float) -> None:
+    def __init__(self, plane: "NativeTcp", fam, key: tuple, remote: str, orig_header: bytes, now: float,
+                 slot: int, gen: int, transport: "NativeTcp | None") -> None:
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.remote = remote
         self.started = now
         self._outcome: str | None = None
         self._plane = plane
-        self.slot = self.gen = -1
+        self.slot = slot
+        self.gen = gen
         self._final: tuple[int, int] | None = None  # (bytes_up, bytes_down) once ended
         self.orig_header = orig_header
         self.fam = fam
         #: ``None`` while the host connect is pending (the guard counts pending connects by it),
         #: then the :class:`NativeTcp` that moves its bytes.
-        self.transport: NativeTcp | None = None
-        #: ``done.done()``: the flow ended (:class:`_Ended`).
-        self.done = _Ended(self)
+        self.transport = transport
         self.name, self.rule = admission(plane.ctx, self, remote)
+
+    @property
+    def done(self) -> _Ended:
+        """``done.done()``: the flow ended (:class:`_Ended`; made when asked, as the guard asks
+        only of a pending connect)."""
+        return _Ended(self)
 
     def _info(self):
         if self._final is not None or self.slot < 0:
@@ -259,7 +265,7 @@ class NativeTcp:
                                float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT,
                                **cls.engine_options)
         plane = cls(ctx, engine, frames_traced)
-        attach(engine, plane.poll)
+        attach(engine, plane.take)
         ident = ctx.identity
         log.info("%snative data plane: guest TCP flows run in C (peek offset: %s)", ident.log_prefix,
                  "SO_PEEK_OFF" if engine.counters().get("peek_off") else "a discard buffer", extra=ident.log_extra)
@@ -276,21 +282,18 @@ class NativeTcp:
             host = socket.inet_pton(socket.AF_INET6 if v6 else socket.AF_INET, remote)
         except OSError:
             return False  # not a numeric address of the family: the Python path
-        flow = NativeTcpFlow(self, fam, key, remote, orig_header, now)
-        eth = fam.eth_to(src)
+        mss, wscale = seg.mss, seg.wscale
         status, slot, gen = self.engine.adopt(
-            v6, eth[:6], src, sport, dst, dport, host, dport, seg.seq, random.getrandbits(32),
-            -1 if seg.mss is None else seg.mss, -1 if seg.wscale is None else seg.wscale, seg.wnd, now)
-        if status in (-errno.ENOSPC, -errno.EEXIST):
+            v6, fam.eth_to(src)[:6], src, sport, dst, dport, host, dport, seg.seq, random.getrandbits(32),
+            -1 if mss is None else mss, -1 if wscale is None else wscale, seg.wnd, now)
+        if status == -errno.ENOSPC or status == -errno.EEXIST:
             return False
-        flow.slot, flow.gen = slot, gen
+        # connected at once (status 0, the usual case towards loopback): the table entry is never
+        # a pending connect for the guard (as if it had been counted and forgotten at once)
+        flow = NativeTcpFlow(self, fam, key, remote, orig_header, now, slot, gen, self if status == 0 else None)
         self.flows[(slot, gen)] = flow
-        table = self.ctx.table
-        table.add(flow)
-        if status == 0:
-            flow.transport = self
-            self.ctx.guard.connected(flow)
-        elif status < 0:
+        self.ctx.table.add(flow)
+        if status < 0:
             self.poll()  # its end is queued: counted, the ICMP error, out of the table
         return True
 
@@ -308,6 +311,18 @@ class NativeTcp:
             records = self.engine.poll()
         except ValueError:  # closed
             return
+        self._records(records)
+
+    def take(self) -> None:
+        """Take the engine's records, nothing else (the TAP reader's hook after a batch that ended
+        flows: the socket events are this object's reader's, not a second ``epoll_wait``)."""
+        try:
+            records = self.engine.records()
+        except ValueError:  # closed
+            return
+        self._records(records)
+
+    def _records(self, records: list) -> None:
         if self.tracer is not None:  # before the ends below: their flows are still known
             self._drain_trace()
         for slot, gen, kind, outcome, why, err, up, down in records:

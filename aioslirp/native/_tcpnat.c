@@ -13,6 +13,7 @@
  *     .input(frame, csum_ok, now) -> bool             (one guest frame, no vnet header)
  *     .close_flow(slot, gen, now) -> bool
  *     .info(slot, gen) -> (state, last_active, bytes_up, bytes_down, snd_wnd, rcv_wnd) | None
+ *     .records() -> the records of poll() alone (no socket events, no timers)
  *     .counters() -> dict; .live() -> int; .forget_tap(); .pending() -> bool; .hook_records(on); .close()
  *     .trace(capacity)                                 (trace points on, a ring of capacity records; 0 off)
  *     .trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags), ...], overflow)  (slot -1: no flow)
@@ -811,6 +812,15 @@ static PyObject *engine_pending(PyObject *op, PyObject *unused)
     return PyBool_FromLong(g->e && tn_records_pending(g->e));
 }
 
+static PyObject *engine_records(PyObject *op, PyObject *unused)
+{
+    Engine *g = (Engine *)op;
+    (void)unused;
+    if (!ready(g))
+        return NULL;
+    return take_records(g);
+}
+
 static PyObject *engine_hook_records(PyObject *op, PyObject *arg)
 {
     Engine *g = (Engine *)op;
@@ -1085,6 +1095,7 @@ static PyMethodDef engine_methods[] = {
      "trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags)], overflow): the trace records, oldest first"},
     {"forget_tap", engine_forget_tap, METH_NOARGS, "forget_tap(): the TAP fd is closing: write no frame to it"},
     {"pending", engine_pending, METH_NOARGS, "pending() -> bool: records wait to be taken (poll())"},
+    {"records", engine_records, METH_NOARGS, "records() -> the records waiting (poll() without its events and timers)"},
     {"hook_records", engine_hook_records, METH_O,
      "hook_records(on): the TAP reader's caller asks pending() after each batch and polls: no timer wake-up for them"},
     {"fake_connect_mode", fake_connect_mode, METH_O, "fake: connects of new sockets give this errno (0: at once)"},

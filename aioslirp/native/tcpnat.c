@@ -1148,14 +1148,14 @@ static void take_ack(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint3
     /* the window, from a segment no older than the one that set it last (RFC 9293 3.10.7.4) */
     if (SEQ_GE(ack, f->snd_una) &&
         (SEQ_LT(f->snd_wl1, seq) || (f->snd_wl1 == seq && SEQ_LE(f->snd_wl2, ack)))) {
-        int opened = SEQ_GT(ack + wnd, f->snd_wl2 + f->snd_wnd);
+        /* A window that opens needs no new look at the socket: from_sock() clears FL_RX_READY only
+         * when a peek found it drained, never when the window held bytes back (a peek for every
+         * ACK that moves the edge would mostly find nothing: EAGAIN, a system call per ACK). */
         f->snd_wnd = wnd;
         f->snd_wl1 = seq;
         f->snd_wl2 = ack;
         if (wnd)
             f->persist_at = 0;
-        if (opened)
-            f->fl |= FL_RX_READY; /* the socket may hold what the closed window held back */
     }
     rearm(e, f);
 }
@@ -1389,6 +1389,8 @@ void tn_sock_event(struct tn_engine *e, uint64_t tag, uint32_t events, double no
     if (f->gen != gen || !(f->fl & FL_SOCK_OPEN))
         return;
     if (f->state == ST_CONNECTING) {
+        if (events & TN_EV_IN) /* the host spoke first: its bytes go once the guest's handshake completes */
+            f->fl |= FL_RX_READY;
         if (!(events & (TN_EV_OUT | TN_EV_ERR | TN_EV_HUP)))
             return;
         int r = e->io.sock_error(e->io.ctx, f->fd);

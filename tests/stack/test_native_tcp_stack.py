@@ -4,6 +4,7 @@ engine's fake sockets (no TAP, no kernel TCP): what L4 hands it, what stays in t
 from __future__ import annotations
 
 import errno
+import gc
 
 from aioslirp import NetworkConfig, Stack
 from aioslirp.nat.native_tcp import NativeTcp, NativeTcpFlow
@@ -69,6 +70,62 @@ async def test_a_guest_rst_ends_the_flow_and_its_table_entry():
     finally:
         stack.parts.ctx.native_tcp.close()
         stack.parts.ctx.native_tcp = None
+        await stack.aclose()
+
+
+async def test_an_ended_native_flow_is_freed_at_once_not_by_the_cycle_collector():
+    """The Python side of a native flow (its table entry and what the guard asks of it) holds no
+    reference cycle: once its end record is taken nothing of it is left for the cyclic GC, which
+    would otherwise run and walk every live object again and again at thousands of connections
+    a second. Flows connected at once, after a pending connect, and refused."""
+    stack, eng = await _stack_with_fake_engine(max_flows=64)
+    ctx = stack.parts.ctx
+    gc.collect()
+    gc.disable()
+    try:
+        for port in range(41000, 41020):  # connected at once: a guest RST ends each
+            stack.parts.link.on_frames([tcp_frame(F4, port, 8080, SYN, seq=5, mss=1460)])
+            assert eng.input(tcp_frame(F4, port, 8080, RST, seq=6), False, 0.0)
+            ctx.native_tcp.poll()
+        eng.fake_connect_mode(errno.EINPROGRESS)
+        for port in range(41100, 41110):  # a pending connect, then connected, then reset
+            stack.parts.link.on_frames([tcp_frame(F4, port, 8080, SYN, seq=5, mss=1460)])
+            eng.fake_connect_done(eng.fake_fds()[-1], 0, 0.0)
+            ctx.native_tcp.poll()
+            assert eng.input(tcp_frame(F4, port, 8080, RST, seq=6), False, 0.0)
+            ctx.native_tcp.poll()
+        eng.fake_connect_mode(errno.ECONNREFUSED)
+        for port in range(41200, 41210):
+            stack.parts.link.on_frames([tcp_frame(F4, port, 8080, SYN, seq=5, mss=1460)])
+        assert not stack.parts.flows and stack.counters["flows.tcp.opened"] == 40
+        assert stack.counters["tcp_connect_refused"] == 10 and stack.counters["tcp_resets"] == 30
+        assert [o for o in gc.get_objects() if isinstance(o, NativeTcpFlow)] == []
+    finally:
+        gc.enable()
+        ctx.native_tcp.close()
+        ctx.native_tcp = None
+        await stack.aclose()
+
+
+async def test_a_flow_the_full_engine_leaves_to_python_keeps_the_egress_rule_that_allowed_it():
+    """The engine has no room: the Python path takes the SYN, and its flow carries the egress rule
+    that let it through (the audit record's ``rule``), as the native flows do; the admission's
+    decision is not taken by a native flow that was never made."""
+    ext = need_extension()
+    stack = Stack(NetworkConfig(egress_allow=["127.0.0.0/8"]))
+    await stack.start()
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 1, 1 << 20, 60.0, 10.0, 1.0, fake=True)
+    ctx = stack.parts.ctx
+    ctx.native_tcp = NativeTcp(ctx, eng)
+    try:
+        stack.parts.link.on_frames([tcp_frame(F4, 40010, 8080, SYN, seq=5, mss=1460)])
+        stack.parts.link.on_frames([tcp_frame(F4, 40011, 8080, SYN, seq=5, mss=1460)])  # no room in the engine
+        flows = {f.guest_port: f for f in stack.parts.flows.values()}
+        assert isinstance(flows[40010], NativeTcpFlow) and not isinstance(flows[40011], NativeTcpFlow)
+        assert flows[40010].rule == flows[40011].rule == "127.0.0.0/8"
+    finally:
+        ctx.native_tcp.close()
+        ctx.native_tcp = None
         await stack.aclose()
 
 

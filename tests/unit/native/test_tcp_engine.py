@@ -319,3 +319,38 @@ def test_the_same_tuple_cannot_be_adopted_twice():
     f = EngineFlow()
     g = EngineFlow(engine=f.e)
     assert g.status == -errno.EEXIST
+
+
+@V
+def test_records_takes_the_end_records_alone_without_running_timers(v6):
+    """``records()`` (what the TAP reader's hook takes after a batch that ended flows): the records
+    waiting, as ``poll()`` returns them, and nothing else: no socket event, no timer runs (a due
+    retransmission of another flow waits for ``poll()``)."""
+    f = EngineFlow(v6).established()
+    other = EngineFlow(v6, engine=f.e, gport=41000)  # its SYN-ACK unacknowledged: a retransmission due later
+    assert len(other.out()) == 1 and f.e.records() == []
+    f.send(RST | ACK, seq=IRS + 1)
+    (rec,) = f.e.records()
+    assert rec[:4] == (f.slot, f.gen, REC_ENDED, OUT_RESET)
+    assert f.e.records() == [] and other.out() == []  # taken once; no timer ran
+    assert f.e.poll(5.0) == [] and [s.flags for s in other.out()] == [SYN | ACK]  # poll() runs them
+
+
+@V
+@pytest.mark.parametrize("when", ["connecting", "syn_received"])
+def test_host_bytes_sent_before_the_handshake_completes_reach_the_guest(v6, when):
+    """A host that speaks first (an SSH or SMTP banner) before the guest's handshake completed: its
+    bytes go to the guest right after the guest's ACK, with no further host event (the socket's
+    edge-triggered event came before; no ACK of the guest is needed to look again)."""
+    f = EngineFlow(v6, connect=errno.EINPROGRESS)
+    assert f.out() == []  # no SYN-ACK before the host connect completes
+    if when == "connecting":
+        f.host_send(b"SSH-2.0-x\r\n")
+    f.e.fake_connect_done(f.fd, 0, 0.0)
+    if when == "syn_received":
+        f.host_send(b"SSH-2.0-x\r\n")
+    (synack,) = f.out()
+    assert synack.flags == SYN | ACK
+    assert f.send(ACK)
+    (seg,) = f.out()
+    assert seg.payload == b"SSH-2.0-x\r\n" and seg.seq == M(ISS + 1)
