@@ -98,11 +98,25 @@ def _check_installed(venv: Path, cwd: Path) -> None:
     assert vhost == "usable", vhost  # the vhost-user rings' extension, built and recorded beside it
 
 
-def test_wheel_install_runs_compiled(checkout, tmp_path):
-    """``pip wheel`` of a checkout (what ``pip install .`` builds), installed into a new venv."""
+def test_sdist_to_wheel_install_runs_compiled(checkout, tmp_path):
+    """The sdist carries what the build needs (setup.py, the module list, the C sources); ``pip
+    wheel`` of it (what ``pip install`` of an sdist builds: one mypyc and C build, where a checkout's
+    own build is the editable install the suite runs on) makes a wheel with every compiled module,
+    the native init and its record; installed into a new venv it runs compiled."""
+    out = _run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                "print(build_meta.build_sdist(sys.argv[1]))", tmp_path / "sdist"], cwd=checkout)
+    sdist = tmp_path / "sdist" / out.strip().splitlines()[-1]
+    with tarfile.open(sdist) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    assert {"setup.py", "pyproject.toml", "README.md", "aioslirp/compiled.py", "aioslirp/tcp/tcb.py",
+            "aioslirp/native/init.c", "aioslirp/native/sources.py", "aioslirp/native/dataplane.c",
+            "aioslirp/native/dataplane.h", "aioslirp/native/_dataplane.c", "aioslirp/native/vring.c",
+            "aioslirp/native/vring.h", "aioslirp/native/_vhost.c", "aioslirp/native/tcpnat.c",
+            "aioslirp/native/_tcpnat.c"} <= names
+    assert not [n for n in names if n.endswith(".so") or n.endswith(compiled.RECORD) or n.endswith("aioslirp-init")]
     dist = tmp_path / "dist"
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "--no-index",
-          "-w", dist, checkout], cwd=tmp_path)
+          "-w", dist, sdist], cwd=tmp_path)
     (wheel,) = dist.glob("aioslirp-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -116,23 +130,4 @@ def test_wheel_install_runs_compiled(checkout, tmp_path):
                                                                     for m in compiled.COMPILED)
     venv = _venv(tmp_path / "venv")
     _run([venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel], cwd=tmp_path)
-    _check_installed(venv, tmp_path)
-
-
-def test_sdist_install_runs_compiled(checkout, tmp_path):
-    """The sdist carries what the build needs (setup.py, the module list); ``pip install`` of
-    it into a new venv builds and installs it compiled."""
-    out = _run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
-                "print(build_meta.build_sdist(sys.argv[1]))", tmp_path / "sdist"], cwd=checkout)
-    sdist = tmp_path / "sdist" / out.strip().splitlines()[-1]
-    with tarfile.open(sdist) as t:
-        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    assert {"setup.py", "pyproject.toml", "README.md", "aioslirp/compiled.py", "aioslirp/tcp/tcb.py",
-            "aioslirp/native/init.c", "aioslirp/native/sources.py", "aioslirp/native/dataplane.c",
-            "aioslirp/native/dataplane.h", "aioslirp/native/_dataplane.c", "aioslirp/native/vring.c",
-            "aioslirp/native/vring.h", "aioslirp/native/_vhost.c"} <= names
-    assert not [n for n in names if n.endswith(".so") or n.endswith(compiled.RECORD) or n.endswith("aioslirp-init")]
-    venv = _venv(tmp_path / "venv")
-    _run([venv / "bin" / "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--no-index", sdist],
-         cwd=tmp_path)
     _check_installed(venv, tmp_path)

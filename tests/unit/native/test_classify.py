@@ -128,7 +128,7 @@ def frames(draw) -> tuple[bytes, bool]:
     return frame, vnet
 
 
-@settings(max_examples=3000, deadline=None)
+@settings(max_examples=1200, deadline=None)
 @given(frames())
 def test_c_classifier_agrees_with_the_python_parsers(case):
     buf, vnet = case
@@ -169,7 +169,7 @@ def _fix_tcp_checksum(frame: bytes) -> bytes:
     return bytes(f)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(frames())
 def test_every_c_drop_is_the_drop_the_stack_counts(stack, case):
     """A frame the C classifier drops, fed to a real Stack (the Python dispatch, checksums
