@@ -17,6 +17,7 @@ import logging
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -146,7 +147,7 @@ def test_the_json_span_file_keeps_the_resource(tmp_path):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    from aioslirp.cli.observe import JsonLinesSpanExporter
+    from aioslirp.observe.spanfile import JsonLinesSpanExporter
 
     exporter = JsonLinesSpanExporter(str(tmp_path / "t.jsonl"))
     tp = TracerProvider(resource=Resource.create({"service.name": "aioslirp", "host.name": "box-7"}))
@@ -267,3 +268,17 @@ def test_trace_report_picks_one_guest_of_a_shared_span_file(tmp_path):
     assert ":41003" in g2.stdout and ":41001" not in g2.stdout
     none = report("--guest", "g9")
     assert none.returncode == 2 and none.stderr.strip() == f"aioslirp: error: --guest: no span of guest 'g9' in {path}"
+
+
+def test_the_span_file_exporter_is_importable_where_the_docs_say():
+    """docs/observability.md and docs/many-guests.md import it from ``aioslirp.observe.spanfile``
+    (a module of the library, not of the command line); ``aioslirp.cli.observe`` re-exports it."""
+    from aioslirp.cli import observe as cli_observe
+    from aioslirp.observe import spanfile
+
+    assert cli_observe.JsonLinesSpanExporter is spanfile.JsonLinesSpanExporter
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    for page in ("observability.md", "many-guests.md"):
+        text = (docs / page).read_text()
+        assert "from aioslirp.observe.spanfile import JsonLinesSpanExporter" in text, page
+        assert "aioslirp.cli.observe import" not in text, page

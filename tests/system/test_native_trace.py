@@ -52,7 +52,7 @@ async def test_traced_native_flows_stay_native_and_their_spans_reach_the_file(mo
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from aioslirp.cli.observe import JsonLinesSpanExporter
+    from aioslirp.observe.spanfile import JsonLinesSpanExporter
     from aioslirp.cli.trace_report import build_report, load_spans
 
     monkeypatch.setenv("AIOSLIRP_NATIVE", "1,udp")
