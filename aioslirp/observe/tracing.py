@@ -444,6 +444,11 @@ class Tracer:
                 attrs["network.type"] = "ipv6"
         if transport is not None:
             attrs["network.transport"] = transport
+        self._end_frame_span(rec, attrs, flags, t0, t1)
+
+    def _end_frame_span(self, rec, attrs: dict, flags: int, t0: int, t1: int) -> None:
+        """The ``process_guest_frame`` span of either plane: ``attrs`` plus the TCP flags and the
+        guest's identity, from ``t0`` to ``t1`` (ns), a child of the flow record ``rec`` if any."""
         if flags:
             attrs["aioslirp.tcp.flags"] = _flags_text(flags)
         attrs.update(self.guest)
@@ -574,12 +579,7 @@ class Tracer:
             v6 = len(flow.key[1]) == 16
             attrs["aioslirp.ethertype"] = 0x86DD if v6 else 0x0800
             attrs["network.type"] = "ipv6" if v6 else "ipv4"
-        if flags:
-            attrs["aioslirp.tcp.flags"] = _flags_text(flags)
-        attrs.update(self.guest)
-        sp = self.otel.start_span("process_guest_frame", context=rec.ctx if rec is not None else None,
-                                  attributes=attrs, start_time=t0)
-        sp.end(end_time=t1)
+        self._end_frame_span(rec, attrs, flags, t0, t1)
 
     @_safe
     def record_native_drain(self, flows, t0: int, t1: int, frames: int) -> None:
