@@ -613,7 +613,10 @@ def _cmd_qemu(args: argparse.Namespace) -> int:
             def start_switch():
                 from ..frontends.qemu_switch import serve_qemu_switch
 
-                return serve_qemu_switch(config, path=args.socket, handle_signals=True, **switch)
+                # --trace / --otlp-endpoint: one tracer provider for every guest's stack (their
+                # spans carry the guest's name); it exists once obs has started, as here
+                return serve_qemu_switch(config, path=args.socket, handle_signals=True,
+                                         tracer_provider=obs.tracer_provider, **switch)
 
             return start_switch
         stack_factory = _stack_factory(args, obs)

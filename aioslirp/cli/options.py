@@ -326,9 +326,6 @@ def check_switch_args(args: argparse.Namespace, obs) -> dict:
         if given:
             raise ConfigError(option, "not used with --switch yet (one stack per guest; see docs/switch.md "
                                       "for the library's Switch)")
-    if obs.active:
-        raise ConfigError("--trace", "not used with --switch yet (the library's Switch takes a tracer_provider "
-                                     "per guest: docs/switch.md)")
     max_guests = DEFAULT_MAX_GUESTS if args.max_guests is None else args.max_guests
     if max_guests < 1:
         raise ConfigError("--max-guests", f"{max_guests}: must be at least 1")

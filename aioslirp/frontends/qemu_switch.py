@@ -234,11 +234,12 @@ class QemuSwitchServer:
 
 async def serve_qemu_switch(config, *, path: str, max_guests: int = DEFAULT_MAX_GUESTS,
                             name_prefix: str = DEFAULT_NAME_PREFIX, labels=None, leases=None,
-                            handle_signals: bool = False) -> int:
+                            handle_signals: bool = False, tracer_provider=None) -> int:
     """``aioslirp qemu --socket PATH --switch``: serve QEMU guests on one switch until stopped
     (SIGINT/SIGTERM with ``handle_signals``). Returns 0. Raises :class:`~aioslirp.frontends.qemu.SocketInUse`,
     ``OSError`` (binding). ``config.audit_log``: one audit log for every guest (its records carry
-    ``guest_name``)."""
+    ``guest_name``); ``tracer_provider``: one OpenTelemetry provider for every guest's stack (its
+    spans carry ``aioslirp.guest.name``), ``None``: the global one."""
     import signal
 
     audit = None
@@ -252,7 +253,8 @@ async def serve_qemu_switch(config, *, path: str, max_guests: int = DEFAULT_MAX_
         async with Switch(config) as sw:
             server = QemuSwitchServer(sw, path, max_guests=max_guests, name_prefix=name_prefix, labels=labels,
                                       leases=leases,
-                                      **({"audit": audit} if audit is not None else {}))
+                                      **({"audit": audit} if audit is not None else {}),
+                                      **({"tracer_provider": tracer_provider} if tracer_provider is not None else {}))
             try:
                 await server.start()
                 if handle_signals:

@@ -441,6 +441,45 @@ def test_qemu_switch_serves_two_stream_guests_on_one_network(tmp_path):
     assert "guest box1 joined" in err and "guest box2 joined" in err and not path.exists()
 
 
+def test_qemu_switch_trace_file_has_each_guests_flow_spans(tmp_path):
+    """--switch --trace FILE: one tracer provider for every guest's stack; a UDP flow of guest
+    box1 reaches a host socket, and its span in the file carries the guest's name."""
+    import dpkt
+
+    path, trace = tmp_path / "vms.sock", tmp_path / "spans.jsonl"
+    host = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    host.bind(("127.0.0.1", 0))
+    host.settimeout(10)
+    proc = subprocess.Popen([sys.executable, "-m", "aioslirp", "qemu", "--socket", str(path), "--switch", "--no-ipv6",
+                             "--dns", "127.0.0.1:9", "--name", "box", "--trace", str(trace), "--log-level", "info"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        for _ in range(500):
+            if path.exists():
+                break
+            time.sleep(0.02)
+        mac = bytes.fromhex("525400000a01")
+        s.connect(str(path))
+        assert _dhcp_offer(s, mac) == "10.0.2.15"
+        udp = dpkt.udp.UDP(sport=40000, dport=host.getsockname()[1], data=b"hello from box1")
+        udp.ulen = 8 + len(udp.data)
+        ip = dpkt.ip.IP(src=socket.inet_aton("10.0.2.15"), dst=socket.inet_aton("10.0.2.2"), p=17, ttl=64, data=udp)
+        s.sendall(_stream_frame(bytes(dpkt.ethernet.Ethernet(src=mac, dst=bytes.fromhex("52550a000202"),
+                                                             type=0x0800, data=ip))))
+        data, _ = host.recvfrom(100)
+        assert data == b"hello from box1"
+    finally:
+        proc.terminate()
+        _out, err = proc.communicate(timeout=15)
+        s.close()
+        host.close()
+    assert proc.returncode == 0, err[-2000:]
+    spans = [json.loads(line) for line in trace.read_text().splitlines()]
+    flows = [sp for sp in spans if sp["name"] == "udp.flow"]
+    assert flows and all(sp["attributes"].get("aioslirp.guest.name") == "box1" for sp in flows), spans[:3]
+
+
 def _dhcp_offer(sock: socket.socket, mac: bytes) -> str:
     """Send a DHCPDISCOVER from ``mac`` on a QEMU-stream socket; the address offered (yiaddr)."""
     import dpkt
