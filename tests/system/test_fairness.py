@@ -53,6 +53,8 @@ def test_a_flooding_guest_leaves_its_neighbours_their_fair_share():
     # the downloaders took turns; the request/response guest, under its share, never waited
     assert by["flood"]["fair_waits"] > 0 and by["n1"]["fair_waits"] > 0
     assert lat["fair_waits"] == 0
+    # and its input was served ahead of the downloads' turns by the express lane (aioslirp.fair)
+    assert lat["express"] > 0, lat
 
 
 def test_a_flooding_uploader_leaves_its_neighbours_their_fair_share():
@@ -62,6 +64,7 @@ def test_a_flooding_uploader_leaves_its_neighbours_their_fair_share():
     assert res["direction"] == "up" and res["total_gbps"] > 0.5
     assert by["n1"]["fair_share_ratio"] >= 0.85, by
     assert by["lat1"]["latency_ratio"] < 12, by["lat1"]
+    assert by["lat1"]["fair_waits"] == 0 and by["lat1"]["express"] > 0, by["lat1"]
 
 
 def test_weights_divide_the_link_between_guests():

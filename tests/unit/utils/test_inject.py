@@ -181,3 +181,27 @@ def test_drain_writes_everything_and_stop_leaves_the_rest_queued():
         await q.stop()  # idempotent
 
     asyncio.run(main())
+
+
+def test_the_writer_calls_before_write_before_each_batch_it_writes():
+    """``before_write`` (the fair scheduler's safe point, aioslirp.fair) runs before every batch the
+    writer task writes, seeing the frames still queued; ``write_now`` (a held block's end) does not
+    call it."""
+
+    async def main():
+        q, _, link = new_queue(maxsize=1000)
+        seen = []
+        q.before_write = lambda: seen.append((len(q), len(link.batches)))
+        q.start(asyncio.get_running_loop())
+        await asyncio.sleep(0)
+        for f in frames(BATCH + 1):
+            q.put(f)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert seen == [(BATCH + 1, 0), (1, 1)]
+        with q.held():
+            q.put(b"x")
+        assert len(seen) == 2 and link.batches[-1] == [b"x"]
+        await q.stop()
+
+    asyncio.run(main())
