@@ -423,10 +423,15 @@ class SparseLane:
             raise
         self._watched[fd] = (callback, tuple(shares), contextvars.copy_context())
 
-    def unwatch(self, fd: int) -> bool:
-        """Stop watching ``fd`` (before it is closed); True when it was watched."""
-        if self._watched.pop(fd, None) is None:
+    def unwatch(self, fd: int, callback: Callable[[], None] | None = None) -> bool:
+        """Stop watching ``fd`` (before it is closed); True when it was watched. With ``callback``,
+        only when ``fd`` is watched with that callback: a guest whose fd was closed under it (a
+        transport that met EOF) and whose number another guest's new fd took since leaves the
+        other guest's entry in place."""
+        entry = self._watched.get(fd)
+        if entry is None or (callback is not None and entry[0] is not callback):
             return False
+        del self._watched[fd]
         ep = self._ep
         if ep is not None:
             try:
@@ -493,8 +498,8 @@ class Seat:
     lane: SparseLane
     shares: tuple[Share, ...]
     counters: dict[str, int]
-    #: The fds watched for this guest.
-    fds: list[int]
+    #: The fds watched for this guest -> the callback the lane runs (its counting wrapper).
+    fds: dict[int, Callable[[], None]]
     #: The fd of its transport watched (:meth:`guest`), or -1.
     _guest_fd: int
 
@@ -502,7 +507,7 @@ class Seat:
         self.lane = lane
         self.shares = shares
         self.counters = counters
-        self.fds = []
+        self.fds = {}
         self._guest_fd = -1
 
     def watch(self, fd: int, callback: Callable[[], None]) -> None:
@@ -514,14 +519,13 @@ class Seat:
             callback()
 
         self.lane.watch(fd, express, self.shares)
-        if fd not in self.fds:
-            self.fds.append(fd)
+        self.fds[fd] = express
 
     def unwatch(self, fd: int) -> None:
         """Stop watching ``fd`` (before it is closed)."""
-        if fd in self.fds:
-            self.fds.remove(fd)
-            self.lane.unwatch(fd)
+        express = self.fds.pop(fd, None)
+        if express is not None:
+            self.lane.unwatch(fd, express)
 
     def guest(self, transport: object | None) -> None:
         """Watch the fd of the guest's ``transport`` (its ``guest_reader()``: ``(fd, callback)``, or
@@ -539,8 +543,8 @@ class Seat:
     def leave(self) -> None:
         """The guest is gone (its stack closes): stop watching its fds, and its shares leave their
         links (:meth:`Share.leave`; the callbacks still waiting are dropped). Idempotent."""
-        for fd in self.fds:
-            self.lane.unwatch(fd)
+        for fd, express in self.fds.items():
+            self.lane.unwatch(fd, express)
         self.fds.clear()
         self._guest_fd = -1
         for share in self.shares:

@@ -460,6 +460,28 @@ def test_a_seat_watches_its_transport_stops_before_it_closes_and_leaves_with_its
         fds.close()
 
 
+def test_a_stale_unwatch_leaves_the_entry_of_the_guest_that_took_the_fd_number_since():
+    # guest A's transport closed its fd on EOF; guest B's new transport got the same number and
+    # is watched; A's stack then stops watching "its" fd: B's entry stays
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    lane = SparseLane(link)
+    fds = Fds(1)
+    try:
+        backlog(loop, link)
+        a, b = lane.seat((link.join(),), {}), lane.seat((link.join(),), {})
+        a.watch(fds.fd(0), fds.callback(0))
+        b.watch(fds.fd(0), fds.callback(0))  # (the same number, now B's)
+        a.unwatch(fds.fd(0))
+        assert lane.watched == 1
+        fds.ready(0)
+        assert lane.serve() == 1
+        b.unwatch(fds.fd(0))
+        assert lane.watched == 0
+    finally:
+        fds.close()
+
+
 def test_the_scheduler_wires_both_links_to_its_lane():
     import asyncio
 
