@@ -247,6 +247,8 @@ class InjectQueue:
                 hook = self.before_write
                 if hook is not None:
                     hook()
+                    if not q:  # what it ran wrote the queue out (a held batch's end)
+                        continue
                 self._write_batch()
         finally:
             self._waiter = None

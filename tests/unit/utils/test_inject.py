@@ -205,3 +205,21 @@ def test_the_writer_calls_before_write_before_each_batch_it_writes():
         await q.stop()
 
     asyncio.run(main())
+
+
+def test_the_writer_writes_nothing_when_before_write_wrote_the_queue_out():
+    """What ``before_write`` runs may end a held batch of the same stack, which writes the whole
+    queue (``write_now``): the writer then writes no empty batch and sleeps until the next put."""
+
+    async def main():
+        q, counters, link = new_queue()
+        q.before_write = q.write_now
+        q.start(asyncio.get_running_loop())
+        await asyncio.sleep(0)
+        q.put(b"a")
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert link.batches == [[b"a"]] and counters["frames_out"] == 1
+        await q.stop()
+
+    asyncio.run(main())
