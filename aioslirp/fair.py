@@ -41,7 +41,7 @@ callback, behind the backlogged guests' work already running or due in the same 
 ACKs: about 200 us of this machine's CPU, not preemptible). So, as fq_codel serves a new
 (sparse) flow before the old ones (RFC 8290 4.1), the loop's :class:`SparseLane` serves the
 *sparse* guests' input ahead of that work: it watches each guest's input fds (its transport's
-and its host sockets' epoll, :meth:`Scheduler.watch`) in an epoll of its own, and at the
+and its host sockets' epoll: :meth:`Scheduler.enrol`, :meth:`Seat.guest`) in an epoll of its own, and at the
 *safe points* of a bulk turn (a flow made to wait, :meth:`FairLink.wait`; the start of each
 pass; the stacks' writer before each batch, ``InjectQueue.before_write``) it polls that epoll
 (no wait) and runs the ready callbacks of the guests that are sparse: a guest is sparse
@@ -49,7 +49,7 @@ pass; the stacks' writer before each batch, ``InjectQueue.before_write``) it pol
 was made to wait in the last :data:`SPARSE_PASSES` passes. A backlogged guest is never served
 early, a guest that starts to flood is sparse until it first overdraws its quantum (then it
 waits like the others), and the lane only runs while some guest waits (no contention: no poll,
-one attribute test). What the lane runs is what the loop would have run a little later (the
+a test per link). What the lane runs is what the loop would have run a little later (the
 same callback, in the context it was registered in); the bytes it moves are charged as usual.
 Measured: the light guest's loaded request latency about halved, throughput unchanged
 (docs/performance.md, "Per-guest fairness").
@@ -104,8 +104,8 @@ LANE_MAX_EVENTS = 64
 
 
 class BatchWriter(Protocol):
-    """What :meth:`Scheduler.enrol` sets on a stack's writer (``aioslirp.inject.InjectQueue``: this
-    module is on the floor below nothing, so it names only what it uses)."""
+    """What :meth:`Scheduler.enrol` sets on a stack's writer (``aioslirp.inject.InjectQueue``, on
+    the same floor as this module: it names only what it uses)."""
 
     before_write: Callable[[], object] | None
 
@@ -231,7 +231,7 @@ class FairLink:
     #: Called (no arguments) at each safe point of a bulk turn: after a flow began to wait
     #: (:meth:`wait`) and at the start of a pass with guests waiting; ``None``: nothing.
     #: :class:`Scheduler` sets its :meth:`SparseLane.serve` here.
-    safe_point: Callable[[], None] | None
+    safe_point: Callable[[], object] | None
 
     def __init__(self, schedule: Callable[[Callable[[], None]], object], quantum: float = QUANTUM) -> None:
         if not quantum > 0:
@@ -529,15 +529,20 @@ class Seat:
 
     def guest(self, transport: object | None) -> None:
         """Watch the fd of the guest's ``transport`` (its ``guest_reader()``: ``(fd, callback)``, or
-        ``None`` or no such method: nothing), in place of the one before; ``None``: stop watching
-        it (before the transport closes)."""
+        ``None`` or no such method: nothing; a closed fd: nothing, logged at DEBUG), in place of the
+        one before; ``None``: stop watching it (before the transport closes)."""
         if self._guest_fd >= 0:
             self.unwatch(self._guest_fd)
             self._guest_fd = -1
         reader = getattr(transport, "guest_reader", None)
         found = reader() if reader is not None else None
         if found is not None:
-            self.watch(*found)
+            try:
+                self.watch(*found)
+            except OSError as exc:  # closed meanwhile: nothing to serve early
+                log.debug("fair scheduler: guest %s's transport fd %d not watched: %s", self.shares[0].name,
+                          found[0], exc)
+                return
             self._guest_fd = found[0]
 
     def leave(self) -> None:
@@ -556,8 +561,8 @@ class Scheduler:
     (guest -> host), each a :class:`FairLink` whose passes run through ``loop.call_soon``, and
     :attr:`lane`, the :class:`SparseLane` both links call at their safe points.
 
-    Made on first use by :meth:`for_loop` (a :class:`~aioslirp.stack.Stack` joins it when it
-    starts, with its ``NetworkConfig.fair_weight``, and leaves when it closes).
+    Made on first use by :meth:`for_loop` (a :class:`~aioslirp.stack.Stack` enrols when it
+    starts, with its ``NetworkConfig.fair_weight`` (:meth:`enrol`), and leaves when it closes).
     """
 
     __slots__ = ("loop", "up", "down", "lane", "__weakref__")

@@ -450,6 +450,13 @@ def test_a_seat_watches_its_transport_stops_before_it_closes_and_leaves_with_its
         seat.guest(None)  # the transport closes
         seat.guest(object())  # one without guest_reader(): nothing to watch
         assert lane.watched == 1
+
+        class Closed:
+            def guest_reader(self):
+                return 10 ** 6, fds.callback(0)  # (no such fd: EBADF)
+
+        seat.guest(Closed())  # a transport whose fd is closed already: nothing watched, no error
+        assert lane.watched == 1
         shares = link.shares
         seat.leave()
         seat.leave()  # idempotent
