@@ -43,7 +43,8 @@ ACKs: about 200 us of this machine's CPU, not preemptible). So, as fq_codel serv
 *sparse* guests' input ahead of that work: it watches each guest's input fds (its transport's
 and its host sockets' epoll: :meth:`Scheduler.enrol`, :meth:`Seat.guest`) in an epoll of its own, and at the
 *safe points* of a bulk turn (a flow made to wait, :meth:`FairLink.wait`; the start of each
-pass; the stacks' writer before each batch, ``InjectQueue.before_write``) it polls that epoll
+pass; the stacks' writer before each batch, ``InjectQueue.before_write``; a backlogged guest's
+flow before it builds frames, :meth:`Share.safe_point`) it polls that epoll
 (no wait) and runs the ready callbacks of the guests that are sparse: a guest is sparse
 (:attr:`Share.sparse`) while none of its flows waits for its turn in either direction and none
 was made to wait in the last :data:`SPARSE_PASSES` passes. A backlogged guest is never served
@@ -182,6 +183,17 @@ class Share:
         wait in the last :data:`SPARSE_PASSES` passes (fq_codel's new flows, RFC 8290 4.1). The
         :class:`SparseLane` serves only guests sparse on both links."""
         return not self.queued and self.link.passes - self.last_wait > SPARSE_PASSES
+
+    def safe_point(self) -> None:
+        """A flow of this guest is about to do a chunk of work (``TcpFlow.flush``: the frames
+        its host bytes make): while the link is contended and this guest is not sparse, a safe
+        point of the link (:attr:`FairLink.safe_point`), where the sparse guests' input runs
+        first. Nothing else (a sparse guest, no contention: two tests)."""
+        link = self.link
+        if link.contended() and not self.sparse:
+            sp = link.safe_point
+            if sp is not None:
+                sp()
 
     def available(self) -> float:
         """Bytes the guest may move now before it is over its share (<= 0: none)."""

@@ -325,6 +325,24 @@ def test_the_safe_point_runs_when_a_flow_begins_to_wait_and_at_each_pass_with_gu
     assert len(calls) == 2
 
 
+def test_a_backlogged_guests_flow_offers_a_safe_point_before_its_work_a_sparse_ones_does_not():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    calls = []
+    (flood, _), _ = backlog(loop, link)
+    light = link.join()
+    link.safe_point = lambda: calls.append("sp")
+    light.safe_point()
+    assert calls == []  # sparse: goes on at once
+    flood.safe_point()
+    assert calls == ["sp"]
+    while link.contended():
+        loop.run_soon()
+    calls.clear()
+    flood.safe_point()  # no guest waits any more: nothing to let in
+    assert calls == []
+
+
 class Fds:
     """Socket pairs standing for guests' input fds: ``ready(i)`` makes fd ``i`` readable; each
     callback drains its fd (as a transport's reader does) and is recorded."""
