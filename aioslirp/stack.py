@@ -54,7 +54,7 @@ from .handlers.routes import Router
 from .flow.guard import Guard
 from .flow.info import FlowInfo, FlowRecords  # noqa: F401  (FlowInfo: the records of stack.flows())
 from .flow.table import FlowTable
-from .fair import Scheduler
+from .fair import Scheduler, Seat
 from .heap import keep_freed_heap
 from .inject import InjectQueue
 from .nat.icmp import IcmpEcho
@@ -177,7 +177,7 @@ class Stack:
     supports_offload = True
 
     __slots__ = ("config", "counters", "event_log", "tracer", "transport_wrappers", "_parts", "_flows",
-                 "_aux_tasks", "_transport", "_loop", "_closed", "_stopped", "_forwarder", "_own_audit",
+                 "_aux_tasks", "_transport", "_loop", "_closed", "_stopped", "_forwarder", "_own_audit", "_seat",
                  # aioslirp.observe.metrics holds a stack by weak reference
                  "__weakref__")
 
@@ -197,6 +197,7 @@ class Stack:
     _stopped: asyncio.Future | None
     _forwarder: object
     _own_audit: bool
+    _seat: Seat | None  # the guest's place in the loop's express lane (aioslirp.fair); None: not scheduled
 
     def __init__(self, config: NetworkConfig | None = None, *, name: str | None = None, labels=None,
                  tracer_provider=None, audit=None, policy=None, tcp_handler=None, udp_handler=None) -> None:
@@ -254,7 +255,7 @@ class Stack:
         self._flows = FlowRecords(table.flows, ctx, guest_name=identity.name)
         self._transport = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
+        self._closed, self._seat = False, None
         self._stopped: asyncio.Future | None = None
         #: Callables ``wrap(transport) -> transport`` applied in order by :meth:`serve`
         #: (e.g. :class:`~aioslirp.transport.pcap.PcapTransport` for ``--pcap``).
@@ -371,14 +372,13 @@ class Stack:
         self._stopped = loop.create_future()
         p.inject_queue.start(loop)
         dns = DnsForwarder(self.config)
-        # what exists once the stack runs, all at once: the loop and its clock, DNS, one epoll for
-        # the TCP flows' host sockets
-        # the guest's shares of the loop's fair scheduler (aioslirp.fair), one per direction
-        weight = self.config.fair_weight
-        up = down = None
+        # what exists once the stack runs, all at once: the loop and its clock, DNS, one epoll for the TCP
+        # flows' host sockets, the guest's shares of the loop's fair scheduler and its seat (aioslirp.fair)
+        weight, poller, up, down = self.config.fair_weight, HostPoller(loop), None, None
         if weight is not None:
-            up, down = Scheduler.for_loop(loop).join(weight, ctx.identity.name or "")
-        ctx.start(Running(loop, dns, HostPoller(loop), share_up=up, share_down=down))
+            up, down, self._seat = Scheduler.for_loop(loop).enrol(weight, ctx.identity.name or "", self.counters,
+                                                                  p.inject_queue, (poller.fd, poller.dispatch))
+        ctx.start(Running(loop, dns, poller, share_up=up, share_down=down))
         p.guard.start(dns, now=loop.time())
         p.table.start(loop)
         if ctx.audit is not None:
@@ -448,11 +448,9 @@ class Stack:
             self._transport.close()
         p.table.clear()
         if ctx.is_started:  # every host socket left the poller as its flow ended
-            running = ctx.running
-            running.host_poller.close()
-            for share in (running.share_up, running.share_down):
-                if share is not None:
-                    share.leave()  # (its flows are gone: their callbacks are dropped)
+            if self._seat is not None:  # its fds before the poller closes, its shares (its flows are gone)
+                self._seat.leave()
+            ctx.running.host_poller.close()
         audit = ctx.audit
         if audit is not None:
             if self._own_audit:
@@ -537,6 +535,8 @@ class Stack:
             raise
         # TCP NAT flows in C (a native TAP reader; its trace points at the stack's trace level)
         p.ctx.native_tcp = NativeTcp.start(p.ctx, untraced, frames_traced=frame_tracer is not None)
+        if self._seat is not None:  # the express lane may read the guest's frames early (aioslirp.fair)
+            self._seat.guest(raw)
         self.event_log.emit("ready", **info)
         if p.v6 is not None:
             p.v6.start_ra()  # an RA at once, then periodically (RFC 4861 6.2.4)
@@ -550,6 +550,8 @@ class Stack:
                 if self._stopped.done() and transport.closed is not None and not transport.closed.done():
                     await self.farewell()  # asked to stop, the guest still there: RST its flows first
             finally:
+                if self._seat is not None:
+                    self._seat.guest(None)  # (before the transport closes its fd)
                 native_tcp, p.ctx.native_tcp = p.ctx.native_tcp, None
                 if native_tcp is not None:  # its flows end (RST to the guest), its sockets close
                     native_tcp.close()
@@ -766,7 +768,8 @@ class Stack:
                   ``tcp_connect_refused``, ``tcp_connect_unreachable``, ``tcp_host_read_paused``,
                   ``tcp_host_write_paused``, ``tcp_host_lost``: a host socket failed, e.g. the host
                   peer reset, the guest got a RST...; ``tcp_fair_wait_down`` / ``_up``: a flow
-                  waited for the guest's turn in the loop's fair scheduler, :mod:`aioslirp.fair`), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
+                  waited for the guest's turn in the loop's fair scheduler, :mod:`aioslirp.fair`), ``fair_express``
+                  (the scheduler's express lane read the guest's input early), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
                   ``udp_idle_closed``), ``icmp_*`` (echo and error counts, ``icmp_errors_rate_limited``),
                   ``ip_fragments`` / ``ip_reassembled``, ``arp.*``, ``ndp.*`` / ``ra_*`` / ``na_*``
                   (IPv6 neighbour discovery), ``forward_*`` (port forwards), ``flow_errors``.

@@ -20,8 +20,9 @@ download rate (Gbit/s) and its ratio to its fair share (the downloaders' total d
 proportion to their weights: 1.0 is exactly fair), and per latency guest the p50 round trip
 unloaded, loaded and their ratio; then one JSON line with the same figures (and per guest
 ``fair_waits``: how often its flows waited for its turn, the stack's ``tcp_fair_wait_down`` +
-``tcp_fair_wait_up``; and ``loop_cpu``: the CPU time of this process, the stacks' loop, per
-second of the loaded window: 1.0 is one core busy).
+``tcp_fair_wait_up``; ``express``: how often the scheduler's express lane ran its input early,
+the stack's ``fair_express``; and ``loop_cpu``: the CPU time of this process, the stacks' loop,
+per second of the loaded window: 1.0 is one core busy).
 
 The issue-28 target: every guest >= 0.9 of its fair share and a latency ratio <= 1.5.
 ``--no-fair`` takes the guests out of the scheduler (``NetworkConfig(fair_weight=None)``):
@@ -242,7 +243,7 @@ async def measure(args) -> dict:
             for *_, g in procs:
                 await g.wait()
             # how often each guest's flows waited for its turn (0 without the scheduler)
-            waits = [{k: g.stack.counters.get(k, 0) for k in ("tcp_fair_wait_down", "tcp_fair_wait_up")}
+            waits = [{k: g.stack.counters.get(k, 0) for k in ("tcp_fair_wait_down", "tcp_fair_wait_up", "fair_express")}
                      for *_, g in procs]
         rows = []
         for (name, kind, flows, weight, _g), out, w in zip(procs, outs, waits):
@@ -250,7 +251,8 @@ async def measure(args) -> dict:
             if not lines:
                 raise SystemExit(f"fairness.py: guest {name} printed nothing")
             rows.append({"guest": name, "kind": kind, "flows": flows, "weight": weight, **json.loads(lines[-1]),
-                         "fair_waits": w.get("tcp_fair_wait_down", 0) + w.get("tcp_fair_wait_up", 0)})
+                         "fair_waits": w.get("tcp_fair_wait_down", 0) + w.get("tcp_fair_wait_up", 0),
+                         "express": w.get("fair_express", 0)})
         downloads = [r for r in rows if r["kind"] == "download"]
         total = sum(r["bytes"] for r in downloads)
         wsum = sum((r["weight"] or 1.0) for r in downloads)

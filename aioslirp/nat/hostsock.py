@@ -205,6 +205,11 @@ class HostPoller:
         loop.add_reader(self._fd, self.dispatch)
 
     @property
+    def fd(self) -> int:
+        """The epoll's own fd (the one ``loop`` watches), -1 once closed."""
+        return self._fd
+
+    @property
     def registered(self) -> int:
         """How many fds are registered (being read) now."""
         return len(self._callbacks)

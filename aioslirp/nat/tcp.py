@@ -546,6 +546,9 @@ class TcpFlow(FlowPacing, asyncio.Protocol):
     def flush(self, now: float) -> None:
         """Move bytes between the connection and the mover (:attr:`transport`), send the segments
         due at loop time ``now`` (seconds: the batch's, or the callback's), re-arm the timer."""
+        share = self.share_down
+        if share is not None:  # a backlogged guest's frames come after the light guests' input (aioslirp.fair)
+            share.safe_point()
         conn = self.conn
         tr = self.transport
         if tr is not None and not self.host_closed:

@@ -15,7 +15,7 @@ import asyncio
 import collections
 import logging
 import socket
-from typing import ClassVar, Iterable, Protocol, Sequence
+from typing import Callable, ClassVar, Iterable, Protocol, Sequence
 
 from ..inject import Frame
 
@@ -82,6 +82,13 @@ class Transport:
 
     async def _start_reading(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def guest_reader(self) -> tuple[int, Callable[[], None]] | None:
+        """The fd the loop watches for the guest's frames and the callback it runs when that fd
+        is readable (a spurious call reads nothing and returns), while reading; ``None`` when the
+        transport reads otherwise. The fair scheduler's express lane (:mod:`aioslirp.fair`)
+        watches the same fd to serve a light guest ahead of a flooding one."""
+        return None
 
     def send_frames(self, frames: Sequence[Frame]) -> None:  # pragma: no cover - abstract
         """Write ``frames`` to the guest, in order. Never raises for I/O errors: counts and logs them."""
@@ -214,6 +221,12 @@ class SocketTransport(Transport):
 
     def _readable(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def guest_reader(self) -> tuple[int, Callable[[], None]] | None:
+        """See :meth:`Transport.guest_reader`: the socket and its read callback."""
+        if self._fd < 0 or self.closed is None or self.closed.done():
+            return None
+        return self._fd, self._readable
 
     def _writable(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

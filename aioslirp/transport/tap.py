@@ -233,6 +233,13 @@ class TapTransport(Transport):
             self._loop.add_reader(self._fd, self._on_readable)
         self._reading = True
 
+    def guest_reader(self) -> tuple[int, Callable[[], None]] | None:
+        """See :meth:`Transport.guest_reader`: the TAP fd and its Python reader (``None`` with the
+        native reader, whose buffers are its own)."""
+        if not self._reading or self.native or self._fd < 0:
+            return None
+        return self._fd, self._on_readable
+
     def attach_tcp(self, engine, ended: Callable[[], None] | None = None) -> None:
         """Hand the guest frames of native TCP flows to ``engine`` (a ``TcpEngine`` of
         :mod:`aioslirp.native`, or ``None`` to stop) in the native reader, before the sink sees

@@ -246,3 +246,286 @@ def test_one_scheduler_per_loop_with_both_directions():
     finally:
         loop.close()
         other.close()
+
+
+# ------------------------------------------------------------------ the express lane (sparse guests first)
+# The rule (Share.sparse) counts passes, the link's own clock: driven by hand as above. The lane
+# polls real fds (socket pairs) but runs no loop: each test calls its safe point, serve(), itself.
+
+from aioslirp.fair import SPARSE_PASSES, SparseLane  # noqa: E402
+
+
+def backlog(loop: Loop, link: FairLink):
+    """Two guests over their share on ``link``: both have a flow waiting for its turn."""
+    a, b = link.join(name="a"), link.join(name="b")
+    fa, fb = BacklogFlow(a, 4 * Q), BacklogFlow(b, 4 * Q)
+    a.charge(1)  # both moved bytes this round: contention
+    b.charge(1)
+    fa.step()
+    fb.step()
+    assert fa.waiting and fb.waiting and link.contended()
+    return (a, fa), (b, fb)
+
+
+def test_a_guest_is_sparse_until_it_waits_and_again_sparse_passes_after_its_last_wait():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    (flood, ff), (other, fo) = backlog(loop, link)
+    third = link.join(name="third")
+    ft = BacklogFlow(third, 4 * Q)
+    light = link.join(name="light")
+    assert light.sparse and not flood.sparse and not other.sparse
+    small = BacklogFlow(light, 200)
+    run(loop, [ff, fo, ft, small], 500)  # the light guest never waits: it stays sparse throughout
+    assert light.sparse and light.waits == 0 and link.passes > 100
+    assert not third.sparse
+    # the flood stops: its waiting flow is served once more, then reads nothing; it is not
+    # sparse before SPARSE_PASSES passes of the link have gone by since its last wait
+    for _ in range(1000):
+        if not ff.waiting:
+            break
+        run(loop, [fo, ft], 1)
+    assert not ff.waiting and not flood.queued
+    last = flood.last_wait
+    for _ in range(1000):
+        if link.passes - last > SPARSE_PASSES:
+            break
+        assert not flood.sparse
+        run(loop, [fo, ft], 1)
+    assert flood.sparse
+    assert not other.sparse and not third.sparse  # still flooding
+
+
+def test_a_new_guest_is_sparse_until_it_first_overdraws_its_quantum():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    (a, fa), _ = backlog(loop, link)
+    new = link.join(name="new")
+    assert new.sparse
+    assert new.charge(Q // 2) is False and new.sparse  # under its quantum: still sparse
+    assert new.charge(Q) is True
+    new.wait(lambda: None)
+    assert not new.sparse and new.queued
+
+
+def test_the_safe_point_runs_when_a_flow_begins_to_wait_and_at_each_pass_with_guests_waiting():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    calls = []
+    link.safe_point = lambda: calls.append((link.passes, link.contended()))
+    a, b = link.join(), link.join()
+    a.charge(1)
+    assert b.charge(Q // 2) is False and calls == []  # a charge under the share: no safe point
+    fb = BacklogFlow(b, 2 * Q)
+    fb.step()
+    assert fb.waiting and calls == [(0, True)]  # the flow began to wait: a safe point, at once
+    loop.run_soon()  # the pass: a safe point before it resumes the flow
+    assert calls == [(0, True), (1, True)] and not fb.waiting
+    loop.run_soon()  # nothing scheduled, nobody waits: no pass, no safe point
+    assert len(calls) == 2
+
+
+def test_a_backlogged_guests_flow_offers_a_safe_point_before_its_work_a_sparse_ones_does_not():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    calls = []
+    (flood, _), _ = backlog(loop, link)
+    light = link.join()
+    link.safe_point = lambda: calls.append("sp")
+    light.safe_point()
+    assert calls == []  # sparse: goes on at once
+    flood.safe_point()
+    assert calls == ["sp"]
+    while link.contended():
+        loop.run_soon()
+    calls.clear()
+    flood.safe_point()  # no guest waits any more: nothing to let in
+    assert calls == []
+
+
+class Fds:
+    """Socket pairs standing for guests' input fds: ``ready(i)`` makes fd ``i`` readable; each
+    callback drains its fd (as a transport's reader does) and is recorded."""
+
+    def __init__(self, n: int) -> None:
+        import socket
+
+        self.pairs = [socket.socketpair() for _ in range(n)]
+        for r, _ in self.pairs:
+            r.setblocking(False)
+        self.ran: list[int] = []
+
+    def fd(self, i: int) -> int:
+        return self.pairs[i][0].fileno()
+
+    def ready(self, i: int) -> None:
+        self.pairs[i][1].send(b"x")
+
+    def callback(self, i: int):
+        def read() -> None:
+            self.ran.append(i)
+            try:
+                self.pairs[i][0].recv(4096)
+            except BlockingIOError:  # a spurious call: nothing to do
+                pass
+        return read
+
+    def close(self) -> None:
+        for r, w in self.pairs:
+            r.close()
+            w.close()
+
+
+def test_the_lane_runs_only_the_sparse_guests_ready_input_and_only_under_contention():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    lane = SparseLane(link)
+    fds = Fds(3)
+    try:
+        (flood, ff), (other, fo) = backlog(loop, link)
+        light = link.join(name="light")
+        counters: dict = {}
+        seats = [lane.seat((s,), counters) for s in (flood, other, light)]
+        for i, seat in enumerate(seats):
+            seat.watch(fds.fd(i), fds.callback(i))
+        assert lane.watched == 3
+        for i in range(3):
+            fds.ready(i)
+        assert lane.serve() == 1 and fds.ran == [2]  # the light guest's input, not the floods'
+        assert counters == {"fair_express": 1} and lane.served == 1
+        assert lane.serve() == 0 and fds.ran == [2]  # drained: nothing ready for it any more
+        # contention over (both floods served, nobody waits): the lane does not poll at all
+        while link.contended():
+            loop.run_soon()
+        fds.ready(2)
+        assert lane.serve() == 0 and fds.ran == [2]
+        # a guest sparse on one link but waiting on the other is not served
+        link2 = FairLink(loop.call_soon, Q)
+        lane2 = SparseLane(link, link2)
+        (busy2, _), _ = backlog(loop, link2)
+        lane2.seat((light, busy2), {}).watch(fds.fd(2), fds.callback(2))
+        assert lane2.serve() == 0 and fds.ran == [2]
+        lane2.seat((light, link2.join()), {}).watch(fds.fd(2), fds.callback(2))  # (replaces the entry)
+        assert lane2.serve() == 1 and fds.ran == [2, 2]
+    finally:
+        fds.close()
+
+
+def test_the_lane_does_not_reenter_isolates_failures_and_keeps_the_watchers_context():
+    import contextvars
+
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    lane = SparseLane(link)
+    fds = Fds(3)
+    var = contextvars.ContextVar("var", default="none")
+    try:
+        backlog(loop, link)
+        light = link.join()
+        seat = lane.seat((light,), {})
+        nested = []
+        seat.watch(fds.fd(0), lambda: (fds.callback(0)(), nested.append(lane.serve())))
+        seat.watch(fds.fd(1), lambda: 1 / 0)
+        token = var.set("watcher")
+        seen = []
+        seat.watch(fds.fd(2), lambda: (fds.callback(2)(), seen.append(var.get())))
+        var.reset(token)
+        for i in range(3):
+            fds.ready(i)
+        assert lane.serve() == 3
+        assert nested == [0]  # a safe point reached inside the lane does not poll again
+        assert seen == ["watcher"] and var.get() == "none"
+        assert sorted(fds.ran) == [0, 2]  # the failing callback cost the others nothing
+    finally:
+        fds.close()
+
+
+def test_a_seat_watches_its_transport_stops_before_it_closes_and_leaves_with_its_shares():
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    lane = SparseLane(link)
+    fds = Fds(3)
+    try:
+        backlog(loop, link)
+        light = link.join()
+        seat = lane.seat((light,), {})
+        seat.watch(fds.fd(0), fds.callback(0))  # its host sockets' epoll
+
+        class Transport:
+            def __init__(self, i):
+                self.i = i
+
+            def guest_reader(self):
+                return fds.fd(self.i), fds.callback(self.i)
+
+        seat.guest(Transport(1))
+        assert lane.watched == 2
+        seat.guest(Transport(2))  # a new transport replaces the old one's fd
+        assert lane.watched == 2
+        fds.ready(1)
+        fds.ready(2)
+        assert lane.serve() == 1 and fds.ran == [2]
+        seat.guest(None)  # the transport closes
+        seat.guest(object())  # one without guest_reader(): nothing to watch
+        assert lane.watched == 1
+
+        class Closed:
+            def guest_reader(self):
+                return 10 ** 6, fds.callback(0)  # (no such fd: EBADF)
+
+        seat.guest(Closed())  # a transport whose fd is closed already: nothing watched, no error
+        assert lane.watched == 1
+        shares = link.shares
+        seat.leave()
+        seat.leave()  # idempotent
+        assert lane.watched == 0 and link.shares == shares - 1 and light.left
+        fds.ready(0)
+        assert lane.serve() == 0
+    finally:
+        fds.close()
+
+
+def test_a_stale_unwatch_leaves_the_entry_of_the_guest_that_took_the_fd_number_since():
+    # guest A's transport closed its fd on EOF; guest B's new transport got the same number and
+    # is watched; A's stack then stops watching "its" fd: B's entry stays
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    lane = SparseLane(link)
+    fds = Fds(1)
+    try:
+        backlog(loop, link)
+        a, b = lane.seat((link.join(),), {}), lane.seat((link.join(),), {})
+        a.watch(fds.fd(0), fds.callback(0))
+        b.watch(fds.fd(0), fds.callback(0))  # (the same number, now B's)
+        a.unwatch(fds.fd(0))
+        assert lane.watched == 1
+        fds.ready(0)
+        assert lane.serve() == 1
+        b.unwatch(fds.fd(0))
+        assert lane.watched == 0
+    finally:
+        fds.close()
+
+
+def test_the_scheduler_wires_both_links_to_its_lane():
+    import asyncio
+
+    from aioslirp.fair import Scheduler
+
+    loop = asyncio.new_event_loop()
+    fds = Fds(1)
+    try:
+        sched = Scheduler.for_loop(loop)
+        assert sched.up.safe_point == sched.lane.serve and sched.down.safe_point == sched.lane.serve
+
+        class Queue:
+            before_write = None
+
+        q, counters = Queue(), {}
+        up, down, seat = sched.enrol(1.0, "g", counters, q, (fds.fd(0), fds.callback(0)))
+        assert q.before_write == sched.lane.serve and seat.shares == (up, down) and sched.lane.watched == 1
+        seat.leave()
+        assert sched.lane.watched == 0 and sched.up.shares == sched.down.shares == 0
+    finally:
+        fds.close()
+        loop.close()

@@ -181,3 +181,45 @@ def test_drain_writes_everything_and_stop_leaves_the_rest_queued():
         await q.stop()  # idempotent
 
     asyncio.run(main())
+
+
+def test_the_writer_calls_before_write_before_each_batch_it_writes():
+    """``before_write`` (the fair scheduler's safe point, aioslirp.fair) runs before every batch the
+    writer task writes, seeing the frames still queued; ``write_now`` (a held block's end) does not
+    call it."""
+
+    async def main():
+        q, _, link = new_queue(maxsize=1000)
+        seen = []
+        q.before_write = lambda: seen.append((len(q), len(link.batches)))
+        q.start(asyncio.get_running_loop())
+        await asyncio.sleep(0)
+        for f in frames(BATCH + 1):
+            q.put(f)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert seen == [(BATCH + 1, 0), (1, 1)]
+        with q.held():
+            q.put(b"x")
+        assert len(seen) == 2 and link.batches[-1] == [b"x"]
+        await q.stop()
+
+    asyncio.run(main())
+
+
+def test_the_writer_writes_nothing_when_before_write_wrote_the_queue_out():
+    """What ``before_write`` runs may end a held batch of the same stack, which writes the whole
+    queue (``write_now``): the writer then writes no empty batch and sleeps until the next put."""
+
+    async def main():
+        q, counters, link = new_queue()
+        q.before_write = q.write_now
+        q.start(asyncio.get_running_loop())
+        await asyncio.sleep(0)
+        q.put(b"a")
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert link.batches == [[b"a"]] and counters["frames_out"] == 1
+        await q.stop()
+
+    asyncio.run(main())
