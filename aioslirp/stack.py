@@ -176,10 +176,8 @@ class Stack:
     #: one's own given to ``spawn``/``attach`` says so with this name.
     supports_offload = True
 
-    __slots__ = ("config", "counters", "event_log", "tracer", "transport_wrappers", "_parts", "_flows",
-                 "_aux_tasks", "_transport", "_loop", "_closed", "_stopped", "_forwarder", "_own_audit", "_seat",
-                 # aioslirp.observe.metrics holds a stack by weak reference
-                 "__weakref__")
+    __slots__ = ("config", "counters", "event_log", "tracer", "transport_wrappers", "_parts", "_flows", "_aux_tasks",
+                 "_transport", "_loop", "_closed", "_stopped", "_forwarder", "_own_audit", "_seat", "__weakref__")
 
     config: NetworkConfig
     counters: Counter
@@ -196,7 +194,7 @@ class Stack:
     _closed: bool
     _stopped: asyncio.Future | None
     _forwarder: object
-    _own_audit: bool
+    _own_audit: bool  # (__weakref__: aioslirp.observe.metrics holds a stack by weak reference)
     _seat: Seat | None  # the guest's place in the loop's express lane (aioslirp.fair); None: not scheduled
 
     def __init__(self, config: NetworkConfig | None = None, *, name: str | None = None, labels=None,
@@ -768,8 +766,8 @@ class Stack:
                   ``tcp_connect_refused``, ``tcp_connect_unreachable``, ``tcp_host_read_paused``,
                   ``tcp_host_write_paused``, ``tcp_host_lost``: a host socket failed, e.g. the host
                   peer reset, the guest got a RST...; ``tcp_fair_wait_down`` / ``_up``: a flow
-                  waited for the guest's turn in the loop's fair scheduler, :mod:`aioslirp.fair`), ``fair_express``
-                  (the scheduler's express lane read the guest's input early), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
+                  waited for the guest's turn in the loop's fair scheduler, :mod:`aioslirp.fair`; ``fair_express``:
+                  its express lane read the guest's input early), ``udp_*`` (``udp_datagrams_up`` / ``_down``,
                   ``udp_idle_closed``), ``icmp_*`` (echo and error counts, ``icmp_errors_rate_limited``),
                   ``ip_fragments`` / ``ip_reassembled``, ``arp.*``, ``ndp.*`` / ``ra_*`` / ``na_*``
                   (IPv6 neighbour discovery), ``forward_*`` (port forwards), ``flow_errors``.

@@ -451,16 +451,16 @@ def test_a_seat_watches_its_transport_stops_before_it_closes_and_leaves_with_its
         seat = lane.seat((light,), {})
         seat.watch(fds.fd(0), fds.callback(0))  # its host sockets' epoll
 
-        class Transport:
+        class FakeTransport:
             def __init__(self, i):
                 self.i = i
 
             def guest_reader(self):
                 return fds.fd(self.i), fds.callback(self.i)
 
-        seat.guest(Transport(1))
+        seat.guest(FakeTransport(1))
         assert lane.watched == 2
-        seat.guest(Transport(2))  # a new transport replaces the old one's fd
+        seat.guest(FakeTransport(2))  # a new transport replaces the old one's fd
         assert lane.watched == 2
         fds.ready(1)
         fds.ready(2)
