@@ -15,15 +15,16 @@ MTU and back end (order alternated every round) starts the back end on a fresh U
 boots the guestvm guest (TCG unless KVM is usable; ``-netdev vhost-user`` with its RAM in a
 shared memfd, or ``-netdev stream``), and in the guest runs ``iperf3 -c 10.0.2.2 -t T`` (guest
 to host) and ``iperf3 -R`` (host to guest) against ``iperf3 -s`` on the host's 127.0.0.1, then
-``bench crr 10.0.2.2 PORT T W`` and ``bench rr ...`` (benchmarks/bench.c, built with
+``bench crr 10.0.2.2 PORT L W`` and ``bench rr ...`` (benchmarks/bench.c, built with
 ``cc -O2 -static`` and put into the guest as ``/bin/bench`` by a second gzip'd cpio archive
 appended to a temporary copy of the kit's initramfs) against one host ``bench server`` on
 127.0.0.1: CRR is connect, 1 byte each way, close; RR is 1 byte each way on one connection;
-each prints one JSON line on the guest's console (p50/p90/p99 in microseconds over the
-iterations after the W-second warm-up). Per run: iperf3 throughput each way (the host iperf3's
-JSON), CRR and RR p50 inside the guest, and the back end's CPU seconds, also per GB moved
-(iperf3's bytes). ``--tests`` picks among iperf3, crr and rr. Medians go to a markdown table with
-the ratios the issue targets (throughput >= 1.1x passt vhost-user and >= 1.5x aioslirp stream,
+each prints one JSON line on the guest's console (p50/p90/p99 in microseconds over
+the L seconds after a W-second warm-up: ``--latency-seconds``, ``--warmup``). Per run: iperf3
+throughput each way (the host iperf3's JSON), CRR and RR p50 inside the guest, and the back
+end's CPU seconds from boot to the end of iperf3, also per GB moved (iperf3's bytes).
+``--tests`` picks among iperf3, crr and rr. Medians go to a markdown table with the ratios the
+issue targets (throughput >= 1.1x passt vhost-user and >= 1.5x aioslirp stream,
 CRR/RR p50 <= 1.0x passt vhost-user); every record, with its ratios to the same round's passt
 vhost-user run, to ``benchmarks/results/vhost_user-STAMP.json``.
 
@@ -36,6 +37,7 @@ import argparse
 import asyncio
 import datetime as _dt
 import json
+import math
 import os
 import shutil
 import statistics
@@ -89,15 +91,18 @@ def start_backend(name: str, sock: Path, mtu: int, passt: str, log) -> subproces
     return subprocess.Popen(argv, stdout=log, stderr=log, env=env)
 
 
-def build_guest_bench(workdir: Path) -> Path:
-    """Compile benchmarks/bench.c statically (the guest has no libc of ours) and return an
-    initramfs: the kit's plus ``/bin/bench`` (mode 0755). The same binary is the host's server."""
+def build_guest_bench(workdir: Path, cache: Path | None = None) -> Path:
+    """Compile benchmarks/bench.c statically into ``workdir/bench`` (the guest has no libc of
+    ours) and return ``workdir/initramfs-bench.cpio.gz``: the kit's initramfs (from ``cache``,
+    default the built kit) plus ``/bin/bench`` (mode 0755). The same binary is the host's server.
+    Raises RuntimeError without a C compiler, CalledProcessError when the build fails."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler for benchmarks/bench.c (apt-get install gcc)")
     exe = workdir / "bench"
     subprocess.run([cc, "-O2", "-static", "-o", str(exe), str(HERE / "bench.c")], check=True)
-    return qemu.initrd_with({"bin/bench": (exe.read_bytes(), 0o755)}, workdir / "initramfs-bench.cpio.gz")
+    return qemu.initrd_with({"bin/bench": (exe.read_bytes(), 0o755)}, workdir / "initramfs-bench.cpio.gz",
+                             cache)
 
 
 def start_bench_server(exe: Path) -> tuple[subprocess.Popen, int]:
@@ -181,8 +186,12 @@ async def one_run(backend: str, mtu: int, smp: int, args, workdir: Path) -> dict
                                       initrd=args.initrd)
                 if smp != 1:
                     argv[argv.index("-smp") + 1] = str(smp)
-            res = await qemu.run_vm(argv, budget)
+            t0 = time.monotonic()
+            vm = await qemu.Vm.start(argv)
+            if iperf:  # the CPU per GB counts boot and iperf3 only, not the crr/rr that follow
+                await vm.wait_for_key("DOWN_RC", budget)
             cpu = cpu_seconds(proc.pid) - cpu0
+            res = await vm.wait(max(1.0, budget - (time.monotonic() - t0)))
         finally:
             proc.terminate()
             try:
@@ -217,7 +226,7 @@ async def one_run(backend: str, mtu: int, smp: int, args, workdir: Path) -> dict
             else:
                 rec[mode] = lat
                 rec[f"{mode}_p50_us"] = lat["p50"]
-    rec["backend_cpu_s"] = round(cpu, 2)
+    rec["backend_cpu_s"] = round(cpu, 2)  # boot + iperf3 (the whole run without iperf3)
     if moved:
         rec["backend_cpu_s_per_gb"] = round(cpu / (moved / 1e9), 3)
     rec["wall_s"] = round(res.wall, 2)
@@ -237,10 +246,16 @@ def table(records: list[dict]) -> str:
                        for smp in sorted({r["smp"] for r in records}))
 
 
+def _fig(x: float, spec: str, suffix: str = "") -> str:
+    """``x`` formatted, or ``-`` when there is no figure (NaN: the test was not run or failed)."""
+    return "-" if math.isnan(x) else f"{x:{spec}}{suffix}"
+
+
 def _table(records: list[dict]) -> str:
     rows = ["| back end | MTU | runs ok | iperf3 guest→host (Mbit/s) | iperf3 host→guest (Mbit/s) "
             "| back end CPU per GB (s) | CRR p50 (µs) | CRR / passt vhost-user | RR p50 (µs) "
             "| RR / passt vhost-user |", "|---|---|---|---|---|---|---|---|---|---|"]
+    verdicts = []
     for mtu in sorted({r["mtu"] for r in records}):
         def m(b, k):
             return median([r for r in records if r["backend"] == b and r["mtu"] == mtu], k)
@@ -250,26 +265,25 @@ def _table(records: list[dict]) -> str:
                 continue
             okn = sum(1 for r in recs if r["ok"])
             crr, rr = m(backend, "crr_p50_us"), m(backend, "rr_p50_us")
-            rows.append(f"| {backend} | {mtu} | {okn}/{len(recs)} | {median(recs, 'iperf_up_mbit'):.0f} "
-                        f"| {median(recs, 'iperf_down_mbit'):.0f} | {median(recs, 'backend_cpu_s_per_gb'):.2f} "
-                        f"| {crr:.0f} | {crr / m(REFERENCE, 'crr_p50_us'):.2f}x "
-                        f"| {rr:.0f} | {rr / m(REFERENCE, 'rr_p50_us'):.2f}x |")
-    rows.append("")
-    for mtu in sorted({r["mtu"] for r in records}):
-        def m(b, k):
-            return median([r for r in records if r["backend"] == b and r["mtu"] == mtu], k)
+            rows.append(f"| {backend} | {mtu} | {okn}/{len(recs)} | {_fig(m(backend, 'iperf_up_mbit'), '.0f')} "
+                        f"| {_fig(m(backend, 'iperf_down_mbit'), '.0f')} "
+                        f"| {_fig(m(backend, 'backend_cpu_s_per_gb'), '.2f')} "
+                        f"| {_fig(crr, '.0f')} | {_fig(crr / m(REFERENCE, 'crr_p50_us'), '.2f', 'x')} "
+                        f"| {_fig(rr, '.0f')} | {_fig(rr / m(REFERENCE, 'rr_p50_us'), '.2f', 'x')} |")
         for other, target in ((REFERENCE, 1.1), ("aioslirp-stream", 1.5)):
             up = m("aioslirp-vhost-user", "iperf_up_mbit") / m(other, "iperf_up_mbit")
             down = m("aioslirp-vhost-user", "iperf_down_mbit") / m(other, "iperf_down_mbit")
-            verdict = "met" if up >= target and down >= target else "not met"
-            rows.append(f"MTU {mtu}: aioslirp vhost-user / {other}: {up:.2f}x up, {down:.2f}x down "
-                        f"(target >= {target}x both ways: {verdict})")
+            if not (math.isnan(up) or math.isnan(down)):
+                verdict = "met" if up >= target and down >= target else "not met"
+                verdicts.append(f"MTU {mtu}: aioslirp vhost-user / {other}: {up:.2f}x up, {down:.2f}x down "
+                                f"(target >= {target}x both ways: {verdict})")
         crr = m("aioslirp-vhost-user", "crr_p50_us") / m(REFERENCE, "crr_p50_us")
         rr = m("aioslirp-vhost-user", "rr_p50_us") / m(REFERENCE, "rr_p50_us")
-        verdict = "met" if crr <= 1.0 and rr <= 1.0 else "not met"
-        rows.append(f"MTU {mtu}: aioslirp vhost-user / {REFERENCE} p50 in the guest: {crr:.2f}x CRR, "
-                    f"{rr:.2f}x RR (target <= 1.0x both: {verdict})")
-    return "\n".join(rows)
+        if not (math.isnan(crr) and math.isnan(rr)):
+            verdict = "met" if crr <= 1.0 and rr <= 1.0 else "not met"
+            verdicts.append(f"MTU {mtu}: aioslirp vhost-user / {REFERENCE} p50 in the guest: "
+                            f"{_fig(crr, '.2f', 'x')} CRR, {_fig(rr, '.2f', 'x')} RR (target <= 1.0x both: {verdict})")
+    return "\n".join(rows + [""] + verdicts)
 
 
 async def main_async(args) -> int:
@@ -318,6 +332,21 @@ async def main_async(args) -> int:
     return 0 if all(r["ok"] for r in records) else 1
 
 
+def option_error(args) -> str | None:
+    """The first bad option as ``--name: what is wrong`` (one line), or None."""
+    bad = [b for b in args.backends if b not in BACKENDS]
+    if bad:
+        return f"--backends: unknown {bad[0]!r} (choose from {', '.join(BACKENDS)})"
+    bad = [t for t in args.tests if t not in TESTS]
+    if bad:
+        return f"--tests: unknown {bad[0]!r} (choose from {', '.join(TESTS)})"
+    if args.latency_seconds <= 0:
+        return f"--latency-seconds: {args.latency_seconds:g} is not > 0"
+    if args.warmup < 0:
+        return f"--warmup: {args.warmup:g} is negative"
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1, help="rounds (default 1)")
@@ -335,14 +364,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=1.0, help="bench crr/rr warm-up seconds (default 1)")
     parser.add_argument("--passt", metavar="PATH", help="the passt binary (default: the 2026 build in .cache/peers)")
     args = parser.parse_args()
-    bad = [b for b in args.backends if b not in BACKENDS]
-    if bad:
-        parser.error(f"--backends: unknown {bad[0]!r} (choose from {', '.join(BACKENDS)})")
-    bad = [t for t in args.tests if t not in TESTS]
-    if bad or not args.tests:
-        parser.error(f"--tests: unknown {(bad or [''])[0]!r} (choose from {', '.join(TESTS)})")
-    if args.latency_seconds <= 0 or args.warmup < 0:
-        parser.error("--latency-seconds: must be > 0 (and --warmup >= 0)")
+    error = option_error(args)
+    if error:
+        print(f"vhost_user.py: error: {error}", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("vhost_user: error: run as root (network namespace with a veth black hole for passt)", file=sys.stderr)
         return 2
