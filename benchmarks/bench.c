@@ -18,7 +18,8 @@
  *       Prints one JSON line: n, elapsed_s, rate, p50/p90/p99/mean/max (microseconds over the
  *       iterations after WARMUP_S), errors/lost, total (all iterations incl. warm-up).
  *
- * Build: cc -O2 -o bench bench.c   (run.py does this itself).
+ * Build: cc -O2 -o bench bench.c   (run.py does this itself; vhost_user.py builds it with -static
+ * and puts it into the QEMU guest as /bin/bench).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>

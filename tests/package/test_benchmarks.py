@@ -7,6 +7,7 @@ No timing is asserted: only counts, protocol results and arithmetic on given num
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
@@ -398,3 +399,119 @@ def test_fairness_rejects_bad_options_with_one_line():
                            timeout=60)
         assert p.returncode != 0
         assert text in p.stderr, p.stderr
+
+
+# ---- benchmarks/vhost_user.py: CRR/RR inside the QEMU guest --------------------------------------
+
+def _fake_kit(tmp_path):
+    """A kit cache whose initramfs.cpio.gz is a host-cpio newc archive holding /init."""
+    kit = tmp_path / "kit"
+    (kit / "root").mkdir(parents=True)
+    (kit / "root" / "init").write_text("#!/bin/sh\n")
+    cpio = subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], input=b"init\n", cwd=kit / "root",
+                          capture_output=True, check=True).stdout
+    (kit / "initramfs.cpio.gz").write_bytes(gzip.compress(cpio, mtime=0))
+    return kit, cpio
+
+
+def test_guest_bench_is_appended_to_the_kit_initramfs_as_bin_bench_0755(tmp_path):
+    """build_guest_bench: the combined initrd starts with the kit's archive byte for byte, and its
+    second gzip member is a newc archive that host cpio lists as bin/bench, -rwxr-xr-x, holding
+    the static bench binary (which runs)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    need(cc, "no C compiler (apt-get install gcc)")
+    need(shutil.which("cpio"), "no cpio (apt-get install cpio)")
+    import vhost_user
+
+    kit, kit_cpio = _fake_kit(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    initrd = vhost_user.build_guest_bench(work, cache=kit)
+    combined, kit_gz = initrd.read_bytes(), (kit / "initramfs.cpio.gz").read_bytes()
+    assert combined.startswith(kit_gz) and len(combined) > len(kit_gz)
+    extra = gzip.decompress(combined[len(kit_gz):])
+    assert gzip.decompress(combined) == kit_cpio + extra  # two members, in order (as the kernel reads them)
+    listing = subprocess.run(["cpio", "-itv"], input=extra, capture_output=True, check=True).stdout.decode()
+    (line,) = listing.strip().splitlines()
+    assert line.split()[0] == "-rwxr-xr-x" and line.split()[-1] == "bin/bench"
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run(["cpio", "-id", "--quiet"], input=extra, cwd=out, check=True)
+    got = out / "bin" / "bench"
+    assert got.read_bytes() == (work / "bench").read_bytes()
+    assert got.stat().st_mode & 0o7777 == 0o755
+    assert b"/ld-linux" not in got.read_bytes()  # static: no program interpreter (the guest has no glibc)
+    p = subprocess.run([str(got)], capture_output=True, text=True, timeout=10)
+    assert p.returncode != 0 and p.stderr.startswith("usage: bench server")
+    assert (kit / "initramfs.cpio.gz").read_bytes() == kit_gz  # the kit is left untouched
+
+
+def test_newc_archive_entries_and_trailer():
+    from support import qemu
+
+    raw = qemu.newc_archive({"/bin/x": (b"abcde", 0o750)})
+    assert len(raw) % 4 == 0
+    assert raw[:6] == b"070701"
+    fields = [int(raw[6 + 8 * i:14 + 8 * i], 16) for i in range(13)]
+    assert fields[1] == 0o100750 and fields[6] == 5 and fields[11] == len(b"bin/x\0")
+    assert raw[110:116] == b"bin/x\0" and raw[116:121] == b"abcde"
+    assert raw.rstrip(b"\0").endswith(b"TRAILER!!!")
+
+
+def test_vhost_user_guest_script_and_latency_parse():
+    import vhost_user
+
+    script = vhost_user.guest_script(["crr", "rr"], 4, 1, 2, 5201, 3.0, 1.0)
+    assert "iperf3" not in script
+    assert "bench crr 10.0.2.2 5201 3 1 " in script and "bench rr 10.0.2.2 5201 3 1 " in script
+    assert "UP_RC" in vhost_user.guest_script(["iperf3"], 4, 1, 2, 0, 3.0, 1.0)
+    line = json.dumps({"mode": "crr", "n": 10, "p50": 1500.5, "errors": 0})
+    assert vhost_user.parse_latency({"CRR_RC": "0", "CRR": line}, "crr")["p50"] == 1500.5
+    assert vhost_user.parse_latency({"CRR_RC": "1", "CRR": line}, "crr") is None
+    assert vhost_user.parse_latency({"CRR_RC": "0", "CRR": ""}, "crr") is None
+    assert vhost_user.parse_latency({"RR_RC": "0", "RR": line}, "rr") is None  # another mode's line
+    assert vhost_user.parse_latency({"CRR_RC": "0", "CRR": line.replace('"n": 10', '"n": 0')}, "crr") is None
+
+
+def test_vhost_user_table_crr_rr_columns_and_ratios_to_passt_vhost_user():
+    import vhost_user
+
+    figures = {"aioslirp-vhost-user": (900.0, 1100.0, 4.0, 1800.0, 300.0),
+               "aioslirp-stream": (350.0, 700.0, 16.0, 1000.0, 240.0),
+               "passt-vhost-user": (500.0, 850.0, 3.0, 1200.0, 200.0),
+               "passt-stream": (300.0, 650.0, 4.0, 1300.0, 160.0)}
+    records = []
+    for rnd, scale in ((0, 1.0), (1, 2.0)):
+        for backend, (up, down, cpu, crr, rr) in figures.items():
+            records.append({"backend": backend, "mtu": 1500, "smp": 1, "round": rnd, "ok": True,
+                            "iperf_up_mbit": up, "iperf_down_mbit": down, "backend_cpu_s_per_gb": cpu,
+                            "crr_p50_us": crr * scale, "rr_p50_us": rr * scale})
+    records.append({"backend": "passt-stream", "mtu": 1500, "smp": 1, "round": 2, "ok": False})
+    vhost_user.add_ratios(records)
+    assert records[0]["crr_p50_vs_passt_vhost_user"] == 1.5 and records[0]["rr_p50_vs_passt_vhost_user"] == 1.5
+    assert records[7]["rr_p50_vs_passt_vhost_user"] == 0.8  # round 1 against round 1's passt
+    assert "crr_p50_vs_passt_vhost_user" not in records[-1]
+    md = vhost_user.table(records)
+    assert "| CRR p50 (µs) | CRR / passt vhost-user | RR p50 (µs) | RR / passt vhost-user |" in md
+    assert "| aioslirp-vhost-user | 1500 | 2/2 | 900 | 1100 | 4.00 | 2700 | 1.50x | 450 | 1.50x |" in md
+    assert "| passt-vhost-user | 1500 | 2/2 | 500 | 850 | 3.00 | 1800 | 1.00x | 300 | 1.00x |" in md
+    assert "| passt-stream | 1500 | 2/3 | 300 | 650 | 4.00 | 1950 | 1.08x | 240 | 0.80x |" in md
+    assert ("MTU 1500: aioslirp vhost-user / passt-vhost-user p50 in the guest: 1.50x CRR, 1.50x RR "
+            "(target <= 1.0x both: not met)") in md
+    assert "aioslirp vhost-user / passt-vhost-user: 1.80x up, 1.29x down (target >= 1.1x both ways: met)" in md
+
+    latency_only = [{k: v for k, v in r.items() if not k.startswith(("iperf", "backend_cpu"))} for r in records]
+    md = vhost_user.table(latency_only)  # --tests crr,rr: no throughput figure, no throughput verdict
+    assert "| aioslirp-vhost-user | 1500 | 2/2 | - | - | - | 2700 | 1.50x | 450 | 1.50x |" in md
+    assert " up, " not in md and "p50 in the guest: 1.50x CRR, 1.50x RR" in md
+
+
+def test_vhost_user_rejects_bad_options_with_one_line():
+    for opts, text in ((["--tests", "crr,nosuch"], "vhost_user.py: error: --tests: unknown 'nosuch'"),
+                       (["--latency-seconds", "0"], "vhost_user.py: error: --latency-seconds: 0 is not > 0"),
+                       (["--backends", "qemu"], "vhost_user.py: error: --backends: unknown 'qemu'")):
+        p = subprocess.run([sys.executable, str(BENCH / "vhost_user.py"), *opts], capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 2
+        (line,) = p.stderr.strip().splitlines()
+        assert line.startswith(text), line

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import fcntl
+import gzip
 import os
 import re
 import shutil
@@ -91,12 +92,14 @@ def accel() -> str:
 
 
 def qemu_argv(netdev: str, cmd: str | None, *, workdir: Path, cache: Path | None = None, net: str = "dhcp",
-              mac: str = GUEST_MAC, mem: int = 256, mtu: int | None = None, append: str = "") -> list[str]:
+              mac: str = GUEST_MAC, mem: int = 256, mtu: int | None = None, append: str = "",
+              initrd: Path | None = None) -> list[str]:
     """QEMU argv booting the guestvm kernel with one virtio-net NIC on ``-netdev netdev``.
 
     ``netdev`` is the option value without ``id`` (``id=n0`` is added), e.g.
     ``"stream,server=off,addr.type=unix,addr.path=/run/x.sock"``. ``cmd`` is the guest's
-    shell snippet (long snippets go through fw_cfg, a file in ``workdir``).
+    shell snippet (long snippets go through fw_cfg, a file in ``workdir``). ``initrd``: another
+    initramfs to boot instead of the kit's (e.g. one from :func:`initrd_with`).
     """
     cache = cache or ensure_built()
     kargs = f"console=ttyS0 panic=-1 quiet loglevel=4 i8042.noaux i8042.nokbd guestvm.net={net}"
@@ -117,7 +120,7 @@ def qemu_argv(netdev: str, cmd: str | None, *, workdir: Path, cache: Path | None
     accel_args = ["-accel", "kvm", "-accel", "tcg", "-cpu", "max"] if acc == "kvm" else ["-accel", "tcg", "-cpu", "max"]
     return [QEMU, "-nodefaults", "-no-user-config", "-machine", "pc", *accel_args, "-smp", "1", "-m", str(mem),
             "-display", "none", "-serial", "stdio", "-no-reboot",
-            "-kernel", str(cache / "vmlinuz"), "-initrd", str(cache / "initramfs.cpio.gz"), "-append", kargs,
+            "-kernel", str(cache / "vmlinuz"), "-initrd", str(initrd or cache / "initramfs.cpio.gz"), "-append", kargs,
             "-netdev", f"{netdev},id=n0", "-device", f"virtio-net-pci,netdev=n0,mac={mac},romfile=", *extra]
 
 
@@ -133,6 +136,37 @@ def vhost_user_argv(path, cmd: str | None, *, workdir: Path, listen: bool = Fals
     if smp != 1:
         argv[argv.index("-smp") + 1] = str(smp)
     return argv
+
+
+def newc_archive(files: dict[str, tuple[bytes, int]]) -> bytes:
+    """A cpio archive in the kernel's initramfs format ("newc", ``070701`` headers) holding
+    ``files``: archive path (no leading ``/``, e.g. ``"bin/bench"``) -> (content, permission
+    bits, e.g. ``0o755``); regular files owned by root, then the ``TRAILER!!!`` entry.
+    The folders must exist in the archive this one is unpacked over."""
+    out = bytearray()
+
+    def entry(ino: int, name: str, mode: int, data: bytes) -> None:
+        raw = name.encode() + b"\0"
+        fields = (ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(raw), 0)
+        out.extend(b"070701" + b"".join(b"%08X" % f for f in fields) + raw)
+        out.extend(b"\0" * (-len(out) % 4))
+        out.extend(data)
+        out.extend(b"\0" * (-len(out) % 4))
+
+    for ino, (name, (data, perm)) in enumerate(files.items(), start=1):
+        entry(ino, name.lstrip("/"), 0o100000 | (perm & 0o7777), data)
+    entry(0, "TRAILER!!!", 0, b"")
+    return bytes(out)
+
+
+def initrd_with(files: dict[str, tuple[bytes, int]], dest: Path, cache: Path | None = None) -> Path:
+    """Write to ``dest`` the kit's ``initramfs.cpio.gz`` followed by a second gzip'd
+    :func:`newc_archive` of ``files`` (the kernel unpacks concatenated archives in order, so
+    these files are added to, or replace, the kit's); the kit's cache is left untouched.
+    Returns ``dest``, for :func:`qemu_argv`'s ``initrd``."""
+    cache = cache or ensure_built()
+    dest.write_bytes((cache / "initramfs.cpio.gz").read_bytes() + gzip.compress(newc_archive(files), mtime=0))
+    return dest
 
 
 @dataclass
