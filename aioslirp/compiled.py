@@ -2,11 +2,17 @@
 
 :data:`COMPILED` lists the modules that ``setup.py`` compiles with mypyc when a C compiler is
 present: the TCP frame builder and parser and the checksum (:mod:`aioslirp.wire`) and the TCP
-state machine (:mod:`aioslirp.tcp`), which carry most of the gain (docs/performance.md); the
-dispatch, the inject queue, the host sockets and UDP flows type-check for mypyc too but are left
-out: compiled as they are, they measured no faster end to end, and each module adds seconds of
-C compilation to ``pip install``. They are ordinary ``.py`` files; the build puts a native module
-beside each (``tcp.cpython-311-x86_64-linux-gnu.so`` next to ``tcp.py``), which Python imports first.
+state machine (:mod:`aioslirp.tcp`), which carry most of the gain (docs/performance.md); and
+the Python each connection still runs on the native data plane (``AIOSLIRP_NATIVE=1``): the
+link and IPv4 dispatch, the L4 handling of the SYN (:mod:`aioslirp.dispatch.l4`) and the native
+TCP engine's adoption and end records (:mod:`aioslirp.nat.native_tcp`), about 3 us of backend
+CPU per connection there (issue 26). The inject queue, the host sockets, UDP flows, the guard
+and the flow table type-check for mypyc too but are left out: compiled as they are, they
+measured no faster end to end (or no clear gain), and each module adds seconds of C
+compilation to ``pip install``. A compiled module checks its annotations at run time (a
+``bytes`` parameter refuses a ``memoryview``), so the annotations of the compiled modules must
+say what really arrives. They are ordinary ``.py`` files; the build puts a native module beside
+each (``tcp.cpython-311-x86_64-linux-gnu.so`` next to ``tcp.py``), which Python imports first.
 
 ``AIOSLIRP_NO_EXTENSIONS=1`` in the environment (any non-empty value) makes every
 ``aioslirp`` module load from its ``.py`` source even where a native module exists:
@@ -42,7 +48,8 @@ __all__ = ["COMPILED", "ENV", "RECORD", "changed_since_build", "disabled", "inst
 #: The environment variable that switches the compiled modules off (install time and run time).
 ENV = "AIOSLIRP_NO_EXTENSIONS"
 
-#: Modules compiled by the optional build (dotted names), in the order of the per-frame path.
+#: Modules compiled by the optional build (dotted names), in the order of the per-frame path, then
+#: the per-connection path of the native data plane.
 COMPILED: tuple[str, ...] = (
     "aioslirp.wire.checksum",
     "aioslirp.wire.tcp",
@@ -52,6 +59,10 @@ COMPILED: tuple[str, ...] = (
     "aioslirp.tcp.output",
     "aioslirp.tcp.arrival",
     "aioslirp.tcp.connection",
+    "aioslirp.dispatch.link",
+    "aioslirp.dispatch.ipv4",
+    "aioslirp.dispatch.l4",
+    "aioslirp.nat.native_tcp",
 )
 
 
@@ -196,7 +207,7 @@ def status() -> dict[str, bool]:
 
 @functools.cache
 def notice() -> str:
-    """One line, the same for the life of the process: ``compiled per-frame path: on (8/8
+    """One line, the same for the life of the process: ``compiled per-frame path: on (12/12
     modules)``, or off and why (``AIOSLIRP_NO_EXTENSIONS``, a stale build, not built)."""
     st = status()
     n = sum(st.values())

@@ -76,7 +76,7 @@ class Ipv4Input:
         """Forget fragments held for reassembly (``Stack.reset_flows``)."""
         self.reassembler = Reassembler.from_config(self.ctx.config)
 
-    def input(self, frame: bytes, src_mac: bytes, trusted: bool, now: float) -> None:
+    def input(self, frame: bytes | memoryview, src_mac: bytes, trusted: bool, now: float) -> None:
         """One guest Ethernet frame of EtherType IPv4 (``src_mac`` its source); see :mod:`aioslirp.dispatch.l4`
         for ``trusted`` and ``now``. Drops are counted, never raised."""
         flen = len(frame)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from ..flow.base import TracePoints
@@ -89,7 +89,7 @@ class Link:
         self.ipv6 = ipv6
         self.tracer = tracer
 
-    def on_frames(self, frames: list[bytes], csum_ok: Iterable[bool] | None = None) -> None:
+    def on_frames(self, frames: Sequence[bytes | memoryview], csum_ok: Iterable[bool] | None = None) -> None:
         """A batch of guest frames from the transport (its sink, a :class:`~aioslirp.transport.base.FrameSink`).
         ``csum_ok`` (offload TAP only): per frame, True when the guest's kernel flagged its L4
         checksum partial or valid (``NEEDS_CSUM`` / ``DATA_VALID``): such frames are trusted, as
@@ -120,7 +120,7 @@ class Link:
             q.hold = False
         q.write_now()
 
-    def process(self, frame: bytes, trusted: bool = False, now: float | None = None) -> None:
+    def process(self, frame: bytes | memoryview, trusted: bool = False, now: float | None = None) -> None:
         """Count and dispatch one guest Ethernet frame (bytes-like). Never raises: bad input is
         dropped and counted. ``now``: loop time (default: read now, ``ctx.running.time()``; the
         stack must have started)."""
@@ -140,7 +140,7 @@ class Link:
         if tr is not None:
             tr.record_guest_frame(frame)
 
-    def dispatch(self, frame: bytes, trusted: bool, now: float) -> None:
+    def dispatch(self, frame: bytes | memoryview, trusted: bool, now: float) -> None:
         """Demultiplex one guest frame by EtherType (no counting of ``frames_in``)."""
         if len(frame) < 14:
             return self.drop("truncated_eth")
@@ -160,7 +160,7 @@ class Link:
         else:
             self.drop("unknown_ethertype")
 
-    def arp(self, frame: bytes, src_mac: bytes) -> None:
+    def arp(self, frame: bytes | memoryview, src_mac: bytes) -> None:
         """One guest ARP packet: learn its sender, answer requests for our addresses."""
         arp = parse_arp(frame)
         if arp is None:

@@ -45,6 +45,7 @@ import os
 import random
 import socket
 import time
+from typing import ClassVar
 
 from .. import native
 from ..flow.base import admission
@@ -228,7 +229,7 @@ class NativeTcp:
 
     #: More keyword arguments of the engine (tests: ``{"peek_off": False}`` takes the fallback for
     #: kernels without ``SO_PEEK_OFF``, a discard buffer).
-    engine_options: dict = {}
+    engine_options: ClassVar[dict] = {}
 
     def __init__(self, ctx, engine, frames_traced: bool = False) -> None:
         self.ctx = ctx
