@@ -72,6 +72,27 @@ def test_byte_bucket_take_is_all_or_nothing():
     assert b.take(3000, 100.0) and not b.take(1, 100.0)  # the refill stops at the burst
 
 
+def test_byte_bucket_never_refills_an_interval_twice_when_a_time_comes_late():
+    """A stream reads the clock for the cut, then spends at its batch's (older) time: the stamp
+    stays at the newest time, so the interval between the two is refilled once, not twice."""
+    b = ByteBucket(1000, burst=1000)
+    assert b.available(10.0) == 1000
+    b.spend(1000, 10.0)
+    assert b.available(10.5) == 500
+    b.spend(500, 10.2)  # an older time: charged, no refill, the stamp stays at 10.5
+    assert b.stamp == 10.5 and b.tokens == 0
+    assert b.available(11.0) == 500  # 0.5 s since 10.5, not 0.8 s since 10.2
+    total = 0  # a paced stream with late times, over 10 s: rate * t + burst, no more
+    t = 11.0
+    for _ in range(1000):
+        t += 0.01
+        room = b.available(t)
+        if room > 0:
+            b.spend(room, t - 0.005)
+            total += room
+    assert total <= 1000 * 10 + 1000 + 1e-6, total
+
+
 def test_byte_bucket_spend_and_wait_pay_back_a_debt():
     b = ByteBucket(1000, burst=1000)
     b.spend(5000, 0.0)  # a stream moved 5000 bytes on a 1000-byte bucket: 4000 in debt
