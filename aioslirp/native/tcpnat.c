@@ -746,6 +746,8 @@ static void rate_hold(struct tn_engine *e, struct tn_flow *f, uint16_t flag, dou
             e->c.rate_held_up++;
     }
     double at = e->now + wait;
+    if (!(at > e->now)) /* a clock so large that the wait is below its precision: never a busy loop */
+        at = e->now + 1.0;
     if (f->rate_at == 0 || at < f->rate_at) {
         f->rate_at = at;
         rearm(e, f);
