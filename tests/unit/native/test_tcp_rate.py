@@ -142,3 +142,27 @@ def test_rates_are_checked():
     assert _engine_rate(ByteBucket(2.6)) == 3
     assert _engine_rate(ByteBucket(0.4)) is None and _engine_rate(ByteBucket(1e30)) is None
     assert byte_burst(RATE) == BURST
+
+
+def test_flows_of_one_engine_share_its_bucket():
+    """Two flows reading their host sockets at once: together they get the rate (one bucket per
+    direction per engine), each held in turn, every byte delivered."""
+    a = EngineFlow(False, rate_down=RATE).established()
+    b = EngineFlow(False, engine=a.e, gport=40001).established()
+    mss = _mss(False)
+    for f in (a, b):
+        f.send(ACK, win=0xFFFF)
+        f.host_send(_data(600_000))
+    t, step = 0.0, 0.001
+    total = 0
+    while total < 1_200_000:
+        total += sum(len(s.payload) for s in a.out())  # (the frames of both flows)
+        assert total <= BURST + RATE * t + 2 * mss, (t, total)
+        for f in (a, b):
+            f.send(ACK, ack=ISS + 1 + f.info()[3], win=0xFFFF, at=t)
+        t = round(t + step, 6)
+        a.poll(t)
+        assert t < 3.0
+    assert t == pytest.approx((1_200_000 - BURST) / RATE, rel=0.03)
+    assert a.info()[3] == b.info()[3] == 600_000
+    assert a.e.counters()["rto"] == 0
