@@ -31,10 +31,24 @@ TAP reader (``TapTransport.attach_tcp``). Python stays the control plane:
   ``writer_wake`` (``aioslirp.plane`` ``native``) at ``frames``. The per-segment events of the
   timeline (``established``, ``guest.data``, ``fin.*``) are the Python path's only.
 
-Not on the native plane in this first version (the Python path takes them, unchanged): a stack
-with rate caps (``rate_limit``), a transport wrapped for pcap, flows to Python handlers and to
-the DNS service, port forwards (host -> guest), and every transport other than the TAP. The
-engine's own counters are in ``Stack.stats()`` under ``native_tcp``.
+* **Rate caps hold in C.** A stack with ``rate_up`` / ``rate_down`` (``--rate-limit``) keeps its
+  TCP flows native: the engine has one byte bucket per direction (the rule of
+  :class:`~aioslirp.ratelimit.ByteBucket`: the rate, a burst of max(64 KiB, 10 ms of it), full at
+  the start; integer nanobytes and nanoseconds in C), shared by the flows it runs. Paced without
+  loss: towards the guest the host socket is read only while the bucket is above zero (at most
+  what it holds, one segment over at most); towards the host our window is at most what the
+  bucket holds, so the guest's bytes wait in the guest. A held flow is woken by the engine's
+  timer heap once 16 KiB have refilled. The holds are counted in the Python path's counters,
+  ``tcp_rate_held_up`` and ``tcp_rate_paused_down`` (:meth:`NativeTcp.poll`). The engine's
+  buckets are its own: UDP and ICMP (Python path) and the TCP flows the Python path runs
+  (handlers, forwards) spend the stack's buckets, so each of the two planes holds the cap.
+  Rates are whole bytes/s (rounded); one below 1 or above :data:`RATE_MAX` keeps TCP on the
+  Python path.
+
+Not on the native plane in this version (the Python path takes them, unchanged): a transport
+wrapped for pcap, flows to Python handlers and to the DNS service, port forwards (host ->
+guest), and every transport other than the TAP. The engine's own counters are in
+``Stack.stats()`` under ``native_tcp``.
 """
 
 from __future__ import annotations
@@ -67,9 +81,23 @@ TRACE_RING = 8192
 #: ``enum tn_trace_type`` of tcpnat.h.
 _TR_FRAME, _TR_SYN_ACK, _TR_DRAIN, _TR_WAKE = 1, 2, 3, 4
 
+#: The largest rate cap the engine takes, bytes/s (``TN_RATE_MAX`` of tcpnat.h, about 550 Gbit/s).
+RATE_MAX = 1 << 36
+#: The engine's counters of rate-cap holds -> the Python path's counter names.
+_RATE_COUNTERS = (("rate_held_up", "tcp_rate_held_up"), ("rate_paused_down", "tcp_rate_paused_down"))
+
 #: Seconds in TIME-WAIT after the guest's last segment: ``TcpConnection``'s ``time_wait``, which
 #: the Python path leaves at its default.
 TIME_WAIT = 1.0
+
+
+def _engine_rate(bucket) -> int | None:
+    """The engine's rate for the stack's bucket (``ctx.rate_up`` / ``rate_down``): whole bytes/s,
+    0 for no cap (``None``), ``None`` when the engine cannot take it (below 1 or above :data:`RATE_MAX`)."""
+    if bucket is None:
+        return 0
+    rate = round(bucket.rate)
+    return rate if 1 <= rate <= RATE_MAX else None
 
 
 class _Ended:
@@ -225,7 +253,7 @@ class NativeTcp:
     ``ctx``: the stack's :class:`~aioslirp.flow.context.FlowContext`; ``engine``: the
     ``TcpEngine``; its epoll is read by :meth:`poll` from the loop."""
 
-    __slots__ = ("ctx", "engine", "flows", "loop", "_fd", "tracer", "frames_traced")
+    __slots__ = ("ctx", "engine", "flows", "loop", "_fd", "tracer", "frames_traced", "rated", "_rate_seen")
 
     #: More keyword arguments of the engine (tests: ``{"peek_off": False}`` takes the fallback for
     #: kernels without ``SO_PEEK_OFF``, a discard buffer).
@@ -240,6 +268,9 @@ class NativeTcp:
         #: engine's trace points are on while it is set; ``frames_traced``: level ``frames``.
         self.tracer = ctx.tracer
         self.frames_traced = frames_traced and self.tracer is not None
+        #: The stack has rate caps: the engine's holds are added to ``ctx.counters`` on each poll.
+        self.rated = ctx.rate_up is not None or ctx.rate_down is not None
+        self._rate_seen = {name: 0 for name, _ in _RATE_COUNTERS}
         if self.tracer is not None:
             engine.trace(TRACE_RING)
         self._fd = engine.fileno()
@@ -250,12 +281,16 @@ class NativeTcp:
     def start(cls, ctx, transport, frames_traced: bool = False) -> "NativeTcp | None":
         """The engine for ``transport`` (what the stack serves, after its wrappers other than the
         trace points'), or ``None`` when the native plane does not run TCP flows there: not a TAP
-        read natively, a transport wrapped for pcap, or rate caps on the stack (module
-        documentation). ``frames_traced``: the stack traces at level ``frames`` (the per-frame
+        read natively, a transport wrapped for pcap, or a rate cap the engine does not take (below
+        1 or above :data:`RATE_MAX` bytes/s; module documentation). ``frames_traced``: the stack traces at level ``frames`` (the per-frame
         trace points too)."""
         attach = getattr(transport, "attach_tcp", None)
-        if (attach is None or not getattr(transport, "native", False) or not native.tcp_wanted()
-                or ctx.rate_up is not None or ctx.rate_down is not None):
+        if attach is None or not getattr(transport, "native", False) or not native.tcp_wanted():
+            return None
+        rate_up, rate_down = _engine_rate(ctx.rate_up), _engine_rate(ctx.rate_down)
+        if rate_up is None or rate_down is None:
+            log.info("%snative data plane: a rate cap outside 1..%d bytes/s: TCP flows stay on the Python path",
+                     ctx.identity.log_prefix, RATE_MAX, extra=ctx.identity.log_extra)
             return None
         ext = native.extension()
         if ext is None or not hasattr(ext, "TcpEngine"):
@@ -264,7 +299,7 @@ class NativeTcp:
         engine = ext.TcpEngine(transport.fd, transport.vnet_hdr, transport.offload, cfg.gateway_mac_bytes,
                                int(cfg.mtu), int(cfg.max_flows), int(cfg.tcp_buffer), float(cfg.tcp_idle_timeout),
                                float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT,
-                               **cls.engine_options)
+                               rate_up=rate_up, rate_down=rate_down, **cls.engine_options)
         plane = cls(ctx, engine, frames_traced)
         attach(engine, plane.take)
         ident = ctx.identity
@@ -312,7 +347,21 @@ class NativeTcp:
             records = self.engine.poll()
         except ValueError:  # closed
             return
+        if self.rated:
+            self._rate_counters()
         self._records(records)
+
+    def _rate_counters(self) -> None:
+        """Add the engine's rate-cap holds since the last call to the stack's counters
+        (``tcp_rate_held_up``, ``tcp_rate_paused_down``, as the Python path counts them)."""
+        c = self.counters()
+        seen = self._rate_seen
+        counters = self.ctx.counters
+        for name, counter in _RATE_COUNTERS:
+            value = c.get(name, 0)
+            if value > seen[name]:
+                counters[counter] += value - seen[name]
+                seen[name] = value
 
     def take(self) -> None:
         """Take the engine's records, nothing else (the TAP reader's hook after a batch that ended
@@ -395,6 +444,8 @@ class NativeTcp:
         for flow in list(self.flows.values()):
             self.engine.close_flow(flow.slot, flow.gen, now)
         self.poll()
+        if self.rated:
+            self._rate_counters()
         counters = self.ctx.counters
         for name, value in self.counters().items():
             if name not in ("live", "peek_off") and value:

@@ -461,15 +461,16 @@ static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
 {
     Engine *g = (Engine *)op;
     static char *kwlist[] = {"tap_fd", "vnet", "offload", "gw_mac", "mtu", "max_flows", "rcv_buf", "idle_timeout",
-                             "connect_timeout", "linger", "fake", "time_wait", "peek_off", NULL};
+                             "connect_timeout", "linger", "fake", "time_wait", "peek_off", "rate_up", "rate_down", NULL};
     int tap_fd, vnet, offload, fake = 0, peek_off = 1;
     double time_wait = 1.0;
+    unsigned long long rate_up = 0, rate_down = 0;
     Py_buffer mac;
     unsigned int mtu, max_flows, rcv_buf;
     double idle, connect_to, linger;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ippy*IIIddd|pdp", kwlist, &tap_fd, &vnet, &offload, &mac, &mtu,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ippy*IIIddd|pdpKK", kwlist, &tap_fd, &vnet, &offload, &mac, &mtu,
                                      &max_flows, &rcv_buf, &idle, &connect_to, &linger, &fake, &time_wait,
-                                     &peek_off))
+                                     &peek_off, &rate_up, &rate_down))
         return -1;
     if (g->e) {
         PyBuffer_Release(&mac);
@@ -497,6 +498,13 @@ static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
     cfg.connect_timeout = connect_to;
     cfg.linger = linger;
     cfg.time_wait = time_wait;
+    if (rate_up > TN_RATE_MAX || rate_down > TN_RATE_MAX) {
+        PyErr_Format(PyExc_ValueError, "TcpEngine: rate_up and rate_down must be 0..%llu bytes/s",
+                     (unsigned long long)TN_RATE_MAX);
+        return -1;
+    }
+    cfg.rate_up = rate_up;
+    cfg.rate_down = rate_down;
     if (getentropy(cfg.hash_key, sizeof cfg.hash_key) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
@@ -778,14 +786,15 @@ static PyObject *engine_counters(PyObject *op, PyObject *unused)
         return NULL;
     const struct tn_counters *c = tn_counters(g->e);
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
         (unsigned long long)c->frames_out, "tap_write_errors", (unsigned long long)c->tap_write_errors,
         "bad_checksum", (unsigned long long)c->bad_checksum, "out_of_window", (unsigned long long)c->out_of_window,
         "bad_ack", (unsigned long long)c->bad_ack, "syn_on_open", (unsigned long long)c->syn_on_open, "rst_bad_seq",
         (unsigned long long)c->rst_bad_seq, "dup_acks", (unsigned long long)c->dup_acks, "fast_retransmits",
         (unsigned long long)c->fast_retransmits, "rto", (unsigned long long)c->rto, "zero_window_probes",
         (unsigned long long)c->zero_window_probes, "host_write_paused", (unsigned long long)c->host_write_paused,
-        "window_updates", (unsigned long long)c->window_updates,
+        "window_updates", (unsigned long long)c->window_updates, "rate_held_up",
+        (unsigned long long)c->rate_held_up, "rate_paused_down", (unsigned long long)c->rate_paused_down,
         "adopted", (unsigned long long)c->adopted, "ended", (unsigned long long)c->ended, "trace_overflow",
         (unsigned long long)tn_trace_overflow(g->e), "live",
         tn_live_flows(g->e), "peek_off", g->peek_off);

@@ -45,6 +45,8 @@ enum {
 #define FL_SOCK_OPEN 0x0400u
 #define FL_SPACE_STALE 0x0800u /* the socket's room may have changed since it was asked (sock_space) */
 #define FL_WATCH_OUT 0x1000u   /* the socket's writability is watched (EPOLLOUT) */
+#define FL_RATE_UP 0x2000u     /* our window is held small by the up rate cap: rate_at reopens it */
+#define FL_RATE_DOWN 0x4000u   /* reading the host socket waits for the down rate cap: rate_at */
 
 struct tn_flow {
     uint32_t gen;
@@ -68,13 +70,25 @@ struct tn_flow {
     double rto, rto_at, persist_at, tw_until, connect_until;
     double wnd_at, wnd_every;  /* our window is small: look at the socket's room again then */
     double progress_at;        /* our FIN sent: its time, then of each ACK of new data (linger) */
+    double rate_at;            /* held by a rate cap: wake up then (0 none) */
     uint64_t bytes_up, bytes_down;
     uint8_t outcome, why;
     int32_t err;
 };
 
+/* A byte-rate cap (aioslirp.ratelimit.ByteBucket's rule) in integers: tokens in nanobytes
+ * (bytes x 1e9), so that a refill is dt_ns x rate with nothing lost to rounding. With rate <=
+ * TN_RATE_MAX the burst is below 2^60 nB and the debt is floored at -2^62 nB: no overflow. */
+struct tn_bucket {
+    uint64_t rate;  /* bytes/s; 0: no cap */
+    int64_t burst;  /* nB */
+    int64_t tokens; /* nB; below 0: a debt of a stream */
+    int64_t stamp;  /* ns of the last refill, -1 none yet */
+};
+
 struct tn_engine {
     struct tn_config cfg;
+    struct tn_bucket up, down; /* the rate caps (cfg.rate_up / rate_down) */
     struct tn_io io;
     struct tn_flow *flows;
     uint32_t cap, live, free_head;
@@ -378,6 +392,7 @@ static void rearm(struct tn_engine *e, struct tn_flow *f)
         TAKE(f->rto_at);
         TAKE(f->persist_at);
         TAKE(f->wnd_at);
+        TAKE(f->rate_at);
         if (linger_applies(f))
             TAKE(linger_deadline(e, f));
         if (e->cfg.idle_timeout > 0)
@@ -406,11 +421,66 @@ static void rearm(struct tn_engine *e, struct tn_flow *f)
     }
 }
 
+/* ------------------------------------------------------------------ rate caps */
+
+#define NB INT64_C(1000000000)
+#define DEBT_FLOOR (-(INT64_C(1) << 62))
+
+static void bucket_init(struct tn_bucket *b, uint64_t rate)
+{
+    b->rate = rate;
+    if (!rate)
+        return;
+    uint64_t burst = rate / 100; /* 10 ms of the rate, at least 64 KiB */
+    if (burst < 65536)
+        burst = 65536;
+    b->burst = b->tokens = (int64_t)burst * NB;
+    b->stamp = -1;
+}
+
+/* The bucket's tokens (nB) at now (seconds), refilled since the last call. */
+static int64_t bucket_refill(struct tn_bucket *b, double now)
+{
+    int64_t t = now > 0 && now < 9.0e9 ? (int64_t)(now * 1e9) : 0;
+    if (b->stamp >= 0 && t > b->stamp && b->tokens < b->burst) {
+        uint64_t dt = (uint64_t)(t - b->stamp);
+        uint64_t most = (uint64_t)(b->burst - b->tokens) / b->rate + 1; /* enough to fill it */
+        if (dt > most)
+            dt = most;
+        b->tokens += (int64_t)(dt * b->rate);
+        if (b->tokens > b->burst)
+            b->tokens = b->burst;
+    }
+    if (t > b->stamp)
+        b->stamp = t;
+    return b->tokens;
+}
+
+/* n bytes passed (the balance may go below zero). */
+static void bucket_spend(struct tn_bucket *b, uint64_t n)
+{
+    if (n > (UINT64_C(1) << 30)) /* never: a frame's payload, a peek */
+        n = UINT64_C(1) << 30;
+    int64_t d = (int64_t)n * NB;
+    b->tokens = b->tokens < DEBT_FLOOR + d ? DEBT_FLOOR : b->tokens - d;
+}
+
+/* Seconds until the bucket holds at least need bytes (need <= its burst). */
+static double bucket_wait(const struct tn_bucket *b, uint32_t need)
+{
+    int64_t want = (int64_t)need * NB;
+    if (b->tokens >= want)
+        return 0;
+    uint64_t ns = (uint64_t)(want - b->tokens) / b->rate + 1;
+    return (double)ns * 1e-9 + 1e-6; /* (a microsecond late rather than early: the clock is a double) */
+}
+
 /* ------------------------------------------------------------------ engine */
 
 struct tn_engine *tn_new(const struct tn_config *cfg, const struct tn_io *io)
 {
-    if (!cfg || !io || cfg->max_flows < 1 || cfg->max_flows > (1u << 22) || cfg->mtu < 576 || cfg->mtu > 65521)
+    if (!cfg || !io || cfg->max_flows < 1 || cfg->max_flows > (1u << 22) || cfg->mtu < 576 || cfg->mtu > 65521 ||
+        cfg->rate_up > TN_RATE_MAX || cfg->rate_down > TN_RATE_MAX)
         return NULL;
     struct tn_engine *e = calloc(1, sizeof *e);
     if (!e)
@@ -442,6 +512,8 @@ struct tn_engine *tn_new(const struct tn_config *cfg, const struct tn_io *io)
     if (w > (65535u << OUR_WS_MAX))
         w = 65535u << OUR_WS_MAX;
     e->rcv_wnd = w;
+    bucket_init(&e->up, cfg->rate_up);
+    bucket_init(&e->down, cfg->rate_down);
     return e;
 }
 
@@ -661,6 +733,41 @@ int tn_trace_pending(const struct tn_engine *e)
 #define WND_WATCH_MIN 0.001
 #define WND_WATCH_MAX 0.2
 
+static void rearm(struct tn_engine *e, struct tn_flow *f);
+
+/* A flow held by a rate cap (flag FL_RATE_UP / FL_RATE_DOWN): wake up in wait seconds. */
+static void rate_hold(struct tn_engine *e, struct tn_flow *f, uint16_t flag, double wait)
+{
+    if (!(f->fl & flag)) {
+        f->fl |= flag;
+        if (flag == FL_RATE_DOWN)
+            e->c.rate_paused_down++;
+        else if (f->bytes_up) /* a flow that never wrote to the host is not held back */
+            e->c.rate_held_up++;
+    }
+    double at = e->now + wait;
+    if (!(at > e->now)) /* a clock so large that the wait is below its precision: never a busy loop */
+        at = e->now + 1.0;
+    if (f->rate_at == 0 || at < f->rate_at) {
+        f->rate_at = at;
+        rearm(e, f);
+    }
+}
+
+/* The window w (> 0) under the up cap: what the bucket holds; 0 below min(w, TN_RATE_BATCH), and
+ * the flow is held (its timer sends the window update when the bucket has refilled). */
+static uint32_t rate_window(struct tn_engine *e, struct tn_flow *f, uint32_t w)
+{
+    int64_t tok = bucket_refill(&e->up, e->now);
+    uint64_t may = tok > 0 ? (uint64_t)(tok / NB) : 0;
+    uint32_t batch = w < TN_RATE_BATCH ? w : TN_RATE_BATCH;
+    if (may < batch) {
+        rate_hold(e, f, FL_RATE_UP, bucket_wait(&e->up, batch));
+        return 0;
+    }
+    return may < w ? (uint32_t)may : w;
+}
+
 /* Our window: what the host socket's send buffer takes (so that the guest does not send what
  * would be dropped), at most rcv_wnd; 0 while a send() is blocked (until EPOLLOUT). */
 static uint32_t adv_window(struct tn_engine *e, struct tn_flow *f)
@@ -680,7 +787,10 @@ static uint32_t adv_window(struct tn_engine *e, struct tn_flow *f)
             rearm(e, f);
         }
     }
-    return f->space < e->rcv_wnd ? f->space : e->rcv_wnd;
+    uint32_t w = f->space < e->rcv_wnd ? f->space : e->rcv_wnd;
+    if (e->up.rate && w) /* the up cap: at most what the bucket holds, nothing below a batch */
+        w = rate_window(e, f, w);
+    return w;
 }
 
 /* One segment to the guest: seq, our rcv_nxt as ack (when ACK), flags, the payload (may be
@@ -844,7 +954,7 @@ static void maybe_done(struct tn_engine *e, struct tn_flow *f, double now)
     if ((f->fl & FL_WE_FIRST) && e->cfg.time_wait > 0) {
         close_sock(e, f, 0);
         f->state = ST_TIME_WAIT;
-        f->rto_at = f->persist_at = f->wnd_at = 0;
+        f->rto_at = f->persist_at = f->wnd_at = f->rate_at = 0;
         f->tw_until = now + e->cfg.time_wait;
         rearm(e, f);
         return;
@@ -900,6 +1010,18 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
         size_t most = e->cfg.offload ? TN_PEEK_MAX : (TN_PEEK_MAX / f->mss) * f->mss;
         if (chunk > most)
             chunk = most;
+        if (e->down.rate) { /* the down cap: read only while the bucket is above zero, at most what it holds */
+            int64_t tok = bucket_refill(&e->down, now);
+            if (tok <= 0) {
+                rate_hold(e, f, FL_RATE_DOWN, bucket_wait(&e->down, TN_RATE_BATCH));
+                return;
+            }
+            uint64_t may = (uint64_t)(tok / NB);
+            if (may < f->mss)
+                may = f->mss; /* (one segment over at most) */
+            if (chunk > may)
+                chunk = (size_t)may;
+        }
         ssize_t n = e->io.sock_peek(e->io.ctx, f->fd, e->peek, chunk, inflight);
         if (n == -EAGAIN || n == -EWOULDBLOCK || n == -EINTR) {
             f->fl &= (uint16_t)~FL_RX_READY;
@@ -932,8 +1054,11 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
         }
         f->fl &= (uint16_t)~FL_ACK_DUE;
         if (SEQ_GT(f->snd_nxt, f->snd_max)) {
-            f->bytes_down += (uint32_t)(f->snd_nxt - f->snd_max);
+            uint32_t fresh = f->snd_nxt - f->snd_max; /* retransmissions are not spent again */
+            f->bytes_down += fresh;
             f->snd_max = f->snd_nxt;
+            if (e->down.rate)
+                bucket_spend(&e->down, fresh);
         }
         f->persist_at = 0;
         arm_rto(f, now);
@@ -1208,6 +1333,8 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
         }
         f->rcv_nxt += (uint32_t)took;
         f->bytes_up += took;
+        if (e->up.rate && took) /* within the window we gave: taken, whatever the balance */
+            bucket_spend(&e->up, took);
         f->space = f->space > took ? f->space - (uint32_t)took : 0;
         if (took)
             f->fl |= FL_SPACE_STALE; /* the send buffer grows with use (autotuning): ask again */
@@ -1459,6 +1586,22 @@ static void flow_timer(struct tn_engine *e, struct tn_flow *f, double now)
         f->rto_at = now + f->rto;
         f->dupacks = 0;
         rewind_send(e, f, now);
+        if (f->state != ST_ESTABLISHED && f->state != ST_SYN_RCVD)
+            return;
+    }
+    if (f->rate_at > 0 && now >= f->rate_at) { /* the rate caps' bucket has refilled: resume */
+        uint16_t held = f->fl & (FL_RATE_UP | FL_RATE_DOWN);
+        f->rate_at = 0;
+        f->fl &= (uint16_t)~(FL_RATE_UP | FL_RATE_DOWN);
+        if ((held & FL_RATE_UP) && f->state == ST_ESTABLISHED && !(f->fl & FL_TX_BLOCKED)) {
+            uint32_t before = SEQ_GT(f->rcv_adv, f->rcv_nxt) ? f->rcv_adv - f->rcv_nxt : 0;
+            if (adv_window(e, f) > before) { /* (held again when others spent the refill) */
+                e->c.window_updates++;
+                send_ack(e, f);
+            }
+        }
+        if (held & FL_RATE_DOWN)
+            from_sock(e, f, now); /* (held again when others spent the refill) */
         if (f->state != ST_ESTABLISHED && f->state != ST_SYN_RCVD)
             return;
     }

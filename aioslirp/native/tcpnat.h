@@ -48,6 +48,12 @@
 /* Largest payload peeked (and put in one frame with offload) at once. */
 #define TN_PEEK_MAX 65495u
 
+/* Largest byte-rate cap (bytes/s) of the engine, about 550 Gbit/s: the byte buckets count in
+ * nanobytes (bytes x 1e9) and stay within 64 bits below it. */
+#define TN_RATE_MAX (1ull << 36)
+/* A flow held by a rate cap resumes once the bucket holds this many bytes (or the window's worth). */
+#define TN_RATE_BATCH (16u * 1024u)
+
 /* Socket events given to tn_sock_event() (the epoll bits). */
 #define TN_EV_IN 0x001u
 #define TN_EV_OUT 0x004u
@@ -98,6 +104,13 @@ struct tn_config {
     double time_wait;        /* s in TIME-WAIT after the guest's last segment (we closed first) */
     uint8_t gw_mac[6];       /* the source MAC of frames to the guest */
     uint64_t hash_key[2];    /* the flow hash's key (random per engine) */
+    /* The guest's byte-rate caps (--rate-limit), bytes/s each way, 1..TN_RATE_MAX; 0: none. One
+     * bucket per direction per engine, shared by its flows, as aioslirp.ratelimit.ByteBucket:
+     * burst max(64 KiB, 10 ms of the rate), full at the start. Paced without loss: host -> guest,
+     * the host socket is read (and frames sent) only while the bucket is above zero; guest ->
+     * host, our window is at most what the bucket holds (the guest's sends wait in the guest).
+     * A held flow is woken by its timer (TN_RATE_BATCH bytes refilled). */
+    uint64_t rate_up, rate_down;
 };
 
 /* What Python hands over for a new flow (the guest's SYN, its addresses, the host). */
@@ -165,14 +178,17 @@ struct tn_counters {
     uint64_t rto;               /* retransmission timeouts */
     uint64_t zero_window_probes;
     uint64_t host_write_paused; /* a send() took part: our window closes */
-    uint64_t window_updates;    /* ... and opens again (EPOLLOUT) */
+    uint64_t window_updates;    /* ... and opens again (EPOLLOUT, or the up rate cap refilled) */
+    uint64_t rate_held_up;      /* our window to a flow that sent data was closed by the up cap */
+    uint64_t rate_paused_down;  /* a flow stopped reading its host socket for the down cap */
     uint64_t adopted;
     uint64_t ended;
 };
 
 struct tn_engine;
 
-/* A new engine (NULL on a bad config or no memory). The io is copied. */
+/* A new engine (NULL on a bad config: max_flows 1..2^22, mtu 576..65521, a rate above
+ * TN_RATE_MAX; or no memory). The io is copied. */
 struct tn_engine *tn_new(const struct tn_config *cfg, const struct tn_io *io);
 void tn_free(struct tn_engine *e); /* closes every socket still open (abort) */
 

@@ -38,7 +38,8 @@ SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test
                    "tests/adversarial/test_vhost_hostile.py", "tests/adversarial/test_vring_model.py",
                    "tests/unit/native/test_tcp_engine.py", "tests/unit/native/test_tcp_differential.py",
                    "tests/adversarial/test_native_tcp_hostile.py", "tests/system/test_native_tcp.py",
-                   "tests/unit/native/test_tcp_trace.py", "tests/system/test_native_trace.py")
+                   "tests/unit/native/test_tcp_trace.py", "tests/unit/native/test_tcp_rate.py",
+                   "tests/system/test_native_trace.py")
 
 
 def _libasan() -> Path | None:
