@@ -3,7 +3,7 @@ kernel: a real guest in a network namespace behind a Stack in this process, whos
 native reader (``AIOSLIRP_NATIVE=1``), for IPv4 and IPv6.
 
 One guest run per family does it all (each run is a few seconds of real traffic): curl of a small
-and a 50 MB body (SHA-256), a 50 MB upload (byte-exact, SHA-256 at the host server), 2,000
+and a 16 MB body (SHA-256), a 16 MB upload (byte-exact, SHA-256 at the host server), 2,000
 sequential short connections, half-close both ways, a refused port, a host server that resets and
 a guest that resets, an upload to a slow host reader (the host socket fills: our window closes)
 and a download the guest reads late (the guest's window closes: probes). Meanwhile a task of the
@@ -31,7 +31,7 @@ from support.servers import DataServer, free_port, pattern
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
-BIG = 50 * 1024 * 1024
+BIG = 16 * 1024 * 1024
 CRR = 2000
 
 
