@@ -260,10 +260,14 @@ class NativeTcp:
         if ext is None or not hasattr(ext, "TcpEngine"):
             return None
         cfg = ctx.config
+        sink = getattr(transport, "tcp_sink", None)  # a vhost-user device: frames into its RX ring
+        options = dict(cls.engine_options)
+        if sink is not None:
+            options["sink"] = sink()
         engine = ext.TcpEngine(transport.fd, transport.vnet_hdr, transport.offload, cfg.gateway_mac_bytes,
                                int(cfg.mtu), int(cfg.max_flows), int(cfg.tcp_buffer), float(cfg.tcp_idle_timeout),
                                float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT,
-                               **cls.engine_options)
+                               **options)
         plane = cls(ctx, engine, frames_traced)
         attach(engine, plane.take)
         ident = ctx.identity
