@@ -2,10 +2,13 @@
 
 Theory of operation
 -------------------
-When a stack serves a :class:`~aioslirp.transport.tap.TapTransport` whose reader is native, with
+When a stack serves a :class:`~aioslirp.transport.tap.TapTransport` whose reader is native, or a
+:class:`~aioslirp.transport.vhost_user.VhostUserTransport` (whose rings are walked in C), with
 ``AIOSLIRP_NATIVE=1`` (or ``tcp``; ``1,udp`` with native UDP flows), :meth:`NativeTcp.start` makes the C engine
 (``aioslirp.native._dataplane.TcpEngine``, ``aioslirp/native/tcpnat.c``) for it and hands it to the
-TAP reader (``TapTransport.attach_tcp``). Python stays the control plane:
+TAP reader (``TapTransport.attach_tcp``) or the ring walker (``VhostUserTransport.attach_tcp``: the
+engine writes its frames into the RX ring through ``tcp_sink()``, no Python object per frame; the
+two extensions meet in ``aioslirp/native/tcpsink.h``). Python stays the control plane:
 
 * **One upcall per new flow.** :class:`~aioslirp.dispatch.l4.L4` admits a guest SYN as always
   (egress policy and hook, the guard's bounds, flow table room, handler routing); a plain NAT
@@ -33,8 +36,8 @@ TAP reader (``TapTransport.attach_tcp``). Python stays the control plane:
 
 Not on the native plane in this first version (the Python path takes them, unchanged): a stack
 with rate caps (``rate_limit``), a transport wrapped for pcap, flows to Python handlers and to
-the DNS service, port forwards (host -> guest), and every transport other than the TAP. The
-engine's own counters are in ``Stack.stats()`` under ``native_tcp``.
+the DNS service, port forwards (host -> guest), and every transport other than the TAP and
+vhost-user. The engine's own counters are in ``Stack.stats()`` under ``native_tcp``.
 """
 
 from __future__ import annotations
@@ -249,7 +252,7 @@ class NativeTcp:
     def start(cls, ctx, transport, frames_traced: bool = False) -> "NativeTcp | None":
         """The engine for ``transport`` (what the stack serves, after its wrappers other than the
         trace points'), or ``None`` when the native plane does not run TCP flows there: not a TAP
-        read natively, a transport wrapped for pcap, or rate caps on the stack (module
+        read natively nor a vhost-user device, a transport wrapped for pcap, or rate caps on the stack (module
         documentation). ``frames_traced``: the stack traces at level ``frames`` (the per-frame
         trace points too)."""
         attach = getattr(transport, "attach_tcp", None)

@@ -19,6 +19,14 @@ table: the guest owns the ring contents, which are hostile input (what is droppe
 size or names a head past it is marked broken (logged once, its error eventfd signalled) and
 walked no more until the front end sets it up again.
 
+With ``AIOSLIRP_NATIVE=1`` the stack's guest TCP NAT flows run in the native TCP engine here as on
+a TAP (:mod:`aioslirp.nat.native_tcp`): the ring walker hands it each guest frame before making a
+Python object of it (:meth:`VhostUserTransport.attach_tcp`), and the engine writes its frames into
+the RX ring itself (:meth:`VhostUserTransport.tcp_sink`; what finds no buffer waits in C, in order,
+at most ``max_buffer`` bytes), one call to the guest per turn of the engine. Counters:
+``tcp_frames_in``, ``tcp_frames_out``, ``tcp_frames_waited``, ``tcp_rx_full``, ``tcp_rx_dropped``,
+``tcp_gso_refused``.
+
 Features offered (virtio 1.1 section 5.1.3): ``VERSION_1``, ``CSUM`` and ``HOST_TSO4/6`` (the
 guest sends partial checksums and 64 KB TCP segments: the stack trusts their checksums and
 takes them whole, as from an offload TAP, :mod:`aioslirp.wire.offload`), ``GUEST_CSUM`` and
