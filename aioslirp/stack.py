@@ -781,8 +781,8 @@ class Stack:
             native: :func:`aioslirp.native.status`: ``"on"``, or ``"off (<reason>)"`` (not switched
                 on, ``AIOSLIRP_NO_EXTENSIONS``, not built, a stale build), for this process; whether
                 this stack's transport reads natively is the transport's (``TapTransport.native``).
-            native_tcp: only while a TAP read natively is served with TCP flows on the native plane
-                (:mod:`aioslirp.nat.native_tcp`): the engine's counters (``frames``, ``frames_out``,
+            native_tcp: only while a TAP read natively or a vhost-user device is served with TCP flows
+                on the native plane (:mod:`aioslirp.nat.native_tcp`): the engine's counters (``frames``, ``frames_out``,
                 drops by reason: ``bad_checksum``, ``out_of_window``, ``bad_ack``, ``syn_on_open``,
                 ``rst_bad_seq``; ``dup_acks``, ``fast_retransmits``, ``rto``, ``zero_window_probes``,
                 ``host_write_paused``, ``rate_held_up``, ``rate_paused_down``, ``adopted``, ``ended``, ``live``, ``peek_off``).

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The same QEMU guest over four back ends in one run: aioslirp vhost-user, aioslirp stream,
-passt ``--vhost-user`` and passt over its stream socket (issue 27's targets).
+"""The same QEMU guest over five back ends in one run: aioslirp vhost-user (guest TCP flows in
+Python, and ``-native``: ``AIOSLIRP_NATIVE=1``, the native TCP engine on the rings), aioslirp
+stream, passt ``--vhost-user`` and passt over its stream socket (issue 27's targets).
 
 Run as root from the repository (QEMU >= 8: ``../shared/guestvm/qemu-backports.sh``; iperf3;
 passt 2026 built by ``../shared/peers/build.sh`` into ``.cache/peers``, or ``--passt PATH``)::
@@ -58,7 +59,8 @@ from support import qemu  # noqa: E402  (tests/support/qemu.py)
 
 from aioslirp.host.isolate import isolate_network  # noqa: E402
 
-BACKENDS = ("aioslirp-vhost-user", "aioslirp-stream", "passt-vhost-user", "passt-stream")
+BACKENDS = ("aioslirp-vhost-user", "aioslirp-vhost-user-native", "aioslirp-stream", "passt-vhost-user",
+            "passt-stream")
 TESTS = ("iperf3", "crr", "rr")
 REFERENCE = "passt-vhost-user"  # the CRR/RR ratios' denominator
 PEERS = REPO / ".cache" / "peers"
@@ -80,8 +82,10 @@ def find_passt(given: str | None) -> str | None:
 
 def start_backend(name: str, sock: Path, mtu: int, passt: str, log) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    if name.endswith("-native"):  # the native data plane: guest TCP flows in the C engine on the rings
+        env["AIOSLIRP_NATIVE"] = "1"
     if name.startswith("aioslirp"):
-        cmd = "vhost-user" if name.endswith("vhost-user") else "qemu"
+        cmd = "vhost-user" if "vhost-user" in name else "qemu"
         argv = [sys.executable, "-m", "aioslirp", cmd, "--socket", str(sock), "--mtu", str(mtu)]
     else:
         argv = [passt, "-f", "-q", "--runas", "0:0", "-s", str(sock), "-m", str(mtu), "-a", "10.0.2.15",
@@ -179,7 +183,7 @@ async def one_run(backend: str, mtu: int, smp: int, args, workdir: Path) -> dict
                 await asyncio.sleep(0.01)
             time.sleep(0.2)
             cpu0 = cpu_seconds(proc.pid)
-            if backend.endswith("vhost-user"):
+            if "vhost-user" in backend:
                 argv = qemu.vhost_user_argv(sock, cmd, workdir=workdir, smp=smp, initrd=args.initrd)
             else:
                 argv = qemu.qemu_argv(f"stream,server=off,addr.type=unix,addr.path={sock}", cmd, workdir=workdir,
@@ -270,19 +274,21 @@ def _table(records: list[dict]) -> str:
                         f"| {_fig(m(backend, 'backend_cpu_s_per_gb'), '.2f')} "
                         f"| {_fig(crr, '.0f')} | {_fig(crr / m(REFERENCE, 'crr_p50_us'), '.2f', 'x')} "
                         f"| {_fig(rr, '.0f')} | {_fig(rr / m(REFERENCE, 'rr_p50_us'), '.2f', 'x')} |")
-        for other, target in ((REFERENCE, 1.1), ("aioslirp-stream", 1.5)):
-            up = m("aioslirp-vhost-user", "iperf_up_mbit") / m(other, "iperf_up_mbit")
-            down = m("aioslirp-vhost-user", "iperf_down_mbit") / m(other, "iperf_down_mbit")
-            if not (math.isnan(up) or math.isnan(down)):
-                verdict = "met" if up >= target and down >= target else "not met"
-                verdicts.append(f"MTU {mtu}: aioslirp vhost-user / {other}: {up:.2f}x up, {down:.2f}x down "
-                                f"(target >= {target}x both ways: {verdict})")
-        crr = m("aioslirp-vhost-user", "crr_p50_us") / m(REFERENCE, "crr_p50_us")
-        rr = m("aioslirp-vhost-user", "rr_p50_us") / m(REFERENCE, "rr_p50_us")
-        if not (math.isnan(crr) and math.isnan(rr)):
-            verdict = "met" if crr <= 1.0 and rr <= 1.0 else "not met"
-            verdicts.append(f"MTU {mtu}: aioslirp vhost-user / {REFERENCE} p50 in the guest: "
-                            f"{_fig(crr, '.2f', 'x')} CRR, {_fig(rr, '.2f', 'x')} RR (target <= 1.0x both: {verdict})")
+        for ours in ("aioslirp-vhost-user", "aioslirp-vhost-user-native"):
+            label = ours.replace("aioslirp-", "aioslirp ", 1)
+            for other, target in ((REFERENCE, 1.1), ("aioslirp-stream", 1.5)):
+                up = m(ours, "iperf_up_mbit") / m(other, "iperf_up_mbit")
+                down = m(ours, "iperf_down_mbit") / m(other, "iperf_down_mbit")
+                if not (math.isnan(up) or math.isnan(down)):
+                    verdict = "met" if up >= target and down >= target else "not met"
+                    verdicts.append(f"MTU {mtu}: {label} / {other}: {up:.2f}x up, {down:.2f}x down "
+                                    f"(target >= {target}x both ways: {verdict})")
+            crr = m(ours, "crr_p50_us") / m(REFERENCE, "crr_p50_us")
+            rr = m(ours, "rr_p50_us") / m(REFERENCE, "rr_p50_us")
+            if not (math.isnan(crr) and math.isnan(rr)):
+                verdict = "met" if crr <= 1.0 and rr <= 1.0 else "not met"
+                verdicts.append(f"MTU {mtu}: {label} / {REFERENCE} p50 in the guest: "
+                                f"{_fig(crr, '.2f', 'x')} CRR, {_fig(rr, '.2f', 'x')} RR (target <= 1.0x both: {verdict})")
     return "\n".join(rows + [""] + verdicts)
 
 

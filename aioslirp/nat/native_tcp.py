@@ -2,10 +2,13 @@
 
 Theory of operation
 -------------------
-When a stack serves a :class:`~aioslirp.transport.tap.TapTransport` whose reader is native, with
+When a stack serves a :class:`~aioslirp.transport.tap.TapTransport` whose reader is native, or a
+:class:`~aioslirp.transport.vhost_user.VhostUserTransport` (whose rings are walked in C), with
 ``AIOSLIRP_NATIVE=1`` (or ``tcp``; ``1,udp`` with native UDP flows), :meth:`NativeTcp.start` makes the C engine
 (``aioslirp.native._dataplane.TcpEngine``, ``aioslirp/native/tcpnat.c``) for it and hands it to the
-TAP reader (``TapTransport.attach_tcp``). Python stays the control plane:
+TAP reader (``TapTransport.attach_tcp``) or the ring walker (``VhostUserTransport.attach_tcp``: the
+engine writes its frames into the RX ring through ``tcp_sink()``, no Python object per frame; the
+two extensions meet in ``aioslirp/native/tcpsink.h``). Python stays the control plane:
 
 * **One upcall per new flow.** :class:`~aioslirp.dispatch.l4.L4` admits a guest SYN as always
   (egress policy and hook, the guard's bounds, flow table room, handler routing); a plain NAT
@@ -47,7 +50,7 @@ TAP reader (``TapTransport.attach_tcp``). Python stays the control plane:
 
 Not on the native plane in this version (the Python path takes them, unchanged): a transport
 wrapped for pcap, flows to Python handlers and to the DNS service, port forwards (host ->
-guest), and every transport other than the TAP. The engine's own counters are in
+guest), and every transport other than the TAP and vhost-user. The engine's own counters are in
 ``Stack.stats()`` under ``native_tcp``.
 """
 
@@ -281,8 +284,9 @@ class NativeTcp:
     def start(cls, ctx, transport, frames_traced: bool = False) -> "NativeTcp | None":
         """The engine for ``transport`` (what the stack serves, after its wrappers other than the
         trace points'), or ``None`` when the native plane does not run TCP flows there: not a TAP
-        read natively, a transport wrapped for pcap, or a rate cap the engine does not take (below
-        1 or above :data:`RATE_MAX` bytes/s; module documentation). ``frames_traced``: the stack traces at level ``frames`` (the per-frame
+        read natively nor a vhost-user device, a transport wrapped for pcap, or a rate cap the engine
+        does not take (below 1 or above :data:`RATE_MAX` bytes/s; module documentation).
+        ``frames_traced``: the stack traces at level ``frames`` (the per-frame
         trace points too)."""
         attach = getattr(transport, "attach_tcp", None)
         if attach is None or not getattr(transport, "native", False) or not native.tcp_wanted():
@@ -296,10 +300,14 @@ class NativeTcp:
         if ext is None or not hasattr(ext, "TcpEngine"):
             return None
         cfg = ctx.config
+        sink = getattr(transport, "tcp_sink", None)  # a vhost-user device: frames into its RX ring
+        options = dict(cls.engine_options)
+        if sink is not None:
+            options["sink"] = sink()
         engine = ext.TcpEngine(transport.fd, transport.vnet_hdr, transport.offload, cfg.gateway_mac_bytes,
                                int(cfg.mtu), int(cfg.max_flows), int(cfg.tcp_buffer), float(cfg.tcp_idle_timeout),
                                float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT,
-                               rate_up=rate_up, rate_down=rate_down, **cls.engine_options)
+                               rate_up=rate_up, rate_down=rate_down, **options)
         plane = cls(ctx, engine, frames_traced)
         attach(engine, plane.take)
         ident = ctx.identity

@@ -4,7 +4,9 @@
  * sockets in memory, frames collected: tests drive the core with a fake clock).
  *
  *   TcpEngine(tap_fd, vnet, offload, gw_mac, mtu, max_flows, rcv_buf, idle_timeout,
- *             connect_timeout, linger, fake=False, time_wait=1.0, peek_off=True)
+ *             connect_timeout, linger, fake=False, time_wait=1.0, peek_off=True, sink=None)
+ *     (sink: a vhost-user device's frame sink, Device.tcp_sink() of aioslirp.native._vhost: the
+ *     frames for the guest go into its RX ring, not to tap_fd; tcpsink.h)
  *     (peek_off=False: peek past the unacknowledged bytes into a discard buffer, as without SO_PEEK_OFF)
  *     .fileno() -> the epoll fd to watch for reading (-1 fake)
  *     .adopt(v6, guest_mac, guest_ip, guest_port, dst_ip, dst_port, host_ip, host_port,
@@ -42,6 +44,7 @@
 
 #include "_tcpnat.h"
 #include "tcpnat.h"
+#include "tcpsink.h"
 
 #ifndef SO_PEEK_OFF
 #define SO_PEEK_OFF 42
@@ -72,7 +75,17 @@ typedef struct {
     struct fake_sock *fs;
     int fake_connect;
     PyObject *frames; /* list of bytes written to the TAP */
+    /* a vhost-user device's frame sink (tcpsink.h) instead of the TAP fd, and its capsule (held) */
+    const struct tcpsink *sink;
+    PyObject *sink_owner;
 } Engine;
+
+/* The end of one of the engine's turns: a sink publishes what was written and calls the guest. */
+static void sink_flush(Engine *g)
+{
+    if (g->sink)
+        g->sink->flush(g->sink->ctx);
+}
 
 static double mono_now(void)
 {
@@ -240,6 +253,8 @@ static void r_close(void *ctx, int fd, int abort)
 static int r_tap_write(void *ctx, const struct iovec *iov, int n)
 {
     Engine *g = ctx;
+    if (g->sink)
+        return g->sink->write(g->sink->ctx, iov, n);
     if (g->tap_fd < 0) /* the transport closed its fd (which another open may reuse) */
         return -EBADF;
     ssize_t r = writev(g->tap_fd, iov, n);
@@ -461,17 +476,29 @@ static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
 {
     Engine *g = (Engine *)op;
     static char *kwlist[] = {"tap_fd", "vnet", "offload", "gw_mac", "mtu", "max_flows", "rcv_buf", "idle_timeout",
-                             "connect_timeout", "linger", "fake", "time_wait", "peek_off", "rate_up", "rate_down", NULL};
+                             "connect_timeout", "linger", "fake", "time_wait", "peek_off", "rate_up", "rate_down",
+                             "sink", NULL};
     int tap_fd, vnet, offload, fake = 0, peek_off = 1;
+    PyObject *sink = Py_None;
     double time_wait = 1.0;
     unsigned long long rate_up = 0, rate_down = 0;
     Py_buffer mac;
     unsigned int mtu, max_flows, rcv_buf;
     double idle, connect_to, linger;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ippy*IIIddd|pdpKK", kwlist, &tap_fd, &vnet, &offload, &mac, &mtu,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ippy*IIIddd|pdpKKO", kwlist, &tap_fd, &vnet, &offload, &mac, &mtu,
                                      &max_flows, &rcv_buf, &idle, &connect_to, &linger, &fake, &time_wait,
-                                     &peek_off, &rate_up, &rate_down))
+                                     &peek_off, &rate_up, &rate_down, &sink))
         return -1;
+    const struct tcpsink *sk = NULL;
+    if (sink != Py_None) {
+        sk = PyCapsule_GetPointer(sink, TCPSINK_CAPSULE);
+        if (!sk || fake || !vnet) {
+            PyBuffer_Release(&mac);
+            if (sk)
+                PyErr_SetString(PyExc_ValueError, "sink: needs vnet and a real engine (not fake)");
+            return -1;
+        }
+    }
     if (g->e) {
         PyBuffer_Release(&mac);
         PyErr_SetString(PyExc_RuntimeError, "TcpEngine already initialised");
@@ -511,6 +538,11 @@ static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
     }
     g->tap_fd = tap_fd;
     g->epfd = g->tfd = -1;
+    if (sk) {
+        g->sink = sk;
+        Py_INCREF(sink);
+        g->sink_owner = sink;
+    }
     g->fake = fake;
     struct tn_io io;
     if (fake) {
@@ -552,6 +584,8 @@ static void engine_release(Engine *g)
         tn_free(g->e);
         g->e = NULL;
     }
+    g->sink = NULL;
+    Py_CLEAR(g->sink_owner);
     if (g->epfd >= 0)
         close(g->epfd);
     if (g->tfd >= 0)
@@ -685,6 +719,7 @@ static PyObject *engine_adopt(PyObject *op, PyObject *args)
     a.wnd = wnd;
     uint32_t slot = 0, gen = 0;
     int r = tn_adopt(g->e, &a, now, &slot, &gen);
+    sink_flush(g);
     arm_timer(g, now, 0);
     return Py_BuildValue("(iII)", r, slot, gen);
 }
@@ -726,6 +761,7 @@ static PyObject *engine_poll(PyObject *op, PyObject *args)
     if (t0 && (nsock || ntimer))
         tn_trace_wake(g->e, nsock, ntimer, t0);
     tn_flush(g->e, now);
+    sink_flush(g);
     PyObject *recs = take_records(g);
     arm_timer(g, now, 0);
     return recs;
@@ -745,6 +781,7 @@ static PyObject *engine_input(PyObject *op, PyObject *args)
     }
     int took = tcpnat_tap_frame(g, (const uint8_t *)b.buf, (size_t)b.len, csum_ok, now);
     tn_flush(g->e, now);
+    sink_flush(g);
     PyBuffer_Release(&b);
     arm_timer(g, now, 0);
     return PyBool_FromLong(took);
@@ -760,6 +797,7 @@ static PyObject *engine_close_flow(PyObject *op, PyObject *args)
     if (!ready(g))
         return NULL;
     int r = tn_close_flow(g->e, slot, gen, now);
+    sink_flush(g);
     return PyBool_FromLong(r == 0);
 }
 
@@ -1134,6 +1172,8 @@ static PyType_Spec engine_spec = {
 
 static PyTypeObject *engine_type;
 
+static int add_api(PyObject *module);
+
 int tcpnat_add_type(PyObject *module)
 {
     PyObject *t = PyType_FromSpec(&engine_spec);
@@ -1142,7 +1182,7 @@ int tcpnat_add_type(PyObject *module)
     engine_type = (PyTypeObject *)t;
     if (PyModule_AddObjectRef(module, "TcpEngine", t) < 0)
         return -1;
-    return 0;
+    return add_api(module);
 }
 
 void *tcpnat_engine_of(PyObject *obj)
@@ -1171,10 +1211,24 @@ void tcpnat_batch_end(void *engine)
         return;
     double now = mono_now();
     tn_flush(g->e, now);
+    sink_flush(g);
     arm_timer(g, now, 1);
 }
 
 double tcpnat_now(void)
 {
     return mono_now();
+}
+
+/* The engine's input for the vhost-user device (tcpsink.h): the module attribute tcp_api. */
+static const struct tcpnat_api api = {tcpnat_engine_of, tcpnat_tap_frame, tcpnat_batch_end, tcpnat_now};
+
+static int add_api(PyObject *module)
+{
+    PyObject *cap = PyCapsule_New((void *)&api, TCPNAT_API_CAPSULE, NULL);
+    if (!cap)
+        return -1;
+    int r = PyModule_AddObjectRef(module, "tcp_api", cap);
+    Py_DECREF(cap);
+    return r;
 }

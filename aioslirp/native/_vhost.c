@@ -10,6 +10,9 @@
  *     .rx(frames, start) -> (next, state, delivered)  frames[start:] into guest buffers
  *     .rx_kick_me(kick_fd) -> bool                 ask for a kick on new RX buffers; any now?
  *     .broken(q) -> str | None, .counters() -> dict
+ *     .tcp_sink() -> capsule                      the frame sink for TcpEngine(sink=...) (tcpsink.h)
+ *     .attach_tcp(engine, max_buffer) / .attach_tcp(None)   guest frames of native TCP flows go to
+ *                                                  the engine in tx(), before any Python object
  *
  * MIT licensed, written for aioslirp. */
 #define PY_SSIZE_T_CLEAN
@@ -18,12 +21,14 @@
 #include <errno.h>
 #include <limits.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "vring.h"
+#include "tcpsink.h"
 
 #define RX 0
 #define TX 1
@@ -44,7 +49,41 @@ typedef struct {
     int mrg;
     struct vr_counters c;
     uint64_t tx_frames, rx_frames, calls, kicks, rx_dropped;
+    int guest_csum, guest_tso4, guest_tso6; /* what the driver accepted (GUEST_CSUM, GUEST_TSO4/6) */
+    /* the native TCP engine (tcpsink.h): its frames come through sink, guest frames go to eng */
+    struct tcpsink sink;
+    PyObject *tcp;                  /* the TcpEngine (held while attached) */
+    const struct tcpnat_api *api;
+    void *eng;
+    uint8_t *scratch;               /* max_frame bytes: a guest frame copied out for the engine */
+    struct rxq *rxq_head, *rxq_tail; /* the engine's frames waiting for RX buffers, in order */
+    size_t rxq_bytes, rxq_max;
+    int rx_due;                     /* used entries pushed for the engine since the last call */
+    uint64_t tcp_in, tcp_out, tcp_waited, tcp_rx_full, tcp_rx_dropped, tcp_gso_refused;
 } Device;
+
+/* A frame of the engine waiting for RX buffers (a copy: the engine's buffers are reused). */
+struct rxq {
+    struct rxq *next;
+    size_t len;
+    uint8_t hdr[12];
+    uint8_t data[];
+};
+
+static void rxq_clear(Device *self)
+{
+    struct rxq *e = self->rxq_head;
+    while (e) {
+        struct rxq *next = e->next;
+        free(e);
+        e = next;
+    }
+    self->rxq_head = self->rxq_tail = NULL;
+    self->rxq_bytes = 0;
+}
+
+static int sink_write(void *ctx, const struct iovec *iov, int n);
+static void sink_flush(void *ctx);
 
 static void unmap_all(struct vr_mem *m)
 {
@@ -81,6 +120,19 @@ static int device_init(PyObject *op, PyObject *args, PyObject *kwargs)
     self->mrg = 1;
     memset(&self->c, 0, sizeof self->c);
     self->tx_frames = self->rx_frames = self->calls = self->kicks = self->rx_dropped = 0;
+    self->guest_csum = self->guest_tso4 = self->guest_tso6 = 1;
+    self->sink.write = sink_write;
+    self->sink.flush = sink_flush;
+    self->sink.ctx = self;
+    rxq_clear(self);
+    free(self->scratch);
+    self->scratch = NULL;
+    Py_CLEAR(self->tcp);
+    self->eng = NULL;
+    self->rx_due = 0;
+    self->rxq_max = 8u << 20;
+    self->tcp_in = self->tcp_out = self->tcp_waited = self->tcp_rx_full = self->tcp_rx_dropped = 0;
+    self->tcp_gso_refused = 0;
     return 0;
 }
 
@@ -91,6 +143,9 @@ static void device_dealloc(PyObject *op)
     unmap_all(&self->mem);
     vr_queue_free(&self->q[0]);
     vr_queue_free(&self->q[1]);
+    rxq_clear(self);
+    free(self->scratch);
+    Py_CLEAR(self->tcp);
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(op);
     Py_DECREF(tp);
@@ -235,8 +290,8 @@ static PyObject *device_set_features(PyObject *op, PyObject *args)
 {
     Device *self = (Device *)op;
     unsigned int hdr_len;
-    int mrg, event_idx;
-    if (!PyArg_ParseTuple(args, "Ipp", &hdr_len, &mrg, &event_idx))
+    int mrg, event_idx, csum = 1, tso4 = 1, tso6 = 1;
+    if (!PyArg_ParseTuple(args, "Ipp|ppp", &hdr_len, &mrg, &event_idx, &csum, &tso4, &tso6))
         return NULL;
     if (hdr_len != 10 && hdr_len != 12) {
         PyErr_SetString(PyExc_ValueError, "hdr_len must be 10 or 12");
@@ -244,6 +299,9 @@ static PyObject *device_set_features(PyObject *op, PyObject *args)
     }
     self->hdr_len = hdr_len;
     self->mrg = mrg;
+    self->guest_csum = csum;
+    self->guest_tso4 = tso4;
+    self->guest_tso6 = tso6;
     self->q[0].event_idx = self->q[1].event_idx = (uint8_t)event_idx;
     Py_RETURN_NONE;
 }
@@ -258,6 +316,8 @@ static PyObject *device_reset(PyObject *op, PyObject *unused)
         memset(&self->q[i], 0, sizeof self->q[i]);
         self->callfd[i] = -1;
     }
+    rxq_clear(self);
+    self->rx_due = 0;
     Py_RETURN_NONE;
 }
 
@@ -280,6 +340,242 @@ static void signal_call(Device *self, int qi)
     }
 }
 
+/* ------------------------------------------------------------------ the native TCP engine's frames */
+
+/* The engine's frames that waited, into the RX buffers the guest has made since: 1 while some
+ * still wait (a kick is asked for), 0 when none does. */
+static int rx_drain(Device *self)
+{
+    struct vr_queue *q = &self->q[RX];
+    while (self->rxq_head) {
+        struct rxq *e = self->rxq_head;
+        enum vr_pop r = vr_rx_put(q, &self->mem, self->mrg, self->hdr_len, e->hdr, e->data, e->len, &self->c);
+        if (r == VR_EMPTY) {
+            if (vr_kick_me(q, 1))
+                continue; /* buffers came meanwhile */
+            return 1;
+        }
+        if (r == VR_BROKEN) {
+            self->tcp_rx_dropped += 1;
+            rxq_clear(self);
+            return 0;
+        }
+        self->rx_due = 1;
+        if (r == VR_OK) {
+            self->tcp_out++;
+            self->rx_frames++;
+        } else {
+            self->tcp_rx_dropped++;
+        }
+        self->rxq_head = e->next;
+        if (!self->rxq_head)
+            self->rxq_tail = NULL;
+        self->rxq_bytes -= e->len;
+        free(e);
+    }
+    return 0;
+}
+
+static int rxq_add(Device *self, const uint8_t *hdr, const struct iovec *iov, unsigned n, size_t len)
+{
+    if (self->rxq_bytes + len > self->rxq_max) {
+        self->tcp_rx_full++;
+        return -ENOBUFS;
+    }
+    struct rxq *e = malloc(sizeof *e + len);
+    if (!e) {
+        self->tcp_rx_full++;
+        return -ENOMEM;
+    }
+    e->next = NULL;
+    e->len = len;
+    memcpy(e->hdr, hdr, sizeof e->hdr);
+    uint8_t *p = e->data;
+    for (unsigned k = 0; k < n; k++) {
+        memcpy(p, iov[k].iov_base, iov[k].iov_len);
+        p += iov[k].iov_len;
+    }
+    if (self->rxq_tail)
+        self->rxq_tail->next = e;
+    else
+        self->rxq_head = e;
+    self->rxq_tail = e;
+    self->rxq_bytes += len;
+    self->tcp_waited++;
+    return 0;
+}
+
+static uint32_t sum16(const uint8_t *p, size_t len, uint32_t s)
+{
+    for (; len > 1; p += 2, len -= 2)
+        s += (uint32_t)(p[0] << 8 | p[1]);
+    if (len)
+        s += (uint32_t)(p[0] << 8);
+    while (s >> 16)
+        s = (s & 0xFFFF) + (s >> 16);
+    return s;
+}
+
+/* A frame of the engine (iov[0] starts with its 12-byte virtio_net_hdr_v1) into the guest's RX
+ * buffers, or queued (at most rxq_max bytes) until the guest makes some; the call to the guest
+ * waits for sink_flush(), at the end of the engine's turn. */
+static int sink_write(void *ctx, const struct iovec *iov, int n)
+{
+    Device *self = ctx;
+    struct vr_queue *q = &self->q[RX];
+    if (n < 1 || n > 4 || iov[0].iov_len < 12)
+        return -EINVAL;
+    if (!vr_queue_ready(q) || q->broken) { /* no front end, or its guest broke the queue */
+        self->tcp_rx_dropped++;
+        return -ENOTCONN;
+    }
+    uint8_t hdr[12];
+    memcpy(hdr, iov[0].iov_base, 12);
+    hdr[10] = hdr[11] = 0;
+    struct iovec v[4];
+    unsigned nv = 0;
+    size_t len = 0;
+    for (int k = 0; k < n; k++) {
+        const uint8_t *base = iov[k].iov_base;
+        size_t l = iov[k].iov_len;
+        if (k == 0) {
+            base += 12;
+            l -= 12;
+        }
+        if (!l)
+            continue;
+        v[nv].iov_base = (void *)base;
+        v[nv].iov_len = l;
+        nv++;
+        len += l;
+    }
+    if (len > self->max_frame) {
+        self->tcp_rx_dropped++;
+        return -EMSGSIZE;
+    }
+    unsigned gso = hdr[1] & 0x7Fu;
+    if ((gso == 1 && !self->guest_tso4) || (gso == 4 && !self->guest_tso6) || (gso && gso != 1 && gso != 4)) {
+        self->tcp_gso_refused++; /* the driver takes no 64 KB segment (see the transport's notes) */
+        return -EOPNOTSUPP;
+    }
+    if ((hdr[0] & 1) && !self->guest_csum) { /* a partial checksum the driver does not complete: here */
+        if (!self->scratch && !(self->scratch = malloc(self->max_frame)))
+            return -ENOMEM;
+        uint8_t *f = self->scratch, *p = f;
+        for (unsigned k = 0; k < nv; k++) {
+            memcpy(p, v[k].iov_base, v[k].iov_len);
+            p += v[k].iov_len;
+        }
+        uint16_t start = (uint16_t)(hdr[6] | hdr[7] << 8), off = (uint16_t)(hdr[8] | hdr[9] << 8);
+        if ((size_t)start + off + 2 > len) {
+            self->tcp_rx_dropped++;
+            return -EINVAL;
+        }
+        uint16_t c = (uint16_t)~sum16(f + start, len - start, 0);
+        f[start + off] = (uint8_t)(c >> 8);
+        f[start + off + 1] = (uint8_t)c;
+        hdr[0] &= (uint8_t)~1u;
+        v[0].iov_base = f;
+        v[0].iov_len = len;
+        nv = 1;
+    }
+    if (self->rxq_head) { /* frames wait already: after them */
+        int r = rxq_add(self, hdr, v, nv, len);
+        if (rx_drain(self) == 0 || r < 0)
+            return r;
+        return 0;
+    }
+    enum vr_pop r = vr_rx_putv(q, &self->mem, self->mrg, self->hdr_len, hdr, v, nv, len, &self->c);
+    if (r == VR_OK) {
+        self->rx_due = 1;
+        self->tcp_out++;
+        self->rx_frames++;
+        return 0;
+    }
+    if (r == VR_EMPTY) { /* no buffers now: keep it, ask for a kick */
+        int a = rxq_add(self, hdr, v, nv, len);
+        if (a < 0)
+            return a;
+        if (vr_kick_me(q, 1))
+            rx_drain(self);
+        return 0;
+    }
+    if (r == VR_DROPPED)
+        self->rx_due = 1; /* a bad chain may have gone back */
+    self->tcp_rx_dropped++;
+    return -EIO;
+}
+
+static void sink_flush(void *ctx)
+{
+    Device *self = ctx;
+    if (self->rx_due) {
+        self->rx_due = 0;
+        if (vr_queue_ready(&self->q[RX]))
+            signal_call(self, RX);
+    }
+}
+
+static void sink_capsule_free(PyObject *cap)
+{
+    Py_XDECREF((PyObject *)PyCapsule_GetContext(cap));
+}
+
+/* tcp_sink() -> a capsule for TcpEngine(sink=...): it holds this device. */
+static PyObject *device_tcp_sink(PyObject *op, PyObject *unused)
+{
+    Device *self = (Device *)op;
+    (void)unused;
+    PyObject *cap = PyCapsule_New(&self->sink, TCPSINK_CAPSULE, sink_capsule_free);
+    if (!cap)
+        return NULL;
+    Py_INCREF(op);
+    if (PyCapsule_SetContext(cap, op) < 0) {
+        Py_DECREF(op);
+        Py_DECREF(cap);
+        return NULL;
+    }
+    return cap;
+}
+
+/* attach_tcp(engine, max_buffer): guest frames go to the TcpEngine first; its frames waiting for
+ * RX buffers are bounded by max_buffer bytes. attach_tcp(None): detached (the engine released). */
+static PyObject *device_attach_tcp(PyObject *op, PyObject *args)
+{
+    Device *self = (Device *)op;
+    PyObject *engine;
+    Py_ssize_t max_buffer = 8 << 20;
+    if (!PyArg_ParseTuple(args, "O|n", &engine, &max_buffer))
+        return NULL;
+    if (engine == Py_None) {
+        self->eng = NULL;
+        Py_CLEAR(self->tcp);
+        Py_RETURN_NONE;
+    }
+    if (max_buffer < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_buffer must be >= 0 bytes");
+        return NULL;
+    }
+    const struct tcpnat_api *api = PyCapsule_Import(TCPNAT_API_CAPSULE, 0);
+    if (!api)
+        return NULL;
+    void *eng = api->engine_of(engine);
+    if (!eng) {
+        PyErr_SetString(PyExc_ValueError, "engine: not an open TcpEngine");
+        return NULL;
+    }
+    if (!self->scratch && !(self->scratch = malloc(self->max_frame)))
+        return PyErr_NoMemory();
+    Py_INCREF(engine);
+    PyObject *old = self->tcp;
+    self->tcp = engine;
+    Py_XDECREF(old);
+    self->api = api;
+    self->eng = eng;
+    self->rxq_max = (size_t)max_buffer;
+    Py_RETURN_NONE;
+}
+
 /* tx(kick_fd) -> (frames: list[bytes], csum_ok: list[bool], more: bool). */
 static PyObject *device_tx(PyObject *op, PyObject *arg)
 {
@@ -292,7 +588,9 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
         self->kicks++;
     }
     struct vr_queue *q = &self->q[TX];
-    int pushed = 0, asked = 0, more = 0;
+    int pushed = 0, asked = 0, more = 0, took_any = 0;
+    void *eng = self->eng;
+    double now = eng ? self->api->now() : 0.0;
     PyObject *frames = PyList_New(0), *csum = PyList_New(0);
     if (!frames || !csum)
         goto fail;
@@ -321,10 +619,26 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
         }
         if (r == VR_BROKEN)
             break;
-        PyObject *b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len);
-        if (!b)
-            goto fail;
-        vr_iov_copy((uint8_t *)PyBytes_AsString(b), q->iov, niov);
+        PyObject *b;
+        if (eng) { /* copied out once (the guest may change its buffer): a native flow's, or Python's */
+            vr_iov_copy(self->scratch, q->iov, niov);
+            if (self->api->frame(eng, self->scratch, len, (vnet & 3) != 0, now)) {
+                vr_push_used(q, head, 0);
+                pushed = took_any = 1;
+                got++;
+                self->tx_frames++;
+                self->tcp_in++;
+                continue;
+            }
+            b = PyBytes_FromStringAndSize((const char *)self->scratch, (Py_ssize_t)len);
+            if (!b)
+                goto fail;
+        } else {
+            b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len);
+            if (!b)
+                goto fail;
+            vr_iov_copy((uint8_t *)PyBytes_AsString(b), q->iov, niov);
+        }
         vr_push_used(q, head, 0);
         pushed = 1;
         got++;
@@ -336,10 +650,14 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
     }
     if (pushed)
         signal_call(self, TX);
+    if (took_any)
+        self->api->batch_end(eng); /* the ACKs due go out (sink_flush calls the guest) */
     return Py_BuildValue("(NNO)", frames, csum, more ? Py_True : Py_False);
 fail:
     if (pushed)
         signal_call(self, TX);
+    if (took_any)
+        self->api->batch_end(eng);
     Py_XDECREF(frames);
     Py_XDECREF(csum);
     return NULL;
@@ -439,6 +757,12 @@ static PyObject *device_rx_kick_me(PyObject *op, PyObject *arg)
         return NULL;
     if (kick >= 0)
         drain_eventfd((int)kick);
+    if (self->rxq_head) { /* the engine's frames that waited go first */
+        rx_drain(self);
+        sink_flush(self);
+        if (self->rxq_head)
+            return PyBool_FromLong(0); /* still none: a kick is asked for */
+    }
     return PyBool_FromLong(vr_kick_me(&self->q[RX], 1));
 }
 
@@ -483,6 +807,14 @@ static PyObject *device_counters(PyObject *op, PyObject *unused)
         put(d, "calls", self->calls) < 0 || put(d, "kicks", self->kicks) < 0 ||
         put(d, "rx_dropped", self->rx_dropped) < 0)
         goto fail;
+    if (self->tcp || self->tcp_in || self->tcp_out) { /* the native TCP engine's, once attached */
+        if (put(d, "tcp_frames_in", self->tcp_in) < 0 || put(d, "tcp_frames_out", self->tcp_out) < 0 ||
+            put(d, "tcp_frames_waited", self->tcp_waited) < 0 || put(d, "tcp_rx_full", self->tcp_rx_full) < 0 ||
+            put(d, "tcp_rx_dropped", self->tcp_rx_dropped) < 0 ||
+            put(d, "tcp_gso_refused", self->tcp_gso_refused) < 0 ||
+            put(d, "tcp_rx_bytes_waiting", self->rxq_bytes) < 0)
+            goto fail;
+    }
     for (unsigned i = 1; i < VR_R_COUNT; i++)
         if (self->c.by_reason[i] && put(d, vr_reason_name(i), self->c.by_reason[i]) < 0)
             goto fail;
@@ -508,6 +840,9 @@ static PyMethodDef device_methods[] = {
     {"broken", device_broken, METH_O, "broken(q) -> why the queue is broken, or None"},
     {"ready", device_ready, METH_O, "ready(q) -> whether the queue's rings are set"},
     {"counters", device_counters, METH_NOARGS, "counters() -> dict"},
+    {"tcp_sink", device_tcp_sink, METH_NOARGS, "tcp_sink() -> the frame sink capsule for TcpEngine(sink=...)"},
+    {"attach_tcp", device_attach_tcp, METH_VARARGS,
+     "attach_tcp(engine, max_buffer=8 MiB): guest frames to the TcpEngine first; attach_tcp(None): detach"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,7 +17,8 @@ EXTENSION = "aioslirp.native._dataplane"
 SOURCES: tuple[str, ...] = ("aioslirp/native/dataplane.c", "aioslirp/native/_dataplane.c", "aioslirp/native/tcpnat.c",
                             "aioslirp/native/_tcpnat.c")
 #: Every file the build reads: the sources and the header.
-DEPENDS: tuple[str, ...] = SOURCES + ("aioslirp/native/dataplane.h", "aioslirp/native/tcpnat.h", "aioslirp/native/_tcpnat.h")
+DEPENDS: tuple[str, ...] = SOURCES + ("aioslirp/native/dataplane.h", "aioslirp/native/tcpnat.h", "aioslirp/native/_tcpnat.h",
+                                      "aioslirp/native/tcpsink.h")
 #: The build's record beside the extension: one ``sha256sum`` line per file of :data:`DEPENDS`.
 RECORD = "_dataplane.sha256"
 #: ``AIOSLIRP_SANITIZE=1`` at build time: the native data plane alone, with ASan and UBSan
@@ -29,5 +30,5 @@ NO_MYPYC_ENV = "AIOSLIRP_NO_MYPYC"
 #: The vhost-user-net rings (issue 27): a second limited-API extension, built the same way.
 VHOST_EXTENSION = "aioslirp.native._vhost"
 VHOST_SOURCES: tuple[str, ...] = ("aioslirp/native/vring.c", "aioslirp/native/_vhost.c")
-VHOST_DEPENDS: tuple[str, ...] = VHOST_SOURCES + ("aioslirp/native/vring.h",)
+VHOST_DEPENDS: tuple[str, ...] = VHOST_SOURCES + ("aioslirp/native/vring.h", "aioslirp/native/tcpsink.h")
 VHOST_RECORD = "_vhost.sha256"

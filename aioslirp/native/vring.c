@@ -352,6 +352,37 @@ void vr_iov_copy(uint8_t *dst, const struct vr_iov *iov, unsigned niov)
 enum vr_pop vr_rx_put(struct vr_queue *q, const struct vr_mem *m, int mrg, size_t hdr_len, const uint8_t *hdr,
                       const uint8_t *frame, size_t len, struct vr_counters *c)
 {
+    struct iovec one = {(void *)frame, len};
+    return vr_rx_putv(q, m, mrg, hdr_len, hdr, &one, 1, len, c);
+}
+
+/* A read position in a frame given in pieces (the frame is copied out in order, once). */
+struct iov_cur {
+    const struct iovec *iov;
+    unsigned n, k;
+    size_t off;
+};
+
+static void cur_copy(struct iov_cur *cur, uint8_t *dst, size_t len)
+{
+    while (len && cur->k < cur->n) {
+        const struct iovec *v = &cur->iov[cur->k];
+        size_t left = v->iov_len - cur->off, take = left < len ? left : len;
+        memcpy(dst, (const uint8_t *)v->iov_base + cur->off, take);
+        dst += take;
+        len -= take;
+        cur->off += take;
+        if (cur->off == v->iov_len) {
+            cur->k++;
+            cur->off = 0;
+        }
+    }
+}
+
+enum vr_pop vr_rx_putv(struct vr_queue *q, const struct vr_mem *m, int mrg, size_t hdr_len, const uint8_t *hdr,
+                       const struct iovec *iov, unsigned niov, size_t len, struct vr_counters *c)
+{
+    struct iov_cur cur = {iov, niov, 0, 0};
     if (!vr_queue_ready(q))
         return VR_EMPTY;
     if (q->broken)
@@ -427,7 +458,7 @@ enum vr_pop vr_rx_put(struct vr_queue *q, const struct vr_mem *m, int mrg, size_
                     memcpy(p, hdr + written, done);
                 }
                 if (take > done)
-                    memcpy(p + done, frame + (written + done - hdr_len), take - done);
+                    cur_copy(&cur, p + done, take - done);
                 written += take;
                 in_chain += (uint32_t)take;
                 if (written == need)

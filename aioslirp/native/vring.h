@@ -28,6 +28,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 #define VR_MAX_REGIONS 32u  /* more than any front end sends (QEMU: 8, or its memslots limit) */
 #define VR_MAX_QUEUE 32768u /* the largest split virtqueue */
@@ -147,6 +148,10 @@ void vr_iov_copy(uint8_t *dst, const struct vr_iov *iov, unsigned niov);
  * VR_DROPPED: the frame cannot fit, or a chain was bad (given back with length 0). */
 enum vr_pop vr_rx_put(struct vr_queue *q, const struct vr_mem *m, int mrg, size_t hdr_len, const uint8_t *hdr,
                       const uint8_t *frame, size_t len, struct vr_counters *c);
+/* The same with the frame in pieces: iov[0..niov) (len bytes in all; the native TCP engine's
+ * headers and payload, written without joining them first). */
+enum vr_pop vr_rx_putv(struct vr_queue *q, const struct vr_mem *m, int mrg, size_t hdr_len, const uint8_t *hdr,
+                       const struct iovec *iov, unsigned niov, size_t len, struct vr_counters *c);
 
 /* Fill a used ring entry (not yet visible: vr_flush() publishes the index). */
 void vr_push_used(struct vr_queue *q, uint16_t head, uint32_t len);

@@ -19,6 +19,14 @@ table: the guest owns the ring contents, which are hostile input (what is droppe
 size or names a head past it is marked broken (logged once, its error eventfd signalled) and
 walked no more until the front end sets it up again.
 
+With ``AIOSLIRP_NATIVE=1`` the stack's guest TCP NAT flows run in the native TCP engine here as on
+a TAP (:mod:`aioslirp.nat.native_tcp`): the ring walker hands it each guest frame before making a
+Python object of it (:meth:`VhostUserTransport.attach_tcp`), and the engine writes its frames into
+the RX ring itself (:meth:`VhostUserTransport.tcp_sink`; what finds no buffer waits in C, in order,
+at most ``max_buffer`` bytes), one call to the guest per turn of the engine. Counters:
+``tcp_frames_in``, ``tcp_frames_out``, ``tcp_frames_waited``, ``tcp_rx_full``, ``tcp_rx_dropped``,
+``tcp_gso_refused``.
+
 Features offered (virtio 1.1 section 5.1.3): ``VERSION_1``, ``CSUM`` and ``HOST_TSO4/6`` (the
 guest sends partial checksums and 64 KB TCP segments: the stack trusts their checksums and
 takes them whole, as from an offload TAP, :mod:`aioslirp.wire.offload`), ``GUEST_CSUM`` and
@@ -171,9 +179,16 @@ class VhostUserTransport(Transport):
                  "_listener", "_conn", "_dev", "_rings", "_rbuf", "_rfds", "features", "protocol_features",
                  "_guest_csum", "_guest_tso4", "_guest_tso6", "_pending", "bytes_buffered", "send_drops",
                  "protocol", "front_ends", "_ino", "_connector", "_tx_scheduled", "_broken_seen", "_hdr_len",
-                 "offload", "_announced")
+                 "offload", "_announced", "_tcp", "_tcp_ended")
 
     gone_hint = "the front end (QEMU -netdev vhost-user) is running and connected to {ifname}"
+    #: The rings are walked natively: with ``AIOSLIRP_NATIVE=1`` (or ``tcp``) the stack runs guest
+    #: TCP flows on the native engine here too (:meth:`attach_tcp`, :meth:`tcp_sink`).
+    native = True
+    #: No TAP fd: the native TCP engine writes its frames through :meth:`tcp_sink`.
+    fd = -1
+    #: Frames carry a virtio-net header (the engine's frames start with one).
+    vnet_hdr = True
 
     def __init__(self, path: str, *, server: bool = True, reconnect: float | None = 1.0, batch: int = 64,
                  max_buffer: int = 8 * 1024 * 1024, max_frame: int = MAX_FRAME,
@@ -220,6 +235,8 @@ class VhostUserTransport(Transport):
         self._announced = False
         #: The NIC offloads checksums and TCP segmentation both ways (offered; see the module notes).
         self.offload = True
+        self._tcp = None
+        self._tcp_ended: Callable[[], None] | None = None
 
     # -- Transport interface ----------------------------------------------------------------------
 
@@ -264,8 +281,29 @@ class VhostUserTransport(Transport):
             else:
                 self._note_broken(RX)
 
+    def tcp_sink(self) -> object:
+        """The frame sink for ``TcpEngine(sink=...)`` (:mod:`aioslirp.nat.native_tcp`): the native
+        TCP engine writes its frames for the guest into the RX ring, no Python object per frame;
+        what finds no RX buffer waits (at most ``max_buffer`` bytes, beyond: dropped, counted as
+        ``tcp_rx_full``, the engine retransmits)."""
+        return self._dev.tcp_sink()
+
+    def attach_tcp(self, engine, ended: Callable[[], None] | None = None) -> None:
+        """Hand the guest frames of native TCP flows to ``engine`` (a ``TcpEngine`` made with
+        :meth:`tcp_sink`, or ``None`` to stop) in the native ring walker, before the sink sees them.
+        ``ended()`` is called after a TX batch in which the engine ended flows (``engine.pending()``)."""
+        self._tcp = engine
+        self._tcp_ended = ended
+        if engine is None:
+            self._dev.attach_tcp(None)
+            return
+        engine.hook_records(ended is not None)
+        self._dev.attach_tcp(engine, self.max_buffer)
+
     def _close_io(self) -> None:
         loop = self._loop
+        if self._tcp is not None:
+            self.attach_tcp(None)
         if self._connector is not None:
             self._connector.cancel()
             self._connector = None
@@ -565,7 +603,8 @@ class VhostUserTransport(Transport):
         self._guest_csum = bool(features & F_GUEST_CSUM)
         self._guest_tso4 = bool(features & F_GUEST_TSO4)
         self._guest_tso6 = bool(features & F_GUEST_TSO6)
-        self._dev.set_features(self._hdr_len, bool(features & F_MRG_RXBUF), bool(features & F_EVENT_IDX))
+        self._dev.set_features(self._hdr_len, bool(features & F_MRG_RXBUF), bool(features & F_EVENT_IDX),
+                               self._guest_csum, self._guest_tso4, self._guest_tso6)
 
     def _set_mem_table(self, p: bytes, fds: list[int]) -> bool:
         if len(p) < MEM_HEADER.size:
@@ -669,6 +708,9 @@ class VhostUserTransport(Transport):
             sink = self._on_frames
             if sink is not None:
                 sink(frames, csum_ok)
+        ended = self._tcp_ended
+        if ended is not None and self._tcp.pending():
+            ended()
         if more:
             self._schedule_tx()
         elif TX not in self._broken_seen and self._dev.broken(TX):

@@ -1,0 +1,42 @@
+/* What the two native extensions hand each other so that the TCP engine (_dataplane: tcpnat.c)
+ * runs over a vhost-user device (_vhost: vring.c) as over a TAP, with no Python object per frame:
+ *
+ *  - the device's frame sink (a PyCapsule named TCPSINK_CAPSULE, from Device.tcp_sink(), given to
+ *    TcpEngine(sink=...)): the engine writes its frames for the guest there instead of writev() on
+ *    a TAP fd, and calls flush() at the end of each of its turns (one call to the guest per turn);
+ *  - the engine's input (a PyCapsule named TCPNAT_API_CAPSULE, the module attribute
+ *    aioslirp.native._dataplane.tcp_api, taken by Device.attach_tcp()): the device hands it each
+ *    guest frame it takes from the TX ring, before making a Python object of it.
+ *
+ * MIT licensed, written for aioslirp. */
+#ifndef AIOSLIRP_TCPSINK_H
+#define AIOSLIRP_TCPSINK_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#define TCPSINK_CAPSULE "aioslirp.native._vhost.tcp_sink"
+#define TCPNAT_API_CAPSULE "aioslirp.native._dataplane.tcp_api"
+
+struct tcpsink {
+    /* One frame for the guest: iov[0] starts with the 12-byte virtio_net_hdr_v1; 0, or -errno
+     * (the frame is dropped, counted by the engine as a tap write error). */
+    int (*write)(void *ctx, const struct iovec *iov, int n);
+    /* The end of the engine's turn: what was written is published and the guest called. */
+    void (*flush)(void *ctx);
+    void *ctx;
+};
+
+struct tcpnat_api {
+    /* The engine behind a TcpEngine object, or NULL (not one, or closed). */
+    void *(*engine_of)(PyObject *obj);
+    /* A guest frame (no vnet header): 1 when a native flow took it. */
+    int (*frame)(void *engine, const uint8_t *frame, size_t len, int csum_ok, double now);
+    /* The end of a batch of guest frames. */
+    void (*batch_end)(void *engine);
+    /* CLOCK_MONOTONIC seconds. */
+    double (*now)(void);
+};
+
+#endif

@@ -1,0 +1,156 @@
+"""The native TCP engine over the vhost-user rings (``TcpEngine(sink=transport.tcp_sink())``,
+``transport.attach_tcp(engine)``), against the front end written here (tests/support/vhost.py) and a
+real host socket on loopback: the guest's frames go to the engine in the ring walker (never to the
+Python sink), the engine's frames go into the RX ring, wait in order while the guest has no
+buffer and go when it posts some; a driver that did not accept GUEST_CSUM gets complete
+checksums, one that did not accept GUEST_TSO4 no 64 KB segment (dropped, counted)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import pytest
+
+from aioslirp.transport import vhost_user as vu
+
+from support.frames import ACK, F4, GUEST_MAC, GW_MAC, SYN, tcp_frame
+from support.native import need_extension, need_vhost
+from support.native_tcp import decode
+from support.vhost import FakeFrontEnd
+
+IRS, ISS, GPORT = 1_000_000, 5_000_000, 40000
+DATA_VALID = bytes([2]) + bytes(11)  # virtio_net_hdr_v1: the checksum is good
+
+
+async def until(cond, timeout: float = 5.0):
+    for _ in range(int(timeout / 0.01)):
+        v = cond()
+        if v:
+            return v
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+@pytest.fixture
+async def flow(tmp_path):
+    """``make(features)``: a transport with a front end, an engine on its rings, one adopted flow
+    to a loopback listener: ``(transport, front end, engine, host socket, rx)`` where ``rx(fe)``
+    returns the frames written to the guest since the last call (vnet header, frame)."""
+    need_vhost()
+    ext = need_extension()
+    made: list = []
+
+    async def make(features: int = vu.OFFERED_FEATURES):
+        lst = socket.socket()
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        port = lst.getsockname()[1]
+        t = vu.VhostUserTransport(str(tmp_path / "vu.sock"))
+        python_frames: list = []
+        await t.open(lambda frames, csum=None: python_frames.extend(frames))
+        fe = FakeFrontEnd(str(tmp_path / "vu.sock"), features=features)
+        made.append((t, fe, lst))
+        await asyncio.to_thread(fe.setup)
+        await until(lambda: t.running)
+        engine = ext.TcpEngine(-1, True, True, GW_MAC, 1500, 16, 1 << 20, 60.0, 5.0, 1.0, sink=t.tcp_sink())
+        t.attach_tcp(engine)
+        made.append(engine)
+        bufs: dict[int, int] = {}
+
+        def post(n: int) -> None:
+            first = fe.next_desc[0]
+            for i, addr in enumerate(fe.post_rx(n, size=66 * 1024)):
+                bufs[(first + i) % fe.num] = addr
+
+        def rx() -> list[tuple[bytes, bytes]]:
+            out = []
+            for head, n in fe.used(0):
+                data = fe.read(bufs[head], n)
+                out.append((data[:12], data[12:]))
+            return out
+
+        post(2)
+        loop = asyncio.get_running_loop()
+        status, _, _ = engine.adopt(False, GUEST_MAC, F4.guest, GPORT, F4.gw, port, socket.inet_aton("127.0.0.1"),
+                                    port, IRS, ISS, 1460, 7, 65535, loop.time())
+        assert status == 0
+        host, _ = lst.accept()
+        return t, fe, engine, host, rx, post, python_frames
+
+    yield make
+    for m in made:
+        if isinstance(m, tuple):
+            t, fe, lst = m
+            t.close()
+            fe.close()
+            lst.close()
+        else:
+            m.close()
+
+
+async def test_guest_frames_go_to_the_engine_and_its_frames_wait_for_buffers_in_order(flow):
+    t, fe, engine, host, rx, post, python_frames = await flow()
+    ((hdr, syn_ack),) = rx()  # the SYN-ACK, written into the ring by the engine
+    assert struct.unpack_from("<H", hdr, 10)[0] == 1  # num_buffers
+    ip = 14
+    assert syn_ack[ip + 33] == SYN | ACK and struct.unpack_from("!I", syn_ack, ip + 24)[0] == ISS
+    # the guest's ACK with data: taken by the engine in the ring walker, not the Python sink
+    fe.send_frame(tcp_frame(F4, GPORT, host.getsockname()[1], ACK, seq=IRS + 1, ack=ISS + 1, data=b"hello",
+                            win=65535), vnet=DATA_VALID)
+    await until(lambda: t.counters().get("tcp_frames_in") == 1)
+    host.settimeout(5)
+    assert host.recv(100) == b"hello" and python_frames == []
+    # 400 KB from the host: more 64 KB segments than the guest has buffers (1 left): they wait
+    data = bytes(i * 7 & 0xFF for i in range(400_000))
+    host.sendall(data)
+    await asyncio.sleep(0.2)
+    engine.poll()
+    got = rx()
+    c = t.counters()
+    assert c["tcp_frames_waited"] > 0 and c["tcp_rx_bytes_waiting"] > 0, c
+    post(64)  # buffers at last (kicked): what waited goes first, in order
+    await asyncio.sleep(0.05)
+    got += rx()
+    seqs = [struct.unpack_from("!I", f, 14 + 24)[0] for _, f in got]
+    assert seqs == sorted(seqs) and seqs[0] == ISS + 1, seqs
+    assert any(h[1] == 1 for h, _ in got)  # GSO TCPV4: 64 KB segments (GUEST_TSO4 accepted)
+    # the guest acknowledges what it got, the engine sends the rest: all of it, byte-exact
+    segs: dict[int, bytes] = {}
+    for _ in range(200):
+        for _, f in got:
+            segs[struct.unpack_from("!I", f, 14 + 24)[0]] = f[14 + 20 + (f[14 + 32] >> 4) * 4:]
+        got = []
+        payload, nxt = b"", ISS + 1
+        while nxt in segs and segs[nxt]:
+            payload += segs[nxt]
+            nxt += len(segs[nxt])
+        if len(payload) >= len(data):
+            break
+        post(max(0, 8 - (fe.next_desc[0] - fe.used_seen[0]) % 65536))
+        fe.send_frame(tcp_frame(F4, GPORT, host.getsockname()[1], ACK, seq=IRS + 6, ack=nxt, win=65535),
+                      vnet=DATA_VALID)
+        await asyncio.sleep(0.02)
+        engine.poll()
+        got = rx()
+    assert payload == data
+    c = t.counters()
+    assert c["tcp_rx_bytes_waiting"] == 0 and not c.get("tcp_rx_full") and not c.get("tcp_rx_dropped"), c
+    assert python_frames == []
+
+
+async def test_a_driver_without_guest_csum_and_tso_gets_complete_checksums_and_no_64k_segment(flow):
+    features = vu.OFFERED_FEATURES & ~(vu.F_GUEST_CSUM | vu.F_GUEST_TSO4 | vu.F_GUEST_TSO6)
+    t, fe, engine, host, rx, post, _ = await flow(features)
+    ((hdr, syn_ack),) = rx()
+    assert hdr[0] & 1 == 0  # no NEEDS_CSUM: completed here
+    seg = decode(syn_ack, False)  # verifies the TCP checksum
+    assert seg.flags == SYN | ACK and seg.seq == ISS
+    fe.send_frame(tcp_frame(F4, GPORT, host.getsockname()[1], ACK, seq=IRS + 1, ack=ISS + 1, win=65535),
+                  vnet=DATA_VALID)
+    await until(lambda: t.counters().get("tcp_frames_in") == 1)
+    host.sendall(b"x" * 100_000)
+    await asyncio.sleep(0.2)
+    engine.poll()
+    assert t.counters().get("tcp_gso_refused", 0) >= 1
