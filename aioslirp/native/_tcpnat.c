@@ -472,6 +472,21 @@ static const struct tn_io fake_io = {
 
 /* ------------------------------------------------------------------ the type */
 
+/* A new engine owns no fd yet: -1, so that the dealloc of one whose __init__ failed (a bad
+ * argument) closes nothing (zeroed memory would be fd 0: the process's stdin). */
+static PyObject *engine_new(PyTypeObject *tp, PyObject *args, PyObject *kwargs)
+{
+    (void)args;
+    (void)kwargs;
+    allocfunc alloc = (allocfunc)PyType_GetSlot(tp, Py_tp_alloc);
+    Engine *g = (Engine *)alloc(tp, 0);
+    if (g) {
+        g->epfd = g->tfd = -1;
+        g->tap_fd = -1;
+    }
+    return (PyObject *)g;
+}
+
 static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
 {
     Engine *g = (Engine *)op;
@@ -1160,6 +1175,7 @@ static PyMethodDef engine_methods[] = {
 
 static PyType_Slot engine_slots[] = {
     {Py_tp_doc, "TcpEngine(...): the native TCP NAT engine of one stack (see aioslirp.nat.native_tcp)"},
+    {Py_tp_new, engine_new},
     {Py_tp_init, engine_init},
     {Py_tp_dealloc, engine_dealloc},
     {Py_tp_methods, engine_methods},

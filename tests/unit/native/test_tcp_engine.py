@@ -354,3 +354,31 @@ def test_host_bytes_sent_before_the_handshake_completes_reach_the_guest(v6, when
     assert f.send(ACK)
     (seg,) = f.out()
     assert seg.payload == b"SSH-2.0-x\r\n" and seg.seq == M(ISS + 1)
+
+
+def test_an_engine_whose_init_fails_closes_no_fd_it_does_not_own():
+    """A TcpEngine refused at ``__init__`` (a bad argument) owns no fd: its dealloc closes none.
+    (Its fd fields were zeroed memory: the refused engine closed fd 0, the process's stdin, and the
+    next socket the process opened became fd 0, which libuv refuses to close: an abort at exit.)"""
+    import gc
+    import os
+
+    from support.frames import GW_MAC
+    from support.native import need_extension
+    from support.native_tcp import MTU
+
+    ext = need_extension()
+    saved = os.dup(0)
+    try:
+        before = os.fstat(0)
+        for bad in ({"rate_up": 1 << 62}, {"sink": object()}):
+            with pytest.raises((ValueError, TypeError)):
+                ext.TcpEngine(-1, False, False, GW_MAC, MTU, 4, 1 << 20, 60.0, 10.0, 1.0, fake=True, **bad)
+        with pytest.raises(TypeError):
+            ext.TcpEngine(-1, False)  # too few arguments
+        gc.collect()
+        after = os.fstat(0)  # OSError (EBADF) when fd 0 was closed
+        assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
