@@ -24,6 +24,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "netns: needs namespaces and /dev/net/tun (root or rootless)")
     config.addinivalue_line("markers", "perframe: drives the per-frame path that aioslirp/compiled.py compiles; CI "
                             "runs these once more on the pure-Python modules (AIOSLIRP_NO_EXTENSIONS=1, .ci/run)")
+    config.addinivalue_line("markers", "sanitizer: the native C code under ASan/UBSan and its bounded libFuzzer runs; "
+                            "left out of the default run (pyproject addopts), a CI stage of its own (.ci/run: "
+                            "pytest -m sanitizer)")
 
 
 def _open_io_fds() -> dict:

@@ -172,7 +172,7 @@ class Ipv6Path:
             c.clear()
 
     # ------------------------------------------------------------------ input
-    def dispatch(self, frame: bytes, src_mac: bytes, trusted: bool, now: float) -> None:
+    def dispatch(self, frame: bytes | memoryview, src_mac: bytes, trusted: bool, now: float) -> None:
         """One guest Ethernet frame of EtherType IPv6 (see :mod:`aioslirp.dispatch.l4` for
         ``trusted`` and ``now``). Drops are counted, never raised."""
         drop = self.drop

@@ -189,7 +189,7 @@ class TracePoints(Protocol):
     def record_batch_start(self) -> None:
         """A batch of guest frames begins (:class:`~aioslirp.dispatch.link.Link`)."""
 
-    def record_guest_frame(self, frame: bytes) -> None:
+    def record_guest_frame(self, frame: bytes | memoryview) -> None:
         """A guest frame was dispatched."""
 
 

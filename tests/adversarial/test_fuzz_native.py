@@ -9,9 +9,13 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from support.native import need_extension
 from support.paths import REPO
 from support.prereqs import importable, need
+
+pytestmark = pytest.mark.sanitizer  # .ci/run runs it as a stage of its own (with the ASan build)
 
 TARGET = REPO / "fuzz" / "fuzz_native.py"
 

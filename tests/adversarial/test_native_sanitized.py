@@ -28,7 +28,7 @@ from aioslirp.native import sources
 from support.paths import REPO, SHARED
 from support.prereqs import need
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.sanitizer]  # .ci/run runs it as a stage of its own
 
 #: The test files run under the sanitizers (relative to the checkout).
 SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test_udp_native.py",
