@@ -21,11 +21,10 @@ walked no more until the front end sets it up again.
 
 With ``AIOSLIRP_NATIVE=1`` the stack's guest TCP NAT flows run in the native TCP engine here as on
 a TAP (:mod:`aioslirp.nat.native_tcp`): the ring walker hands it each guest frame before making a
-Python object of it (:meth:`VhostUserTransport.attach_tcp`), and the engine writes its frames into
-the RX ring itself (:meth:`VhostUserTransport.tcp_sink`; what finds no buffer waits in C, in order,
-at most ``max_buffer`` bytes), one call to the guest per turn of the engine. Counters:
-``tcp_frames_in``, ``tcp_frames_out``, ``tcp_frames_waited``, ``tcp_rx_full``, ``tcp_rx_dropped``,
-``tcp_gso_refused``.
+Python object of it (:meth:`VhostUserTransport.attach_tcp`), and the engine writes its frames into the
+RX ring itself (:meth:`VhostUserTransport.tcp_sink`; what finds no buffer waits in C, in order,
+at most ``max_buffer`` bytes), one call to the guest per turn of the engine. Counters: ``tcp_frames_in``,
+``tcp_frames_out``, ``tcp_frames_waited``, ``tcp_rx_full``, ``tcp_rx_dropped``, ``tcp_gso_refused``.
 
 Features offered (virtio 1.1 section 5.1.3): ``VERSION_1``, ``CSUM`` and ``HOST_TSO4/6`` (the
 guest sends partial checksums and 64 KB TCP segments: the stack trusts their checksums and
@@ -46,9 +45,8 @@ when it goes. Either way one front end at a time is served; when it disconnects 
 restarted) its memory is unmapped, its eventfds closed, and the next one is served by the same
 transport: :attr:`~aioslirp.transport.base.Transport.closed` stays pending (``on_front_end``
 is called with ``False`` and then ``True``, for example to reset the old guest's flows). A front
-end that outlives its back end (DPDK virtio_user with ``server=1`` when this process restarts)
-sends ``SET_VRING_BASE`` 0 for rings that are further on: each queue resumes from its used
-ring's index, as DPDK's vhost library and libvhost-user do (``rings_resumed``).
+end that outlives its back end (DPDK virtio_user with ``server=1`` when this process restarts) sends
+``SET_VRING_BASE`` 0 for rings further on: each queue resumes from its used ring's index (``rings_resumed``).
 """
 
 from __future__ import annotations

@@ -101,3 +101,34 @@ IPV4 = GuestFamily("ipv4", 4, "AF_INET", "127.0.0.1", "10.0.2.2", "10.0.2.3", "1
 IPV6 = GuestFamily("ipv6", 6, "AF_INET6", "::1", "fd00::2", "fd00::3", "[fd00::2]", "2001:db8::55", 128,
                    "2001:db8:1::1", 60, "EACCES", "--cidr6", "fd42:1:2:3::/64", "AAAA", 20)
 GUEST_FAMILIES = {f.name: f for f in (IPV4, IPV6)}
+
+
+#: A guest program for the rate-cap tests (``.format(port=, n=, mode="down"|"up")``): one connection to
+#: the host DataServer at 10.0.2.2:port moving ``n`` bytes, and a JSON line with the bytes, their
+#: SHA-256 and the seconds from connect to the end (the guest's own count).
+PACED_GUEST = """
+import hashlib, json, socket, time
+port, n, mode = {port}, {n}, {mode!r}
+s = socket.create_connection(("10.0.2.2", port))
+t0 = time.monotonic()
+if mode == "down":
+    s.sendall(b"DOWN %d 7\\n" % n)
+    h, got = hashlib.sha256(), 0
+    while True:
+        b = s.recv(1 << 16)
+        if not b:
+            break
+        h.update(b); got += len(b)
+    out = {{"bytes": got, "sha": h.hexdigest()}}
+else:
+    body = bytes(range(256)) * (n // 256)
+    s.sendall(b"UP\\n" + body)
+    s.shutdown(socket.SHUT_WR)
+    reply = b""
+    while not reply.endswith(b"\\n"):
+        reply += s.recv(100)
+    got, sha = reply.split()
+    out = {{"bytes": int(got), "sha": sha.decode(), "sent_sha": hashlib.sha256(body).hexdigest()}}
+out["seconds"] = time.monotonic() - t0
+print(json.dumps(out))
+"""

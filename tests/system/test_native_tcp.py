@@ -25,7 +25,7 @@ import pytest
 from aioslirp import NetworkConfig, Stack
 from aioslirp.frontends.netns import run_in_namespace
 
-from support.guests import GUEST_FAMILIES, need_tool
+from support.guests import GUEST_FAMILIES, PACED_GUEST, need_tool
 from support.native import need_extension
 from support.servers import DataServer, free_port, pattern
 
@@ -240,32 +240,6 @@ async def test_flows_ended_by_a_batch_of_guest_frames_are_taken_after_it():
         b.close()
 
 
-_PACED_GUEST = """
-import hashlib, json, socket, time
-port, n, mode = {port}, {n}, {mode!r}
-s = socket.create_connection(("10.0.2.2", port))
-t0 = time.monotonic()
-if mode == "down":
-    s.sendall(b"DOWN %d 7\\n" % n)
-    h, got = hashlib.sha256(), 0
-    while True:
-        b = s.recv(1 << 16)
-        if not b:
-            break
-        h.update(b); got += len(b)
-    out = {{"bytes": got, "sha": h.hexdigest()}}
-else:
-    body = bytes(range(256)) * (n // 256)
-    s.sendall(b"UP\\n" + body)
-    s.shutdown(socket.SHUT_WR)
-    reply = b""
-    while not reply.endswith(b"\\n"):
-        reply += s.recv(100)
-    got, sha = reply.split()
-    out = {{"bytes": int(got), "sha": sha.decode(), "sent_sha": hashlib.sha256(body).hexdigest()}}
-out["seconds"] = time.monotonic() - t0
-print(json.dumps(out))
-"""
 
 
 @pytest.mark.parametrize("direction", ["down", "up"])
@@ -283,7 +257,7 @@ async def test_native_tcp_paced_at_the_cap_without_loss(direction, monkeypatch, 
     try:
         cfg = NetworkConfig(ipv6=False, **{f"rate_{direction}": "20mbit"})
         out_path = tmp_path / "out.json"
-        script = textwrap.dedent(_PACED_GUEST.format(port=data.port, n=n, mode=direction))
+        script = textwrap.dedent(PACED_GUEST.format(port=data.port, n=n, mode=direction))
 
         def factory(c):
             stacks.append(Stack(c))

@@ -28,7 +28,7 @@ from aioslirp.nat.pacing import RATE_MIN_WRITE, FlowPacing
 from aioslirp.ratelimit import MIN_BYTE_BURST, ByteBucket, byte_burst
 
 from support.frames import F4, udp_frame
-from support.guests import need_tool, run_guest
+from support.guests import PACED_GUEST, need_tool, run_guest
 from support.servers import DataServer, DnsUpstream, UdpEcho, pattern
 from support.stacks import recv_frames, served_stack
 
@@ -215,32 +215,6 @@ async def test_udp_over_the_cap_dropped_and_counted(direction):
 
 
 # ------------------------------------------------------------------ TCP, a real guest
-_GUEST = """
-import hashlib, json, socket, time
-port, n, mode = {port}, {n}, {mode!r}
-s = socket.create_connection(("10.0.2.2", port))
-t0 = time.monotonic()
-if mode == "down":
-    s.sendall(b"DOWN %d 7\\n" % n)
-    h, got = hashlib.sha256(), 0
-    while True:
-        b = s.recv(1 << 16)
-        if not b:
-            break
-        h.update(b); got += len(b)
-    out = {{"bytes": got, "sha": h.hexdigest()}}
-else:
-    body = bytes(range(256)) * (n // 256)
-    s.sendall(b"UP\\n" + body)
-    s.shutdown(socket.SHUT_WR)
-    reply = b""
-    while not reply.endswith(b"\\n"):
-        reply += s.recv(100)
-    got, sha = reply.split()
-    out = {{"bytes": int(got), "sha": sha.decode(), "sent_sha": hashlib.sha256(body).hexdigest()}}
-out["seconds"] = time.monotonic() - t0
-print(json.dumps(out))
-"""
 
 
 @pytest.mark.parametrize("direction", ["down", "up"])
@@ -249,7 +223,7 @@ def test_tcp_paced_at_the_cap_without_loss(direction):
     n = 8 * 1000 * 1000
     cap = 20 * 125_000  # 20mbit = 2.5 MB/s: 3.2 s
     try:
-        p = run_guest({"dns": dns}, _GUEST.format(port=srv.port, n=n, mode=direction),
+        p = run_guest({"dns": dns}, PACED_GUEST.format(port=srv.port, n=n, mode=direction),
                       "--rate-limit", f"{direction}=20mbit")
     finally:
         srv.close()
