@@ -18,19 +18,11 @@ from aioslirp.transport import vhost_user as vu
 from support.frames import ACK, F4, GUEST_MAC, GW_MAC, SYN, tcp_frame
 from support.native import need_extension, need_vhost
 from support.native_tcp import decode
+from support.stacks import until
 from support.vhost import FakeFrontEnd
 
 IRS, ISS, GPORT = 1_000_000, 5_000_000, 40000
 DATA_VALID = bytes([2]) + bytes(11)  # virtio_net_hdr_v1: the checksum is good
-
-
-async def until(cond, timeout: float = 5.0):
-    for _ in range(int(timeout / 0.01)):
-        v = cond()
-        if v:
-            return v
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
 
 
 @pytest.fixture
@@ -53,7 +45,7 @@ async def flow(tmp_path):
         fe = FakeFrontEnd(str(tmp_path / "vu.sock"), features=features)
         made.append((t, fe, lst))
         await asyncio.to_thread(fe.setup)
-        await until(lambda: t.running)
+        assert await until(lambda: t.running, 5.0)
         engine = ext.TcpEngine(-1, True, True, GW_MAC, 1500, 16, 1 << 20, 60.0, 5.0, 1.0, sink=t.tcp_sink())
         t.attach_tcp(engine)
         made.append(engine)
@@ -99,7 +91,7 @@ async def test_guest_frames_go_to_the_engine_and_its_frames_wait_for_buffers_in_
     # the guest's ACK with data: taken by the engine in the ring walker, not the Python sink
     fe.send_frame(tcp_frame(F4, GPORT, host.getsockname()[1], ACK, seq=IRS + 1, ack=ISS + 1, data=b"hello",
                             win=65535), vnet=DATA_VALID)
-    await until(lambda: t.counters().get("tcp_frames_in") == 1)
+    assert await until(lambda: t.counters().get("tcp_frames_in") == 1, 5.0)
     host.settimeout(5)
     assert host.recv(100) == b"hello" and python_frames == []
     # 400 KB from the host: more 64 KB segments than the guest has buffers (1 left): they wait
@@ -149,7 +141,7 @@ async def test_a_driver_without_guest_csum_and_tso_gets_complete_checksums_and_n
     assert seg.flags == SYN | ACK and seg.seq == ISS
     fe.send_frame(tcp_frame(F4, GPORT, host.getsockname()[1], ACK, seq=IRS + 1, ack=ISS + 1, win=65535),
                   vnet=DATA_VALID)
-    await until(lambda: t.counters().get("tcp_frames_in") == 1)
+    assert await until(lambda: t.counters().get("tcp_frames_in") == 1, 5.0)
     host.sendall(b"x" * 100_000)
     await asyncio.sleep(0.2)
     engine.poll()

@@ -88,15 +88,20 @@ class FakeFrontEnd:
 
     def setup(self, *, num: int = NUM) -> None:
         """What QEMU sends before the guest's driver runs, and the rings of a running driver."""
+        assert self.hello() == vu.OFFERED_FEATURES
+        for q in (0, 1):
+            self.setup_ring(q, num)
+
+    def hello(self) -> int:
+        """Features, protocol features, owner and the memory table, as a front end starts; the
+        features the back end offered."""
         offered = self.call_u64(vu.GET_FEATURES)
-        assert offered == vu.OFFERED_FEATURES
         self.send(vu.SET_FEATURES, vu.U64.pack(self.features & offered))
         self.call_u64(vu.GET_PROTOCOL_FEATURES)
         self.send(vu.SET_PROTOCOL_FEATURES, vu.U64.pack(vu.P_REPLY_ACK))
         self.send(vu.SET_OWNER)
         assert self.ack(vu.SET_MEM_TABLE, self.mem_table(), [self.fd]) == 0
-        for q in (0, 1):
-            self.setup_ring(q, num)
+        return offered
 
     def mem_table(self, regions=None) -> bytes:
         regions = regions or [(GPA, self.size, UVA, 0)]
@@ -122,12 +127,7 @@ class FakeFrontEnd:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
         self.sock.settimeout(5)
-        offered = self.call_u64(vu.GET_FEATURES)
-        self.send(vu.SET_FEATURES, vu.U64.pack(self.features & offered))
-        self.call_u64(vu.GET_PROTOCOL_FEATURES)
-        self.send(vu.SET_PROTOCOL_FEATURES, vu.U64.pack(vu.P_REPLY_ACK))
-        self.send(vu.SET_OWNER)
-        assert self.ack(vu.SET_MEM_TABLE, self.mem_table(), [self.fd]) == 0
+        self.hello()
         for q in (0, 1):
             base = ring_base(q)
             self.send(vu.SET_VRING_NUM, vu.VRING_STATE.pack(q, self.num))
