@@ -1,4 +1,4 @@
-"""The native data plane (issue 26, in progress): per-frame work in C under the Python control plane.
+"""The native data plane (issue 26): per-frame work in C under the Python control plane.
 
 Theory of operation
 -------------------
@@ -28,12 +28,15 @@ The switches:
 
 * ``AIOSLIRP_NO_EXTENSIONS=1`` (:data:`aioslirp.compiled.ENV`): nothing native; the extension is
   not even imported.
-* Off by default while issue 26 is open: ``AIOSLIRP_NATIVE=1`` (:data:`ENABLE_ENV`) turns the
-  native plane on where it exists (the TAP reader); a transport's ``native=True`` or ``False``
-  overrides it. ``AIOSLIRP_NATIVE=udp`` also moves admitted UDP NAT flows (IPv4) to it
-  (:class:`~aioslirp.nat.native_udp.NativeUdp`; :func:`udp_wanted`); ``AIOSLIRP_NATIVE=1`` (or
-  ``tcp``) runs admitted guest TCP NAT flows in C (:class:`~aioslirp.nat.native_tcp.NativeTcp`;
-  :func:`tcp_wanted`); ``AIOSLIRP_NATIVE=1,udp`` both.
+* On by default where the extension is built: the TAP reader, guest TCP NAT flows (both
+  families; :class:`~aioslirp.nat.native_tcp.NativeTcp`, :func:`tcp_wanted`) and UDP NAT flows
+  (IPv4; :class:`~aioslirp.nat.native_udp.NativeUdp`, :func:`udp_wanted`). ``AIOSLIRP_NATIVE``
+  (:data:`ENABLE_ENV`) narrows it: ``0`` (or ``off``, :data:`OFF_VALUES`) runs the Python path
+  alone, ``tcp`` TCP flows only, ``udp`` UDP flows only, ``tcp,udp`` (or ``1``) both (the
+  default, :data:`DEFAULT_PARTS`); an unknown part is warned about once and ignored. A
+  transport's ``native=True`` or ``False`` overrides it for that transport. A stack the native
+  plane cannot serve alike keeps its flows on the Python path, with one log line: rate caps the
+  engine does not take, pcap.
 * A missing extension (no compiler at install time), one that does not load, or one whose C
   files changed since it was built (by SHA-256, :data:`~aioslirp.native.sources.RECORD`): off,
   with the reason, and one log line when a transport falls back (:func:`log_fallback`).
@@ -56,7 +59,7 @@ __all__ = ["ENABLE_ENV", "READ_EOF", "READ_ERROR", "FrameRecord", "classify", "e
 
 log = logging.getLogger("aioslirp.native")
 
-#: ``AIOSLIRP_NATIVE=1`` turns the native data plane on (off by default while issue 26 is open).
+#: ``AIOSLIRP_NATIVE=0`` switches the native data plane off (on by default where it is built).
 ENABLE_ENV = "AIOSLIRP_NATIVE"
 
 #: How ``Plane.read_tap`` ended (``enum dp_read_end`` of dataplane.h; the extension's
@@ -103,25 +106,52 @@ def why_not() -> str:
     return _load()[1]
 
 
+#: The values of ``AIOSLIRP_NATIVE`` that switch the native data plane off (the Python path runs).
+OFF_VALUES = frozenset({"0", "off", "no", "false", "python"})
+
+#: The values of ``AIOSLIRP_NATIVE`` (or parts of its list) that mean every part, as if unset.
+ON_VALUES = frozenset({"1", "on"})
+
+#: What an unset ``AIOSLIRP_NATIVE`` means: the native plane runs guest TCP and UDP NAT flows.
+DEFAULT_PARTS = frozenset({"tcp", "udp"})
+
+
 def _parts() -> set[str]:
-    """The parts of ``AIOSLIRP_NATIVE``, a comma list (``1`` and ``tcp`` are the same part)."""
-    return {"tcp" if p == "1" else p for p in os.environ.get(ENABLE_ENV, "").replace(" ", "").split(",") if p}
+    """The parts of ``AIOSLIRP_NATIVE``, a comma list of ``tcp`` and ``udp``: unset, empty, ``1`` or
+    ``on`` is :data:`DEFAULT_PARTS`; one of :data:`OFF_VALUES` is none."""
+    raw = os.environ.get(ENABLE_ENV, "").replace(" ", "").lower()
+    if not raw:
+        return set(DEFAULT_PARTS)
+    if raw in OFF_VALUES:
+        return set()
+    parts: set[str] = set()
+    for p in raw.split(","):
+        parts |= DEFAULT_PARTS if p in ON_VALUES else {p} if p else set()
+    unknown = parts - DEFAULT_PARTS
+    if unknown:
+        _warn_unknown(",".join(sorted(unknown)))
+    return parts & DEFAULT_PARTS
+
+
+@functools.cache
+def _warn_unknown(parts: str) -> None:
+    log.warning("%s: unknown part %r ignored (give tcp, udp, tcp,udp or 0)", ENABLE_ENV, parts)
 
 
 def wanted() -> bool:
-    """True when ``AIOSLIRP_NATIVE`` is ``1``, ``tcp`` or ``udp``, or a comma list of them (read at
-    each call): the default of a transport's ``native``."""
+    """True unless ``AIOSLIRP_NATIVE`` switches the plane off (``0``; :data:`OFF_VALUES`), or names
+    neither ``tcp`` nor ``udp`` (read at each call): the default of a transport's ``native``."""
     return bool(_parts() & {"tcp", "udp"})
 
 
 def udp_wanted() -> bool:
-    """True when ``AIOSLIRP_NATIVE`` holds ``udp``: ``Stack.serve`` moves admitted UDP flows to a native
+    """True when ``AIOSLIRP_NATIVE`` is unset or holds ``udp``: ``Stack.serve`` moves admitted UDP flows to a native
     TAP transport's plane (:class:`~aioslirp.nat.native_udp.NativeUdp`)."""
     return "udp" in _parts()
 
 
 def tcp_wanted() -> bool:
-    """True when ``AIOSLIRP_NATIVE`` holds ``1`` (or ``tcp``): ``Stack.serve`` runs admitted guest TCP NAT
+    """True when ``AIOSLIRP_NATIVE`` is unset or holds ``tcp`` (or ``1``): ``Stack.serve`` runs admitted guest TCP NAT
     flows on a native TAP transport's engine (:class:`~aioslirp.nat.native_tcp.NativeTcp`)."""
     return "tcp" in _parts()
 
@@ -136,7 +166,7 @@ def status() -> str:
     if extension() is None:
         return f"off ({why_not()})"
     if not enabled():
-        return f"off (built; not on by default yet: {ENABLE_ENV}=1 turns on the TAP reader)"
+        return f"off ({ENABLE_ENV}={os.environ.get(ENABLE_ENV, '')}: the Python path runs)"
     return "on"
 
 

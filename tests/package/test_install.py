@@ -45,8 +45,9 @@ _NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", ".cache", "build", "site",
 
 def _env() -> dict:
     """The environment for the builds and the new interpreters: no PYTHONPATH (it would put the
-    tree under test first), no switch-off of the compiled modules."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", compiled.ENV, "PIP_REQUIRE_VIRTUALENV")}
+    tree under test first), no switch-off of the compiled modules or the native plane."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", compiled.ENV, "AIOSLIRP_NATIVE", "PIP_REQUIRE_VIRTUALENV")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     return env
 
@@ -82,12 +83,12 @@ def _venv(path: Path) -> Path:
 
 def _check_installed(venv: Path, cwd: Path) -> None:
     """The ``aioslirp`` imported is the one in ``venv``, it runs compiled, and its native data plane
-    was built (and is off by default: issue 26 is open), the vhost-user rings' extension too."""
+    was built and is on (the default), the vhost-user rings' extension too."""
     where = _run([venv / "bin" / "python", "-c", "import aioslirp; print(aioslirp.__file__)"], cwd=cwd).strip()
     assert Path(where).resolve().is_relative_to(venv.resolve()), where
     lines = _run([venv / "bin" / "aioslirp", "--version"], cwd=cwd).splitlines()
     assert lines[-2] == f"compiled per-frame path: on ({N}/{N} modules)", lines
-    assert lines[-1].startswith("native data plane: off (built; "), lines
+    assert lines[-1] == "native data plane: on", lines
     init = _run([venv / "bin" / "python", "-c", "from aioslirp.host.nschild import native_init; print(native_init())"],
                 cwd=cwd).strip()
     assert init == str(Path(where).parent / "host" / "aioslirp-init"), init

@@ -650,7 +650,9 @@ async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog, 
     once (``flow_errors``), not as ``drop.internal_error``.
 
     Mutant: ``Stack.flush`` counting the error without ``flow.fail()``: the victim is not reset
-    (the guest's recv times out: ``victim == "hang"``)."""
+    (the guest's recv times out: ``victim == "hang"``). The Python path's flows
+    (``AIOSLIRP_NATIVE=0``): a native flow has no Python code per segment to fail."""
+    monkeypatch.setenv("AIOSLIRP_NATIVE", "0")
     data = DataServer()
     ends: list = []
     server = await asyncio.get_running_loop().create_server(lambda: EndWatcher(ends), "127.0.0.1", 0)

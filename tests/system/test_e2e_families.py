@@ -47,7 +47,7 @@ def plane(request):
             need_extension()
             mp.setenv("AIOSLIRP_NATIVE", "1")
         else:
-            mp.delenv("AIOSLIRP_NATIVE", raising=False)
+            mp.setenv("AIOSLIRP_NATIVE", "0")  # the Python path
         yield request.param
 
 

@@ -35,8 +35,10 @@ need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun modu
 
 
 def run_fairness(*opts: str) -> dict:
+    # the fair scheduler holds the Python path's TCP flows (docs/configuration.md): AIOSLIRP_NATIVE=0
+    env = {**os.environ, "AIOSLIRP_NATIVE": "0"}
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fairness.py"), *opts],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -491,11 +491,14 @@ async def sample_tcp_buffers(stacks: list, peaks: dict, period: float = 0.002) -
             peaks["recv"] = max(peaks["recv"], c.recv_buffered)
 
 
-async def test_tcp_buffer_full_counts_host_read_and_write_pauses():
+async def test_tcp_buffer_full_counts_host_read_and_write_pauses(monkeypatch):
     """A real guest with a small tcp_buffer: the guest reads late (host reads pause) and the host
     reads late (host writes pause); every byte arrives, checked by SHA-256 both ways. Sampled
     during the transfer, no flow holds more than tcp_buffer towards the host, nor more than
-    tcp_buffer plus one host read (READ_SIZE) towards the guest (docs/security.md)."""
+    tcp_buffer plus one host read (READ_SIZE) towards the guest (docs/security.md). The Python
+    path's buffers (``AIOSLIRP_NATIVE=0``; the native engine holds no guest or host bytes: its bound
+    is tests/system/test_native_tcp.py's)."""
+    monkeypatch.setenv("AIOSLIRP_NATIVE", "0")
     data, lazy = DataServer(), LazyReader(delay=1.5)
     down, up = 4_000_000, 12_000_000
     try:

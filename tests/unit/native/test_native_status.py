@@ -30,8 +30,8 @@ def _version(env_extra: dict, pythonpath: Path = PKG.parent) -> list[str]:
 
 def test_version_says_on_off_and_why():
     need_extension()
-    assert _version({})[-1] == ("native data plane: off (built; not on by default yet: AIOSLIRP_NATIVE=1 turns on "
-                                "the TAP reader)")
+    assert _version({})[-1] == "native data plane: on"  # the default where it is built
+    assert _version({native.ENABLE_ENV: "0"})[-1] == "native data plane: off (AIOSLIRP_NATIVE=0: the Python path runs)"
     assert _version({native.ENABLE_ENV: "1"})[-1] == "native data plane: on"
     assert _version({native.ENABLE_ENV: "1", compiled.ENV: "1"})[-1] == ("native data plane: off "
                                                                           "(AIOSLIRP_NO_EXTENSIONS is set)")
@@ -88,11 +88,24 @@ def test_changed_since_build_goes_by_content(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("value, reader, tcp, udp", [
-    ("", False, False, False), ("0", False, False, False), ("1", True, True, False), ("tcp", True, True, False),
-    ("udp", True, False, True), ("1,udp", True, True, True), ("udp, tcp", True, True, True), ("yes", False, False, False),
+    (None, True, True, True), ("", True, True, True), ("0", False, False, False), ("off", False, False, False),
+    ("1", True, True, True), ("on", True, True, True), ("tcp", True, True, False), ("udp", True, False, True),
+    ("1,udp", True, True, True), ("udp, tcp", True, True, True), ("TCP", True, True, False),
+    ("yes", False, False, False), ("tcp,bogus", True, True, False),
 ])
-def test_the_native_switch_is_a_comma_list_of_parts(monkeypatch, value, reader, tcp, udp):
-    """``AIOSLIRP_NATIVE``: ``1`` (or ``tcp``) the TAP reader and native TCP flows, ``udp`` the reader
-    and native UDP flows, a comma list for both."""
-    monkeypatch.setenv("AIOSLIRP_NATIVE", value)
-    assert (native.wanted(), native.tcp_wanted(), native.udp_wanted()) == (reader, tcp, udp)
+def test_the_native_switch_is_a_comma_list_of_parts(monkeypatch, caplog, value, reader, tcp, udp):
+    """``AIOSLIRP_NATIVE``: unset (the default), ``1`` or ``on`` every part; ``0`` or ``off`` none (the
+    Python path); ``tcp`` the TAP reader and native TCP flows, ``udp`` the reader and native UDP flows,
+    a comma list for both; an unknown part is ignored with one warning naming the variable."""
+    if value is None:
+        monkeypatch.delenv("AIOSLIRP_NATIVE", raising=False)
+    else:
+        monkeypatch.setenv("AIOSLIRP_NATIVE", value)
+    native._warn_unknown.cache_clear()
+    with caplog.at_level("WARNING", logger="aioslirp.native"):
+        assert (native.wanted(), native.tcp_wanted(), native.udp_wanted()) == (reader, tcp, udp)
+    warned = [r.getMessage() for r in caplog.records if r.name == "aioslirp.native"]
+    if value in ("yes", "tcp,bogus"):
+        assert warned and warned[0].startswith("AIOSLIRP_NATIVE: unknown part"), warned
+    else:
+        assert warned == []
