@@ -3,7 +3,7 @@
 :data:`COMPILED` lists the modules that ``setup.py`` compiles with mypyc when a C compiler is
 present: the TCP frame builder and parser and the checksum (:mod:`aioslirp.wire`) and the TCP
 state machine (:mod:`aioslirp.tcp`), which carry most of the gain (docs/performance.md); and
-the Python each connection still runs on the native data plane (``AIOSLIRP_NATIVE=1``): the
+the Python each connection still runs on the native data plane (the default): the
 link and IPv4 dispatch, the L4 handling of the SYN (:mod:`aioslirp.dispatch.l4`) and the native
 TCP engine's adoption and end records (:mod:`aioslirp.nat.native_tcp`), about 3 us of backend
 CPU per connection there (issue 26). The inject queue, the host sockets, UDP flows, the guard

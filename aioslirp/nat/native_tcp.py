@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 When a stack serves a :class:`~aioslirp.transport.tap.TapTransport` whose reader is native, or a
 :class:`~aioslirp.transport.vhost_user.VhostUserTransport` (whose rings are walked in C), with
-``AIOSLIRP_NATIVE=1`` (or ``tcp``; ``1,udp`` with native UDP flows), :meth:`NativeTcp.start` makes the C engine
+the native plane on (the default; ``AIOSLIRP_NATIVE`` unset, ``1`` or holding ``tcp``), :meth:`NativeTcp.start` makes the C engine
 (``aioslirp.native._dataplane.TcpEngine``, ``aioslirp/native/tcpnat.c``) for it and hands it to the
 TAP reader (``TapTransport.attach_tcp``) or the ring walker (``VhostUserTransport.attach_tcp``: the
 engine writes its frames into the RX ring through ``tcp_sink()``, no Python object per frame; the

@@ -20,7 +20,7 @@ read of guest frames (``TapTransport.native_taken``) the stack's ``frames_in``, 
 quoting the last datagram the plane saw). The idle sweep, eviction, the audit record and
 ``Stack.flows()`` therefore see the flow as on the Python path.
 
-Made by ``Stack.serve`` for a native TAP transport when ``AIOSLIRP_NATIVE=udp`` and nothing
+Made by ``Stack.serve`` for a native TAP transport (``AIOSLIRP_NATIVE`` unset, the default, ``1`` or holding ``udp``) when nothing
 observes frames one by one or shapes them: no pcap wrapper, no rate cap. Tracing keeps the flows
 native (the flow table gives each its span); their datagrams have no per-frame trace point yet
 (the TCP engine's ring, :mod:`aioslirp.nat.native_tcp`, has them for TCP flows).

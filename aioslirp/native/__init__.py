@@ -20,7 +20,10 @@ What is native so far:
 * :meth:`Plane.read_tap`: the TAP reader (:class:`~aioslirp.transport.tap.TapTransport` with
   ``native=True``): one call per readiness reads frames until ``EAGAIN`` (or the batch bound) into
   a preallocated buffer and returns them in one batch, with the virtio-net checksum flags.
-* The UDP NAT flows Python admitted (``AIOSLIRP_NATIVE=udp``, IPv4;
+* The TCP NAT flows Python admitted, both families (:class:`~aioslirp.nat.native_tcp.NativeTcp`,
+  ``aioslirp/native/tcpnat.c``): the host connect, the whole TCP life after it, the host sockets
+  behind one epoll; on a TAP and on a vhost-user device's rings.
+* The UDP NAT flows Python admitted (IPv4;
   :class:`~aioslirp.nat.native_udp.NativeUdp`): their datagrams move in C both ways (the
   ``Plane.udp_*`` methods), with ``udp_frames`` / ``udp_checksum_ok`` the sans-IO pieces.
 

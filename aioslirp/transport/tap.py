@@ -23,8 +23,8 @@ or ``DATA_VALID`` (they come from the guest's kernel over memory, never a wire) 
 verifying it, and TCP flows send ~64 KB segments with partial checksums that the kernel
 segments and completes. Measured gains are in ``docs/performance.md``.
 
-Native reader (issue 26, :mod:`aioslirp.native`): with ``native=True`` (or ``AIOSLIRP_NATIVE=1``
-in the environment; off by default while the issue is open) each readiness of the fd is one call
+Native reader (issue 26, :mod:`aioslirp.native`): with ``native=True`` (the default where the
+extension is built, unless ``AIOSLIRP_NATIVE=0`` in the environment) each readiness of the fd is one call
 into C (:meth:`aioslirp.native` ``Plane.read_tap``) that reads frames until ``EAGAIN`` or the batch
 bound into a preallocated buffer (8 largest frames; a larger batch is read in several fills within
 the call) and returns them in one batch, with the same checksum flags: the same frames reach the
@@ -89,7 +89,7 @@ class TapTransport(Transport):
     ``native``: read with the native data plane (:mod:`aioslirp.native`): one call into C per
     readiness instead of one ``os.read`` per frame, the same frames and flags to the same sink
     (as ``bytes``; a preallocated buffer of 8 times ``read_size``). ``None`` (the default):
-    ``AIOSLIRP_NATIVE=1`` in the environment says. Where the extension is not usable the Python
+    native unless ``AIOSLIRP_NATIVE=0`` in the environment (:func:`aioslirp.native.wanted`). Where the extension is not usable the Python
     reader runs (one log line); :attr:`native` says which reader runs.
 
     Counters: ``frames_in``, ``frames_out``, ``send_errors`` (all dropped writes) and

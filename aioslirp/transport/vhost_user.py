@@ -19,7 +19,7 @@ table: the guest owns the ring contents, which are hostile input (what is droppe
 size or names a head past it is marked broken (logged once, its error eventfd signalled) and
 walked no more until the front end sets it up again.
 
-With ``AIOSLIRP_NATIVE=1`` the stack's guest TCP NAT flows run in the native TCP engine here as on
+With the native plane on (the default) the stack's guest TCP NAT flows run in the native TCP engine here as on
 a TAP (:mod:`aioslirp.nat.native_tcp`): the ring walker hands it each guest frame before making a
 Python object of it (:meth:`VhostUserTransport.attach_tcp`), and the engine writes its frames into the
 RX ring itself (:meth:`VhostUserTransport.tcp_sink`; what finds no buffer waits in C, in order,
@@ -180,7 +180,7 @@ class VhostUserTransport(Transport):
                  "offload", "_announced", "_tcp", "_tcp_ended")
 
     gone_hint = "the front end (QEMU -netdev vhost-user) is running and connected to {ifname}"
-    #: The rings are walked natively: with ``AIOSLIRP_NATIVE=1`` (or ``tcp``) the stack runs guest
+    #: The rings are walked natively: unless ``AIOSLIRP_NATIVE`` leaves ``tcp`` out the stack runs guest
     #: TCP flows on the native engine here too (:meth:`attach_tcp`, :meth:`tcp_sink`).
     native = True
     #: No TAP fd: the native TCP engine writes its frames through :meth:`tcp_sink`.
