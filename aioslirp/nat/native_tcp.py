@@ -31,8 +31,15 @@ two extensions meet in ``aioslirp/native/tcpsink.h``). Python stays the control 
   grown) and :meth:`NativeTcp.poll` drains the ring, on the same wake-up that takes the records,
   into the Python path's spans: ``tcp.syn_ack`` (with ``host.connect`` and ``syn_ack.queued``
   on the flow span) from ``timeline``; ``process_guest_frame``, ``drain_to_guest`` and
-  ``writer_wake`` (``aioslirp.plane`` ``native``) at ``frames``. The per-segment events of the
-  timeline (``established``, ``guest.data``, ``fin.*``) are the Python path's only.
+  ``writer_wake`` (``aioslirp.plane`` ``native``) at ``frames``. From ``timeline`` the engine
+  also writes the moments of each flow's TCP timeline (``TN_TR_EVENT``: the guest's ACK of the
+  SYN-ACK, guest and host data, each FIN, a reset, the end; the data ones for the first
+  :data:`~aioslirp.observe.tracing.MAX_DATA_EVENTS` of each direction only, counted in C), drained
+  into the flow span's events of the Python path's names (``established``, ``guest.data``,
+  ``host.data``, ``fin.guest``, ``fin.host``, ``reset``, ``closed``) with the engine's
+  timestamps, before the flow's end closes its span; a failed connect is ``connect.refused`` or
+  ``connect.unreachable`` there too. The writer's ``*.sent`` events (time in the inject queue)
+  are the Python path's only: the engine writes its frames at once.
 
 * **Rate caps hold in C.** A stack with ``rate_up`` / ``rate_down`` (``--rate-limit``) keeps its
   TCP flows native: the engine has one byte bucket per direction (the rule of
@@ -82,7 +89,9 @@ _WHY_COUNTERS = (None, "tcp_resets", "tcp_host_lost", "tcp_idle_closed", None, N
 #: tracing is on); beyond it new records are dropped and counted (``native_tcp.trace_overflow``).
 TRACE_RING = 8192
 #: ``enum tn_trace_type`` of tcpnat.h.
-_TR_FRAME, _TR_SYN_ACK, _TR_DRAIN, _TR_WAKE = 1, 2, 3, 4
+_TR_FRAME, _TR_SYN_ACK, _TR_DRAIN, _TR_WAKE, _TR_EVENT = 1, 2, 3, 4, 5
+#: ``enum tn_flow_event`` of tcpnat.h -> the flow span's event (the Python path's names).
+_FLOW_EVENTS = (None, "established", "guest.data", "host.data", "fin.guest", "fin.host", "reset", "closed")
 
 #: The largest rate cap the engine takes, bytes/s (``TN_RATE_MAX`` of tcpnat.h, about 550 Gbit/s).
 RATE_MAX = 1 << 36
@@ -405,7 +414,11 @@ class NativeTcp:
         off = time.time_ns() - time.monotonic_ns()  # CLOCK_MONOTONIC -> the spans' clock
         for kind, slot, gen, t_ns, dur, a, b, c, flags in records:
             t1 = t_ns + off
-            if kind == _TR_SYN_ACK:
+            if kind == _TR_EVENT:
+                name = _FLOW_EVENTS[a] if 0 < a < len(_FLOW_EVENTS) else None
+                if name is not None:
+                    tr.record_native_event(flows.get((slot, gen)), name, b, t1)
+            elif kind == _TR_SYN_ACK:
                 flow = flows.get((slot, gen))
                 if flow is not None:
                     tr.record_syn_ack(flow, a / 1e6, False, at=t1)
@@ -424,10 +437,15 @@ class NativeTcp:
         flow.finish(up, down, name)
         ctx = self.ctx
         counters = ctx.counters
+        tr = self.tracer
         if name == "refused":
             counters["tcp_connect_refused"] += 1
+            if tr is not None:
+                tr.record_connect_failed(flow, "refused")
         elif name in ("unreachable", "timeout") and why == 5:  # the connect failed
             counters["tcp_connect_unreachable"] += 1
+            if tr is not None:
+                tr.record_connect_failed(flow, "unreachable")
             log.debug("connect %s:%d failed: %s", flow.remote, flow.dst_port, os.strerror(err))
             flow.fam.icmp_error(KIND_NET if err == errno.ENETUNREACH else KIND_HOST, flow.orig_header)
         counter = _WHY_COUNTERS[why] if 0 <= why < len(_WHY_COUNTERS) else None

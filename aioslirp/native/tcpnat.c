@@ -73,6 +73,7 @@ struct tn_flow {
     double rate_at;            /* held by a rate cap: wake up then (0 none) */
     uint64_t bytes_up, bytes_down;
     uint8_t outcome, why;
+    uint8_t tr_guest, tr_host; /* TN_FE_GUEST_DATA / TN_FE_HOST_DATA events written (TN_TRACE_DATA_EVENTS at most) */
     int32_t err;
 };
 
@@ -657,6 +658,37 @@ static inline uint32_t clamp32(uint64_t v)
     return v > UINT32_MAX ? UINT32_MAX : (uint32_t)v;
 }
 
+/* TN_TR_EVENT: a moment of f's timeline (enum tn_flow_event), nbytes for the data events. */
+static void trace_event(struct tn_engine *e, const struct tn_flow *f, uint32_t what, uint64_t nbytes)
+{
+    struct tn_trace_rec *r = trace_rec(e, TN_TR_EVENT, f, tn_clock_ns());
+    if (r) {
+        r->a = what;
+        r->b = clamp32(nbytes);
+    }
+}
+
+/* A data event of one direction of f, while *n (its events so far) is below TN_TRACE_DATA_EVENTS. */
+static void trace_data(struct tn_engine *e, const struct tn_flow *f, uint8_t *n, uint32_t what, uint64_t nbytes)
+{
+    if (*n >= TN_TRACE_DATA_EVENTS)
+        return;
+    ++*n;
+    trace_event(e, f, what, nbytes);
+}
+
+/* The events of f's end (finish): as the Python path's connection reports them, TN_FE_RESET when
+ * the guest reset it or the engine gave up, then TN_FE_CLOSED; none after a failed connect, an idle
+ * timeout or a shutdown by Python (the Python path ends those flows without its connection's events). */
+static void trace_end(struct tn_engine *e, const struct tn_flow *f, uint8_t outcome, uint8_t why)
+{
+    if (why == TN_WHY_CONNECT || why == TN_WHY_IDLE || outcome == TN_OUT_SHUTDOWN)
+        return;
+    if (why == TN_WHY_GUEST_RST || why == TN_WHY_RETRIES || why == TN_WHY_LINGER)
+        trace_event(e, f, TN_FE_RESET, 0);
+    trace_event(e, f, TN_FE_CLOSED, 0);
+}
+
 /* A frame to the guest was written (send_seg): note it for the next TN_TR_DRAIN. */
 static void trace_out(struct tn_engine *e, const struct tn_flow *f)
 {
@@ -921,6 +953,8 @@ static void finish(struct tn_engine *e, struct tn_flow *f, uint8_t outcome, uint
 {
     if (f->state == ST_ZOMBIE || f->state == ST_FREE)
         return;
+    if (TRACING(e))
+        trace_end(e, f, outcome, why);
     close_sock(e, f, outcome != TN_OUT_CLOSED);
     heap_remove(e, f);
     hash_remove(e, f);
@@ -1032,6 +1066,8 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
             return;
         }
         if (n == 0) { /* end of stream past what was sent */
+            if (TRACING(e) && !(f->fl & FL_HOST_EOF)) /* (once: a rewind reads it again) */
+                trace_event(e, f, TN_FE_FIN_HOST, 0);
             f->fl |= FL_HOST_EOF;
             f->fl &= (uint16_t)~(FL_RX_READY | FL_RDHUP);
             send_fin(e, f, now);
@@ -1057,6 +1093,8 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
             uint32_t fresh = f->snd_nxt - f->snd_max; /* retransmissions are not spent again */
             f->bytes_down += fresh;
             f->snd_max = f->snd_nxt;
+            if (TRACING(e))
+                trace_data(e, f, &f->tr_host, TN_FE_HOST_DATA, fresh);
             if (e->down.rate)
                 bucket_spend(&e->down, fresh);
         }
@@ -1333,6 +1371,8 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
         }
         f->rcv_nxt += (uint32_t)took;
         f->bytes_up += took;
+        if (took && TRACING(e))
+            trace_data(e, f, &f->tr_guest, TN_FE_GUEST_DATA, took);
         if (e->up.rate && took) /* within the window we gave: taken, whatever the balance */
             bucket_spend(&e->up, took);
         f->space = f->space > took ? f->space - (uint32_t)took : 0;
@@ -1345,6 +1385,8 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
     if (fin && seq + (uint32_t)plen == f->rcv_nxt) {
         f->rcv_nxt++;
         f->fl |= FL_GUEST_FIN;
+        if (TRACING(e))
+            trace_event(e, f, TN_FE_FIN_GUEST, 0);
         if (f->fl & FL_SOCK_OPEN)
             e->io.sock_shutdown_wr(e->io.ctx, f->fd);
         ack_later(e, f);
@@ -1468,6 +1510,8 @@ static int frame_in(struct tn_engine *e, const uint8_t *buf, size_t len, const s
             return 1;
         }
         f->state = ST_ESTABLISHED;
+        if (TRACING(e))
+            trace_event(e, f, TN_FE_ESTABLISHED, 0);
         f->snd_una = f->snd_nxt = f->iss + 1;
         f->rto_at = 0;
         f->rto = RTO_MIN;

@@ -368,26 +368,42 @@ class Tracer:
         if rec is None:
             return
         conn = flow.conn
-        sp = rec.span
         if not rec.established and conn.established_at is not None:
-            rec.established = True
-            sp.add_event("established")
+            self._timeline(rec, "established", 0)
         nbytes = len(seg.payload)
-        if nbytes and rec.n_guest < MAX_DATA_EVENTS:
-            rec.n_guest += 1
-            sp.add_event("guest.data", {"aioslirp.bytes": nbytes})
+        if nbytes:
+            self._timeline(rec, "guest.data", nbytes)
         if not rec.fin_guest and conn.fin_received:
-            rec.fin_guest = True
-            sp.add_event("fin.guest")
+            self._timeline(rec, "fin.guest", 0)
 
     @_safe
     def record_host_data(self, flow, nbytes: int) -> None:
         """The host socket delivered ``nbytes`` for the guest."""
         rec = self.records.get(flow)
         if rec is not None:
-            if rec.n_host < MAX_DATA_EVENTS:
-                rec.n_host += 1
-                rec.span.add_event("host.data", {"aioslirp.bytes": nbytes})
+            self._timeline(rec, "host.data", nbytes)
+
+    @staticmethod
+    def _timeline(rec: _FlowTrace, name: str, nbytes: int, at: int | None = None) -> None:
+        """Event ``name`` of a TCP flow's timeline on its span (at ``at``, ns; ``None``: now): the
+        data events (``guest.data``, ``host.data``) with ``aioslirp.bytes`` = ``nbytes``, the first
+        :data:`MAX_DATA_EVENTS` of each only; ``established`` and ``fin.guest`` noted as recorded."""
+        attrs = None
+        if name == "guest.data":
+            if rec.n_guest >= MAX_DATA_EVENTS:
+                return
+            rec.n_guest += 1
+            attrs = {"aioslirp.bytes": nbytes}
+        elif name == "host.data":
+            if rec.n_host >= MAX_DATA_EVENTS:
+                return
+            rec.n_host += 1
+            attrs = {"aioslirp.bytes": nbytes}
+        elif name == "established":
+            rec.established = True
+        elif name == "fin.guest":
+            rec.fin_guest = True
+        rec.span.add_event(name, attrs, timestamp=at)
 
     @_safe
     def record_syn_ack(self, flow, connect_time: float, immediate: bool, at: int | None = None) -> None:
@@ -563,8 +579,9 @@ class Tracer:
             sp.end(end_time=t1)
 
     # ------------------------------------------------------------------ the native plane
-    # Trace points 1, 3 and 4 of the native data plane (aioslirp.nat.native_tcp drains the C
-    # engine's trace ring into these; point 2 is record_syn_ack with ``at``). Times are
+    # Trace points 1, 3 and 4 of the native data plane and its flows' timeline events
+    # (aioslirp.nat.native_tcp drains the C engine's trace ring into these; point 2 is
+    # record_syn_ack with ``at``). Times are
     # ``time.time_ns()`` values; ``flow`` is the flow table's entry, or None once it left.
 
     @_safe
@@ -580,6 +597,16 @@ class Tracer:
             attrs["aioslirp.ethertype"] = 0x86DD if v6 else 0x0800
             attrs["network.type"] = "ipv6" if v6 else "ipv4"
         self._end_frame_span(rec, attrs, flags, t0, t1)
+
+    @_safe
+    def record_native_event(self, flow, name: str, nbytes: int, at: int) -> None:
+        """A moment of the TCP timeline of ``flow`` in C at ``at`` (ns): event ``name`` on its span,
+        as the Python path's (``established``, ``guest.data`` / ``host.data`` with ``nbytes`` in
+        ``aioslirp.bytes``, the first :data:`MAX_DATA_EVENTS` of each, ``fin.guest``,
+        ``fin.host``, ``reset``, ``closed``)."""
+        rec = self.records.get(flow) if flow is not None else None
+        if rec is not None:
+            self._timeline(rec, name, nbytes, at)
 
     @_safe
     def record_native_drain(self, flows, t0: int, t1: int, frames: int) -> None:

@@ -10,7 +10,8 @@ import errno
 from support.native import need_extension
 from support.native_tcp import ACK, GW_MAC, MTU, PSH, SYN, EngineFlow
 
-FRAME, SYN_ACK, DRAIN, WAKE = 1, 2, 3, 4
+FRAME, SYN_ACK, DRAIN, WAKE, EVENT = 1, 2, 3, 4, 5
+ESTABLISHED, GUEST_DATA, HOST_DATA = 1, 2, 3  # enum tn_flow_event
 
 
 def _engine(trace: int = 0):
@@ -53,13 +54,15 @@ def test_records_say_what_happened_in_order_with_their_counts():
     assert f.send(ACK)  # completes the handshake: one frame processed, nothing queued
     assert f.send(ACK | PSH, data=b"hello")  # data: its ACK leaves at the flush, not in the frame
     recs, _ = e.trace_take()
-    assert _kinds(recs) == [(FRAME, 54, 0, 0), (FRAME, 59, 0, 0), (DRAIN, 1, 0, 0)]
-    assert [r[8] for r in recs[:2]] == [ACK, ACK | PSH]  # the frames' TCP flags
+    # each frame's flow events (timeline) come before its own record, written when it was done
+    assert _kinds(recs) == [(EVENT, ESTABLISHED, 0, 0), (FRAME, 54, 0, 0), (EVENT, GUEST_DATA, 5, 0),
+                            (FRAME, 59, 0, 0), (DRAIN, 1, 0, 0)]
+    assert [r[8] for r in recs if r[0] == FRAME] == [ACK, ACK | PSH]  # the frames' TCP flags
     assert all(r[1:3] == (f.slot, f.gen) for r in recs)
     assert [s.flags for s in f.out()] == [ACK]  # the drained frame
     f.host_send(b"y" * 4000)  # three segments to the guest from one socket event
     recs, _ = e.trace_take()
-    assert _kinds(recs) == [(WAKE, 1, 0, 3), (DRAIN, 3, 0, 0)]
+    assert _kinds(recs) == [(EVENT, HOST_DATA, 4000, 0), (WAKE, 1, 0, 3), (DRAIN, 3, 0, 0)]
     ts = [r[3] for r in recs]
     assert ts == sorted(ts) and all(r[4] < 10**9 for r in recs)  # monotonic ns; durations in ns
     assert len(f.out()) == 3
@@ -67,15 +70,15 @@ def test_records_say_what_happened_in_order_with_their_counts():
 
 def test_a_full_ring_drops_new_records_and_counts_them():
     e = _engine(4)
-    f = EngineFlow(engine=e).established()  # SYN-ACK, DRAIN, FRAME: 3 of 4
+    f = EngineFlow(engine=e).established()  # SYN-ACK, DRAIN, EVENT (established), FRAME: 4 of 4
     for _ in range(5):
         f.send(ACK)
     recs, overflow = e.trace_take()
-    assert [r[0] for r in recs] == [SYN_ACK, DRAIN, FRAME, FRAME]  # the oldest four kept
-    assert overflow == 4 and e.counters()["trace_overflow"] == 4
+    assert [r[0] for r in recs] == [SYN_ACK, DRAIN, EVENT, FRAME]  # the oldest four kept
+    assert overflow == 5 and e.counters()["trace_overflow"] == 5
     f.send(ACK)  # room again
     recs, overflow = e.trace_take()
-    assert [r[0] for r in recs] == [FRAME] and overflow == 4
+    assert [r[0] for r in recs] == [FRAME] and overflow == 5
 
 
 def test_trace_off_again_frees_the_ring_and_a_bad_capacity_is_refused():
