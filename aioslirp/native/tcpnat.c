@@ -73,7 +73,8 @@ struct tn_flow {
     double rate_at;            /* held by a rate cap: wake up then (0 none) */
     uint64_t bytes_up, bytes_down;
     uint8_t outcome, why;
-    uint8_t tr_guest, tr_host; /* TN_FE_GUEST_DATA / TN_FE_HOST_DATA events written (TN_TRACE_DATA_EVENTS at most) */
+    uint8_t tr_guest, tr_host, tr_sent; /* TN_FE_GUEST_DATA / HOST_DATA / DATA_SENT events written
+                                         * (TN_TRACE_DATA_EVENTS at most each) */
     int32_t err;
 };
 
@@ -677,6 +678,19 @@ static void trace_data(struct tn_engine *e, const struct tn_flow *f, uint8_t *n,
     trace_event(e, f, what, nbytes);
 }
 
+/* The *.sent event of a frame of f written to the guest (flags, plen payload bytes). */
+static void trace_sent(struct tn_engine *e, struct tn_flow *f, uint8_t flags, size_t plen)
+{
+    if (flags & TCP_RST)
+        trace_event(e, f, TN_FE_RST_SENT, 0);
+    else if (flags & TCP_SYN)
+        trace_event(e, f, TN_FE_SYN_ACK_SENT, 0);
+    else if (flags & TCP_FIN)
+        trace_event(e, f, TN_FE_FIN_SENT, 0);
+    else if (plen)
+        trace_data(e, f, &f->tr_sent, TN_FE_DATA_SENT, plen);
+}
+
 /* The events of f's end (finish): as the Python path's connection reports them, TN_FE_RESET when
  * the guest reset it or the engine gave up, then TN_FE_CLOSED; none after a failed connect, an idle
  * timeout or a shutdown by Python (the Python path ends those flows without its connection's events). */
@@ -731,6 +745,10 @@ void tn_trace_wake(struct tn_engine *e, uint32_t sock_events, uint32_t timer, ui
         r->a = sock_events;
         r->b = timer;
         r->c = e->tr_out;
+        if (e->tr_out && !e->tr_mixed) { /* every frame it wrote was one flow's */
+            r->slot = e->tr_slot;
+            r->gen = e->flows[e->tr_slot].gen;
+        }
         r->dur_ns = clamp32(t > t0_ns ? t - t0_ns : 0);
     }
 }
@@ -918,8 +936,10 @@ static void send_seg(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8
         e->c.tap_write_errors++;
     } else {
         e->c.frames_out++;
-        if (TRACING(e))
+        if (TRACING(e)) {
             trace_out(e, f);
+            trace_sent(e, f, flags, plen);
+        }
     }
 }
 
@@ -1076,6 +1096,8 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
         }
         if ((size_t)n > chunk) /* a seam that returns more than asked: never trusted */
             n = (ssize_t)chunk;
+        if (TRACING(e) && SEQ_GT(f->snd_nxt + (uint32_t)n, f->snd_max)) /* new bytes (before their frames) */
+            trace_data(e, f, &f->tr_host, TN_FE_HOST_DATA, f->snd_nxt + (uint32_t)n - f->snd_max);
         size_t off = 0;
         while (off < (size_t)n) {
             size_t seg = (size_t)n - off;
@@ -1093,8 +1115,6 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
             uint32_t fresh = f->snd_nxt - f->snd_max; /* retransmissions are not spent again */
             f->bytes_down += fresh;
             f->snd_max = f->snd_nxt;
-            if (TRACING(e))
-                trace_data(e, f, &f->tr_host, TN_FE_HOST_DATA, fresh);
             if (e->down.rate)
                 bucket_spend(&e->down, fresh);
         }
@@ -1154,10 +1174,7 @@ static void connected(struct tn_engine *e, struct tn_flow *f, double now, int at
     f->state = ST_SYN_RCVD;
     f->connect_until = 0;
     f->rto = SYN_ACK_RTO;
-    send_seg(e, f, f->iss, TCP_SYN | TCP_ACK, NULL, 0);
-    f->rto_at = now + f->rto;
-    rearm(e, f);
-    if (TRACING(e)) {
+    if (TRACING(e)) { /* (before the frame's write: its TN_FE_SYN_ACK_SENT follows) */
         struct tn_trace_rec *r = trace_rec(e, TN_TR_SYN_ACK, f, tn_clock_ns());
         if (r) {
             double us = (now - f->started) * 1e6;
@@ -1165,10 +1182,15 @@ static void connected(struct tn_engine *e, struct tn_flow *f, double now, int at
             r->b = (uint32_t)at_once;
         }
     }
+    send_seg(e, f, f->iss, TCP_SYN | TCP_ACK, NULL, 0);
+    f->rto_at = now + f->rto;
+    rearm(e, f);
 }
 
 static void connect_failed(struct tn_engine *e, struct tn_flow *f, int err)
 {
+    if (TRACING(e))
+        trace_event(e, f, err == ECONNREFUSED ? TN_FE_CONNECT_REFUSED : TN_FE_CONNECT_UNREACHABLE, 0);
     if (err == ECONNREFUSED) {
         send_seg(e, f, 0, TCP_RST | TCP_ACK, NULL, 0); /* seq 0, ack irs + 1: RFC 9293 3.10.7.1 */
         finish(e, f, TN_OUT_REFUSED, TN_WHY_CONNECT, err);

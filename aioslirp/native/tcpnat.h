@@ -259,7 +259,8 @@ enum tn_trace_type {
                         * the first write to the record */
     TN_TR_WAKE = 4,    /* a poll wake-up of the engine's epoll: a = socket events, b = timer
                         * expirations, c = frames written while running them, dur_ns = the time
-                        * it ran them; slot TN_TRACE_NO_FLOW */
+                        * it ran them; slot: the flow whose frames they all were, else
+                        * TN_TRACE_NO_FLOW (none written, or of more than one flow) */
     TN_TR_EVENT = 5,   /* a moment of the flow's TCP timeline (from trace level "timeline"): a = its
                         * enum tn_flow_event, b = bytes (TN_FE_GUEST_DATA, TN_FE_HOST_DATA; else 0) */
 };
@@ -276,6 +277,15 @@ enum tn_flow_event {
                             * tcp_linger): "reset" (then TN_FE_CLOSED) */
     TN_FE_CLOSED = 7,      /* the flow is over (not after a failed connect, an idle timeout or
                             * tn_close_flow: the Python path records none then): "closed" */
+    TN_FE_CONNECT_REFUSED = 8,     /* the host refused the connect: "connect.refused" */
+    TN_FE_CONNECT_UNREACHABLE = 9, /* ... it failed otherwise or timed out: "connect.unreachable" */
+    /* A frame written to the guest (no queue: at once), as the Python path's writer stamps them
+     * (trace level "frames"): a SYN-ACK, data (b = payload bytes; the first
+     * TN_TRACE_DATA_EVENTS data frames of a flow only), a FIN, a RST; pure ACKs none. */
+    TN_FE_SYN_ACK_SENT = 10,
+    TN_FE_DATA_SENT = 11,
+    TN_FE_FIN_SENT = 12,
+    TN_FE_RST_SENT = 13,
 };
 #define TN_TRACE_DATA_EVENTS 8
 #define TN_TRACE_NO_FLOW UINT32_MAX

@@ -8,6 +8,7 @@ timestamps."""
 from __future__ import annotations
 
 import collections
+import errno
 import types
 
 import pytest
@@ -15,8 +16,10 @@ import pytest
 from support.native import need_extension
 from support.native_tcp import ACK, FIN, GW_MAC, IRS, ISS, MTU, PSH, RST, EngineFlow
 
-EVENT = 5
+EVENT, WAKE = 5, 4
 ESTABLISHED, GUEST_DATA, HOST_DATA, FIN_GUEST, FIN_HOST, RESET, CLOSED = range(1, 8)
+CONNECT_REFUSED, CONNECT_UNREACHABLE = 8, 9
+SYN_ACK_SENT, DATA_SENT, FIN_SENT, RST_SENT = range(10, 14)
 DATA_EVENTS = 8  # TN_TRACE_DATA_EVENTS
 
 
@@ -27,11 +30,13 @@ def _engine():
     return e
 
 
-def _events(e, f: EngineFlow | None = None) -> list:
-    """(event, bytes) of the flow events in the ring (of ``f`` only when given), oldest first."""
+def _events(e, f: EngineFlow | None = None, sent: bool = False) -> list:
+    """(event, bytes) of the flow events in the ring (of ``f`` only when given; the ``*.sent`` ones
+    with ``sent`` only), oldest first."""
     recs, overflow = e.trace_take()
     assert overflow == 0
-    return [(r[5], r[6]) for r in recs if r[0] == EVENT and (f is None or r[1:3] == (f.slot, f.gen))]
+    return [(r[5], r[6]) for r in recs
+            if r[0] == EVENT and (f is None or r[1:3] == (f.slot, f.gen)) and (sent or r[5] < SYN_ACK_SENT)]
 
 
 def test_the_timeline_of_a_flow_in_order_with_its_byte_counts():
@@ -47,7 +52,7 @@ def test_the_timeline_of_a_flow_in_order_with_its_byte_counts():
     assert f.out()[-1].flags & FIN
     f.send(ACK, seq=IRS + 7, ack=ISS + 4002)  # our FIN acknowledged: the end
     recs, _ = e.trace_take()
-    events = [r for r in recs if r[0] == EVENT]
+    events = [r for r in recs if r[0] == EVENT and r[5] < SYN_ACK_SENT]
     assert all(r[1:3] == (f.slot, f.gen) for r in events)
     assert [(r[5], r[6]) for r in events] == [(ESTABLISHED, 0), (GUEST_DATA, 5), (HOST_DATA, 4000), (FIN_GUEST, 0),
                                               (FIN_HOST, 0), (CLOSED, 0)]
@@ -102,6 +107,49 @@ def test_the_ends_say_reset_and_closed_as_the_python_path():
     assert _events(e) == []
 
 
+def test_frames_written_are_sent_events_data_ones_capped():
+    e = _engine()
+    f = EngineFlow(engine=e)
+    f.send(ACK)
+    assert _events(e, sent=True) == [(SYN_ACK_SENT, 0), (ESTABLISHED, 0)]
+    for i in range(12):
+        f.host_send(b"d" * 10)
+        f.send(ACK, ack=ISS + 11 + 10 * i)
+    f.send(ACK | PSH, data=b"q")  # its ACK: no event
+    f.host_eof()
+    got = _events(e, sent=True)
+    assert [ev for ev in got if ev[0] >= SYN_ACK_SENT] == [(DATA_SENT, 10)] * DATA_EVENTS + [(FIN_SENT, 0)]
+    assert f.out()[-1].flags & FIN
+    g = EngineFlow(engine=e, gport=40001).established()
+    _events(e)
+    assert e.close_flow(g.slot, g.gen, 0.5)
+    assert _events(e, sent=True) == [(RST_SENT, 0)]
+
+
+def test_a_failed_connect_says_why_before_its_rst():
+    e = _engine()
+    e.fake_connect_mode(errno.ECONNREFUSED)
+    EngineFlow(engine=e, connect=errno.ECONNREFUSED)
+    assert _events(e, sent=True) == [(CONNECT_REFUSED, 0), (RST_SENT, 0)]  # and no "closed"
+    e.fake_connect_mode(errno.EINPROGRESS)
+    g = EngineFlow(engine=e, connect=errno.EINPROGRESS, gport=40001)
+    g.poll(10.5)  # the connect timeout: ICMP from Python, nothing to the guest from C
+    assert _events(e, sent=True) == [(CONNECT_UNREACHABLE, 0)]
+
+
+def test_a_wake_up_that_wrote_one_flows_frames_names_it():
+    e = _engine()
+    f = EngineFlow(engine=e).established()
+    e.trace_take()
+    f.host_send(b"w" * 100)
+    (wake,) = [r for r in e.trace_take()[0] if r[0] == WAKE]
+    assert wake[1:3] == (f.slot, f.gen) and wake[7] == 1
+    f.send(ACK, ack=ISS + 101)
+    f.e.fake_host_send(f.fd, b"", 0.1)  # a readiness that finds nothing to send: no frame, no flow
+    (wake,) = [r for r in e.trace_take()[0] if r[0] == WAKE]
+    assert wake[1] == -1 and wake[7] == 0
+
+
 # ------------------------------------------------------------------ into the flow span
 
 
@@ -137,7 +185,8 @@ def exporter():
     provider.shutdown()
 
 
-def test_native_tcp_drains_the_events_into_the_flow_span_before_its_end(exporter):
+@pytest.mark.parametrize("frames", [False, True], ids=["timeline", "frames"])
+def test_native_tcp_drains_the_events_into_the_flow_span_before_its_end(exporter, frames):
     from aioslirp.nat.native_tcp import NativeTcp
     from aioslirp.observe.tracing import MAX_DATA_EVENTS, Tracer
 
@@ -148,7 +197,7 @@ def test_native_tcp_drains_the_events_into_the_flow_span_before_its_end(exporter
                                 counters=collections.Counter(), table=types.SimpleNamespace(remove=removed.append))
     ext = need_extension()
     engine = ext.TcpEngine(-1, False, False, GW_MAC, MTU, 16, 1 << 20, 60.0, 10.0, 1.0, fake=True)
-    plane = NativeTcp(ctx, engine)  # tracing at "timeline": the engine's trace points on
+    plane = NativeTcp(ctx, engine, frames)  # tracing at "timeline" or "frames": the engine's trace points on
     f = EngineFlow(engine=engine)
     flow = _Flow(f)
     tracer.record_flow_opened(flow)
@@ -165,8 +214,11 @@ def test_native_tcp_drains_the_events_into_the_flow_span_before_its_end(exporter
     tracer.end_all()
     (span,) = [s for s in exporter.get_finished_spans() if s.name == "tcp.flow"]
     names = [ev.name for ev in span.events]
-    assert names == ["host.connect", "syn_ack.queued", "established", *["guest.data"] * MAX_DATA_EVENTS, "fin.guest", "host.data",
-                     "fin.host", "closed"]
+    sent = (lambda name: [name]) if frames else (lambda name: [])  # the *.sent events: at "frames" only
+    assert names == ["host.connect", "syn_ack.queued", *sent("syn_ack.sent"), "established",
+                     *["guest.data"] * MAX_DATA_EVENTS, "fin.guest", "host.data", *sent("data.sent"), "fin.host",
+                     *sent("fin.sent"), "closed"]
+    assert all(ev.attributes["aioslirp.wait_us"] == 0 for ev in span.events if ev.name.endswith(".sent"))
     assert [ev.attributes["aioslirp.bytes"] for ev in span.events if ev.name.endswith(".data")] == [3] * 8 + [2]
     times = [ev.timestamp for ev in span.events]
     assert times == sorted(times) and times[-1] - times[0] < 10**9  # the engine's moments, on the span's clock
