@@ -31,8 +31,16 @@ two extensions meet in ``aioslirp/native/tcpsink.h``). Python stays the control 
   grown) and :meth:`NativeTcp.poll` drains the ring, on the same wake-up that takes the records,
   into the Python path's spans: ``tcp.syn_ack`` (with ``host.connect`` and ``syn_ack.queued``
   on the flow span) from ``timeline``; ``process_guest_frame``, ``drain_to_guest`` and
-  ``writer_wake`` (``aioslirp.plane`` ``native``) at ``frames``. The per-segment events of the
-  timeline (``established``, ``guest.data``, ``fin.*``) are the Python path's only.
+  ``writer_wake`` (``aioslirp.plane`` ``native``) at ``frames``. From ``timeline`` the engine
+  also writes the moments of each flow's TCP timeline (``TN_TR_EVENT``: the guest's ACK of the
+  SYN-ACK, guest and host data, each FIN, a reset, the end; the data ones for the first
+  :data:`~aioslirp.observe.tracing.MAX_DATA_EVENTS` of each direction only, counted in C), drained
+  into the flow span's events of the Python path's names (``established``, ``guest.data``,
+  ``host.data``, ``fin.guest``, ``fin.host``, ``reset``, ``closed``, ``connect.refused``,
+  ``connect.unreachable``) with the engine's timestamps, before the flow's end closes its span.
+  At ``frames`` also the ``*.sent`` events of the frames it wrote (``aioslirp.wait_us`` 0: the
+  engine writes each frame at once, no inject queue), and a wake-up that wrote one flow's frames
+  only is a child of its span, as a drain is.
 
 * **Rate caps hold in C.** A stack with ``rate_up`` / ``rate_down`` (``--rate-limit``) keeps its
   TCP flows native: the engine has one byte bucket per direction (the rule of
@@ -82,7 +90,12 @@ _WHY_COUNTERS = (None, "tcp_resets", "tcp_host_lost", "tcp_idle_closed", None, N
 #: tracing is on); beyond it new records are dropped and counted (``native_tcp.trace_overflow``).
 TRACE_RING = 8192
 #: ``enum tn_trace_type`` of tcpnat.h.
-_TR_FRAME, _TR_SYN_ACK, _TR_DRAIN, _TR_WAKE = 1, 2, 3, 4
+_TR_FRAME, _TR_SYN_ACK, _TR_DRAIN, _TR_WAKE, _TR_EVENT = 1, 2, 3, 4, 5
+#: ``enum tn_flow_event`` of tcpnat.h -> the flow span's event (the Python path's names); from
+#: :data:`_FE_SENT` on, the ``*.sent`` events (trace level ``frames`` only, as the Python path's).
+_FLOW_EVENTS = (None, "established", "guest.data", "host.data", "fin.guest", "fin.host", "reset", "closed",
+                "connect.refused", "connect.unreachable", "syn_ack.sent", "data.sent", "fin.sent", "rst.sent")
+_FE_SENT = 10
 
 #: The largest rate cap the engine takes, bytes/s (``TN_RATE_MAX`` of tcpnat.h, about 550 Gbit/s).
 RATE_MAX = 1 << 36
@@ -143,10 +156,10 @@ class NativeTcpFlow:
     forward_id = None
 
     __slots__ = ("key", "guest_ip", "guest_port", "dst_ip", "dst_port", "remote", "started", "name", "rule",
-                 "_outcome", "_plane", "slot", "gen", "_final", "orig_header", "fam", "transport")
+                 "_outcome", "_plane", "slot", "gen", "_final", "orig_header", "fam", "transport", "opened_ns")
 
     def __init__(self, plane: "NativeTcp", fam, key: tuple, remote: str, orig_header: bytes, now: float,
-                 slot: int, gen: int, transport: "NativeTcp | None") -> None:
+                 slot: int, gen: int, transport: "NativeTcp | None", opened_ns: int | None = None) -> None:
         self.key = key
         _, self.guest_ip, self.guest_port, self.dst_ip, self.dst_port = key
         self.remote = remote
@@ -161,6 +174,9 @@ class NativeTcpFlow:
         #: ``None`` while the host connect is pending (the guard counts pending connects by it),
         #: then the :class:`NativeTcp` that moves its bytes.
         self.transport = transport
+        #: ``time.time_ns()`` when the engine began adopting it (before it entered the table): its
+        #: span starts then, before the engine's first trace record of it (``None``: untraced).
+        self.opened_ns = opened_ns
         self.name, self.rule = admission(plane.ctx, self, remote)
 
     @property
@@ -327,6 +343,7 @@ class NativeTcp:
         except OSError:
             return False  # not a numeric address of the family: the Python path
         mss, wscale = seg.mss, seg.wscale
+        opened_ns = time.time_ns() if self.tracer is not None else None
         status, slot, gen = self.engine.adopt(
             v6, fam.eth_to(src)[:6], src, sport, dst, dport, host, dport, seg.seq, random.getrandbits(32),
             -1 if mss is None else mss, -1 if wscale is None else wscale, seg.wnd, now)
@@ -334,7 +351,8 @@ class NativeTcp:
             return False
         # connected at once (status 0, the usual case towards loopback): the table entry is never
         # a pending connect for the guard (as if it had been counted and forgotten at once)
-        flow = NativeTcpFlow(self, fam, key, remote, orig_header, now, slot, gen, self if status == 0 else None)
+        flow = NativeTcpFlow(self, fam, key, remote, orig_header, now, slot, gen, self if status == 0 else None,
+                             opened_ns)
         self.flows[(slot, gen)] = flow
         self.ctx.table.add(flow)
         if status < 0:
@@ -405,7 +423,10 @@ class NativeTcp:
         off = time.time_ns() - time.monotonic_ns()  # CLOCK_MONOTONIC -> the spans' clock
         for kind, slot, gen, t_ns, dur, a, b, c, flags in records:
             t1 = t_ns + off
-            if kind == _TR_SYN_ACK:
+            if kind == _TR_EVENT:
+                if 0 < a < len(_FLOW_EVENTS) and (frames or a < _FE_SENT):
+                    tr.record_native_event(flows.get((slot, gen)), _FLOW_EVENTS[a], b, t1)
+            elif kind == _TR_SYN_ACK:
                 flow = flows.get((slot, gen))
                 if flow is not None:
                     tr.record_syn_ack(flow, a / 1e6, False, at=t1)
@@ -417,7 +438,8 @@ class NativeTcp:
                 flow = None if b else flows.get((slot, gen))
                 tr.record_native_drain(() if flow is None else (flow,), t1 - dur, t1, a)
             elif kind == _TR_WAKE:
-                tr.record_native_wake(t1 - dur, t1, a, b, c)
+                flow = flows.get((slot, gen)) if slot >= 0 else None
+                tr.record_native_wake(() if flow is None else (flow,), t1 - dur, t1, a, b, c)
 
     def _ended(self, flow: NativeTcpFlow, outcome: int, why: int, err: int, up: int, down: int) -> None:
         name = _OUTCOMES[outcome] if 0 <= outcome < len(_OUTCOMES) else None

@@ -73,6 +73,8 @@ struct tn_flow {
     double rate_at;            /* held by a rate cap: wake up then (0 none) */
     uint64_t bytes_up, bytes_down;
     uint8_t outcome, why;
+    uint8_t tr_guest, tr_host, tr_sent; /* TN_FE_GUEST_DATA / HOST_DATA / DATA_SENT events written
+                                         * (TN_TRACE_DATA_EVENTS at most each) */
     int32_t err;
 };
 
@@ -657,6 +659,50 @@ static inline uint32_t clamp32(uint64_t v)
     return v > UINT32_MAX ? UINT32_MAX : (uint32_t)v;
 }
 
+/* TN_TR_EVENT: a moment of f's timeline (enum tn_flow_event), nbytes for the data events. */
+static void trace_event(struct tn_engine *e, const struct tn_flow *f, uint32_t what, uint64_t nbytes)
+{
+    struct tn_trace_rec *r = trace_rec(e, TN_TR_EVENT, f, tn_clock_ns());
+    if (r) {
+        r->a = what;
+        r->b = clamp32(nbytes);
+    }
+}
+
+/* A data event of one direction of f, while *n (its events so far) is below TN_TRACE_DATA_EVENTS. */
+static void trace_data(struct tn_engine *e, const struct tn_flow *f, uint8_t *n, uint32_t what, uint64_t nbytes)
+{
+    if (*n >= TN_TRACE_DATA_EVENTS)
+        return;
+    ++*n;
+    trace_event(e, f, what, nbytes);
+}
+
+/* The *.sent event of a frame of f written to the guest (flags, plen payload bytes). */
+static void trace_sent(struct tn_engine *e, struct tn_flow *f, uint8_t flags, size_t plen)
+{
+    if (flags & TCP_RST)
+        trace_event(e, f, TN_FE_RST_SENT, 0);
+    else if (flags & TCP_SYN)
+        trace_event(e, f, TN_FE_SYN_ACK_SENT, 0);
+    else if (flags & TCP_FIN)
+        trace_event(e, f, TN_FE_FIN_SENT, 0);
+    else if (plen)
+        trace_data(e, f, &f->tr_sent, TN_FE_DATA_SENT, plen);
+}
+
+/* The events of f's end (finish): as the Python path's connection reports them, TN_FE_RESET when
+ * the guest reset it or the engine gave up, then TN_FE_CLOSED; none after a failed connect, an idle
+ * timeout or a shutdown by Python (the Python path ends those flows without its connection's events). */
+static void trace_end(struct tn_engine *e, const struct tn_flow *f, uint8_t outcome, uint8_t why)
+{
+    if (why == TN_WHY_CONNECT || why == TN_WHY_IDLE || outcome == TN_OUT_SHUTDOWN)
+        return;
+    if (why == TN_WHY_GUEST_RST || why == TN_WHY_RETRIES || why == TN_WHY_LINGER)
+        trace_event(e, f, TN_FE_RESET, 0);
+    trace_event(e, f, TN_FE_CLOSED, 0);
+}
+
 /* A frame to the guest was written (send_seg): note it for the next TN_TR_DRAIN. */
 static void trace_out(struct tn_engine *e, const struct tn_flow *f)
 {
@@ -699,6 +745,10 @@ void tn_trace_wake(struct tn_engine *e, uint32_t sock_events, uint32_t timer, ui
         r->a = sock_events;
         r->b = timer;
         r->c = e->tr_out;
+        if (e->tr_out && !e->tr_mixed) { /* every frame it wrote was one flow's */
+            r->slot = e->tr_slot;
+            r->gen = e->flows[e->tr_slot].gen;
+        }
         r->dur_ns = clamp32(t > t0_ns ? t - t0_ns : 0);
     }
 }
@@ -886,8 +936,10 @@ static void send_seg(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8
         e->c.tap_write_errors++;
     } else {
         e->c.frames_out++;
-        if (TRACING(e))
+        if (TRACING(e)) {
             trace_out(e, f);
+            trace_sent(e, f, flags, plen);
+        }
     }
 }
 
@@ -921,6 +973,8 @@ static void finish(struct tn_engine *e, struct tn_flow *f, uint8_t outcome, uint
 {
     if (f->state == ST_ZOMBIE || f->state == ST_FREE)
         return;
+    if (TRACING(e))
+        trace_end(e, f, outcome, why);
     close_sock(e, f, outcome != TN_OUT_CLOSED);
     heap_remove(e, f);
     hash_remove(e, f);
@@ -1032,6 +1086,8 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
             return;
         }
         if (n == 0) { /* end of stream past what was sent */
+            if (TRACING(e) && !(f->fl & FL_HOST_EOF)) /* (once: a rewind reads it again) */
+                trace_event(e, f, TN_FE_FIN_HOST, 0);
             f->fl |= FL_HOST_EOF;
             f->fl &= (uint16_t)~(FL_RX_READY | FL_RDHUP);
             send_fin(e, f, now);
@@ -1040,6 +1096,8 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
         }
         if ((size_t)n > chunk) /* a seam that returns more than asked: never trusted */
             n = (ssize_t)chunk;
+        if (TRACING(e) && SEQ_GT(f->snd_nxt + (uint32_t)n, f->snd_max)) /* new bytes (before their frames) */
+            trace_data(e, f, &f->tr_host, TN_FE_HOST_DATA, f->snd_nxt + (uint32_t)n - f->snd_max);
         size_t off = 0;
         while (off < (size_t)n) {
             size_t seg = (size_t)n - off;
@@ -1116,10 +1174,7 @@ static void connected(struct tn_engine *e, struct tn_flow *f, double now, int at
     f->state = ST_SYN_RCVD;
     f->connect_until = 0;
     f->rto = SYN_ACK_RTO;
-    send_seg(e, f, f->iss, TCP_SYN | TCP_ACK, NULL, 0);
-    f->rto_at = now + f->rto;
-    rearm(e, f);
-    if (TRACING(e)) {
+    if (TRACING(e)) { /* (before the frame's write: its TN_FE_SYN_ACK_SENT follows) */
         struct tn_trace_rec *r = trace_rec(e, TN_TR_SYN_ACK, f, tn_clock_ns());
         if (r) {
             double us = (now - f->started) * 1e6;
@@ -1127,10 +1182,15 @@ static void connected(struct tn_engine *e, struct tn_flow *f, double now, int at
             r->b = (uint32_t)at_once;
         }
     }
+    send_seg(e, f, f->iss, TCP_SYN | TCP_ACK, NULL, 0);
+    f->rto_at = now + f->rto;
+    rearm(e, f);
 }
 
 static void connect_failed(struct tn_engine *e, struct tn_flow *f, int err)
 {
+    if (TRACING(e))
+        trace_event(e, f, err == ECONNREFUSED ? TN_FE_CONNECT_REFUSED : TN_FE_CONNECT_UNREACHABLE, 0);
     if (err == ECONNREFUSED) {
         send_seg(e, f, 0, TCP_RST | TCP_ACK, NULL, 0); /* seq 0, ack irs + 1: RFC 9293 3.10.7.1 */
         finish(e, f, TN_OUT_REFUSED, TN_WHY_CONNECT, err);
@@ -1333,6 +1393,8 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
         }
         f->rcv_nxt += (uint32_t)took;
         f->bytes_up += took;
+        if (took && TRACING(e))
+            trace_data(e, f, &f->tr_guest, TN_FE_GUEST_DATA, took);
         if (e->up.rate && took) /* within the window we gave: taken, whatever the balance */
             bucket_spend(&e->up, took);
         f->space = f->space > took ? f->space - (uint32_t)took : 0;
@@ -1345,6 +1407,8 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
     if (fin && seq + (uint32_t)plen == f->rcv_nxt) {
         f->rcv_nxt++;
         f->fl |= FL_GUEST_FIN;
+        if (TRACING(e))
+            trace_event(e, f, TN_FE_FIN_GUEST, 0);
         if (f->fl & FL_SOCK_OPEN)
             e->io.sock_shutdown_wr(e->io.ctx, f->fd);
         ack_later(e, f);
@@ -1468,6 +1532,8 @@ static int frame_in(struct tn_engine *e, const uint8_t *buf, size_t len, const s
             return 1;
         }
         f->state = ST_ESTABLISHED;
+        if (TRACING(e))
+            trace_event(e, f, TN_FE_ESTABLISHED, 0);
         f->snd_una = f->snd_nxt = f->iss + 1;
         f->rto_at = 0;
         f->rto = RTO_MIN;

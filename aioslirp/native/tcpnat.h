@@ -242,7 +242,8 @@ uint32_t tn_live_flows(const struct tn_engine *e);
 uint32_t tn_capacity(const struct tn_engine *e);
 
 /* ------------------------------------------------------------------ trace points
- * The native plane's own trace points (docs/observability.md, trace level "frames"): off (the
+ * The native plane's own trace points (docs/observability.md, trace level "frames"; the
+ * SYN-ACK and the flow events from "timeline"): off (the
  * default) each costs one predictable branch on a NULL ring; on (tn_trace_enable), each writes
  * one fixed-size record into a bounded ring that Python drains (tn_trace_take) into the same
  * OpenTelemetry spans as the Python path's. A full ring drops the new record and counts it
@@ -258,8 +259,35 @@ enum tn_trace_type {
                         * the first write to the record */
     TN_TR_WAKE = 4,    /* a poll wake-up of the engine's epoll: a = socket events, b = timer
                         * expirations, c = frames written while running them, dur_ns = the time
-                        * it ran them; slot TN_TRACE_NO_FLOW */
+                        * it ran them; slot: the flow whose frames they all were, else
+                        * TN_TRACE_NO_FLOW (none written, or of more than one flow) */
+    TN_TR_EVENT = 5,   /* a moment of the flow's TCP timeline (from trace level "timeline"): a = its
+                        * enum tn_flow_event, b = bytes (TN_FE_GUEST_DATA, TN_FE_HOST_DATA; else 0) */
 };
+/* The flow events of TN_TR_EVENT: the Python path's span events of the same moments
+ * (aioslirp.observe.tracing). The data events are written for the first TN_TRACE_DATA_EVENTS
+ * of each direction of a flow only (the tracer's MAX_DATA_EVENTS), so a bulk flow writes few. */
+enum tn_flow_event {
+    TN_FE_ESTABLISHED = 1, /* the guest's ACK of our SYN-ACK: "established" */
+    TN_FE_GUEST_DATA = 2,  /* guest bytes taken (sent to the host socket), b of them: "guest.data" */
+    TN_FE_HOST_DATA = 3,   /* new host bytes read and sent to the guest, b of them: "host.data" */
+    TN_FE_FIN_GUEST = 4,   /* the guest's FIN taken: "fin.guest" */
+    TN_FE_FIN_HOST = 5,    /* the host's end of stream read: "fin.host" */
+    TN_FE_RESET = 6,       /* the guest reset the flow or the engine gave up (retransmissions,
+                            * tcp_linger): "reset" (then TN_FE_CLOSED) */
+    TN_FE_CLOSED = 7,      /* the flow is over (not after a failed connect, an idle timeout or
+                            * tn_close_flow: the Python path records none then): "closed" */
+    TN_FE_CONNECT_REFUSED = 8,     /* the host refused the connect: "connect.refused" */
+    TN_FE_CONNECT_UNREACHABLE = 9, /* ... it failed otherwise or timed out: "connect.unreachable" */
+    /* A frame written to the guest (no queue: at once), as the Python path's writer stamps them
+     * (trace level "frames"): a SYN-ACK, data (b = payload bytes; the first
+     * TN_TRACE_DATA_EVENTS data frames of a flow only), a FIN, a RST; pure ACKs none. */
+    TN_FE_SYN_ACK_SENT = 10,
+    TN_FE_DATA_SENT = 11,
+    TN_FE_FIN_SENT = 12,
+    TN_FE_RST_SENT = 13,
+};
+#define TN_TRACE_DATA_EVENTS 8
 #define TN_TRACE_NO_FLOW UINT32_MAX
 /* Largest ring tn_trace_enable() takes (records of 40 bytes: 40 MiB). */
 #define TN_TRACE_MAX (1u << 20)

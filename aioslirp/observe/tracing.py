@@ -163,7 +163,7 @@ class _FlowTrace:
         self.pending = 0  # frames of this flow stamped in the inject queue
         self.closing = False  # the flow left the table; end the span once pending == 0
         self.n_guest = self.n_host = self.n_sent = 0
-        self.outcome = None  # a TCP flow's failed connect: "refused" or "unreachable"
+        self.outcome: str | None = None  # a TCP flow's failed connect: "refused" or "unreachable"
         self.established = False  # the "established" event was recorded
         self.fin_guest = False  # the "fin.guest" event was recorded
 
@@ -267,7 +267,9 @@ class Tracer:
     # ------------------------------------------------------------------ flows
     @_safe
     def record_flow_opened(self, flow) -> None:
-        """``flow`` entered the flow table: start its span."""
+        """``flow`` entered the flow table: start its span (then, or at ``flow.opened_ns``, a
+        ``time.time_ns()`` value, when the flow has one: a native TCP flow, adopted by the engine
+        just before it entered the table, whose first events the engine stamped then)."""
         from opentelemetry import trace
 
         name = flow.proto_name
@@ -299,7 +301,7 @@ class Tracer:
         if rule is not None:
             attrs["aioslirp.egress.rule"] = rule
         attrs.update(self.guest)
-        sp = self.otel.start_span(name + ".flow", attributes=attrs)
+        sp = self.otel.start_span(name + ".flow", attributes=attrs, start_time=getattr(flow, "opened_ns", None))
         rec = _FlowTrace(sp, trace.set_span_in_context(sp))
         self.records[flow] = rec
         self.open.add(rec)
@@ -350,8 +352,7 @@ class Tracer:
         """The host connect of a TCP flow failed: ``outcome`` is ``refused`` or ``unreachable``."""
         rec = self.records.get(flow)
         if rec is not None:
-            rec.outcome = outcome
-            rec.span.add_event("connect." + outcome)
+            self._timeline(rec, "connect." + outcome)
 
     @_safe
     def record_conn_event(self, flow, name: str) -> None:
@@ -368,26 +369,53 @@ class Tracer:
         if rec is None:
             return
         conn = flow.conn
-        sp = rec.span
         if not rec.established and conn.established_at is not None:
-            rec.established = True
-            sp.add_event("established")
+            self._timeline(rec, "established", 0)
         nbytes = len(seg.payload)
-        if nbytes and rec.n_guest < MAX_DATA_EVENTS:
-            rec.n_guest += 1
-            sp.add_event("guest.data", {"aioslirp.bytes": nbytes})
+        if nbytes:
+            self._timeline(rec, "guest.data", nbytes)
         if not rec.fin_guest and conn.fin_received:
-            rec.fin_guest = True
-            sp.add_event("fin.guest")
+            self._timeline(rec, "fin.guest", 0)
 
     @_safe
     def record_host_data(self, flow, nbytes: int) -> None:
         """The host socket delivered ``nbytes`` for the guest."""
         rec = self.records.get(flow)
         if rec is not None:
-            if rec.n_host < MAX_DATA_EVENTS:
-                rec.n_host += 1
-                rec.span.add_event("host.data", {"aioslirp.bytes": nbytes})
+            self._timeline(rec, "host.data", nbytes)
+
+    @staticmethod
+    def _timeline(rec: _FlowTrace, name: str, nbytes: int = 0, at: int | None = None, wait_us: float = 0.0) -> None:
+        """Event ``name`` of a flow's timeline on its span (at ``at``, ns; ``None``: now), by the
+        rules of both planes: the data events (``guest.data``, ``host.data``) with
+        ``aioslirp.bytes`` = ``nbytes``, and ``data.sent``, the first :data:`MAX_DATA_EVENTS` of
+        each only; the ``*.sent`` events with ``aioslirp.wait_us`` = ``wait_us`` (µs in the inject
+        queue); ``established`` and ``fin.guest`` noted as recorded; ``connect.refused`` /
+        ``connect.unreachable`` as the flow's outcome."""
+        attrs: dict | None = None
+        if name.endswith(".sent"):
+            if name == "data.sent":
+                if rec.n_sent >= MAX_DATA_EVENTS:
+                    return
+                rec.n_sent += 1
+            attrs = {"aioslirp.wait_us": wait_us}
+        elif name == "guest.data":
+            if rec.n_guest >= MAX_DATA_EVENTS:
+                return
+            rec.n_guest += 1
+            attrs = {"aioslirp.bytes": nbytes}
+        elif name == "host.data":
+            if rec.n_host >= MAX_DATA_EVENTS:
+                return
+            rec.n_host += 1
+            attrs = {"aioslirp.bytes": nbytes}
+        elif name == "established":
+            rec.established = True
+        elif name == "fin.guest":
+            rec.fin_guest = True
+        elif name.startswith("connect."):
+            rec.outcome = name[8:]
+        rec.span.add_event(name, attrs, timestamp=at)
 
     @_safe
     def record_syn_ack(self, flow, connect_time: float, immediate: bool, at: int | None = None) -> None:
@@ -536,10 +564,8 @@ class Tracer:
                 done.append(rec)
                 if rec not in recs:
                     recs.append(rec)
-                if kind is not None and (kind != "data.sent" or rec.n_sent < MAX_DATA_EVENTS):
-                    if kind == "data.sent":
-                        rec.n_sent += 1
-                    rec.span.add_event(kind, {"aioslirp.wait_us": wait / 1000.0}, timestamp=t1)
+                if kind is not None:
+                    self._timeline(rec, kind, 0, t1, wait / 1000.0)
         try:
             self._batch_spans(batch, depth, t0, t1, first, n_stamped, wmax, wmin, recs)
         finally:
@@ -563,8 +589,9 @@ class Tracer:
             sp.end(end_time=t1)
 
     # ------------------------------------------------------------------ the native plane
-    # Trace points 1, 3 and 4 of the native data plane (aioslirp.nat.native_tcp drains the C
-    # engine's trace ring into these; point 2 is record_syn_ack with ``at``). Times are
+    # Trace points 1, 3 and 4 of the native data plane and its flows' timeline events
+    # (aioslirp.nat.native_tcp drains the C engine's trace ring into these; point 2 is
+    # record_syn_ack with ``at``). Times are
     # ``time.time_ns()`` values; ``flow`` is the flow table's entry, or None once it left.
 
     @_safe
@@ -582,6 +609,17 @@ class Tracer:
         self._end_frame_span(rec, attrs, flags, t0, t1)
 
     @_safe
+    def record_native_event(self, flow, name: str, nbytes: int, at: int) -> None:
+        """A moment of the TCP timeline of ``flow`` in C at ``at`` (ns): event ``name`` on its span,
+        as the Python path's (``established``, ``guest.data`` / ``host.data`` with ``nbytes`` in
+        ``aioslirp.bytes``, the first :data:`MAX_DATA_EVENTS` of each, ``fin.guest``,
+        ``fin.host``, ``reset``, ``closed``, ``connect.refused`` / ``connect.unreachable``; the
+        ``*.sent`` events of frames written at once: ``aioslirp.wait_us`` 0)."""
+        rec = self.records.get(flow) if flow is not None else None
+        if rec is not None:
+            self._timeline(rec, name, nbytes, at)
+
+    @_safe
     def record_native_drain(self, flows, t0: int, t1: int, frames: int) -> None:
         """Trace point 3 on the native plane: ``frames`` written to the guest by C from ``t0`` to
         ``t1``, of ``flows`` (the one flow whose frames they all were, else empty: many)."""
@@ -597,11 +635,17 @@ class Tracer:
         sp.end(end_time=t1)
 
     @_safe
-    def record_native_wake(self, t0: int, t1: int, socket_events: int, timers: int, frames: int) -> None:
+    def record_native_wake(self, flows, t0: int, t1: int, socket_events: int, timers: int, frames: int) -> None:
         """Trace point 4 on the native plane: the engine's epoll woke the loop; from ``t0`` to ``t1``
         C ran ``socket_events`` socket readinesses and ``timers`` timer expirations, writing
-        ``frames`` frames to the guest."""
-        sp = self.otel.start_span("writer_wake", start_time=t0,
+        ``frames`` frames to the guest, of ``flows`` (the one flow whose frames they all were, else
+        empty: none or many)."""
+        from opentelemetry.trace import Link
+
+        recs = [r for r in (self.records.get(f) for f in flows) if r is not None]
+        ctx = recs[0].ctx if recs else None
+        links = [Link(r.span.get_span_context()) for r in recs] if recs else None
+        sp = self.otel.start_span("writer_wake", context=ctx, links=links, start_time=t0,
                                   attributes={"aioslirp.frames": frames, "aioslirp.events.socket": socket_events,
                                               "aioslirp.events.timer": timers, "aioslirp.wake_us": (t1 - t0) / 1000.0,
                                               "aioslirp.plane": "native", **self.guest})
