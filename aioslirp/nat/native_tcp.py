@@ -355,8 +355,8 @@ class NativeTcp:
                              opened_ns)
         self.flows[(slot, gen)] = flow
         self.ctx.table.add(flow)
-        if status < 0:
-            self.poll()  # its end is queued: counted, the ICMP error, out of the table
+        if status < 0:  # its end is queued: counted, the ICMP error, out of the table, after this batch
+            self.loop.call_soon(self.take)  # (its SYN's frame span still finds the flow: trace point 1)
         return True
 
     def close_flow(self, flow: NativeTcpFlow) -> None:

@@ -26,8 +26,21 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["register"]
+__all__ = ["native_frames", "register"]
 
+
+def native_frames(stack) -> tuple[int, int]:
+    """``(from the guest, to the guest)``: the frames of the stack's native TCP flows, which its
+    ``frames_in`` / ``frames_out`` leave out (the engine counts them: ``native_tcp.frames`` and
+    ``.frames_out``, added to the stack's counters when its engine closes; the live engine's
+    too). The native UDP flows' frames are in ``frames_in`` / ``frames_out`` already."""
+    c = stack.counters
+    fin, fout = c["native_tcp.frames"], c["native_tcp.frames_out"]
+    plane = stack.parts.ctx.native_tcp
+    if plane is not None:
+        live = plane.counters()
+        fin, fout = fin + live.get("frames", 0), fout + live.get("frames_out", 0)
+    return fin, fout
 
 def register(stack, meter_provider=None) -> list:
     """Register the stack's observable instruments on ``meter_provider`` (default: the global one).
@@ -47,11 +60,13 @@ def register(stack, meter_provider=None) -> list:
         return None if s is None else s.counters
 
     def frames(_options):
-        c = _counters()
-        if c is None:
+        s = ref()
+        if s is None:
             return []
-        return [Observation(c["frames_in"], {"network.io.direction": "receive"}),
-                Observation(c["frames_out"], {"network.io.direction": "transmit"})]
+        fin, fout = native_frames(s)
+        c = s.counters
+        return [Observation(c["frames_in"] + fin, {"network.io.direction": "receive"}),
+                Observation(c["frames_out"] + fout, {"network.io.direction": "transmit"})]
 
     def nbytes(_options):
         c = _counters()

@@ -120,6 +120,13 @@ def _subsequence(want: list, got: list) -> bool:
     return all(any(w == g for g in it) for w in want)
 
 
+def _native_tcp() -> bool:
+    """The stacks of this test run guest TCP flows on the native plane (the default where it is built)."""
+    from aioslirp import native
+
+    return native.extension() is not None and native.tcp_wanted()
+
+
 async def test_spans_for_one_crr_cycle_and_a_refused_connection(memory_tracing):
     server = EchoOnce()
     refused = free_port()
@@ -174,7 +181,10 @@ async def test_spans_for_one_crr_cycle_and_a_refused_connection(memory_tracing):
             assert s.attributes["aioslirp.frames"] >= 1
             assert [l.context.span_id for l in s.links] == [fid]
     wake = [s for s in children if s.name == "writer_wake"][0]
-    assert wake.attributes["aioslirp.wait_us.max"] >= wake.attributes["aioslirp.wait_us.min"] >= 0
+    if _native_tcp():  # the engine writes each frame at once: no inject queue, no wait to report
+        assert "aioslirp.wait_us.max" not in wake.attributes and wake.attributes["aioslirp.plane"] == "native"
+    else:
+        assert wake.attributes["aioslirp.wait_us.max"] >= wake.attributes["aioslirp.wait_us.min"] >= 0
 
     r = ref.attributes
     assert r["aioslirp.tcp.outcome"] == "refused"
@@ -280,6 +290,7 @@ def _attrs(kvs) -> dict:
 
 
 def test_otlp_export_of_20_guest_connections():
+    native = _native_tcp()
     receiver = OtlpReceiver()
     server = EchoOnce()
     env = dict(os.environ, OTEL_RESOURCE_ATTRIBUTES="deployment.environment=test",
@@ -310,7 +321,12 @@ def test_otlp_export_of_20_guest_connections():
         assert len(sp.parent_span_id) == 0 and sp.end_time_unix_nano > sp.start_time_unix_nano
         ports.add(a["client.port"])
         kids = [s for _r, s in spans if s.trace_id == sp.trace_id and s.parent_span_id == sp.span_id]
-        assert {"tcp.syn_ack", "process_guest_frame", "drain_to_guest", "writer_wake"} <= {s.name for s in kids}
+        # (on the native plane one engine wake-up may write the frames of two flows back to back
+        # (flow i's FIN, flow i+1's answer): that writer_wake is a child of neither; below)
+        assert {"tcp.syn_ack", "process_guest_frame", "drain_to_guest",
+                *(() if native else ("writer_wake",))} <= {s.name for s in kids}
+    if native:
+        assert sum(sp.name == "writer_wake" for _r, sp in spans) >= 20
     assert len(ports) == 20
     assert all(h.get("x-aioslirp-test") == "yes" for h in receiver.headers)
     # metrics: the stack's frame counters arrived too (final export at exit)

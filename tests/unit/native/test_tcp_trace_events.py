@@ -153,21 +153,13 @@ def test_a_wake_up_that_wrote_one_flows_frames_names_it():
 # ------------------------------------------------------------------ into the flow span
 
 
-class _Flow:
-    """A flow table entry as far as the tracer and NativeTcp's drain read it."""
+def _flow(plane, f: EngineFlow):
+    """The flow table's entry of engine flow ``f`` (a real ``NativeTcpFlow``: the compiled module
+    takes no stand-in), as adoption makes it, with no guard (no policy name or rule)."""
+    from aioslirp.nat.native_tcp import NativeTcpFlow
 
-    proto_name = "tcp"
-    direction = "outbound"
-    remote = "127.0.0.1"
-    name = rule = None
-
-    def __init__(self, f: EngineFlow) -> None:
-        self.key = (6, b"\x0a\x00\x02\x0f", f.gport, b"\x0a\x00\x02\x02", 8080)
-        self.guest_port, self.dst_port = f.gport, 8080
-        self.ended = None
-
-    def finish(self, up: int, down: int, outcome) -> None:
-        self.ended = (up, down, outcome)
+    key = (6, b"\x0a\x00\x02\x0f", f.gport, b"\x0a\x00\x02\x02", 8080)
+    return NativeTcpFlow(plane, None, key, "127.0.0.1", b"", 0.0, f.slot, f.gen, plane)
 
 
 @pytest.fixture
@@ -199,7 +191,7 @@ def test_native_tcp_drains_the_events_into_the_flow_span_before_its_end(exporter
     engine = ext.TcpEngine(-1, False, False, GW_MAC, MTU, 16, 1 << 20, 60.0, 10.0, 1.0, fake=True)
     plane = NativeTcp(ctx, engine, frames)  # tracing at "timeline" or "frames": the engine's trace points on
     f = EngineFlow(engine=engine)
-    flow = _Flow(f)
+    flow = _flow(plane, f)
     tracer.record_flow_opened(flow)
     plane.flows[(f.slot, f.gen)] = flow
     f.send(ACK)
@@ -210,7 +202,7 @@ def test_native_tcp_drains_the_events_into_the_flow_span_before_its_end(exporter
     f.host_eof()
     f.send(ACK, seq=IRS + 32, ack=ISS + 4)  # the end: its events and its record in one take
     plane.take()
-    assert removed == [flow] and flow.ended == (30, 2, "closed")
+    assert removed == [flow] and flow.ended and (flow.bytes_up, flow.bytes_down, flow.outcome) == (30, 2, "closed")
     tracer.end_all()
     (span,) = [s for s in exporter.get_finished_spans() if s.name == "tcp.flow"]
     names = [ev.name for ev in span.events]
