@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import logging
 
@@ -106,12 +107,14 @@ class _StackSide(Transport):
             sink(frames)
 
     def send_frames(self, frames) -> None:
-        tr = self._port.transport
+        port = self._port
+        tr = port.transport
         if tr is None:
             self.send_errors += len(frames)
             return
         self.frames_out += len(frames)
         tr.send_frames(frames)
+        port.capture_frames(frames)
 
     def _close_io(self) -> None:
         tr = self._port.transport
@@ -143,9 +146,10 @@ class GuestPort:
     """
 
     __slots__ = ("id", "stack", "address", "transport", "serving", "_l2", "_peers", "_clock", "_state",
-                 "_side", "_closed")
+                 "_side", "_closed", "_capture", "_renamed")
 
-    def __init__(self, port_id: int, stack: Stack, address, *, l2: L2, peers: dict, clock, state) -> None:
+    def __init__(self, port_id: int, stack: Stack, address, *, l2: L2, peers: dict, clock, state, capture=None,
+                 renamed=None) -> None:
         self.id = port_id
         self.stack = stack
         self.address = address
@@ -157,6 +161,8 @@ class GuestPort:
         self._state = state
         self._side: _StackSide | None = None
         self._closed = False
+        self._capture = capture  # record(frames): the switch's capture, or None
+        self._renamed = renamed  # called when the switch learned a new address of a guest
 
     @property
     def name(self) -> str | None:
@@ -218,8 +224,16 @@ class GuestPort:
             side.close_reason = getattr(self.transport, "close_reason", None) or "eof"
             side.close()
 
+    def capture_frames(self, frames) -> None:
+        """Record ``frames`` (sent by the guest, or by its stack to it) in the switch's capture."""
+        cap = self._capture
+        if cap is not None and frames:
+            cap(frames)
+
     def _from_guest(self, frames, csum_ok=None) -> None:
         """The guest transport's sink: one batch through the switch."""
+        if self._capture is not None:
+            self.capture_frames(frames)
         try:
             to_stack, out = self._l2.forward(self.id, frames, self._clock())
         except Exception:  # never into the transport's reader: the batch is dropped and counted
@@ -278,6 +292,10 @@ class Switch:
             MACs are dropped (``drop.mac_limit``).
         mac_age: seconds a learned MAC lives without a frame from it (default 300; a guest's own
             MAC never ages).
+        capture: where the switch records the network's frames, each once: every frame a guest
+            sends (before it is switched or dropped) and every frame a stack sends its guest;
+            an object with ``record(frames, loop)``, a :class:`~aioslirp.transport.pcap.PcapWriter`
+            (``aioslirp qemu --switch --pcap FILE``). ``None``: no capture.
 
     Raises:
         ConfigError: a bad ``config``, ``domain``, ``max_macs_per_guest`` or ``mac_age`` (one
@@ -285,7 +303,9 @@ class Switch:
     """
 
     def __init__(self, config: NetworkConfig | None = None, *, domain: str = DEFAULT_DOMAIN,
-                 max_macs_per_guest: int = DEFAULT_MAX_MACS, mac_age: float = DEFAULT_MAC_AGE) -> None:
+                 max_macs_per_guest: int = DEFAULT_MAX_MACS, mac_age: float = DEFAULT_MAC_AGE,
+                 capture=None) -> None:
+        self.capture = capture
         self.config = (config if config is not None else NetworkConfig()).validate()
         self.domain = check_name(domain, "domain")
         if not isinstance(max_macs_per_guest, int) or max_macs_per_guest < 1:
@@ -383,7 +403,9 @@ class Switch:
         port_id = self._next_id
         self._next_id += 1
         state = self._l2.add_port(port_id, isolated=isolated, mac=mac_b, ipv4=addr.packed, now=now)
-        port = GuestPort(port_id, stack, addr, l2=self._l2, peers=self._ports, clock=self._loop.time, state=state)
+        record = None if self.capture is None else functools.partial(self.capture.record, loop=self._loop)
+        port = GuestPort(port_id, stack, addr, l2=self._l2, peers=self._ports, clock=self._loop.time, state=state,
+                         capture=record, renamed=self._name_guests)
         self._ports[port_id] = port
         self._by_stack[id(stack)] = port
         self._base_records[port_id] = dict(own.dns_records)
