@@ -64,7 +64,8 @@ datagram socket, detected), serving ends when that guest leaves.
 Many guests on one network (--switch, stream sockets only): every QEMU that connects
 joins one virtual switch as a new guest with a stack of its own: 10.0.2.15, 10.0.2.16,
 ... by DHCP, named vm1, vm2, ... (--name PREFIX) and vm1.aioslirp.internal in the other
-guests' DNS. Guests reach each other on the subnet and the host through the gateway.
+guests' DNS (A, and AAAA of the SLAAC address the switch learns from the guest's traffic).
+Guests reach each other on the subnet and the host through the gateway.
 With --switch, -p/--publish names its guest: [HOST_IP:]HOST_PORT:GUEST:GUEST_PORT, GUEST
 a guest's name (vm1, a --lease NAME) or IPv4 address (e.g. -p 8080:vm1:80); it listens
 while that guest is on the switch. --events FILE takes every guest's events (each with

@@ -106,6 +106,47 @@ async def test_two_guests_get_own_leases_see_one_gateway_and_reach_each_other():
         await asyncio.wait_for(asyncio.gather(ta, tb), 5)
 
 
+def dad_probe(mac: bytes, target: str) -> bytes:
+    """The Neighbor Solicitation a guest sends from :: before it uses ``target`` (RFC 4862 5.4.2)."""
+    t = ipaddress.IPv6Address(target)
+    ns = dpkt.icmp6.ICMP6(type=135, code=0, data=bytes(4) + t.packed)
+    dst = ipaddress.IPv6Address("ff02::1:ff00:0") + (int(t) & 0xFFFFFF)
+    ip = dpkt.ip6.IP6(src=bytes(16), dst=dst.packed, nxt=58, hlim=255, plen=len(bytes(ns)), data=ns)
+    return bytes(dpkt.ethernet.Ethernet(src=mac, dst=b"\x33\x33" + dst.packed[12:], type=0x86DD, data=ip))
+
+
+async def test_a_guests_name_gets_aaaa_records_of_the_ipv6_address_it_probed():
+    """B probes its stable-privacy address (DAD): A's stack answers AAAA beta with it; C, probing
+    the same address, gets nothing; B leaving takes the record away."""
+    async with aioslirp.Switch(cfg(ipv6=True)) as sw:
+        sa = await sw.add_guest(MAC_A, name="alpha")
+        sb = await sw.add_guest(MAC_B, name="beta")
+        sc = await sw.add_guest(MAC_C, name="gamma")
+        ga, ta, ka = await guest_on(sw, sa)
+        gb, tb, kb = await guest_on(sw, sb)
+        gc, tc, kc = await guest_on(sw, sc)
+        addr = "fd00::8d3c:11f2:7a04:9e51"
+        gb.send(dad_probe(MAC_B, addr))
+        gc.send(dad_probe(MAC_C, addr))
+        await asyncio.sleep(0.05)
+        assert sw.port_of(sb).ipv6 == (ipaddress.IPv6Address(addr),) and sw.port_of(sc).ipv6 == ()
+
+        async def aaaa(name: str) -> list:
+            ga.send(udp_frame(MAC_A, GW_MAC, "10.0.2.15", "10.0.2.3", 5353, 53, dns_query(name, qtype=28)))
+            ans = dpkt.dns.DNS((await ga.expect(is_udp_from(53))).data.data.data)
+            return [str(ipaddress.IPv6Address(rr.rdata)) for rr in ans.an]
+
+        assert await aaaa("beta.aioslirp.internal") == [addr]
+        assert await aaaa("gamma.aioslirp.internal") == []
+        assert sw.port_of(sb).info()["ipv6"] == [addr]
+        kb.close()
+        await asyncio.wait_for(tb, 5)
+        assert await aaaa("beta.aioslirp.internal") == []
+        ka.close()
+        kc.close()
+        await asyncio.wait_for(asyncio.gather(ta, tc), 5)
+
+
 async def test_each_guest_keeps_its_own_policy_and_counters():
     with listener() as srv:
         port = srv.getsockname()[1]
