@@ -316,15 +316,9 @@ async def serve_qemu_switch(config, *, path: str, max_guests: int = DEFAULT_MAX_
 def _try_listen(fwd) -> None:
     """Bind ``fwd``'s host address and port once and let go: ``ForwardError`` naming ``--publish``
     when it cannot (in use, no permission), before any guest joins."""
-    from ..nat.forward import ForwardError
+    from ..nat.forward import ForwardError, listen
 
-    family = socket.AF_INET6 if ":" in fwd.host_addr else socket.AF_INET
-    kind = socket.SOCK_STREAM if fwd.proto == "tcp" else socket.SOCK_DGRAM
-    with socket.socket(family, kind) as sock:
-        if kind == socket.SOCK_STREAM:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((fwd.host_addr, fwd.host_port))
-        except OSError as exc:
-            raise ForwardError(f"--publish {fwd.spec()}: cannot listen on the host port: "
-                               f"{os.strerror(exc.errno or 0)}", exc.errno) from None
+    try:
+        listen(fwd).close()
+    except ForwardError as exc:
+        raise ForwardError(f"--publish: {exc.message}", exc.errno) from None

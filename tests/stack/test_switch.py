@@ -223,6 +223,10 @@ async def test_bad_arguments_are_one_line_naming_the_field():
         assert len(sw.ports()) == 1
     with pytest.raises(ConfigError, match="max_macs_per_guest"):
         aioslirp.Switch(max_macs_per_guest=0)
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(ConfigError) as exc:
+            aioslirp.Switch(max_ipv6_per_guest=bad)
+        assert exc.value.field == "max_ipv6_per_guest"
     with pytest.raises(RuntimeError, match="async with"):
         await aioslirp.Switch().add_guest()
 

@@ -632,5 +632,5 @@ def test_qemu_switch_publish_on_a_port_in_use_is_one_line_exit_1(tmp_path):
         busy.close()
     assert p.returncode == 1, p.stderr
     line = one_line(p)
-    assert line.startswith("aioslirp: error: --publish ") and "in use" in line, line
+    assert line.startswith("aioslirp: error: --publish: cannot listen on 127.0.0.1:") and "in use" in line, line
     assert not (tmp_path / "vms.sock").exists()
