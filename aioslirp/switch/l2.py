@@ -17,9 +17,9 @@ and reads no clock (``now``, seconds of any monotonic origin, is passed in). The
   detection probes (Neighbor Solicitations from ``::``, RFC 4862 5.4.2), which a guest sends
   before it uses a SLAAC address, EUI-64 or stable-privacy (RFC 7217) alike. An address is
   learned by the first guest that sends from it or probes it, at most ``max_ipv6`` per guest
-  (the first ones; later ones are used but not learned, ``ipv6_not_learned``), never the
-  prefix's own reserved ones (``reserved6``: the gateway's, the DNS server's, the subnet-router
-  anycast), never a modified EUI-64 address made from another guest's MAC, and it is forgotten
+  (the first ones; later ones work, unlearned: each such frame counts in ``ipv6_not_learned``),
+  never the prefix's own reserved ones (``reserved6``: the gateway's, the DNS server's, the
+  subnet-router anycast), never a modified EUI-64 address made from another guest's MAC, and it is forgotten
   when the guest leaves (detached or removed). Then an IPv6 packet from an address another
   guest holds is dropped (``drop.ip6_spoofed``), as is a Neighbor Advertisement for one
   (``drop.nd_spoofed``): no guest answers or sends for another's address. A probe for another
