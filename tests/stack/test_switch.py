@@ -147,6 +147,33 @@ async def test_a_guests_name_gets_aaaa_records_of_the_ipv6_address_it_probed():
         await asyncio.wait_for(asyncio.gather(ta, tc), 5)
 
 
+async def test_the_capture_records_every_frame_of_the_network_once():
+    """Switch(capture=...): a broadcast flooded to two guests and the stack, a frame switched to one
+    guest, the stack's ARP reply: each recorded once, in order, as sent."""
+
+    class Capture:
+        def __init__(self):
+            self.frames = []
+
+        def record(self, frames, loop=None):
+            self.frames.extend(bytes(f) for f in frames)
+
+    cap = Capture()
+    async with aioslirp.Switch(cfg(), capture=cap) as sw:
+        sa, sb, sc = [await sw.add_guest(mac) for mac in (MAC_A, MAC_B, MAC_C)]
+        (ga, ta, ka), (gb, tb, kb), (gc, tc, kc) = [await guest_on(sw, s) for s in (sa, sb, sc)]
+        ask_gw = arp_request(MAC_A, "10.0.2.15", "10.0.2.2")
+        ga.send(ask_gw)
+        reply = await ga.expect(lambda e: e.type == 0x0806 and e.data.op == dpkt.arp.ARP_OP_REPLY)
+        to_b = udp_frame(MAC_A, MAC_B, "10.0.2.15", "10.0.2.16", 4000, 5000, b"to beta")
+        ga.send(to_b)
+        await gb.expect(lambda e: e.type == 0x0800)
+        assert cap.frames == [ask_gw, bytes(reply), to_b]
+        for k in (ka, kb, kc):
+            k.close()
+        await asyncio.wait_for(asyncio.gather(ta, tb, tc), 5)
+
+
 async def test_each_guest_keeps_its_own_policy_and_counters():
     with listener() as srv:
         port = srv.getsockname()[1]
