@@ -372,6 +372,12 @@ def check_switch_args(args: argparse.Namespace, obs) -> dict:
     from ..config.forward import parse_guest_publish
 
     forwards = [parse_guest_publish(item, "--publish") for item in args.publish or ()]
+    names = {n.lower() for _address, n in leases.values() if n is not None}
+    for item, (guest, _fwd) in zip(args.publish or (), forwards):
+        numbered = guest.startswith(prefix.lower()) and guest[len(prefix):].isdigit()
+        if not (numbered or guest in names or guest[:1].isdigit()):
+            raise ConfigError("--publish", f"{item!r}: {guest!r} names no guest (they are {prefix}1, {prefix}2, ... "
+                                           "or a --lease NAME)")
     events = getattr(args, "events", None)
     return {"max_guests": max_guests, "name_prefix": prefix, "labels": labels or None, "leases": leases or None,
             "forwards": forwards or None, "events": None if events is None else open_events(events)}

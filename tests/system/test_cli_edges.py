@@ -362,6 +362,8 @@ def test_run_with_an_empty_command_name_is_one_line_and_127():
     (["--socket", "S", "--switch", "--publish", "8080:a.b:80"], "--publish"),
     (["--socket", "S", "--switch", "--publish", "8080:[fd00::5]:80"], "--publish"),
     (["--socket", "S", "--switch", "--publish", "8080:vm1:0"], "--publish"),
+    (["--socket", "S", "--switch", "--name", "box", "--publish", "8080:vm1:80"], "--publish"),
+    (["--socket", "S", "--switch", "--publish", "8080:web:80"], "--publish"),
     (["--socket", "S", "--switch", "-p", "8080:vm1:80", "-p", "8080:vm2:80"], "-p/--publish"),
     (["--socket", "S", "--switch", "--api-socket", "P"], "--api-socket"),
     (["--socket", "S", "--switch", "--events", "/nonexistent/dir/e.jsonl"], "--events"),
