@@ -51,7 +51,7 @@ _FIELD_OPTION = {
 _FIELD_OPTION.update({name: f"--limit {name}" for name in LIMIT_FIELDS})
 
 from .options import (_ATTACH_EPILOG, _DESCRIPTION, _QEMU_EPILOG, _RUN_EPILOG, _VHOST_USER_EPILOG, PROG,  # noqa: F401
-                      _fd_number, _Parser, check_switch_args, common_options)
+                      _fd_number, _Parser, check_switch_args, common_options, open_events)
 
 
 def _terminate(signum, _frame) -> None:
@@ -386,32 +386,19 @@ def _identity_factory(args: argparse.Namespace):
 
 def _events_factory(base, path: str):
     """Wrap the stack factory ``base`` (``None``: :class:`~aioslirp.Stack`) so that every lifecycle
-    event of the stack is appended to ``path`` as one JSON line (:meth:`Event.to_json
-    <aioslirp.observe.events.Event.to_json>`), flushed at once. ``ConfigError`` naming ``--events``
-    when ``path`` cannot be opened for appending."""
+    event of the stack is appended to ``path`` as one JSON line (:class:`~aioslirp.observe.events.EventFile`).
+    ``ConfigError`` naming ``--events`` when ``path`` cannot be opened for appending."""
     import contextlib
-    import json
 
-    if not path.strip():
-        raise ConfigError("--events", "empty path")
-    try:
-        out = open(path, "a", buffering=1, encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError("--events", f"cannot open {path}: {exc.strerror}") from None
+    out = open_events(path)
 
     @contextlib.asynccontextmanager
     async def factory(config):
         from ..stack import Stack
 
-        def write(ev) -> None:
-            try:
-                out.write(json.dumps(ev.to_json()) + "\n")
-            except (OSError, ValueError):  # a full disk, a closed file: the guest's session goes on
-                pass
-
         try:
             async with (base or Stack)(config) as stack:
-                remove = stack.on_event(write)
+                remove = stack.on_event(out.write)
                 try:
                     yield stack
                 finally:
@@ -608,6 +595,7 @@ def _cmd_qemu(args: argparse.Namespace) -> int:
     def prepare(config, obs):
         switch = check_switch_args(args, obs)
         if switch:
+            _check_publish_clashes([fwd for _guest, fwd in switch["forwards"] or ()])
             _check_qemu_args(args)
 
             def start_switch():
@@ -616,7 +604,7 @@ def _cmd_qemu(args: argparse.Namespace) -> int:
                 # --trace / --otlp-endpoint: one tracer provider for every guest's stack (their
                 # spans carry the guest's name); it exists once obs has started, as here
                 return serve_qemu_switch(config, path=args.socket, handle_signals=True,
-                                         tracer_provider=obs.tracer_provider, **switch)
+                                         tracer_provider=obs.tracer_provider, capture=obs.pcap_writer, **switch)
 
             return start_switch
         stack_factory = _stack_factory(args, obs)

@@ -8,7 +8,7 @@ import argparse
 
 from ..errors import ConfigError
 
-__all__ = ["check_switch_args", "common_options"]
+__all__ = ["check_switch_args", "common_options", "open_events"]
 
 PROG = "aioslirp"
 
@@ -64,7 +64,12 @@ datagram socket, detected), serving ends when that guest leaves.
 Many guests on one network (--switch, stream sockets only): every QEMU that connects
 joins one virtual switch as a new guest with a stack of its own: 10.0.2.15, 10.0.2.16,
 ... by DHCP, named vm1, vm2, ... (--name PREFIX) and vm1.aioslirp.internal in the other
-guests' DNS. Guests reach each other on the subnet and the host through the gateway.
+guests' DNS (A, and AAAA of the SLAAC address the switch learns from the guest's traffic).
+Guests reach each other on the subnet and the host through the gateway.
+With --switch, -p/--publish names its guest: [HOST_IP:]HOST_PORT:GUEST:GUEST_PORT, GUEST
+a guest's name (vm1, a --lease NAME) or IPv4 address (e.g. -p 8080:vm1:80); it listens
+while that guest is on the switch. --events FILE takes every guest's events (each with
+its guest_name); --pcap FILE captures the network as the switch sees it, each frame once.
 Give every VM its own MAC:
   aioslirp qemu --socket /tmp/vms.sock --switch &
   qemu-system-x86_64 ... -netdev stream,id=n0,server=off,addr.type=unix,addr.path=/tmp/vms.sock \
@@ -180,7 +185,8 @@ def common_options() -> argparse.ArgumentParser:
         action="append",
         metavar="[HOST_IP:]HOST_PORT:[GUEST_IP:]GUEST_PORT[/tcp|udp]",
         help="forward a host port into the guest (repeatable; HOST_IP defaults to 127.0.0.1, GUEST_IP to the "
-        "guest's address; IPv6 in brackets: [::1]:8080:[fd00::100]:80; protocol tcp by default)",
+        "guest's address; IPv6 in brackets: [::1]:8080:[fd00::100]:80; protocol tcp by default); with "
+        "'qemu --switch': [HOST_IP:]HOST_PORT:GUEST:GUEST_PORT, GUEST a guest's name or IPv4 address (8080:vm1:80)",
     )
     sec = common.add_argument_group("egress policy and limits (see docs/security.md)")
     sec.add_argument(
@@ -306,6 +312,19 @@ def common_options() -> argparse.ArgumentParser:
     return common
 
 
+def open_events(path: str):
+    """``--events FILE`` opened for appending (:class:`~aioslirp.observe.events.EventFile`);
+    ``ConfigError`` naming ``--events`` when it cannot be."""
+    from ..observe.events import EventFile
+
+    if not path.strip():
+        raise ConfigError("--events", "empty path")
+    try:
+        return EventFile(path)
+    except OSError as exc:
+        raise ConfigError("--events", f"cannot open {path}: {exc.strerror}") from None
+
+
 def check_switch_args(args: argparse.Namespace, obs) -> dict:
     """``aioslirp qemu --switch``: its options (ConfigError naming the option) -> the keywords of
     :func:`~aioslirp.frontends.qemu_switch.serve_qemu_switch` beyond the config and path."""
@@ -321,11 +340,9 @@ def check_switch_args(args: argparse.Namespace, obs) -> dict:
         raise ConfigError("--switch", "needs --socket PATH (every QEMU connecting there joins the network)")
     if args.dgram:
         raise ConfigError("--switch", "serves -netdev stream guests only: drop --dgram")
-    for option, given in (("--publish", args.publish), ("--api-socket", getattr(args, "api_socket", None)),
-                          ("--events", getattr(args, "events", None)), ("--pcap", getattr(args, "pcap", None))):
-        if given:
-            raise ConfigError(option, "not used with --switch yet (one stack per guest; see docs/switch.md "
-                                      "for the library's Switch)")
+    if getattr(args, "api_socket", None):
+        raise ConfigError("--api-socket", "not used with --switch yet: its commands speak for one stack, and a "
+                                          "switch's (guests, their forwards) need a design of their own")
     max_guests = DEFAULT_MAX_GUESTS if args.max_guests is None else args.max_guests
     if max_guests < 1:
         raise ConfigError("--max-guests", f"{max_guests}: must be at least 1")
@@ -352,4 +369,15 @@ def check_switch_args(args: argparse.Namespace, obs) -> dict:
         if name is not None and ("." in check_name(name, "--lease")):
             raise ConfigError("--lease", f"{item!r}: NAME is one DNS label (no dots)")
         leases[mac] = (address, name)
-    return {"max_guests": max_guests, "name_prefix": prefix, "labels": labels or None, "leases": leases or None}
+    from ..config.forward import parse_guest_publish
+
+    forwards = [parse_guest_publish(item, "--publish") for item in args.publish or ()]
+    names = {n.lower() for _address, n in leases.values() if n is not None}
+    for item, (guest, _fwd) in zip(args.publish or (), forwards):
+        numbered = guest.startswith(prefix.lower()) and guest[len(prefix):].isdigit()
+        if not (numbered or guest in names or guest[:1].isdigit()):
+            raise ConfigError("--publish", f"{item!r}: {guest!r} names no guest (they are {prefix}1, {prefix}2, ... "
+                                           "or a --lease NAME)")
+    events = getattr(args, "events", None)
+    return {"max_guests": max_guests, "name_prefix": prefix, "labels": labels or None, "leases": leases or None,
+            "forwards": forwards or None, "events": None if events is None else open_events(events)}

@@ -9,11 +9,11 @@ that listens and turns host connections into flows is :class:`~aioslirp.nat.forw
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..errors import ConfigError
 
-__all__ = ["PROTOS", "PortForward", "parse_publish"]
+__all__ = ["PROTOS", "PortForward", "parse_publish", "parse_guest_publish"]
 
 #: The protocols a forward carries.
 PROTOS = ("tcp", "udp")
@@ -138,6 +138,51 @@ def parse_publish(text: str, option: str = "--publish") -> PortForward:
         raise ConfigError(option, f"{text!r}: a port is not bracketed; expected {_PUBLISH_FORM}")
     hp, gp = _port(hport[0], option, text), _port(gport[0], option, text)
     return PortForward(proto=proto, host_addr=addrs[0], host_port=hp, guest_addr=addrs[1], guest_port=gp)
+
+
+_GUEST_FORM = "[HOST_IP:]HOST_PORT:GUEST:GUEST_PORT[/tcp|/udp] (GUEST a guest's name or IPv4 address, e.g. 8080:vm1:80)"
+
+
+def parse_guest_publish(text: str, option: str = "--publish") -> tuple[str, PortForward]:
+    """Parse ``[HOST_IP:]HOST_PORT:GUEST:GUEST_PORT[/tcp|/udp]``, a forward into one guest of
+    several (``aioslirp qemu --switch``): ``GUEST`` is a guest's name (one DNS label, like
+    ``vm1``) or its IPv4 address; ``HOST_IP`` defaults to ``127.0.0.1`` (IPv6 in brackets).
+    Returns ``(guest, forward)``: ``guest`` lower case, ``forward.guest_addr`` the address when
+    ``GUEST`` is one, else ``None`` (the named guest's own address). Raises
+    :class:`~aioslirp.config.ConfigError` naming ``option`` (one line).
+    """
+    from .records import check_name
+
+    spec = text.strip()
+    proto = ""
+    if "/" in spec:
+        spec, proto = spec.rsplit("/", 1)
+        proto = "/" + proto
+    fields = _fields(spec, option, text)
+    if len(fields) == 4:
+        host, hport, guest, gport = fields
+    elif len(fields) == 3 and not _is_addr(fields[0]):
+        host, (hport, guest, gport) = None, fields
+    else:
+        raise ConfigError(option, f"{text!r}: name the guest, {_GUEST_FORM}")
+    if guest[1] or ":" in guest[0]:
+        raise ConfigError(option, f"{text!r}: a guest's IPv6 address is its own (SLAAC): name the guest, "
+                                  f"{_GUEST_FORM}")
+    try:
+        addr: str | None = str(ipaddress.IPv4Address(guest[0].strip()))
+        name = addr
+    except ValueError:
+        addr = None
+        name = check_name(guest[0], option)
+        if "." in name:
+            raise ConfigError(option, f"{text!r}: {guest[0]!r} is neither a guest's name (one DNS label) "
+                                      "nor an IPv4 address")
+    parts = [] if host is None else [f"[{host[0]}]" if host[1] else host[0]]
+    try:
+        fwd = parse_publish(":".join(parts + [hport[0], gport[0]]) + proto, option)
+    except ConfigError as exc:  # its message quotes the forward without GUEST: quote the user's text
+        raise ConfigError(option, f"{text!r}: {exc.detail.split(': ', 1)[-1]}") from None
+    return name, replace(fwd, guest_addr=addr)
 
 
 def _port(p: str, option: str, text: str) -> int:

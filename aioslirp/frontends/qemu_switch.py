@@ -14,6 +14,12 @@ joins: a guest sending from a leased MAC gets that address (and that name) whene
 and the other guests get the free addresses the leases leave. Such an address is the static
 lease of that MAC: DHCP hands it out to that guest only.
 
+With ``forwards`` (``--publish [HOST_IP:]HOST_PORT:GUEST:GUEST_PORT``), the host port of a
+forward listens while its guest (named ``GUEST``, or holding the IPv4 address ``GUEST``) is on
+the switch: it is added to that guest's stack when the guest joins and closes when it leaves.
+Each host port is tried once at :meth:`QemuSwitchServer.start`, so a port in use is an error
+there, not a warning when the guest joins.
+
 Every VM needs its own MAC (QEMU's default, ``52:54:00:12:34:56``, is the same for all): the
 switch keeps a MAC with the first guest that sent from it and drops another guest's frames from
 it (``drop.mac_in_use``), logged once per guest here.
@@ -74,6 +80,11 @@ class QemuSwitchServer:
         leases: static leases, ``{mac (6 bytes): (address, name or None)}``: the address is
             reserved on the switch at :meth:`start` (a ``ConfigError`` naming ``--lease`` when the
             switch refuses it), and a guest whose first frame comes from that MAC gets it.
+        forwards: ``[(guest, PortForward)]`` (:func:`~aioslirp.config.forward.parse_guest_publish`):
+            each is added to the guest named ``guest`` (or holding that IPv4 address) when it
+            joins; its host port listens while that guest is on the switch.
+        on_event: called with every lifecycle event of every guest's stack
+            (:class:`~aioslirp.observe.events.Event`, carrying ``guest_name`` and ``labels``).
         guest_options: keywords for every :meth:`Switch.add_guest <aioslirp.Switch.add_guest>`
             (``labels``, ``audit``...).
 
@@ -82,8 +93,11 @@ class QemuSwitchServer:
     """
 
     def __init__(self, switch: Switch, path: str, *, max_guests: int = DEFAULT_MAX_GUESTS,
-                 name_prefix: str = DEFAULT_NAME_PREFIX, leases=None, **guest_options) -> None:
+                 name_prefix: str = DEFAULT_NAME_PREFIX, leases=None, forwards=None, on_event=None,
+                 **guest_options) -> None:
         self.switch = switch
+        self.forwards: list = list(forwards or ())
+        self.on_event = on_event
         self.leases: dict[bytes, tuple[str, str | None]] = dict(leases or {})
         self.path = path
         self.max_guests = int(max_guests)
@@ -111,6 +125,8 @@ class QemuSwitchServer:
             if name is not None and name in names:
                 raise ConfigError("--lease", f"the name {name!r} is given twice")
             names.add(name)
+        for _guest, fwd in self.forwards:
+            _try_listen(fwd)
         self._stopping = self._loop.create_future()
         sock = bind_path(self.path, socket.SOCK_STREAM)
         self._ino = os.stat(self.path).st_ino
@@ -175,6 +191,9 @@ class QemuSwitchServer:
             return
         port = sw.port_of(stack)
         log.info("guest %s joined on %s: %s", port.name, self.path, port.address)
+        if self.on_event is not None:
+            stack.on_event(self.on_event)
+        await self._publish(port)
         warn = self._loop.call_later(10.0, self._check_mac, port)
         try:
             await sw.serve(stack, transport)
@@ -186,6 +205,17 @@ class QemuSwitchServer:
                      port.counters["frames_in"], port.counters["switched"], port.counters["frames_dropped"])
             with contextlib.suppress(KeyError):
                 await sw.remove_guest(stack)
+
+    async def _publish(self, port) -> None:
+        """Add the forwards that name ``port``'s guest (its name or its address) to its stack; one
+        that cannot listen now is a warning (the guest is served all the same)."""
+        for guest, fwd in self.forwards:
+            if guest != str(port.address) and guest != (port.name or "").lower():
+                continue
+            try:
+                await port.stack.add_forward(fwd)
+            except (ConfigError, OSError) as exc:
+                log.warning("guest %s: --publish %s not served: %s", port.name, fwd.spec(), exc)
 
     async def _first_mac(self, conn: socket.socket) -> bytes | None:
         """The source MAC of the connection's first frame, peeked (the stream keeps it), or
@@ -233,13 +263,17 @@ class QemuSwitchServer:
 
 
 async def serve_qemu_switch(config, *, path: str, max_guests: int = DEFAULT_MAX_GUESTS,
-                            name_prefix: str = DEFAULT_NAME_PREFIX, labels=None, leases=None,
-                            handle_signals: bool = False, tracer_provider=None) -> int:
+                            name_prefix: str = DEFAULT_NAME_PREFIX, labels=None, leases=None, forwards=None,
+                            events=None, capture=None, handle_signals: bool = False, tracer_provider=None) -> int:
     """``aioslirp qemu --socket PATH --switch``: serve QEMU guests on one switch until stopped
     (SIGINT/SIGTERM with ``handle_signals``). Returns 0. Raises :class:`~aioslirp.frontends.qemu.SocketInUse`,
-    ``OSError`` (binding). ``config.audit_log``: one audit log for every guest (its records carry
+    ``OSError`` (binding), :class:`~aioslirp.nat.forward.ForwardError` (a ``forwards`` host port
+    that cannot listen). ``config.audit_log``: one audit log for every guest (its records carry
     ``guest_name``); ``tracer_provider``: one OpenTelemetry provider for every guest's stack (its
-    spans carry ``aioslirp.guest.name``), ``None``: the global one."""
+    spans carry ``aioslirp.guest.name``), ``None``: the global one; ``forwards``: as
+    :class:`QemuSwitchServer` takes them; ``events``: an :class:`~aioslirp.observe.events.EventFile`
+    taking every guest's events (closed on return); ``capture``: the switch's capture
+    (:class:`~aioslirp.Switch`'s ``capture``, a :class:`~aioslirp.transport.pcap.PcapWriter`)."""
     import signal
 
     audit = None
@@ -250,9 +284,10 @@ async def serve_qemu_switch(config, *, path: str, max_guests: int = DEFAULT_MAX_
     loop = asyncio.get_running_loop()
     installed = []
     try:
-        async with Switch(config) as sw:
+        async with Switch(config, capture=capture) as sw:
             server = QemuSwitchServer(sw, path, max_guests=max_guests, name_prefix=name_prefix, labels=labels,
-                                      leases=leases,
+                                      leases=leases, forwards=forwards,
+                                      on_event=None if events is None else events.write,
                                       **({"audit": audit} if audit is not None else {}),
                                       **({"tracer_provider": tracer_provider} if tracer_provider is not None else {}))
             try:
@@ -273,4 +308,17 @@ async def serve_qemu_switch(config, *, path: str, max_guests: int = DEFAULT_MAX_
     finally:
         if audit is not None:
             audit.close()
+        if events is not None:
+            events.close()
     return 0
+
+
+def _try_listen(fwd) -> None:
+    """Bind ``fwd``'s host address and port once and let go: ``ForwardError`` naming ``--publish``
+    when it cannot (in use, no permission), before any guest joins."""
+    from ..nat.forward import ForwardError, listen
+
+    try:
+        listen(fwd).close()
+    except ForwardError as exc:
+        raise ForwardError(f"--publish: {exc.message}", exc.errno) from None

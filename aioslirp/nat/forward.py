@@ -50,7 +50,7 @@ from ..wire.arp import ARP_REQUEST, build_arp
 from ..wire.ip import PROTO_TCP, PROTO_UDP
 from .datagram import DatagramFlow
 
-__all__ = ["ForwardError", "UnknownForwardError", "Forwarder", "UdpForwardFlow"]
+__all__ = ["ForwardError", "UnknownForwardError", "Forwarder", "UdpForwardFlow", "listen"]
 
 log = logging.getLogger("aioslirp.forward")
 
@@ -129,6 +129,34 @@ class _Listener:
         self.closed = False
 
 
+def listen(fwd: PortForward) -> socket.socket:
+    """The host socket of ``fwd`` (its ``host_addr``, ``host_port``, ``proto``), bound, listening
+    (TCP) and non-blocking. Raises :class:`ForwardError` (one line naming the address, port and
+    protocol) when it cannot be bound: in use, no permission."""
+    family = socket.AF_INET6 if ":" in fwd.host_addr else socket.AF_INET
+    stype = socket.SOCK_STREAM if fwd.proto == "tcp" else socket.SOCK_DGRAM
+    sock = socket.socket(family, stype)
+    try:
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        if stype == socket.SOCK_STREAM:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((fwd.host_addr, fwd.host_port))
+        if stype == socket.SOCK_STREAM:
+            sock.listen(BACKLOG)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        what = f"{fwd.host_addr}:{fwd.host_port}/{fwd.proto}"
+        if ":" in fwd.host_addr:
+            what = f"[{fwd.host_addr}]:{fwd.host_port}/{fwd.proto}"
+        hint = ""
+        if exc.errno == errno.EACCES and fwd.host_port < 1024:
+            hint = " (ports below 1024 need CAP_NET_BIND_SERVICE or net.ipv4.ip_unprivileged_port_start)"
+        raise ForwardError(f"cannot listen on {what}: {os.strerror(exc.errno or 0)}{hint}", exc.errno) from None
+    return sock
+
+
 class Forwarder:
     """The port forwards of one stack. Use it through :class:`~aioslirp.Stack`.
 
@@ -199,27 +227,7 @@ class Forwarder:
         ``host_port`` when 0). Raises ``ConfigError`` for bad fields and
         :class:`ForwardError` when the host socket cannot listen."""
         fwd, guest_ip, fam = self._check(fwd)
-        family = socket.AF_INET6 if ":" in fwd.host_addr else socket.AF_INET
-        stype = socket.SOCK_STREAM if fwd.proto == "tcp" else socket.SOCK_DGRAM
-        sock = socket.socket(family, stype)
-        try:
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            if stype == socket.SOCK_STREAM:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((fwd.host_addr, fwd.host_port))
-            if stype == socket.SOCK_STREAM:
-                sock.listen(BACKLOG)
-            sock.setblocking(False)
-        except OSError as exc:
-            sock.close()
-            what = f"{fwd.host_addr}:{fwd.host_port}/{fwd.proto}"
-            if ":" in fwd.host_addr:
-                what = f"[{fwd.host_addr}]:{fwd.host_port}/{fwd.proto}"
-            hint = ""
-            if exc.errno == errno.EACCES and fwd.host_port < 1024:
-                hint = " (ports below 1024 need CAP_NET_BIND_SERVICE or net.ipv4.ip_unprivileged_port_start)"
-            raise ForwardError(f"cannot listen on {what}: {os.strerror(exc.errno or 0)}{hint}", exc.errno) from None
+        sock = listen(fwd)
         fwd = replace(fwd, host_port=sock.getsockname()[1], id=self._next_id)
         self._next_id += 1
         lst = _Listener(fwd, sock, guest_ip, fam)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["EVENT_HISTORY", "EVENT_NAMES", "Event", "EventLog"]
+__all__ = ["EVENT_HISTORY", "EVENT_NAMES", "Event", "EventFile", "EventLog"]
 
 log = logging.getLogger("aioslirp.stack")  # the stack's logger, as before the move
 
@@ -147,3 +148,25 @@ class EventLog:
                 await fut
             finally:
                 self._waiters.discard(fut)
+
+
+class EventFile:
+    """``--events FILE``: events appended to ``path`` as JSON lines (:meth:`Event.to_json`), one
+    line each, flushed at once. Opening raises ``OSError``; a failed write (a full disk) is
+    ignored: the guests' sessions go on. One file may take the events of many stacks
+    (``stack.on_event(events_file.write)``): each line carries its guest's ``guest_name`` and ``labels``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._out = open(path, "a", buffering=1, encoding="utf-8")
+
+    def write(self, ev: Event) -> None:
+        """Append ``ev`` as one line."""
+        try:
+            self._out.write(json.dumps(ev.to_json()) + "\n")
+        except (OSError, ValueError):  # a full disk, a closed file
+            pass
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        self._out.close()

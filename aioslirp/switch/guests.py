@@ -27,14 +27,16 @@ the broadcast ones go to the sender's own stack; no stack sees another guest's f
 guest sees one gateway, at one MAC, whoever it asks.
 
 DNS: a guest with a ``name`` is ``NAME.<domain>`` (``domain`` default ``aioslirp.internal``), an
-A record of its address in the DNS of every guest that may reach it (isolated guests are named
-only to themselves), answered by that guest's own stack.
+A record of its address, and AAAA records of the IPv6 addresses the switch learned from it (its
+own SLAAC addresses: :mod:`aioslirp.switch.l2`), in the DNS of every guest that may reach it
+(isolated guests are named only to themselves), answered by that guest's own stack.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import logging
 
@@ -43,7 +45,7 @@ from ..config.records import check_name
 from ..errors import ConfigError
 from ..stack import Stack
 from ..transport.base import Transport
-from .l2 import DEFAULT_MAC_AGE, DEFAULT_MAX_MACS, L2
+from .l2 import DEFAULT_MAC_AGE, DEFAULT_MAX_IPV6, DEFAULT_MAX_MACS, L2
 
 __all__ = ["Switch", "GuestPort", "SHARED_FIELDS", "DEFAULT_DOMAIN"]
 
@@ -106,12 +108,14 @@ class _StackSide(Transport):
             sink(frames)
 
     def send_frames(self, frames) -> None:
-        tr = self._port.transport
+        port = self._port
+        tr = port.transport
         if tr is None:
             self.send_errors += len(frames)
             return
         self.frames_out += len(frames)
         tr.send_frames(frames)
+        port.capture_frames(frames)
 
     def _close_io(self) -> None:
         tr = self._port.transport
@@ -132,6 +136,8 @@ class GuestPort:
         mac: the guest's MAC as text (given to :meth:`Switch.add_guest`, else the first it sent
             from), or ``None`` before its first frame.
         address: the guest's IPv4 address (:class:`ipaddress.IPv4Address`, its stack's ``config.guest``).
+        ipv6: the guest's IPv6 addresses the switch learned from its traffic (its own SLAAC
+            addresses in the network's prefix; at most ``max_ipv6_per_guest``).
         isolated: the guest reaches only its own stack and no guest reaches it.
         transport: the guest's transport while it is served, else ``None``.
         serving: :meth:`Switch.serve` runs for this guest.
@@ -143,9 +149,10 @@ class GuestPort:
     """
 
     __slots__ = ("id", "stack", "address", "transport", "serving", "_l2", "_peers", "_clock", "_state",
-                 "_side", "_closed")
+                 "_side", "_closed", "_capture", "_renamed")
 
-    def __init__(self, port_id: int, stack: Stack, address, *, l2: L2, peers: dict, clock, state) -> None:
+    def __init__(self, port_id: int, stack: Stack, address, *, l2: L2, peers: dict, clock, state, capture=None,
+                 renamed=None) -> None:
         self.id = port_id
         self.stack = stack
         self.address = address
@@ -157,6 +164,8 @@ class GuestPort:
         self._state = state
         self._side: _StackSide | None = None
         self._closed = False
+        self._capture = capture  # record(frames): the switch's capture, or None
+        self._renamed = renamed  # called when the switch learned a new address of a guest
 
     @property
     def name(self) -> str | None:
@@ -167,6 +176,12 @@ class GuestPort:
         return mac_text(self._state.mac)
 
     @property
+    def ipv6(self) -> tuple:
+        """The guest's IPv6 addresses the switch learned (:class:`ipaddress.IPv6Address`, first
+        learned first; at most ``max_ipv6_per_guest``)."""
+        return tuple(ipaddress.IPv6Address(a) for a in self._state.ipv6)
+
+    @property
     def isolated(self) -> bool:
         return self._state.isolated
 
@@ -175,8 +190,9 @@ class GuestPort:
         return self._state.counters
 
     def info(self) -> dict:
-        """A JSON-ready record: ``{"port", "name", "mac", "address", "isolated", "served", "counters"}``."""
+        """A JSON-ready record: ``{"port", "name", "mac", "address", "ipv6", "isolated", "served", "counters"}``."""
         return {"port": self.id, "name": self.name, "mac": self.mac, "address": str(self.address),
+                "ipv6": [str(a) for a in self.ipv6],
                 "isolated": self.isolated, "served": self.transport is not None,
                 "counters": {k: int(v) for k, v in sorted(self.counters.items())}}
 
@@ -197,7 +213,10 @@ class GuestPort:
             await self.stack.serve(side)
         finally:
             if self.id in self._l2.ports:
+                version = self._l2.ipv6_version
                 self._l2.attach(self.id, False)
+                if self._l2.ipv6_version != version and self._renamed is not None:
+                    self._renamed()
             transport.close()
             self.transport = None
             self._side = None
@@ -218,16 +237,28 @@ class GuestPort:
             side.close_reason = getattr(self.transport, "close_reason", None) or "eof"
             side.close()
 
+    def capture_frames(self, frames) -> None:
+        """Record ``frames`` (sent by the guest, or by its stack to it) in the switch's capture."""
+        cap = self._capture
+        if cap is not None and frames:
+            cap(frames)
+
     def _from_guest(self, frames, csum_ok=None) -> None:
         """The guest transport's sink: one batch through the switch."""
+        if self._capture is not None:
+            self.capture_frames(frames)
+        l2 = self._l2
+        version = l2.ipv6_version
         try:
-            to_stack, out = self._l2.forward(self.id, frames, self._clock())
+            to_stack, out = l2.forward(self.id, frames, self._clock())
         except Exception:  # never into the transport's reader: the batch is dropped and counted
             c = self._state.counters
             c["drop.internal_error"] += len(frames)
             c["frames_dropped"] += len(frames)
             log.exception("internal error switching a batch of guest frames")
             return
+        if l2.ipv6_version != version and self._renamed is not None:
+            self._renamed()  # a guest's IPv6 address was learned: its name gets the AAAA record
         side = self._side
         if to_stack and side is not None:
             side.deliver(to_stack)
@@ -278,14 +309,23 @@ class Switch:
             MACs are dropped (``drop.mac_limit``).
         mac_age: seconds a learned MAC lives without a frame from it (default 300; a guest's own
             MAC never ages).
+        max_ipv6_per_guest: IPv6 addresses the switch learns per guest (default 2), the first
+            ones it sends from or probes (duplicate address detection) in ``config.cidr6``: the
+            AAAA records of its name (:mod:`aioslirp.switch.l2`).
+        capture: where the switch records the network's frames, each once: every frame a guest
+            sends (before it is switched or dropped) and every frame a stack sends its guest;
+            an object with ``record(frames, loop)``, a :class:`~aioslirp.transport.pcap.PcapWriter`
+            (``aioslirp qemu --switch --pcap FILE``). ``None``: no capture.
 
     Raises:
-        ConfigError: a bad ``config``, ``domain``, ``max_macs_per_guest`` or ``mac_age`` (one
-            line naming the field).
+        ConfigError: a bad ``config``, ``domain``, ``max_macs_per_guest``, ``mac_age`` or
+            ``max_ipv6_per_guest`` (one line naming the field).
     """
 
     def __init__(self, config: NetworkConfig | None = None, *, domain: str = DEFAULT_DOMAIN,
-                 max_macs_per_guest: int = DEFAULT_MAX_MACS, mac_age: float = DEFAULT_MAC_AGE) -> None:
+                 max_macs_per_guest: int = DEFAULT_MAX_MACS, mac_age: float = DEFAULT_MAC_AGE,
+                 max_ipv6_per_guest: int = DEFAULT_MAX_IPV6, capture=None) -> None:
+        self.capture = capture
         self.config = (config if config is not None else NetworkConfig()).validate()
         self.domain = check_name(domain, "domain")
         if not isinstance(max_macs_per_guest, int) or max_macs_per_guest < 1:
@@ -296,7 +336,15 @@ class Switch:
             raise ConfigError("mac_age", f"{mac_age!r} is not a number of seconds") from None
         if not 0 < age < float("inf"):
             raise ConfigError("mac_age", f"{mac_age!r}: must be a positive number of seconds")
-        self._l2 = L2(self.config.gateway_mac_bytes, max_macs_per_guest, age)
+        if not isinstance(max_ipv6_per_guest, int) or max_ipv6_per_guest < 0:
+            raise ConfigError("max_ipv6_per_guest", f"{max_ipv6_per_guest!r}: must be a whole number >= 0")
+        cfg = self.config
+        v6: dict = {}
+        if cfg.ipv6:
+            net6 = ipaddress.IPv6Network(str(cfg.cidr6))
+            v6 = {"prefix6": net6.network_address.packed, "max_ipv6": max_ipv6_per_guest,
+                  "reserved6": [ipaddress.IPv6Address(str(a)).packed for a in (cfg.gateway6, cfg.dns6)]}
+        self._l2 = L2(cfg.gateway_mac_bytes, max_macs_per_guest, age, **v6)
         self._ports: dict[int, GuestPort] = {}
         self._by_stack: dict[int, GuestPort] = {}
         self._base_records: dict[int, dict] = {}  # port id -> its config's own dns_records
@@ -383,7 +431,9 @@ class Switch:
         port_id = self._next_id
         self._next_id += 1
         state = self._l2.add_port(port_id, isolated=isolated, mac=mac_b, ipv4=addr.packed, now=now)
-        port = GuestPort(port_id, stack, addr, l2=self._l2, peers=self._ports, clock=self._loop.time, state=state)
+        record = None if self.capture is None else functools.partial(self.capture.record, loop=self._loop)
+        port = GuestPort(port_id, stack, addr, l2=self._l2, peers=self._ports, clock=self._loop.time, state=state,
+                         capture=record, renamed=self._name_guests)
         self._ports[port_id] = port
         self._by_stack[id(stack)] = port
         self._base_records[port_id] = dict(own.dns_records)
@@ -450,7 +500,7 @@ class Switch:
             for other in ports:
                 if other.name is None or (other is not port and (port.isolated or other.isolated)):
                     continue
-                records[f"{other.name.lower()}.{self.domain}"] = (other.address,)
+                records[f"{other.name.lower()}.{self.domain}"] = (other.address, *other.ipv6)
             port.stack.config.dns_records = records
 
     def port_of(self, stack: Stack) -> GuestPort:

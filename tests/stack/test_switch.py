@@ -106,6 +106,74 @@ async def test_two_guests_get_own_leases_see_one_gateway_and_reach_each_other():
         await asyncio.wait_for(asyncio.gather(ta, tb), 5)
 
 
+def dad_probe(mac: bytes, target: str) -> bytes:
+    """The Neighbor Solicitation a guest sends from :: before it uses ``target`` (RFC 4862 5.4.2)."""
+    t = ipaddress.IPv6Address(target)
+    ns = dpkt.icmp6.ICMP6(type=135, code=0, data=bytes(4) + t.packed)
+    dst = ipaddress.IPv6Address("ff02::1:ff00:0") + (int(t) & 0xFFFFFF)
+    ip = dpkt.ip6.IP6(src=bytes(16), dst=dst.packed, nxt=58, hlim=255, plen=len(bytes(ns)), data=ns)
+    return bytes(dpkt.ethernet.Ethernet(src=mac, dst=b"\x33\x33" + dst.packed[12:], type=0x86DD, data=ip))
+
+
+async def test_a_guests_name_gets_aaaa_records_of_the_ipv6_address_it_probed():
+    """B probes its stable-privacy address (DAD): A's stack answers AAAA beta with it; C, probing
+    the same address, gets nothing; B leaving takes the record away."""
+    async with aioslirp.Switch(cfg(ipv6=True)) as sw:
+        sa = await sw.add_guest(MAC_A, name="alpha")
+        sb = await sw.add_guest(MAC_B, name="beta")
+        sc = await sw.add_guest(MAC_C, name="gamma")
+        ga, ta, ka = await guest_on(sw, sa)
+        gb, tb, kb = await guest_on(sw, sb)
+        gc, tc, kc = await guest_on(sw, sc)
+        addr = "fd00::8d3c:11f2:7a04:9e51"
+        gb.send(dad_probe(MAC_B, addr))
+        gc.send(dad_probe(MAC_C, addr))
+        await asyncio.sleep(0.05)
+        assert sw.port_of(sb).ipv6 == (ipaddress.IPv6Address(addr),) and sw.port_of(sc).ipv6 == ()
+
+        async def aaaa(name: str) -> list:
+            ga.send(udp_frame(MAC_A, GW_MAC, "10.0.2.15", "10.0.2.3", 5353, 53, dns_query(name, qtype=28)))
+            ans = dpkt.dns.DNS((await ga.expect(is_udp_from(53))).data.data.data)
+            return [str(ipaddress.IPv6Address(rr.rdata)) for rr in ans.an]
+
+        assert await aaaa("beta.aioslirp.internal") == [addr]
+        assert await aaaa("gamma.aioslirp.internal") == []
+        assert sw.port_of(sb).info()["ipv6"] == [addr]
+        kb.close()
+        await asyncio.wait_for(tb, 5)
+        assert await aaaa("beta.aioslirp.internal") == []
+        ka.close()
+        kc.close()
+        await asyncio.wait_for(asyncio.gather(ta, tc), 5)
+
+
+async def test_the_capture_records_every_frame_of_the_network_once():
+    """Switch(capture=...): a broadcast flooded to two guests and the stack, a frame switched to one
+    guest, the stack's ARP reply: each recorded once, in order, as sent."""
+
+    class Capture:
+        def __init__(self):
+            self.frames = []
+
+        def record(self, frames, loop=None):
+            self.frames.extend(bytes(f) for f in frames)
+
+    cap = Capture()
+    async with aioslirp.Switch(cfg(), capture=cap) as sw:
+        sa, sb, sc = [await sw.add_guest(mac) for mac in (MAC_A, MAC_B, MAC_C)]
+        (ga, ta, ka), (gb, tb, kb), (gc, tc, kc) = [await guest_on(sw, s) for s in (sa, sb, sc)]
+        ask_gw = arp_request(MAC_A, "10.0.2.15", "10.0.2.2")
+        ga.send(ask_gw)
+        reply = await ga.expect(lambda e: e.type == 0x0806 and e.data.op == dpkt.arp.ARP_OP_REPLY)
+        to_b = udp_frame(MAC_A, MAC_B, "10.0.2.15", "10.0.2.16", 4000, 5000, b"to beta")
+        ga.send(to_b)
+        await gb.expect(lambda e: e.type == 0x0800)
+        assert cap.frames == [ask_gw, bytes(reply), to_b]
+        for k in (ka, kb, kc):
+            k.close()
+        await asyncio.wait_for(asyncio.gather(ta, tb, tc), 5)
+
+
 async def test_each_guest_keeps_its_own_policy_and_counters():
     with listener() as srv:
         port = srv.getsockname()[1]
@@ -182,6 +250,10 @@ async def test_bad_arguments_are_one_line_naming_the_field():
         assert len(sw.ports()) == 1
     with pytest.raises(ConfigError, match="max_macs_per_guest"):
         aioslirp.Switch(max_macs_per_guest=0)
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(ConfigError) as exc:
+            aioslirp.Switch(max_ipv6_per_guest=bad)
+        assert exc.value.field == "max_ipv6_per_guest"
     with pytest.raises(RuntimeError, match="async with"):
         await aioslirp.Switch().add_guest()
 

@@ -358,7 +358,15 @@ def test_run_with_an_empty_command_name_is_one_line_and_127():
     (["--socket", "S", "--switch", "--max-guests", "0"], "--max-guests"),
     (["--socket", "S", "--switch", "--name", "a.b"], "--name"),
     (["--socket", "S", "--switch", "--publish", "8080:80"], "--publish"),
-    (["--socket", "S", "--switch", "--pcap", "P"], "--pcap"),
+    (["--socket", "S", "--switch", "--publish", "127.0.0.1:8080:80"], "--publish"),
+    (["--socket", "S", "--switch", "--publish", "8080:a.b:80"], "--publish"),
+    (["--socket", "S", "--switch", "--publish", "8080:[fd00::5]:80"], "--publish"),
+    (["--socket", "S", "--switch", "--publish", "8080:vm1:0"], "--publish"),
+    (["--socket", "S", "--switch", "--name", "box", "--publish", "8080:vm1:80"], "--publish"),
+    (["--socket", "S", "--switch", "--publish", "8080:web:80"], "--publish"),
+    (["--socket", "S", "--switch", "-p", "8080:vm1:80", "-p", "8080:vm2:80"], "-p/--publish"),
+    (["--socket", "S", "--switch", "--api-socket", "P"], "--api-socket"),
+    (["--socket", "S", "--switch", "--events", "/nonexistent/dir/e.jsonl"], "--events"),
     (["--socket", "S", "--lease", "52:54:00:00:0a:01=10.0.2.20"], "--lease"),
     (["--socket", "S", "--switch", "--lease", "52:54:00:00:0a:01"], "--lease"),
     (["--socket", "S", "--switch", "--lease", "01:00:5e:00:00:01=10.0.2.20"], "--lease"),
@@ -529,3 +537,102 @@ def test_qemu_switch_lease_gives_a_mac_its_address_and_name_whatever_the_order(t
     assert offers == ["10.0.2.15", "10.0.2.16", "10.0.2.15"], (offers, err[-2000:])
     assert proc.returncode == 0, err[-2000:]
     assert "guest web joined" in err and "guest vm2 joined" in err, err[-2000:]
+
+
+def _some_frames(sock: socket.socket, seconds: float) -> list:
+    """The frames of the first read on a QEMU-stream socket within ``seconds`` (completed), or []."""
+    sock.settimeout(seconds)
+    try:
+        buf = sock.recv(65536)
+        while len(buf) >= 4 and len(buf) < 4 + int.from_bytes(buf[:4], "big"):
+            buf += sock.recv(65536)
+    except socket.timeout:
+        return []
+    out = []
+    while len(buf) >= 4:
+        n = int.from_bytes(buf[:4], "big")
+        out.append(buf[4:4 + n])
+        buf = buf[4 + n:]
+    return out
+
+
+def _wait_path(path) -> None:
+    for _ in range(500):
+        if path.exists():
+            return
+        time.sleep(0.02)
+
+
+def test_qemu_switch_publish_events_and_pcap(tmp_path):
+    """--switch -p HOST_PORT:box2:80 --events FILE --pcap FILE: a host connection to HOST_PORT
+    reaches guest box2 (its stack sends the SYN to 10.0.2.16:80), not box1; the events of both
+    guests' stacks are in one file, each naming its guest; the capture holds the network's frames
+    as the switch saw them, each once (both guests' DHCP, the SYN to box2)."""
+    import dpkt
+
+    path, events, pcap = tmp_path / "vms.sock", tmp_path / "events.jsonl", tmp_path / "net.pcap"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "aioslirp", "qemu", "--socket", str(path), "--switch", "--no-ipv6",
+                             "--dns", "127.0.0.1:9", "--name", "box", "-p", f"{port}:box2:80",
+                             "--events", str(events), "--pcap", str(pcap), "--label", "team=web",
+                             "--log-level", "info"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    macs = (bytes.fromhex("525400000a01"), bytes.fromhex("525400000a02"))
+    socks, client = [], None
+    syns = []
+    try:
+        _wait_path(path)
+        for mac, want in zip(macs, ("10.0.2.15", "10.0.2.16")):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(path))
+            socks.append(s)
+            assert _dhcp_offer(s, mac) == want
+        client = socket.create_connection(("127.0.0.1", port), timeout=5)  # box2's forward listens
+        deadline = time.monotonic() + 10
+        while not syns and time.monotonic() < deadline:
+            for f in _some_frames(socks[1], 0.5):
+                eth = dpkt.ethernet.Ethernet(f)
+                if eth.type == 0x0806 and eth.data.op == 1 and eth.data.tpa == socket.inet_aton("10.0.2.16"):
+                    arp = dpkt.arp.ARP(op=2, sha=macs[1], spa=eth.data.tpa, tha=eth.data.sha, tpa=eth.data.spa)
+                    socks[1].sendall(_stream_frame(bytes(dpkt.ethernet.Ethernet(src=macs[1], dst=eth.src,
+                                                                                 type=0x0806, data=arp))))
+                elif eth.type == 0x0800 and eth.data.p == 6 and eth.data.data.flags & dpkt.tcp.TH_SYN:
+                    syns.append(f)
+        assert syns, "no SYN reached box2"
+        syn = dpkt.ethernet.Ethernet(syns[0])
+        assert socket.inet_ntoa(syn.data.dst) == "10.0.2.16" and syn.data.data.dport == 80
+        box1 = [dpkt.ethernet.Ethernet(f) for f in _stream_frames(socks[0], 0.3)]
+        assert not any(e.type == 0x0800 and e.data.p == 6 for e in box1)
+    finally:
+        proc.terminate()
+        _out, err = proc.communicate(timeout=15)
+        for s in socks:
+            s.close()
+        if client is not None:
+            client.close()
+    assert proc.returncode == 0, err[-2000:]
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    ready = {ev["guest_name"]: ev for ev in lines if ev["event"] == "ready"}
+    assert set(ready) == {"box1", "box2"} and ready["box1"]["labels"] == {"team": "web"}, lines
+    assert {ev["guest_name"] for ev in lines if ev["event"] == "guest_link_up"} == {"box1", "box2"}
+    with open(pcap, "rb") as fh:
+        frames = [bytes(buf) for _ts, buf in dpkt.pcap.Reader(fh)]
+    assert frames.count(syns[0]) == 1
+    discovers = [dpkt.ethernet.Ethernet(f).src for f in frames
+                 if f[12:14] == b"\x08\x00" and f[23] == 17 and f[36:38] == b"\x00\x43"]
+    assert sorted(discovers) == sorted(macs)  # each guest's DHCPDISCOVER, once
+
+
+def test_qemu_switch_publish_on_a_port_in_use_is_one_line_exit_1(tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        p = aioslirp("qemu", "--socket", str(tmp_path / "vms.sock"), "--switch", "-p",
+                     f"{busy.getsockname()[1]}:vm1:80")
+    finally:
+        busy.close()
+    assert p.returncode == 1, p.stderr
+    line = one_line(p)
+    assert line.startswith("aioslirp: error: --publish: cannot listen on 127.0.0.1:") and "in use" in line, line
+    assert not (tmp_path / "vms.sock").exists()

@@ -1,6 +1,7 @@
 """Two real QEMU guests (../shared/guestvm) on one ``aioslirp qemu --socket PATH --switch``: each
 gets its own DHCP lease, they ping each other, move 10 MB byte-exact (SHA-256) from one to the
-other, resolve each other's names, and both reach the host through their own stacks.
+other, resolve each other's names (vm2's AAAA record too: the SLAAC address the switch learned
+from its traffic, which vm1 then pings), and both reach the host through their own stacks.
 
 Two VMs under TCG on a small machine are slow: run this module alone; the time bounds are generous.
 """
@@ -26,7 +27,14 @@ TIMEOUT = 420  # seconds per guest: two TCG guests share the machine's cores
 
 RECEIVER = """
 ip -4 -o addr show dev eth0 | awk '{print "GUEST_IP=" $4}'
-nslookup vm1.aioslirp.internal 10.0.2.3 | awk '/^Address/ && !/#|:53/ {a=$2} END {print "PEER_RESOLVED=" a}'
+i=0
+while [ $i -lt 150 ]; do
+  A=$(ip -6 -o addr show dev eth0 | grep 'scope global' | grep -v tentative | awk '{print $4; exit}')
+  [ -n "$A" ] && break
+  sleep 0.1; i=$((i+1))
+done
+echo GUEST_IP6=$A
+nslookup vm1.aioslirp.internal 10.0.2.3 | awk '/^Address/ && !/#|:53/ && $2 !~ /:/ {a=$2} END {print "PEER_RESOLVED=" a}'
 ok=1
 for i in $(seq 1 60); do
   if ping -c 1 -W 2 10.0.2.15 > /dev/null 2>&1; then ok=0; break; fi
@@ -42,7 +50,7 @@ wget -q -O - http://10.0.2.2:DATAPORT/1000000 | sha256sum | { read h _; echo HOS
 
 SENDER = """
 ip -4 -o addr show dev eth0 | awk '{print "GUEST_IP=" $4}'
-nslookup vm2.aioslirp.internal 10.0.2.3 | awk '/^Address/ && !/#|:53/ {a=$2} END {print "PEER_RESOLVED=" a}'
+nslookup vm2.aioslirp.internal 10.0.2.3 | awk '/^Address/ && !/#|:53/ && $2 !~ /:/ {a=$2} END {print "PEER_RESOLVED=" a}'
 head -c 10485760 /dev/urandom > /tmp/blob
 sha256sum /tmp/blob | { read h _; echo SENT_SHA=$h; }
 ok=1
@@ -50,6 +58,15 @@ for i in $(seq 1 120); do
   if ping -c 1 -W 2 10.0.2.16 > /dev/null 2>&1; then ok=0; break; fi
 done
 echo PING_PEER_RC=$ok
+p=""
+for i in $(seq 1 60); do
+  p=$(nslookup -type=AAAA vm2.aioslirp.internal 10.0.2.3 | awk '/^Address/ && !/#|:53$/ {a=$NF} END {print a}')
+  [ -n "$p" ] && break
+  sleep 0.5
+done
+echo PEER_AAAA=$p
+ping -6 -c 2 -W 3 "$p" > /dev/null 2>&1
+echo PING6_PEER_RC=$?
 for i in $(seq 1 60); do
   if nc 10.0.2.16 9000 < /tmp/blob; then echo SENT=1; break; fi
   sleep 2
@@ -82,6 +99,10 @@ async def test_two_vms_on_one_switch(guestvm, tmp_path, request):
     assert ra.values["GUEST_IP"] == "10.0.2.15/24" and rb.values["GUEST_IP"] == "10.0.2.16/24", log[-2000:]
     assert ra.values["PEER_RESOLVED"] == "10.0.2.16" and rb.values["PEER_RESOLVED"] == "10.0.2.15"
     assert ra.values["PING_PEER_RC"] == "0" and rb.values["PING_PEER_RC"] == "0", rb.tail()
+    # vm2's SLAAC address, learned by the switch from its traffic: vm1 resolves AAAA vm2 and pings it
+    assert rb.values["GUEST_IP6"].startswith("fd00::") and rb.values["GUEST_IP6"].endswith("/64"), rb.tail()
+    assert ra.values["PEER_AAAA"] == rb.values["GUEST_IP6"][:-3], ra.tail()
+    assert ra.values["PING6_PEER_RC"] == "0", ra.tail()
     assert ra.values.get("SENT") == "1", ra.tail()
     assert rb.values["RECV_N"] == str(10 * 1024 * 1024) and rb.values["RECV_SHA"] == ra.values["SENT_SHA"]
     assert ra.values["HOST_SHA"] == rb.values["HOST_SHA"] == host_sha

@@ -53,10 +53,11 @@ async def sh(pid: int, *argv: str, timeout: float = 60, check: bool = True, stdi
 
 
 @contextlib.contextmanager
-def kernel_guests(n: int):
+def kernel_guests(n: int, dad: bool = False):
     """``n`` namespaces, each with a TAP made here and moved in, addressed statically (the address
     its switch lease gives: the kit has no DHCP client), lo up, default route via the gateway.
-    Yields ``[(pid, tap fd, ifname)]``."""
+    ``dad``: IPv6 duplicate address detection on, and stable-privacy SLAAC addresses (RFC 7217),
+    as many distributions configure; else DAD off and EUI-64 addresses. Yields ``[(pid, tap fd, ifname)]``."""
     made = []
     try:
         for i in range(n):
@@ -68,7 +69,11 @@ def kernel_guests(n: int):
             for cmd in (["ip", "link", "set", name, "netns", pid],
                         ["nsenter", "-t", pid, "-n", "ip", "link", "set", "lo", "up"],
                         ["nsenter", "-t", pid, "-n", "ip", "link", "set", name, "address", mac],
-                        ["nsenter", "-t", pid, "-n", "sysctl", "-qw", f"net.ipv6.conf.{name}.accept_dad=0"],
+                        ["nsenter", "-t", pid, "-n", "sysctl", "-qw", f"net.ipv6.conf.{name}.accept_dad={int(dad)}"],
+                        *([["nsenter", "-t", pid, "-n", "sysctl", "-qw",
+                            f"net.ipv6.conf.{name}.stable_secret=fd12:3456:789a:{i + 1}::1"],
+                           ["nsenter", "-t", pid, "-n", "sysctl", "-qw", f"net.ipv6.conf.{name}.addr_gen_mode=2"]]
+                          if dad else []),
                         ["nsenter", "-t", pid, "-n", "ip", "addr", "add", f"{addr}/24", "dev", name],
                         ["nsenter", "-t", pid, "-n", "ip", "link", "set", name, "up"],
                         ["nsenter", "-t", pid, "-n", "ip", "route", "add", "default", "via", "10.0.2.2"]):
@@ -194,3 +199,38 @@ async def test_two_kernel_guests_on_one_switch(tmp_path):
         for _pid, fd, _ in guests:
             with pytest.raises(OSError):
                 os.fstat(fd)
+
+
+async def test_guests_names_have_aaaa_records_of_their_own_slaac_addresses():
+    """Two kernel guests with DAD and stable-privacy addresses (not computable from the MAC): the
+    switch learns each one's address from its DAD probe, so 'dig AAAA beta' from alpha answers
+    beta's address (and no other), and alpha reaches beta there by ping6."""
+    need_tool("dig", "bind9-dnsutils")
+    cfg = NetworkConfig(dns_upstreams=[("127.0.0.1", 9)], dns_timeout=0.3)
+    with kernel_guests(2, dad=True) as guests:
+        async with aioslirp.Switch(cfg) as sw:
+            stacks = [await sw.add_guest(mac, name=name, address=addr) for name, mac, addr in GUESTS[:2]]
+            serves = [asyncio.ensure_future(sw.serve(s, TapTransport(fd, ifname=ifname)))
+                      for s, (_pid, fd, ifname) in zip(stacks, guests)]
+            (pa, _, ia), (pb, _, ib) = guests
+            addrs = []
+            for pid, ifname in ((pa, ia), (pb, ib)):
+                for _ in range(100):  # SLAAC, then DAD (about a second)
+                    out = await sh(pid, "ip", "-6", "-o", "addr", "show", "dev", ifname, "scope", "global")
+                    found = re.findall(r"inet6 (fd00::[0-9a-f:]+)/64", out)
+                    if found and "tentative" not in out:
+                        break
+                    await asyncio.sleep(0.1)
+                addrs.append(found[0] if found else None)
+            assert None not in addrs and addrs[0] != addrs[1]
+            assert "ff:fe" not in addrs[1] and "fffe" not in addrs[1].replace(":", "")  # not EUI-64
+            beta = (await sh(pa, "dig", "+short", "+time=2", "+tries=1", "@10.0.2.3", "AAAA",
+                             "beta.aioslirp.internal")).split()
+            assert beta == [addrs[1]]
+            alpha = (await sh(pb, "dig", "+short", "+time=2", "+tries=1", "@fd00::3", "AAAA",
+                              "alpha.aioslirp.internal")).split()
+            assert alpha == [addrs[0]]
+            out = await sh(pa, "ping", "-6", "-c", "2", "-i", "0.2", "-W", "2", beta[0])
+            assert " 0% packet loss" in out, out
+            assert [str(a) for a in sw.port_of(stacks[1]).ipv6] == [addrs[1]]
+        await asyncio.wait_for(asyncio.gather(*serves), 10)

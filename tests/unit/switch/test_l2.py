@@ -180,11 +180,16 @@ def test_any_frames_are_switched_or_dropped_once_and_never_raise():
     macs = st.sampled_from([A, B, C, GW, BCAST, ND_MCAST, bytes(6), bytes.fromhex("0200000000aa")]) | st.binary(
         min_size=6, max_size=6)
     frame = st.tuples(macs, macs, st.binary(max_size=20)).map(lambda t: t[0] + t[1] + t[2]) | st.binary(max_size=13)
+    v6 = st.sampled_from([bytes(16), addr6(1), addr6(2), addr6(0x1000), GW6, eui64(A), eui64(B)]) | st.binary(
+        min_size=16, max_size=16)
+    frame = frame | st.tuples(macs, v6, st.sampled_from([135, 136, 1]), v6, st.integers(40, 78)).map(
+        lambda t: nd(t[0], t[1], t[2], t[3])[: t[4]])  # ND and IPv6 frames, whole or cut short
 
     @settings(max_examples=300, deadline=None)
     @given(st.lists(st.tuples(st.integers(1, 3), st.lists(frame, max_size=20), st.floats(0, 1000)), max_size=8))
     def run(batches):
         l2 = three(p3=True)
+        l2.prefix6, l2.max_ipv6 = PREFIX6, 2  # IPv6 learning on: the bound holds too
         for port, frames, now in batches:
             l2.forward(port, frames, now)
         for state in l2.ports.values():
@@ -192,5 +197,100 @@ def test_any_frames_are_switched_or_dropped_once_and_never_raise():
             outcomes = c["to_stack"] + c["switched"] + c["flooded"] + c["flooded_unknown"] + c["frames_dropped"]
             assert c["frames_in"] == outcomes
         assert len(l2.table) <= 4 * 3
+        assert all(len(state.ipv6) <= 2 for state in l2.ports.values())
 
     run()
+
+
+# ------------------------------------------------------------------ IPv6 addresses (AAAA records)
+PREFIX6 = bytes.fromhex("fd00000000000000")
+GW6, DNS6 = PREFIX6 + (2).to_bytes(8, "big"), PREFIX6 + (3).to_bytes(8, "big")
+ALL_NODES, SOLICITED = bytes.fromhex("333300000001"), bytes.fromhex("3333ff000001")
+
+
+def addr6(iid: int) -> bytes:
+    return PREFIX6 + iid.to_bytes(8, "big")
+
+
+def eui64(mac: bytes) -> bytes:
+    """The modified EUI-64 SLAAC address of ``mac`` in fd00::/64 (RFC 4291 2.5.1)."""
+    return PREFIX6 + bytes((mac[0] ^ 2, mac[1], mac[2], 0xFF, 0xFE, mac[3], mac[4], mac[5]))
+
+
+def ip6(src_mac: bytes, dst_mac: bytes, src: bytes, dst: bytes, nh: int = 17, payload: bytes = bytes(8)) -> bytes:
+    hdr = b"\x60\x00\x00\x00" + len(payload).to_bytes(2, "big") + bytes((nh, 255)) + src + dst
+    return dst_mac + src_mac + b"\x86\xdd" + hdr + payload
+
+
+def nd(src_mac: bytes, src: bytes, icmp_type: int, target: bytes) -> bytes:
+    """A Neighbor Solicitation (135) or Advertisement (136) for ``target`` (RFC 4861 4.3/4.4)."""
+    body = bytes((icmp_type, 0, 0, 0)) + bytes(4) + target
+    return ip6(src_mac, SOLICITED, src, bytes.fromhex("ff020000000000000000000001ff0001"), 58, body)
+
+
+def three6(max_ipv6: int = 2) -> L2:
+    l2 = L2(GW, max_macs=4, prefix6=PREFIX6, reserved6=(GW6, DNS6), max_ipv6=max_ipv6)
+    for port, mac in ((1, A), (2, B), (3, C)):
+        l2.add_port(port, mac=mac, ipv4=bytes([10, 0, 2, 14 + port]))
+        l2.attach(port)
+    return l2
+
+
+def test_a_guests_ipv6_addresses_are_learned_from_its_dad_probes_and_source_addresses():
+    l2 = three6()
+    v = l2.ipv6_version
+    stable = addr6(0x1234_5678_9ABC_DEF0)  # a stable-privacy address (RFC 7217): not from the MAC
+    dad = nd(A, bytes(16), 135, stable)  # RFC 4862 5.4.2: from ::, before the address is used
+    assert l2.forward(1, [dad], 1.0)[1] == {2: [dad], 3: [dad]}  # flooded: every guest's DAD sees it
+    assert l2.ports[1].ipv6 == [stable] and l2.ipv6_version == v + 1
+    other = addr6(0x42)
+    l2.forward(1, [ip6(A, GW, other, bytes.fromhex("20010db8" + "00" * 12))], 1.1)
+    assert l2.ports[1].ipv6 == [stable, other] and l2.ports[1].counters["ipv6_learned"] == 2
+    # outside the prefix, link-local, the reserved ones: never learned
+    for src in (bytes.fromhex("fe80" + "00" * 6) + bytes(range(8)), bytes.fromhex("20010db8" + "00" * 11 + "01"),
+                GW6, PREFIX6 + bytes(8)):
+        l2.forward(2, [nd(B, bytes(16), 135, src), ip6(B, GW, src, GW6)], 2.0)
+    assert l2.ports[2].ipv6 == []
+
+
+def test_at_most_max_ipv6_addresses_per_guest_the_first_ones():
+    l2 = three6(max_ipv6=2)
+    frames = [ip6(A, GW, addr6(i), GW6) for i in range(0x100, 0x140)]
+    stack, _ = l2.forward(1, frames, 1.0)
+    assert len(stack) == 64  # used, not dropped
+    assert l2.ports[1].ipv6 == [addr6(0x100), addr6(0x101)]
+    assert l2.ports[1].counters["ipv6_not_learned"] == 62
+
+
+def test_no_guest_claims_another_guests_ipv6_address():
+    """Its source address, a Neighbor Advertisement for it (ND spoofing) are dropped; a DAD probe
+    for it goes through unlearned (the holder's kernel defends it); a squatter cannot take the
+    EUI-64 address of another guest's MAC before that guest probes it."""
+    l2 = three6()
+    a_addr = addr6(0xA)
+    l2.forward(1, [nd(A, bytes(16), 135, a_addr)], 1.0)
+    spoof = [ip6(C, B, a_addr, addr6(0xB)), nd(C, addr6(0xC), 136, a_addr)]
+    assert l2.forward(3, spoof, 1.1) == ([], {})
+    c = l2.ports[3].counters
+    assert (c["drop.ip6_spoofed"], c["drop.nd_spoofed"]) == (1, 1)
+    probe = nd(C, bytes(16), 135, a_addr)
+    assert l2.forward(3, [probe], 1.2)[1] == {1: [probe], 2: [probe]}
+    assert l2.ports[3].ipv6 == [] and l2.ports[1].ipv6 == [a_addr]
+    # B's EUI-64 address: C may not take it, B may
+    l2.forward(3, [nd(C, bytes(16), 135, eui64(B)), ip6(C, GW, eui64(B), GW6)], 1.3)
+    assert l2.ports[3].ipv6 == []
+    l2.forward(2, [nd(B, bytes(16), 135, eui64(B))], 1.4)
+    assert l2.ports[2].ipv6 == [eui64(B)]
+
+
+def test_a_guest_that_leaves_frees_its_ipv6_addresses():
+    l2 = three6()
+    l2.forward(1, [nd(A, bytes(16), 135, addr6(0xA))], 1.0)
+    v = l2.ipv6_version
+    l2.attach(1, False)
+    assert l2.ports[1].ipv6 == [] and l2.ipv6_version == v + 1
+    l2.forward(2, [ip6(B, GW, addr6(0xA), GW6)], 2.0)
+    assert l2.ports[2].ipv6 == [addr6(0xA)]
+    l2.remove_port(2)
+    l2.forward(3, [ip6(C, GW, addr6(0xA), GW6)], 3.0)
+    assert l2.ports[3].ipv6 == [addr6(0xA)]
