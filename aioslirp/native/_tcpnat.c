@@ -18,7 +18,7 @@
  *     .records() -> the records of poll() alone (no socket events, no timers)
  *     .counters() -> dict; .live() -> int; .forget_tap(); .pending() -> bool; .hook_records(on); .close()
  *     .allow(up=..., down=...) -> int                  (allowances: bytes, None no bound; tn_allow)
- *     .moved() -> (bytes_up, bytes_down); .meter(on)   (pending() also when bytes moved since moved())
+ *     .moved() -> (charged_up, bytes_down); .meter(on) (pending() also when bytes moved since moved())
  *     .trace(capacity)                                 (trace points on, a ring of capacity records; 0 off)
  *     .trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags), ...], overflow)  (slot -1: no flow)
  *   fake only: .fake_connect_mode(err), .fake_frames() -> [bytes], .fake_connect_done(fd, err, now),
@@ -843,7 +843,7 @@ static PyObject *engine_counters(PyObject *op, PyObject *unused)
         return NULL;
     const struct tn_counters *c = tn_counters(g->e);
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
         (unsigned long long)c->frames_out, "tap_write_errors", (unsigned long long)c->tap_write_errors,
         "bad_checksum", (unsigned long long)c->bad_checksum, "out_of_window", (unsigned long long)c->out_of_window,
         "bad_ack", (unsigned long long)c->bad_ack, "syn_on_open", (unsigned long long)c->syn_on_open, "rst_bad_seq",
@@ -854,7 +854,8 @@ static PyObject *engine_counters(PyObject *op, PyObject *unused)
         (unsigned long long)c->rate_held_up, "rate_paused_down", (unsigned long long)c->rate_paused_down,
         "adopted", (unsigned long long)c->adopted, "ended", (unsigned long long)c->ended, "trace_overflow",
         (unsigned long long)tn_trace_overflow(g->e), "held_up", (unsigned long long)c->held_up, "held_down",
-        (unsigned long long)c->held_down, "bytes_up", (unsigned long long)c->bytes_up, "bytes_down",
+        (unsigned long long)c->held_down, "bytes_up", (unsigned long long)c->bytes_up, "charged_up",
+        (unsigned long long)c->charged_up, "bytes_down",
         (unsigned long long)c->bytes_down, "live", tn_live_flows(g->e), "peek_off", g->peek_off);
 }
 
@@ -875,7 +876,7 @@ static PyObject *engine_fileno(PyObject *op, PyObject *unused)
 static int moved_since(const Engine *g)
 {
     const struct tn_counters *c = tn_counters(g->e);
-    return c->bytes_up != g->seen_up || c->bytes_down != g->seen_down;
+    return c->charged_up != g->seen_up || c->bytes_down != g->seen_down;
 }
 
 static PyObject *engine_pending(PyObject *op, PyObject *unused)
@@ -885,8 +886,9 @@ static PyObject *engine_pending(PyObject *op, PyObject *unused)
     return PyBool_FromLong(g->e && (tn_records_pending(g->e) || (g->metered && moved_since(g))));
 }
 
-/* moved() -> (bytes_up, bytes_down): the engine's totals (guest -> host bytes the host sockets
- * took, host -> guest bytes sent without retransmissions); pending() forgets them. */
+/* moved() -> (charged_up, bytes_down): the engine's totals of bytes charged each way (guest ->
+ * host: taken, or while an up allowance is set the window given; host -> guest: sent, not
+ * counting retransmissions); pending() forgets them. */
 static PyObject *engine_moved(PyObject *op, PyObject *unused)
 {
     Engine *g = (Engine *)op;
@@ -894,9 +896,9 @@ static PyObject *engine_moved(PyObject *op, PyObject *unused)
     if (!ready(g))
         return NULL;
     const struct tn_counters *c = tn_counters(g->e);
-    g->seen_up = c->bytes_up;
+    g->seen_up = c->charged_up;
     g->seen_down = c->bytes_down;
-    return Py_BuildValue("(KK)", (unsigned long long)c->bytes_up, (unsigned long long)c->bytes_down);
+    return Py_BuildValue("(KK)", (unsigned long long)c->charged_up, (unsigned long long)c->bytes_down);
 }
 
 static PyObject *engine_meter(PyObject *op, PyObject *arg)
@@ -1234,7 +1236,8 @@ static PyMethodDef engine_methods[] = {
     {"forget_tap", engine_forget_tap, METH_NOARGS, "forget_tap(): the TAP fd is closing: write no frame to it"},
     {"pending", engine_pending, METH_NOARGS,
      "pending() -> bool: records wait to be taken (poll()), or bytes moved since moved() once metered (meter())"},
-    {"moved", engine_moved, METH_NOARGS, "moved() -> (bytes_up, bytes_down): the engine's byte totals each way"},
+    {"moved", engine_moved, METH_NOARGS,
+     "moved() -> (charged_up, bytes_down): the engine's totals of bytes charged each way (tcpnat.h, allowances)"},
     {"meter", engine_meter, METH_O, "meter(on): pending() also says True when bytes moved since moved()"},
     {"allow", (PyCFunction)(void (*)(void))engine_allow, METH_VARARGS | METH_KEYWORDS,
      "allow(*, up=..., down=...) -> int: bytes each way before the engine holds itself (None: no bound, 0: hold "

@@ -76,6 +76,7 @@ struct tn_flow {
     double progress_at;        /* our FIN sent: its time, then of each ACK of new data (linger) */
     double rate_at;            /* held by a rate cap: wake up then (0 none) */
     uint32_t hold_prev, hold_next; /* in the list of held flows (slot + 1, 0 none): while held != 0 */
+    uint32_t up_mark;          /* guest -> host bytes charged up to here (charged_up, the up allowance) */
     uint8_t held;              /* HOLD_UP / HOLD_DOWN: the allowance of that direction ran out */
     uint64_t bytes_up, bytes_down;
     uint8_t outcome, why;
@@ -837,6 +838,19 @@ static inline void allow_spend(int64_t *allow, uint64_t n)
         *allow -= (int64_t)n; /* (n: a frame's payload or a peek; the allowance at most what Python set) */
 }
 
+/* The guest -> host bytes charged (charged_up) up to edge of f's sequence space: each byte once,
+ * when taken, or while an up allowance is set, when our window first lets the guest send it (what
+ * a held guest may still send is charged when it is held: nothing it sends later is free). */
+static void charge_up(struct tn_engine *e, struct tn_flow *f, uint32_t edge)
+{
+    if (SEQ_GT(edge, f->up_mark)) {
+        uint32_t n = edge - f->up_mark;
+        f->up_mark = edge;
+        e->c.charged_up += n;
+        allow_spend(&e->allow_up, n);
+    }
+}
+
 static void adv_window_update(struct tn_engine *e, struct tn_flow *f);
 static void send_ack(struct tn_engine *e, struct tn_flow *f);
 static void from_sock(struct tn_engine *e, struct tn_flow *f, double now);
@@ -899,13 +913,14 @@ static uint32_t adv_window(struct tn_engine *e, struct tn_flow *f)
         }
     }
     uint32_t w = f->space < e->rcv_wnd ? f->space : e->rcv_wnd;
-    if (e->allow_up != TN_ALLOW_ALL && w && f->state == ST_ESTABLISHED) { /* the up allowance: at most what is left */
-        if (e->allow_up <= 0) {
+    if (e->allow_up != TN_ALLOW_ALL && w && f->state == ST_ESTABLISHED) {
+        /* the up allowance: the window charged already (up to up_mark) and what is left of it */
+        uint32_t open = SEQ_GT(f->up_mark, f->rcv_nxt) ? f->up_mark - f->rcv_nxt : 0;
+        uint64_t left = e->allow_up > 0 ? (uint64_t)e->allow_up : 0;
+        if (w > open && left < w - open) { /* cut short: listed, to open further when it is raised */
             hold(e, f, HOLD_UP);
-            return 0;
+            w = open + (uint32_t)left;
         }
-        if ((uint64_t)e->allow_up < w)
-            w = (uint32_t)e->allow_up;
     }
     if (e->up.rate && w) /* the up cap: at most what the bucket holds, nothing below a batch */
         w = rate_window(e, f, w);
@@ -975,6 +990,8 @@ static void send_seg(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8
     wr16(t + 14, (uint16_t)field);
     if ((flags & TCP_ACK) && SEQ_GT(f->rcv_nxt + (field << shift), f->rcv_adv))
         f->rcv_adv = f->rcv_nxt + (field << shift);
+    if (e->allow_up != TN_ALLOW_ALL) /* bounded: the window given is charged (once), not the bytes later */
+        charge_up(e, f, f->rcv_adv);
     wr16(t + 16, 0);
     wr16(t + 18, 0);
     if (flags & TCP_SYN) {
@@ -1309,7 +1326,7 @@ static int adopt_in(struct tn_engine *e, const struct tn_adopt *a, double now, u
     memcpy(f->eth + 6, e->cfg.gw_mac, 6);
     wr16(f->eth + 12, f->v6 ? 0x86DDu : 0x0800u);
     f->irs = a->irs;
-    f->rcv_nxt = f->rcv_adv = a->irs + 1;
+    f->rcv_nxt = f->rcv_adv = f->up_mark = a->irs + 1;
     f->iss = a->iss;
     f->snd_una = f->snd_nxt = f->snd_max = a->iss + 1;
     f->snd_una = a->iss; /* the SYN-ACK is unacknowledged */
@@ -1476,7 +1493,7 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
         f->rcv_nxt += (uint32_t)took;
         f->bytes_up += took;
         e->c.bytes_up += took;
-        allow_spend(&e->allow_up, took);
+        charge_up(e, f, f->rcv_nxt);
         if (e->up.rate && took) /* within the window we gave: taken, whatever the balance */
             bucket_spend(&e->up, took);
         f->space = f->space > took ? f->space - (uint32_t)took : 0;

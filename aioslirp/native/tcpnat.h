@@ -188,6 +188,7 @@ struct tn_counters {
     uint64_t held_up;           /* our window to a flow was kept from opening: the up allowance ran out */
     uint64_t held_down;         /* a flow stopped reading its host socket: the down allowance ran out */
     uint64_t bytes_up;          /* guest -> host bytes the host sockets took, all flows */
+    uint64_t charged_up;        /* ... charged to the up allowance: taken, or window given (tn_allow) */
     uint64_t bytes_down;        /* host -> guest bytes sent to the guest (not counting retransmissions) */
     uint64_t adopted;
     uint64_t ended;
@@ -248,14 +249,17 @@ const char *tn_outcome_name(unsigned outcome);
 /* ------------------------------------------------------------------ allowances (holds)
  * The fair scheduler of the loop (aioslirp.fair, through aioslirp.nat.native_tcp) holds a guest
  * that is over its share of a direction: the engine has one allowance per direction, bytes it
- * may still move that way before it holds itself (TN_ALLOW_ALL, the default: no bound). Each
- * byte moved is taken from it (bytes_up / bytes_down of tn_counters); at or below zero the
- * direction is held:
- * - down: no host socket is read (a flow about to peek is held instead; its bytes stay in the
- *   kernel, as with the down rate cap), retransmissions and our FIN included;
- * - up: our window does not open past the edge already advertised (the guest may still send
- *   what that edge lets it: taken and counted, so a hold ends with at most one advertised window
- *   per flow over the allowance); while the allowance is positive, a window at most its size.
+ * may still move that way before it holds itself (TN_ALLOW_ALL, the default: no bound). What
+ * is moved is taken from it; at or below zero the direction is held:
+ * - down: each byte sent to the guest (bytes_down of tn_counters; retransmissions are free). Held,
+ *   no host socket is read (a flow about to peek is held instead; its bytes stay in the kernel,
+ *   as with the down rate cap), retransmissions and our FIN included.
+ * - up: each byte the guest may send (charged_up): while an allowance is set, our window is
+ *   charged when it opens (the whole window, once, the first time it is advertised under an
+ *   allowance: what the guest may send under the edge it was given), otherwise the bytes when
+ *   taken. Held, our window does not open past the edge charged already; while the allowance is
+ *   positive it opens at most that far beyond. The flows of the engine together get at most the
+ *   allowance (plus the windows open when it was set).
  * A held flow is listed once (a list through the flows, bounded by max_flows). Raising an
  * allowance above zero makes the held flows due (tn_next_deadline says now): the next
  * tn_timers() resumes them all, in the order they were held (a window update where the window

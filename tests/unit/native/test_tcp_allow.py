@@ -75,8 +75,13 @@ def test_an_up_hold_keeps_our_window_from_opening_and_raising_it_sends_the_updat
     (a,) = f.out()
     edge = M(a.ack + a.wnd)
     assert edge == M(IRS + 1 + mss + WND)  # the whole rcv_buf (scale 0)
+    assert f.e.moved() == (mss, 0)  # taken
     f.e.allow(up=0)
-    sent = mss
+    assert f.send(ACK, seq=IRS + 1 + mss, data=data[mss:2 * mss])
+    (a,) = f.out()
+    assert M(a.ack + a.wnd) == edge  # the edge did not move: the window shrinks
+    assert f.e.moved() == (mss + WND, 0)  # held: the window given is charged at once, in full
+    sent = 2 * mss
     while sent < mss + WND:  # the guest fills the window it was given: taken, the edge never moves
         n = min(mss, mss + WND - sent)
         assert f.send(ACK, seq=IRS + 1 + sent, data=data[sent:sent + n])
@@ -85,14 +90,20 @@ def test_an_up_hold_keeps_our_window_from_opening_and_raising_it_sends_the_updat
         assert a.ack == M(IRS + 1 + sent) and M(a.ack + a.wnd) == edge
     assert a.wnd == 0
     assert f.host_received() == data[:sent]
-    assert f.e.counters()["held_up"] == 1 and f.e.moved() == (sent, 0)
+    assert f.e.counters()["held_up"] == 1 and f.e.moved() == (sent, 0)  # nothing charged twice
     f.poll(0.5)
     assert f.out() == []  # no window update while held
-    assert f.e.allow(up=None) == 1
+    assert f.e.allow(up=3000) == 1
     f.poll(0.6)
-    (u,) = f.out()  # the window update, from the allowance alone
+    (u,) = f.out()  # the window update, from the allowance alone: as far as it goes
+    assert u.ack == M(IRS + 1 + sent) and u.wnd == 3000
+    assert f.e.moved() == (sent + 3000, 0) and f.e.counters()["held_up"] == 2  # (held again at its end)
+    f.e.allow(up=None)
+    f.poll(0.7)
+    (u,) = f.out()
     assert u.ack == M(IRS + 1 + sent) and u.wnd == WND
-    assert f.e.counters()["window_updates"] == 1
+    assert f.e.counters()["window_updates"] == 2
+    assert f.e.moved() == (sent + 3000, 0)  # no bound: the bytes when taken, not the window
 
 
 def test_a_flow_that_ends_while_held_leaves_the_others_to_resume():
