@@ -115,6 +115,13 @@ _RATE_COUNTERS = (("rate_held_up", "tcp_rate_held_up"), ("rate_paused_down", "tc
 #: guest's debt (:mod:`aioslirp.fair`).
 TURN_MIN = 64 * 1024
 
+#: Charges in a row that find no other guest busy (``FairLink.alone``) before a guest that waited
+#: for its turns moves without a bound again; the bound doubles on each (from 2 x :data:`TURN_MIN`).
+#: A neighbour idle for a moment (its socket empty between two reads) does not hand a flooding
+#: guest an unbounded turn (every flow's window at once, up to MiBs) that the scheduler would
+#: forgive as uncontended; a guest left alone is unbounded again after a few turns.
+ALONE_TURNS = 6
+
 #: Seconds in TIME-WAIT after the guest's last segment: ``TcpConnection``'s ``time_wait``, which
 #: the Python path leaves at its default.
 TIME_WAIT = 1.0
@@ -282,7 +289,7 @@ class _Turns:
     another guest waiting) the engine is held that way until the guest's turn (the module
     documentation, "Fair shares hold in C too")."""
 
-    __slots__ = ("plane", "share", "up", "counter", "seen", "waiting", "bounded")
+    __slots__ = ("plane", "share", "up", "counter", "seen", "waiting", "bounded", "alone")
 
     def __init__(self, plane: "NativeTcp", share: Share, up: bool) -> None:
         self.plane = plane
@@ -296,12 +303,13 @@ class _Turns:
         self.waiting = False
         #: The engine has an allowance that way (the credit of a turn), not "no bound".
         self.bounded = False
+        #: Charges in a row that found no other guest busy while bounded (:data:`ALONE_TURNS`).
+        self.alone = 0
 
-    def _allow(self, n: int | None) -> None:
-        if self.up:
-            self.plane.engine.allow(up=n)
-        else:
-            self.plane.engine.allow(down=n)
+    def _allow(self, n: int | None) -> int:
+        """The engine's allowance that way (bytes, ``None`` no bound); 1: held flows resume at its next poll."""
+        engine = self.plane.engine
+        return engine.allow(up=n) if self.up else engine.allow(down=n)
 
     def charge(self, total: int) -> None:
         """The engine's total that way is now ``total`` bytes: charge what moved since the last call."""
@@ -315,11 +323,18 @@ class _Turns:
                 self._allow(0)
                 share.wait(self.turn)
         elif self.bounded and not self.waiting:  # a turn goes on: what is left of the credit
-            if share.link.alone():  # no other guest busy: no bound (held flows resume at the next poll)
-                self.bounded = False
-                self._allow(None)
+            if share.link.alone():  # no other guest busy: the bound doubles, and goes after ALONE_TURNS
+                self.alone += 1
+                if self.alone >= ALONE_TURNS:
+                    self.bounded = False
+                    due = self._allow(None)
+                else:
+                    due = self._allow(TURN_MIN << self.alone)
             else:
-                self._allow(max(TURN_MIN, int(share.available())))
+                self.alone = 0
+                due = self._allow(max(TURN_MIN, int(share.available())))
+            if due:  # held flows resume: on the next loop iteration (this runs inside a poll or a batch)
+                self.plane.poll_soon()
 
     def turn(self) -> None:
         """The guest's turn that way (the scheduler's pass): the engine may move the guest's
@@ -330,6 +345,7 @@ class _Turns:
         except ValueError:  # the engine is closed (the stack's serve ended)
             return
         self.bounded = True
+        self.alone = 0
         self.plane.poll()
 
 
@@ -340,7 +356,7 @@ class NativeTcp:
     ``TcpEngine``; its epoll is read by :meth:`poll` from the loop."""
 
     __slots__ = ("ctx", "engine", "flows", "loop", "_fd", "tracer", "frames_traced", "rated", "_rate_seen", "_up",
-                 "_down")
+                 "_down", "_poll_due")
 
     #: More keyword arguments of the engine (tests: ``{"peek_off": False}`` takes the fallback for
     #: kernels without ``SO_PEEK_OFF``, a discard buffer).
@@ -366,6 +382,7 @@ class NativeTcp:
         self._down = None if running.share_down is None else _Turns(self, running.share_down, False)
         if self._up is not None or self._down is not None:
             engine.meter(True)  # the TAP reader's batches that moved bytes call take(): charged there
+        self._poll_due = False
         self._fd = engine.fileno()
         if self._fd >= 0:
             self.loop.add_reader(self._fd, self.poll)
@@ -449,6 +466,16 @@ class NativeTcp:
             self._rate_counters()
         self._records(records)
         self._charge()
+
+    def poll_soon(self) -> None:
+        """:meth:`poll` on the next loop iteration (once, however often asked before it runs)."""
+        if not self._poll_due:
+            self._poll_due = True
+            self.loop.call_soon(self._poll_now)
+
+    def _poll_now(self) -> None:
+        self._poll_due = False
+        self.poll()
 
     def reader(self) -> tuple[int, Callable[[], None]] | None:
         """The engine's epoll fd and its reader (:meth:`poll`), for the fair scheduler's express

@@ -946,10 +946,7 @@ static PyObject *engine_allow(PyObject *op, PyObject *args, PyObject *kwargs)
         return NULL;
     if (!ready(g))
         return NULL;
-    int due = tn_allow(g->e, up, down);
-    if (due) /* the engine's epoll is readable at once: the loop polls, the held flows resume */
-        arm_timer(g, mono_now(), 0);
-    return PyLong_FromLong(due);
+    return PyLong_FromLong(tn_allow(g->e, up, down)); /* (the caller polls: the timer is not armed) */
 }
 
 static PyObject *engine_records(PyObject *op, PyObject *unused)
@@ -1241,7 +1238,7 @@ static PyMethodDef engine_methods[] = {
     {"meter", engine_meter, METH_O, "meter(on): pending() also says True when bytes moved since moved()"},
     {"allow", (PyCFunction)(void (*)(void))engine_allow, METH_VARARGS | METH_KEYWORDS,
      "allow(*, up=..., down=...) -> int: bytes each way before the engine holds itself (None: no bound, 0: hold "
-     "now, absent: unchanged); 1 when held flows resume at the next poll()"},
+     "now, absent: unchanged); 1 when held flows resume at the next poll() (the caller's to call)"},
     {"records", engine_records, METH_NOARGS, "records() -> the records waiting (poll() without its events and timers)"},
     {"hook_records", engine_hook_records, METH_O,
      "hook_records(on): the TAP reader's caller asks pending() after each batch and polls: no timer wake-up for them"},
