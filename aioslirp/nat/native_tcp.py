@@ -113,14 +113,16 @@ _RATE_COUNTERS = (("rate_held_up", "tcp_rate_held_up"), ("rate_paused_down", "tc
 #: guest's credit when larger; a smaller one would open windows too small to be used (the guest's
 #: silly-window avoidance) or read less than a segment. What a turn moves beyond its credit is the
 #: guest's debt (:mod:`aioslirp.fair`).
-TURN_MIN = 64 * 1024
+TURN_MIN = 16 * 1024
 
 #: Charges in a row that find no other guest busy (``FairLink.alone``) before a guest that waited
-#: for its turns moves without a bound again; the bound doubles on each (from 2 x :data:`TURN_MIN`).
-#: A neighbour idle for a moment (its socket empty between two reads) does not hand a flooding
-#: guest an unbounded turn (every flow's window at once, up to MiBs) that the scheduler would
-#: forgive as uncontended; a guest left alone is unbounded again after a few turns.
-ALONE_TURNS = 6
+#: for its turns moves without a bound again. Until then it moves :data:`TURN_MIN` at a time, and
+#: once its credit is spent it waits one pass of the scheduler (which credits it: no other guest
+#: waits), so that a neighbour idle for a moment (its socket empty between two reads, its guest
+#: not scheduled by the kernel) is served first when it comes back, instead of finding the
+#: flooding guest in an unbounded turn (every flow's window at once, up to MiBs) that the
+#: scheduler forgave as uncontended. A guest left alone is unbounded again after these charges.
+ALONE_TURNS = 16
 
 #: Seconds in TIME-WAIT after the guest's last segment: ``TcpConnection``'s ``time_wait``, which
 #: the Python path leaves at its default.
@@ -316,25 +318,38 @@ class _Turns:
         n = total - self.seen
         self.seen = total
         share = self.share
-        if share.charge(n):  # over the guest's share, another guest busy: hold, wait for the turn
-            if not self.waiting:
-                self.waiting = True
-                self.plane.ctx.counters[self.counter] += 1
-                self._allow(0)
-                share.wait(self.turn)
-        elif self.bounded and not self.waiting:  # a turn goes on: what is left of the credit
-            if share.link.alone():  # no other guest busy: the bound doubles, and goes after ALONE_TURNS
-                self.alone += 1
-                if self.alone >= ALONE_TURNS:
-                    self.bounded = False
-                    due = self._allow(None)
-                else:
-                    due = self._allow(TURN_MIN << self.alone)
-            else:
+        if not self.bounded or self.waiting:  # no bound (the usual case: one subtraction), or held already
+            if share.charge(n) and not self.waiting:  # over its share, another guest busy
                 self.alone = 0
-                due = self._allow(max(TURN_MIN, int(share.available())))
-            if due:  # held flows resume: on the next loop iteration (this runs inside a poll or a batch)
-                self.plane.poll_soon()
+                self._wait()
+            return
+        left = share.available() - n  # a turn goes on: its credit after this charge
+        if share.charge(n):
+            self.alone = 0
+            self._wait()
+            return
+        if share.link.alone():  # no other guest busy (a neighbour idle for a moment, or gone)
+            self.alone += 1
+            if self.alone >= ALONE_TURNS:  # gone: no bound
+                self.bounded = False
+                due = self._allow(None)
+            elif left <= 0:  # its credit is spent (the scheduler credited it): a pass first
+                self._wait()
+                return
+            else:
+                due = self._allow(TURN_MIN)
+        else:
+            self.alone = 0
+            due = self._allow(max(TURN_MIN, int(share.available())))
+        if due:  # held flows resume: on the next loop iteration (this runs inside a poll or a batch)
+            self.plane.poll_soon()
+
+    def _wait(self) -> None:
+        """Hold the engine that way and wait for the guest's turn (counted as the Python path counts it)."""
+        self.waiting = True
+        self.plane.ctx.counters[self.counter] += 1
+        self._allow(0)
+        self.share.wait(self.turn)
 
     def turn(self) -> None:
         """The guest's turn that way (the scheduler's pass): the engine may move the guest's
@@ -345,7 +360,6 @@ class _Turns:
         except ValueError:  # the engine is closed (the stack's serve ended)
             return
         self.bounded = True
-        self.alone = 0
         self.plane.poll()
 
 
