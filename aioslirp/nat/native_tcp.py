@@ -61,7 +61,10 @@ two extensions meet in ``aioslirp/native/tcpsink.h``). Python stays the control 
   Python path counts them). On its turn the engine gets the guest's credit as an allowance (it
   holds itself once that is spent, so that a turn is about one quantum, not every flow's window)
   and is polled at once: the held flows resume without waiting for an event. The allowance is
-  lifted once a charge finds no other guest waiting. The engine's epoll fd (and the TAP fd of the
+  lifted once :data:`ALONE_TURNS` charges in a row found no other guest busy. Up, while an
+  allowance is set, the engine charges our window when it opens rather than the bytes when they
+  come (``TcpEngine.moved()``'s first total), so that the guest's flows together get no more than
+  it. The engine's epoll fd (and the TAP fd of the
   native reader) is watched by the stack's seat in the express lane, so a light guest's native
   flows are served early as its Python flows are. Without contention all this is one
   subtraction per turn.
