@@ -767,14 +767,15 @@ static void rate_hold(struct tn_engine *e, struct tn_flow *f, uint16_t flag, dou
 
 /* ------------------------------------------------------------------ allowances (tn_allow) */
 
-/* f stops for the allowance of a direction (HOLD_UP / HOLD_DOWN): listed (at the end) once. */
-static void hold(struct tn_engine *e, struct tn_flow *f, uint8_t bit)
+/* f stops for the allowance of a direction (HOLD_UP / HOLD_DOWN, both when relisted): listed (at
+ * the end) once; counted (held_up / held_down) when count. */
+static void hold_as(struct tn_engine *e, struct tn_flow *f, uint8_t bit, int count)
 {
-    if (f->held & bit)
+    if ((f->held & bit) == bit)
         return;
-    if (bit == HOLD_UP)
+    if (count && (bit & HOLD_UP))
         e->c.held_up++;
-    else
+    if (count && (bit & HOLD_DOWN))
         e->c.held_down++;
     if (!f->held) {
         uint32_t me = (uint32_t)(f - e->flows) + 1;
@@ -788,6 +789,11 @@ static void hold(struct tn_engine *e, struct tn_flow *f, uint8_t bit)
         e->nheld++;
     }
     f->held |= bit;
+}
+
+static void hold(struct tn_engine *e, struct tn_flow *f, uint8_t bit)
+{
+    hold_as(e, f, bit, 1);
 }
 
 /* f leaves the list of held flows (resumed, or over); its bits are returned. */
@@ -857,16 +863,21 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now);
 static void maybe_done(struct tn_engine *e, struct tn_flow *f, double now);
 
 /* The held flows, as they were when the allowance rose, in the order they were held: a window
- * update for those held up (where it grew), the host socket read for those held down. A flow
- * held again meanwhile (the allowance ran out again) goes to the end of the list. */
+ * update for those held up (where it grew), the host socket read for those held down; a hold
+ * whose allowance is still spent stays (relisted, not counted again). A flow held again
+ * meanwhile (the allowance ran out again) goes to the end of the list. */
 static void resume_held(struct tn_engine *e, double now)
 {
     e->resume_due = 0;
+    uint8_t open = (e->allow_up > 0 ? HOLD_UP : 0) | (e->allow_down > 0 ? HOLD_DOWN : 0);
     for (uint32_t n = e->nheld; n && e->hold_head; n--) {
         struct tn_flow *f = &e->flows[e->hold_head - 1];
         uint8_t bits = unhold(e, f);
         if (f->state != ST_ESTABLISHED)
             continue;
+        if (bits & ~open)
+            hold_as(e, f, bits & ~open, 0);
+        bits &= open;
         if (bits & HOLD_UP)
             adv_window_update(e, f);
         if ((bits & HOLD_DOWN) && f->state == ST_ESTABLISHED) {

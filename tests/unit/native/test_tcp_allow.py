@@ -138,3 +138,26 @@ def test_moved_and_the_metered_pending():
         f.e.allow(up=-1)
     c = f.e.counters()
     assert (c["bytes_up"], c["bytes_down"]) == (100, 5_000)
+
+
+def test_raising_one_allowance_leaves_the_other_direction_held():
+    f = EngineFlow(False, rcv_buf=WND).established()
+    mss = _mss(False)
+    f.e.allow(up=0, down=0)
+    assert f.send(ACK, data=_data(mss), win=0xFFFF)  # our window would open: held up
+    f.host_send(_data(10_000))  # held down
+    (a,) = f.out()
+    edge = M(a.ack + a.wnd)
+    c = f.e.counters()
+    assert (c["held_up"], c["held_down"]) == (1, 1)
+    assert f.e.allow(down=None) == 1
+    f.poll(0.1)
+    out = f.out()
+    assert sum(len(s.payload) for s in out) == 10_000  # down resumed...
+    assert all(M(s.ack + s.wnd) == edge for s in out)  # ...up still held: its edge never moved
+    c = f.e.counters()
+    assert (c["held_up"], c["held_down"]) == (1, 1)  # (still the same hold, not counted again)
+    assert f.e.allow(up=None) == 1
+    f.poll(0.2)
+    (u,) = f.out()
+    assert M(u.ack + u.wnd) == M(IRS + 1 + mss + WND)
