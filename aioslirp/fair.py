@@ -40,8 +40,9 @@ callback, behind the backlogged guests' work already running or due in the same 
 (a bulk turn: one host read of up to 256 KiB, its frames, the writer's TAP write, the guest's
 ACKs: about 200 us of this machine's CPU, not preemptible). So, as fq_codel serves a new
 (sparse) flow before the old ones (RFC 8290 4.1), the loop's :class:`SparseLane` serves the
-*sparse* guests' input ahead of that work: it watches each guest's input fds (its transport's
-and its host sockets' epoll: :meth:`Scheduler.enrol`, :meth:`Seat.guest`) in an epoll of its own, and at the
+*sparse* guests' input ahead of that work: it watches each guest's input fds (its transport's,
+its host sockets' epoll and its native TCP engine's: :meth:`Scheduler.enrol`, :meth:`Seat.guest`)
+in an epoll of its own, and at the
 *safe points* of a bulk turn (a flow made to wait, :meth:`FairLink.wait`; the start of each
 pass; the stacks' writer before each batch, ``InjectQueue.before_write``; a backlogged guest's
 flow before it builds frames, :meth:`Share.safe_point`) it polls that epoll
