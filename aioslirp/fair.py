@@ -40,8 +40,9 @@ callback, behind the backlogged guests' work already running or due in the same 
 (a bulk turn: one host read of up to 256 KiB, its frames, the writer's TAP write, the guest's
 ACKs: about 200 us of this machine's CPU, not preemptible). So, as fq_codel serves a new
 (sparse) flow before the old ones (RFC 8290 4.1), the loop's :class:`SparseLane` serves the
-*sparse* guests' input ahead of that work: it watches each guest's input fds (its transport's
-and its host sockets' epoll: :meth:`Scheduler.enrol`, :meth:`Seat.guest`) in an epoll of its own, and at the
+*sparse* guests' input ahead of that work: it watches each guest's input fds (its transport's,
+its host sockets' epoll and its native TCP engine's: :meth:`Scheduler.enrol`, :meth:`Seat.guest`)
+in an epoll of its own, and at the
 *safe points* of a bulk turn (a flow made to wait, :meth:`FairLink.wait`; the start of each
 pass; the stacks' writer before each batch, ``InjectQueue.before_write``; a backlogged guest's
 flow before it builds frames, :meth:`Share.safe_point`) it polls that epoll
@@ -297,9 +298,7 @@ class FairLink:
         its turn; else (no contention) it is credited at once and False."""
         if share.left:
             return False
-        if self.active <= 1 and self._active_before <= 1 and not self._waiting:
-            # no other guest moved bytes this round or the one before, none waits: no contention,
-            # credit now (a guest alone on the loop never waits)
+        if self.alone():  # no contention: credit now (a guest alone on the loop never waits)
             self._advance(self._rounds_for(share))
             self.catch_up(share)
             share.mark = self.round
@@ -324,6 +323,11 @@ class FairLink:
         sp = self.safe_point
         if sp is not None:  # a bulk turn is over its share: let the sparse guests in first
             sp()
+
+    def alone(self) -> bool:
+        """At most one guest (the one just charged) moved bytes this round and the one before, and
+        none waits: a guest charged to zero now is credited at once (:meth:`overdrawn`)."""
+        return self.active <= 1 and self._active_before <= 1 and not self._waiting
 
     def contended(self) -> bool:
         """Some guest's flow waits for its turn (the link is contended)."""
@@ -505,22 +509,22 @@ class Seat:
     """One guest's place in a :class:`SparseLane` (:meth:`SparseLane.seat`): its input fds, watched
     with its shares; each callback run early is counted in ``counters["fair_express"]``."""
 
-    __slots__ = ("lane", "shares", "counters", "fds", "_guest_fd")
+    __slots__ = ("lane", "shares", "counters", "fds", "_guest_fds")
 
     lane: SparseLane
     shares: tuple[Share, ...]
     counters: dict[str, int]
     #: The fds watched for this guest -> the callback the lane runs (its counting wrapper).
     fds: dict[int, Callable[[], None]]
-    #: The fd of its transport watched (:meth:`guest`), or -1.
-    _guest_fd: int
+    #: The fds watched by :meth:`guest` (its transport's, its native engine's).
+    _guest_fds: list[int]
 
     def __init__(self, lane: SparseLane, shares: tuple[Share, ...], counters: dict[str, int]) -> None:
         self.lane = lane
         self.shares = shares
         self.counters = counters
         self.fds = {}
-        self._guest_fd = -1
+        self._guest_fds = []
 
     def watch(self, fd: int, callback: Callable[[], None]) -> None:
         """:meth:`SparseLane.watch` for this guest."""
@@ -539,23 +543,27 @@ class Seat:
         if express is not None:
             self.lane.unwatch(fd, express)
 
-    def guest(self, transport: object | None) -> None:
+    def guest(self, transport: object | None, *readers: tuple[int, Callable[[], None]] | None) -> None:
         """Watch the fd of the guest's ``transport`` (its ``guest_reader()``: ``(fd, callback)``, or
-        ``None`` or no such method: nothing; a closed fd: nothing, logged at DEBUG), in place of the
-        one before; ``None``: stop watching it (before the transport closes)."""
-        if self._guest_fd >= 0:
-            self.unwatch(self._guest_fd)
-            self._guest_fd = -1
+        ``None`` or no such method: nothing; a closed fd: nothing, logged at DEBUG) and ``readers``
+        (more ``(fd, callback)`` pairs of the guest's input while the transport is served: its native
+        TCP engine's epoll; ``None`` entries skipped), in place of those before; ``None``: stop
+        watching them (before the transport and the engine close their fds)."""
+        for fd in self._guest_fds:
+            self.unwatch(fd)
+        self._guest_fds = []
+        if transport is None:
+            return
         reader = getattr(transport, "guest_reader", None)
-        found = reader() if reader is not None else None
-        if found is not None:
+        for found in (reader() if reader is not None else None, *readers):
+            if found is None:
+                continue
             try:
                 self.watch(*found)
             except OSError as exc:  # closed meanwhile: nothing to serve early
-                log.debug("fair scheduler: guest %s's transport fd %d not watched: %s", self.shares[0].name,
-                          found[0], exc)
-                return
-            self._guest_fd = found[0]
+                log.debug("fair scheduler: guest %s's fd %d not watched: %s", self.shares[0].name, found[0], exc)
+                continue
+            self._guest_fds.append(found[0])
 
     def leave(self) -> None:
         """The guest is gone (its stack closes): stop watching its fds, and its shares leave their
@@ -563,7 +571,7 @@ class Seat:
         for fd, express in self.fds.items():
             self.lane.unwatch(fd, express)
         self.fds.clear()
-        self._guest_fd = -1
+        self._guest_fds = []
         for share in self.shares:
             share.leave()
 

@@ -532,9 +532,9 @@ class Stack:
             self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
             raise
         # TCP NAT flows in C (a native TAP reader; its trace points at the stack's trace level)
-        p.ctx.native_tcp = NativeTcp.start(p.ctx, untraced, frames_traced=frame_tracer is not None)
-        if self._seat is not None:  # the express lane may read the guest's frames early (aioslirp.fair)
-            self._seat.guest(raw)
+        native_tcp = p.ctx.native_tcp = NativeTcp.start(p.ctx, untraced, frames_traced=frame_tracer is not None)
+        if self._seat is not None:  # the express lane may read the guest's frames (and engine's events) early
+            self._seat.guest(raw, None if native_tcp is None else native_tcp.reader())
         self.event_log.emit("ready", **info)
         if p.v6 is not None:
             p.v6.start_ra()  # an RA at once, then periodically (RFC 4861 6.2.4)
@@ -549,7 +549,7 @@ class Stack:
                     await self.farewell()  # asked to stop, the guest still there: RST its flows first
             finally:
                 if self._seat is not None:
-                    self._seat.guest(None)  # (before the transport closes its fd)
+                    self._seat.guest(None)  # (before the transport and the native engine close their fds)
                 native_tcp, p.ctx.native_tcp = p.ctx.native_tcp, None
                 if native_tcp is not None:  # its flows end (RST to the guest), its sockets close
                     native_tcp.close()

@@ -21,7 +21,8 @@ proportion to their weights: 1.0 is exactly fair), and per latency guest the p50
 unloaded, loaded and their ratio; then one JSON line with the same figures (and per guest
 ``fair_waits``: how often its flows waited for its turn, the stack's ``tcp_fair_wait_down`` +
 ``tcp_fair_wait_up``; ``express``: how often the scheduler's express lane ran its input early,
-the stack's ``fair_express``; and ``loop_cpu``: the CPU time of this process, the stacks' loop,
+the stack's ``fair_express``; ``native_tcp``: its TCP flows ran on the native data plane (the
+default where it is built; ``AIOSLIRP_NATIVE=0`` in the environment: the Python path); and ``loop_cpu``: the CPU time of this process, the stacks' loop,
 per second of the loaded window: 1.0 is one core busy).
 
 The issue-28 target: every guest >= 0.9 of its fair share and a latency ratio <= 1.5.
@@ -245,14 +246,16 @@ async def measure(args) -> dict:
             # how often each guest's flows waited for its turn (0 without the scheduler)
             waits = [{k: g.stack.counters.get(k, 0) for k in ("tcp_fair_wait_down", "tcp_fair_wait_up", "fair_express")}
                      for *_, g in procs]
+            # the guest's TCP flows ran on the native data plane (its stack still serves: stats() has them)
+            native = [g.stack.stats().get("native_tcp", {}).get("adopted", 0) > 0 for *_, g in procs]
         rows = []
-        for (name, kind, flows, weight, _g), out, w in zip(procs, outs, waits):
+        for (name, kind, flows, weight, _g), out, w, nat in zip(procs, outs, waits, native):
             lines = out.decode().strip().splitlines()
             if not lines:
                 raise SystemExit(f"fairness.py: guest {name} printed nothing")
             rows.append({"guest": name, "kind": kind, "flows": flows, "weight": weight, **json.loads(lines[-1]),
                          "fair_waits": w.get("tcp_fair_wait_down", 0) + w.get("tcp_fair_wait_up", 0),
-                         "express": w.get("fair_express", 0)})
+                         "express": w.get("fair_express", 0), "native_tcp": nat})
         downloads = [r for r in rows if r["kind"] == "download"]
         total = sum(r["bytes"] for r in downloads)
         wsum = sum((r["weight"] or 1.0) for r in downloads)

@@ -56,6 +56,27 @@ two extensions meet in ``aioslirp/native/tcpsink.h``). Python stays the control 
   Rates are whole bytes/s (rounded); one below 1 or above :data:`RATE_MAX` keeps TCP on the
   Python path.
 
+* **Fair shares hold in C too.** A stack enrolled in the loop's fair scheduler (:mod:`aioslirp.fair`,
+  ``NetworkConfig.fair_weight``) has its guest's shares ``ctx.running.share_up`` / ``share_down``;
+  the bytes its engine moves each way (``TcpEngine.moved()``, the engine's totals) are charged to
+  them after each turn: each :meth:`NativeTcp.poll` and each batch of guest frames the TAP
+  reader or the vhost-user ring walker handed to the engine (the engine is *metered*: its
+  ``pending()`` says so after a batch that moved bytes, and :meth:`NativeTcp.take` charges). A
+  charge over the guest's share while another guest is busy holds that direction of the whole
+  engine (``TcpEngine.allow(down=0)``: no host socket is read; ``up=0``: our window to the guest
+  opens no further, what it may still send under the edge already advertised is taken and
+  charged) and waits for the guest's turn (``tcp_fair_wait_down`` / ``tcp_fair_wait_up``, as the
+  Python path counts them). On its turn the engine gets the guest's credit as an allowance (it
+  holds itself once that is spent, so that a turn is about one quantum, not every flow's window)
+  and is polled at once: the held flows resume without waiting for an event. The allowance is
+  lifted once :data:`ALONE_TURNS` charges in a row found no other guest busy. Up, while an
+  allowance is set, the engine charges our window when it opens rather than the bytes when they
+  come (``TcpEngine.moved()``'s first total), so that the guest's flows together get no more than
+  it. The engine's epoll fd (and the TAP fd of the
+  native reader) is watched by the stack's seat in the express lane, so a light guest's native
+  flows are served early as its Python flows are. Without contention all this is one
+  subtraction per turn.
+
 Not on the native plane in this version (the Python path takes them, unchanged): a transport
 wrapped for pcap, flows to Python handlers and to the DNS service, port forwards (host ->
 guest), and every transport other than the TAP and vhost-user. The engine's own counters are in
@@ -70,9 +91,11 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable
 from typing import ClassVar
 
 from .. import native
+from ..fair import Share
 from ..flow.base import admission
 from ..wire.icmp import KIND_HOST, KIND_NET
 from ..wire.ip import PROTO_TCP
@@ -101,6 +124,21 @@ _FE_SENT = 10
 RATE_MAX = 1 << 36
 #: The engine's counters of rate-cap holds -> the Python path's counter names.
 _RATE_COUNTERS = (("rate_held_up", "tcp_rate_held_up"), ("rate_paused_down", "tcp_rate_paused_down"))
+
+#: The least allowance the engine gets on a guest's turn or while a turn goes on (bytes): the
+#: guest's credit when larger; a smaller one would open windows too small to be used (the guest's
+#: silly-window avoidance) or read less than a segment. What a turn moves beyond its credit is the
+#: guest's debt (:mod:`aioslirp.fair`).
+TURN_MIN = 16 * 1024
+
+#: Charges in a row that find no other guest busy (``FairLink.alone``) before a guest that waited
+#: for its turns moves without a bound again. Until then it moves :data:`TURN_MIN` at a time, and
+#: once its credit is spent it waits one pass of the scheduler (which credits it: no other guest
+#: waits), so that a neighbour idle for a moment (its socket empty between two reads, its guest
+#: not scheduled by the kernel) is served first when it comes back, instead of finding the
+#: flooding guest in an unbounded turn (every flow's window at once, up to MiBs) that the
+#: scheduler forgave as uncontended. A guest left alone is unbounded again after these charges.
+ALONE_TURNS = 16
 
 #: Seconds in TIME-WAIT after the guest's last segment: ``TcpConnection``'s ``time_wait``, which
 #: the Python path leaves at its default.
@@ -266,13 +304,92 @@ class NativeTcpFlow:
         return False
 
 
+class _Turns:
+    """One direction of a :class:`NativeTcp` in the loop's fair scheduler: the guest's
+    :class:`~aioslirp.fair.Share` that way, charged with the bytes the engine moved; over it (with
+    another guest waiting) the engine is held that way until the guest's turn (the module
+    documentation, "Fair shares hold in C too")."""
+
+    __slots__ = ("plane", "share", "up", "counter", "seen", "waiting", "bounded", "alone")
+
+    def __init__(self, plane: "NativeTcp", share: Share, up: bool) -> None:
+        self.plane = plane
+        self.share = share
+        self.up = up
+        #: The stack's counter of the waits (the Python path's name).
+        self.counter = "tcp_fair_wait_up" if up else "tcp_fair_wait_down"
+        #: The engine's total that way when last charged (bytes).
+        self.seen = 0
+        #: Held, waiting for the guest's turn (one callback registered at a time).
+        self.waiting = False
+        #: The engine has an allowance that way (the credit of a turn), not "no bound".
+        self.bounded = False
+        #: Charges in a row that found no other guest busy while bounded (:data:`ALONE_TURNS`).
+        self.alone = 0
+
+    def _allow(self, n: int | None) -> int:
+        """The engine's allowance that way (bytes, ``None`` no bound); 1: held flows resume at its next poll."""
+        engine = self.plane.engine
+        return engine.allow(up=n) if self.up else engine.allow(down=n)
+
+    def charge(self, total: int) -> None:
+        """The engine's total that way is now ``total`` bytes: charge what moved since the last call."""
+        n = total - self.seen
+        self.seen = total
+        share = self.share
+        if not self.bounded or self.waiting:  # no bound (the usual case: one subtraction), or held already
+            if share.charge(n) and not self.waiting:  # over its share, another guest busy
+                self.alone = 0
+                self._wait()
+            return
+        left = share.available() - n  # a turn goes on: its credit after this charge
+        if share.charge(n):
+            self.alone = 0
+            self._wait()
+            return
+        if share.link.alone():  # no other guest busy (a neighbour idle for a moment, or gone)
+            self.alone += 1
+            if self.alone >= ALONE_TURNS:  # gone: no bound
+                self.bounded = False
+                due = self._allow(None)
+            elif left <= 0:  # its credit is spent (the scheduler credited it): a pass first
+                self._wait()
+                return
+            else:
+                due = self._allow(TURN_MIN)
+        else:
+            self.alone = 0
+            due = self._allow(max(TURN_MIN, int(share.available())))
+        if due:  # held flows resume: on the next loop iteration (this runs inside a poll or a batch)
+            self.plane.poll_soon()
+
+    def _wait(self) -> None:
+        """Hold the engine that way and wait for the guest's turn (counted as the Python path counts it)."""
+        self.waiting = True
+        self.plane.ctx.counters[self.counter] += 1
+        self._allow(0)
+        self.share.wait(self.turn)
+
+    def turn(self) -> None:
+        """The guest's turn that way (the scheduler's pass): the engine may move the guest's
+        credit, and is polled now (its held flows resume)."""
+        self.waiting = False
+        try:
+            self._allow(max(TURN_MIN, int(self.share.available())))
+        except ValueError:  # the engine is closed (the stack's serve ended)
+            return
+        self.bounded = True
+        self.plane.poll()
+
+
 class NativeTcp:
     """The native TCP engine of one served TAP and the flows it runs (see the module documentation).
 
     ``ctx``: the stack's :class:`~aioslirp.flow.context.FlowContext`; ``engine``: the
     ``TcpEngine``; its epoll is read by :meth:`poll` from the loop."""
 
-    __slots__ = ("ctx", "engine", "flows", "loop", "_fd", "tracer", "frames_traced", "rated", "_rate_seen")
+    __slots__ = ("ctx", "engine", "flows", "loop", "_fd", "tracer", "frames_traced", "rated", "_rate_seen", "_up",
+                 "_down", "_poll_due")
 
     #: More keyword arguments of the engine (tests: ``{"peek_off": False}`` takes the fallback for
     #: kernels without ``SO_PEEK_OFF``, a discard buffer).
@@ -292,6 +409,13 @@ class NativeTcp:
         self._rate_seen = {name: 0 for name, _ in _RATE_COUNTERS}
         if self.tracer is not None:
             engine.trace(TRACE_RING)
+        #: The guest's shares of the loop's fair scheduler each way (:class:`_Turns`), ``None``: not scheduled.
+        running = ctx.running
+        self._up = None if running.share_up is None else _Turns(self, running.share_up, True)
+        self._down = None if running.share_down is None else _Turns(self, running.share_down, False)
+        if self._up is not None or self._down is not None:
+            engine.meter(True)  # the TAP reader's batches that moved bytes call take(): charged there
+        self._poll_due = False
         self._fd = engine.fileno()
         if self._fd >= 0:
             self.loop.add_reader(self._fd, self.poll)
@@ -376,6 +500,34 @@ class NativeTcp:
         if self.rated:
             self._rate_counters()
         self._records(records)
+        self._charge()
+
+    def poll_soon(self) -> None:
+        """:meth:`poll` on the next loop iteration (once, however often asked before it runs)."""
+        if not self._poll_due:
+            self._poll_due = True
+            self.loop.call_soon(self._poll_now)
+
+    def _poll_now(self) -> None:
+        self._poll_due = False
+        self.poll()
+
+    def reader(self) -> tuple[int, Callable[[], None]] | None:
+        """The engine's epoll fd and its reader (:meth:`poll`), for the fair scheduler's express
+        lane (``Seat.watch``); ``None`` without one (a fake engine) or once closed."""
+        return None if self._fd < 0 else (self._fd, self.poll)
+
+    def _charge(self) -> None:
+        """Charge the bytes the engine moved since the last call to the guest's shares (when it
+        has them); over a share, that direction is held until the guest's turn (:class:`_Turns`)."""
+        up, down = self._up, self._down
+        if up is None and down is None:
+            return
+        moved_up, moved_down = self.engine.moved()
+        if down is not None and moved_down != down.seen:
+            down.charge(moved_down)
+        if up is not None and moved_up != up.seen:
+            up.charge(moved_up)
 
     def _rate_counters(self) -> None:
         """Add the engine's rate-cap holds since the last call to the stack's counters
@@ -390,13 +542,15 @@ class NativeTcp:
                 seen[name] = value
 
     def take(self) -> None:
-        """Take the engine's records, nothing else (the TAP reader's hook after a batch that ended
-        flows: the socket events are this object's reader's, not a second ``epoll_wait``)."""
+        """Take the engine's records and charge the bytes it moved, nothing else (the TAP reader's hook
+        after a batch that ended flows or moved bytes: the socket events are this object's reader's,
+        not a second ``epoll_wait``)."""
         try:
             records = self.engine.records()
         except ValueError:  # closed
             return
         self._records(records)
+        self._charge()
 
     def _records(self, records: list) -> None:
         if self.tracer is not None:  # before the ends below: their flows are still known

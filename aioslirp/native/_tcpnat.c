@@ -17,6 +17,8 @@
  *     .info(slot, gen) -> (state, last_active, bytes_up, bytes_down, snd_wnd, rcv_wnd) | None
  *     .records() -> the records of poll() alone (no socket events, no timers)
  *     .counters() -> dict; .live() -> int; .forget_tap(); .pending() -> bool; .hook_records(on); .close()
+ *     .allow(up=..., down=...) -> int                  (allowances: bytes, None no bound; tn_allow)
+ *     .moved() -> (charged_up, bytes_down); .meter(on) (pending() also when bytes moved since moved())
  *     .trace(capacity)                                 (trace points on, a ring of capacity records; 0 off)
  *     .trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags), ...], overflow)  (slot -1: no flow)
  *   fake only: .fake_connect_mode(err), .fake_frames() -> [bytes], .fake_connect_done(fd, err, now),
@@ -70,6 +72,8 @@ typedef struct {
     struct tn_engine *e;
     int tap_fd, epfd, tfd, fake, peek_off;
     int hooked; /* the TAP reader's caller takes the records after each batch (pending()): no wake-up */
+    int metered; /* pending() also says bytes moved since the last moved() (meter()) */
+    uint64_t seen_up, seen_down; /* the totals the last moved() returned */
     double armed; /* the timerfd's deadline, 0 none */
     /* fake */
     struct fake_sock *fs;
@@ -839,7 +843,7 @@ static PyObject *engine_counters(PyObject *op, PyObject *unused)
         return NULL;
     const struct tn_counters *c = tn_counters(g->e);
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
         (unsigned long long)c->frames_out, "tap_write_errors", (unsigned long long)c->tap_write_errors,
         "bad_checksum", (unsigned long long)c->bad_checksum, "out_of_window", (unsigned long long)c->out_of_window,
         "bad_ack", (unsigned long long)c->bad_ack, "syn_on_open", (unsigned long long)c->syn_on_open, "rst_bad_seq",
@@ -849,8 +853,10 @@ static PyObject *engine_counters(PyObject *op, PyObject *unused)
         "window_updates", (unsigned long long)c->window_updates, "rate_held_up",
         (unsigned long long)c->rate_held_up, "rate_paused_down", (unsigned long long)c->rate_paused_down,
         "adopted", (unsigned long long)c->adopted, "ended", (unsigned long long)c->ended, "trace_overflow",
-        (unsigned long long)tn_trace_overflow(g->e), "live",
-        tn_live_flows(g->e), "peek_off", g->peek_off);
+        (unsigned long long)tn_trace_overflow(g->e), "held_up", (unsigned long long)c->held_up, "held_down",
+        (unsigned long long)c->held_down, "bytes_up", (unsigned long long)c->bytes_up, "charged_up",
+        (unsigned long long)c->charged_up, "bytes_down",
+        (unsigned long long)c->bytes_down, "live", tn_live_flows(g->e), "peek_off", g->peek_off);
 }
 
 static PyObject *engine_live(PyObject *op, PyObject *unused)
@@ -867,11 +873,80 @@ static PyObject *engine_fileno(PyObject *op, PyObject *unused)
     return PyLong_FromLong(g->epfd);
 }
 
+static int moved_since(const Engine *g)
+{
+    const struct tn_counters *c = tn_counters(g->e);
+    return c->charged_up != g->seen_up || c->bytes_down != g->seen_down;
+}
+
 static PyObject *engine_pending(PyObject *op, PyObject *unused)
 {
     Engine *g = (Engine *)op;
     (void)unused;
-    return PyBool_FromLong(g->e && tn_records_pending(g->e));
+    return PyBool_FromLong(g->e && (tn_records_pending(g->e) || (g->metered && moved_since(g))));
+}
+
+/* moved() -> (charged_up, bytes_down): the engine's totals of bytes charged each way (guest ->
+ * host: taken, or while an up allowance is set the window given; host -> guest: sent, not
+ * counting retransmissions); pending() forgets them. */
+static PyObject *engine_moved(PyObject *op, PyObject *unused)
+{
+    Engine *g = (Engine *)op;
+    (void)unused;
+    if (!ready(g))
+        return NULL;
+    const struct tn_counters *c = tn_counters(g->e);
+    g->seen_up = c->charged_up;
+    g->seen_down = c->bytes_down;
+    return Py_BuildValue("(KK)", (unsigned long long)c->charged_up, (unsigned long long)c->bytes_down);
+}
+
+static PyObject *engine_meter(PyObject *op, PyObject *arg)
+{
+    Engine *g = (Engine *)op;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    g->metered = on;
+    Py_RETURN_NONE;
+}
+
+/* One allowance argument: absent (TN_ALLOW_KEEP), None (TN_ALLOW_ALL) or bytes >= 0. */
+static int allowance(PyObject *o, const char *name, int64_t *out)
+{
+    if (!o) {
+        *out = TN_ALLOW_KEEP;
+        return 0;
+    }
+    if (o == Py_None) {
+        *out = TN_ALLOW_ALL;
+        return 0;
+    }
+    long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v < 0) {
+        PyErr_Format(PyExc_ValueError, "allow: %s must be None or bytes >= 0", name);
+        return -1;
+    }
+    *out = (int64_t)v;
+    return 0;
+}
+
+/* allow(up=..., down=...) -> 1 when held flows are due to resume (the next poll()), else 0. */
+static PyObject *engine_allow(PyObject *op, PyObject *args, PyObject *kwargs)
+{
+    Engine *g = (Engine *)op;
+    static char *kwlist[] = {"up", "down", NULL};
+    PyObject *upo = NULL, *downo = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$OO", kwlist, &upo, &downo))
+        return NULL;
+    int64_t up, down;
+    if (allowance(upo, "up", &up) < 0 || allowance(downo, "down", &down) < 0)
+        return NULL;
+    if (!ready(g))
+        return NULL;
+    return PyLong_FromLong(tn_allow(g->e, up, down)); /* (the caller polls: the timer is not armed) */
 }
 
 static PyObject *engine_records(PyObject *op, PyObject *unused)
@@ -1156,7 +1231,14 @@ static PyMethodDef engine_methods[] = {
     {"trace_take", engine_trace_take, METH_NOARGS,
      "trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags)], overflow): the trace records, oldest first"},
     {"forget_tap", engine_forget_tap, METH_NOARGS, "forget_tap(): the TAP fd is closing: write no frame to it"},
-    {"pending", engine_pending, METH_NOARGS, "pending() -> bool: records wait to be taken (poll())"},
+    {"pending", engine_pending, METH_NOARGS,
+     "pending() -> bool: records wait to be taken (poll()), or bytes moved since moved() once metered (meter())"},
+    {"moved", engine_moved, METH_NOARGS,
+     "moved() -> (charged_up, bytes_down): the engine's totals of bytes charged each way (tcpnat.h, allowances)"},
+    {"meter", engine_meter, METH_O, "meter(on): pending() also says True when bytes moved since moved()"},
+    {"allow", (PyCFunction)(void (*)(void))engine_allow, METH_VARARGS | METH_KEYWORDS,
+     "allow(*, up=..., down=...) -> int: bytes each way before the engine holds itself (None: no bound, 0: hold "
+     "now, absent: unchanged); 1 when held flows resume at the next poll() (the caller's to call)"},
     {"records", engine_records, METH_NOARGS, "records() -> the records waiting (poll() without its events and timers)"},
     {"hook_records", engine_hook_records, METH_O,
      "hook_records(on): the TAP reader's caller asks pending() after each batch and polls: no timer wake-up for them"},

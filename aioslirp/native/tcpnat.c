@@ -48,6 +48,10 @@ enum {
 #define FL_RATE_UP 0x2000u     /* our window is held small by the up rate cap: rate_at reopens it */
 #define FL_RATE_DOWN 0x4000u   /* reading the host socket waits for the down rate cap: rate_at */
 
+/* f->held bits (tn_allow) */
+#define HOLD_UP 0x01u
+#define HOLD_DOWN 0x02u
+
 struct tn_flow {
     uint32_t gen;
     uint8_t state, v6, dupacks, retries;
@@ -71,6 +75,9 @@ struct tn_flow {
     double wnd_at, wnd_every;  /* our window is small: look at the socket's room again then */
     double progress_at;        /* our FIN sent: its time, then of each ACK of new data (linger) */
     double rate_at;            /* held by a rate cap: wake up then (0 none) */
+    uint32_t hold_prev, hold_next; /* in the list of held flows (slot + 1, 0 none): while held != 0 */
+    uint32_t up_mark;          /* guest -> host bytes charged up to here (charged_up, the up allowance) */
+    uint8_t held;              /* HOLD_UP / HOLD_DOWN: the allowance of that direction ran out */
     uint64_t bytes_up, bytes_down;
     uint8_t outcome, why;
     uint8_t tr_guest, tr_host, tr_sent; /* TN_FE_GUEST_DATA / HOST_DATA / DATA_SENT events written
@@ -91,6 +98,9 @@ struct tn_bucket {
 struct tn_engine {
     struct tn_config cfg;
     struct tn_bucket up, down; /* the rate caps (cfg.rate_up / rate_down) */
+    int64_t allow_up, allow_down; /* bytes each way before a hold (tn_allow), TN_ALLOW_ALL none */
+    uint32_t hold_head, hold_tail, nheld; /* the held flows, oldest first (slot + 1) */
+    int resume_due;            /* an allowance rose above zero with flows held: resume them */
     struct tn_io io;
     struct tn_flow *flows;
     uint32_t cap, live, free_head;
@@ -516,6 +526,7 @@ struct tn_engine *tn_new(const struct tn_config *cfg, const struct tn_io *io)
     e->rcv_wnd = w;
     bucket_init(&e->up, cfg->rate_up);
     bucket_init(&e->down, cfg->rate_down);
+    e->allow_up = e->allow_down = TN_ALLOW_ALL;
     return e;
 }
 
@@ -804,6 +815,131 @@ static void rate_hold(struct tn_engine *e, struct tn_flow *f, uint16_t flag, dou
     }
 }
 
+/* ------------------------------------------------------------------ allowances (tn_allow) */
+
+/* f stops for the allowance of a direction (HOLD_UP / HOLD_DOWN, both when relisted): listed (at
+ * the end) once; counted (held_up / held_down) when count. */
+static void hold_as(struct tn_engine *e, struct tn_flow *f, uint8_t bit, int count)
+{
+    if ((f->held & bit) == bit)
+        return;
+    if (count && (bit & HOLD_UP))
+        e->c.held_up++;
+    if (count && (bit & HOLD_DOWN))
+        e->c.held_down++;
+    if (!f->held) {
+        uint32_t me = (uint32_t)(f - e->flows) + 1;
+        f->hold_prev = e->hold_tail;
+        f->hold_next = 0;
+        if (e->hold_tail)
+            e->flows[e->hold_tail - 1].hold_next = me;
+        else
+            e->hold_head = me;
+        e->hold_tail = me;
+        e->nheld++;
+    }
+    f->held |= bit;
+}
+
+static void hold(struct tn_engine *e, struct tn_flow *f, uint8_t bit)
+{
+    hold_as(e, f, bit, 1);
+}
+
+/* f leaves the list of held flows (resumed, or over); its bits are returned. */
+static uint8_t unhold(struct tn_engine *e, struct tn_flow *f)
+{
+    uint8_t bits = f->held;
+    if (!bits)
+        return 0;
+    if (f->hold_prev)
+        e->flows[f->hold_prev - 1].hold_next = f->hold_next;
+    else
+        e->hold_head = f->hold_next;
+    if (f->hold_next)
+        e->flows[f->hold_next - 1].hold_prev = f->hold_prev;
+    else
+        e->hold_tail = f->hold_prev;
+    f->hold_prev = f->hold_next = 0;
+    f->held = 0;
+    e->nheld--;
+    return bits;
+}
+
+int tn_allow(struct tn_engine *e, int64_t up, int64_t down)
+{
+    int rose = 0;
+    if (up != TN_ALLOW_KEEP) {
+        rose |= e->allow_up <= 0 && up > 0;
+        e->allow_up = up < 0 ? 0 : up;
+    }
+    if (down != TN_ALLOW_KEEP) {
+        rose |= e->allow_down <= 0 && down > 0;
+        e->allow_down = down < 0 ? 0 : down;
+    }
+    if (rose && e->nheld)
+        e->resume_due = 1;
+    return e->resume_due;
+}
+
+uint32_t tn_held_flows(const struct tn_engine *e)
+{
+    return e->nheld;
+}
+
+/* A direction's allowance spent by n bytes (nothing without a bound). */
+static inline void allow_spend(int64_t *allow, uint64_t n)
+{
+    if (*allow != TN_ALLOW_ALL)
+        *allow -= (int64_t)n; /* (n: a frame's payload or a peek; the allowance at most what Python set) */
+}
+
+/* The guest -> host bytes charged (charged_up) up to edge of f's sequence space: each byte once,
+ * when taken, or while an up allowance is set, when our window first lets the guest send it (what
+ * a held guest may still send is charged when it is held: nothing it sends later is free). */
+static void charge_up(struct tn_engine *e, struct tn_flow *f, uint32_t edge)
+{
+    if (SEQ_GT(edge, f->up_mark)) {
+        uint32_t n = edge - f->up_mark;
+        f->up_mark = edge;
+        e->c.charged_up += n;
+        allow_spend(&e->allow_up, n);
+    }
+}
+
+static void adv_window_update(struct tn_engine *e, struct tn_flow *f);
+static void send_ack(struct tn_engine *e, struct tn_flow *f);
+static void from_sock(struct tn_engine *e, struct tn_flow *f, double now);
+static void maybe_done(struct tn_engine *e, struct tn_flow *f, double now);
+
+/* The held flows, as they were when the allowance rose, in the order they were held: a window
+ * update for those held up (where it grew), the host socket read for those held down; a hold
+ * whose allowance is still spent stays (relisted, not counted again). A flow held again
+ * meanwhile (the allowance ran out again) goes to the end of the list. */
+static void resume_held(struct tn_engine *e, double now)
+{
+    e->resume_due = 0;
+    uint8_t open = (e->allow_up > 0 ? HOLD_UP : 0) | (e->allow_down > 0 ? HOLD_DOWN : 0);
+    for (uint32_t n = e->nheld; n && e->hold_head; n--) {
+        struct tn_flow *f = &e->flows[e->hold_head - 1];
+        uint8_t bits = unhold(e, f);
+        if (f->state != ST_ESTABLISHED)
+            continue;
+        if (bits & ~open)
+            hold_as(e, f, bits & ~open, 0);
+        bits &= open;
+        if (bits & HOLD_UP)
+            adv_window_update(e, f);
+        if ((bits & HOLD_DOWN) && f->state == ST_ESTABLISHED) {
+            from_sock(e, f, now);
+            if (f->state == ST_ESTABLISHED)
+                maybe_done(e, f, now);
+        }
+        if (f->state == ST_ESTABLISHED)
+            rearm(e, f);
+    }
+}
+
 /* The window w (> 0) under the up cap: what the bucket holds; 0 below min(w, TN_RATE_BATCH), and
  * the flow is held (its timer sends the window update when the bucket has refilled). */
 static uint32_t rate_window(struct tn_engine *e, struct tn_flow *f, uint32_t w)
@@ -838,9 +974,31 @@ static uint32_t adv_window(struct tn_engine *e, struct tn_flow *f)
         }
     }
     uint32_t w = f->space < e->rcv_wnd ? f->space : e->rcv_wnd;
+    if (e->allow_up != TN_ALLOW_ALL && w && f->state == ST_ESTABLISHED) {
+        /* the up allowance: the window charged already (up to up_mark) and what is left of it */
+        uint32_t open = SEQ_GT(f->up_mark, f->rcv_nxt) ? f->up_mark - f->rcv_nxt : 0;
+        uint64_t left = e->allow_up > 0 ? (uint64_t)e->allow_up : 0;
+        if (w > open && left < w - open) { /* cut short: listed, to open further when it is raised */
+            hold(e, f, HOLD_UP);
+            w = open + (uint32_t)left;
+        }
+    }
     if (e->up.rate && w) /* the up cap: at most what the bucket holds, nothing below a batch */
         w = rate_window(e, f, w);
     return w;
+}
+
+/* Our window may have grown (a hold or a rate cap over, room in the socket): a window update
+ * when it did. */
+static void adv_window_update(struct tn_engine *e, struct tn_flow *f)
+{
+    if (f->state != ST_ESTABLISHED || (f->fl & FL_TX_BLOCKED))
+        return;
+    uint32_t before = SEQ_GT(f->rcv_adv, f->rcv_nxt) ? f->rcv_adv - f->rcv_nxt : 0;
+    if (adv_window(e, f) > before) {
+        e->c.window_updates++;
+        send_ack(e, f);
+    }
 }
 
 /* One segment to the guest: seq, our rcv_nxt as ack (when ACK), flags, the payload (may be
@@ -893,6 +1051,8 @@ static void send_seg(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8
     wr16(t + 14, (uint16_t)field);
     if ((flags & TCP_ACK) && SEQ_GT(f->rcv_nxt + (field << shift), f->rcv_adv))
         f->rcv_adv = f->rcv_nxt + (field << shift);
+    if (e->allow_up != TN_ALLOW_ALL) /* bounded: the window given is charged (once), not the bytes later */
+        charge_up(e, f, f->rcv_adv);
     wr16(t + 16, 0);
     wr16(t + 18, 0);
     if (flags & TCP_SYN) {
@@ -978,6 +1138,7 @@ static void finish(struct tn_engine *e, struct tn_flow *f, uint8_t outcome, uint
     close_sock(e, f, outcome != TN_OUT_CLOSED);
     heap_remove(e, f);
     hash_remove(e, f);
+    unhold(e, f);
     f->state = ST_ZOMBIE;
     f->fl &= (uint16_t)~FL_ACK_DUE; /* tn_flush skips it */
     f->outcome = outcome;
@@ -1007,6 +1168,7 @@ static void maybe_done(struct tn_engine *e, struct tn_flow *f, double now)
         return;
     if ((f->fl & FL_WE_FIRST) && e->cfg.time_wait > 0) {
         close_sock(e, f, 0);
+        unhold(e, f);
         f->state = ST_TIME_WAIT;
         f->rto_at = f->persist_at = f->wnd_at = f->rate_at = 0;
         f->tw_until = now + e->cfg.time_wait;
@@ -1060,10 +1222,16 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
             }
             return;
         }
+        if (e->allow_down <= 0) { /* the down allowance is spent: held until tn_allow raises it */
+            hold(e, f, HOLD_DOWN);
+            return;
+        }
         size_t chunk = room;
         size_t most = e->cfg.offload ? TN_PEEK_MAX : (TN_PEEK_MAX / f->mss) * f->mss;
         if (chunk > most)
             chunk = most;
+        if ((uint64_t)e->allow_down < chunk) /* at most what is left of the allowance, a segment at least */
+            chunk = (uint64_t)e->allow_down > f->mss ? (size_t)e->allow_down : f->mss;
         if (e->down.rate) { /* the down cap: read only while the bucket is above zero, at most what it holds */
             int64_t tok = bucket_refill(&e->down, now);
             if (tok <= 0) {
@@ -1114,6 +1282,8 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
         if (SEQ_GT(f->snd_nxt, f->snd_max)) {
             uint32_t fresh = f->snd_nxt - f->snd_max; /* retransmissions are not spent again */
             f->bytes_down += fresh;
+            e->c.bytes_down += fresh;
+            allow_spend(&e->allow_down, fresh);
             f->snd_max = f->snd_nxt;
             if (e->down.rate)
                 bucket_spend(&e->down, fresh);
@@ -1227,7 +1397,7 @@ static int adopt_in(struct tn_engine *e, const struct tn_adopt *a, double now, u
     memcpy(f->eth + 6, e->cfg.gw_mac, 6);
     wr16(f->eth + 12, f->v6 ? 0x86DDu : 0x0800u);
     f->irs = a->irs;
-    f->rcv_nxt = f->rcv_adv = a->irs + 1;
+    f->rcv_nxt = f->rcv_adv = f->up_mark = a->irs + 1;
     f->iss = a->iss;
     f->snd_una = f->snd_nxt = f->snd_max = a->iss + 1;
     f->snd_una = a->iss; /* the SYN-ACK is unacknowledged */
@@ -1393,8 +1563,13 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
         }
         f->rcv_nxt += (uint32_t)took;
         f->bytes_up += took;
+<<<<<<< HEAD
         if (took && TRACING(e))
             trace_data(e, f, &f->tr_guest, TN_FE_GUEST_DATA, took);
+=======
+        e->c.bytes_up += took;
+        charge_up(e, f, f->rcv_nxt);
+>>>>>>> native-fair
         if (e->up.rate && took) /* within the window we gave: taken, whatever the balance */
             bucket_spend(&e->up, took);
         f->space = f->space > took ? f->space - (uint32_t)took : 0;
@@ -1659,13 +1834,8 @@ static void flow_timer(struct tn_engine *e, struct tn_flow *f, double now)
         uint16_t held = f->fl & (FL_RATE_UP | FL_RATE_DOWN);
         f->rate_at = 0;
         f->fl &= (uint16_t)~(FL_RATE_UP | FL_RATE_DOWN);
-        if ((held & FL_RATE_UP) && f->state == ST_ESTABLISHED && !(f->fl & FL_TX_BLOCKED)) {
-            uint32_t before = SEQ_GT(f->rcv_adv, f->rcv_nxt) ? f->rcv_adv - f->rcv_nxt : 0;
-            if (adv_window(e, f) > before) { /* (held again when others spent the refill) */
-                e->c.window_updates++;
-                send_ack(e, f);
-            }
-        }
+        if (held & FL_RATE_UP) /* (held again when others spent the refill) */
+            adv_window_update(e, f);
         if (held & FL_RATE_DOWN)
             from_sock(e, f, now); /* (held again when others spent the refill) */
         if (f->state != ST_ESTABLISHED && f->state != ST_SYN_RCVD)
@@ -1702,6 +1872,8 @@ static void flow_timer(struct tn_engine *e, struct tn_flow *f, double now)
 void tn_timers(struct tn_engine *e, double now)
 {
     e->now = now;
+    if (e->resume_due)
+        resume_held(e, now);
     while (e->hlen) {
         struct tn_flow *f = &e->flows[e->heap[0]];
         if (f->deadline > now)
@@ -1718,7 +1890,7 @@ int tn_records_pending(const struct tn_engine *e)
 
 double tn_next_deadline(const struct tn_engine *e, double now, int timers_only)
 {
-    if (e->ring_len && !timers_only)
+    if ((e->ring_len && !timers_only) || e->resume_due)
         return now;
     return e->hlen ? e->flows[e->heap[0]].deadline : -1.0;
 }

@@ -54,6 +54,10 @@
 /* A flow held by a rate cap resumes once the bucket holds this many bytes (or the window's worth). */
 #define TN_RATE_BATCH (16u * 1024u)
 
+/* An allowance (tn_allow) without a bound, and "leave it as it is". */
+#define TN_ALLOW_ALL INT64_MAX
+#define TN_ALLOW_KEEP (-1)
+
 /* Socket events given to tn_sock_event() (the epoll bits). */
 #define TN_EV_IN 0x001u
 #define TN_EV_OUT 0x004u
@@ -181,6 +185,11 @@ struct tn_counters {
     uint64_t window_updates;    /* ... and opens again (EPOLLOUT, or the up rate cap refilled) */
     uint64_t rate_held_up;      /* our window to a flow that sent data was closed by the up cap */
     uint64_t rate_paused_down;  /* a flow stopped reading its host socket for the down cap */
+    uint64_t held_up;           /* our window to a flow was kept from opening: the up allowance ran out */
+    uint64_t held_down;         /* a flow stopped reading its host socket: the down allowance ran out */
+    uint64_t bytes_up;          /* guest -> host bytes the host sockets took, all flows */
+    uint64_t charged_up;        /* ... charged to the up allowance: taken, or window given (tn_allow) */
+    uint64_t bytes_down;        /* host -> guest bytes sent to the guest (not counting retransmissions) */
     uint64_t adopted;
     uint64_t ended;
 };
@@ -212,7 +221,7 @@ void tn_sock_event(struct tn_engine *e, uint64_t tag, uint32_t events, double no
 void tn_timers(struct tn_engine *e, double now);
 
 /* The next deadline (seconds), or a negative value when there is none. Records waiting to be
- * taken count as due now unless timers_only. */
+ * taken count as due now unless timers_only; held flows due to resume (tn_allow) always do. */
 double tn_next_deadline(const struct tn_engine *e, double now, int timers_only);
 
 /* Records wait to be taken. */
@@ -236,6 +245,31 @@ struct tn_info {
 int tn_flow_info(const struct tn_engine *e, uint32_t slot, uint32_t gen, struct tn_info *out);
 const char *tn_state_name(unsigned state);
 const char *tn_outcome_name(unsigned outcome);
+
+/* ------------------------------------------------------------------ allowances (holds)
+ * The fair scheduler of the loop (aioslirp.fair, through aioslirp.nat.native_tcp) holds a guest
+ * that is over its share of a direction: the engine has one allowance per direction, bytes it
+ * may still move that way before it holds itself (TN_ALLOW_ALL, the default: no bound). What
+ * is moved is taken from it; at or below zero the direction is held:
+ * - down: each byte sent to the guest (bytes_down of tn_counters; retransmissions are free). Held,
+ *   no host socket is read (a flow about to peek is held instead; its bytes stay in the kernel,
+ *   as with the down rate cap), retransmissions and our FIN included.
+ * - up: each byte the guest may send (charged_up): while an allowance is set, our window is
+ *   charged when it opens (the whole window, once, the first time it is advertised under an
+ *   allowance: what the guest may send under the edge it was given), otherwise the bytes when
+ *   taken. Held, our window does not open past the edge charged already; while the allowance is
+ *   positive it opens at most that far beyond. The flows of the engine together get at most the
+ *   allowance (plus the windows open when it was set).
+ * A held flow is listed once (a list through the flows, bounded by max_flows). Raising an
+ * allowance above zero makes the held flows due (tn_next_deadline says now): the next
+ * tn_timers() resumes them all, in the order they were held (a window update where the window
+ * grew, the host socket read again), without waiting for another event. */
+
+/* Set the allowances (bytes; TN_ALLOW_ALL no bound, TN_ALLOW_KEEP unchanged, 0 hold now).
+ * Returns 1 when held flows are now due to resume (at the next tn_timers), else 0. */
+int tn_allow(struct tn_engine *e, int64_t up, int64_t down);
+/* Flows held now (by either allowance). */
+uint32_t tn_held_flows(const struct tn_engine *e);
 
 const struct tn_counters *tn_counters(const struct tn_engine *e);
 uint32_t tn_live_flows(const struct tn_engine *e);

@@ -234,11 +234,11 @@ class TapTransport(Transport):
         self._reading = True
 
     def guest_reader(self) -> tuple[int, Callable[[], None]] | None:
-        """See :meth:`Transport.guest_reader`: the TAP fd and its Python reader (``None`` with the
-        native reader, whose buffers are its own)."""
-        if not self._reading or self.native or self._fd < 0:
+        """See :meth:`Transport.guest_reader`: the TAP fd and its reader (the native one with
+        :attr:`native`: its frames of native TCP and UDP flows are moved in C, the rest handed on)."""
+        if not self._reading or self._fd < 0:
             return None
-        return self._fd, self._on_readable
+        return self._fd, self._on_readable_native if self.native else self._on_readable
 
     def attach_tcp(self, engine, ended: Callable[[], None] | None = None) -> None:
         """Hand the guest frames of native TCP flows to ``engine`` (a ``TcpEngine`` of

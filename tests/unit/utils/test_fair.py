@@ -485,6 +485,37 @@ def test_a_seat_watches_its_transport_stops_before_it_closes_and_leaves_with_its
         fds.close()
 
 
+def test_a_seat_watches_the_guests_native_engine_beside_its_transport_and_stops_with_it():
+    """``Seat.guest(transport, *readers)``: the native TCP engine's epoll (a reader of the guest's
+    input beside its transport) is served early too, replaced by the next call, stopped by ``None``."""
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    lane = SparseLane(link)
+    fds = Fds(4)
+    try:
+        backlog(loop, link)
+        seat = lane.seat((link.join(),), {})
+
+        class FakeTransport:
+            def guest_reader(self):
+                return fds.fd(0), fds.callback(0)
+
+        seat.guest(FakeTransport(), (fds.fd(1), fds.callback(1)), None)  # (None: a transport without an engine)
+        assert lane.watched == 2
+        fds.ready(1)
+        assert lane.serve() == 1 and fds.ran == [1]  # the engine's socket events, early
+        seat.guest(FakeTransport(), (fds.fd(2), fds.callback(2)))  # served again: a new engine
+        fds.ready(1)
+        fds.ready(2)
+        assert lane.serve() == 1 and fds.ran == [1, 2] and lane.watched == 2
+        seat.guest(None)  # the transport and the engine close
+        fds.ready(0)
+        fds.ready(2)
+        assert lane.watched == 0 and lane.serve() == 0
+    finally:
+        fds.close()
+
+
 def test_a_stale_unwatch_leaves_the_entry_of_the_guest_that_took_the_fd_number_since():
     # guest A's transport closed its fd on EOF; guest B's new transport got the same number and
     # is watched; A's stack then stops watching "its" fd: B's entry stays
