@@ -1563,13 +1563,10 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
         }
         f->rcv_nxt += (uint32_t)took;
         f->bytes_up += took;
-<<<<<<< HEAD
         if (took && TRACING(e))
             trace_data(e, f, &f->tr_guest, TN_FE_GUEST_DATA, took);
-=======
         e->c.bytes_up += took;
         charge_up(e, f, f->rcv_nxt);
->>>>>>> native-fair
         if (e->up.rate && took) /* within the window we gave: taken, whatever the balance */
             bucket_spend(&e->up, took);
         f->space = f->space > took ? f->space - (uint32_t)took : 0;

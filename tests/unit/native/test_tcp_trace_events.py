@@ -185,7 +185,8 @@ def test_native_tcp_drains_the_events_into_the_flow_span_before_its_end(exporter
     assert MAX_DATA_EVENTS == DATA_EVENTS  # the engine's cap is the tracer's
     tracer = Tracer(exporter.provider)
     removed: list = []
-    ctx = types.SimpleNamespace(running=types.SimpleNamespace(loop=None), tracer=tracer, rate_up=None, rate_down=None,
+    running = types.SimpleNamespace(loop=None, share_up=None, share_down=None)  # not fair-scheduled
+    ctx = types.SimpleNamespace(running=running, tracer=tracer, rate_up=None, rate_down=None,
                                 counters=collections.Counter(), table=types.SimpleNamespace(remove=removed.append))
     ext = need_extension()
     engine = ext.TcpEngine(-1, False, False, GW_MAC, MTU, 16, 1 << 20, 60.0, 10.0, 1.0, fake=True)
