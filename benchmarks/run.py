@@ -496,9 +496,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="add an aioslirp backend named aioslirp-NAME for A/B runs: TREE is a directory holding "
                          "another aioslirp package to run (e.g. a copy of the code before a change), ARGS extra "
                          "'aioslirp attach' options (e.g. 'x=--mtu 65520'); repeatable")
-    ap.add_argument("--native", action="store_true",
-                    help="add aioslirp-native: aioslirp with AIOSLIRP_NATIVE=1 (the native data plane: the TAP "
-                         "read in C and guest TCP NAT flows in aioslirp/native/tcpnat.c)")
+    ap.add_argument("--python-plane", action="store_true",
+                    help="add aioslirp-python: aioslirp with AIOSLIRP_NATIVE=0 (the Python data path; 'aioslirp' "
+                         "runs the native data plane, the default: the TAP read in C, guest TCP and UDP NAT flows in "
+                         "aioslirp/native)")
     args = ap.parse_args(argv)
 
     prof = profile(args.quick)
@@ -529,8 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         vname, _, tree = head.partition(":")
         lineup.insert(0, B.Aioslirp(None, args.python, shlex.split(extra), name=f"aioslirp-{vname}",
                                     tree=os.path.abspath(tree) if tree else None))
-    if args.native:
-        lineup.insert(1, B.Aioslirp(None, args.python, name="aioslirp-native", env={"AIOSLIRP_NATIVE": "1"}))
+    if args.python_plane:
+        lineup.insert(1, B.Aioslirp(None, args.python, name="aioslirp-python", env={"AIOSLIRP_NATIVE": "0"}))
     if args.backends:
         wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
         unknown = set(wanted) - {b.name for b in lineup}

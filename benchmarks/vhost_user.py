@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The same QEMU guest over five back ends in one run: aioslirp vhost-user (guest TCP flows in
-Python, and ``-native``: ``AIOSLIRP_NATIVE=1``, the native TCP engine on the rings), aioslirp
+"""The same QEMU guest over five back ends in one run: aioslirp vhost-user (guest TCP flows in the
+native TCP engine on the rings, the default; and ``-python``: ``AIOSLIRP_NATIVE=0``, in Python), aioslirp
 stream, passt ``--vhost-user`` and passt over its stream socket (issue 27's targets).
 
 Run as root from the repository (QEMU >= 8: ``../shared/guestvm/qemu-backports.sh``; iperf3;
@@ -59,7 +59,7 @@ from support import qemu  # noqa: E402  (tests/support/qemu.py)
 
 from aioslirp.host.isolate import isolate_network  # noqa: E402
 
-BACKENDS = ("aioslirp-vhost-user", "aioslirp-vhost-user-native", "aioslirp-stream", "passt-vhost-user",
+BACKENDS = ("aioslirp-vhost-user", "aioslirp-vhost-user-python", "aioslirp-stream", "passt-vhost-user",
             "passt-stream")
 TESTS = ("iperf3", "crr", "rr")
 REFERENCE = "passt-vhost-user"  # the CRR/RR ratios' denominator
@@ -82,8 +82,9 @@ def find_passt(given: str | None) -> str | None:
 
 def start_backend(name: str, sock: Path, mtu: int, passt: str, log) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    if name.endswith("-native"):  # the native data plane: guest TCP flows in the C engine on the rings
-        env["AIOSLIRP_NATIVE"] = "1"
+    env.pop("AIOSLIRP_NATIVE", None)  # the native data plane (the default): guest TCP flows in C on the rings
+    if name.endswith("-python"):  # the Python data path
+        env["AIOSLIRP_NATIVE"] = "0"
     if name.startswith("aioslirp"):
         cmd = "vhost-user" if "vhost-user" in name else "qemu"
         argv = [sys.executable, "-m", "aioslirp", cmd, "--socket", str(sock), "--mtu", str(mtu)]
@@ -274,7 +275,7 @@ def _table(records: list[dict]) -> str:
                         f"| {_fig(m(backend, 'backend_cpu_s_per_gb'), '.2f')} "
                         f"| {_fig(crr, '.0f')} | {_fig(crr / m(REFERENCE, 'crr_p50_us'), '.2f', 'x')} "
                         f"| {_fig(rr, '.0f')} | {_fig(rr / m(REFERENCE, 'rr_p50_us'), '.2f', 'x')} |")
-        for ours in ("aioslirp-vhost-user", "aioslirp-vhost-user-native"):
+        for ours in ("aioslirp-vhost-user", "aioslirp-vhost-user-python"):
             label = ours.replace("aioslirp-", "aioslirp ", 1)
             for other, target in ((REFERENCE, 1.1), ("aioslirp-stream", 1.5)):
                 up = m(ours, "iperf_up_mbit") / m(other, "iperf_up_mbit")
