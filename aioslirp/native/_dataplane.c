@@ -240,26 +240,12 @@ static void plane_dealloc(PyObject *op)
     Py_DECREF(tp);
 }
 
-/* read_tap(fd, now=0.0) -> (frames: list[bytes], csum_ok: list[bool] | None, end: int, errno: int,
- * taken: int). Reads up to batch frames (dp_tap_read, several fills when the buffer is full) and
- * makes one bytes object per frame; frames of adopted UDP flows are moved in C at loop time now
- * (taken: how many; udp_touched() says which flows). end: a dp_read_end (DONE, AGAIN, EOF, ERROR). */
-static PyObject *plane_read_tap(PyObject *op, PyObject *args)
+/* One batch of the TAP fd (read_tap and ready): the frames left for Python and their checksum
+ * flags (new references, or NULL with an exception set), how the reads ended, their errno and the
+ * frames adopted UDP flows took. */
+static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, PyObject **csum_out,
+                      enum dp_read_end *end_out, int *err_out, uint64_t *taken_out)
 {
-    Plane *self = (Plane *)op;
-    if (!self->buf) {
-        PyErr_SetString(PyExc_ValueError, "Plane not initialised");
-        return NULL;
-    }
-    long fdl;
-    double now = 0.0;
-    if (!PyArg_ParseTuple(args, "l|d", &fdl, &now))
-        return NULL;
-    if (fdl < 0 || fdl > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "fd must be a non-negative int");
-        return NULL;
-    }
-    int fd = (int)fdl;
     PyObject *frames = PyList_New(0);
     PyObject *csum = self->vnet ? PyList_New(0) : (Py_INCREF(Py_None), Py_None);
     if (!frames || !csum)
@@ -294,11 +280,102 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *args)
         end = DP_READ_DONE;
     if (tcp)
         tcpnat_batch_end(tcp);
-    return Py_BuildValue("(NNiiK)", frames, csum, (int)end, err,
-                         (unsigned long long)(self->udp.taken_frames - taken_before));
+    *frames_out = frames;
+    *csum_out = csum;
+    *end_out = end;
+    *err_out = err;
+    *taken_out = self->udp.taken_frames - taken_before;
+    return 0;
 fail:
     Py_XDECREF(frames);
     Py_XDECREF(csum);
+    return -1;
+}
+
+static int check_fd(Plane *self, long fdl)
+{
+    if (!self->buf) {
+        PyErr_SetString(PyExc_ValueError, "Plane not initialised");
+        return -1;
+    }
+    if (fdl < 0 || fdl > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "fd must be a non-negative int");
+        return -1;
+    }
+    return 0;
+}
+
+/* read_tap(fd, now=0.0) -> (frames: list[bytes], csum_ok: list[bool] | None, end: int, errno: int,
+ * taken: int). Reads up to batch frames (dp_tap_read, several fills when the buffer is full) and
+ * makes one bytes object per frame; frames of adopted UDP flows are moved in C at loop time now
+ * (taken: how many; udp_touched() says which flows). end: a dp_read_end (DONE, AGAIN, EOF, ERROR). */
+static PyObject *plane_read_tap(PyObject *op, PyObject *args)
+{
+    Plane *self = (Plane *)op;
+    long fdl;
+    double now = 0.0;
+    if (!PyArg_ParseTuple(args, "l|d", &fdl, &now) || check_fd(self, fdl) < 0)
+        return NULL;
+    PyObject *frames, *csum;
+    enum dp_read_end end;
+    int err;
+    uint64_t taken;
+    if (read_batch(self, (int)fdl, now, &frames, &csum, &end, &err, &taken) < 0)
+        return NULL;
+    return Py_BuildValue("(NNiiK)", frames, csum, (int)end, err, (unsigned long long)taken);
+}
+
+/* ready(fd, clock, deliver, taken, ended): the TAP fd's reader, registered with the loop as it is
+ * (loop.add_reader(fd, plane.ready, fd, loop.time, ...)), so that a wake-up whose frames all
+ * belong to native flows runs no Python frame. One batch as read_tap at clock(); then taken(n)
+ * when adopted UDP flows took n frames, ended() when the attached TcpEngine has records waiting
+ * (tcpnat_pending), and deliver(frames, csum_ok, end, errno) when frames are left for Python or
+ * the reads ended in EOF or an error. taken and ended may be None. */
+static PyObject *plane_ready(PyObject *op, PyObject *args)
+{
+    Plane *self = (Plane *)op;
+    long fdl;
+    PyObject *clock, *deliver, *taken_hook, *ended_hook;
+    if (!PyArg_ParseTuple(args, "lOOOO", &fdl, &clock, &deliver, &taken_hook, &ended_hook) || check_fd(self, fdl) < 0)
+        return NULL;
+    PyObject *t = PyObject_CallObject(clock, NULL);
+    if (!t)
+        return NULL;
+    double now = PyFloat_AsDouble(t);
+    Py_DECREF(t);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *frames, *csum;
+    enum dp_read_end end;
+    int err;
+    uint64_t taken;
+    if (read_batch(self, (int)fdl, now, &frames, &csum, &end, &err, &taken) < 0)
+        return NULL;
+    PyObject *r;
+    if (taken && taken_hook != Py_None) {
+        r = PyObject_CallFunction(taken_hook, "K", (unsigned long long)taken);
+        if (!r)
+            goto fail;
+        Py_DECREF(r);
+    }
+    if (ended_hook != Py_None && self->tcp && tcpnat_pending(self->tcp)) {
+        r = PyObject_CallObject(ended_hook, NULL);
+        if (!r)
+            goto fail;
+        Py_DECREF(r);
+    }
+    if (PyList_Size(frames) > 0 || end == DP_READ_EOF || end == DP_READ_ERROR) {
+        r = PyObject_CallFunction(deliver, "OOii", frames, csum, (int)end, err);
+        if (!r)
+            goto fail;
+        Py_DECREF(r);
+    }
+    Py_DECREF(frames);
+    Py_DECREF(csum);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(frames);
+    Py_DECREF(csum);
     return NULL;
 }
 
@@ -510,6 +587,9 @@ static PyMethodDef plane_methods[] = {
     {"read_tap", plane_read_tap, METH_VARARGS,
      "read_tap(fd, now=0.0) -> (frames, csum_ok | None, end, errno, taken): up to batch frames of a TAP fd, "
      "read until EAGAIN; adopted UDP flows' frames moved in C (taken)"},
+    {"ready", plane_ready, METH_VARARGS,
+     "ready(fd, clock, deliver, taken, ended): the TAP fd's loop reader: one batch as read_tap at clock(), then "
+     "taken(n), ended() and deliver(frames, csum_ok, end, errno) only when there is something for Python"},
     {"udp_enable", plane_udp_enable, METH_O, "udp_enable(capacity): native UDP flows, at most capacity at once"},
     {"udp_adopt", plane_udp_adopt, METH_VARARGS,
      "udp_adopt(fd, guest_ip, guest_port, remote_ip, remote_port, eth, hlim, mtu, now) -> slot, or -1"},

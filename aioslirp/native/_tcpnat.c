@@ -879,11 +879,16 @@ static int moved_since(const Engine *g)
     return c->charged_up != g->seen_up || c->bytes_down != g->seen_down;
 }
 
+int tcpnat_pending(PyObject *obj)
+{
+    Engine *g = tcpnat_engine_of(obj);
+    return g && g->e && (tn_records_pending(g->e) || (g->metered && moved_since(g)));
+}
+
 static PyObject *engine_pending(PyObject *op, PyObject *unused)
 {
-    Engine *g = (Engine *)op;
     (void)unused;
-    return PyBool_FromLong(g->e && (tn_records_pending(g->e) || (g->metered && moved_since(g))));
+    return PyBool_FromLong(tcpnat_pending(op));
 }
 
 /* moved() -> (charged_up, bytes_down): the engine's totals of bytes charged each way (guest ->

@@ -18,5 +18,8 @@ int tcpnat_tap_frame(void *engine, const uint8_t *frame, size_t len, int csum_ok
 void tcpnat_batch_end(void *engine);
 /* CLOCK_MONOTONIC in seconds (the clock of loop.time()). */
 double tcpnat_now(void);
+/* TcpEngine.pending() of a TcpEngine object, without a call: 1 when its records wait (or bytes
+ * moved since moved() while metered), 0 otherwise or when obj is not an open engine. */
+int tcpnat_pending(PyObject *obj);
 
 #endif
