@@ -352,6 +352,7 @@ class _Turns:
             if self.alone >= ALONE_TURNS:  # gone: no bound
                 self.bounded = False
                 due = self._allow(None)
+                self.plane.meter()
             elif left <= 0:  # its credit is spent (the scheduler credited it): a pass first
                 self._wait()
                 return
@@ -368,6 +369,7 @@ class _Turns:
         self.waiting = True
         self.plane.ctx.counters[self.counter] += 1
         self._allow(0)
+        self.plane.meter()
         self.share.wait(self.turn)
 
     def turn(self) -> None:
@@ -379,6 +381,7 @@ class _Turns:
         except ValueError:  # the engine is closed (the stack's serve ended)
             return
         self.bounded = True
+        self.plane.meter()
         self.plane.poll()
 
 
@@ -414,7 +417,7 @@ class NativeTcp:
         self._up = None if running.share_up is None else _Turns(self, running.share_up, True)
         self._down = None if running.share_down is None else _Turns(self, running.share_down, False)
         if self._up is not None or self._down is not None:
-            engine.meter(True)  # the TAP reader's batches that moved bytes call take(): charged there
+            self.meter()  # the TAP reader's batches that moved bytes call take(): charged there
         self._poll_due = False
         self._fd = engine.fileno()
         if self._fd >= 0:
@@ -517,11 +520,20 @@ class NativeTcp:
         lane (``Seat.watch``); ``None`` without one (a fake engine) or once closed."""
         return None if self._fd < 0 else (self._fd, self.poll)
 
+    def meter(self) -> None:
+        """Say to the engine when its batches are to be charged (``pending()``, the TAP reader's hook):
+        while a direction is bounded or held, after any bytes moved; otherwise once :data:`TURN_MIN`
+        bytes moved (a guest's request and answer of a few bytes make no upcall; a share lags at
+        most that behind, a fraction of a quantum)."""
+        bounded = any(t is not None and (t.bounded or t.waiting) for t in (self._up, self._down))
+        self.engine.meter(True, 0 if bounded else TURN_MIN)
+
     def _charge(self) -> None:
         """Charge the bytes the engine moved since the last call to the guest's shares (when it
-        has them); over a share, that direction is held until the guest's turn (:class:`_Turns`)."""
+        has them and :meth:`meter` says it is time: ``engine.pending()``, its records taken); over a
+        share, that direction is held until the guest's turn (:class:`_Turns`)."""
         up, down = self._up, self._down
-        if up is None and down is None:
+        if (up is None and down is None) or not self.engine.pending():
             return
         moved_up, moved_down = self.engine.moved()
         if down is not None and moved_down != down.seen:

@@ -18,7 +18,7 @@
  *     .records() -> the records of poll() alone (no socket events, no timers)
  *     .counters() -> dict; .live() -> int; .forget_tap(); .pending() -> bool; .hook_records(on); .close()
  *     .allow(up=..., down=...) -> int                  (allowances: bytes, None no bound; tn_allow)
- *     .moved() -> (charged_up, bytes_down); .meter(on) (pending() also when bytes moved since moved())
+ *     .moved() -> (charged_up, bytes_down); .meter(on, min_bytes=0) (pending() also when bytes moved since moved())
  *     .trace(capacity)                                 (trace points on, a ring of capacity records; 0 off)
  *     .trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags), ...], overflow)  (slot -1: no flow)
  *   fake only: .fake_connect_mode(err), .fake_frames() -> [bytes], .fake_connect_done(fd, err, now),
@@ -73,6 +73,7 @@ typedef struct {
     int tap_fd, epfd, tfd, fake, peek_off;
     int hooked; /* the TAP reader's caller takes the records after each batch (pending()): no wake-up */
     int metered; /* pending() also says bytes moved since the last moved() (meter()) */
+    uint64_t meter_min; /* ... at least this many (0: any) */
     uint64_t seen_up, seen_down; /* the totals the last moved() returned */
     double armed; /* the timerfd's deadline, 0 none */
     /* fake */
@@ -876,7 +877,8 @@ static PyObject *engine_fileno(PyObject *op, PyObject *unused)
 static int moved_since(const Engine *g)
 {
     const struct tn_counters *c = tn_counters(g->e);
-    return c->charged_up != g->seen_up || c->bytes_down != g->seen_down;
+    uint64_t moved = (c->charged_up - g->seen_up) + (c->bytes_down - g->seen_down);
+    return moved > 0 && moved >= g->meter_min;
 }
 
 int tcpnat_pending(PyObject *obj)
@@ -906,13 +908,18 @@ static PyObject *engine_moved(PyObject *op, PyObject *unused)
     return Py_BuildValue("(KK)", (unsigned long long)c->charged_up, (unsigned long long)c->bytes_down);
 }
 
-static PyObject *engine_meter(PyObject *op, PyObject *arg)
+/* meter(on, min_bytes=0): pending() also says True once bytes moved since moved(), at least
+ * min_bytes of them both ways together (0: any); min_bytes spares the upcalls of a guest's small
+ * exchanges while no allowance bounds it. */
+static PyObject *engine_meter(PyObject *op, PyObject *args)
 {
     Engine *g = (Engine *)op;
-    int on = PyObject_IsTrue(arg);
-    if (on < 0)
+    int on;
+    unsigned long long min_bytes = 0;
+    if (!PyArg_ParseTuple(args, "p|K", &on, &min_bytes))
         return NULL;
     g->metered = on;
+    g->meter_min = min_bytes;
     Py_RETURN_NONE;
 }
 
@@ -1240,7 +1247,8 @@ static PyMethodDef engine_methods[] = {
      "pending() -> bool: records wait to be taken (poll()), or bytes moved since moved() once metered (meter())"},
     {"moved", engine_moved, METH_NOARGS,
      "moved() -> (charged_up, bytes_down): the engine's totals of bytes charged each way (tcpnat.h, allowances)"},
-    {"meter", engine_meter, METH_O, "meter(on): pending() also says True when bytes moved since moved()"},
+    {"meter", engine_meter, METH_VARARGS,
+     "meter(on, min_bytes=0): pending() also says True when bytes moved since moved() (at least min_bytes)"},
     {"allow", (PyCFunction)(void (*)(void))engine_allow, METH_VARARGS | METH_KEYWORDS,
      "allow(*, up=..., down=...) -> int: bytes each way before the engine holds itself (None: no bound, 0: hold "
      "now, absent: unchanged); 1 when held flows resume at the next poll() (the caller's to call)"},

@@ -140,6 +140,25 @@ def test_moved_and_the_metered_pending():
     assert (c["bytes_up"], c["bytes_down"]) == (100, 5_000)
 
 
+def test_a_metering_threshold_spares_small_exchanges_the_upcall():
+    """``meter(True, min_bytes)``: pending() once at least min_bytes moved both ways together since
+    moved() (what NativeTcp asks while no allowance bounds the guest: TURN_MIN), not for a few bytes."""
+    f = EngineFlow(False).established()
+    f.e.hook_records(True)
+    f.send(ACK, win=0xFFFF)
+    f.e.meter(True, 1000)
+    f.host_send(_data(600))
+    assert f.e.pending() is False  # 600 bytes down: under the threshold
+    assert f.send(ACK, ack=ISS + 1 + 600, data=b"x" * 300, win=0xFFFF)
+    assert f.e.pending() is False  # 900 both ways
+    assert f.send(ACK, ack=ISS + 1 + 600, seq=IRS + 1 + 300, data=b"y" * 100, win=0xFFFF)
+    assert f.e.pending() is True and f.e.moved() == (400, 600)  # 1000: charged now
+    assert f.e.pending() is False
+    f.e.meter(True, 0)
+    f.host_send(_data(1))
+    assert f.e.pending() is True  # no threshold: any byte
+
+
 def test_raising_one_allowance_leaves_the_other_direction_held():
     f = EngineFlow(False, rcv_buf=WND).established()
     mss = _mss(False)
