@@ -33,7 +33,7 @@ async def serve(ifname: str, config: NetworkConfig) -> None:
     async with Stack(config) as stack:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stack.close)
+            loop.add_signal_handler(sig, stack.stop)
         transport = TapTransport.open_by_name(ifname)
         logging.info("serving %s on %s", config.cidr, transport.ifname)
         await stack.serve(transport)  # until a signal, or the interface goes away

@@ -116,6 +116,9 @@ async def demo(config: NetworkConfig | None = None, stack_factory=None) -> int:
         keys = ["frames_in", "frames_out", "bytes_in", "arp_replies", "dhcp_replies", "dns_queries_udp",
                 "flows.tcp.opened", "flows.tcp.closed", "flows.udp.opened"]
         print("stack | " + ", ".join(f"{k}={c[k]}" for k in keys))
+        if c["native_tcp.adopted"]:  # the native data plane's TCP flows: their frames are counted there
+            native = ["native_tcp.adopted", "native_tcp.frames", "native_tcp.frames_out", "native_tcp.bytes_down"]
+            print("stack | native plane (TCP flows in C): " + ", ".join(f"{k[11:]}={c[k]}" for k in native))
         drops = {k: v for k, v in c.items() if k.startswith("drop.")}
         print("stack | drops: " + (", ".join(f"{k[5:]}={v}" for k, v in sorted(drops.items())) or "none"))
     print("demo  | " + ("OK: the guest fetched the page through aioslirp" if rc == 0 else f"FAILED (guest exit {rc})"))

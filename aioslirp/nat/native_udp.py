@@ -33,6 +33,7 @@ every flow back to its Python reader.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from typing import Any
 
@@ -40,6 +41,8 @@ from ..wire.ipv4 import DEFAULT_TTL
 from .udp import UdpFlow
 
 __all__ = ["NativeUdp"]
+
+log = logging.getLogger("aioslirp.native")
 
 #: Flows one plane moves at once (a new flow beyond it stays on the Python path).
 CAPACITY = 4096
@@ -78,6 +81,10 @@ class NativeUdp:
         (module documentation)."""
         from .. import native
 
+        if served is not transport and getattr(transport, "plane", None) is not None and native.wanted():
+            ident = ctx.identity
+            log.info("%snative data plane: a transport wrapper (pcap) sees every frame: TCP and UDP flows "
+                     "stay on the Python path", ident.log_prefix, extra=ident.log_extra)
         if (served is not transport or getattr(transport, "plane", None) is None or not native.udp_wanted()
                 or ctx.rate_up is not None or ctx.rate_down is not None):
             return None

@@ -165,12 +165,14 @@ def enabled() -> bool:
 
 
 def status() -> str:
-    """``"on"``, or ``"off (<reason>)"``: built but not switched on, switched off, not built, stale."""
+    """``"on"`` (every part), ``"on (tcp only)"`` / ``"on (udp only)"`` (``AIOSLIRP_NATIVE`` named one),
+    or ``"off (<reason>)"``: switched off, not built, stale."""
     if extension() is None:
         return f"off ({why_not()})"
-    if not enabled():
+    parts = _parts()
+    if not parts:
         return f"off ({ENABLE_ENV}={os.environ.get(ENABLE_ENV, '')}: the Python path runs)"
-    return "on"
+    return "on" if parts >= DEFAULT_PARTS else f"on ({', '.join(sorted(parts))} only)"
 
 
 def notice() -> str:

@@ -166,3 +166,23 @@ async def test_without_the_udp_switch_no_flow_is_adopted(monkeypatch, env):
             assert stack.parts.ctx.native_udp is None
             stack.stop()
             await serve
+
+
+async def test_a_pcap_wrapper_keeps_the_flows_on_the_python_path_and_says_so(monkeypatch, caplog, tmp_path):
+    """A transport wrapped for pcap (every frame seen by Python): neither native TCP nor native UDP
+    flows, and one log line naming the cause (what docs/architecture.md promises)."""
+    from aioslirp.transport.pcap import PcapTransport
+
+    need_extension()
+    monkeypatch.delenv("AIOSLIRP_NATIVE", raising=False)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, caplog.at_level("INFO", logger="aioslirp.native"):
+        stack = Stack(NetworkConfig(dns_upstreams=[("127.0.0.1", 9)]))
+        stack.transport_wrappers.append(lambda t: PcapTransport(t, str(tmp_path / "x.pcap")))
+        async with stack:
+            serve = asyncio.ensure_future(stack.serve(TapTransport(b.detach(), native=True)))
+            await asyncio.sleep(0.01)
+            assert stack.parts.ctx.native_udp is None and stack.parts.ctx.native_tcp is None
+            stack.stop()
+            await serve
+    assert any("a transport wrapper (pcap) sees every frame" in r.getMessage() for r in caplog.records)

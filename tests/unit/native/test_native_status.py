@@ -33,6 +33,7 @@ def test_version_says_on_off_and_why():
     assert _version({})[-1] == "native data plane: on"  # the default where it is built
     assert _version({native.ENABLE_ENV: "0"})[-1] == "native data plane: off (AIOSLIRP_NATIVE=0: the Python path runs)"
     assert _version({native.ENABLE_ENV: "1"})[-1] == "native data plane: on"
+    assert _version({native.ENABLE_ENV: "tcp"})[-1] == "native data plane: on (tcp only)"
     assert _version({native.ENABLE_ENV: "1", compiled.ENV: "1"})[-1] == ("native data plane: off "
                                                                           "(AIOSLIRP_NO_EXTENSIONS is set)")
 
