@@ -23,6 +23,21 @@ GPORT, DPORT = 40000, 8080
 MTU = 1500
 
 
+def M(n: int) -> int:
+    """``n`` modulo 2**32: sequence-number arithmetic (RFC 9293 3.4)."""
+    return n & 0xFFFFFFFF
+
+
+def mss_of(v6: bool) -> int:
+    """The engine's MSS towards the guest at :data:`MTU` (IPv4 or IPv6 and TCP headers taken off)."""
+    return MTU - (60 if v6 else 40)
+
+
+def pattern_data(n: int) -> bytes:
+    """``n`` bytes of a repeating 251-byte pattern (a prime period: a shifted or lost run shows)."""
+    return bytes(range(251)) * (n // 251) + bytes(n % 251)
+
+
 class Seg(NamedTuple):
     """A segment the engine sent to the guest."""
 

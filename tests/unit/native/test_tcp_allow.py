@@ -8,22 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from support.native_tcp import ACK, IRS, ISS, MTU, EngineFlow
+from support.native_tcp import ACK, IRS, ISS, M, EngineFlow, mss_of, pattern_data
 
 V = pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
 WND = 16384  # rcv_buf of the up test: window scale 0, the socket asked for its room each time
-
-
-def M(n: int) -> int:
-    return n & 0xFFFFFFFF
-
-
-def _mss(v6: bool) -> int:
-    return MTU - (60 if v6 else 40)
-
-
-def _data(n: int) -> bytes:
-    return bytes(range(251)) * (n // 251) + bytes(n % 251)
 
 
 @V
@@ -31,7 +19,7 @@ def test_a_down_hold_stops_host_reads_and_raising_it_resumes_at_the_next_poll(v6
     f = EngineFlow(v6).established()
     f.send(ACK, win=0xFFFF)  # the guest's window (8 MiB) is not what holds it
     assert f.e.allow(down=0) == 0  # nothing held yet: nothing to resume
-    f.host_send(_data(100_000))
+    f.host_send(pattern_data(100_000))
     assert f.out() == []  # held: the bytes stay in the host socket
     assert f.e.fake_socket(f.fd)["unread"] == 100_000
     assert f.e.counters()["held_down"] == 1 and f.e.moved() == (0, 0)
@@ -40,7 +28,7 @@ def test_a_down_hold_stops_host_reads_and_raising_it_resumes_at_the_next_poll(v6
     assert f.e.allow(down=None) == 1  # the held flow is due
     f.poll(0.6)  # no socket event: the allowance alone resumes it
     got = b"".join(s.payload for s in f.out())
-    assert got == _data(100_000)
+    assert got == pattern_data(100_000)
     assert f.e.moved() == (0, 100_000)
     assert f.e.counters()["held_down"] == 1
 
@@ -50,7 +38,7 @@ def test_a_down_allowance_is_the_most_a_turn_reads(v6):
     f = EngineFlow(v6).established()
     f.send(ACK, win=0xFFFF)
     f.e.allow(down=20_000)
-    f.host_send(_data(300_000))
+    f.host_send(pattern_data(300_000))
     first = [s for s in f.out()]
     assert sum(len(s.payload) for s in first) == 20_000  # cut to the allowance, then held
     assert f.e.counters()["held_down"] == 1
@@ -69,8 +57,8 @@ def test_a_down_allowance_is_the_most_a_turn_reads(v6):
 @V
 def test_an_up_hold_keeps_our_window_from_opening_and_raising_it_sends_the_update(v6):
     f = EngineFlow(v6, rcv_buf=WND).established()
-    mss = _mss(v6)
-    data = _data(WND + 2 * mss)
+    mss = mss_of(v6)
+    data = pattern_data(WND + 2 * mss)
     assert f.send(ACK, data=data[:mss])
     (a,) = f.out()
     edge = M(a.ack + a.wnd)
@@ -112,7 +100,7 @@ def test_a_flow_that_ends_while_held_leaves_the_others_to_resume():
     a.e.allow(down=0)
     for f in (a, b):
         f.send(ACK, win=0xFFFF)
-        f.host_send(_data(10_000))
+        f.host_send(pattern_data(10_000))
     assert a.out() == [] and a.e.counters()["held_down"] == 2
     a.e.fake_host_reset(a.fd, 0.0)  # a is over (its RST to the guest)
     assert [s.flags & 0x04 for s in a.out()] == [0x04]
@@ -126,7 +114,7 @@ def test_moved_and_the_metered_pending():
     f = EngineFlow(False).established()
     f.e.hook_records(True)
     f.send(ACK, win=0xFFFF)
-    f.host_send(_data(5_000))
+    f.host_send(pattern_data(5_000))
     assert f.e.pending() is False  # not metered: records only
     f.e.meter(True)
     assert f.e.pending() is True  # bytes moved since the last moved()
@@ -147,7 +135,7 @@ def test_a_metering_threshold_spares_small_exchanges_the_upcall():
     f.e.hook_records(True)
     f.send(ACK, win=0xFFFF)
     f.e.meter(True, 1000)
-    f.host_send(_data(600))
+    f.host_send(pattern_data(600))
     assert f.e.pending() is False  # 600 bytes down: under the threshold
     assert f.send(ACK, ack=ISS + 1 + 600, data=b"x" * 300, win=0xFFFF)
     assert f.e.pending() is False  # 900 both ways
@@ -155,16 +143,16 @@ def test_a_metering_threshold_spares_small_exchanges_the_upcall():
     assert f.e.pending() is True and f.e.moved() == (400, 600)  # 1000: charged now
     assert f.e.pending() is False
     f.e.meter(True, 0)
-    f.host_send(_data(1))
+    f.host_send(pattern_data(1))
     assert f.e.pending() is True  # no threshold: any byte
 
 
 def test_raising_one_allowance_leaves_the_other_direction_held():
     f = EngineFlow(False, rcv_buf=WND).established()
-    mss = _mss(False)
+    mss = mss_of(False)
     f.e.allow(up=0, down=0)
-    assert f.send(ACK, data=_data(mss), win=0xFFFF)  # our window would open: held up
-    f.host_send(_data(10_000))  # held down
+    assert f.send(ACK, data=pattern_data(mss), win=0xFFFF)  # our window would open: held up
+    f.host_send(pattern_data(10_000))  # held down
     (a,) = f.out()
     edge = M(a.ack + a.wnd)
     c = f.e.counters()

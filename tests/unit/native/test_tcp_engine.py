@@ -7,15 +7,11 @@ import errno
 
 import pytest
 
-from support.native_tcp import ACK, FIN, IRS, ISS, PSH, RST, SYN, EngineFlow
+from support.native_tcp import ACK, FIN, IRS, ISS, PSH, RST, SYN, EngineFlow, M
 
 V = pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
 REC_CONNECTED, REC_ENDED = 1, 2
 OUT_CLOSED, OUT_RESET, OUT_REFUSED, OUT_UNREACHABLE, OUT_TIMEOUT, OUT_SHUTDOWN = 1, 2, 3, 4, 5, 6
-
-
-def M(n: int) -> int:
-    return n & 0xFFFFFFFF
 
 
 def ended(f: EngineFlow) -> tuple:

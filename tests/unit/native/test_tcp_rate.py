@@ -12,7 +12,7 @@ from aioslirp.ratelimit import ByteBucket, byte_burst
 
 from support.frames import GW_MAC
 from support.native import need_extension
-from support.native_tcp import ACK, IRS, ISS, MTU, EngineFlow
+from support.native_tcp import ACK, IRS, ISS, M, MTU, EngineFlow, mss_of, pattern_data
 
 V = pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
 RATE = 1_000_000  # bytes/s: the burst is 64 KiB
@@ -20,25 +20,13 @@ BURST = 65536
 BATCH = 16 * 1024  # TN_RATE_BATCH: a held flow resumes once this much has refilled
 
 
-def M(n: int) -> int:
-    return n & 0xFFFFFFFF
-
-
-def _mss(v6: bool) -> int:
-    return MTU - (60 if v6 else 40)
-
-
-def _data(n: int) -> bytes:
-    return bytes(range(251)) * (n // 251) + bytes(n % 251)
-
-
 @V
 def test_down_cap_paces_the_host_bytes_at_the_rate_without_loss(v6):
     """Host -> guest under rate_down: in any first t seconds the guest gets rate * t + burst bytes
     within one segment (above) and one batch and a clock step (below); every byte arrives, in order."""
     f = EngineFlow(v6, rate_down=RATE).established()
-    mss = _mss(v6)
-    data = _data(1_500_000)
+    mss = mss_of(v6)
+    data = pattern_data(1_500_000)
     f.host_send(data)
     got = bytearray()
     t, step = 0.0, 0.001
@@ -62,9 +50,9 @@ def test_down_cap_paces_the_host_bytes_at_the_rate_without_loss(v6):
 @V
 def test_down_cap_holds_then_the_timer_wakes_the_flow(v6):
     f = EngineFlow(v6, rate_down=RATE).established()
-    mss = _mss(v6)
+    mss = mss_of(v6)
     f.send(ACK, win=0xFFFF)  # the guest's window (8 MiB) is not what holds it
-    f.host_send(_data(300_000))
+    f.host_send(pattern_data(300_000))
     burst = sum(len(s.payload) for s in f.out())
     assert BURST <= burst <= BURST + mss  # the full bucket, one segment over at most
     assert f.e.counters()["rate_paused_down"] == 1
@@ -84,8 +72,8 @@ def test_up_cap_closes_our_window_and_the_timer_reopens_it(v6):
     bytes wait in the guest; the host gets rate * t + burst bytes within one segment; window
     updates come from the timer (no guest segment asks for them); every byte arrives."""
     f = EngineFlow(v6, rate_up=RATE).established()
-    mss = _mss(v6)
-    data = _data(1_000_000)
+    mss = mss_of(v6)
+    data = pattern_data(1_000_000)
     sent = 0
     edge = M(IRS + 1 + (512 << 5))  # the guest's view of our window: the SYN-ACK's (65535) or more
     received = bytearray()
@@ -121,9 +109,9 @@ def test_a_long_idle_refills_to_the_burst_only():
     f = EngineFlow(False, rate_down=RATE_MAX).established()
     f.e.close()
     f = EngineFlow(False, rate_down=RATE, idle=0.0).established()
-    mss = _mss(False)
+    mss = mss_of(False)
     f.send(ACK, win=0xFFFF)
-    f.host_send(_data(400_000))
+    f.host_send(pattern_data(400_000))
     first = sum(len(s.payload) for s in f.out())
     f.send(ACK, ack=ISS + 1 + first, win=0xFFFF)  # all acknowledged: nothing to retransmit
     f.poll(10.0 ** 6)  # eleven days later, the timer
@@ -149,10 +137,10 @@ def test_flows_of_one_engine_share_its_bucket():
     direction per engine), each held in turn, every byte delivered."""
     a = EngineFlow(False, rate_down=RATE).established()
     b = EngineFlow(False, engine=a.e, gport=40001).established()
-    mss = _mss(False)
+    mss = mss_of(False)
     for f in (a, b):
         f.send(ACK, win=0xFFFF)
-        f.host_send(_data(600_000))
+        f.host_send(pattern_data(600_000))
     t, step = 0.0, 0.001
     total = 0
     while total < 1_200_000:
