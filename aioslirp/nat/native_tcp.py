@@ -99,6 +99,7 @@ from ..fair import Share
 from ..flow.base import admission
 from ..wire.icmp import KIND_HOST, KIND_NET
 from ..wire.ip import PROTO_TCP
+from ..wire.tcp import ACK, SYN, build_tcp
 
 __all__ = ["NativeTcp", "NativeTcpFlow"]
 
@@ -281,10 +282,27 @@ class NativeTcpFlow:
         """Nothing: the engine sends its own frames."""
 
     def on_segment(self, seg, now: float) -> bool:
-        """A guest segment that reached Python. While the engine runs the flow, it was read in the
-        same batch as the SYN, before the adoption (a retransmitted SYN): dropped (True). Once the
-        flow ended in the engine (its record is on the way) it belongs to no flow (False)."""
-        return self.state != "CLOSED"
+        """A guest segment of this flow that reached Python: a retransmitted SYN read in the same
+        batch as the first, before the adoption (dropped: True), or one the native classifier
+        leaves to Python (an IPv4 TCP segment sent in fragments, reassembled here; an IPv6 one
+        behind extension headers): handed to the engine as the plain segment it is (the same
+        addresses, ports, sequence numbers, flags, window and payload, no options: the engine keeps
+        none past the SYN; its checksum checked already) and counted ``native_tcp.via_python``.
+        Once the flow ended in the engine (its record is on the way) it belongs to no flow (False)."""
+        if self.state == "CLOSED":
+            return False
+        if seg.flags & SYN and not seg.flags & ACK:
+            return True
+        e = self.fam.eth_to(self.guest_ip)  # towards the guest: swapped, the guest's frame to us
+        frame = build_tcp(e[6:12] + e[:6] + e[12:14], self.guest_ip, self.dst_ip, self.guest_port, self.dst_port,
+                          seg.seq, seg.ack, seg.flags, seg.wnd, b"", seg.payload)
+        plane = self._plane
+        counters = plane.ctx.counters
+        if plane.engine.input(bytes(frame), True, now):
+            counters["native_tcp.via_python"] += 1
+        else:  # not the engine's after all (it ended meanwhile): dropped, counted
+            counters["drop.tcp_native_not_taken"] += 1
+        return True
 
     def retire(self) -> None:
         """The 5-tuple is wanted by a new guest connection: take the engine's records (this

@@ -11,7 +11,7 @@ import gc
 from aioslirp import NetworkConfig, Stack
 from aioslirp.nat.native_tcp import NativeTcp, NativeTcpFlow
 
-from support.frames import ACK, F4, GW_MAC, RST, SYN, tcp_frame
+from support.frames import ACK, F4, GW_MAC, PSH, RST, SYN, tcp_frame
 from support.native import need_extension
 
 
@@ -242,4 +242,33 @@ async def test_at_trace_level_frames_native_flows_stay_native_and_trace_from_the
     finally:
         ctx.native_tcp.close()
         ctx.native_tcp = None
+        await stack.aclose()
+
+
+async def test_a_segment_of_a_native_flow_sent_in_ip_fragments_reaches_the_host():
+    """A native flow's data segment that the classifier leaves to Python (IPv4 fragments, which
+    Python reassembles) is handed to the engine as the plain segment: its bytes reach the host
+    socket and are acknowledged, counted as ``native_tcp.via_python`` (before: taken and lost, the
+    guest retransmitting into the void). Mutant: ``on_segment`` answering True alone."""
+    stack, eng = await _stack_with_fake_engine()
+    try:
+        stack.parts.link.on_frames([tcp_frame(F4, 40010, 8080, SYN, seq=99, mss=1460)])
+        (flow,) = stack.parts.flows.values()
+        (synack,) = eng.fake_frames()
+        iss = int.from_bytes(synack[38:42], "big")
+        assert eng.input(tcp_frame(F4, 40010, 8080, ACK, seq=100, ack=iss + 1), False, 0.0)
+        data = bytes(range(256)) * 8
+        seg = tcp_frame(F4, 40010, 8080, ACK | PSH, seq=100, ack=iss + 1, data=data)[14 + 20:]  # TCP header + data
+        frags = [F4.frame(F4.packet(seg[:1024], 6, id=7, mf=1, offset=0)),
+                 F4.frame(F4.packet(seg[1024:], 6, id=7, mf=0, offset=1024 >> 3))]
+        stack.parts.link.on_frames(frags)
+        (fd,) = eng.fake_fds()
+        assert eng.fake_received(fd) == data
+        assert stack.counters["native_tcp.via_python"] == 1 and stack.counters["ip_reassembled"] == 1
+        acks = [int.from_bytes(f[42:46], "big") for f in eng.fake_frames()]
+        assert acks and acks[-1] == (100 + len(data)) & 0xFFFFFFFF
+        assert flow.bytes_up == len(data)
+    finally:
+        stack.parts.ctx.native_tcp.close()
+        stack.parts.ctx.native_tcp = None
         await stack.aclose()
