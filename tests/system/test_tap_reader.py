@@ -34,7 +34,11 @@ GUEST_MAC = bytes.fromhex("525400123456")
 
 def _transport(fd: int, reader: str, **kw) -> TapTransport:
     if reader == "native":
-        need_extension()
+        try:
+            need_extension()
+        except BaseException:  # skipped (no extension): the fd was to be the transport's, close it here
+            os.close(fd)
+            raise
     t = TapTransport(fd, native=reader == "native", **kw)
     assert t.native is (reader == "native")
     return t
