@@ -24,6 +24,7 @@ import pytest
 
 from aioslirp.config import NetworkConfig
 from aioslirp.errors import ConfigError
+from aioslirp.transport.framing import StreamDecoder
 
 from support.namespaces import start_target_namespace
 from support.prereqs import importable, need
@@ -397,12 +398,7 @@ def _stream_frames(sock: socket.socket, seconds: float) -> list:
             buf += data
     except socket.timeout:
         pass
-    out = []
-    while len(buf) >= 4:
-        n = int.from_bytes(buf[:4], "big")
-        out.append(buf[4:4 + n])
-        buf = buf[4 + n:]
-    return out
+    return [bytes(f) for f in StreamDecoder().feed(buf)]
 
 
 def test_qemu_switch_serves_two_stream_guests_on_one_network(tmp_path):
@@ -548,12 +544,7 @@ def _some_frames(sock: socket.socket, seconds: float) -> list:
             buf += sock.recv(65536)
     except socket.timeout:
         return []
-    out = []
-    while len(buf) >= 4:
-        n = int.from_bytes(buf[:4], "big")
-        out.append(buf[4:4 + n])
-        buf = buf[4 + n:]
-    return out
+    return [bytes(f) for f in StreamDecoder().feed(buf)]
 
 
 def _wait_path(path) -> None:
