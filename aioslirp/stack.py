@@ -785,7 +785,7 @@ class Stack:
                 on the native plane (:mod:`aioslirp.nat.native_tcp`): the engine's counters (``frames``, ``frames_out``,
                 drops by reason: ``bad_checksum``, ``out_of_window``, ``bad_ack``, ``syn_on_open``,
                 ``rst_bad_seq``; ``dup_acks``, ``fast_retransmits``, ``rto``, ``zero_window_probes``,
-                ``host_write_paused``, ``rate_held_up``, ``rate_paused_down``, ``adopted``, ``ended``, ``live``, ``peek_off``).
+                ``host_write_paused``, ``gathered``, ``rate_held_up``, ``rate_paused_down``, ``adopted``, ``ended``, ``live``, ``peek_off``).
 
         The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.observe.metrics.register`.
         """

@@ -246,6 +246,7 @@ static void plane_dealloc(PyObject *op)
 static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, PyObject **csum_out,
                       enum dp_read_end *end_out, int *err_out, uint64_t *taken_out)
 {
+    void *tcp = self->tcp ? tcpnat_engine_of(self->tcp) : NULL;
     PyObject *frames = PyList_New(0);
     PyObject *csum = self->vnet ? PyList_New(0) : (Py_INCREF(Py_None), Py_None);
     if (!frames || !csum)
@@ -254,7 +255,6 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
     enum dp_read_end end;
     int err = 0;
     uint64_t taken_before = self->udp.taken_frames;
-    void *tcp = self->tcp ? tcpnat_engine_of(self->tcp) : NULL;
     double tcp_now = tcp ? tcpnat_now() : 0.0;
     do {
         unsigned nslots = 0, reads = 0;
@@ -263,8 +263,8 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
         left -= reads;
         for (unsigned i = 0; i < nslots; i++) {
             const struct dp_slot *s = &self->slots[i];
-            if (tcp && tcpnat_tap_frame(tcp, self->buf + s->off, s->len, s->csum_ok, tcp_now))
-                continue; /* a native TCP flow's frame */
+            if (tcp && tcpnat_tap_frame_kept(tcp, self->buf + s->off, s->len, s->csum_ok, tcp_now))
+                continue; /* a native TCP flow's frame (its payload may wait for the gather flush) */
             PyObject *b = PyBytes_FromStringAndSize((const char *)self->buf + s->off, (Py_ssize_t)s->len);
             if (!b)
                 goto fail;
@@ -275,6 +275,8 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
             if (self->vnet && PyList_Append(csum, s->csum_ok ? Py_True : Py_False) < 0)
                 goto fail;
         }
+        if (tcp) /* the next read reuses self->buf: what the gather holds goes now */
+            tcpnat_gather_flush(tcp);
     } while (end == DP_READ_FULL && left > 0);
     if (end == DP_READ_FULL)
         end = DP_READ_DONE;
@@ -287,6 +289,8 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
     *taken_out = self->udp.taken_frames - taken_before;
     return 0;
 fail:
+    if (tcp)
+        tcpnat_batch_end(tcp);
     Py_XDECREF(frames);
     Py_XDECREF(csum);
     return -1;

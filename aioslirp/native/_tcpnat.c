@@ -65,6 +65,7 @@ struct fake_sock {
     uint8_t *tx;        /* guest -> host bytes the host received */
     size_t tx_len, tx_cap;
     long space;         /* bytes send() takes now, -1 unlimited */
+    long sends;         /* send() and sendmsg() calls that took bytes */
 };
 
 typedef struct {
@@ -179,6 +180,14 @@ static ssize_t r_send(void *ctx, int fd, const uint8_t *buf, size_t len)
     return n < 0 ? -errno : n;
 }
 
+static ssize_t r_sendv(void *ctx, int fd, const struct iovec *iov, int iovcnt)
+{
+    (void)ctx;
+    struct msghdr mh = {.msg_iov = (struct iovec *)iov, .msg_iovlen = (size_t)iovcnt};
+    ssize_t n = sendmsg(fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+    return n < 0 ? -errno : n;
+}
+
 static uint8_t discard_buf[TN_DISCARD];
 
 static ssize_t r_peek(void *ctx, int fd, uint8_t *buf, size_t len, size_t skip)
@@ -267,7 +276,7 @@ static int r_tap_write(void *ctx, const struct iovec *iov, int n)
 }
 
 static const struct tn_io real_io = {
-    NULL, r_open, r_connect, r_error, r_watch, r_want_out, r_send, r_peek, r_consume, r_rewind, r_shutdown, r_space, r_close,
+    NULL, r_open, r_connect, r_error, r_watch, r_want_out, r_send, r_sendv, r_peek, r_consume, r_rewind, r_shutdown, r_space, r_close,
     r_tap_write,
 };
 
@@ -385,9 +394,29 @@ static ssize_t f_send(void *ctx, int fd, const uint8_t *buf, size_t len)
         return -ENOBUFS;
     memcpy(s->tx + s->tx_len, buf, len);
     s->tx_len += len;
+    s->sends++;
     if (s->space >= 0)
         s->space -= (long)len;
     return (ssize_t)len;
+}
+
+/* as sendmsg: the buffers in order, a prefix taken; an error only when nothing was */
+static ssize_t f_sendv(void *ctx, int fd, const struct iovec *iov, int iovcnt)
+{
+    ssize_t total = 0;
+    struct fake_sock *s = fake_get(ctx, fd);
+    long sends = s ? s->sends : 0;
+    for (int i = 0; i < iovcnt; i++) {
+        ssize_t r = f_send(ctx, fd, iov[i].iov_base, iov[i].iov_len);
+        if (r < 0)
+            return total ? total : r;
+        total += r;
+        if ((size_t)r < iov[i].iov_len)
+            break;
+    }
+    if (s && total)
+        s->sends = sends + 1; /* one sendmsg */
+    return total;
 }
 
 static ssize_t f_peek(void *ctx, int fd, uint8_t *buf, size_t len, size_t skip)
@@ -471,7 +500,7 @@ static int f_tap_write(void *ctx, const struct iovec *iov, int n)
 }
 
 static const struct tn_io fake_io = {
-    NULL, f_open, f_connect, f_error, f_watch, f_want_out, f_send, f_peek, f_consume, f_rewind, f_shutdown, f_space, f_close,
+    NULL, f_open, f_connect, f_error, f_watch, f_want_out, f_send, f_sendv, f_peek, f_consume, f_rewind, f_shutdown, f_space, f_close,
     f_tap_write,
 };
 
@@ -807,6 +836,38 @@ static PyObject *engine_input(PyObject *op, PyObject *args)
     return PyBool_FromLong(took);
 }
 
+static PyObject *engine_input_batch(PyObject *op, PyObject *args)
+{
+    Engine *g = (Engine *)op;
+    PyObject *frames;
+    int csum_ok;
+    double now;
+    if (!PyArg_ParseTuple(args, "O!pd", &PyList_Type, &frames, &csum_ok, &now))
+        return NULL;
+    if (!ready(g))
+        return NULL;
+    Py_ssize_t n = PyList_Size(frames);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyBytes_Check(PyList_GetItem(frames, i))) {
+            PyErr_SetString(PyExc_TypeError, "input_batch: frames must be a list of bytes");
+            return NULL;
+        }
+    PyObject *out = PyList_New(n);
+    if (!out)
+        return NULL;
+    /* the list holds the frames (no Python code runs until the flush): kept, as the TAP reader's buffer */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GetItem(frames, i);
+        int took = tcpnat_tap_frame_kept(g, (const uint8_t *)PyBytes_AsString(b), (size_t)PyBytes_Size(b),
+                                         csum_ok, now);
+        PyList_SetItem(out, i, PyBool_FromLong(took));
+    }
+    tn_flush(g->e, now);
+    sink_flush(g);
+    arm_timer(g, now, 0);
+    return out;
+}
+
 static PyObject *engine_close_flow(PyObject *op, PyObject *args)
 {
     Engine *g = (Engine *)op;
@@ -844,14 +905,14 @@ static PyObject *engine_counters(PyObject *op, PyObject *unused)
         return NULL;
     const struct tn_counters *c = tn_counters(g->e);
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
         (unsigned long long)c->frames_out, "tap_write_errors", (unsigned long long)c->tap_write_errors,
         "bad_checksum", (unsigned long long)c->bad_checksum, "out_of_window", (unsigned long long)c->out_of_window,
         "bad_ack", (unsigned long long)c->bad_ack, "syn_on_open", (unsigned long long)c->syn_on_open, "rst_bad_seq",
         (unsigned long long)c->rst_bad_seq, "dup_acks", (unsigned long long)c->dup_acks, "fast_retransmits",
         (unsigned long long)c->fast_retransmits, "rto", (unsigned long long)c->rto, "zero_window_probes",
         (unsigned long long)c->zero_window_probes, "host_write_paused", (unsigned long long)c->host_write_paused,
-        "window_updates", (unsigned long long)c->window_updates, "rate_held_up",
+        "gathered", (unsigned long long)c->gathered, "window_updates", (unsigned long long)c->window_updates, "rate_held_up",
         (unsigned long long)c->rate_held_up, "rate_paused_down", (unsigned long long)c->rate_paused_down,
         "adopted", (unsigned long long)c->adopted, "ended", (unsigned long long)c->ended, "trace_overflow",
         (unsigned long long)tn_trace_overflow(g->e), "held_up", (unsigned long long)c->held_up, "held_down",
@@ -1202,8 +1263,8 @@ static PyObject *fake_socket(PyObject *op, PyObject *arg)
     struct fake_sock *s = fake_arg(g, (int)fd);
     if (!s)
         return NULL;
-    return Py_BuildValue("{sisisisnsi}", "closed", s->closed, "aborted", s->aborted, "shut_wr", s->shut_wr, "unread",
-                         (Py_ssize_t)s->rx_len, "watch_out", s->watch_out);
+    return Py_BuildValue("{sisisisnsisl}", "closed", s->closed, "aborted", s->aborted, "shut_wr", s->shut_wr,
+                         "unread", (Py_ssize_t)s->rx_len, "watch_out", s->watch_out, "sends", s->sends);
 }
 
 static PyObject *fake_fds(PyObject *op, PyObject *unused)
@@ -1233,6 +1294,9 @@ static PyMethodDef engine_methods[] = {
      "now) -> (status, slot, gen)"},
     {"poll", engine_poll, METH_VARARGS, "poll(now=None) -> records: socket events and timers, then what ended"},
     {"input", engine_input, METH_VARARGS, "input(frame, csum_ok, now) -> bool: a guest frame a native flow took"},
+    {"input_batch", engine_input_batch, METH_VARARGS,
+     "input_batch(frames, csum_ok, now) -> list[bool]: input() for each frame of a list of bytes, one flow's "
+     "consecutive in-order payloads sent to its socket in one sendmsg, the ACKs after the last"},
     {"close_flow", engine_close_flow, METH_VARARGS, "close_flow(slot, gen, now) -> bool"},
     {"info", engine_info, METH_VARARGS, "info(slot, gen) -> (state, last_active, bytes_up, bytes_down, snd_wnd, rcv_wnd)"},
     {"counters", engine_counters, METH_NOARGS, "counters() -> dict"},
@@ -1313,6 +1377,24 @@ int tcpnat_tap_frame(void *engine, const uint8_t *frame, size_t len, int csum_ok
     if (dp_classify(frame, len, 0, &rec, NULL) != DP_KIND_TCP)
         return 0;
     return tn_frame(g->e, frame, len, &rec, csum_ok, now);
+}
+
+int tcpnat_tap_frame_kept(void *engine, const uint8_t *frame, size_t len, int csum_ok, double now)
+{
+    Engine *g = engine;
+    if (!g->e || tn_live_flows(g->e) == 0)
+        return 0;
+    struct dp_frame rec;
+    if (dp_classify(frame, len, 0, &rec, NULL) != DP_KIND_TCP)
+        return 0;
+    return tn_frame_kept(g->e, frame, len, &rec, csum_ok, now);
+}
+
+void tcpnat_gather_flush(void *engine)
+{
+    Engine *g = engine;
+    if (g->e)
+        tn_gather_flush(g->e);
 }
 
 void tcpnat_batch_end(void *engine)

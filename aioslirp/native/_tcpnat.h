@@ -14,6 +14,11 @@ int tcpnat_add_type(PyObject *module);
 void *tcpnat_engine_of(PyObject *obj);
 /* A guest frame (no vnet header) from the TAP reader: 1 when a native flow took it. */
 int tcpnat_tap_frame(void *engine, const uint8_t *frame, size_t len, int csum_ok, double now);
+/* The same for a frame whose memory stays unchanged until tcpnat_gather_flush (or the batch's
+ * end): one flow's consecutive in-order payloads reach its socket in one sendmsg. */
+int tcpnat_tap_frame_kept(void *engine, const uint8_t *frame, size_t len, int csum_ok, double now);
+/* Send what kept frames gathered: before their memory is reused. */
+void tcpnat_gather_flush(void *engine);
 /* The end of a batch of guest frames: the ACKs due go out, the timer follows. */
 void tcpnat_batch_end(void *engine);
 /* CLOCK_MONOTONIC in seconds (the clock of loop.time()). */

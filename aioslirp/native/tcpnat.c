@@ -124,6 +124,13 @@ struct tn_engine {
     uint32_t tr_slot;          /* ... the flow of the last one, */
     uint8_t tr_mixed;          /* ... and whether they belong to more than one */
     uint64_t tr_first_ns;      /* ... when the first was written */
+    /* the gather (tn_frame_kept): in-order payloads of one flow from consecutive frames whose
+     * memory the caller keeps until tn_gather_flush, sent to its socket in one sendmsg */
+    int gather_ok;             /* the frame being taken is kept (set by tn_frame_kept) */
+    uint32_t g_slot, g_gen;    /* the flow (slot + 1, 0 none) and its generation */
+    uint32_t g_n;              /* iovecs held */
+    size_t g_len;              /* their bytes */
+    struct iovec g_iov[TN_GATHER_MAX];
     uint8_t hdr[12 + 14 + 40 + 60];
     uint8_t peek[TN_PEEK_MAX];
 };
@@ -869,6 +876,7 @@ static uint8_t unhold(struct tn_engine *e, struct tn_flow *f)
 int tn_allow(struct tn_engine *e, int64_t up, int64_t down)
 {
     int rose = 0;
+    tn_gather_flush(e);
     if (up != TN_ALLOW_KEEP) {
         rose |= e->allow_up <= 0 && up > 0;
         e->allow_up = up < 0 ? 0 : up;
@@ -1348,7 +1356,7 @@ static void connected(struct tn_engine *e, struct tn_flow *f, double now, int at
         struct tn_trace_rec *r = trace_rec(e, TN_TR_SYN_ACK, f, tn_clock_ns());
         if (r) {
             double us = (now - f->started) * 1e6;
-            r->a = us <= 0 ? 0 : clamp32((uint64_t)us);
+            r->a = us <= 0 ? 0 : clamp32((uint64_t)(us + 0.5)); /* rounded: a difference of two float times */
             r->b = (uint32_t)at_once;
         }
     }
@@ -1373,6 +1381,7 @@ static int adopt_in(struct tn_engine *e, const struct tn_adopt *a, double now, u
 
 int tn_adopt(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t *slot, uint32_t *gen)
 {
+    tn_gather_flush(e);
     int r = adopt_in(e, a, now, slot, gen);
     if (TRACING(e)) /* a SYN-ACK (or RST) written at once leaves now: its drain */
         trace_drain(e);
@@ -1515,9 +1524,82 @@ static void take_ack(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint3
     rearm(e, f);
 }
 
+/* plen in-order guest bytes (n buffers) to the host socket: what it took is ours (rcv_nxt moves,
+ * acknowledged at the flush); what it did not take the guest sends again once our window opens.
+ * The bytes taken, or -1 when the flow was aborted (the socket failed). */
+static ssize_t up_send(struct tn_engine *e, struct tn_flow *f, const struct iovec *iov, int n, size_t plen)
+{
+    size_t took = 0;
+    if (plen && (f->fl & FL_SOCK_OPEN)) {
+        ssize_t r = n == 1 ? e->io.sock_send(e->io.ctx, f->fd, iov[0].iov_base, iov[0].iov_len)
+                           : e->io.sock_sendv(e->io.ctx, f->fd, iov, n);
+        if (r < 0 && r != -EAGAIN && r != -EWOULDBLOCK && r != -ENOBUFS) {
+            abort_flow(e, f, TN_OUT_RESET, TN_WHY_HOST_LOST, (int)-r);
+            return -1;
+        }
+        took = r > 0 ? (size_t)r : 0;
+        if (took > plen)
+            took = plen;
+    }
+    if (n > 1)
+        e->c.gathered += (uint64_t)n;
+    if (took < plen) {
+        e->c.host_write_paused++;
+        f->fl |= FL_TX_BLOCKED;
+        if (!(f->fl & FL_WATCH_OUT)) { /* EPOLLOUT from now on: it says when the window opens */
+            f->fl |= FL_WATCH_OUT;
+            e->io.sock_want_out(e->io.ctx, f->fd, tag_of(e, f));
+        }
+    }
+    f->rcv_nxt += (uint32_t)took;
+    f->bytes_up += took;
+    if (took && TRACING(e))
+        trace_data(e, f, &f->tr_guest, TN_FE_GUEST_DATA, took);
+    e->c.bytes_up += took;
+    charge_up(e, f, f->rcv_nxt);
+    if (e->up.rate && took) /* within the window we gave: taken, whatever the balance */
+        bucket_spend(&e->up, took);
+    f->space = f->space > took ? f->space - (uint32_t)took : 0;
+    if (took)
+        f->fl |= FL_SPACE_STALE; /* the send buffer grows with use (autotuning): ask again */
+    ack_later(e, f);
+    return (ssize_t)took;
+}
+
+void tn_gather_flush(struct tn_engine *e)
+{
+    if (!e->g_slot)
+        return;
+    struct tn_flow *f = &e->flows[e->g_slot - 1];
+    int n = (int)e->g_n;
+    size_t len = e->g_len;
+    e->g_slot = 0;
+    e->g_n = 0;
+    e->g_len = 0;
+    /* the flow may have ended, or its socket failed, since (from_sock after the last frame): the
+     * bytes were not acknowledged, so nothing is lost but what the guest sends again */
+    if (f->gen != e->g_gen || f->state != ST_ESTABLISHED || (f->fl & (FL_TX_BLOCKED | FL_GUEST_FIN)))
+        return;
+    up_send(e, f, e->g_iov, n, len);
+}
+
 static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, const uint8_t *pay, size_t plen,
                          int fin)
 {
+    if (e->g_slot) { /* the gather's flow (frame_in sent any other's): this payload next in it? */
+        uint32_t wnd = SEQ_GT(f->rcv_adv, f->rcv_nxt) ? f->rcv_adv - f->rcv_nxt : 0;
+        if (e->gather_ok && plen && !fin && seq == f->rcv_nxt + (uint32_t)e->g_len && e->g_n < TN_GATHER_MAX &&
+            e->g_len + plen <= wnd) {
+            e->g_iov[e->g_n].iov_base = (void *)pay;
+            e->g_iov[e->g_n].iov_len = plen;
+            e->g_n++;
+            e->g_len += plen;
+            return;
+        }
+        tn_gather_flush(e);
+        if (f->state != ST_ESTABLISHED)
+            return;
+    }
     if (f->fl & FL_GUEST_FIN) { /* after its FIN: a retransmission at most */
         if (plen || fin)
             ack_later(e, f);
@@ -1541,38 +1623,22 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
             plen = wnd;
             fin = 0;
         }
-        size_t took = 0;
-        if (plen && (f->fl & FL_SOCK_OPEN)) {
-            ssize_t r = e->io.sock_send(e->io.ctx, f->fd, pay, plen);
-            if (r < 0 && r != -EAGAIN && r != -EWOULDBLOCK && r != -ENOBUFS) {
-                abort_flow(e, f, TN_OUT_RESET, TN_WHY_HOST_LOST, (int)-r);
-                return;
-            }
-            took = r > 0 ? (size_t)r : 0;
-            if (took > plen)
-                took = plen;
+        if (e->gather_ok && plen && !fin && e->io.sock_sendv && (f->fl & FL_SOCK_OPEN) &&
+            !(f->fl & FL_TX_BLOCKED)) { /* the first of a gather: sent with the frames after it */
+            e->g_slot = (uint32_t)(f - e->flows) + 1;
+            e->g_gen = f->gen;
+            e->g_iov[0].iov_base = (void *)pay;
+            e->g_iov[0].iov_len = plen;
+            e->g_n = 1;
+            e->g_len = plen;
+            return;
         }
-        if (took < plen) {
-            e->c.host_write_paused++;
-            f->fl |= FL_TX_BLOCKED;
+        struct iovec one = {(void *)pay, plen};
+        ssize_t took = up_send(e, f, &one, 1, plen);
+        if (took < 0)
+            return;
+        if ((size_t)took < plen)
             fin = 0;
-            if (!(f->fl & FL_WATCH_OUT)) { /* EPOLLOUT from now on: it says when the window opens */
-                f->fl |= FL_WATCH_OUT;
-                e->io.sock_want_out(e->io.ctx, f->fd, tag_of(e, f));
-            }
-        }
-        f->rcv_nxt += (uint32_t)took;
-        f->bytes_up += took;
-        if (took && TRACING(e))
-            trace_data(e, f, &f->tr_guest, TN_FE_GUEST_DATA, took);
-        e->c.bytes_up += took;
-        charge_up(e, f, f->rcv_nxt);
-        if (e->up.rate && took) /* within the window we gave: taken, whatever the balance */
-            bucket_spend(&e->up, took);
-        f->space = f->space > took ? f->space - (uint32_t)took : 0;
-        if (took)
-            f->fl |= FL_SPACE_STALE; /* the send buffer grows with use (autotuning): ask again */
-        ack_later(e, f);
     }
     if (!plen && !fin && SEQ_LT(seq, f->rcv_nxt))
         ack_later(e, f); /* a window probe (or keep-alive) below rcv_nxt: answered */
@@ -1601,6 +1667,15 @@ static int rst_ok(struct tn_engine *e, struct tn_flow *f, uint32_t seq)
 
 static int frame_in(struct tn_engine *e, const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok,
                     double now);
+
+int tn_frame_kept(struct tn_engine *e, const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok,
+                  double now)
+{
+    e->gather_ok = e->io.sock_sendv != NULL;
+    int took = tn_frame(e, buf, len, rec, csum_ok, now);
+    e->gather_ok = 0;
+    return took;
+}
 
 int tn_frame(struct tn_engine *e, const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok, double now)
 {
@@ -1636,6 +1711,9 @@ static int frame_in(struct tn_engine *e, const uint8_t *buf, size_t len, const s
         return 0;
     int v6 = (rec->flags & DP_F_IPV6) ? 1 : 0;
     struct tn_flow *f = lookup(e, v6, rec->src, rec->sport, rec->dst, rec->dport);
+    if (e->g_slot && (!f || e->g_slot - 1 != (uint32_t)(f - e->flows) || !e->gather_ok || !rec->payload_len ||
+                      (rec->tcp_flags & (TCP_SYN | TCP_RST | TCP_FIN))))
+        tn_gather_flush(e); /* sent before anything else happens to a flow */
     if (!f)
         return 0;
     /* the record's offsets were checked against len by dp_classify(); checked again here, cheaply */
@@ -1731,6 +1809,7 @@ static int frame_in(struct tn_engine *e, const uint8_t *buf, size_t len, const s
 void tn_flush(struct tn_engine *e, double now)
 {
     e->now = now;
+    tn_gather_flush(e);
     while (e->ack_head) {
         struct tn_flow *f = &e->flows[e->ack_head - 1];
         e->ack_head = f->ack_next;
@@ -1747,6 +1826,7 @@ void tn_flush(struct tn_engine *e, double now)
 void tn_sock_event(struct tn_engine *e, uint64_t tag, uint32_t events, double now)
 {
     e->now = now;
+    tn_gather_flush(e);
     uint32_t slot = (uint32_t)tag, gen = (uint32_t)(tag >> 32);
     if (slot >= e->cap)
         return;
@@ -1869,6 +1949,7 @@ static void flow_timer(struct tn_engine *e, struct tn_flow *f, double now)
 void tn_timers(struct tn_engine *e, double now)
 {
     e->now = now;
+    tn_gather_flush(e);
     if (e->resume_due)
         resume_held(e, now);
     while (e->hlen) {
@@ -1897,6 +1978,7 @@ double tn_next_deadline(const struct tn_engine *e, double now, int timers_only)
 int tn_close_flow(struct tn_engine *e, uint32_t slot, uint32_t gen, double now)
 {
     e->now = now;
+    tn_gather_flush(e);
     if (slot >= e->cap)
         return -ENOENT;
     struct tn_flow *f = &e->flows[slot];

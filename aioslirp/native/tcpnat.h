@@ -47,6 +47,8 @@
 #define TN_DISCARD (1u << 20)
 /* Largest payload peeked (and put in one frame with offload) at once. */
 #define TN_PEEK_MAX 65495u
+/* Payloads of one flow's consecutive guest frames sent to its socket in one sendmsg, at most. */
+#define TN_GATHER_MAX 64u
 
 /* Largest byte-rate cap (bytes/s) of the engine, about 550 Gbit/s: the byte buckets count in
  * nanobytes (bytes x 1e9) and stay within 64 bits below it. */
@@ -79,6 +81,9 @@ struct tn_io {
     int (*sock_watch)(void *ctx, int fd, uint64_t tag, int out);
     int (*sock_want_out)(void *ctx, int fd, uint64_t tag);
     ssize_t (*sock_send)(void *ctx, int fd, const uint8_t *buf, size_t len);
+    /* The same for iovcnt (2..TN_GATHER_MAX) buffers in order, as one sendmsg: bytes taken (a
+     * prefix), -errno. NULL: the engine sends each guest frame's payload on its own. */
+    ssize_t (*sock_sendv)(void *ctx, int fd, const struct iovec *iov, int iovcnt);
     /* Copy up to len bytes of the receive queue from offset skip without consuming them:
      * bytes copied, 0 at end of stream (past skip), -EAGAIN none now, -errno. */
     ssize_t (*sock_peek)(void *ctx, int fd, uint8_t *buf, size_t len, size_t skip);
@@ -182,6 +187,7 @@ struct tn_counters {
     uint64_t rto;               /* retransmission timeouts */
     uint64_t zero_window_probes;
     uint64_t host_write_paused; /* a send() took part: our window closes */
+    uint64_t gathered;          /* guest segments sent to their socket in a sendmsg of several */
     uint64_t window_updates;    /* ... and opens again (EPOLLOUT, or the up rate cap refilled) */
     uint64_t rate_held_up;      /* our window to a flow that sent data was closed by the up cap */
     uint64_t rate_paused_down;  /* a flow stopped reading its host socket for the down cap */
@@ -210,6 +216,17 @@ int tn_adopt(struct tn_engine *e, const struct tn_adopt *a, double now, uint32_t
  * (processed or dropped and counted), 0 when Python should. csum_ok: the vnet header vouched
  * for the L4 checksum. */
 int tn_frame(struct tn_engine *e, const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok, double now);
+
+/* tn_frame for a frame whose memory the caller keeps unchanged until it calls tn_gather_flush (or
+ * tn_flush): an in-order payload of the same flow as the frames before it is gathered, not sent at
+ * once, so that consecutive segments of one flow reach its socket in one sendmsg (one wake-up of
+ * the host peer instead of one per segment). Any other frame, socket event, timer or call sends
+ * the gather first; bytes are acknowledged to the guest only once the socket took them. */
+int tn_frame_kept(struct tn_engine *e, const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok,
+                  double now);
+
+/* Send what tn_frame_kept gathered (before the caller reuses the frames' memory). */
+void tn_gather_flush(struct tn_engine *e);
 
 /* Send the ACKs that guest frames made due (after a batch of guest frames). */
 void tn_flush(struct tn_engine *e, double now);
