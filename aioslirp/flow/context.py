@@ -129,6 +129,10 @@ class NativeFlows(Protocol):
     def adopt(self, flow: Any) -> None:
         """Move ``flow``'s datagrams to the native plane if it can take them; else nothing changes."""
 
+    def take(self) -> None:
+        """Bring the adopted flows' figures (bytes each way, last activity) and the stack's counters up
+        to date with what the plane moved since the last call."""
+
 
 class FlowContext:
     """The stack's parts as the flows and the dispatch see them (see the module documentation).

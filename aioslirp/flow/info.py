@@ -133,6 +133,9 @@ class FlowRecords:
         table = self._table
         if not table:
             return []
+        native = self._ctx.native_udp
+        if native is not None:  # what the native plane moved since its last report
+            native.take()
         now = self._ctx.running.time()
         name = self._guest_name
         return [flow_info(f, now, name) for f in list(table.values())]

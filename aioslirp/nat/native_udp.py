@@ -8,16 +8,18 @@ flow table. Then :meth:`NativeUdp.adopt` hands the flow to the native data plane
 served (``aioslirp.native._dataplane.Plane``): from then on the TAP reader sends the flow's guest
 datagrams to its host socket from C (the frame must match the 5-tuple, come from the guest's MAC
 and pass the UDP checksum rule; anything else goes to Python as before), and the host socket's
-readiness calls the plane, which reads its datagrams and writes their frames to the TAP (built
+readiness calls the plane's C reader (``Plane.udp_readable(slot)``, the loop's reader of the
+socket: no Python frame runs), which reads its datagrams and writes their frames to the TAP (built
 as the Python path builds them, fragmented to the MTU). No Python object is made per datagram.
 
-What moved is reported back in batches, so that everything Python keeps stays current: after a
-read of guest frames (``TapTransport.native_taken``) the stack's ``frames_in``, ``bytes_in`` and
-``handled.udp`` and, per flow touched, its ``bytes_up``, ``last_active`` and
-``drop.udp_send_blocked``; after a host socket's read its ``bytes_down``, ``last_active``,
-``udp_datagrams_down``, ``frames_out`` and ``bytes_out``. A host socket error goes to the flow
-(:meth:`UdpFlow.host_error <aioslirp.nat.udp.UdpFlow.host_error>`: the ICMP error to the guest,
-quoting the last datagram the plane saw). The idle sweep, eviction, the audit record and
+What moved is reported back so that everything Python keeps stays current: the C reader bumps the
+stack's ``udp_datagrams_down``, ``frames_out`` and ``bytes_out`` at once; after a read of guest
+frames (``TapTransport.native_taken``), and before the idle sweep looks at a flow, before
+``Stack.flows()`` and when a flow ends, :meth:`NativeUdp.take` brings in the stack's ``frames_in``,
+``bytes_in`` and ``handled.udp`` and, per flow touched either way, its ``bytes_up``,
+``bytes_down``, ``last_active`` and ``drop.udp_send_blocked``. A host socket error goes to the flow
+at once (:meth:`UdpFlow.host_error <aioslirp.nat.udp.UdpFlow.host_error>`: the ICMP error to the
+guest, quoting the last datagram the plane saw). The idle sweep, eviction, the audit record and
 ``Stack.flows()`` therefore see the flow as on the Python path.
 
 Made by ``Stack.serve`` for a native TAP transport (``AIOSLIRP_NATIVE`` unset, the default, ``1`` or holding ``udp``) when nothing
@@ -98,6 +100,7 @@ class NativeUdp:
         self.loop = ctx.running.loop
         self.flows = {}
         self.plane.udp_enable(capacity)
+        self.plane.udp_sink(transport.fd, transport.vnet_hdr, self.counters, self._host_error_at)
         transport.native_taken = self.take
 
     def adopt(self, flow: Any) -> None:
@@ -115,7 +118,7 @@ class NativeUdp:
         if slot < 0:
             return
         self.flows[slot] = flow
-        flow.go_native(self, slot, self.host_readable)
+        flow.go_native(self, slot, self.plane.udp_readable)
         self.counters["native.udp_flows_adopted"] += 1
 
     def release(self, flow: UdpFlow) -> None:
@@ -141,11 +144,12 @@ class NativeUdp:
             counters["frames_in"] += frames
             counters["bytes_in"] += nbytes
             counters["handled.udp"] += frames
-        for slot, _datagrams, up_bytes, blocked, err, last_active in touched:
+        for slot, _datagrams, up_bytes, blocked, err, last_active, down_bytes in touched:
             flow = self.flows.get(slot)
             if flow is None:
                 continue
             flow.bytes_up += up_bytes
+            flow.bytes_down += down_bytes
             if last_active > flow.last_active:
                 flow.last_active = last_active
             if blocked:
@@ -153,22 +157,10 @@ class NativeUdp:
             if err:
                 self._host_error(flow, err)
 
-    def host_readable(self, flow: UdpFlow) -> None:
-        """The flow's host socket is readable: the plane moves its datagrams to the guest."""
-        now = self.loop.time()
-        t = self.transport
-        moved, nbytes, frames, fbytes, write_errors, err = self.plane.udp_host_readable(
-            flow.native_slot, t.fd, t.vnet_hdr, now)
-        if moved:
-            flow.last_active = now
-            flow.bytes_down += nbytes
-            counters = self.counters
-            counters["udp_datagrams_down"] += moved
-            counters["frames_out"] += frames
-            counters["bytes_out"] += fbytes
-            if write_errors:
-                counters["native.tap_write_errors"] += write_errors
-        if err:
+    def _host_error_at(self, slot: int, err: int) -> None:
+        """The plane's reader of the host socket of ``slot`` saw the error ``err`` (errno)."""
+        flow = self.flows.get(slot)
+        if flow is not None:
             self._host_error(flow, err)
 
     def _host_error(self, flow: UdpFlow, err: int) -> None:

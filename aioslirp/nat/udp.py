@@ -151,13 +151,21 @@ class UdpFlow(SocketFlow):
 
     def go_native(self, native: Any, slot: int, host_readable: Any) -> None:
         """Hand this flow to the native data plane (:meth:`NativeUdp.adopt
-        <aioslirp.nat.native_udp.NativeUdp.adopt>`): the host socket is read by ``host_readable(self)``
-        from now on instead of :meth:`_readable`."""
+        <aioslirp.nat.native_udp.NativeUdp.adopt>`): the host socket is read by ``host_readable(slot)``
+        (the plane's C reader) from now on instead of :meth:`_readable`."""
         self.native = native
         self.native_slot = slot
         fd = self.sock.fileno()
         self.loop.remove_reader(fd)
-        self.loop.add_reader(fd, host_readable, self)
+        self.loop.add_reader(fd, host_readable, slot)
+
+    def expire(self, now: float) -> bool:
+        """As :meth:`SocketFlow.expire <aioslirp.nat.datagram.SocketFlow.expire>`, with the native
+        plane's last activity of this flow taken first."""
+        native = self.native
+        if native is not None:
+            native.take()
+        return super().expire(now)
 
     def leave_native(self) -> None:
         """Back to the Python path (the native plane went away with its transport): this flow reads

@@ -185,6 +185,10 @@ typedef struct {
     uint32_t *udp_touched;
     uint8_t *udp_scratch;
     PyObject *tcp; /* a TcpEngine (attach_tcp): its flows' frames never reach Python */
+    /* udp_sink(): host datagrams read by udp_readable(slot), the loop's reader of each host socket */
+    int sink_fd, sink_vnet;
+    PyObject *sink_counters; /* the stack's counters (a dict-like of int), bumped per call */
+    PyObject *sink_on_error; /* on_error(slot, errno): a host socket error, to Python at once */
 } Plane;
 
 static int plane_init(PyObject *op, PyObject *args, PyObject *kwargs)
@@ -235,6 +239,8 @@ static void plane_dealloc(PyObject *op)
     PyMem_Free(self->udp_touched);
     PyMem_Free(self->udp_scratch);
     Py_CLEAR(self->tcp);
+    Py_CLEAR(self->sink_counters);
+    Py_CLEAR(self->sink_on_error);
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(op);
     Py_DECREF(tp);
@@ -526,9 +532,9 @@ static PyObject *plane_udp_touched(PyObject *op, PyObject *unused)
         return NULL;
     for (uint32_t k = 0; k < t->ntouched; k++) {
         struct dp_udp_flow *f = &t->flows[t->touched[k]];
-        PyObject *item = Py_BuildValue("(IKKKid)", t->touched[k], (unsigned long long)f->up_datagrams,
+        PyObject *item = Py_BuildValue("(IKKKidK)", t->touched[k], (unsigned long long)f->up_datagrams,
                                        (unsigned long long)f->up_bytes, (unsigned long long)f->blocked, f->err,
-                                       f->last_active);
+                                       f->last_active, (unsigned long long)(f->down_bytes - f->down_taken));
         if (!item || PyList_SetItem(list, k, item) < 0) {
             Py_DECREF(list);
             return NULL;
@@ -541,6 +547,7 @@ static PyObject *plane_udp_touched(PyObject *op, PyObject *unused)
     for (uint32_t k = 0; k < t->ntouched; k++) {
         struct dp_udp_flow *f = &t->flows[t->touched[k]];
         f->up_datagrams = f->up_bytes = f->blocked = 0;
+        f->down_taken = f->down_bytes;
         f->err = 0;
         f->touched = 0;
     }
@@ -572,6 +579,86 @@ static PyObject *plane_udp_host_readable(PyObject *op, PyObject *args)
                          (unsigned long long)frames, (unsigned long long)bytes, (unsigned long long)werr, err);
 }
 
+/* udp_sink(tap_fd, vnet, counters, on_error): where udp_readable() writes and counts. */
+static PyObject *plane_udp_sink(PyObject *op, PyObject *args)
+{
+    Plane *self = (Plane *)op;
+    int fd, vnet;
+    PyObject *counters, *on_error;
+    if (!udp_ready(self) || !PyArg_ParseTuple(args, "ipOO", &fd, &vnet, &counters, &on_error))
+        return NULL;
+    if (!PyCallable_Check(on_error)) {
+        PyErr_SetString(PyExc_TypeError, "udp_sink: on_error must be callable");
+        return NULL;
+    }
+    self->sink_fd = fd;
+    self->sink_vnet = vnet;
+    PyObject *old_counters = self->sink_counters, *old_on_error = self->sink_on_error;
+    self->sink_counters = Py_NewRef(counters);
+    self->sink_on_error = Py_NewRef(on_error);
+    Py_XDECREF(old_counters);
+    Py_XDECREF(old_on_error);
+    Py_RETURN_NONE;
+}
+
+/* counters[name] += n (a missing name counts from 0, as collections.Counter) */
+static int bump(PyObject *counters, const char *name, uint64_t n)
+{
+    if (!n)
+        return 0;
+    PyObject *key = PyUnicode_InternFromString(name);
+    if (!key)
+        return -1;
+    PyObject *old = PyObject_GetItem(counters, key);
+    if (!old) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+            Py_DECREF(key);
+            return -1;
+        }
+        PyErr_Clear();
+    }
+    PyObject *add = PyLong_FromUnsignedLongLong((unsigned long long)n);
+    PyObject *sum = add && old ? PyNumber_Add(old, add) : Py_XNewRef(add);
+    int r = sum ? PyObject_SetItem(counters, key, sum) : -1;
+    Py_XDECREF(sum);
+    Py_XDECREF(add);
+    Py_XDECREF(old);
+    Py_DECREF(key);
+    return r;
+}
+
+/* udp_readable(slot): the loop's reader of an adopted flow's host socket (no Python frame runs):
+ * its datagrams to the guest as udp_host_readable() at the plane's clock, the stack's counters
+ * bumped, the flow's figures left for udp_touched(), a socket error to on_error(slot, errno). */
+static PyObject *plane_udp_readable(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    int slot;
+    struct dp_udp_flow *f;
+    if (!udp_ready(self) || !(f = flow_at(self, arg, &slot)))
+        return NULL;
+    if (!self->sink_counters) {
+        PyErr_SetString(PyExc_ValueError, "udp_readable: no udp_sink()");
+        return NULL;
+    }
+    uint64_t frames = 0, bytes = 0, werr = 0;
+    int guest_err = f->err; /* a send error of the guest direction stays for udp_touched() */
+    f->err = 0;
+    int moved = dp_udp_host(&self->udp, slot, self->sink_fd, self->sink_vnet, tcpnat_now(), self->udp_scratch,
+                            DP_UDP_SCRATCH, &frames, &bytes, &werr);
+    int err = f->err;
+    f->err = guest_err;
+    if (moved > 0 && (bump(self->sink_counters, "udp_datagrams_down", (uint64_t)moved) < 0 ||
+                      bump(self->sink_counters, "frames_out", frames) < 0 ||
+                      bump(self->sink_counters, "bytes_out", bytes) < 0))
+        return NULL;
+    if (werr && bump(self->sink_counters, "native.tap_write_errors", werr) < 0)
+        return NULL;
+    if (err)
+        return PyObject_CallFunction(self->sink_on_error, "ii", slot, err);
+    Py_RETURN_NONE;
+}
+
 /* attach_tcp(engine | None): frames of the TcpEngine's flows are handed to it, not to Python. */
 static PyObject *plane_attach_tcp(PyObject *op, PyObject *arg)
 {
@@ -600,9 +687,14 @@ static PyMethodDef plane_methods[] = {
     {"udp_release", plane_udp_release, METH_O, "udp_release(slot)"},
     {"udp_last_header", plane_udp_last_header, METH_O, "udp_last_header(slot) -> the guest's last IP header + 8"},
     {"udp_touched", plane_udp_touched, METH_NOARGS,
-     "udp_touched() -> (frames, bytes, [(slot, datagrams, bytes, blocked, errno, last_active), ...])"},
+     "udp_touched() -> (frames, bytes, [(slot, datagrams, bytes, blocked, errno, last_active, bytes_down), ...])"},
     {"udp_host_readable", plane_udp_host_readable, METH_VARARGS,
      "udp_host_readable(slot, tap_fd, vnet, now) -> (datagrams, bytes, frames_out, bytes_out, write_errors, errno)"},
+    {"udp_sink", plane_udp_sink, METH_VARARGS,
+     "udp_sink(tap_fd, vnet, counters, on_error): where udp_readable() writes frames and counts"},
+    {"udp_readable", plane_udp_readable, METH_O,
+     "udp_readable(slot): a host socket's loop reader: its datagrams to the guest, counters bumped, the flow's "
+     "figures for udp_touched(), an error to on_error(slot, errno)"},
     {"classify", plane_classify, METH_O, "classify(buf) -> record tuple, counted in counters()"},
     {"counters", plane_counters, METH_NOARGS, "counters() -> {'frames': n, reason: n}"},
     {NULL, NULL, 0, NULL},

@@ -608,6 +608,7 @@ int dp_udp_host(struct dp_udp_table *t, int slot, int tap_fd, int vnet, double n
         f->last_active = now;
         f->down_datagrams++;
         f->down_bytes += (uint64_t)n;
+        touch(t, f); /* its figures for the next dp_udp_touched() */
         moved++;
         int nf = dp_udp_frames(scratch + 65536, cap - 65536, fs, 128, f->eth, 0, f->remote_ip, f->guest_ip,
                                f->remote_port, f->guest_port, scratch, (size_t)n, f->hlim, f->mtu, t->ident++, 0);

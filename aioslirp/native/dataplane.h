@@ -187,6 +187,7 @@ struct dp_udp_flow {
     uint32_t mtu;
     int32_t next;           /* hash chain / free list */
     uint64_t up_datagrams, up_bytes, down_datagrams, down_bytes, blocked;
+    uint64_t down_taken;    /* down_bytes when Python last took the flow's figures (udp_touched) */
     double last_active;     /* the caller's clock (loop time) of the last datagram either way */
 };
 

@@ -84,7 +84,7 @@ def test_the_reader_moves_an_adopted_flows_datagrams_and_leaves_the_rest(world):
     assert [server.recv(100), server.recv(100)] == [b"one", b"two"]
     got_frames, got_bytes, touched = plane.udp_touched()
     assert (got_frames, got_bytes) == (2, len(frames[0]) + len(frames[1]))
-    assert touched == [(slot, 2, 6, 0, 0, 5.5)]
+    assert touched == [(slot, 2, 6, 0, 0, 5.5, 0)]  # ..., bytes_down 0
     assert plane.udp_touched() == (0, 0, [])  # taken once
     assert plane.udp_last_header(slot) == frames[1][14:14 + 28]  # the IP header + 8 of the last one
 
@@ -129,3 +129,39 @@ def test_host_errors_and_tap_write_errors_are_reported(world):
         if err:
             break
     assert err == errno.ECONNREFUSED and moved == 0  # for the flow to turn into ICMP port unreachable
+
+
+def test_the_c_reader_counts_in_the_stacks_counters_and_reports_the_flow_later(world):
+    """udp_readable(slot), the loop's reader of the host socket: the frames go to the guest, the
+    stack's counters move at once, the flow's bytes and activity wait for udp_touched(), a socket
+    error reaches on_error(slot, errno) at once."""
+    import collections
+    import time
+
+    plane, tap, guest, host, server = world
+    slot = _adopt(plane, host, mtu=1500)
+    counters: collections.Counter = collections.Counter()
+    errors: list = []
+    with pytest.raises(ValueError, match="udp_sink"):
+        plane.udp_readable(slot)
+    plane.udp_sink(tap.fileno(), False, counters, lambda s, e: errors.append((s, e)))
+    server.sendto(b"a" * 10, host.getsockname())
+    server.sendto(b"b" * 3000, host.getsockname())
+    before = time.monotonic()
+    assert plane.udp_readable(slot) is None
+    got = [guest.recv(70000) for _ in range(4)]  # 10 bytes in one frame, 3,000 in three at MTU 1500
+    assert counters == {"udp_datagrams_down": 2, "frames_out": 4, "bytes_out": sum(map(len, got))}
+    _f, _b, touched = plane.udp_touched()
+    ((s, dgrams, up, blocked, err, last_active, down),) = touched
+    assert (s, dgrams, up, blocked, err, down) == (slot, 0, 0, 0, 0, 3010)
+    assert before <= last_active <= time.monotonic()  # the plane's clock: CLOCK_MONOTONIC
+    assert plane.udp_touched() == (0, 0, [])
+    server.close()  # nothing listens: the next send draws ECONNREFUSED
+    host.send(b"probe")
+    for _ in range(100):
+        plane.udp_readable(slot)
+        if errors:
+            break
+    assert errors == [(slot, errno.ECONNREFUSED)]
+    with pytest.raises(ValueError, match="no native UDP flow"):
+        plane.udp_readable(slot + 1)
