@@ -511,12 +511,21 @@ def _loop_factory():
     return uvloop.new_event_loop
 
 
+#: The loggers of a served VM's comings and goings ("waiting for a QEMU guest on PATH", "guest
+#: connected", "front end gone", "stopped after N guest(s)"): at the default log level (warning)
+#: they still speak, so that ``aioslirp qemu`` and ``vhost-user`` do not wait in silence.
+LIFECYCLE_LOGGERS = ("aioslirp.qemu", "aioslirp.vhost_user", "aioslirp.transport.vhost_user")
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper()),
         format=f"{PROG}: %(levelname)s: %(message)s",
         stream=sys.stderr,
     )
+    if level == "warning":  # the default: a VM's comings and goings too (--log-level error: silent)
+        for name in LIFECYCLE_LOGGERS:
+            logging.getLogger(name).setLevel(logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -307,7 +307,9 @@ def common_options() -> argparse.ArgumentParser:
         "guest (process_guest_frame, drain_to_guest, writer_wake), several spans per packet",
     )
     obs.add_argument(
-        "--log-level", type=_log_level, default="warning", metavar="LEVEL", help="debug, info, warning (default) or error"
+        "--log-level", type=_log_level, default="warning", metavar="LEVEL",
+        help="debug, info, warning (default; qemu and vhost-user also say when they wait for, see and lose a "
+        "guest) or error"
     )
     return common
 

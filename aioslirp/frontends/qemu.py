@@ -179,6 +179,7 @@ class QemuServer:
         self._busy = True
         if not isinstance(transport, DgramTransport) or transport.connected:
             self.guests += 1
+            log.info("guest connected on %s", transport.name)
         stack = self.stack
         serve = asyncio.ensure_future(stack.serve(transport))
         try:
@@ -296,7 +297,8 @@ async def serve_qemu(config, *, path: str | None = None, fd: int | None = None, 
             for sig in installed:
                 loop.remove_signal_handler(sig)
             server.close()
-        log.info("stopped after %d guest(s); counters: %s", server.guests, dict(stack.counters))
+        log.info("stopped after %d guest(s)", server.guests)
+        log.debug("counters: %s", dict(stack.counters))
     return 0
 
 

@@ -55,5 +55,6 @@ async def serve_vhost_user(config, *, path: str, client: bool = False, handle_si
             for sig in installed:
                 loop.remove_signal_handler(sig)
             transport.close()
-        log.info("stopped after %d front end(s); rings: %s", transport.front_ends, transport.counters())
+        log.info("stopped after %d front end(s)", transport.front_ends)
+        log.debug("rings: %s", transport.counters())
     return 0

@@ -556,7 +556,7 @@ class VhostUserTransport(Transport):
             else:
                 if resumed:  # the front end ran with a back end before us (the chains below were consumed)
                     self.protocol["rings_resumed"] += 1
-                    log.info("vhost-user %s: queue %d resumes at the used ring's index %d (not the base)",
+                    log.debug("vhost-user %s: queue %d resumes at the used ring's index %d (not the base)",
                              self.path, q, dev.get_base(q))
         elif request == SET_VRING_BASE:
             q, base = self._state(p)
@@ -579,7 +579,7 @@ class VhostUserTransport(Transport):
             ok = False  # no dirty logging (LOG_ALL / LOG_SHMFD not offered)
         else:
             self.protocol["unknown"] += 1
-            log.info("vhost-user %s: request %d not handled", self.path, request)
+            log.debug("vhost-user %s: request %d not handled", self.path, request)
             ok = False
         if not replied and flags & FLAG_NEED_REPLY and self.protocol_features & P_REPLY_ACK:
             self._reply(request, U64.pack(0 if ok else 1))

@@ -627,3 +627,32 @@ def test_qemu_switch_publish_on_a_port_in_use_is_one_line_exit_1(tmp_path):
     line = one_line(p)
     assert line.startswith("aioslirp: error: --publish: cannot listen on 127.0.0.1:") and "in use" in line, line
     assert not (tmp_path / "vms.sock").exists()
+
+
+def test_qemu_says_at_the_default_log_level_that_it_waits_sees_and_loses_a_guest(tmp_path):
+    """A new user's first run: ``aioslirp qemu --socket PATH`` does not wait in silence (warning is
+    the default level; the comings and goings of a guest are said all the same, --log-level error
+    silences them)."""
+    path = tmp_path / "vm.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "aioslirp", "qemu", "--socket", str(path), "--no-ipv6",
+                             "--dns", "127.0.0.1:9"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(500):
+            if path.exists():
+                break
+            time.sleep(0.02)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(path))
+        time.sleep(0.3)
+        s.close()
+        time.sleep(0.3)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    lines = err.splitlines()
+    assert f"aioslirp: INFO: waiting for a QEMU guest on {path} (-netdev stream)" in lines
+    assert any(line.startswith("aioslirp: INFO: guest connected on ") for line in lines), err
+    assert any(line.startswith("aioslirp: INFO: guest on ") and " left " in line for line in lines), err
+    assert "aioslirp: INFO: stopped after 1 guest(s)" in lines
+    assert not any("counters:" in line for line in lines)  # the counters only at debug
