@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from collections import Counter
 
 import pytest
 
+from aioslirp.native import status as native_status
 from support.namespaces import netns_holders
 from support.paths import GUEST_PROGRAMS
 from support.prereqs import need
@@ -527,3 +529,22 @@ def test_connections_of_processes_left_behind_by_the_command_are_reset(tmp_path)
         for c in accepted:
             c.close()
         srv.close()
+
+
+def test_a_tcp_segment_in_ipv4_fragments_reaches_the_host_once_on_either_plane(servers, tmp_path):
+    """A guest's TCP segment carried by two IPv4 fragments (out of order) on an open flow: the stack
+    reassembles it and hands it to the flow where it runs (on the native plane, the default: to the
+    engine as the plain segment, ``native_tcp.via_python``); the host server counts and hashes
+    every byte once, and the guest's FIN is acknowledged."""
+    need(shutil.which("iptables") is not None, "iptables is missing (apt-get install iptables)")
+    api = str(tmp_path / "api.sock")
+    p = aioslirp_run(servers, "fragtcp", {"api": api, "port": servers["data"].port, "n": 6000},
+                     "--api-socket", api)
+    result, err = finish(p)
+    assert result["first_acked"]  # the reassembled segment, acknowledged
+    assert result["answer"] == result["want"], err[-2000:]
+    assert result["acked_fin"]
+    c = result["counters"]
+    assert c.get("ip_reassembled", 0) >= 1
+    if native_status() == "on":
+        assert c.get("native_tcp.via_python", 0) >= 1, {k: v for k, v in c.items() if "native" in k}

@@ -12,6 +12,9 @@ Usage: ``python hostile.py MODE JSON_ARGS``. Each mode prints one JSON line at t
 * ``crr``: short connections in a loop, in phases the test drives over stdin/stdout.
 * ``sigterm``: download a long stream slowly; report how the connection ended.
 * ``policy``: connections to denied and allowed destinations; report each outcome.
+* ``fragtcp``: a TCP connection played from the raw socket (the kernel's RSTs for it dropped by
+  iptables), its first data segment sent as two IPv4 fragments, the rest plain; report what the
+  host server counted and hashed, and the stack's counters.
 
 Crafted destinations are the gateway (10.0.2.2, the host's loopback), the DNS address and
 169.254.169.254 (refused by the stack's default policy, never sent anywhere).
@@ -402,6 +405,91 @@ def policy(a: dict) -> dict:
     udp("udp_gw4_allowed", socket.AF_INET, ("10.0.2.2", a["udp4"]))
     out["counters"] = {k: v for k, v in counters(a["api"]).items() if k.startswith("drop.")}
     return out
+
+
+def fragtcp(a: dict) -> dict:
+    """``UP`` to the data server over a TCP flow this program plays itself from the raw socket:
+    the handshake, a first segment carried by two IPv4 fragments (reassembled by the stack, then
+    handed to the flow wherever it runs), a plain second segment, FIN; the server's answer is read
+    and acknowledged from the raw socket too."""
+    import subprocess
+
+    port, sport, body = a["port"], 47000 + random.Random().randrange(1000), pattern_bytes(a["n"])
+    rule = ["OUTPUT", "-p", "tcp", "--sport", str(sport), "--tcp-flags", "RST", "RST", "-j", "DROP"]
+    subprocess.run(["iptables", "-A", *rule], check=True)  # the kernel knows nothing of this flow
+    mac = my_mac()
+    eth4 = GW_MAC + mac + b"\x08\x00"
+    raw = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
+    raw.bind((IFNAME, 0))
+    raw.settimeout(5)
+    iss = 1000
+
+    def seg(flags: int, seq: int, ack: int, payload: bytes = b"", opts: bytes = b"") -> bytes:
+        s_ = bytearray(struct.pack("!HHIIBBHHH", sport, port, seq & 0xFFFFFFFF, ack & 0xFFFFFFFF,
+                                   (5 + len(opts) // 4) << 4, flags, 65535, 0, 0) + opts + payload)
+        struct.pack_into("!H", s_, 16, l4sum(6, bytes(s_)))
+        return bytes(s_)
+
+    def frames_from_flow(until: float):
+        while time.monotonic() < until:
+            try:
+                f = raw.recv(70000)
+            except socket.timeout:
+                return
+            if len(f) < 54 or f[12:14] != b"\x08\x00" or f[23] != 6:
+                continue
+            ihl = (f[14] & 0x0F) * 4
+            t = f[14 + ihl:]
+            if struct.unpack("!HH", t[:4]) != (port, sport):
+                continue
+            yield t
+
+    raw.send(eth4 + ipv4(6, seg(0x02, iss, 0, opts=b"\x02\x04\x05\xb4")))
+    synack = next(t for t in frames_from_flow(time.monotonic() + 5) if t[13] & 0x12 == 0x12)
+    irs = struct.unpack("!I", synack[4:8])[0]
+    rcv_nxt = irs + 1
+    raw.send(eth4 + ipv4(6, seg(0x10, iss + 1, rcv_nxt)))
+    data = b"UP\n" + body
+    first, rest = data[:1400], data[1400:]
+    whole = ipv4(6, seg(0x18, iss + 1, rcv_nxt, first), ident=4242)
+    ip_payload = whole[20:]
+    cut = 16 * 50  # 800 bytes of the segment in the first fragment (a multiple of 8)
+    frag1 = ipv4(6, ip_payload[:cut], ident=4242, frag=0x2000)  # MF, offset 0
+    frag2 = ipv4(6, ip_payload[cut:], ident=4242, frag=cut // 8)
+    raw.send(eth4 + frag2)  # the second half first: reassembly, not order of arrival
+    raw.send(eth4 + frag1)
+    seq = iss + 1 + len(first)
+    # its ACK before the rest (frames after it in the same read would reach a native flow before the
+    # reassembled segment does: dropped as out of order, for a real guest to send again)
+    first_acked = any(struct.unpack("!I", t[8:12])[0] == seq for t in frames_from_flow(time.monotonic() + 5))
+    for i in range(0, len(rest), 1400):
+        raw.send(eth4 + ipv4(6, seg(0x18, seq, rcv_nxt, rest[i:i + 1400]), ident=5000 + i))
+        seq += len(rest[i:i + 1400])
+    raw.send(eth4 + ipv4(6, seg(0x11, seq, rcv_nxt), ident=4999))  # FIN
+    answer = b""
+    acked_fin = False
+    end = time.monotonic() + 10
+    for t in frames_from_flow(end):
+        doff = (t[12] >> 4) * 4
+        tseq = struct.unpack("!I", t[4:8])[0]
+        acked_fin = acked_fin or struct.unpack("!I", t[8:12])[0] == (seq + 1) & 0xFFFFFFFF
+        payload = t[doff:]
+        if payload and tseq == rcv_nxt & 0xFFFFFFFF:
+            answer += payload
+            rcv_nxt += len(payload)
+        if t[13] & 0x01 and tseq + len(payload) == rcv_nxt & 0xFFFFFFFF:
+            rcv_nxt += 1
+        raw.send(eth4 + ipv4(6, seg(0x10, seq + 1, rcv_nxt)))
+        if t[13] & 0x05:  # FIN or RST: done
+            break
+    raw.close()
+    subprocess.run(["iptables", "-D", *rule], check=True)
+    return {"answer": answer.decode(errors="replace").strip(), "want": f"{len(body)} {hashlib.sha256(body).hexdigest()}",
+            "first_acked": first_acked, "acked_fin": acked_fin, "counters": counters(a["api"])}
+
+
+def pattern_bytes(n: int) -> bytes:
+    return bytes((i * 7 + 3) & 0xFF for i in range(n))
 
 
 if __name__ == "__main__":
