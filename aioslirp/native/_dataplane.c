@@ -556,29 +556,6 @@ static PyObject *plane_udp_touched(PyObject *op, PyObject *unused)
     return result;
 }
 
-/* udp_host_readable(slot, tap_fd, vnet, now) -> (datagrams, bytes, frames_out, bytes_out,
- * write_errors, errno): dp_udp_host() for the flow's host socket, its counts for this call. */
-static PyObject *plane_udp_host_readable(PyObject *op, PyObject *args)
-{
-    Plane *self = (Plane *)op;
-    PyObject *slot_obj;
-    int tap_fd, vnet, slot;
-    double now;
-    struct dp_udp_flow *f;
-    if (!udp_ready(self) || !PyArg_ParseTuple(args, "Oipd", &slot_obj, &tap_fd, &vnet, &now) ||
-        !(f = flow_at(self, slot_obj, &slot)))
-        return NULL;
-    uint64_t frames = 0, bytes = 0, werr = 0, bytes_before = f->down_bytes;
-    int guest_err = f->err; /* a send error of the guest direction stays for udp_touched() */
-    f->err = 0;
-    int moved = dp_udp_host(&self->udp, slot, tap_fd, vnet, now, self->udp_scratch, DP_UDP_SCRATCH, &frames, &bytes,
-                            &werr);
-    int err = f->err;
-    f->err = guest_err;
-    return Py_BuildValue("(iKKKKi)", moved, (unsigned long long)(f->down_bytes - bytes_before),
-                         (unsigned long long)frames, (unsigned long long)bytes, (unsigned long long)werr, err);
-}
-
 /* udp_sink(tap_fd, vnet, counters, on_error): where udp_readable() writes and counts. */
 static PyObject *plane_udp_sink(PyObject *op, PyObject *args)
 {
@@ -628,7 +605,7 @@ static int bump(PyObject *counters, const char *name, uint64_t n)
 }
 
 /* udp_readable(slot): the loop's reader of an adopted flow's host socket (no Python frame runs):
- * its datagrams to the guest as udp_host_readable() at the plane's clock, the stack's counters
+ * its datagrams to the guest (dp_udp_host) at the plane's clock, the stack's counters
  * bumped, the flow's figures left for udp_touched(), a socket error to on_error(slot, errno). */
 static PyObject *plane_udp_readable(PyObject *op, PyObject *arg)
 {
@@ -688,8 +665,6 @@ static PyMethodDef plane_methods[] = {
     {"udp_last_header", plane_udp_last_header, METH_O, "udp_last_header(slot) -> the guest's last IP header + 8"},
     {"udp_touched", plane_udp_touched, METH_NOARGS,
      "udp_touched() -> (frames, bytes, [(slot, datagrams, bytes, blocked, errno, last_active, bytes_down), ...])"},
-    {"udp_host_readable", plane_udp_host_readable, METH_VARARGS,
-     "udp_host_readable(slot, tap_fd, vnet, now) -> (datagrams, bytes, frames_out, bytes_out, write_errors, errno)"},
     {"udp_sink", plane_udp_sink, METH_VARARGS,
      "udp_sink(tap_fd, vnet, counters, on_error): where udp_readable() writes frames and counts"},
     {"udp_readable", plane_udp_readable, METH_O,

@@ -5,6 +5,7 @@ builds them, with and without the virtio-net header), and the errors it reports.
 
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import socket
@@ -89,21 +90,31 @@ def test_the_reader_moves_an_adopted_flows_datagrams_and_leaves_the_rest(world):
     assert plane.udp_last_header(slot) == frames[1][14:14 + 28]  # the IP header + 8 of the last one
 
 
+def _sink(plane, fd: int, vnet: bool = False) -> tuple[collections.Counter, list]:
+    """udp_sink() with fresh counters and an error list: what udp_readable() reports."""
+    counters: collections.Counter = collections.Counter()
+    errors: list = []
+    plane.udp_sink(fd, vnet, counters, lambda slot, err: errors.append((slot, err)))
+    return counters, errors
+
+
 @pytest.mark.parametrize("vnet", [False, True])
 def test_host_datagrams_become_the_python_paths_frames(world, vnet):
     plane, tap, guest, host, server = world
     slot = _adopt(plane, host, mtu=1500)
+    counters, errors = _sink(plane, tap.fileno(), vnet)
     client = host.getsockname()
     payloads = [b"short", os.urandom(3000)]
     for p in payloads:
         server.sendto(p, client)
-    moved, nbytes, nframes, fbytes, werr, err = plane.udp_host_readable(slot, tap.fileno(), vnet, 7.0)
-    assert (moved, nbytes, nframes, werr, err) == (2, 5 + 3000, 1 + 3, 0, 0)
-    got = [guest.recv(70000) for _ in range(nframes)]
+    plane.udp_readable(slot)
+    assert errors == [] and counters["udp_datagrams_down"] == 2 and counters["frames_out"] == 1 + 3
+    assert plane.udp_touched()[2][0][6] == 5 + 3000  # the flow's bytes_down
+    got = [guest.recv(70000) for _ in range(counters["frames_out"])]
     if vnet:
         assert all(g[:12] == bytes(12) for g in got)
         got = [g[12:] for g in got]
-    assert fbytes == sum(map(len, got))
+    assert counters["bytes_out"] == sum(map(len, got))
     want = []
     for p, first in zip(payloads, (got[0], got[1])):
         ident = struct.unpack_from("!H", first, 18)[0]  # the plane's own identification
@@ -117,25 +128,26 @@ def test_host_datagrams_become_the_python_paths_frames(world, vnet):
 def test_host_errors_and_tap_write_errors_are_reported(world):
     plane, tap, guest, host, server = world
     slot = _adopt(plane, host)
-    server.sendto(b"x", host.getsockname())
     closed = os.dup(tap.fileno())
     os.close(closed)
-    moved, _n, nframes, _fb, werr, err = plane.udp_host_readable(slot, closed, False, 1.0)
-    assert (moved, nframes, werr, err) == (1, 0, 1, 0)  # the TAP refused the frame: counted
+    counters, errors = _sink(plane, closed)
+    server.sendto(b"x", host.getsockname())
+    plane.udp_readable(slot)
+    assert counters == {"udp_datagrams_down": 1, "native.tap_write_errors": 1} and errors == []  # counted
+    counters, errors = _sink(plane, tap.fileno())
     server.close()  # nothing listens: the next send draws ECONNREFUSED
     host.send(b"probe")
     for _ in range(100):
-        moved, _n, _f, _fb, _w, err = plane.udp_host_readable(slot, tap.fileno(), False, 2.0)
-        if err:
+        plane.udp_readable(slot)
+        if errors:
             break
-    assert err == errno.ECONNREFUSED and moved == 0  # for the flow to turn into ICMP port unreachable
+    assert errors == [(slot, errno.ECONNREFUSED)] and counters["udp_datagrams_down"] == 0  # an ICMP error next
 
 
 def test_the_c_reader_counts_in_the_stacks_counters_and_reports_the_flow_later(world):
     """udp_readable(slot), the loop's reader of the host socket: the frames go to the guest, the
     stack's counters move at once, the flow's bytes and activity wait for udp_touched(), a socket
     error reaches on_error(slot, errno) at once."""
-    import collections
     import time
 
     plane, tap, guest, host, server = world
