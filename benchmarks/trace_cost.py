@@ -43,7 +43,11 @@ def child(n: int) -> None:
     """The workload (run under callgrind): n CRR-shaped connections through a fake engine."""
     import dpkt
 
-    from aioslirp.native import _dataplane as ext
+    from aioslirp import native
+
+    ext = native.extension()
+    if ext is None:
+        raise SystemExit(f"trace_cost.py: the native extension is not usable: {native.why_not()}")
 
     def frame(gport: int, flags: int, seq: int, ack: int, data: bytes = b"") -> bytes:
         t = dpkt.tcp.TCP(sport=gport, dport=DPORT, seq=seq, ack=ack, flags=flags, win=512, data=data)
@@ -88,7 +92,7 @@ def build(tree: Path, no_trace: bool) -> None:
 
 def count(tree: Path, n: int, out: Path) -> int:
     """Instructions inside aioslirp/native/*.c for n connections (callgrind, self cost)."""
-    env = dict(os.environ, PYTHONPATH=str(tree), AIOSLIRP_NO_EXTENSIONS="1")
+    env = dict(os.environ, PYTHONPATH=str(tree))
     subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
                     "--child", str(n)], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     text = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", str(out)],
