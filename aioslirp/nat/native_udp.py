@@ -12,12 +12,13 @@ readiness calls the plane's C reader (``Plane.udp_readable(slot)``, the loop's r
 socket: no Python frame runs), which reads its datagrams and writes their frames to the TAP (built
 as the Python path builds them, fragmented to the MTU). No Python object is made per datagram.
 
-What moved is reported back so that everything Python keeps stays current: the C reader bumps the
-stack's ``udp_datagrams_down``, ``frames_out`` and ``bytes_out`` at once; after a read of guest
-frames (``TapTransport.native_taken``), and before the idle sweep looks at a flow, before
-``Stack.flows()`` and when a flow ends, :meth:`NativeUdp.take` brings in the stack's ``frames_in``,
-``bytes_in`` and ``handled.udp`` and, per flow touched either way, its ``bytes_up``,
-``bytes_down``, ``last_active`` and ``drop.udp_send_blocked``. A host socket error goes to the flow
+What moved is reported back so that everything Python keeps stays current: the plane bumps the
+stack's counters itself (the host reader ``udp_datagrams_down``, ``frames_out`` and ``bytes_out``;
+the TAP reader ``frames_in``, ``bytes_in`` and ``handled.udp`` after each read), so a datagram
+either way runs no Python frame. Before the idle sweep looks at a flow, before ``Stack.flows()``,
+when a flow ends, and after a TAP read in which a guest datagram's send failed or was refused
+(``TapTransport.native_taken``), :meth:`NativeUdp.take` brings in, per flow touched either way,
+its ``bytes_up``, ``bytes_down``, ``last_active`` and ``drop.udp_send_blocked``. A host socket error goes to the flow
 at once (:meth:`UdpFlow.host_error <aioslirp.nat.udp.UdpFlow.host_error>`: the ICMP error to the
 guest, quoting the last datagram the plane saw). The idle sweep, eviction, the audit record and
 ``Stack.flows()`` therefore see the flow as on the Python path.

@@ -341,6 +341,8 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *args)
  * when adopted UDP flows took n frames, ended() when the attached TcpEngine has records waiting
  * (tcpnat_pending), and deliver(frames, csum_ok, end, errno) when frames are left for Python or
  * the reads ended in EOF or an error. taken and ended may be None. */
+static int bump(PyObject *counters, const char *name, uint64_t n);
+
 static PyObject *plane_ready(PyObject *op, PyObject *args)
 {
     Plane *self = (Plane *)op;
@@ -362,7 +364,17 @@ static PyObject *plane_ready(PyObject *op, PyObject *args)
     if (read_batch(self, (int)fdl, now, &frames, &csum, &end, &err, &taken) < 0)
         return NULL;
     PyObject *r;
-    if (taken && taken_hook != Py_None) {
+    if (taken && self->sink_counters) { /* native UDP flows took frames: counted here, no Python frame */
+        struct dp_udp_table *t = &self->udp;
+        if (bump(self->sink_counters, "frames_in", t->taken_frames) < 0 ||
+            bump(self->sink_counters, "bytes_in", t->taken_bytes) < 0 ||
+            bump(self->sink_counters, "handled.udp", t->taken_frames) < 0)
+            goto fail;
+        t->taken_frames = t->taken_bytes = 0;
+        if (!t->attention) /* the flows' own figures wait for udp_touched() (flows(), the sweep) */
+            taken = 0;
+    }
+    if (taken && taken_hook != Py_None) { /* a send failed or was refused: Python answers now */
         r = PyObject_CallFunction(taken_hook, "K", (unsigned long long)taken);
         if (!r)
             goto fail;
@@ -553,6 +565,7 @@ static PyObject *plane_udp_touched(PyObject *op, PyObject *unused)
     }
     t->ntouched = 0;
     t->taken_frames = t->taken_bytes = 0;
+    t->attention = 0;
     return result;
 }
 

@@ -580,8 +580,10 @@ int dp_udp_guest(struct dp_udp_table *t, const uint8_t *frame, size_t len, int c
         f->up_bytes += r.payload_len;
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
         f->blocked++;
+        t->attention = 1;
     } else {
         f->err = errno;
+        t->attention = 1;
     }
     touch(t, f);
     t->taken_frames++;

@@ -200,6 +200,7 @@ struct dp_udp_table {
     uint32_t ntouched;
     uint16_t ident;          /* IPv4 identification of the datagrams we send */
     uint64_t taken_frames, taken_bytes;  /* guest frames consumed, since Python took them */
+    uint8_t attention;       /* a guest datagram's send failed or was refused (EAGAIN) since then */
 };
 
 /* The bytes a table of cap flows needs in each array (the caller allocates them). */

@@ -318,8 +318,9 @@ class TapTransport(Transport):
             self.plane.ready(*self._reader_args())
 
     def _taken(self, n: int) -> None:
-        """``Plane.ready``: native UDP flows took ``n`` guest frames (counted, then their hook)."""
-        self.frames_in += n
+        """``Plane.ready``: native UDP flows took ``n`` guest frames and one of them needs Python now
+        (a send failed or was refused; the plane counted the frames in the stack's counters, as it
+        does on every read: :attr:`frames_in` counts the frames this transport hands to Python)."""
         hook = self.native_taken
         if hook is not None:
             hook()

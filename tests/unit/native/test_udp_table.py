@@ -177,3 +177,39 @@ def test_the_c_reader_counts_in_the_stacks_counters_and_reports_the_flow_later(w
     assert errors == [(slot, errno.ECONNREFUSED)]
     with pytest.raises(ValueError, match="no native UDP flow"):
         plane.udp_readable(slot + 1)
+
+
+def test_the_loop_reader_counts_taken_frames_in_c_and_calls_python_only_for_a_failed_send(world):
+    """Plane.ready with a udp_sink(): the frames native flows took are counted in the stack's
+    counters by C (frames_in, bytes_in, handled.udp: one outcome per frame) and no Python runs; a
+    guest datagram whose send fails (the remote's port closed: ECONNREFUSED) calls taken(n) at
+    once, for the ICMP error to the guest."""
+    import time
+
+    plane, tap, guest, host, server = world
+    slot = _adopt(plane, host)
+    counters, _errors = _sink(plane, tap.fileno())
+    calls: list = []
+
+    def ready() -> None:
+        plane.ready(tap.fileno(), time.monotonic, lambda *a: calls.append(("deliver", a[0])),
+                    lambda n: calls.append(("taken", n)), None)
+
+    frames = [guest_frame(b"one"), guest_frame(b"two")]
+    for f in frames:
+        guest.send(f)
+    ready()
+    assert [server.recv(100), server.recv(100)] == [b"one", b"two"]
+    assert counters == {"frames_in": 2, "bytes_in": len(frames[0]) + len(frames[1]), "handled.udp": 2}
+    assert calls == []  # all native, nothing wrong: no Python frame ran
+    assert plane.udp_touched()[:2] == (0, 0)  # counted once, by C
+    server.close()
+    for i in range(50):  # the first send draws the ICMP error; a later one returns it
+        guest.send(guest_frame(b"probe %d" % i))
+        ready()
+        if calls:
+            break
+        time.sleep(0.01)
+    assert calls and calls[0][0] == "taken"
+    (entry,) = plane.udp_touched()[2]
+    assert entry[0] == slot and entry[4] == errno.ECONNREFUSED
