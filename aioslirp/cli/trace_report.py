@@ -22,6 +22,10 @@ percentiles, microseconds); it also summarises the four trace points' own measur
 time its poll wake-up ran socket events and timers), the CRR cycle (SYN to the next
 SYN) and the time inside the stack (SYN to ``closed``), and ends with a verdict line
 naming the largest stage by p50 among the stages seen in at least half the connections.
+Stages that start once both FINs are in (``fin.guest`` and ``fin.host``: the exchange is over
+for both peers) are the flow's **tail** -- TIME-WAIT, the linger, the end record -- and lie on
+no request's path (the guest's next connection runs meanwhile): the table marks them
+``(after the close)`` and the verdict leaves them out, naming the largest of them apart.
 
 What a file holds depends on the ``--trace-level`` it was recorded at (docs/observability.md,
 "Trace levels"); the report names the level it sees (:attr:`Report.level`) and says what is
@@ -116,6 +120,9 @@ class Report:
     in_stack: list  # sorted SYN -> closed (us)
     verdict: str = ""
     largest: str | None = None
+    #: Stages that start after both FINs in at least half the connections they occur in (the
+    #: flow's tail: not on any request's path; left out of the verdict).
+    tail: frozenset = frozenset()
     #: The ``--trace-level`` the spans show: ``"frames"`` (per-frame spans seen), ``"timeline"``
     #: (flow events or ``tcp.syn_ack`` spans seen), else ``"flows"``.
     level: str = "flows"
@@ -200,11 +207,16 @@ def build_report(spans: list) -> Report:
 
     stages: dict = {}
     position: dict = {}  # stage -> offsets of its end from the SYN, to order the table
+    after_close: dict = {}  # stage -> how many of its occurrences start once both FINs are in
     for c in conns:
+        fin_guest, fin_host = c.time_of("fin.guest"), c.time_of("fin.host")
+        done = max(fin_guest, fin_host) if fin_guest is not None and fin_host is not None else None
         for (a, ta), (b, tb) in zip(c.events, c.events[1:]):
             st = f"{a} → {b}"
             stages.setdefault(st, []).append((tb - ta) / 1000.0)
             position.setdefault(st, []).append((tb - c.start_ns) / 1000.0)
+            if done is not None and ta >= done:
+                after_close[st] = after_close.get(st, 0) + 1
     cycles = []
     idle = []
     last_by_client: dict = {}
@@ -224,8 +236,10 @@ def build_report(spans: list) -> Report:
         v.sort()
     order = sorted(stages, key=lambda st: percentile(sorted(position[st]), 50))
     in_stack = sorted((c.time_of("closed") - c.start_ns) / 1000.0 for c in conns if c.time_of("closed") is not None)
+    tail = frozenset(st for st, k in after_close.items() if 2 * k >= len(stages[st]))
     rep = Report(spans=len(spans), connections=conns, other_flows=other, stages=stages, stage_order=order,
-                 trace_points={k: sorted(v) for k, v in points.items()}, cycles=sorted(cycles), in_stack=in_stack)
+                 trace_points={k: sorted(v) for k, v in points.items()}, cycles=sorted(cycles), in_stack=in_stack,
+                 tail=tail)
     if names & FRAME_SPANS:
         rep.level = "frames"
     elif has_events or "tcp.syn_ack" in names:
@@ -243,9 +257,10 @@ def _verdict(rep: Report) -> None:
         rep.verdict = f"verdict: no stage breakdown: {_NEEDS_TIMELINE}"
         return
     need = max(1, n // 2)
-    cands = [(percentile(v, 50), st) for st, v in rep.stages.items() if len(v) >= need]
+    path = {st: v for st, v in rep.stages.items() if st not in rep.tail} or rep.stages
+    cands = [(percentile(v, 50), st) for st, v in path.items() if len(v) >= need]
     if not cands:
-        cands = [(percentile(v, 50), st) for st, v in rep.stages.items()]
+        cands = [(percentile(v, 50), st) for st, v in path.items()]
     p50, st = max(cands)
     rep.largest = st
     text = f"verdict: the largest stage is '{st}' with p50 {_fmt(p50)} us"
@@ -256,6 +271,11 @@ def _verdict(rep: Report) -> None:
         text += f"; SYN to closed inside the stack: p50 {_fmt(percentile(rep.in_stack, 50))} us"
     if st == IDLE_STAGE:
         text += " -- the time goes to the guest between connections, not to the stack"
+    tail = [(percentile(rep.stages[t], 50), t) for t in rep.tail if t != st]
+    if tail:
+        t_p50, t_st = max(tail)
+        text += (f" (left out: the flow's tail after both FINs, largest '{t_st}' p50 {_fmt(t_p50)} us, "
+                 "on no request's path)")
     rep.verdict = text
 
 
@@ -298,8 +318,9 @@ def format_report(rep: Report, limit: int = 10, path: str = "") -> str:
     out.append(f"  {'stage':<{width}} {'n':>7} {'p50':>10} {'p90':>10} {'p99':>10}")
     for st in rep.stage_order:
         v = rep.stages[st]
+        mark = "  (after the close)" if st in rep.tail else ""
         out.append(f"  {st:<{width}} {len(v):>7} {_fmt(percentile(v, 50)):>10} {_fmt(percentile(v, 90)):>10} "
-                   f"{_fmt(percentile(v, 99)):>10}")
+                   f"{_fmt(percentile(v, 99)):>10}{mark}")
     out.append("")
     out.append("trace points (us)")
     width = max(len(k) for k in rep.trace_points)

@@ -75,3 +75,30 @@ def test_cli_reads_a_flows_level_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 TCP connections, trace level flows" in out and out.count("\nconnection ") == 2
     assert "verdict: no stage breakdown" in out
+
+
+def test_the_flows_tail_after_both_fins_is_marked_and_left_out_of_the_verdict():
+    """A native CRR trace: once both FINs are in, the flow span lasts on (TIME-WAIT, the end record)
+    while the guest's next connection runs; that tail is on no request's path, so the verdict names
+    the largest stage before it and mentions the tail apart."""
+    events = [("syn_ack.queued", 50), ("established", 100), ("guest.data", 150), ("host.data", 350),
+              ("fin.host", 380), ("fin.guest", 400)]
+    spans = []
+    for n in range(4):
+        s = flow_span(n, events=events)
+        s["end_ns"] = s["start_ns"] + 30_000 * US  # 30 ms in TIME-WAIT: far past the next SYN
+        spans.append(s)
+    rep = build_report(spans)
+    assert rep.stages["fin.guest → flow.end"] == [29_600.0] * 4
+    assert rep.tail == frozenset({"fin.guest → flow.end"})
+    assert rep.largest == IDLE_STAGE  # 600 us between connections: the largest off the tail
+    assert "left out: the flow's tail after both FINs, largest 'fin.guest → flow.end' p50 29600" in rep.verdict
+    out = format_report(rep)
+    assert any(line.rstrip().endswith("(after the close)") and "fin.guest → flow.end" in line
+               for line in out.splitlines())
+    # a connection whose host never sent a FIN has no tail: its last stage stays on the path
+    spans = [flow_span(n, events=[("established", 100), ("guest.data", 150), ("fin.guest", 400)]) for n in range(3)]
+    for s in spans:
+        s["end_ns"] = s["start_ns"] + 30_000 * US
+    rep = build_report(spans)
+    assert rep.tail == frozenset() and rep.largest == "fin.guest → flow.end"
