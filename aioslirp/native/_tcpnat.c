@@ -1368,7 +1368,7 @@ void *tcpnat_engine_of(PyObject *obj)
     return g->e ? g : NULL;
 }
 
-int tcpnat_tap_frame(void *engine, const uint8_t *frame, size_t len, int csum_ok, double now)
+static int tap_frame(void *engine, const uint8_t *frame, size_t len, int csum_ok, double now, int kept)
 {
     Engine *g = engine;
     if (!g->e || tn_live_flows(g->e) == 0)
@@ -1376,18 +1376,19 @@ int tcpnat_tap_frame(void *engine, const uint8_t *frame, size_t len, int csum_ok
     struct dp_frame rec;
     if (dp_classify(frame, len, 0, &rec, NULL) != DP_KIND_TCP)
         return 0;
+    if (kept)
+        return tn_frame_kept(g->e, frame, len, &rec, csum_ok, now);
     return tn_frame(g->e, frame, len, &rec, csum_ok, now);
+}
+
+int tcpnat_tap_frame(void *engine, const uint8_t *frame, size_t len, int csum_ok, double now)
+{
+    return tap_frame(engine, frame, len, csum_ok, now, 0);
 }
 
 int tcpnat_tap_frame_kept(void *engine, const uint8_t *frame, size_t len, int csum_ok, double now)
 {
-    Engine *g = engine;
-    if (!g->e || tn_live_flows(g->e) == 0)
-        return 0;
-    struct dp_frame rec;
-    if (dp_classify(frame, len, 0, &rec, NULL) != DP_KIND_TCP)
-        return 0;
-    return tn_frame_kept(g->e, frame, len, &rec, csum_ok, now);
+    return tap_frame(engine, frame, len, csum_ok, now, 1);
 }
 
 void tcpnat_gather_flush(void *engine)
