@@ -189,7 +189,14 @@ typedef struct {
     int sink_fd, sink_vnet;
     PyObject *sink_counters; /* the stack's counters (a dict-like of int), bumped per call */
     PyObject *sink_on_error; /* on_error(slot, errno): a host socket error, to Python at once */
+    PyObject *sink_keys[7];  /* the counter names bumped (SK_*), made once by udp_sink() */
 } Plane;
+
+/* The stack's counters the plane bumps itself (udp_sink), by index into Plane.sink_keys. */
+enum { SK_FRAMES_IN, SK_BYTES_IN, SK_HANDLED_UDP, SK_DGRAMS_DOWN, SK_FRAMES_OUT, SK_BYTES_OUT, SK_TAP_WERR, SK_COUNT };
+static const char *const sink_key_names[SK_COUNT] = {
+    "frames_in", "bytes_in", "handled.udp", "udp_datagrams_down", "frames_out", "bytes_out", "native.tap_write_errors",
+};
 
 static int plane_init(PyObject *op, PyObject *args, PyObject *kwargs)
 {
@@ -241,6 +248,8 @@ static void plane_dealloc(PyObject *op)
     Py_CLEAR(self->tcp);
     Py_CLEAR(self->sink_counters);
     Py_CLEAR(self->sink_on_error);
+    for (int k = 0; k < SK_COUNT; k++)
+        Py_CLEAR(self->sink_keys[k]);
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(op);
     Py_DECREF(tp);
@@ -341,7 +350,7 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *args)
  * when adopted UDP flows took n frames, ended() when the attached TcpEngine has records waiting
  * (tcpnat_pending), and deliver(frames, csum_ok, end, errno) when frames are left for Python or
  * the reads ended in EOF or an error. taken and ended may be None. */
-static int bump(PyObject *counters, const char *name, uint64_t n);
+static int bump(Plane *self, int key, uint64_t n);
 
 static PyObject *plane_ready(PyObject *op, PyObject *args)
 {
@@ -366,9 +375,8 @@ static PyObject *plane_ready(PyObject *op, PyObject *args)
     PyObject *r;
     if (taken && self->sink_counters) { /* native UDP flows took frames: counted here, no Python frame */
         struct dp_udp_table *t = &self->udp;
-        if (bump(self->sink_counters, "frames_in", t->taken_frames) < 0 ||
-            bump(self->sink_counters, "bytes_in", t->taken_bytes) < 0 ||
-            bump(self->sink_counters, "handled.udp", t->taken_frames) < 0)
+        if (bump(self, SK_FRAMES_IN, t->taken_frames) < 0 || bump(self, SK_BYTES_IN, t->taken_bytes) < 0 ||
+            bump(self, SK_HANDLED_UDP, t->taken_frames) < 0)
             goto fail;
         t->taken_frames = t->taken_bytes = 0;
         if (!t->attention) /* the flows' own figures wait for udp_touched() (flows(), the sweep) */
@@ -581,6 +589,9 @@ static PyObject *plane_udp_sink(PyObject *op, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "udp_sink: on_error must be callable");
         return NULL;
     }
+    for (int k = 0; k < SK_COUNT; k++)
+        if (!self->sink_keys[k] && !(self->sink_keys[k] = PyUnicode_InternFromString(sink_key_names[k])))
+            return NULL;
     self->sink_fd = fd;
     self->sink_vnet = vnet;
     PyObject *old_counters = self->sink_counters, *old_on_error = self->sink_on_error;
@@ -591,29 +602,24 @@ static PyObject *plane_udp_sink(PyObject *op, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* counters[name] += n (a missing name counts from 0, as collections.Counter) */
-static int bump(PyObject *counters, const char *name, uint64_t n)
+/* the stack's counters[key] += n (a missing name counts from 0, as collections.Counter) */
+static int bump(Plane *self, int key, uint64_t n)
 {
     if (!n)
         return 0;
-    PyObject *key = PyUnicode_InternFromString(name);
-    if (!key)
-        return -1;
-    PyObject *old = PyObject_GetItem(counters, key);
+    PyObject *counters = self->sink_counters, *name = self->sink_keys[key];
+    PyObject *old = PyObject_GetItem(counters, name);
     if (!old) {
-        if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
-            Py_DECREF(key);
+        if (!PyErr_ExceptionMatches(PyExc_KeyError))
             return -1;
-        }
         PyErr_Clear();
     }
     PyObject *add = PyLong_FromUnsignedLongLong((unsigned long long)n);
     PyObject *sum = add && old ? PyNumber_Add(old, add) : Py_XNewRef(add);
-    int r = sum ? PyObject_SetItem(counters, key, sum) : -1;
+    int r = sum ? PyObject_SetItem(counters, name, sum) : -1;
     Py_XDECREF(sum);
     Py_XDECREF(add);
     Py_XDECREF(old);
-    Py_DECREF(key);
     return r;
 }
 
@@ -638,11 +644,10 @@ static PyObject *plane_udp_readable(PyObject *op, PyObject *arg)
                             DP_UDP_SCRATCH, &frames, &bytes, &werr);
     int err = f->err;
     f->err = guest_err;
-    if (moved > 0 && (bump(self->sink_counters, "udp_datagrams_down", (uint64_t)moved) < 0 ||
-                      bump(self->sink_counters, "frames_out", frames) < 0 ||
-                      bump(self->sink_counters, "bytes_out", bytes) < 0))
+    if (moved > 0 && (bump(self, SK_DGRAMS_DOWN, (uint64_t)moved) < 0 || bump(self, SK_FRAMES_OUT, frames) < 0 ||
+                      bump(self, SK_BYTES_OUT, bytes) < 0))
         return NULL;
-    if (werr && bump(self->sink_counters, "native.tap_write_errors", werr) < 0)
+    if (werr && bump(self, SK_TAP_WERR, werr) < 0)
         return NULL;
     if (err)
         return PyObject_CallFunction(self->sink_on_error, "ii", slot, err);
