@@ -11,8 +11,10 @@ CPU per connection there (issue 26), and the native UDP flows' per-datagram upca
 admission of each new flow: the rate limiter (:mod:`aioslirp.ratelimit`), the egress policy's
 decision (:mod:`aioslirp.flow.egress`), the guard (:mod:`aioslirp.flow.guard`), the flow table's
 add, remove and flush (:mod:`aioslirp.flow.table`) and the family's Ethernet header, routing and
-ICMP quote (:mod:`aioslirp.dispatch.family`): with them, a connection of the native plane runs
-no more than a handful of interpreted Python functions (docs/performance.md, "The admission
+ICMP quote (:mod:`aioslirp.dispatch.family`), the inject queue's write at the end of a batch
+(:mod:`aioslirp.inject`) and the flow context's counts (:mod:`aioslirp.flow.context`): with them,
+a connection of the native plane runs three interpreted Python functions, the TAP reader's
+callbacks and :func:`aioslirp.flow.base.admission` (docs/performance.md, "The admission
 compiled"). The host sockets and UDP flows type-check for mypyc too but are left out (no gain
 measured), and each module adds seconds of C compilation to ``pip install``. A compiled module checks its annotations at run time (a
 ``bytes`` parameter refuses a ``memoryview``), so the annotations of the compiled modules must
@@ -74,6 +76,8 @@ COMPILED: tuple[str, ...] = (
     "aioslirp.flow.guard",
     "aioslirp.flow.table",
     "aioslirp.dispatch.family",
+    "aioslirp.inject",
+    "aioslirp.flow.context",
 )
 
 
@@ -218,7 +222,7 @@ def status() -> dict[str, bool]:
 
 @functools.cache
 def notice() -> str:
-    """One line, the same for the life of the process: ``compiled per-frame path: on (18/18
+    """One line, the same for the life of the process: ``compiled per-frame path: on (20/20
     modules)``, or off and why (``AIOSLIRP_NO_EXTENSIONS``, a stale build, not built)."""
     st = status()
     n = sum(st.values())
