@@ -7,10 +7,16 @@ the Python each connection still runs on the native data plane (the default): th
 link and IPv4 dispatch, the L4 handling of the SYN (:mod:`aioslirp.dispatch.l4`) and the native
 TCP engine's adoption and end records (:mod:`aioslirp.nat.native_tcp`), about 3 us of backend
 CPU per connection there (issue 26), and the native UDP flows' per-datagram upcall
-(:mod:`aioslirp.nat.native_udp`: a host datagram's counters and last activity). The inject queue, the host sockets, UDP flows, the guard
-and the flow table type-check for mypyc too but are left out: compiled as they are, they
-measured no faster end to end (or no clear gain), and each module adds seconds of C
-compilation to ``pip install``. A compiled module checks its annotations at run time (a
+(:mod:`aioslirp.nat.native_udp`: a host datagram's counters and last activity); and the
+admission of each new flow: the rate limiter (:mod:`aioslirp.ratelimit`), the egress policy's
+decision (:mod:`aioslirp.flow.egress`), the guard (:mod:`aioslirp.flow.guard`), the flow table's
+add, remove and flush (:mod:`aioslirp.flow.table`) and the family's Ethernet header, routing and
+ICMP quote (:mod:`aioslirp.dispatch.family`), the inject queue's write at the end of a batch
+(:mod:`aioslirp.inject`) and the flow context's counts (:mod:`aioslirp.flow.context`): with them,
+a connection of the native plane runs three interpreted Python functions, the TAP reader's
+callbacks and :func:`aioslirp.flow.base.admission` (docs/performance.md, "The admission
+compiled"). The host sockets and UDP flows type-check for mypyc too but are left out (no gain
+measured), and each module adds seconds of C compilation to ``pip install``. A compiled module checks its annotations at run time (a
 ``bytes`` parameter refuses a ``memoryview``), so the annotations of the compiled modules must
 say what really arrives. They are ordinary ``.py`` files; the build puts a native module beside
 each (``tcp.cpython-311-x86_64-linux-gnu.so`` next to ``tcp.py``), which Python imports first.
@@ -65,6 +71,13 @@ COMPILED: tuple[str, ...] = (
     "aioslirp.dispatch.l4",
     "aioslirp.nat.native_tcp",
     "aioslirp.nat.native_udp",
+    "aioslirp.ratelimit",
+    "aioslirp.flow.egress",
+    "aioslirp.flow.guard",
+    "aioslirp.flow.table",
+    "aioslirp.dispatch.family",
+    "aioslirp.inject",
+    "aioslirp.flow.context",
 )
 
 
@@ -209,7 +222,7 @@ def status() -> dict[str, bool]:
 
 @functools.cache
 def notice() -> str:
-    """One line, the same for the life of the process: ``compiled per-frame path: on (13/13
+    """One line, the same for the life of the process: ``compiled per-frame path: on (20/20
     modules)``, or off and why (``AIOSLIRP_NO_EXTENSIONS``, a stale build, not built)."""
     st = status()
     n = sum(st.values())

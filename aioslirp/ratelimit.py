@@ -9,11 +9,22 @@ the guest's traffic each way (``rate_up`` / ``rate_down``, ``--rate-limit``).
 
 from __future__ import annotations
 
-__all__ = ["ByteBucket", "ICMP_ERROR_BURST", "ICMP_ERROR_RATE", "TokenBucket", "byte_burst"]
+from typing import Protocol
+
+__all__ = ["ByteBucket", "EventLimiter", "ICMP_ERROR_BURST", "ICMP_ERROR_RATE", "TokenBucket", "byte_burst"]
 
 #: The rate limit of the ICMP and ICMPv6 errors we send: errors per second, and the burst
 #: (the defaults of :class:`TokenBucket`).
 ICMP_ERROR_RATE, ICMP_ERROR_BURST = 100.0, 50.0
+
+
+class EventLimiter(Protocol):
+    """What the ICMP error paths ask of their rate limiter (``family.err_bucket``): a
+    :class:`TokenBucket`, or anything with its :meth:`~TokenBucket.allow` (a test's frozen clock)."""
+
+    def allow(self, now: float) -> bool:
+        """One more event at ``now`` (seconds): True when within the rate."""
+        ...
 
 
 class TokenBucket:
@@ -57,8 +68,10 @@ class TokenBucket:
         self.tokens = tokens - 1.0
         return True
 
-    #: The name the ICMP error paths use (``family.err_bucket.allow(now)``): the same method.
-    allow = take
+    def allow(self, now: float) -> bool:
+        """The name the ICMP error paths use (``family.err_bucket.allow(now)``): :meth:`take`.
+        (A method, not ``allow = take``: mypyc compiles no method alias in a class body.)"""
+        return self.take(now)
 
 
 #: Smallest bucket depth of a byte rate, bytes (:func:`byte_burst`).
@@ -124,7 +137,7 @@ class ByteBucket:
         """Bytes that may pass at ``now`` (<= 0: none)."""
         return self._refill(now)
 
-    def take(self, n: int, now: float) -> bool:
+    def take(self, n: float, now: float) -> bool:
         """Spend ``n`` bytes at ``now`` if the bucket holds them: True; else False and nothing spent."""
         tokens = self._refill(now)
         if tokens < n:
@@ -132,7 +145,7 @@ class ByteBucket:
         self.tokens = tokens - n
         return True
 
-    def spend(self, n: int, now: float) -> None:
+    def spend(self, n: float, now: float) -> None:
         """``n`` bytes passed at ``now``, whatever the balance (it may go negative)."""
         self.tokens = self._refill(now) - n
 

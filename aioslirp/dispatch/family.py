@@ -34,7 +34,7 @@ from ..flow.context import FlowContext
 from ..services.dhcp import DhcpServer, reply_destination
 from ..wire.checksum import checksum
 from ..wire.ethernet import BROADCAST, ETH, ETHERTYPE_IPV4, ETHERTYPE_IPV6
-from ..ratelimit import TokenBucket
+from ..ratelimit import EventLimiter, TokenBucket
 from ..wire.icmp import (ICMP6_ECHO_REPLY, ICMP6_ECHO_REQUEST, ICMP_ECHO, ICMP_ECHO_REPLY, UNREACH4, UNREACH6,
                          build_icmp6_error, build_icmp6_packet, build_icmp_packet)
 from ..wire.ip import PROTO_ICMP
@@ -102,7 +102,7 @@ class Family4:
     mask_int: int
     mtu: int
     host_loopback: bool
-    err_bucket: TokenBucket
+    err_bucket: EventLimiter
     dhcp_server: DhcpServer
 
     v6 = False
@@ -260,7 +260,7 @@ class Family6:
     ours: set[bytes]
     mtu: int
     host_loopback: bool
-    err_bucket: TokenBucket
+    err_bucket: EventLimiter
     guest_mac: bytes | None
     #: Target address -> loop time of the last neighbor solicitation we sent for it.
     _solicited: dict[bytes, float]

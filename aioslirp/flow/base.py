@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from ..wire.tcp import Segment
 
-__all__ = ["AuditSink", "Flow", "FlowFamily", "TracePoints", "admission", "flow_key"]
+__all__ = ["AuditSink", "Flow", "FlowFamily", "FlowWatch", "TracePoints", "admission", "flow_key"]
 
 log = logging.getLogger("aioslirp.stack")
 
@@ -154,6 +154,21 @@ class FlowFamily(Protocol):
         """Destination unreachable of ``kind`` (``"net"``, ``"host"``, ``"port"``, ``"admin"``) to
         the guest about ``orig``, its packet (``now``: loop time; default the running clock)."""
         ...
+
+
+class FlowWatch(Protocol):
+    """What the :class:`~aioslirp.flow.table.FlowTable` tells of the flows entering and leaving it
+    (the stack's :class:`~aioslirp.flow.guard.Guard`): a protocol, so that the table, compiled,
+    takes any object that has these methods."""
+
+    def opened(self, flow: Flow) -> None:
+        """``flow`` entered the table."""
+
+    def closed(self, flow: Flow) -> None:
+        """``flow`` left the table (once)."""
+
+    def recount(self, flows) -> None:
+        """The idle sweep: ``flows`` are all the flows in the table now."""
 
 
 class TracePoints(Protocol):

@@ -44,6 +44,7 @@ import ipaddress
 import logging
 import socket
 import time
+from typing import Any
 
 from ..config.policy import EgressPolicy
 
@@ -151,7 +152,7 @@ class NameBindings:
     counters: dict
     _pairs: dict
     _by_addr: dict
-    on_change: object
+    on_change: Any
 
     def __init__(self, limit: int, counters: dict, on_change=None) -> None:
         self.limit = int(limit)  # (NetworkConfig.max_dns_bindings: at least 1)
@@ -238,12 +239,12 @@ class Egress:
                  "timeout_allow", "hook_ttl", "ttl_min", "ttl_max", "per_answer", "_cache", "_hook_cache",
                  "_pending", "_default", "ctx", "names_wanted", "_cached", "_gen")
 
-    config: object
+    config: Any
     counters: dict
     rules: EgressPolicy
     bindings: NameBindings
     default_allow: bool
-    hook: object
+    hook: Any
     hook_async: bool
     timeout: float
     timeout_allow: bool
@@ -261,7 +262,7 @@ class Egress:
     _default: Decision
     _version: int
     #: The stack's FlowContext (for ``ctx.running`` / ``ctx.audit``), or ``None``.
-    ctx: object
+    ctx: Any
     #: Something besides the rules needs the name bindings (a flow handler's route by name).
     names_wanted: bool
 
@@ -377,7 +378,9 @@ class Egress:
         """The user's rules: ``[{"rule": text, "verdict": "allow"|"deny"}, ...]``."""
         return self.rules.rules()
 
-    rules_list = list_rules
+    def rules_list(self) -> list[dict]:
+        """:meth:`list_rules` (a method, not ``rules_list = list_rules``: mypyc compiles no method alias)."""
+        return self.list_rules()
 
     def clear_cache(self) -> None:
         """Forget every cached decision (rules or hook changed). Hook calls in progress are left to
@@ -418,7 +421,7 @@ class Egress:
             self._cached -= len(per)
 
     # ------------------------------------------------------------------ decisions
-    def decide(self, proto: int, addr: str, port: int, now: float, guest: str | None = None) -> Decision:
+    def decide(self, proto: int, addr: str, port: int, now: float, guest: tuple | str | None = None) -> Decision:
         """The :class:`Decision` for a new flow of ``proto`` (6, 17, 1, 58) to host address ``addr``
         (text) and ``port`` (0 for ICMP) at loop time ``now`` (seconds). With an async hook that
         must be asked, the decision's reason is ``"pending"`` (see :meth:`ask`)."""
@@ -526,7 +529,7 @@ class Egress:
         self._hook_cache[key] = (d, now + self.hook_ttl)
         return d
 
-    async def ask(self, proto: int, addr: str, port: int, now: float, guest: str | None = None) -> Decision:
+    async def ask(self, proto: int, addr: str, port: int, now: float, guest: tuple | str | None = None) -> Decision:
         """Await the async hook's verdict for a flow whose :meth:`decide` was ``"pending"`` (one call
         per ``(name, address, port, protocol)`` at a time; ``policy_timeout`` seconds, then
         ``policy_timeout_verdict``). The verdict is cached: :meth:`decide` returns it afterwards."""
@@ -615,7 +618,7 @@ class Egress:
     def may_bind(self, addr: str) -> bool:
         """May an upstream DNS answer bind ``addr`` (text)? See :meth:`bind_answer`."""
         cls = address_class(addr)
-        return cls == GLOBAL or (cls == SPECIAL and self.rules.covers(addr))
+        return cls == GLOBAL or (cls == SPECIAL and self.rules.covers(addr) is not None)
 
     def bind_answer(self, name: str, addrs, now: float, trusted: bool = False) -> int:
         """Bind the ``(address text, ttl seconds)`` pairs of an allowed answer for ``name`` at loop
@@ -722,8 +725,8 @@ def guest_fields(guest) -> tuple[str | None, int | None]:
     if guest is None:
         return None, None
     if isinstance(guest, str):
-        host, _, port = guest.rpartition(":")
-        return host.strip("[]"), int(port) if port.isdigit() else None
+        host, _, digits = guest.rpartition(":")
+        return host.strip("[]"), int(digits) if digits.isdigit() else None
     ip, port = guest
     return socket.inet_ntop(socket.AF_INET if len(ip) == 4 else socket.AF_INET6, ip), port
 

@@ -61,6 +61,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Any, SupportsInt
 
 from ..config.identity import NO_IDENTITY, GuestIdentity
 from .egress import Decision, Egress, guest_fields, wall
@@ -87,7 +89,7 @@ _FIELD_OF = {"limit_fds": "open-file limit (ulimit -n)", "limit_tcp_flows": "max
 FD_RESERVE = 256
 
 
-def fd_budgets(soft_limit: int, max_flows: int, dns_max_inflight: int) -> tuple[int, int]:
+def fd_budgets(soft_limit: SupportsInt, max_flows: SupportsInt, dns_max_inflight: SupportsInt) -> tuple[int, int]:
     """``(flows, dns_queries)`` that a soft ``RLIMIT_NOFILE`` of ``soft_limit`` fds allows, each
     holding one host socket, with :data:`FD_RESERVE` fds kept for everything else.
 
@@ -139,6 +141,8 @@ class Guard:
 
         ctx: the stack's :class:`~aioslirp.flow.context.FlowContext` (counters, ``ctx.audit``), or ``None``.
         hook: the Python policy hook (``Stack(policy=...)``), default ``config.policy``.
+        fd_limit: ``fd_limit(want) -> soft limit``, raises the open-file limit towards ``want``
+            (default :func:`raise_fd_limit`; a test gives the limit it wants to see).
 
     Attributes:
         policy: the :class:`~aioslirp.flow.egress.Egress` built from the config (rules by CIDR,
@@ -153,10 +157,10 @@ class Guard:
                  "_pending_dest", "_pruned_at", "_new_bucket", "bucket", "fd_budget", "dns_fd_budget", "dns_inflight",
                  "_logged", "ctx", "counters", "decision", "held")
 
-    config: object
-    _drop: object
+    config: Any
+    _drop: Callable[[str], object]
     policy: Egress
-    ctx: object
+    ctx: Any
     counters: dict
     decision: Decision | None
     #: Flows held while an async hook decides.
@@ -168,14 +172,15 @@ class Guard:
     _pending: dict
     _pending_dest: dict
     _pruned_at: float
-    _new_bucket: object
-    bucket: object
+    _new_bucket: Any
+    bucket: Any
     fd_budget: int
     dns_fd_budget: int
     dns_inflight: int
     _logged: set
 
-    def __init__(self, config, drop, new_bucket=None, ctx=None, hook=None) -> None:
+    def __init__(self, config, drop, new_bucket=None, ctx=None, hook=None,
+                 fd_limit: Callable[[int], int] | None = None) -> None:
         cfg = self.config = config
         self._drop = drop
         self.ctx = ctx
@@ -196,7 +201,7 @@ class Guard:
         #: The new-flow rate limiter (made by :meth:`start`), or ``None``.
         self.bucket = None
         max_flows, dns_max = int(cfg.max_flows), int(cfg.dns_max_inflight)
-        soft = raise_fd_limit(max_flows + dns_max + FD_RESERVE)
+        soft = (fd_limit or raise_fd_limit)(max_flows + dns_max + FD_RESERVE)
         #: Flows allowed by the process's open-file limit (each may hold one host socket), and
         #: DNS queries allowed in flight (each may hold one upstream socket); see :func:`fd_budgets`.
         self.fd_budget, self.dns_fd_budget = fd_budgets(soft, max_flows, dns_max)

@@ -34,9 +34,9 @@ import heapq
 import itertools
 import logging
 from collections.abc import Callable
+from typing import Any
 
-from .base import AuditSink, Flow, TracePoints
-from .guard import Guard
+from .base import AuditSink, Flow, FlowWatch, TracePoints
 
 __all__ = ["FlowTable", "IdleOrder", "sweep_interval"]
 
@@ -105,7 +105,8 @@ class IdleOrder:
         while heap:
             self.examined += 1
             stamp, _seq, flow = heap[0]
-            if flows.get(flow.key) is not flow:
+            held: Any = flows.get(flow.key)  # (Any: no narrowing of ``flow`` to ``Flow | None`` by ``is``)
+            if held is not flow:
                 heapq.heappop(heap)
             elif flow.last_active > stamp:
                 heapq.heapreplace(heap, (flow.last_active, next(self._seq), flow))
@@ -124,7 +125,8 @@ class FlowTable:
     Args:
         config: the stack's ``NetworkConfig`` (``max_flows`` and the idle timeouts).
         counters: the stack's ``collections.Counter``.
-        guard: the :class:`~aioslirp.flow.guard.Guard`, told of every flow entering and leaving.
+        guard: the :class:`~aioslirp.flow.guard.Guard` (any :class:`~aioslirp.flow.base.FlowWatch`), told of
+            every flow entering and leaving.
         tracer: the stack's :class:`~aioslirp.observe.tracing.Tracer`, or ``None``: told of every
             flow entering and leaving (after it did).
 
@@ -143,7 +145,7 @@ class FlowTable:
     max_flows: int
     counters: dict[str, int]
     #: The :class:`~aioslirp.flow.guard.Guard`: told of every flow entering and leaving.
-    guard: Guard
+    guard: FlowWatch
     flows: dict[tuple, Flow]
     get: Callable[[tuple], Flow | None]
     idle_order: IdleOrder
@@ -160,7 +162,7 @@ class FlowTable:
     #: The stack's :class:`~aioslirp.observe.audit.AuditLog` (``None``: off): told of every flow leaving.
     audit: AuditSink | None
 
-    def __init__(self, config, counters: dict[str, int], guard: Guard, tracer: TracePoints | None = None) -> None:
+    def __init__(self, config, counters: dict[str, int], guard: FlowWatch, tracer: TracePoints | None = None) -> None:
         self.max_flows = int(config.max_flows)
         self.counters = counters
         self.guard = guard
@@ -194,7 +196,8 @@ class FlowTable:
         """``flow`` leaves the table (counted ``flows.<proto_name>.closed`` if it was in it; then
         one audit record, :meth:`AuditLog.flow_ended <aioslirp.observe.audit.AuditLog.flow_ended>`, when
         :attr:`audit` is set). Idempotent."""
-        if self.flows.get(flow.key) is flow:
+        held: Any = self.flows.get(flow.key)  # (Any: no narrowing of ``flow`` to ``Flow | None`` by ``is``)
+        if held is flow:
             del self.flows[flow.key]
             self.counters[f"flows.{flow.proto_name}.closed"] += 1
             self.guard.closed(flow)

@@ -1,6 +1,6 @@
 """A non-editable install keeps the compiled per-frame path (issue 29): a wheel built from a
 checkout, and an sdist built by pip, installed into fresh virtual environments, load all their
-compiled modules (``aioslirp --version``: ``compiled per-frame path: on (13/13 modules)``), and
+compiled modules (``aioslirp --version``: ``compiled per-frame path: on (20/20 modules)``), and
 the native init of ``spawn()`` (``aioslirp/host/aioslirp-init``, from ``aioslirp/native/init.c``),
 which ``aioslirp.host.nschild.native_init()`` finds there (issue 28).
 

@@ -34,7 +34,6 @@ import dpkt
 import pytest
 
 from aioslirp import NetworkConfig, PortForward, Stack
-from aioslirp.flow.table import FlowTable
 from aioslirp.frontends import api as api_module
 from aioslirp.frontends.api import ApiServer, MAX_REQUEST
 from aioslirp.frontends.netns import run_in_namespace
@@ -644,7 +643,8 @@ async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog, 
     """robustness.md: "A flow that fails logs, resets its guest connection and ends itself; its
     siblings and the stack carry on." A real guest downloads 8 MB on one connection; the stack's
     flow of a second connection raises in ``flush`` once the guest's first bytes arrive (the
-    method monkeypatched on the class, raising for that one flow: flows have ``__slots__``). The
+    method monkeypatched on the class, raising for that one flow: flows have ``__slots__``; the
+    flow found as it enters the table, by the table's watch, ``FlowTable.guard``). The
     guest sees a RST on that connection and its host peer a reset (having read nothing); the
     download's SHA-256 is intact, a new connection afterwards works, and the error is counted
     once (``flow_errors``), not as ``drop.internal_error``.
@@ -661,14 +661,22 @@ async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog, 
     injected = []
 
     victims: list = []
-    table_add = FlowTable.add
 
-    def add_flow(table, flow):  # every flow enters the table through FlowTable.add (patched on
-        table_add(table, flow)  # the class: the table has __slots__)
-        if flow.proto_name == "tcp" and flow.dst_port == victim_port:
-            victims.append(flow)
+    class Watch:  # every flow entering the table is told to its guard (FlowTable.add): put in front of it
+        def __init__(self, guard) -> None:
+            self.guard = guard
 
-    monkeypatch.setattr(FlowTable, "add", add_flow)
+        def opened(self, flow) -> None:
+            self.guard.opened(flow)
+            if flow.proto_name == "tcp" and flow.dst_port == victim_port:
+                victims.append(flow)
+
+        def closed(self, flow) -> None:
+            self.guard.closed(flow)
+
+        def recount(self, flows) -> None:
+            self.guard.recount(flows)
+
     healthy = TcpFlow.flush
 
     def flush(flow, now):
@@ -683,6 +691,8 @@ async def test_a_failing_flow_is_reset_and_its_siblings_carry_on(capfd, caplog, 
 
     def factory(cfg):
         stacks.append(Stack(cfg))
+        table = stacks[-1].parts.table
+        table.guard = Watch(table.guard)
         return stacks[-1]
 
     try:

@@ -122,11 +122,10 @@ def new_bucket(config):
 
 def guard(monkeypatch=None, soft: int | None = None, start: bool = True, **cfg) -> tuple[Guard, FakeStack]:
     """A Guard of a fake stack, started at time 0 (its rate limiter full then) unless ``start``
-    is false; ``soft``: the open-file limit raise_fd_limit reports."""
-    if soft is not None:
-        monkeypatch.setattr(guard_mod, "raise_fd_limit", lambda want: soft)
+    is false; ``soft``: the open-file limit the guard's ``fd_limit`` reports (instead of raise_fd_limit's)."""
     stack = FakeStack(**cfg)
-    g = Guard(stack.config, stack.drop, new_bucket(stack.config))
+    fd_limit = None if soft is None else (lambda want: soft)
+    g = Guard(stack.config, stack.drop, new_bucket(stack.config), fd_limit=fd_limit)
     if start:
         g.start(now=0.0)
     return g, stack
@@ -242,9 +241,8 @@ def test_guard_fd_budgets_from_the_open_file_limit(monkeypatch, caplog):
 
 def test_guard_asks_for_flows_plus_dns_plus_reserve(monkeypatch):
     asked = []
-    monkeypatch.setattr(guard_mod, "raise_fd_limit", lambda want: asked.append(want) or 1 << 20)
     stack = FakeStack(max_flows=1000, dns_max_inflight=100)
-    Guard(stack.config, stack.drop)
+    Guard(stack.config, stack.drop, fd_limit=lambda want: asked.append(want) or 1 << 20)
     assert asked == [1000 + 100 + FD_RESERVE]
 
 
