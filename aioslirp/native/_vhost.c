@@ -589,7 +589,7 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
         self->kicks++;
     }
     struct vr_queue *q = &self->q[TX];
-    int pushed = 0, asked = 0, more = 0, took_any = 0;
+    int pushed = 0, more = 0, took_any = 0;
     void *eng = self->eng;
     double now = eng ? self->api->now() : 0.0;
     PyObject *frames = PyList_New(0), *csum = PyList_New(0);
@@ -598,8 +598,8 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
     if (q->broken)
         self->c.by_reason[VR_R_BROKEN]++;
     for (unsigned got = 0;;) {
-        if (got == self->batch) {
-            more = vr_avail_count(q) > 0;
+        if (got == self->batch) { /* the rest on the next turn; none: a kick asked for, as below */
+            more = vr_avail_count(q) > 0 || (vr_queue_ready(q) && vr_kick_me(q, 1));
             break;
         }
         unsigned niov;
@@ -611,10 +611,11 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
             continue;
         }
         if (r == VR_EMPTY) {
-            if (asked || !vr_queue_ready(q))
-                break;
-            asked = 1; /* ask for a kick, then look once more: a chain made meanwhile is not missed */
-            if (!vr_kick_me(q, 1))
+            /* ask for a kick at the index just read, then look once more: a chain made meanwhile
+             * is taken, and the next empty ring asks again. Asking only once per call left
+             * avail_event behind the chains taken after it: the driver, past it already, never
+             * kicked again (a TX stall with two vCPUs). */
+            if (!vr_queue_ready(q) || !vr_kick_me(q, 1))
                 break;
             continue;
         }
