@@ -759,13 +759,18 @@ static PyObject *device_rx_kick_me(PyObject *op, PyObject *arg)
         return NULL;
     if (kick >= 0)
         drain_eventfd((int)kick);
+    struct vr_queue *q = &self->q[RX];
     if (self->rxq_head) { /* the engine's frames that waited go first */
         rx_drain(self);
         sink_flush(self);
         if (self->rxq_head)
             return PyBool_FromLong(0); /* still none: a kick is asked for */
+        /* all went: the buffers left are for the Python side's frames, which may wait too. The
+         * kick that brought them is spent, and the driver may post no more (Linux refills when
+         * half its ring is used): yes when any is left, not only when new ones came */
+        return PyBool_FromLong(vr_kick_me(q, 1) || vr_avail_count(q) > 0);
     }
-    return PyBool_FromLong(vr_kick_me(&self->q[RX], 1));
+    return PyBool_FromLong(vr_kick_me(q, 1));
 }
 
 static PyObject *device_broken(PyObject *op, PyObject *arg)
