@@ -194,17 +194,20 @@ async def one_run(backend: str, mtu: int, smp: int, args, workdir: Path) -> dict
                     argv[argv.index("-smp") + 1] = str(smp)
             t0 = time.monotonic()
             vm = await qemu.Vm.start(argv)
+            dump = backend.startswith("aioslirp-vhost-user")  # SIGUSR1: the back end logs its rings' state
             stalled = False
             if iperf:  # the CPU per GB counts boot and iperf3 only, not the crr/rr that follow
                 stalled = not await vm.wait_for_key("DOWN_RC", budget)
+                v = vm.result.values
+                if dump and not stalled and (v.get("UP_RC") != "0" or v.get("DOWN_RC") != "0"):
+                    proc.send_signal(signal.SIGUSR1)  # iperf3 failed: the guest is still up, its rings mapped
             cpu = cpu_seconds(proc.pid) - cpu0
             if not stalled:
                 try:
                     await asyncio.wait_for(asyncio.shield(vm.proc.wait()), max(1.0, budget - (time.monotonic() - t0)))
                 except asyncio.TimeoutError:
                     stalled = True
-            if stalled and backend.startswith("aioslirp-vhost-user"):
-                # the guest is still up: the back end logs its rings' state (SIGUSR1) before QEMU is killed
+            if stalled and dump:  # the guest is still up: before QEMU is killed
                 proc.send_signal(signal.SIGUSR1)
                 await asyncio.sleep(1.0)
             res = await vm.wait(1.0 if stalled else max(1.0, budget - (time.monotonic() - t0)))
