@@ -41,6 +41,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -193,10 +194,23 @@ async def one_run(backend: str, mtu: int, smp: int, args, workdir: Path) -> dict
                     argv[argv.index("-smp") + 1] = str(smp)
             t0 = time.monotonic()
             vm = await qemu.Vm.start(argv)
+            dump = backend.startswith("aioslirp-vhost-user")  # SIGUSR1: the back end logs its rings' state
+            stalled = False
             if iperf:  # the CPU per GB counts boot and iperf3 only, not the crr/rr that follow
-                await vm.wait_for_key("DOWN_RC", budget)
+                stalled = not await vm.wait_for_key("DOWN_RC", budget)
+                v = vm.result.values
+                if dump and not stalled and (v.get("UP_RC") != "0" or v.get("DOWN_RC") != "0"):
+                    proc.send_signal(signal.SIGUSR1)  # iperf3 failed: the guest is still up, its rings mapped
             cpu = cpu_seconds(proc.pid) - cpu0
-            res = await vm.wait(max(1.0, budget - (time.monotonic() - t0)))
+            if not stalled:
+                try:
+                    await asyncio.wait_for(asyncio.shield(vm.proc.wait()), max(1.0, budget - (time.monotonic() - t0)))
+                except asyncio.TimeoutError:
+                    stalled = True
+            if stalled and dump:  # the guest is still up: before QEMU is killed
+                proc.send_signal(signal.SIGUSR1)
+                await asyncio.sleep(1.0)
+            res = await vm.wait(1.0 if stalled else max(1.0, budget - (time.monotonic() - t0)))
         finally:
             proc.terminate()
             try:
@@ -237,7 +251,7 @@ async def one_run(backend: str, mtu: int, smp: int, args, workdir: Path) -> dict
     rec["wall_s"] = round(res.wall, 2)
     if not rec["ok"]:
         rec["console_tail"] = res.tail(30)
-        rec["backend_log_tail"] = (workdir / f"{backend}-{mtu}-{smp}.log").read_text(errors="replace")[-3000:]
+        rec["backend_log_tail"] = (workdir / f"{backend}-{mtu}-{smp}.log").read_text(errors="replace")[-6000:]
     return rec
 
 

@@ -5,12 +5,14 @@
 ``client`` connecting to a front end that listens there, again whenever it goes) until SIGINT or
 SIGTERM. When a front end disconnects (the VM powered off, QEMU killed or restarted) every flow
 its guest had is torn down (:meth:`Stack.reset_flows`), and the next front end on the same
-socket is served by the same stack.
+socket is served by the same stack. SIGUSR1 logs the rings' state (a stalled guest's debug aid:
+:meth:`VhostUserTransport.ring_state`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from ..host.signals import request_stop
@@ -46,6 +48,10 @@ async def serve_vhost_user(config, *, path: str, client: bool = False, handle_si
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.add_signal_handler(sig, request_stop, stack)
                     installed.append(sig)
+                # SIGUSR1: log the rings' state (indexes, notification words, pending kicks)
+                loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning(
+                    "vhost-user %s: ring state: %s", path, json.dumps(transport.ring_state(), sort_keys=True)))
+                installed.append(signal.SIGUSR1)
                 reopen = getattr(stack, "reopen_audit_log", None)
                 if reopen is not None:  # SIGHUP: reopen the --audit-log file (log rotation)
                     loop.add_signal_handler(signal.SIGHUP, reopen)

@@ -10,6 +10,7 @@
  *     .rx(frames, start) -> (next, state, delivered)  frames[start:] into guest buffers
  *     .rx_kick_me(kick_fd) -> bool                 ask for a kick on new RX buffers; any now?
  *     .broken(q) -> str | None, .counters() -> dict
+ *     .queue_state(q) -> dict                      indexes and notification words now (a stall's dump)
  *     .tcp_sink() -> capsule                      the frame sink for TcpEngine(sink=...) (tcpsink.h)
  *     .attach_tcp(engine, max_buffer) / .attach_tcp(None)   guest frames of native TCP flows go to
  *                                                  the engine in tx(), before any Python object
@@ -588,7 +589,7 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
         self->kicks++;
     }
     struct vr_queue *q = &self->q[TX];
-    int pushed = 0, asked = 0, more = 0, took_any = 0;
+    int pushed = 0, more = 0, took_any = 0;
     void *eng = self->eng;
     double now = eng ? self->api->now() : 0.0;
     PyObject *frames = PyList_New(0), *csum = PyList_New(0);
@@ -597,8 +598,8 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
     if (q->broken)
         self->c.by_reason[VR_R_BROKEN]++;
     for (unsigned got = 0;;) {
-        if (got == self->batch) {
-            more = vr_avail_count(q) > 0;
+        if (got == self->batch) { /* the rest on the next turn; none: a kick asked for, as below */
+            more = vr_avail_count(q) > 0 || (vr_queue_ready(q) && vr_kick_me(q, 1));
             break;
         }
         unsigned niov;
@@ -610,10 +611,11 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
             continue;
         }
         if (r == VR_EMPTY) {
-            if (asked || !vr_queue_ready(q))
-                break;
-            asked = 1; /* ask for a kick, then look once more: a chain made meanwhile is not missed */
-            if (!vr_kick_me(q, 1))
+            /* ask for a kick at the index just read, then look once more: a chain made meanwhile
+             * is taken, and the next empty ring asks again. Asking only once per call left
+             * avail_event behind the chains taken after it: the driver, past it already, never
+             * kicked again (a TX stall with two vCPUs). */
+            if (!vr_queue_ready(q) || !vr_kick_me(q, 1))
                 break;
             continue;
         }
@@ -757,13 +759,18 @@ static PyObject *device_rx_kick_me(PyObject *op, PyObject *arg)
         return NULL;
     if (kick >= 0)
         drain_eventfd((int)kick);
+    struct vr_queue *q = &self->q[RX];
     if (self->rxq_head) { /* the engine's frames that waited go first */
         rx_drain(self);
         sink_flush(self);
         if (self->rxq_head)
             return PyBool_FromLong(0); /* still none: a kick is asked for */
+        /* all went: the buffers left are for the Python side's frames, which may wait too. The
+         * kick that brought them is spent, and the driver may post no more (Linux refills when
+         * half its ring is used): yes when any is left, not only when new ones came */
+        return PyBool_FromLong(vr_kick_me(q, 1) || vr_avail_count(q) > 0);
     }
-    return PyBool_FromLong(vr_kick_me(&self->q[RX], 1));
+    return PyBool_FromLong(vr_kick_me(q, 1));
 }
 
 static PyObject *device_broken(PyObject *op, PyObject *arg)
@@ -794,6 +801,60 @@ static int put(PyObject *d, const char *key, uint64_t value)
     int r = PyDict_SetItemString(d, key, v);
     Py_DECREF(v);
     return r;
+}
+
+/* queue_state(q) -> dict: the queue's indexes and notification words, ours and the driver's, as
+ * they are now (a debug aid for a stalled ring: who waits for whom). The ring words are read
+ * from shared memory; None when the rings are not set. */
+static PyObject *device_queue_state(PyObject *op, PyObject *arg)
+{
+    Device *self = (Device *)op;
+    long qi = PyLong_AsLong(arg);
+    if ((qi == -1 && PyErr_Occurred()) || queue_index((int)qi) < 0)
+        return NULL;
+    struct vr_queue *q = &self->q[qi];
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+    int ready = vr_queue_ready(q);
+    if (put(d, "num", q->num) < 0 || put(d, "ready", (uint64_t)ready) < 0 || put(d, "event_idx", q->event_idx) < 0 ||
+        put(d, "last_avail", q->last_avail) < 0 || put(d, "seen_avail", q->seen_avail) < 0 ||
+        put(d, "used_idx", q->used_idx) < 0 || put(d, "signalled_used", q->signalled_used) < 0 ||
+        put(d, "signalled_valid", q->signalled_valid) < 0 || put(d, "callfd", (uint64_t)(self->callfd[qi] >= 0)) < 0)
+        goto fail;
+    if (q->broken) {
+        PyObject *b = PyUnicode_FromString(vr_reason_name(q->broken));
+        if (!b || PyDict_SetItemString(d, "broken", b) < 0) {
+            Py_XDECREF(b);
+            goto fail;
+        }
+        Py_DECREF(b);
+    }
+    if (ready) {
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        uint16_t avail_flags = *(volatile uint16_t *)(volatile void *)q->avail;
+        uint16_t avail_idx = *(volatile uint16_t *)(volatile void *)(q->avail + 2);
+        uint16_t used_event = *(volatile uint16_t *)(volatile void *)(q->avail + 4 + 2u * q->num);
+        uint16_t used_flags = *(volatile uint16_t *)(volatile void *)q->used;
+        uint16_t used_ring_idx = *(volatile uint16_t *)(volatile void *)(q->used + 2);
+        uint16_t avail_event = *(volatile uint16_t *)(volatile void *)(q->used + 4 + 8u * q->num);
+        if (put(d, "avail_idx", avail_idx) < 0 || put(d, "avail_flags", avail_flags) < 0 ||
+            put(d, "used_event", used_event) < 0 || put(d, "used_ring_idx", used_ring_idx) < 0 ||
+            put(d, "used_flags", used_flags) < 0 || put(d, "avail_event", avail_event) < 0 ||
+            put(d, "not_taken", (uint16_t)(avail_idx - q->last_avail)) < 0)
+            goto fail;
+    }
+    if (qi == RX) {
+        uint64_t waiting = 0;
+        for (struct rxq *e = self->rxq_head; e; e = e->next)
+            waiting++;
+        if (put(d, "tcp_frames_waiting", waiting) < 0 || put(d, "tcp_bytes_waiting", self->rxq_bytes) < 0)
+            goto fail;
+    }
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
 }
 
 static PyObject *device_counters(PyObject *op, PyObject *unused)
@@ -840,6 +901,7 @@ static PyMethodDef device_methods[] = {
     {"broken", device_broken, METH_O, "broken(q) -> why the queue is broken, or None"},
     {"ready", device_ready, METH_O, "ready(q) -> whether the queue's rings are set"},
     {"counters", device_counters, METH_NOARGS, "counters() -> dict"},
+    {"queue_state", device_queue_state, METH_O, "queue_state(q) -> dict: indexes and notification words (debug)"},
     {"tcp_sink", device_tcp_sink, METH_NOARGS, "tcp_sink() -> the frame sink capsule for TcpEngine(sink=...)"},
     {"attach_tcp", device_attach_tcp, METH_VARARGS,
      "attach_tcp(engine, max_buffer=8 MiB): guest frames to the TcpEngine first; attach_tcp(None): detach"},

@@ -341,6 +341,30 @@ class VhostUserTransport(Transport):
             out[f"send_{k}"] = v
         return out
 
+    def ring_state(self) -> dict[str, dict]:
+        """Each queue as it is now, a debug aid for a stalled ring (who waits for whom): our indexes
+        (``last_avail``, ``seen_avail``, ``used_idx``, ``signalled_used``), the ring's words
+        (``avail_idx``, ``used_ring_idx``, the driver's ``used_event``, our ``avail_event``, the
+        flags), whether a kick is pending on its kick eventfd (not read), whether it is started;
+        ``rx`` also has the frames waiting for buffers (``pending``: the Python side's;
+        ``tcp_frames_waiting``: the native TCP engine's). SIGUSR1 logs it (``aioslirp vhost-user``)."""
+        import select
+
+        out = {}
+        for q, name in ((RX, "rx"), (TX, "tx")):
+            ring = self._rings[q]
+            state = dict(self._dev.queue_state(q))
+            state["started"] = ring.started
+            if ring.kick >= 0:
+                try:
+                    state["kick_pending"] = bool(select.select([ring.kick], [], [], 0)[0])
+                except (OSError, ValueError):
+                    state["kick_pending"] = None
+            out[name] = state
+        out["rx"]["pending"] = len(self._pending)
+        out["counters"] = self.counters()
+        return out
+
     def broken(self) -> dict[int, str]:
         """The queues now marked broken: ``{0 (RX) | 1 (TX): reason}``."""
         out = {}

@@ -409,3 +409,22 @@ async def test_random_control_messages_never_raise_and_the_next_front_end_is_ser
     fe.send_frame(good)
     await until(lambda: delivered(got))
     assert delivered(got) == [good]
+
+
+async def test_ring_state_shows_who_waits_for_whom(backend):
+    """The debug aid for a stalled guest (SIGUSR1 logs it): a frame waiting for RX buffers the
+    guest has too few of, with a kick asked for at the index read; a TX chain made without a kick,
+    not taken, no kick pending on its eventfd."""
+    t, _, connect = backend
+    fe = await connect()
+    fe.post_rx(1, 2048, kick="event")
+    t.send_frames([frame(9000)])
+    fe.send_frame(frame(60), kick=False)
+    await asyncio.sleep(0.05)
+    state = t.ring_state()
+    rx, tx = state["rx"], state["tx"]
+    assert rx["pending"] == 1 and rx["avail_idx"] == rx["seen_avail"] == rx["avail_event"] == 1
+    assert rx["last_avail"] == 0 and rx["not_taken"] == 1 and rx["started"] and rx["event_idx"] == 1
+    assert tx["avail_idx"] == 1 and tx["last_avail"] == 0 and tx["not_taken"] == 1
+    assert tx["kick_pending"] is False and tx["started"] and "broken" not in tx
+    assert state["counters"]["tx_frames"] == 0

@@ -146,3 +146,28 @@ async def test_a_driver_without_guest_csum_and_tso_gets_complete_checksums_and_n
     await asyncio.sleep(0.2)
     engine.poll()
     assert t.counters().get("tcp_gso_refused", 0) >= 1
+
+
+async def test_a_python_frame_waiting_with_the_engines_goes_when_buffers_come(flow):
+    """Both sides' frames wait for RX buffers (the engine's in C, a Python-path frame such as an
+    ARP reply in the transport); the guest posts buffers and kicks once. The engine's go first,
+    and the Python frame must go too in the buffers left: a Linux driver posts no more (it refills
+    only when half its ring is used), so no other kick would come for it."""
+    t, fe, engine, host, rx, post, python_frames = await flow()
+    rx()  # the SYN-ACK
+    fe.send_frame(tcp_frame(F4, GPORT, host.getsockname()[1], ACK, seq=IRS + 1, ack=ISS + 1, win=65535),
+                  vnet=DATA_VALID)  # the guest's window: 8 MB (scaled)
+    assert await until(lambda: t.counters().get("tcp_frames_in") == 1, 5.0)
+    host.sendall(bytes(400_000))
+    await asyncio.sleep(0.2)
+    engine.poll()
+    rx()
+    assert t.counters()["tcp_frames_waited"] > 0
+    arp_reply = bytes.fromhex("525400123456 525500000202 0806") + bytes(range(46))
+    t.send_frames([arp_reply])
+    assert t.bytes_buffered == len(arp_reply)  # no buffer: it waits
+    post(32)
+    assert await until(lambda: t.bytes_buffered == 0, 2.0), repr(t.ring_state())
+    got = [f for _, f in rx()]
+    assert got[-1] == arp_reply and t.counters()["tcp_rx_bytes_waiting"] == 0
+    host.close()
