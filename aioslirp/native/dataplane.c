@@ -595,45 +595,62 @@ int dp_udp_host(struct dp_udp_table *t, int slot, int tap_fd, int vnet, double n
                 uint64_t *frames_out, uint64_t *bytes_out, uint64_t *write_errors)
 {
     static const uint8_t zero_vnet[DP_VNET_HDR_LEN];
-    if (slot < 0 || (uint32_t)slot >= t->cap || t->flows[slot].fd < 0 || cap < 65536)
+    if (slot < 0 || (uint32_t)slot >= t->cap || t->flows[slot].fd < 0 || cap < DP_UDP_SCRATCH)
         return -1;
     struct dp_udp_flow *f = &t->flows[slot];
     struct dp_slot fs[128]; /* mtu >= 576 (dp_udp_adopt's caller): at most 119 fragments */
+    uint8_t *frames = scratch + DP_UDP_RECV_BATCH * 65536u; /* one datagram's frames at a time */
+    size_t frames_cap = cap - DP_UDP_RECV_BATCH * 65536u;
+    struct iovec iov[DP_UDP_RECV_BATCH];
+    struct mmsghdr mm[DP_UDP_RECV_BATCH];
     int moved = 0;
-    for (int i = 0; i < 64; i++) {
-        ssize_t n = recv(f->fd, scratch, 65536, MSG_DONTWAIT);
-        if (n < 0) {
+    while (moved < 64) {
+        for (unsigned k = 0; k < DP_UDP_RECV_BATCH; k++) {
+            iov[k].iov_base = scratch + k * 65536u;
+            iov[k].iov_len = 65536;
+            memset(&mm[k], 0, sizeof mm[k]);
+            mm[k].msg_hdr.msg_iov = &iov[k];
+            mm[k].msg_hdr.msg_iovlen = 1;
+        }
+        int got = recvmmsg(f->fd, mm, DP_UDP_RECV_BATCH, MSG_DONTWAIT, NULL);
+        if (got < 0) {
             if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
                 f->err = errno;
             break;
         }
-        f->last_active = now;
-        f->down_datagrams++;
-        f->down_bytes += (uint64_t)n;
-        touch(t, f); /* its figures for the next dp_udp_touched() */
-        moved++;
-        int nf = dp_udp_frames(scratch + 65536, cap - 65536, fs, 128, f->eth, 0, f->remote_ip, f->guest_ip,
-                               f->remote_port, f->guest_port, scratch, (size_t)n, f->hlim, f->mtu, t->ident++, 0);
-        if (nf < 0) { /* longer than an IPv4 datagram can carry: nothing to send */
-            (*write_errors)++;
-            continue;
-        }
-        for (int k = 0; k < nf; k++) {
-            uint8_t *fr = scratch + 65536 + fs[k].off;
-            ssize_t w;
-            if (vnet) {
-                struct iovec iov[2] = {{(void *)zero_vnet, DP_VNET_HDR_LEN}, {fr, fs[k].len}};
-                w = writev(tap_fd, iov, 2);
-            } else {
-                w = write(tap_fd, fr, fs[k].len);
-            }
-            if (w < 0) {
+        for (int d = 0; d < got; d++) {
+            size_t n = mm[d].msg_len; /* at most 65536: a datagram longer than IPv4 carries is cut, then refused */
+            f->last_active = now;
+            f->down_datagrams++;
+            f->down_bytes += (uint64_t)n;
+            moved++;
+            int nf = dp_udp_frames(frames, frames_cap, fs, 128, f->eth, 0, f->remote_ip, f->guest_ip, f->remote_port,
+                                   f->guest_port, iov[d].iov_base, n, f->hlim, f->mtu, t->ident++, 0);
+            if (nf < 0) { /* longer than an IPv4 datagram can carry: nothing to send */
                 (*write_errors)++;
-            } else {
-                (*frames_out)++;
-                *bytes_out += fs[k].len;
+                continue;
+            }
+            for (int k = 0; k < nf; k++) {
+                uint8_t *fr = frames + fs[k].off;
+                ssize_t w;
+                if (vnet) {
+                    struct iovec v[2] = {{(void *)zero_vnet, DP_VNET_HDR_LEN}, {fr, fs[k].len}};
+                    w = writev(tap_fd, v, 2);
+                } else {
+                    w = write(tap_fd, fr, fs[k].len);
+                }
+                if (w < 0) {
+                    (*write_errors)++;
+                } else {
+                    (*frames_out)++;
+                    *bytes_out += fs[k].len;
+                }
             }
         }
+        if (got > 0)
+            touch(t, f); /* its figures for the next dp_udp_touched() */
+        if (got < (int)DP_UDP_RECV_BATCH) /* fewer than asked: the socket is drained (no EAGAIN call) */
+            break;
     }
     return moved;
 }

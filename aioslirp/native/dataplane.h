@@ -216,13 +216,16 @@ int dp_udp_release(struct dp_udp_table *t, int slot);
  * its host socket (or dropped there, counted in the flow: EAGAIN, an error kept in err); 0 when
  * it is not one (the caller hands it to Python). */
 int dp_udp_guest(struct dp_udp_table *t, const uint8_t *frame, size_t len, int csum_ok, double now);
-/* Host datagrams of slot: recv until EAGAIN (at most 64), each written to tap_fd as guest frames
- * (with a zero virtio-net header when vnet); scratch (cap bytes, at least DP_UDP_SCRATCH) holds
- * one datagram and its frames. The flow's MTU must be at least 576 (at most 119 fragments).
+/* Host datagrams of slot: received DP_UDP_RECV_BATCH at a time (recvmmsg) until a call gets fewer
+ * (the socket drained) or 64 moved, each written to tap_fd as guest frames (with a zero
+ * virtio-net header when vnet); scratch (cap bytes, at least DP_UDP_SCRATCH) holds the
+ * datagrams of one call and the frames of one of them. The flow's MTU must be at least 576 (at most 119 fragments).
  * Returns the datagrams moved (counted in the flow), or -1 for a slot not in use; adds the frames
  * written and their bytes (without the vnet header, as Python counts) to frames_out and bytes_out,
  * and the frames the TAP refused to write_errors. */
-#define DP_UDP_SCRATCH (65536u + 65536u + 128u * 64u)
+#define DP_UDP_RECV_BATCH 2u /* datagrams per recvmmsg(): one more than a request-response needs, so
+                                 * that a call that got fewer has drained the socket (no EAGAIN call) */
+#define DP_UDP_SCRATCH (DP_UDP_RECV_BATCH * 65536u + 65536u + 128u * 64u)
 int dp_udp_host(struct dp_udp_table *t, int slot, int tap_fd, int vnet, double now, uint8_t *scratch, size_t cap,
                 uint64_t *frames_out, uint64_t *bytes_out, uint64_t *write_errors);
 
