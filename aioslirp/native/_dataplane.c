@@ -235,10 +235,32 @@ static int plane_init(PyObject *op, PyObject *args, PyObject *kwargs)
     return 0;
 }
 
+/* The references a Plane holds (the TCP engine, the stack's counters, the on_error hook, which
+ * holds the NativeUdp that holds this plane): the cycle collector sees them. */
+static int plane_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    Plane *self = (Plane *)op;
+    Py_VISIT(Py_TYPE(op));
+    Py_VISIT(self->tcp);
+    Py_VISIT(self->sink_counters);
+    Py_VISIT(self->sink_on_error);
+    return 0;
+}
+
+static int plane_clear(PyObject *op)
+{
+    Plane *self = (Plane *)op;
+    Py_CLEAR(self->tcp);
+    Py_CLEAR(self->sink_counters);
+    Py_CLEAR(self->sink_on_error);
+    return 0;
+}
+
 static void plane_dealloc(PyObject *op)
 {
     Plane *self = (Plane *)op;
     PyTypeObject *tp = Py_TYPE(op);
+    PyObject_GC_UnTrack(op);
     PyMem_Free(self->buf);
     PyMem_Free(self->slots);
     PyMem_Free(self->udp_flows);
@@ -697,12 +719,14 @@ static PyType_Slot plane_slots[] = {
     {Py_tp_doc, "Plane(read_size, batch, vnet=False): the native data plane of one transport"},
     {Py_tp_init, plane_init},
     {Py_tp_dealloc, plane_dealloc},
+    {Py_tp_traverse, plane_traverse},
+    {Py_tp_clear, plane_clear},
     {Py_tp_methods, plane_methods},
     {0, NULL},
 };
 
 static PyType_Spec plane_spec = {
-    "aioslirp.native._dataplane.Plane", sizeof(Plane), 0, Py_TPFLAGS_DEFAULT, plane_slots,
+    "aioslirp.native._dataplane.Plane", sizeof(Plane), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, plane_slots,
 };
 
 /* ------------------------------------------------------------------ module */

@@ -203,3 +203,26 @@ def test_the_loop_reader_counts_taken_frames_in_c_and_calls_python_only_for_a_fa
     assert calls and calls[0][0] == "taken"
     (entry,) = plane.udp_touched()[2]
     assert entry[0] == slot and entry[4] == errno.ECONNREFUSED
+
+
+def test_a_plane_in_a_reference_cycle_through_its_sink_is_collected():
+    """NativeUdp holds its plane and gives the plane its own bound method as on_error: a cycle
+    through a C object, which the cycle collector must see (Plane's tp_traverse): without it every
+    stack served natively leaked (about 0.75 MB a spawn())."""
+    import gc
+    import weakref
+
+    ext = need_extension()
+
+    class Owner:
+        def on_error(self, slot, err):
+            pass
+
+    owner = Owner()
+    owner.plane = ext.Plane(2048, 4, False)
+    owner.plane.udp_enable(4)
+    owner.plane.udp_sink(-1, False, {}, owner.on_error)
+    gone = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert gone() is None
