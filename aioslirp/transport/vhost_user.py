@@ -57,82 +57,25 @@ import collections
 import logging
 import os
 import socket
-import struct
 from typing import Callable, Sequence
 
 from ..native import vhost as native_vhost
 from ..wire.offload import GSO_NONE, GSO_TCPV4, GSO_TCPV6, OffloadFrame, complete_checksum
 from .base import MAX_FRAME, Transport
 from .unixpath import bind_path
+from .vhost_proto import (
+    F_GUEST_CSUM, F_GUEST_TSO4, F_GUEST_TSO6, F_MRG_RXBUF, F_EVENT_IDX, F_PROTOCOL_FEATURES, F_VERSION_1,
+    OFFERED_FEATURES, P_REPLY_ACK, OFFERED_PROTOCOL_FEATURES, GET_FEATURES, SET_FEATURES, SET_OWNER, RESET_OWNER,
+    SET_MEM_TABLE, SET_LOG_BASE, SET_LOG_FD, SET_VRING_NUM, SET_VRING_ADDR, SET_VRING_BASE, GET_VRING_BASE,
+    SET_VRING_KICK, SET_VRING_CALL, SET_VRING_ERR, GET_PROTOCOL_FEATURES, SET_PROTOCOL_FEATURES, GET_QUEUE_NUM,
+    SET_VRING_ENABLE, SEND_RARP, NET_SET_MTU, NAMES, HEADER, VERSION, FLAG_REPLY, FLAG_NEED_REPLY, MAX_PAYLOAD,
+    MAX_FDS, U64, VRING_STATE, VRING_ADDR, MEM_HEADER, MEM_REGION, VRING_NOFD, VRING_INDEX, RX, TX,
+)
 
-__all__ = ["VhostUserError", "VhostUserTransport", "OFFERED_FEATURES", "OFFERED_PROTOCOL_FEATURES"]
+__all__ = ["VhostUserError", "VhostUserTransport"]
 
 log = logging.getLogger("aioslirp.transport.vhost_user")
 
-# -- virtio-net / vhost-user feature bits (virtio 1.1 5.1.3, 6; vhost-user.rst) -------------------
-F_CSUM = 1 << 0
-F_GUEST_CSUM = 1 << 1
-F_GUEST_TSO4 = 1 << 7
-F_GUEST_TSO6 = 1 << 8
-F_HOST_TSO4 = 1 << 11
-F_HOST_TSO6 = 1 << 12
-F_MRG_RXBUF = 1 << 15
-F_EVENT_IDX = 1 << 29
-F_PROTOCOL_FEATURES = 1 << 30
-F_VERSION_1 = 1 << 32
-
-#: What the device offers (GET_FEATURES).
-OFFERED_FEATURES = (F_CSUM | F_GUEST_CSUM | F_GUEST_TSO4 | F_GUEST_TSO6 | F_HOST_TSO4 | F_HOST_TSO6 | F_MRG_RXBUF
-                    | F_EVENT_IDX | F_PROTOCOL_FEATURES | F_VERSION_1)
-
-P_REPLY_ACK = 1 << 3
-#: The protocol features offered (GET_PROTOCOL_FEATURES).
-OFFERED_PROTOCOL_FEATURES = P_REPLY_ACK
-
-# -- messages (front end -> back end) ---------------------------------------------------------
-GET_FEATURES = 1
-SET_FEATURES = 2
-SET_OWNER = 3
-RESET_OWNER = 4
-SET_MEM_TABLE = 5
-SET_LOG_BASE = 6
-SET_LOG_FD = 7
-SET_VRING_NUM = 8
-SET_VRING_ADDR = 9
-SET_VRING_BASE = 10
-GET_VRING_BASE = 11
-SET_VRING_KICK = 12
-SET_VRING_CALL = 13
-SET_VRING_ERR = 14
-GET_PROTOCOL_FEATURES = 15
-SET_PROTOCOL_FEATURES = 16
-GET_QUEUE_NUM = 17
-SET_VRING_ENABLE = 18
-SEND_RARP = 19
-NET_SET_MTU = 20
-
-NAMES = {v: k for k, v in globals().items() if k.isupper() and k[:4] in ("GET_", "SET_", "RESE", "SEND", "NET_")
-         and isinstance(v, int)}
-
-#: ``request, flags, size`` (little-endian, vhost-user.rst "Header").
-HEADER = struct.Struct("<III")
-VERSION = 0x1
-FLAG_REPLY = 0x4
-FLAG_NEED_REPLY = 0x8
-#: Largest payload accepted (SET_MEM_TABLE with 8 regions is 264 bytes; the spec's largest, the
-#: config space, 268): beyond it the front end is cut off.
-MAX_PAYLOAD = 4096
-#: Most fds taken with one message (one per region; QEMU sends at most 8).
-MAX_FDS = 32
-U64 = struct.Struct("<Q")
-VRING_STATE = struct.Struct("<II")
-VRING_ADDR = struct.Struct("<IIQQQQ")
-MEM_HEADER = struct.Struct("<II")
-MEM_REGION = struct.Struct("<QQQQ")
-VRING_NOFD = 0x100
-VRING_INDEX = 0xFF
-
-RX, TX = 0, 1
 
 
 class VhostUserError(Exception):

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from aioslirp.transport import vhost_proto as vp
 from aioslirp.transport import vhost_user as vu
 from aioslirp.wire.offload import VNET, OffloadFrame
 
@@ -257,16 +258,16 @@ async def test_a_memory_region_past_the_end_of_its_file_is_refused(backend):
     t, _, connect = backend
     fe = FakeFrontEnd(t.path)
     try:
-        fe.send(vu.SET_PROTOCOL_FEATURES, vu.U64.pack(vu.P_REPLY_ACK))
+        fe.send(vp.SET_PROTOCOL_FEATURES, vp.U64.pack(vp.P_REPLY_ACK))
         table = fe.mem_table([(GPA, SIZE * 4, UVA, 0)])  # the memfd is SIZE bytes: a read past it is SIGBUS
-        assert await asyncio.to_thread(fe.ack, vu.SET_MEM_TABLE, table, [fe.fd]) == 1
-        assert await asyncio.to_thread(fe.ack, vu.SET_MEM_TABLE, fe.mem_table([(GPA, SIZE, UVA, 1 << 62)]),
+        assert await asyncio.to_thread(fe.ack, vp.SET_MEM_TABLE, table, [fe.fd]) == 1
+        assert await asyncio.to_thread(fe.ack, vp.SET_MEM_TABLE, fe.mem_table([(GPA, SIZE, UVA, 1 << 62)]),
                                        [fe.fd]) == 1
         assert t.counters().get("mem_tables", 0) == 0
-        await asyncio.to_thread(fe.send, vu.SET_VRING_NUM, vu.VRING_STATE.pack(1, 256))
+        await asyncio.to_thread(fe.send, vp.SET_VRING_NUM, vp.VRING_STATE.pack(1, 256))
         base = ring_base(1)  # rings in memory never mapped: refused
-        assert await asyncio.to_thread(fe.ack, vu.SET_VRING_ADDR,
-                                       vu.VRING_ADDR.pack(1, 0, UVA + base, UVA + base + 0x2000, UVA + base + 0x1000,
+        assert await asyncio.to_thread(fe.ack, vp.SET_VRING_ADDR,
+                                       vp.VRING_ADDR.pack(1, 0, UVA + base, UVA + base + 0x2000, UVA + base + 0x1000,
                                                           0)) == 1
     finally:
         fe.close()
@@ -278,13 +279,13 @@ async def test_protocol_errors_drop_the_front_end_and_the_next_one_is_served(bac
     fe = FakeFrontEnd(t.path)
     try:
         if kind == "fds_mismatch":
-            fe.send(vu.SET_MEM_TABLE, fe.mem_table([(GPA, SIZE, UVA, 0), (GPA + SIZE, SIZE, UVA + SIZE, 0)]), [fe.fd])
+            fe.send(vp.SET_MEM_TABLE, fe.mem_table([(GPA, SIZE, UVA, 0), (GPA + SIZE, SIZE, UVA + SIZE, 0)]), [fe.fd])
         elif kind == "payload_too_large":
-            fe.sock.sendall(vu.HEADER.pack(vu.SET_FEATURES, 1, 1 << 30))
+            fe.sock.sendall(vp.HEADER.pack(vp.SET_FEATURES, 1, 1 << 30))
         elif kind == "bad_queue":
-            fe.send(vu.SET_VRING_NUM, vu.VRING_STATE.pack(7, 256))
+            fe.send(vp.SET_VRING_NUM, vp.VRING_STATE.pack(7, 256))
         else:  # the 16-bit indexes wrap at 65536: ring positions index % num would jump
-            fe.send(vu.SET_VRING_NUM, vu.VRING_STATE.pack(1, 100))
+            fe.send(vp.SET_VRING_NUM, vp.VRING_STATE.pack(1, 100))
         await until(lambda: t.counters().get("protocol_errors") == 1)
         assert fe.sock.recv(1) == b""  # disconnected
     finally:
@@ -299,11 +300,11 @@ async def test_protocol_errors_drop_the_front_end_and_the_next_one_is_served(bac
 async def test_queue_count_and_unknown_requests(backend):
     t, _, connect = backend
     fe = await connect()
-    assert await asyncio.to_thread(fe.call_u64, vu.GET_QUEUE_NUM) == 2
+    assert await asyncio.to_thread(fe.call_u64, vp.GET_QUEUE_NUM) == 2
     assert await asyncio.to_thread(fe.ack, 99) == 1  # not handled: failure, with REPLY_ACK
-    state = await asyncio.to_thread(lambda: (fe.send(vu.GET_VRING_BASE, vu.VRING_STATE.pack(1, 0)),
-                                             fe.recv_reply(vu.GET_VRING_BASE))[1])
-    assert vu.VRING_STATE.unpack(state) == (1, 0)
+    state = await asyncio.to_thread(lambda: (fe.send(vp.GET_VRING_BASE, vp.VRING_STATE.pack(1, 0)),
+                                             fe.recv_reply(vp.GET_VRING_BASE))[1])
+    assert vp.VRING_STATE.unpack(state) == (1, 0)
     assert t.counters()["unknown"] == 1
 
 
@@ -322,12 +323,12 @@ async def test_send_frames_never_raises_for_a_frame_that_is_not_bytes(backend):
 async def test_a_disabled_ring_is_not_walked_until_enabled_again(backend):
     t, got, connect = backend
     fe = await connect()
-    assert await asyncio.to_thread(fe.ack, vu.SET_VRING_ENABLE, vu.VRING_STATE.pack(1, 0)) == 0
+    assert await asyncio.to_thread(fe.ack, vp.SET_VRING_ENABLE, vp.VRING_STATE.pack(1, 0)) == 0
     a = frame(70, 1)
     fe.send_frame(a)
     await asyncio.sleep(0.1)
     assert delivered(got) == []
-    assert await asyncio.to_thread(fe.ack, vu.SET_VRING_ENABLE, vu.VRING_STATE.pack(1, 1)) == 0
+    assert await asyncio.to_thread(fe.ack, vp.SET_VRING_ENABLE, vp.VRING_STATE.pack(1, 1)) == 0
     await until(lambda: delivered(got))
     assert delivered(got) == [a]
 
@@ -387,9 +388,9 @@ async def test_random_control_messages_never_raise_and_the_next_front_end_is_ser
             for _ in range(rnd.randrange(1, 20)):
                 req = rnd.randrange(0, 51)
                 payload = rnd.randbytes(rnd.choice([0, 4, 8, 12, 40, rnd.randrange(0, 300)]))
-                flags = vu.VERSION | (vu.FLAG_NEED_REPLY if rnd.random() < 0.5 else 0)
+                flags = vp.VERSION | (vp.FLAG_NEED_REPLY if rnd.random() < 0.5 else 0)
                 fds = [memfd] * rnd.randrange(0, 3)
-                data = vu.HEADER.pack(req, flags, len(payload)) + payload
+                data = vp.HEADER.pack(req, flags, len(payload)) + payload
                 anc = [(socket_mod.SOL_SOCKET, socket_mod.SCM_RIGHTS, bytes(struct.pack(f"{len(fds)}i", *fds)))] \
                     if fds else []
                 try:

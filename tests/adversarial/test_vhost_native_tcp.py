@@ -13,6 +13,7 @@ import struct
 
 import pytest
 
+from aioslirp.transport import vhost_proto as vp
 from aioslirp.transport import vhost_user as vu
 
 from support.frames import ACK, F4, GUEST_MAC, GW_MAC, SYN, tcp_frame
@@ -34,7 +35,7 @@ async def flow(tmp_path):
     ext = need_extension()
     made: list = []
 
-    async def make(features: int = vu.OFFERED_FEATURES):
+    async def make(features: int = vp.OFFERED_FEATURES):
         lst = socket.socket()
         lst.bind(("127.0.0.1", 0))
         lst.listen(1)
@@ -133,7 +134,7 @@ async def test_guest_frames_go_to_the_engine_and_its_frames_wait_for_buffers_in_
 
 
 async def test_a_driver_without_guest_csum_and_tso_gets_complete_checksums_and_no_64k_segment(flow):
-    features = vu.OFFERED_FEATURES & ~(vu.F_GUEST_CSUM | vu.F_GUEST_TSO4 | vu.F_GUEST_TSO6)
+    features = vp.OFFERED_FEATURES & ~(vp.F_GUEST_CSUM | vp.F_GUEST_TSO4 | vp.F_GUEST_TSO6)
     t, fe, engine, host, rx, post, _ = await flow(features)
     ((hdr, syn_ack),) = rx()
     assert hdr[0] & 1 == 0  # no NEEDS_CSUM: completed here

@@ -21,7 +21,7 @@ import os
 import socket
 import struct
 
-from aioslirp.transport import vhost_user as vu
+from aioslirp.transport import vhost_proto as vp
 
 GPA = 0x100000
 UVA = 0x7F0000000000
@@ -38,7 +38,7 @@ def ring_base(q: int) -> int:
 class FakeFrontEnd:
     """The front end's side of one connection, over ``path`` (a listening back end)."""
 
-    def __init__(self, path: str, *, features: int = vu.OFFERED_FEATURES, size: int = SIZE) -> None:
+    def __init__(self, path: str, *, features: int = vp.OFFERED_FEATURES, size: int = SIZE) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
         self.sock.settimeout(5)
@@ -57,15 +57,15 @@ class FakeFrontEnd:
 
     # -- messages ---------------------------------------------------------------------------------
     def send(self, request: int, payload: bytes = b"", fds=(), need_reply: bool = False) -> None:
-        flags = vu.VERSION | (vu.FLAG_NEED_REPLY if need_reply else 0)
-        data = vu.HEADER.pack(request, flags, len(payload)) + payload
+        flags = vp.VERSION | (vp.FLAG_NEED_REPLY if need_reply else 0)
+        data = vp.HEADER.pack(request, flags, len(payload)) + payload
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         self.sock.sendmsg([data], anc)
 
     def recv_reply(self, request: int) -> bytes:
-        head = self._recv_exact(vu.HEADER.size)
-        req, flags, size = vu.HEADER.unpack(head)
-        assert req == request and flags & vu.FLAG_REPLY, (req, flags)
+        head = self._recv_exact(vp.HEADER.size)
+        req, flags, size = vp.HEADER.unpack(head)
+        assert req == request and flags & vp.FLAG_REPLY, (req, flags)
         return self._recv_exact(size)
 
     def _recv_exact(self, n: int) -> bytes:
@@ -79,46 +79,46 @@ class FakeFrontEnd:
 
     def call_u64(self, request: int) -> int:
         self.send(request)
-        return vu.U64.unpack(self.recv_reply(request))[0]
+        return vp.U64.unpack(self.recv_reply(request))[0]
 
     def ack(self, request: int, payload: bytes = b"", fds=()) -> int:
         """Send with NEED_REPLY (REPLY_ACK negotiated): the back end's status (0 success)."""
         self.send(request, payload, fds, need_reply=True)
-        return vu.U64.unpack(self.recv_reply(request))[0]
+        return vp.U64.unpack(self.recv_reply(request))[0]
 
     def setup(self, *, num: int = NUM) -> None:
         """What QEMU sends before the guest's driver runs, and the rings of a running driver."""
-        assert self.hello() == vu.OFFERED_FEATURES
+        assert self.hello() == vp.OFFERED_FEATURES
         for q in (0, 1):
             self.setup_ring(q, num)
 
     def hello(self) -> int:
         """Features, protocol features, owner and the memory table, as a front end starts; the
         features the back end offered."""
-        offered = self.call_u64(vu.GET_FEATURES)
-        self.send(vu.SET_FEATURES, vu.U64.pack(self.features & offered))
-        self.call_u64(vu.GET_PROTOCOL_FEATURES)
-        self.send(vu.SET_PROTOCOL_FEATURES, vu.U64.pack(vu.P_REPLY_ACK))
-        self.send(vu.SET_OWNER)
-        assert self.ack(vu.SET_MEM_TABLE, self.mem_table(), [self.fd]) == 0
+        offered = self.call_u64(vp.GET_FEATURES)
+        self.send(vp.SET_FEATURES, vp.U64.pack(self.features & offered))
+        self.call_u64(vp.GET_PROTOCOL_FEATURES)
+        self.send(vp.SET_PROTOCOL_FEATURES, vp.U64.pack(vp.P_REPLY_ACK))
+        self.send(vp.SET_OWNER)
+        assert self.ack(vp.SET_MEM_TABLE, self.mem_table(), [self.fd]) == 0
         return offered
 
     def mem_table(self, regions=None) -> bytes:
         regions = regions or [(GPA, self.size, UVA, 0)]
-        return vu.MEM_HEADER.pack(len(regions), 0) + b"".join(vu.MEM_REGION.pack(*r) for r in regions)
+        return vp.MEM_HEADER.pack(len(regions), 0) + b"".join(vp.MEM_REGION.pack(*r) for r in regions)
 
     def setup_ring(self, q: int, num: int = NUM) -> None:
         self.num = num
         base = ring_base(q)
         self.mem[base:base + 0x3000] = bytes(0x3000)
         self.avail_idx[q] = self.next_desc[q] = self.used_seen[q] = 0
-        self.send(vu.SET_VRING_NUM, vu.VRING_STATE.pack(q, num))
-        self.send(vu.SET_VRING_ADDR, vu.VRING_ADDR.pack(q, 0, UVA + base, UVA + base + 0x2000, UVA + base + 0x1000, 0))
-        self.send(vu.SET_VRING_BASE, vu.VRING_STATE.pack(q, 0))
-        self.send(vu.SET_VRING_CALL, vu.U64.pack(q), [self.call[q]])
-        self.send(vu.SET_VRING_ERR, vu.U64.pack(q), [self.err[q]])
-        self.send(vu.SET_VRING_KICK, vu.U64.pack(q), [self.kick[q]])
-        assert self.ack(vu.SET_VRING_ENABLE, vu.VRING_STATE.pack(q, 1)) == 0
+        self.send(vp.SET_VRING_NUM, vp.VRING_STATE.pack(q, num))
+        self.send(vp.SET_VRING_ADDR, vp.VRING_ADDR.pack(q, 0, UVA + base, UVA + base + 0x2000, UVA + base + 0x1000, 0))
+        self.send(vp.SET_VRING_BASE, vp.VRING_STATE.pack(q, 0))
+        self.send(vp.SET_VRING_CALL, vp.U64.pack(q), [self.call[q]])
+        self.send(vp.SET_VRING_ERR, vp.U64.pack(q), [self.err[q]])
+        self.send(vp.SET_VRING_KICK, vp.U64.pack(q), [self.kick[q]])
+        assert self.ack(vp.SET_VRING_ENABLE, vp.VRING_STATE.pack(q, 1)) == 0
 
     def resume(self, path: str) -> None:
         """Connect again (a back end that restarted) and set the device up as DPDK virtio_user does
@@ -130,13 +130,13 @@ class FakeFrontEnd:
         self.hello()
         for q in (0, 1):
             base = ring_base(q)
-            self.send(vu.SET_VRING_NUM, vu.VRING_STATE.pack(q, self.num))
-            self.send(vu.SET_VRING_BASE, vu.VRING_STATE.pack(q, 0))
-            self.send(vu.SET_VRING_ADDR, vu.VRING_ADDR.pack(q, 0, UVA + base, UVA + base + 0x2000,
+            self.send(vp.SET_VRING_NUM, vp.VRING_STATE.pack(q, self.num))
+            self.send(vp.SET_VRING_BASE, vp.VRING_STATE.pack(q, 0))
+            self.send(vp.SET_VRING_ADDR, vp.VRING_ADDR.pack(q, 0, UVA + base, UVA + base + 0x2000,
                                                             UVA + base + 0x1000, 0))
-            self.send(vu.SET_VRING_CALL, vu.U64.pack(q), [self.call[q]])
-            self.send(vu.SET_VRING_KICK, vu.U64.pack(q), [self.kick[q]])
-            assert self.ack(vu.SET_VRING_ENABLE, vu.VRING_STATE.pack(q, 1)) == 0
+            self.send(vp.SET_VRING_CALL, vp.U64.pack(q), [self.call[q]])
+            self.send(vp.SET_VRING_KICK, vp.U64.pack(q), [self.kick[q]])
+            assert self.ack(vp.SET_VRING_ENABLE, vp.VRING_STATE.pack(q, 1)) == 0
 
     # -- rings ------------------------------------------------------------------------------------
     def put_desc(self, q: int, i: int, addr: int, length: int, flags: int = 0, nxt: int = 0) -> None:

@@ -27,6 +27,7 @@ import pytest
 
 from aioslirp.config import NetworkConfig
 from aioslirp.stack import Stack
+from aioslirp.transport import vhost_proto as vp
 from aioslirp.transport import vhost_user as vu
 from aioslirp.transport.vhost_user import VhostUserTransport
 
@@ -42,9 +43,9 @@ pytestmark = [pytest.mark.slow]
 FRAME = 64  # bytes: testpmd's txonly frames (--txpkts default), and the echoes (same UDP payload)
 
 FEATURE_NAMES = {
-    vu.F_CSUM: "CSUM", vu.F_GUEST_CSUM: "GUEST_CSUM", vu.F_GUEST_TSO4: "GUEST_TSO4", vu.F_GUEST_TSO6: "GUEST_TSO6",
-    vu.F_HOST_TSO4: "HOST_TSO4", vu.F_HOST_TSO6: "HOST_TSO6", vu.F_MRG_RXBUF: "MRG_RXBUF",
-    vu.F_EVENT_IDX: "EVENT_IDX", vu.F_PROTOCOL_FEATURES: "PROTOCOL_FEATURES", vu.F_VERSION_1: "VERSION_1",
+    vp.F_CSUM: "CSUM", vp.F_GUEST_CSUM: "GUEST_CSUM", vp.F_GUEST_TSO4: "GUEST_TSO4", vp.F_GUEST_TSO6: "GUEST_TSO6",
+    vp.F_HOST_TSO4: "HOST_TSO4", vp.F_HOST_TSO6: "HOST_TSO6", vp.F_MRG_RXBUF: "MRG_RXBUF",
+    vp.F_EVENT_IDX: "EVENT_IDX", vp.F_PROTOCOL_FEATURES: "PROTOCOL_FEATURES", vp.F_VERSION_1: "VERSION_1",
 }
 
 
@@ -83,9 +84,9 @@ async def until(what: str, cond, timeout: float = 20) -> None:
 def check_features(pmd: Testpmd, transport: VhostUserTransport, request, tag: str) -> int:
     """What virtio_user set is what the back end took; reported by name."""
     negotiated = pmd.features()
-    assert negotiated == transport.features & ~vu.F_PROTOCOL_FEATURES, (hex(negotiated), hex(transport.features))
-    assert negotiated & ~vu.OFFERED_FEATURES == 0, hex(negotiated)
-    assert negotiated & vu.F_VERSION_1 and negotiated & vu.F_MRG_RXBUF, names(negotiated)
+    assert negotiated == transport.features & ~vp.F_PROTOCOL_FEATURES, (hex(negotiated), hex(transport.features))
+    assert negotiated & ~vp.OFFERED_FEATURES == 0, hex(negotiated)
+    assert negotiated & vp.F_VERSION_1 and negotiated & vp.F_MRG_RXBUF, names(negotiated)
     report(request, f"{tag}features", f"{negotiated:#x} ({names(negotiated)})")
     return negotiated
 
@@ -139,7 +140,7 @@ async def test_udp_through_the_rings_both_ways(echo, tmp_path, request):
             await until("the rings running", lambda: transport.running)
             negotiated = check_features(pmd, transport, request, "default_")
             # DPDK's driver polls: it takes no EVENT_IDX (nor CSUM/TSO without --rx/--tx-offloads).
-            assert not negotiated & (vu.F_EVENT_IDX | vu.F_GUEST_CSUM | vu.F_CSUM), names(negotiated)
+            assert not negotiated & (vp.F_EVENT_IDX | vp.F_GUEST_CSUM | vp.F_CSUM), names(negotiated)
             stats = await exchange(pmd, echo, 4, 32)
             c = check_clean(stack, transport)
             stack_counters = dict(stack.counters)
@@ -182,8 +183,8 @@ async def test_client_mode_offloads_loop_killed_and_restarted(echo, tmp_path, re
             pmd = await Testpmd.start(sock, server=True, offloads=True, mode="5tswap", dport=echo.port, burst=8)
             await until("the rings running", lambda: transport.running)
             negotiated = check_features(pmd, transport, request, "offloads_")
-            want = (vu.F_CSUM | vu.F_GUEST_CSUM | vu.F_HOST_TSO4 | vu.F_HOST_TSO6 | vu.F_GUEST_TSO4
-                    | vu.F_GUEST_TSO6)
+            want = (vp.F_CSUM | vp.F_GUEST_CSUM | vp.F_HOST_TSO4 | vp.F_HOST_TSO6 | vp.F_GUEST_TSO4
+                    | vp.F_GUEST_TSO6)
             assert negotiated & want == want, names(negotiated)
 
             await pmd.cmd("start tx_first 1")
