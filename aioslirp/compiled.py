@@ -12,7 +12,8 @@ admission of each new flow: the rate limiter (:mod:`aioslirp.ratelimit`), the eg
 decision (:mod:`aioslirp.flow.egress`), the guard (:mod:`aioslirp.flow.guard`), the flow table's
 add, remove and flush (:mod:`aioslirp.flow.table`) and the family's Ethernet header, routing and
 ICMP quote (:mod:`aioslirp.dispatch.family`), the inject queue's write at the end of a batch
-(:mod:`aioslirp.inject`) and the flow context's counts (:mod:`aioslirp.flow.context`): with them,
+(:mod:`aioslirp.inject`) and the flow context's counts (:mod:`aioslirp.flow.context`); and the fair
+scheduler's charge of each engine poll and read batch (:mod:`aioslirp.fair`): with them,
 a connection of the native plane runs three interpreted Python functions, the TAP reader's
 callbacks and :func:`aioslirp.flow.base.admission` (docs/performance.md, "The admission
 compiled"). The host sockets and UDP flows type-check for mypyc too but are left out (no gain
@@ -78,6 +79,7 @@ COMPILED: tuple[str, ...] = (
     "aioslirp.dispatch.family",
     "aioslirp.inject",
     "aioslirp.flow.context",
+    "aioslirp.fair",
 )
 
 
@@ -222,7 +224,7 @@ def status() -> dict[str, bool]:
 
 @functools.cache
 def notice() -> str:
-    """One line, the same for the life of the process: ``compiled per-frame path: on (20/20
+    """One line, the same for the life of the process: ``compiled per-frame path: on (21/21
     modules)``, or off and why (``AIOSLIRP_NO_EXTENSIONS``, a stale build, not built)."""
     st = status()
     n = sum(st.values())

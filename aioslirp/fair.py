@@ -576,6 +576,10 @@ class Seat:
             share.leave()
 
 
+#: The scheduler of each event loop (:meth:`Scheduler.for_loop`), forgotten with the loop.
+_SCHEDULERS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Scheduler]" = weakref.WeakKeyDictionary()
+
+
 class Scheduler:
     """The fair scheduler of one event loop: :attr:`down` (host -> guest) and :attr:`up`
     (guest -> host), each a :class:`FairLink` whose passes run through ``loop.call_soon``, and
@@ -592,8 +596,6 @@ class Scheduler:
     down: FairLink
     lane: SparseLane
 
-    _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
     def __init__(self, loop: asyncio.AbstractEventLoop, quantum_up: float = QUANTUM,
                  quantum_down: float = QUANTUM_DOWN) -> None:
         self.loop = loop
@@ -605,9 +607,9 @@ class Scheduler:
     @classmethod
     def for_loop(cls, loop: asyncio.AbstractEventLoop) -> "Scheduler":
         """The scheduler of ``loop`` (made on first use, forgotten with the loop)."""
-        sched = cls._by_loop.get(loop)
+        sched = _SCHEDULERS.get(loop)
         if sched is None:
-            sched = cls._by_loop[loop] = cls(loop)
+            sched = _SCHEDULERS[loop] = cls(loop)
         return sched
 
     def join(self, weight: float = 1.0, name: str = "") -> tuple[Share, Share]:
