@@ -430,7 +430,7 @@ def profile(quick: bool) -> dict:
         return {"rounds": 1, "placements": ["pinned"], "lat_s": 0.5, "warmup_s": 0.1, "ccrr_s": 0.4,
                 "tput_s": 1.0, "idle_flows": 2000, "idle_budget_s": 10.0, "unpinned_rounds": 1}
     return {"rounds": 3, "placements": ["pinned", "unpinned"], "lat_s": 1.0, "warmup_s": 0.2, "ccrr_s": 0.8,
-            "tput_s": 2.0, "idle_flows": 10000, "idle_budget_s": 20.0, "unpinned_rounds": 2}
+            "tput_s": 2.0, "idle_flows": 10000, "idle_budget_s": 20.0, "unpinned_rounds": 3}
 
 
 def run_session(sess: Session, tests: list[str], prof: dict, with_idle: bool, records: list, base: dict) -> None:
@@ -470,8 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one round, pinned only, short tests (1-2 minutes)")
-    ap.add_argument("--rounds", type=int, help="interleaved repetitions (default 3, the unpinned placement in the "
-                    "first 2 of them; quick 1)")
+    ap.add_argument("--rounds", type=int, help="interleaved repetitions (default 3, both placements in each; "
+                    "quick 1)")
     ap.add_argument("--placements", help="comma list of pinned,unpinned")
     ap.add_argument("--backends", help="comma list (default: all): " + ",".join(b.name for b in B.all_backends()))
     ap.add_argument("--tests", help="comma list (default: all): " + ",".join(TEST_NAMES))
