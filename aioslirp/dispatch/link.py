@@ -42,6 +42,11 @@ log = logging.getLogger("aioslirp.stack")
 
 _UNTRUSTED = itertools.repeat(False)  # csum_ok of a transport without checksum flags
 
+#: Guest frames of one batch between two safe points of the guest's upload share
+#: (:meth:`~aioslirp.fair.Share.safe_point`: while the link is contended and this guest is
+#: backlogged, the sparse guests' input runs there first; nothing else).
+SAFE_POINT_FRAMES = 8
+
 
 class Link:
     """The guest link of one stack (see the module documentation).
@@ -95,8 +100,12 @@ class Link:
         checksum partial or valid (``NEEDS_CSUM`` / ``DATA_VALID``): such frames are trusted, as
         passt does, instead of verified. Reads the clock once (``ctx.running.time()``: loop time)
         and hands that ``now`` to every frame's dispatch and to the flush of the flows the batch
-        touched."""
-        now = self.ctx.running.time()
+        touched. Every :data:`SAFE_POINT_FRAMES` frames it offers the guest's upload share a safe
+        point (``share_up.safe_point()``: other guests' light input first while this one is
+        backlogged)."""
+        running = self.ctx.running
+        now = running.time()
+        share = running.share_up
         q = self.queue
         q.hold = True  # the frames the batch queues leave below, at once (see aioslirp.inject)
         try:
@@ -107,6 +116,7 @@ class Link:
             tr = self.tracer
             if tr is not None:
                 tr.record_batch_start()
+            n = 0
             for f, ok in zip(frames, _UNTRUSTED if csum_ok is None else csum_ok):
                 try:
                     dispatch(f, ok, now)
@@ -115,6 +125,11 @@ class Link:
                     log.exception("internal error processing a guest frame")
                 if tr is not None:
                     tr.record_guest_frame(f)
+                n += 1
+                if share is not None and not n % SAFE_POINT_FRAMES:
+                    # a backlogged guest's long batch (an upload: 64 segments of up to 64 KB):
+                    # the light guests' input first, every few frames (aioslirp.fair)
+                    share.safe_point()
             self.table.flush(now)
         finally:
             q.hold = False
