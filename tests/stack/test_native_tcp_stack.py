@@ -245,6 +245,52 @@ async def test_at_trace_level_frames_native_flows_stay_native_and_trace_from_the
         await stack.aclose()
 
 
+async def test_segments_read_after_a_fragmented_one_wait_for_it_in_python_not_pass_it():
+    """One TAP read: a native flow's segment in two IPv4 fragments (Python reassembles them), then
+    the next in-order segment (the engine's). The native reader hands that next one to Python
+    too (``reorders_later``), behind the fragments, so the engine gets both in order and the host
+    both bytes runs. Before: it reached the engine first, ahead of the reassembled segment, and
+    was dropped as out of order (a real guest retransmitted it). A datagram socket pair stands for
+    the TAP fd (one frame per read, as a TAP gives)."""
+    import socket
+
+    ext = need_extension()
+    stack, eng = await _stack_with_fake_engine()
+    plane = ext.Plane(65536, 64, False)
+    plane.attach_tcp(eng)
+    tap, guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    tap.setblocking(False)
+    try:
+        stack.parts.link.on_frames([tcp_frame(F4, 40011, 8080, SYN, seq=99, mss=1460)])
+        (synack,) = eng.fake_frames()
+        iss = int.from_bytes(synack[38:42], "big")
+        assert eng.input(tcp_frame(F4, 40011, 8080, ACK, seq=100, ack=iss + 1), False, 0.0)
+        first, second = bytes(range(256)) * 8, b"after the fragments" * 10
+        seg = tcp_frame(F4, 40011, 8080, ACK | PSH, seq=100, ack=iss + 1, data=first)[14 + 20:]
+        guest.send(F4.frame(F4.packet(seg[:1024], 6, id=9, mf=1, offset=0)))
+        guest.send(F4.frame(F4.packet(seg[1024:], 6, id=9, mf=0, offset=1024 >> 3)))
+        guest.send(tcp_frame(F4, 40011, 8080, ACK | PSH, seq=100 + len(first), ack=iss + 1, data=second))
+        frames, _csum, _end, _err, _taken = plane.read_tap(tap.fileno())
+        assert len(frames) == 3  # the fragments and the segment after them: all to Python, in order
+        stack.parts.link.on_frames(frames)
+        (fd,) = eng.fake_fds()
+        assert eng.fake_received(fd) == first + second
+        assert stack.counters["native_tcp.via_python"] == 2
+        # a plain read again: the engine's own segment no longer goes through Python
+        third = b"plain"
+        guest.send(tcp_frame(F4, 40011, 8080, ACK | PSH, seq=100 + len(first) + len(second), ack=iss + 1,
+                             data=third))
+        frames, *_ = plane.read_tap(tap.fileno())
+        assert frames == [] and eng.fake_received(fd) == third
+    finally:
+        plane.attach_tcp(None)
+        tap.close()
+        guest.close()
+        stack.parts.ctx.native_tcp.close()
+        stack.parts.ctx.native_tcp = None
+        await stack.aclose()
+
+
 async def test_a_segment_of_a_native_flow_sent_in_ip_fragments_reaches_the_host():
     """A native flow's data segment that the classifier leaves to Python (IPv4 fragments, which
     Python reassembles) is handed to the engine as the plain segment: its bytes reach the host
