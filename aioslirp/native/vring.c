@@ -509,8 +509,11 @@ int vr_rx_reserve(struct vr_queue *q, struct vr_rsv *r, const struct vr_mem *m, 
     }
     if (r->sealed || r->frames >= VR_RSV_FRAMES)
         return 0;
-    unsigned avail = vr_avail_count(q); /* what is left past the chains taken */
-    if (q->broken)
+    /* what is left past the chains taken; a jump is left to vr_rx_putv(), which breaks the queue
+     * and counts it (as a bad head below) */
+    uint16_t idx = avail_idx_acquire(q);
+    unsigned avail = (uint16_t)(idx - q->last_avail);
+    if (avail > q->num)
         return 0;
     const uint16_t saved = q->last_avail;
     const unsigned c0 = r->chains, p0 = r->pieces;
@@ -519,10 +522,11 @@ int vr_rx_reserve(struct vr_queue *q, struct vr_rsv *r, const struct vr_mem *m, 
     while (have < need) {
         if ((!mrg && r->chains > c0) || r->chains - c0 == avail)
             goto undo; /* one chain must hold it; or not enough chains now */
-        int h = take_head(q, NULL);
-        if (h < 0)
-            goto undo; /* the queue is broken: vr_rx_putv() counts it */
-        uint16_t i = (uint16_t)h;
+        uint16_t h = ld16(q->avail + 4 + 2u * (q->last_avail % q->num));
+        if (h >= q->num)
+            goto undo;
+        q->last_avail++;
+        uint16_t i = h;
         uint32_t in_chain = 0;
         unsigned count = 0;
         for (;;) {
@@ -554,7 +558,7 @@ int vr_rx_reserve(struct vr_queue *q, struct vr_rsv *r, const struct vr_mem *m, 
                 goto undo;
             i = next;
         }
-        q->heads[r->chains] = (uint16_t)h;
+        q->heads[r->chains] = h;
         q->lens[r->chains] = in_chain;
         r->chains++;
     }
