@@ -31,7 +31,7 @@ GUARD = b"\xa5" * 64
 WSCALE = 7
 
 
-class Guest:
+class RxDriver:
     """The guest's RX side: chains posted (each a list of (gpa, size)), used entries read back."""
 
     def __init__(self, fe: FakeFrontEnd, mrg: bool) -> None:
@@ -150,7 +150,7 @@ def payload_of(frame: bytes) -> tuple[int, bytes]:
     return struct.unpack_from("!I", frame, t + 4)[0], frame[t + (frame[t + 12] >> 4) * 4:]
 
 
-async def download(t, fe, engine, host, guest: Guest, size: int, *, window: int, post, rounds: int = 600) -> bytes:
+async def download(t, fe, engine, host, guest: RxDriver, size: int, *, window: int, post, rounds: int = 600) -> bytes:
     """The host sends ``size`` bytes; the guest posts buffers with ``post(guest)`` each round,
     reads the frames, acknowledges what came in order with ``window`` bytes of window. Returns what
     the guest got in order."""
@@ -189,7 +189,7 @@ async def download(t, fe, engine, host, guest: Guest, size: int, *, window: int,
 
 def topup(n: int, sizes=(4096,)):
     """A driver that keeps n descriptors of its ring posted."""
-    def post(guest: Guest) -> None:
+    def post(guest: RxDriver) -> None:
         per = len(sizes)
         want = (n - guest.outstanding) // per
         if want > 0:
@@ -200,7 +200,7 @@ def topup(n: int, sizes=(4096,)):
 @pytest.mark.parametrize("direct", [True, False], ids=["in_place", "copied"])
 async def test_a_download_into_mergeable_4k_buffers_is_byte_exact_in_place_and_copied(flow, direct):
     t, fe, engine, host = await flow(direct=direct)
-    guest = Guest(fe, mrg=True)
+    guest = RxDriver(fe, mrg=True)
     guest.post(8)
     size = 3_000_000
     got = await download(t, fe, engine, host, guest, size, window=200_000, post=topup(200))
@@ -217,7 +217,7 @@ async def test_a_download_into_mergeable_4k_buffers_is_byte_exact_in_place_and_c
 async def test_without_mrg_rxbuf_a_chain_of_header_and_pages_takes_a_64k_frame_in_place(flow):
     """Linux without MRG_RXBUF (big packets): each chain is a 12-byte header descriptor and pages."""
     t, fe, engine, host = await flow(vp.OFFERED_FEATURES & ~vp.F_MRG_RXBUF)
-    guest = Guest(fe, mrg=False)
+    guest = RxDriver(fe, mrg=False)
     sizes = (12,) + (4096,) * 17
     guest.post(2, sizes)
     size = 1_000_000
@@ -231,11 +231,11 @@ async def test_too_few_buffers_then_more_the_frames_wait_in_order_and_all_arrive
     """A ring short of buffers (fewer than one 64 KB frame needs): no reservation; the copying
     writer keeps the frames, in order, until buffers come; then in place again."""
     t, fe, engine, host = await flow()
-    guest = Guest(fe, mrg=True)
+    guest = RxDriver(fe, mrg=True)
     guest.post(4)
     rounds = {"n": 0}
 
-    def post(g: Guest) -> None:
+    def post(g: RxDriver) -> None:
         rounds["n"] += 1
         if rounds["n"] > 10:  # 10 rounds starved (3 buffers at a time), then plenty
             topup(200)(g)
@@ -252,7 +252,7 @@ async def test_too_few_buffers_then_more_the_frames_wait_in_order_and_all_arrive
 
 async def test_buffers_too_small_without_mrg_are_not_reserved_and_the_frame_is_dropped_and_counted(flow):
     t, fe, engine, host = await flow(vp.OFFERED_FEATURES & ~vp.F_MRG_RXBUF)
-    guest = Guest(fe, mrg=False)
+    guest = RxDriver(fe, mrg=False)
     guest.post(1, (2048,))  # the SYN-ACK's
     await asyncio.sleep(0.05)
     assert len(guest.frames()) == 1
@@ -284,11 +284,11 @@ async def test_a_hostile_chain_among_reserved_ones_is_never_written_and_the_down
     in place, the copying writer meets the bad chain, gives it back empty and counts it, and TCP
     retransmits the frame it dropped: the download is whole."""
     t, fe, engine, host = await flow()
-    guest = Guest(fe, mrg=True)
+    guest = RxDriver(fe, mrg=True)
     guest.post(8)
     state = {"n": 0}
 
-    def post(g: Guest) -> None:
+    def post(g: RxDriver) -> None:
         state["n"] += 1
         if state["n"] == 3:
             g.post(40, bad={20: bad})  # 20 good (80 KB: one 64 KB frame), the bad one, 19 good
@@ -310,7 +310,7 @@ async def test_buffers_reserved_and_not_filled_go_back_unseen_and_are_taken_next
     the other buffers reserved go back: the used ring shows nothing else, and the next frame takes
     the very next buffer."""
     t, fe, engine, host = await flow()
-    guest = Guest(fe, mrg=True)
+    guest = RxDriver(fe, mrg=True)
     guest.post(1)
     await asyncio.sleep(0.05)
     assert len(guest.frames()) == 1  # the SYN-ACK
