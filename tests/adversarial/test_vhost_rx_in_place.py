@@ -20,7 +20,7 @@ import pytest
 from aioslirp.transport import vhost_proto as vp
 from aioslirp.transport import vhost_user as vu
 
-from support.frames import ACK, F4, GUEST_MAC, GW_MAC, SYN, tcp_frame
+from support.frames import ACK, F4, F6, GUEST_MAC, GW_MAC, SYN, tcp_frame
 from support.native import need_extension, need_vhost
 from support.stacks import until
 from support.vhost import GPA, FakeFrontEnd
@@ -106,9 +106,9 @@ async def flow(tmp_path):
     ext = need_extension()
     made: list = []
 
-    async def make(features: int = vp.OFFERED_FEATURES, direct: bool = True):
-        lst = socket.socket()
-        lst.bind(("127.0.0.1", 0))
+    async def make(features: int = vp.OFFERED_FEATURES, direct: bool = True, fam=F4, peek_off: bool = True):
+        lst = socket.socket(fam.af)
+        lst.bind((fam.loopback, 0))
         lst.listen(1)
         port = lst.getsockname()[1]
         t = vu.VhostUserTransport(str(tmp_path / "vu.sock"))
@@ -119,12 +119,14 @@ async def flow(tmp_path):
         await asyncio.to_thread(fe.setup)
         assert await until(lambda: t.running, 5.0)
         t._dev.set_rx_direct(direct)
-        engine = ext.TcpEngine(-1, True, True, GW_MAC, 1500, 16, 1 << 20, 60.0, 5.0, 1.0, sink=t.tcp_sink())
+        engine = ext.TcpEngine(-1, True, True, GW_MAC, 1500, 16, 1 << 20, 60.0, 5.0, 1.0, sink=t.tcp_sink(),
+                               peek_off=peek_off)
         t.attach_tcp(engine)
         made.append(engine)
         loop = asyncio.get_running_loop()
-        status, _, _ = engine.adopt(False, GUEST_MAC, F4.guest, GPORT, F4.gw, port, socket.inet_aton("127.0.0.1"),
-                                    port, IRS, ISS, 1460, WSCALE, 65535, loop.time())
+        status, _, _ = engine.adopt(fam is F6, GUEST_MAC, fam.guest, GPORT, fam.gw, port,
+                                    socket.inet_pton(fam.af, fam.loopback), port, IRS, ISS, 1460, WSCALE, 65535,
+                                    loop.time())
         assert status == 0
         host, _ = lst.accept()
         made.append(host)
@@ -143,14 +145,44 @@ async def flow(tmp_path):
 
 def payload_of(frame: bytes) -> tuple[int, bytes]:
     ip = 14
-    ihl = (frame[ip] & 0xF) * 4
-    t = ip + ihl
-    total = struct.unpack_from("!H", frame, ip + 2)[0]
+    if frame[ip] >> 4 == 6:
+        t, total = ip + 40, 40 + struct.unpack_from("!H", frame, ip + 4)[0]
+    else:
+        t, total = ip + (frame[ip] & 0xF) * 4, struct.unpack_from("!H", frame, ip + 2)[0]
     assert len(frame) == ip + total, (len(frame), total)  # nothing past the IP datagram: no garbage
     return struct.unpack_from("!I", frame, t + 4)[0], frame[t + (frame[t + 12] >> 4) * 4:]
 
 
-async def download(t, fe, engine, host, guest: RxDriver, size: int, *, window: int, post, rounds: int = 600) -> bytes:
+def _sum16(b: bytes) -> int:
+    if len(b) % 2:
+        b += b"\0"
+    s = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    return s
+
+
+def check_offload(hdr: bytes, frame: bytes) -> None:
+    """The vnet header as a driver reads it (NEEDS_CSUM: csum_start/offset; GSO above the MSS) and
+    the TCP checksum once the driver completes it."""
+    flags, gso, hdr_len, gso_size, start, off = struct.unpack_from("<BBHHHH", hdr)
+    v6 = frame[14] >> 4 == 6
+    iphl = 40 if v6 else 20
+    assert flags == 1 and start == 14 + iphl and off == 16, (flags, start, off)
+    seg = bytearray(frame[start:])
+    plen = len(seg) - (seg[12] >> 4) * 4
+    mss = 1500 - iphl - 20
+    assert (gso, gso_size) == (((4 if v6 else 1), mss) if plen > mss else (0, 0)), (gso, gso_size, plen)
+    c = (~_sum16(bytes(seg))) & 0xFFFF  # what the driver writes at start + off
+    struct.pack_into("!H", seg, 16, c)
+    ip = frame[14:]
+    src, dst = (ip[8:24], ip[24:40]) if v6 else (ip[12:16], ip[16:20])
+    pseudo = src + dst + (struct.pack("!IxxxB", len(seg), 6) if v6 else struct.pack("!xBH", 6, len(seg)))
+    assert _sum16(pseudo + bytes(seg)) == 0xFFFF
+
+
+async def download(t, fe, engine, host, guest: RxDriver, size: int, *, window: int, post, rounds: int = 600,
+                   fam=F4) -> bytes:
     """The host sends ``size`` bytes; the guest posts buffers with ``post(guest)`` each round,
     reads the frames, acknowledges what came in order with ``window`` bytes of window. Returns what
     the guest got in order."""
@@ -165,17 +197,18 @@ async def download(t, fe, engine, host, guest: RxDriver, size: int, *, window: i
             break
         await asyncio.sleep(0.01)
     ((_, syn_ack),) = frames
-    assert syn_ack[14 + 33] == SYN | ACK
+    assert syn_ack[14 + (53 if fam is F6 else 33)] == SYN | ACK
     for _ in range(rounds):
         if len(got) >= size:
             break
         post(guest)
-        fe.send_frame(tcp_frame(F4, GPORT, host.getsockname()[1], ACK, seq=IRS + 1, ack=nxt,
+        fe.send_frame(tcp_frame(fam, GPORT, host.getsockname()[1], ACK, seq=IRS + 1, ack=nxt,
                                 win=window >> WSCALE), vnet=DATA_VALID)
         await asyncio.sleep(0.005)
         engine.poll()
         await asyncio.sleep(0.005)
         for hdr, frame in guest.frames():
+            check_offload(hdr, frame)
             seq, pay = payload_of(frame)
             if pay:
                 segs[seq] = pay
@@ -197,13 +230,15 @@ def topup(n: int, sizes=(4096,)):
     return post
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["in_place", "copied"])
-async def test_a_download_into_mergeable_4k_buffers_is_byte_exact_in_place_and_copied(flow, direct):
-    t, fe, engine, host = await flow(direct=direct)
+@pytest.mark.parametrize(("direct", "fam", "peek_off"), [(True, F4, True), (False, F4, True), (True, F6, True),
+                                                         (True, F4, False)],
+                         ids=["in_place", "copied", "in_place_ipv6", "in_place_without_peek_off"])
+async def test_a_download_into_mergeable_4k_buffers_is_byte_exact_in_place_and_copied(flow, direct, fam, peek_off):
+    t, fe, engine, host = await flow(direct=direct, fam=fam, peek_off=peek_off)
     guest = RxDriver(fe, mrg=True)
     guest.post(8)
     size = 3_000_000
-    got = await download(t, fe, engine, host, guest, size, window=200_000, post=topup(200))
+    got = await download(t, fe, engine, host, guest, size, window=200_000, post=topup(200), fam=fam)
     assert len(got) == size and got == bytes((i * 7 + (i >> 12)) & 0xFF for i in range(size))
     c = t.counters()
     assert guest.guards_intact() and guest.bad_used == 0
