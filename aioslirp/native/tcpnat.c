@@ -1292,19 +1292,19 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
             if (chunk > may)
                 chunk = (size_t)may;
         }
-        unsigned nf = direct ? reserve_frames(e, f, &chunk) : 0;
+        unsigned npv = direct ? reserve_frames(e, f, &chunk) : 0; /* pieces of guest memory reserved */
         ssize_t n;
-        if (nf) {
-            n = e->io.sock_peekv(e->io.ctx, f->fd, e->dv, (int)nf, inflight);
+        if (npv) {
+            n = e->io.sock_peekv(e->io.ctx, f->fd, e->dv, (int)npv, inflight);
             if (n <= 0) /* nothing there to commit (EFAULT: guest memory that could not be written) */
                 e->io.rx_release(e->io.ctx);
             if (n == -EFAULT) { /* into the engine's buffer instead: the frame is copied */
-                nf = 0;
+                npv = 0;
                 if (chunk > TN_PEEK_MAX)
                     chunk = TN_PEEK_MAX;
             }
         }
-        if (!nf) {
+        if (!npv) {
             if (chunk > TN_PEEK_MAX)
                 chunk = TN_PEEK_MAX;
             n = e->io.sock_peek(e->io.ctx, f->fd, e->peek, chunk, inflight);
@@ -1335,16 +1335,16 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
             size_t seg = (size_t)n - off;
             if (!e->cfg.offload && seg > f->mss)
                 seg = f->mss;
-            if (nf && seg > e->dcap[k]) /* in place: the frames as reserved (all full but the last) */
+            if (npv && seg > e->dcap[k]) /* in place: the frames as reserved (all full but the last) */
                 seg = e->dcap[k];
             uint8_t fl = TCP_ACK;
             if (off + seg == (size_t)n)
                 fl |= TCP_PSH;
-            seg_out(e, f, f->snd_nxt, fl, nf ? NULL : e->peek + off, seg, nf != 0);
+            seg_out(e, f, f->snd_nxt, fl, npv ? NULL : e->peek + off, seg, npv != 0);
             f->snd_nxt += (uint32_t)seg;
             off += seg;
         }
-        if (nf)
+        if (npv)
             e->io.rx_release(e->io.ctx); /* the frames the peek did not reach go back unseen */
         f->fl &= (uint16_t)~FL_ACK_DUE;
         if (SEQ_GT(f->snd_nxt, f->snd_max)) {
