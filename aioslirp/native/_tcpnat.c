@@ -212,6 +212,54 @@ static ssize_t r_peek(void *ctx, int fd, uint8_t *buf, size_t len, size_t skip)
     return n - (ssize_t)skip;
 }
 
+/* r_peek into pieces (guest memory: the frames a vhost-user sink reserved, tcpsink.h). */
+static ssize_t r_peekv(void *ctx, int fd, const struct iovec *iov, int iovcnt, size_t skip)
+{
+    Engine *g = ctx;
+    struct iovec v[TN_DIRECT_IOV + 1];
+    if (iovcnt < 1 || iovcnt > (int)TN_DIRECT_IOV)
+        return -EINVAL;
+    if (g->peek_off)
+        skip = 0;
+    else if (skip > sizeof discard_buf)
+        return -EINVAL;
+    int k = 0;
+    if (skip) {
+        v[0].iov_base = discard_buf;
+        v[0].iov_len = skip;
+        k = 1;
+    }
+    memcpy(v + k, iov, sizeof *iov * (size_t)iovcnt);
+    struct msghdr mh = {.msg_iov = v, .msg_iovlen = (size_t)(k + iovcnt)};
+    ssize_t n = recvmsg(fd, &mh, MSG_PEEK | MSG_DONTWAIT);
+    if (n < 0)
+        return -errno;
+    if (n == 0)
+        return 0;
+    if ((size_t)n <= skip)
+        return -EAGAIN;
+    return n - (ssize_t)skip;
+}
+
+static int r_reserve(void *ctx, size_t head, size_t payload, struct iovec *iov, int max_iov)
+{
+    Engine *g = ctx;
+    return g->sink ? g->sink->reserve(g->sink->ctx, head, payload, iov, max_iov) : 0;
+}
+
+static int r_commit(void *ctx, const uint8_t *hdr, size_t hdr_len, size_t payload)
+{
+    Engine *g = ctx;
+    return g->sink ? g->sink->commit(g->sink->ctx, hdr, hdr_len, payload) : -EBADF;
+}
+
+static void r_release(void *ctx)
+{
+    Engine *g = ctx;
+    if (g->sink)
+        g->sink->release(g->sink->ctx);
+}
+
 static ssize_t r_consume(void *ctx, int fd, size_t n)
 {
     (void)ctx;
@@ -277,7 +325,7 @@ static int r_tap_write(void *ctx, const struct iovec *iov, int n)
 
 static const struct tn_io real_io = {
     NULL, r_open, r_connect, r_error, r_watch, r_want_out, r_send, r_sendv, r_peek, r_consume, r_rewind, r_shutdown, r_space, r_close,
-    r_tap_write,
+    r_tap_write, NULL, NULL, NULL, NULL, /* in place: set with a sink that offers it */
 };
 
 /* Does the kernel let a TCP socket peek at an offset (SO_PEEK_OFF, Linux 6.9)? */
@@ -501,7 +549,7 @@ static int f_tap_write(void *ctx, const struct iovec *iov, int n)
 
 static const struct tn_io fake_io = {
     NULL, f_open, f_connect, f_error, f_watch, f_want_out, f_send, f_sendv, f_peek, f_consume, f_rewind, f_shutdown, f_space, f_close,
-    f_tap_write,
+    f_tap_write, NULL, NULL, NULL, NULL,
 };
 
 /* ------------------------------------------------------------------ the type */
@@ -617,6 +665,12 @@ static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
             return -1;
         }
         io = real_io;
+        if (sk && sk->reserve && sk->commit && sk->release) { /* frames written in place (tcpsink.h) */
+            io.sock_peekv = r_peekv;
+            io.rx_reserve = r_reserve;
+            io.rx_commit = r_commit;
+            io.rx_release = r_release;
+        }
     }
     io.ctx = g;
     g->e = tn_new(&cfg, &io);

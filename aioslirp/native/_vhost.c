@@ -11,7 +11,11 @@
  *     .rx_kick_me(kick_fd) -> bool                 ask for a kick on new RX buffers; any now?
  *     .broken(q) -> str | None, .counters() -> dict
  *     .queue_state(q) -> dict                      indexes and notification words now (a stall's dump)
- *     .tcp_sink() -> capsule                      the frame sink for TcpEngine(sink=...) (tcpsink.h)
+ *     .tcp_sink() -> capsule                      the frame sink for TcpEngine(sink=...) (tcpsink.h):
+ *                                                  frames copied in (write), or written in place
+ *                                                  (reserve/commit/release: the engine peeks a host
+ *                                                  socket into the RX buffers, one copy)
+ *     .set_rx_direct(on)                           in place when the ring allows (default), or never
  *     .attach_tcp(engine, max_buffer) / .attach_tcp(None)   guest frames of native TCP flows go to
  *                                                  the engine in tx(), before any Python object
  *
@@ -61,6 +65,10 @@ typedef struct {
     size_t rxq_bytes, rxq_max;
     int rx_due;                     /* used entries pushed for the engine since the last call */
     uint64_t tcp_in, tcp_out, tcp_waited, tcp_rx_full, tcp_rx_dropped, tcp_gso_refused;
+    /* the engine's frames written in place (tcpsink.h reserve/commit/release): the reservation open */
+    struct vr_rsv rsv;
+    int rx_direct;                  /* offered (set_rx_direct(); on by default) */
+    uint64_t tcp_direct, tcp_direct_short;
 } Device;
 
 /* A frame of the engine waiting for RX buffers (a copy: the engine's buffers are reused). */
@@ -85,6 +93,9 @@ static void rxq_clear(Device *self)
 
 static int sink_write(void *ctx, const struct iovec *iov, int n);
 static void sink_flush(void *ctx);
+static int sink_reserve(void *ctx, size_t head, size_t payload, struct iovec *iov, int max_iov);
+static int sink_commit(void *ctx, const uint8_t *hdr, size_t hdr_len, size_t payload);
+static void sink_release(void *ctx);
 
 static void unmap_all(struct vr_mem *m)
 {
@@ -125,6 +136,12 @@ static int device_init(PyObject *op, PyObject *args, PyObject *kwargs)
     self->sink.write = sink_write;
     self->sink.flush = sink_flush;
     self->sink.ctx = self;
+    self->sink.reserve = sink_reserve;
+    self->sink.commit = sink_commit;
+    self->sink.release = sink_release;
+    memset(&self->rsv, 0, sizeof self->rsv);
+    self->rx_direct = 1;
+    self->tcp_direct = self->tcp_direct_short = 0;
     rxq_clear(self);
     free(self->scratch);
     self->scratch = NULL;
@@ -213,6 +230,7 @@ static PyObject *device_set_mem_table(PyObject *op, PyObject *arg)
         m.r[m.n].host = (uint8_t *)p + off;
         m.n++;
     }
+    memset(&self->rsv, 0, sizeof self->rsv); /* (none is open between the engine's turns) */
     unmap_all(&self->mem);
     self->mem = m;
     for (int i = 0; i < 2; i++)
@@ -230,6 +248,8 @@ static PyObject *device_set_num(PyObject *op, PyObject *args)
     unsigned int num;
     if (!PyArg_ParseTuple(args, "iI", &q, &num) || queue_index(q) < 0)
         return NULL;
+    if (q == RX)
+        memset(&self->rsv, 0, sizeof self->rsv);
     if (vr_queue_set_num(&self->q[q], num) < 0) {
         PyErr_Format(PyExc_ValueError, "num: %u (the queue size must be a power of 2, 1..%u)", num, VR_MAX_QUEUE);
         return NULL;
@@ -318,6 +338,7 @@ static PyObject *device_reset(PyObject *op, PyObject *unused)
         self->callfd[i] = -1;
     }
     rxq_clear(self);
+    memset(&self->rsv, 0, sizeof self->rsv);
     self->rx_due = 0;
     Py_RETURN_NONE;
 }
@@ -348,6 +369,7 @@ static void signal_call(Device *self, int qi)
 static int rx_drain(Device *self)
 {
     struct vr_queue *q = &self->q[RX];
+    vr_rx_release(q, &self->rsv);
     while (self->rxq_head) {
         struct rxq *e = self->rxq_head;
         enum vr_pop r = vr_rx_put(q, &self->mem, self->mrg, self->hdr_len, e->hdr, e->data, e->len, &self->c);
@@ -424,6 +446,7 @@ static int sink_write(void *ctx, const struct iovec *iov, int n)
 {
     Device *self = ctx;
     struct vr_queue *q = &self->q[RX];
+    vr_rx_release(q, &self->rsv); /* (the engine released its reservation already) */
     if (n < 1 || n > 4 || iov[0].iov_len < 12)
         return -EINVAL;
     if (!vr_queue_ready(q) || q->broken) { /* no front end, or its guest broke the queue */
@@ -507,9 +530,53 @@ static int sink_write(void *ctx, const struct iovec *iov, int n)
     return -EIO;
 }
 
+/* RX buffers for one more frame of the engine, its payload written in place (tcpsink.h). Only
+ * when the frame would go as it is: no frame of write() waits (they go first, in order), and the
+ * driver takes partial checksums and 64 KB segments (else write() completes or refuses them). */
+static int sink_reserve(void *ctx, size_t head, size_t payload, struct iovec *iov, int max_iov)
+{
+    Device *self = ctx;
+    struct vr_queue *q = &self->q[RX];
+    if (!self->rx_direct || self->rxq_head || !self->guest_csum || !self->guest_tso4 || !self->guest_tso6 ||
+        max_iov < 1 || payload == 0 || head + payload > self->max_frame)
+        return 0;
+    int k = vr_rx_reserve(q, &self->rsv, &self->mem, self->mrg, self->hdr_len, self->hdr_len + head + payload,
+                          self->hdr_len + head, iov, (unsigned)max_iov);
+    if (k <= 0)
+        self->tcp_direct_short++;
+    return k;
+}
+
+static int sink_commit(void *ctx, const uint8_t *hdr, size_t hdr_len, size_t payload)
+{
+    Device *self = ctx;
+    struct vr_queue *q = &self->q[RX];
+    if (hdr_len < 12 || !self->rsv.open)
+        return -EINVAL;
+    uint8_t vh[12];
+    memcpy(vh, hdr, 12);
+    vh[10] = vh[11] = 0;
+    if (vr_rx_commit(q, &self->rsv, self->hdr_len, vh, hdr + 12, hdr_len - 12, hdr_len - 12 + payload) < 0) {
+        self->tcp_rx_dropped++;
+        return -EINVAL;
+    }
+    self->rx_due = 1;
+    self->tcp_out++;
+    self->tcp_direct++;
+    self->rx_frames++;
+    return 0;
+}
+
+static void sink_release(void *ctx)
+{
+    Device *self = ctx;
+    vr_rx_release(&self->q[RX], &self->rsv);
+}
+
 static void sink_flush(void *ctx)
 {
     Device *self = ctx;
+    vr_rx_release(&self->q[RX], &self->rsv);
     if (self->rx_due) {
         self->rx_due = 0;
         if (vr_queue_ready(&self->q[RX]))
@@ -683,6 +750,7 @@ static PyObject *device_rx(PyObject *op, PyObject *args)
         return NULL;
     struct vr_queue *q = &self->q[RX];
     int pushed = 0, state = RX_DONE;
+    vr_rx_release(q, &self->rsv); /* (none is open between the engine's turns) */
     Py_ssize_t i = start < 0 ? 0 : start, delivered = 0;
     if (q->broken) {
         self->c.by_reason[VR_R_BROKEN]++;
@@ -771,6 +839,19 @@ static PyObject *device_rx_kick_me(PyObject *op, PyObject *arg)
         return PyBool_FromLong(vr_kick_me(q, 1) || vr_avail_count(q) > 0);
     }
     return PyBool_FromLong(vr_kick_me(q, 1));
+}
+
+/* set_rx_direct(on): the engine's frames written in place (one copy) when the ring allows, or
+ * (False) all through the copying writer (tests, A/B measurements). */
+static PyObject *device_set_rx_direct(PyObject *op, PyObject *arg)
+{
+    Device *self = (Device *)op;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    vr_rx_release(&self->q[RX], &self->rsv);
+    self->rx_direct = on;
+    Py_RETURN_NONE;
 }
 
 static PyObject *device_broken(PyObject *op, PyObject *arg)
@@ -873,6 +954,7 @@ static PyObject *device_counters(PyObject *op, PyObject *unused)
             put(d, "tcp_frames_waited", self->tcp_waited) < 0 || put(d, "tcp_rx_full", self->tcp_rx_full) < 0 ||
             put(d, "tcp_rx_dropped", self->tcp_rx_dropped) < 0 ||
             put(d, "tcp_gso_refused", self->tcp_gso_refused) < 0 ||
+            put(d, "tcp_frames_direct", self->tcp_direct) < 0 || put(d, "tcp_direct_short", self->tcp_direct_short) < 0 ||
             put(d, "tcp_rx_bytes_waiting", self->rxq_bytes) < 0)
             goto fail;
     }
@@ -898,6 +980,8 @@ static PyMethodDef device_methods[] = {
     {"tx", device_tx, METH_O, "tx(kick_fd) -> (frames, csum_ok, more)"},
     {"rx", device_rx, METH_VARARGS, "rx(frames, start) -> (next, state, delivered)"},
     {"rx_kick_me", device_rx_kick_me, METH_O, "rx_kick_me(kick_fd) -> whether RX buffers are available"},
+    {"set_rx_direct", device_set_rx_direct, METH_O,
+     "set_rx_direct(on): the native TCP engine's frames written in place in the RX ring (one copy), or not"},
     {"broken", device_broken, METH_O, "broken(q) -> why the queue is broken, or None"},
     {"ready", device_ready, METH_O, "ready(q) -> whether the queue's rings are set"},
     {"counters", device_counters, METH_NOARGS, "counters() -> dict"},

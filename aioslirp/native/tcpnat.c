@@ -133,6 +133,10 @@ struct tn_engine {
     struct iovec g_iov[TN_GATHER_MAX];
     uint8_t hdr[12 + 14 + 40 + 60];
     uint8_t peek[TN_PEEK_MAX];
+    /* frames written in place (tn_io.rx_reserve): the payload pieces of the frames reserved, and
+     * the bytes each frame holds */
+    struct iovec dv[TN_DIRECT_IOV];
+    size_t dcap[TN_DIRECT_FRAMES];
 };
 
 /* RFC 9293's names, as aioslirp.tcp.tcb spells them */
@@ -1010,9 +1014,11 @@ static void adv_window_update(struct tn_engine *e, struct tn_flow *f)
 }
 
 /* One segment to the guest: seq, our rcv_nxt as ack (when ACK), flags, the payload (may be
- * longer than the MSS: one GSO frame with offload, the caller cuts it otherwise). */
-static void send_seg(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8_t flags, const uint8_t *pay,
-                     size_t plen)
+ * longer than the MSS: one GSO frame with offload, the caller cuts it otherwise). in_place: the
+ * payload (plen bytes, pay unused) is in the sink's next reserved frame already (offload only):
+ * the headers are committed there (tn_io.rx_commit) instead of writing the frame. */
+static void seg_out(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8_t flags, const uint8_t *pay,
+                    size_t plen, int in_place)
 {
     uint8_t *h = e->hdr;
     size_t vh = e->cfg.vnet ? DP_VNET_HDR_LEN : 0;
@@ -1100,7 +1106,8 @@ static void send_seg(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8
         wr16(t + 16, c);
     }
     struct iovec iov[2] = {{h, vh + 14 + iphl + thl}, {(void *)pay, plen}};
-    if (e->io.tap_write(e->io.ctx, iov, plen ? 2 : 1) < 0) {
+    int r = in_place ? e->io.rx_commit(e->io.ctx, h, iov[0].iov_len, plen) : e->io.tap_write(e->io.ctx, iov, plen ? 2 : 1);
+    if (r < 0) {
         e->c.tap_write_errors++;
     } else {
         e->c.frames_out++;
@@ -1109,6 +1116,12 @@ static void send_seg(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8
             trace_sent(e, f, flags, plen);
         }
     }
+}
+
+static void send_seg(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8_t flags, const uint8_t *pay,
+                     size_t plen)
+{
+    seg_out(e, f, seq, flags, pay, plen, 0);
 }
 
 static void send_ack(struct tn_engine *e, struct tn_flow *f)
@@ -1210,6 +1223,31 @@ static void send_fin(struct tn_engine *e, struct tn_flow *f, double now)
     arm_rto(f, now);
 }
 
+/* RX buffers of the sink for up to TN_DIRECT_FRAMES frames of *chunk payload bytes in all (each
+ * TN_PEEK_MAX but the last), their pieces in e->dv (nothing else written), what each holds in
+ * e->dcap: the pieces (0: none; the caller peeks into e->peek and writes its frames), *chunk cut
+ * to what was reserved. Data segments carry no TCP option: the headers are 14 + 20/40 + 20. */
+static unsigned reserve_frames(struct tn_engine *e, struct tn_flow *f, size_t *chunk)
+{
+    size_t head = 14 + (f->v6 ? 40u : 20u) + 20, got = 0;
+    unsigned nv = 0;
+    for (unsigned k = 0; k < TN_DIRECT_FRAMES && got < *chunk; k++) {
+        size_t want = *chunk - got < TN_PEEK_MAX ? *chunk - got : TN_PEEK_MAX;
+        int r = e->io.rx_reserve(e->io.ctx, head, want, e->dv + nv, (int)(TN_DIRECT_IOV - nv));
+        if (r <= 0)
+            break;
+        nv += (unsigned)r;
+        e->dcap[k] = want;
+        got += want;
+    }
+    if (!nv) {
+        e->io.rx_release(e->io.ctx);
+        return 0;
+    }
+    *chunk = got;
+    return nv;
+}
+
 /* Peek new host bytes into frames as the guest's window allows; our FIN at the end of stream. */
 static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
 {
@@ -1235,7 +1273,9 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
             return;
         }
         size_t chunk = room;
-        size_t most = e->cfg.offload ? TN_PEEK_MAX : (TN_PEEK_MAX / f->mss) * f->mss;
+        int direct = e->cfg.offload && e->io.rx_reserve; /* into the guest's buffers, if the sink has them */
+        size_t most = direct ? TN_DIRECT_FRAMES * TN_PEEK_MAX
+                             : e->cfg.offload ? TN_PEEK_MAX : (TN_PEEK_MAX / f->mss) * f->mss;
         if (chunk > most)
             chunk = most;
         if ((uint64_t)e->allow_down < chunk) /* at most what is left of the allowance, a segment at least */
@@ -1252,7 +1292,23 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
             if (chunk > may)
                 chunk = (size_t)may;
         }
-        ssize_t n = e->io.sock_peek(e->io.ctx, f->fd, e->peek, chunk, inflight);
+        unsigned npv = direct ? reserve_frames(e, f, &chunk) : 0; /* pieces of guest memory reserved */
+        ssize_t n;
+        if (npv) {
+            n = e->io.sock_peekv(e->io.ctx, f->fd, e->dv, (int)npv, inflight);
+            if (n <= 0) /* nothing there to commit (EFAULT: guest memory that could not be written) */
+                e->io.rx_release(e->io.ctx);
+            if (n == -EFAULT) { /* into the engine's buffer instead: the frame is copied */
+                npv = 0;
+                if (chunk > TN_PEEK_MAX)
+                    chunk = TN_PEEK_MAX;
+            }
+        }
+        if (!npv) {
+            if (chunk > TN_PEEK_MAX)
+                chunk = TN_PEEK_MAX;
+            n = e->io.sock_peek(e->io.ctx, f->fd, e->peek, chunk, inflight);
+        }
         if (n == -EAGAIN || n == -EWOULDBLOCK || n == -EINTR) {
             f->fl &= (uint16_t)~FL_RX_READY;
             return;
@@ -1275,17 +1331,21 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
         if (TRACING(e) && SEQ_GT(f->snd_nxt + (uint32_t)n, f->snd_max)) /* new bytes (before their frames) */
             trace_data(e, f, &f->tr_host, TN_FE_HOST_DATA, f->snd_nxt + (uint32_t)n - f->snd_max);
         size_t off = 0;
-        while (off < (size_t)n) {
+        for (unsigned k = 0; off < (size_t)n; k++) {
             size_t seg = (size_t)n - off;
             if (!e->cfg.offload && seg > f->mss)
                 seg = f->mss;
+            if (npv && seg > e->dcap[k]) /* in place: the frames as reserved (all full but the last) */
+                seg = e->dcap[k];
             uint8_t fl = TCP_ACK;
             if (off + seg == (size_t)n)
                 fl |= TCP_PSH;
-            send_seg(e, f, f->snd_nxt, fl, e->peek + off, seg);
+            seg_out(e, f, f->snd_nxt, fl, npv ? NULL : e->peek + off, seg, npv != 0);
             f->snd_nxt += (uint32_t)seg;
             off += seg;
         }
+        if (npv)
+            e->io.rx_release(e->io.ctx); /* the frames the peek did not reach go back unseen */
         f->fl &= (uint16_t)~FL_ACK_DUE;
         if (SEQ_GT(f->snd_nxt, f->snd_max)) {
             uint32_t fresh = f->snd_nxt - f->snd_max; /* retransmissions are not spent again */

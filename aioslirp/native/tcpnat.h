@@ -47,6 +47,10 @@
 #define TN_DISCARD (1u << 20)
 /* Largest payload peeked (and put in one frame with offload) at once. */
 #define TN_PEEK_MAX 65495u
+/* Frames (of up to TN_PEEK_MAX payload bytes) peeked into at once when written in place, and
+ * their pieces of guest memory at most (tn_io.rx_reserve). */
+#define TN_DIRECT_FRAMES 4u
+#define TN_DIRECT_IOV 256u
 /* Payloads of one flow's consecutive guest frames sent to its socket in one sendmsg, at most. */
 #define TN_GATHER_MAX 64u
 
@@ -99,6 +103,16 @@ struct tn_io {
     void (*sock_close)(void *ctx, int fd, int abort);
     /* One frame to the guest (the iovec starts with the vnet header when the TAP has one). */
     int (*tap_write)(void *ctx, const struct iovec *iov, int iovcnt);
+    /* Frames to the guest written in place (a vhost-user device's RX buffers, tcpsink.h): NULL
+     * (a TAP) or all four. With offload, host bytes are peeked into buffers the sink reserves
+     * (rx_reserve: one frame's payload pieces, 0 when not now), the headers then committed
+     * (rx_commit, one frame at a time, in order) and the rest given back (rx_release, after every
+     * peek into a reservation); what cannot be reserved goes through sock_peek and tap_write.
+     * sock_peekv: sock_peek into iov[0..iovcnt) (at most TN_DIRECT_IOV). */
+    ssize_t (*sock_peekv)(void *ctx, int fd, const struct iovec *iov, int iovcnt, size_t skip);
+    int (*rx_reserve)(void *ctx, size_t head, size_t payload, struct iovec *iov, int max_iov);
+    int (*rx_commit)(void *ctx, const uint8_t *hdr, size_t hdr_len, size_t payload);
+    void (*rx_release)(void *ctx);
 };
 
 struct tn_config {

@@ -26,6 +26,24 @@ struct tcpsink {
     /* The end of the engine's turn: what was written is published and the guest called. */
     void (*flush)(void *ctx);
     void *ctx;
+    /* Frames written in place, with one copy: the engine has the kernel peek a host socket's bytes
+     * straight into the guest's RX buffers and writes only the headers (NULL: not offered).
+     *  - reserve: RX buffers for one more frame of head bytes of headers (Ethernet, IP, TCP; the
+     *    vnet header's room is the sink's) and payload bytes, after those reserved since the last
+     *    release: iov[0..return) is where its payload goes (guest memory, inside its regions). 0:
+     *    not now (too few or too small buffers, frames of write() waiting, a bad chain, offloads
+     *    the driver did not accept, more than max_iov pieces): write() takes the frame, and
+     *    handles and counts each of those as it does;
+     *  - commit: the next frame reserved, in order, is complete but for its headers: hdr (its
+     *    12-byte virtio_net_hdr_v1 and then the headers, hdr_len bytes in all) is written at its
+     *    start and it goes to the guest with payload bytes (at most what was reserved; one shorter
+     *    ends the reservation: no later frame commits); 0, or -errno (dropped, as write());
+     *  - release: the buffers reserved and not committed go back to the ring, never seen by the
+     *    guest. Called after each peek into a reservation (whatever became of it), before anything
+     *    else is written to the sink. */
+    int (*reserve)(void *ctx, size_t head, size_t payload, struct iovec *iov, int max_iov);
+    int (*commit)(void *ctx, const uint8_t *hdr, size_t hdr_len, size_t payload);
+    void (*release)(void *ctx);
 };
 
 struct tcpnat_api {

@@ -493,3 +493,155 @@ enum vr_pop vr_rx_putv(struct vr_queue *q, const struct vr_mem *m, int mrg, size
         vr_push_used(q, q->heads[k], q->lens[k]);
     return VR_OK;
 }
+
+/* ------------------------------------------------------------------ RX in place */
+
+int vr_rx_reserve(struct vr_queue *q, struct vr_rsv *r, const struct vr_mem *m, int mrg, size_t hdr_len,
+                  size_t need, size_t skip, struct iovec *iov, unsigned max_iov)
+{
+    if (!vr_queue_ready(q) || q->broken || need <= skip || need > UINT32_MAX)
+        return 0;
+    if (!r->open) {
+        r->open = 1;
+        r->sealed = 0;
+        r->start = q->last_avail;
+        r->chains = r->done = r->pieces = r->frames = r->next = 0;
+    }
+    if (r->sealed || r->frames >= VR_RSV_FRAMES)
+        return 0;
+    /* what is left past the chains taken; a jump is left to vr_rx_putv(), which breaks the queue
+     * and counts it (as a bad head below) */
+    uint16_t idx = avail_idx_acquire(q);
+    unsigned avail = (uint16_t)(idx - q->last_avail);
+    if (avail > q->num)
+        return 0;
+    const uint16_t saved = q->last_avail;
+    const unsigned c0 = r->chains, p0 = r->pieces;
+    size_t have = 0;
+    int first = 1;
+    while (have < need) {
+        if ((!mrg && r->chains > c0) || r->chains - c0 == avail)
+            goto undo; /* one chain must hold it; or not enough chains now */
+        uint16_t h = ld16(q->avail + 4 + 2u * (q->last_avail % q->num));
+        if (h >= q->num)
+            goto undo;
+        q->last_avail++;
+        uint16_t i = h;
+        uint32_t in_chain = 0;
+        unsigned count = 0;
+        for (;;) {
+            if (count++ >= q->num)
+                goto undo;
+            const volatile uint8_t *d = q->desc + 16u * i;
+            uint64_t addr = ld64(d);
+            uint32_t dlen = ld32(d + 8);
+            uint16_t flags = ld16(d + 12), next = ld16(d + 14);
+            if ((flags & VR_DESC_F_INDIRECT) || !(flags & VR_DESC_F_WRITE))
+                goto undo;
+            if (dlen) {
+                uint8_t *p = vr_gpa(m, addr, dlen);
+                if (!p || (first && dlen < hdr_len) || r->pieces >= q->num)
+                    goto undo;
+                first = 0;
+                size_t take = need - have < dlen ? need - have : dlen;
+                q->iov[r->pieces].base = p;
+                q->iov[r->pieces].len = (uint32_t)take;
+                r->pieces++;
+                have += take;
+                in_chain += (uint32_t)take;
+                if (have == need)
+                    break;
+            }
+            if (!(flags & VR_DESC_F_NEXT))
+                break;
+            if (next >= q->num)
+                goto undo;
+            i = next;
+        }
+        q->heads[r->chains] = h;
+        q->lens[r->chains] = in_chain;
+        r->chains++;
+    }
+    /* the pieces past skip: where the caller writes */
+    unsigned k = 0;
+    size_t off = 0;
+    for (unsigned p = p0; p < r->pieces; p++) {
+        size_t len = q->iov[p].len, from = off < skip ? (skip - off < len ? skip - off : len) : 0;
+        off += len;
+        if (from == len)
+            continue;
+        if (k == max_iov)
+            goto undo;
+        iov[k].iov_base = q->iov[p].base + from;
+        iov[k].iov_len = len - from;
+        k++;
+    }
+    r->chain0[r->frames] = c0;
+    r->piece0[r->frames] = p0;
+    r->frames++;
+    r->chain0[r->frames] = r->chains;
+    r->piece0[r->frames] = r->pieces;
+    return (int)k;
+undo:
+    q->last_avail = saved;
+    r->chains = c0;
+    r->pieces = p0;
+    return 0;
+}
+
+int vr_rx_commit(struct vr_queue *q, struct vr_rsv *r, size_t hdr_len, const uint8_t *hdr, const uint8_t *head,
+                 size_t head_len, size_t len)
+{
+    if (!r->open || r->sealed || r->next >= r->frames || len < head_len)
+        return -1;
+    unsigned f = r->next, c0 = r->chain0[f], c1 = r->chain0[f + 1];
+    if (c0 != r->done)
+        return -1;
+    size_t need = hdr_len + len, cap = 0;
+    for (unsigned c = c0; c < c1; c++)
+        cap += q->lens[c];
+    if (need > cap)
+        return -1;
+    unsigned used = 0;
+    for (size_t left = need; used < c1 - c0 && left; used++)
+        left -= q->lens[c0 + used] < left ? q->lens[c0 + used] : left;
+    /* the vnet header: in the frame's first piece (vr_rx_reserve: at least hdr_len bytes) */
+    unsigned p = r->piece0[f];
+    uint8_t *at = q->iov[p].base;
+    memcpy(at, hdr, hdr_len);
+    if (hdr_len >= 12) {
+        uint16_t nb = (uint16_t)used;
+        memcpy(at + 10, &nb, sizeof nb);
+    }
+    /* the frame's headers, from there on through the pieces */
+    size_t in = hdr_len, done = 0;
+    while (done < head_len && p < r->piece0[f + 1]) {
+        size_t room = q->iov[p].len - in, take = head_len - done < room ? head_len - done : room;
+        memcpy(q->iov[p].base + in, head + done, take);
+        done += take;
+        in += take;
+        if (in == q->iov[p].len) {
+            p++;
+            in = 0;
+        }
+    }
+    size_t left = need;
+    for (unsigned c = c0; c < c0 + used; c++) {
+        uint32_t u = q->lens[c] < left ? q->lens[c] : (uint32_t)left;
+        vr_push_used(q, q->heads[c], u);
+        left -= u;
+    }
+    r->done = c0 + used;
+    r->next++;
+    if (r->done < c1)
+        r->sealed = 1;
+    return 0;
+}
+
+void vr_rx_release(struct vr_queue *q, struct vr_rsv *r)
+{
+    if (!r->open)
+        return;
+    q->last_avail = (uint16_t)(r->start + r->done);
+    r->open = 0;
+}

@@ -153,6 +153,46 @@ enum vr_pop vr_rx_put(struct vr_queue *q, const struct vr_mem *m, int mrg, size_
 enum vr_pop vr_rx_putv(struct vr_queue *q, const struct vr_mem *m, int mrg, size_t hdr_len, const uint8_t *hdr,
                        const struct iovec *iov, unsigned niov, size_t len, struct vr_counters *c);
 
+/* RX in place (one copy: the caller has the kernel write a frame's payload straight into the
+ * guest's buffers, then commits its headers). A reservation takes chains as vr_rx_putv() would
+ * for each frame, in order, checking every descriptor as it does and writing nothing; the
+ * frames' bytes are then written through the pieces it hands out, the frames committed in order
+ * (their used entries filled), and vr_rx_release() puts back what was not committed: last_avail
+ * goes back to the first chain not used, which the guest sees as never taken (the chains a
+ * reservation takes are consecutive in the avail ring, the ones committed a prefix of them). */
+#define VR_RSV_FRAMES 8u
+
+struct vr_rsv {
+    uint16_t start;   /* last_avail when the reservation began */
+    uint8_t open;
+    uint8_t sealed;   /* a frame committed shorter than reserved: no later frame commits */
+    unsigned chains;  /* chains taken: q->heads[0..chains), the bytes each holds for its frame q->lens[] */
+    unsigned done;    /* the first chains[0..done) went to the used ring */
+    unsigned pieces;  /* q->iov[0..pieces): their writable pieces, in order */
+    unsigned frames, next; /* frames reserved; the next to commit */
+    unsigned chain0[VR_RSV_FRAMES + 1], piece0[VR_RSV_FRAMES + 1]; /* each frame's first; [frames]: the end */
+};
+
+/* Reserve chains for one more frame of need bytes (hdr_len of vnet header and the frame), after
+ * those r holds: one chain, or with mrg as many as it takes. The frame's bytes past skip (the vnet
+ * header and the frame's own headers, written at commit) are iov[0..return) (our addresses of
+ * guest memory, inside its regions). 0 (nothing more taken, nothing counted: vr_rx_putv() then
+ * handles the frame and counts what it finds): not enough chains available now, a chain that is
+ * bad or whose first descriptor is shorter than hdr_len, a chain too short without mrg, more
+ * pieces than max_iov or than the queue holds, VR_RSV_FRAMES frames reserved already, a queue
+ * broken or not ready. */
+int vr_rx_reserve(struct vr_queue *q, struct vr_rsv *r, const struct vr_mem *m, int mrg, size_t hdr_len,
+                  size_t need, size_t skip, struct iovec *iov, unsigned max_iov);
+/* The reservation's next frame is complete but for its start: hdr (hdr_len bytes; num_buffers,
+ * at offset 10 when hdr_len is 12, is set here) and head[0..head_len) are written there, and its
+ * chains holding hdr_len + len bytes go to the used ring (not yet visible: vr_flush()). len
+ * (head_len and the payload) at most what was reserved; a shorter frame seals the reservation.
+ * 0, or -1 (nothing written): no frame to commit, sealed, len too long or shorter than head_len. */
+int vr_rx_commit(struct vr_queue *q, struct vr_rsv *r, size_t hdr_len, const uint8_t *hdr, const uint8_t *head,
+                 size_t head_len, size_t len);
+/* The chains reserved and not committed go back (unseen by the guest); r is closed. */
+void vr_rx_release(struct vr_queue *q, struct vr_rsv *r);
+
 /* Fill a used ring entry (not yet visible: vr_flush() publishes the index). */
 void vr_push_used(struct vr_queue *q, uint16_t head, uint32_t len);
 /* Publish used_idx (release order). */

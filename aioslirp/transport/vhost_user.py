@@ -23,8 +23,14 @@ With the native plane on (the default) the stack's guest TCP NAT flows run in th
 a TAP (:mod:`aioslirp.nat.native_tcp`): the ring walker hands it each guest frame before making a
 Python object of it (:meth:`VhostUserTransport.attach_tcp`), and the engine writes its frames into the
 RX ring itself (:meth:`VhostUserTransport.tcp_sink`; what finds no buffer waits in C, in order,
-at most ``max_buffer`` bytes), one call to the guest per turn of the engine. Counters: ``tcp_frames_in``,
-``tcp_frames_out``, ``tcp_frames_waited``, ``tcp_rx_full``, ``tcp_rx_dropped``, ``tcp_gso_refused``.
+at most ``max_buffer`` bytes), one call to the guest per turn of the engine. Its data crosses user
+space with no copy at all: the engine reserves RX buffers, has the kernel peek the host socket
+straight into them (``recvmsg(MSG_PEEK)`` with iovecs into guest memory, as passt does), then
+writes the headers in place and commits; the buffers the peek did not reach go back to the ring
+unseen. When that cannot be (the ring short of buffers, frames already waiting, a bad chain, a
+driver without ``GUEST_CSUM``/``GUEST_TSO``) the frame takes the copying path above. Counters:
+``tcp_frames_in``, ``tcp_frames_out`` (of which ``tcp_frames_direct`` in place; ``tcp_direct_short``:
+reservations refused), ``tcp_frames_waited``, ``tcp_rx_full``, ``tcp_rx_dropped``, ``tcp_gso_refused``.
 
 Features offered (virtio 1.1 section 5.1.3): ``VERSION_1``, ``CSUM`` and ``HOST_TSO4/6`` (the
 guest sends partial checksums and 64 KB TCP segments: the stack trusts their checksums and

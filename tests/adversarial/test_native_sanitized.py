@@ -36,7 +36,7 @@ SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test
                    "tests/adversarial/test_native_corpus.py",
                    "tests/system/test_tap_reader.py", "tests/stack/test_native_udp.py",
                    "tests/adversarial/test_vhost_hostile.py", "tests/adversarial/test_vring_model.py",
-                   "tests/adversarial/test_vhost_native_tcp.py",
+                   "tests/adversarial/test_vhost_native_tcp.py", "tests/adversarial/test_vhost_rx_in_place.py",
                    "tests/unit/native/test_tcp_engine.py", "tests/unit/native/test_tcp_differential.py",
                    "tests/adversarial/test_native_tcp_hostile.py", "tests/system/test_native_tcp.py",
                    "tests/unit/native/test_tcp_trace.py", "tests/unit/native/test_tcp_trace_events.py",
