@@ -520,8 +520,9 @@ int vr_rx_reserve(struct vr_queue *q, struct vr_rsv *r, const struct vr_mem *m, 
     size_t have = 0;
     int first = 1;
     while (have < need) {
-        if ((!mrg && r->chains > c0) || r->chains - c0 == avail)
-            goto undo; /* one chain must hold it; or not enough chains now */
+        if ((!mrg && r->chains > c0) || r->chains - c0 == avail || r->chains >= q->num)
+            goto undo; /* one chain must hold it; or not enough chains now; or the reservation holds
+                        * num already (q->heads/lens: the guest republished entries meanwhile) */
         uint16_t h = ld16(q->avail + 4 + 2u * (q->last_avail % q->num));
         if (h >= q->num)
             goto undo;

@@ -179,7 +179,7 @@ struct vr_rsv {
  * guest memory, inside its regions). 0 (nothing more taken, nothing counted: vr_rx_putv() then
  * handles the frame and counts what it finds): not enough chains available now, a chain that is
  * bad or whose first descriptor is shorter than hdr_len, a chain too short without mrg, more
- * pieces than max_iov or than the queue holds, VR_RSV_FRAMES frames reserved already, a queue
+ * pieces or chains (in all) than max_iov or than the queue holds, VR_RSV_FRAMES frames reserved already, a queue
  * broken or not ready. */
 int vr_rx_reserve(struct vr_queue *q, struct vr_rsv *r, const struct vr_mem *m, int mrg, size_t hdr_len,
                   size_t need, size_t skip, struct iovec *iov, unsigned max_iov);
