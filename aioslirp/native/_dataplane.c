@@ -283,13 +283,13 @@ static void plane_dealloc(PyObject *op)
  * drops what comes out of order). Rare; a plain frame is never diverted. */
 static int reorders_later(const uint8_t *p, size_t len)
 {
-    if (len < DP_ETH_HLEN + 40u)
+    if (len < DP_ETH_HLEN + 20u)
         return 0; /* (too short for either: Python drops it anyway) */
     uint16_t type = (uint16_t)(p[12] << 8 | p[13]);
     const uint8_t *ip = p + DP_ETH_HLEN;
-    if (type == 0x0800)
+    if (type == 0x0800) /* (a last fragment may carry 8 bytes: a 42-byte frame) */
         return ((ip[6] << 8 | ip[7]) & 0x3FFF) != 0; /* more fragments, or an offset */
-    if (type == 0x86DD) {
+    if (type == 0x86DD && len >= DP_ETH_HLEN + 40u) {
         uint8_t nh = ip[6];
         return nh == 0 || nh == 43 || nh == 44 || nh == 50 || nh == 51 || nh == 60 || nh == 135 || nh == 139 ||
                nh == 140;
