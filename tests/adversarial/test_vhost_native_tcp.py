@@ -172,3 +172,34 @@ async def test_a_python_frame_waiting_with_the_engines_goes_when_buffers_come(fl
     got = [f for _, f in rx()]
     assert got[-1] == arp_reply and t.counters()["tcp_rx_bytes_waiting"] == 0
     host.close()
+
+
+async def test_a_segment_after_a_fragment_in_one_walk_goes_to_python_behind_it(flow):
+    """The vhost-user TX walk, as the TAP reader (``reorders_later``): the last IPv4 fragment of a
+    native flow's segment (Python reassembles it, then hands the segment to the engine) and the
+    flow's next segment in the same walk. The next one went to the engine at once, ahead of the
+    reassembled one, and was dropped as out of order (the guest had to send it again); it goes
+    to Python behind the fragment now, and a plain walk after it is the engine's again."""
+    t, fe, engine, host, rx, post, python_frames = await flow()
+    try:
+        rx()
+        port = host.getsockname()[1]
+        first = bytes(range(256)) * 4 + bytes(12)
+        seg = tcp_frame(F4, GPORT, port, ACK, seq=IRS + 1, ack=ISS + 1, data=first, win=65535)[14 + 20:]
+        cut = len(seg) - 8
+        frag1 = F4.frame(F4.packet(seg[:cut], 6, id=5, mf=1, offset=0))
+        frag2 = F4.frame(F4.packet(seg[cut:], 6, id=5, mf=0, offset=cut >> 3))
+        nxt = tcp_frame(F4, GPORT, port, ACK, seq=IRS + 1 + len(first), ack=ISS + 1, data=b"next", win=65535)
+        fe.send_frame(frag1, vnet=DATA_VALID, kick=False)
+        fe.send_frame(frag2, vnet=DATA_VALID, kick=False)
+        fe.send_frame(nxt, vnet=DATA_VALID)  # one kick: one walk takes all three
+        assert await until(lambda: len(python_frames) >= 3, 5.0), python_frames
+        assert python_frames == [frag1, frag2, nxt]
+        assert not t.counters().get("tcp_frames_in")
+        plain = tcp_frame(F4, GPORT, port, ACK, seq=IRS + 1, ack=ISS + 1, data=b"plain", win=65535)
+        fe.send_frame(plain, vnet=DATA_VALID)
+        assert await until(lambda: t.counters().get("tcp_frames_in") == 1, 5.0)
+        host.settimeout(5)
+        assert host.recv(100) == b"plain" and len(python_frames) == 3
+    finally:
+        host.close()
