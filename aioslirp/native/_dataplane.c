@@ -277,26 +277,6 @@ static void plane_dealloc(PyObject *op)
     Py_DECREF(tp);
 }
 
-/* A guest frame that Python makes into a TCP segment only later (IPv4 fragments, which it
- * reassembles; IPv6 with an extension header, which it walks): the segments after it in the same
- * read go to Python too, in order, so that none of a native flow's passes it to the engine (which
- * drops what comes out of order). Rare; a plain frame is never diverted. */
-static int reorders_later(const uint8_t *p, size_t len)
-{
-    if (len < DP_ETH_HLEN + 20u)
-        return 0; /* (too short for either: Python drops it anyway) */
-    uint16_t type = (uint16_t)(p[12] << 8 | p[13]);
-    const uint8_t *ip = p + DP_ETH_HLEN;
-    if (type == 0x0800) /* (a last fragment may carry 8 bytes: a 42-byte frame) */
-        return ((ip[6] << 8 | ip[7]) & 0x3FFF) != 0; /* more fragments, or an offset */
-    if (type == 0x86DD && len >= DP_ETH_HLEN + 40u) {
-        uint8_t nh = ip[6];
-        return nh == 0 || nh == 43 || nh == 44 || nh == 50 || nh == 51 || nh == 60 || nh == 135 || nh == 139 ||
-               nh == 140;
-    }
-    return 0;
-}
-
 /* One batch of the TAP fd (read_tap and ready): the frames left for Python and their checksum
  * flags (new references, or NULL with an exception set), how the reads ended, their errno and the
  * frames adopted UDP flows took. */
@@ -310,7 +290,7 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
         goto fail;
     unsigned left = self->batch, fill = (unsigned)(self->cap / self->read_size);
     enum dp_read_end end;
-    int err = 0, divert = 0; /* divert: the rest of the batch goes to Python (reorders_later) */
+    int err = 0, divert = 0; /* divert: the rest of the batch goes to Python (dp_reorders_later) */
     uint64_t taken_before = self->udp.taken_frames;
     double tcp_now = tcp ? tcpnat_now() : 0.0;
     do {
@@ -323,7 +303,7 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
             if (tcp && !divert) {
                 if (tcpnat_tap_frame_kept(tcp, self->buf + s->off, s->len, s->csum_ok, tcp_now))
                     continue; /* a native TCP flow's frame (its payload may wait for the gather flush) */
-                divert = reorders_later(self->buf + s->off, s->len);
+                divert = dp_reorders_later(self->buf + s->off, s->len);
             }
             PyObject *b = PyBytes_FromStringAndSize((const char *)self->buf + s->off, (Py_ssize_t)s->len);
             if (!b)

@@ -32,6 +32,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "dataplane.h" /* (dp_reorders_later) */
 #include "vring.h"
 #include "tcpsink.h"
 
@@ -656,7 +657,7 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
         self->kicks++;
     }
     struct vr_queue *q = &self->q[TX];
-    int pushed = 0, more = 0, took_any = 0;
+    int pushed = 0, more = 0, took_any = 0, divert = 0; /* divert: the rest of the walk goes to Python */
     void *eng = self->eng;
     double now = eng ? self->api->now() : 0.0;
     PyObject *frames = PyList_New(0), *csum = PyList_New(0);
@@ -691,7 +692,7 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
         PyObject *b;
         if (eng) { /* copied out once (the guest may change its buffer): a native flow's, or Python's */
             vr_iov_copy(self->scratch, q->iov, niov);
-            if (self->api->frame(eng, self->scratch, len, (vnet & 3) != 0, now)) {
+            if (!divert && self->api->frame(eng, self->scratch, len, (vnet & 3) != 0, now)) {
                 vr_push_used(q, head, 0);
                 pushed = took_any = 1;
                 got++;
@@ -699,6 +700,7 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
                 self->tcp_in++;
                 continue;
             }
+            divert = divert || dp_reorders_later(self->scratch, len); /* (as the TAP reader) */
             b = PyBytes_FromStringAndSize((const char *)self->scratch, (Py_ssize_t)len);
             if (!b)
                 goto fail;

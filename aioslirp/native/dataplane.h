@@ -229,4 +229,25 @@ int dp_udp_guest(struct dp_udp_table *t, const uint8_t *frame, size_t len, int c
 int dp_udp_host(struct dp_udp_table *t, int slot, int tap_fd, int vnet, double now, uint8_t *scratch, size_t cap,
                 uint64_t *frames_out, uint64_t *bytes_out, uint64_t *write_errors);
 
+/* A guest frame that Python makes into a TCP segment only later (IPv4 fragments, which it
+ * reassembles; IPv6 with an extension header, which it walks): the segments after it in the same
+ * read go to Python too, in order, so that none of a native flow's passes it to the engine (which
+ * drops what comes out of order). Rare; a plain frame is never diverted. The TAP reader
+ * (read_batch) and the vhost-user TX walk (device_tx) both divert. */
+static inline int dp_reorders_later(const uint8_t *p, size_t len)
+{
+    if (len < DP_ETH_HLEN + 20u)
+        return 0; /* (too short for either: Python drops it anyway) */
+    uint16_t type = (uint16_t)(p[12] << 8 | p[13]);
+    const uint8_t *ip = p + DP_ETH_HLEN;
+    if (type == 0x0800) /* (a last fragment may carry 8 bytes: a 42-byte frame) */
+        return ((ip[6] << 8 | ip[7]) & 0x3FFF) != 0; /* more fragments, or an offset */
+    if (type == 0x86DD && len >= DP_ETH_HLEN + 40u) {
+        uint8_t nh = ip[6];
+        return nh == 0 || nh == 43 || nh == 44 || nh == 50 || nh == 51 || nh == 60 || nh == 135 || nh == 139 ||
+               nh == 140;
+    }
+    return 0;
+}
+
 #endif
