@@ -1264,16 +1264,17 @@ static PyObject *fake_host_eof(PyObject *op, PyObject *args)
 static PyObject *fake_host_reset(PyObject *op, PyObject *args)
 {
     Engine *g = (Engine *)op;
-    int fd;
+    int fd, event = 1;
     double now;
-    if (!PyArg_ParseTuple(args, "id", &fd, &now))
+    if (!PyArg_ParseTuple(args, "id|p", &fd, &now, &event))
         return NULL;
     struct fake_sock *s = fake_arg(g, fd);
     if (!s)
         return NULL;
     s->reset = 1;
     s->pending_err = ECONNRESET;
-    fake_event(g, s, TN_EV_IN | TN_EV_ERR | TN_EV_HUP, now);
+    if (event) /* (event=False: the socket's calls fail before the engine polls, as a real RST's may) */
+        fake_event(g, s, TN_EV_IN | TN_EV_ERR | TN_EV_HUP, now);
     Py_RETURN_NONE;
 }
 
@@ -1378,7 +1379,7 @@ static PyMethodDef engine_methods[] = {
     {"fake_connect_done", fake_connect_done, METH_VARARGS, "fake_connect_done(fd, err, now)"},
     {"fake_host_send", fake_host_send, METH_VARARGS, "fake_host_send(fd, data, now): the host peer sends"},
     {"fake_host_eof", fake_host_eof, METH_VARARGS, "fake_host_eof(fd, now): the host peer shuts down writing"},
-    {"fake_host_reset", fake_host_reset, METH_VARARGS, "fake_host_reset(fd, now)"},
+    {"fake_host_reset", fake_host_reset, METH_VARARGS, "fake_host_reset(fd, now, event=True)"},
     {"fake_send_space", fake_send_space, METH_VARARGS, "fake_send_space(fd, n, now): send() takes n bytes (-1 all)"},
     {"fake_received", fake_received, METH_O, "fake_received(fd) -> bytes the host peer got since the last call"},
     {"fake_socket", fake_socket, METH_O, "fake_socket(fd) -> dict"},

@@ -43,7 +43,8 @@ SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test
                    "tests/unit/native/test_tcp_rate.py", "tests/system/test_native_trace.py",
                    "tests/unit/native/test_tcp_allow.py", "tests/stack/test_native_tcp_fair.py",
                    "tests/unit/native/test_tcp_gather.py", "tests/stack/test_native_tcp_stack.py",
-                   "tests/adversarial/test_vhost_rx_reserve_race.py", "tests/adversarial/test_native_reader_divert.py")
+                   "tests/adversarial/test_vhost_rx_reserve_race.py", "tests/adversarial/test_native_reader_divert.py",
+                   "tests/adversarial/test_native_tcp_gather_hostile.py")
 
 
 def _libasan() -> Path | None:
