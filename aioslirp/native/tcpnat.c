@@ -1132,8 +1132,8 @@ static void send_ack(struct tn_engine *e, struct tn_flow *f)
 
 static void ack_later(struct tn_engine *e, struct tn_flow *f)
 {
-    if (f->fl & FL_ACK_DUE)
-        return;
+    if ((f->fl & FL_ACK_DUE) || f->state == ST_ZOMBIE || f->state == ST_FREE)
+        return; /* (an ended flow may still be linked: linked again, the list would lose its tail) */
     f->fl |= FL_ACK_DUE;
     f->ack_next = e->ack_head;
     e->ack_head = (uint32_t)(f - e->flows) + 1;
@@ -1776,6 +1776,8 @@ static int frame_in(struct tn_engine *e, const uint8_t *buf, size_t len, const s
         tn_gather_flush(e); /* sent before anything else happens to a flow */
     if (!f)
         return 0;
+    if (f->state == ST_ZOMBIE) /* that send ended it (its socket failed: RST sent): nothing more of it */
+        return 1;
     /* the record's offsets were checked against len by dp_classify(); checked again here, cheaply */
     if (rec->end > len || rec->l4_off + 20 > rec->end || rec->payload_off > rec->end ||
         rec->payload_off + rec->payload_len > rec->end)
