@@ -23,7 +23,7 @@ from aioslirp.transport import vhost_user as vu
 from support.frames import ACK, F4, F6, GUEST_MAC, GW_MAC, SYN, tcp_frame
 from support.native import need_extension, need_vhost
 from support.stacks import until
-from support.vhost import GPA, FakeFrontEnd
+from support.vhost import GPA, FakeFrontEnd, ring_base
 
 IRS, ISS, GPORT = 1_000_000, 5_000_000, 40000
 DATA_VALID = bytes([2]) + bytes(11)  # virtio_net_hdr_v1: the checksum is good
@@ -366,3 +366,45 @@ async def test_buffers_reserved_and_not_filled_go_back_unseen_and_are_taken_next
         assert struct.unpack_from("<H", data, 10)[0] == 1 and payload_of(data[12:])[1] == chunk
     c = t.counters()
     assert c["tcp_frames_direct"] == 2 and guest.guards_intact(), c
+
+
+@pytest.mark.parametrize("part", ["desc", "avail", "used"])
+async def test_a_chain_over_the_rx_ring_itself_harms_only_that_guest(flow, part):
+    """A chain among the reserved ones whose buffer is the RX queue's own descriptor table, avail
+    ring or used ring (inside guest memory: a valid buffer). The host's bytes are peeked over it in
+    place; whatever the ring says from then on (an avail index that jumps, heads or descriptors of
+    host bytes, used entries the driver misreads) is checked as any guest's: the queue breaks or
+    its chains are dropped, counted, or the frames go on; no crash, nothing written outside guest
+    memory (the sanitizer run). What the guest then reads is its own doing: not checked."""
+    t, fe, engine, host = await flow()
+    guest = RxDriver(fe, mrg=True)
+    guest.post(8)
+    at = GPA + ring_base(0) + {"desc": 0, "avail": 0x1000, "used": 0x2000}[part]
+    state: dict = {"n": 0}
+    seen: dict = {}
+    used = fe.used
+
+    def spy(q):  # the used entries as published (before the driver's own reading of them)
+        out = used(q)
+        for h, n in out:
+            seen.setdefault(h, []).append(n)
+        return out
+
+    def post(g: RxDriver) -> None:
+        state["n"] += 1
+        if state["n"] == 1:
+            state["bad"] = (fe.next_desc[0] + 20) % fe.num
+            g.post(40, bad={20: (at, 4096, 2)})
+        else:
+            topup(200)(g)
+
+    fe.used = spy
+    try:
+        await download(t, fe, engine, host, guest, 400_000, window=200_000, post=post, rounds=60)
+    except AssertionError:
+        pass  # the driver read back a ring of host bytes
+    finally:
+        fe.used = used
+    c = t.counters()
+    assert seen.get(state["bad"]) == [4096], (seen.get(state["bad"]), c)  # peeked into the ring, committed
+    assert c["tcp_frames_direct"] > 0 and t._dev.ready(0), c
