@@ -106,7 +106,8 @@ async def flow(tmp_path):
     ext = need_extension()
     made: list = []
 
-    async def make(features: int = vp.OFFERED_FEATURES, direct: bool = True, fam=F4, peek_off: bool = True):
+    async def make(features: int = vp.OFFERED_FEATURES, direct: bool = True, fam=F4, peek_off: bool = True,
+                   num: int = 256):
         lst = socket.socket(fam.af)
         lst.bind((fam.loopback, 0))
         lst.listen(1)
@@ -116,7 +117,7 @@ async def flow(tmp_path):
         await t.open(lambda frames, csum=None: python_frames.extend(frames))
         fe = FakeFrontEnd(str(tmp_path / "vu.sock"), features=features)
         made.append((t, fe, lst))
-        await asyncio.to_thread(fe.setup)
+        await asyncio.to_thread(lambda: fe.setup(num=num))
         assert await until(lambda: t.running, 5.0)
         t._dev.set_rx_direct(direct)
         engine = ext.TcpEngine(-1, True, True, GW_MAC, 1500, 16, 1 << 20, 60.0, 5.0, 1.0, sink=t.tcp_sink(),
@@ -408,3 +409,23 @@ async def test_a_chain_over_the_rx_ring_itself_harms_only_that_guest(flow, part)
     c = t.counters()
     assert seen.get(state["bad"]) == [4096], (seen.get(state["bad"]), c)  # peeked into the ring, committed
     assert c["tcp_frames_direct"] > 0 and t._dev.ready(0), c
+
+
+@pytest.mark.parametrize("mrg", [True, False], ids=["mrg_rxbuf", "without_mrg_rxbuf"])
+async def test_a_ring_of_one_takes_the_download_in_place_a_frame_at_a_time(flow, mrg):
+    """Queues of size 1 (both): one chain of one buffer at a time; a reservation holds that one
+    chain, never more (vr_rx_reserve: the queue's arrays have one entry). Byte-exact."""
+    features = vp.OFFERED_FEATURES if mrg else vp.OFFERED_FEATURES & ~vp.F_MRG_RXBUF
+    t, fe, engine, host = await flow(features=features, num=1)
+    guest = RxDriver(fe, mrg=mrg)
+    size = 400_000
+
+    def post(g: RxDriver) -> None:
+        if g.outstanding == 0:
+            g.post(1, (12 + 14 + 20 + 20 + 65536,))
+
+    post(guest)  # (for the SYN-ACK)
+    got = await download(t, fe, engine, host, guest, size, window=200_000, post=post)
+    assert got == bytes((i * 7 + (i >> 12)) & 0xFF for i in range(size))
+    c = t.counters()
+    assert c["tcp_frames_direct"] > 0 and guest.guards_intact() and t._dev.broken(0) is None, c
