@@ -178,7 +178,9 @@ class _FlowTrace:
         self.fin_guest = False  # the "fin.guest" event was recorded
 
 
+@functools.lru_cache(maxsize=4096)
 def _addr(raw) -> str:
+    """An address's text (cached: a guest's flows share their few addresses)."""
     try:
         return str(ipaddress.ip_address(bytes(raw)))
     except ValueError:
