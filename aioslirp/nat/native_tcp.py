@@ -29,7 +29,8 @@ two extensions meet in ``aioslirp/native/tcpsink.h``). Python stays the control 
   the engine's trace points are switched on (``TcpEngine.trace``: fixed-size records in a ring
   of :data:`TRACE_RING` records in C, a full ring counted as ``native_tcp.trace_overflow``, never
   grown) and :meth:`NativeTcp.poll` drains the ring, on the same wake-up that takes the records,
-  into the Python path's spans: ``tcp.syn_ack`` (with ``host.connect`` and ``syn_ack.queued``
+  into the Python path's spans (``Tracer.record_native_ring``: with the direct JSON-lines sink
+  formatted in C, ``TcpEngine.trace_json``): ``tcp.syn_ack`` (with ``host.connect`` and ``syn_ack.queued``
   on the flow span) from ``timeline``; ``process_guest_frame``, ``drain_to_guest`` and
   ``writer_wake`` (``aioslirp.plane`` ``native``) at ``frames``. From ``timeline`` the engine
   also writes the moments of each flow's TCP timeline (``TN_TR_EVENT``: the guest's ACK of the
