@@ -594,7 +594,8 @@ class NativeTcp:
         """The engine's trace records (``struct tn_trace_rec`` of tcpnat.h) as the tracer's spans
         (``Tracer.record_native_ring``: formatted in C for the direct JSON-lines sink, else
         through the hooks of each record's kind)."""
-        self.tracer.record_native_ring(self.engine, self.flows, self.frames_traced)
+        if self.engine.trace_pending():
+            self.tracer.record_native_ring(self.engine, self.flows, self.frames_traced)
 
     def _ended(self, flow: NativeTcpFlow, outcome: int, why: int, err: int, up: int, down: int) -> None:
         name = _OUTCOMES[outcome] if 0 <= outcome < len(_OUTCOMES) else None

@@ -211,7 +211,7 @@ class JsonLinesSink:
         self.path = path
         self.label = label or f"trace file {path}"
         self.interval = interval
-        self._file = open(path, "w", encoding="utf-8")
+        self._file = open(path, "w", encoding="utf-8", buffering=1 << 20)  # (a batch: few large writes)
         #: The ``resource`` of every line, as JSON text.
         self.resource_json = _encode(dict(resource) if resource is not None else {"service.name": "aioslirp"})
         self._lines: collections.deque = collections.deque()
@@ -309,19 +309,21 @@ class JsonLinesSink:
                 return
             pop = lines.popleft
             res = self.resource_json
-            try:
-                text = "".join([e if type(e) is str else _line(e, res) for e in [pop() for _ in range(n)]])
+            try:  # one entry at a time into the file's buffer: no string of the whole batch
+                texts = [e if type(e) is str else _line(e, res) for e in [pop() for _ in range(n)]]
             except Exception:  # pragma: no cover - defensive: _encode takes any value
                 self.dropped += n
                 log.exception("%s: cannot format spans", self.label)
                 return
-            n = text.count("\n")  # (an entry may hold many lines)
+            n = sum([t.count("\n") for t in texts])  # (an entry may hold many lines)
             f = self._file
             if f is None:
                 self.dropped += n
                 return
             try:
-                f.write(text)
+                write = f.write
+                for t in texts:
+                    write(t)
                 f.flush()
             except OSError as exc:
                 self.dropped += n
