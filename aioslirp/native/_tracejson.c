@@ -360,3 +360,228 @@ int tj_format(struct tj_ctx *c, const struct tn_trace_rec *recs, size_t n)
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------ span_line()
+ * One span of aioslirp.observe.sink.JsonLinesSink as its JSON line, in C (the writer thread's
+ * formatting of the spans Python made: flow spans with their events, frame spans of the Python
+ * path). Byte for byte json.dumps(separators=(",", ":")) (ASCII, floats as repr); a value it does
+ * not format itself (not str/int/float/bool, an int beyond 64 bits, non-ASCII text) is given to
+ * fallback(value) -> its JSON text. */
+struct jbuf {
+    char *p;
+    size_t n, cap;
+};
+
+static int jput(struct jbuf *b, const char *s, size_t n)
+{
+    if (b->n + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 1024;
+        while (cap < b->n + n)
+            cap *= 2;
+        char *p = PyMem_Realloc(b->p, cap);
+        if (!p) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    return 0;
+}
+
+static int jputs(struct jbuf *b, const char *s) { return jput(b, s, strlen(s)); }
+
+static int jput_i64(struct jbuf *b, long long v)
+{
+    char t[24];
+    size_t i = sizeof t;
+    unsigned long long u = v < 0 ? 0ull - (unsigned long long)v : (unsigned long long)v;
+    do {
+        t[--i] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0)
+        t[--i] = '-';
+    return jput(b, t + i, sizeof t - i);
+}
+
+static int jput_fallback(struct jbuf *b, PyObject *value, PyObject *fallback)
+{
+    PyObject *s = PyObject_CallFunctionObjArgs(fallback, value, NULL);
+    if (!s)
+        return -1;
+    Py_ssize_t n;
+    const char *p = PyUnicode_Check(s) ? PyUnicode_AsUTF8AndSize(s, &n) : NULL;
+    int rc = p ? jput(b, p, (size_t)n) : -1;
+    if (!p && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "span_line: fallback must return str");
+    Py_DECREF(s);
+    return rc;
+}
+
+/* A str as JSON text, ASCII (json's encode_basestring_ascii): non-ASCII text to fallback. */
+static int jput_str(struct jbuf *b, PyObject *s, PyObject *fallback)
+{
+    static const char hex[] = "0123456789abcdef";
+    Py_ssize_t n;
+    const char *p = PyUnicode_AsUTF8AndSize(s, &n);
+    if (!p)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((unsigned char)p[i] >= 0x80)
+            return jput_fallback(b, s, fallback);
+    if (jput(b, "\"", 1) < 0)
+        return -1;
+    Py_ssize_t run = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)p[i];
+        if (c >= 0x20 && c < 0x7f && c != '"' && c != '\\')
+            continue;
+        if (jput(b, p + run, (size_t)(i - run)) < 0)
+            return -1;
+        run = i + 1;
+        char e[6] = {'\\', 'u', '0', '0', hex[c >> 4], hex[c & 15]};
+        const char *esc = NULL;
+        switch (c) {
+        case '"': esc = "\\\""; break;
+        case '\\': esc = "\\\\"; break;
+        case '\n': esc = "\\n"; break;
+        case '\r': esc = "\\r"; break;
+        case '\t': esc = "\\t"; break;
+        case '\b': esc = "\\b"; break;
+        case '\f': esc = "\\f"; break;
+        default: break;
+        }
+        if (esc ? jputs(b, esc) : jput(b, e, 6))
+            return -1;
+    }
+    if (jput(b, p + run, (size_t)(n - run)) < 0)
+        return -1;
+    return jput(b, "\"", 1);
+}
+
+static int jput_value(struct jbuf *b, PyObject *v, PyObject *fallback)
+{
+    if (PyBool_Check(v))
+        return jputs(b, v == Py_True ? "true" : "false");
+    if (PyLong_Check(v)) {
+        int overflow;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (x == -1 && PyErr_Occurred())
+            return -1;
+        return overflow ? jput_fallback(b, v, fallback) : jput_i64(b, x);
+    }
+    if (PyFloat_Check(v)) {
+        double d = PyFloat_AsDouble(v);
+        if (d != d)
+            return jputs(b, "NaN");
+        if (d > 1.7976931348623157e308)
+            return jputs(b, "Infinity");
+        if (d < -1.7976931348623157e308)
+            return jputs(b, "-Infinity");
+        char *s = PyOS_double_to_string(d, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
+        if (!s)
+            return -1;
+        int rc = jputs(b, s);
+        PyMem_Free(s);
+        return rc;
+    }
+    if (PyUnicode_Check(v))
+        return jput_str(b, v, fallback);
+    return jput_fallback(b, v, fallback);
+}
+
+/* A dict of str keys as a JSON object ({} for None or empty); other keys: the dict to fallback. */
+static int jput_dict(struct jbuf *b, PyObject *d, PyObject *fallback)
+{
+    if (d == Py_None || (PyDict_Check(d) && PyDict_Size(d) == 0))
+        return jputs(b, "{}");
+    if (!PyDict_Check(d))
+        return jput_fallback(b, d, fallback);
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(d, &pos, &k, &v))
+        if (!PyUnicode_Check(k))
+            return jput_fallback(b, d, fallback);
+    pos = 0;
+    int first = 1;
+    if (jput(b, "{", 1) < 0)
+        return -1;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+        if ((!first && jput(b, ",", 1) < 0) || jput_str(b, k, fallback) < 0 || jput(b, ":", 1) < 0 ||
+            jput_value(b, v, fallback) < 0)
+            return -1;
+        first = 0;
+    }
+    return jput(b, "}", 1);
+}
+
+static int jput_text(struct jbuf *b, PyObject *s)
+{
+    Py_ssize_t n;
+    const char *p = PyUnicode_AsUTF8AndSize(s, &n);
+    return p ? jput(b, p, (size_t)n) : -1;
+}
+
+/* The events of a flow span: each (name, time_ns, attributes or None), or its JSON text. */
+static int jput_events(struct jbuf *b, PyObject *events, PyObject *fallback)
+{
+    if (events == Py_None || !PyList_Check(events) || PyList_Size(events) == 0)
+        return jputs(b, "[]");
+    if (jput(b, "[", 1) < 0)
+        return -1;
+    Py_ssize_t n = PyList_Size(events);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GetItem(events, i);
+        if (i && jput(b, ",", 1) < 0)
+            return -1;
+        if (PyUnicode_Check(e)) {
+            if (jput_text(b, e) < 0)
+                return -1;
+            continue;
+        }
+        if (!PyTuple_Check(e) || PyTuple_Size(e) != 3) {
+            PyErr_SetString(PyExc_TypeError, "span_line: an event is (name, time_ns, attributes) or its JSON text");
+            return -1;
+        }
+        if (jputs(b, "{\"name\":") < 0 || jput_str(b, PyTuple_GetItem(e, 0), fallback) < 0 ||
+            jputs(b, ",\"time_ns\":") < 0 || jput_value(b, PyTuple_GetItem(e, 1), fallback) < 0 ||
+            jputs(b, ",\"attributes\":") < 0 || jput_dict(b, PyTuple_GetItem(e, 2), fallback) < 0 ||
+            jput(b, "}", 1) < 0)
+            return -1;
+    }
+    return jput(b, "]", 1);
+}
+
+/* span_line(entry, resource, fallback) -> str: entry = (name, trace_id, span_id, parent, start_ns,
+ * end_ns, attributes, events, links) as JsonLinesSink.put queues it (span_id a str: the caller
+ * makes one for None; parent and links JSON text), resource the resource's JSON text. */
+PyObject *tj_span_line(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *entry, *resource, *fallback;
+    if (!PyArg_ParseTuple(args, "O!UO", &PyTuple_Type, &entry, &resource, &fallback))
+        return NULL;
+    if (PyTuple_Size(entry) != 9) {
+        PyErr_SetString(PyExc_TypeError, "span_line: entry must have 9 items");
+        return NULL;
+    }
+    struct jbuf b = {NULL, 0, 0};
+    int rc = jputs(&b, "{\"name\":") < 0 || jput_str(&b, PyTuple_GetItem(entry, 0), fallback) < 0 ||
+             jputs(&b, ",\"trace_id\":\"") < 0 || jput_text(&b, PyTuple_GetItem(entry, 1)) < 0 ||
+             jputs(&b, "\",\"span_id\":\"") < 0 || jput_text(&b, PyTuple_GetItem(entry, 2)) < 0 ||
+             jputs(&b, "\",\"parent_span_id\":") < 0 || jput_text(&b, PyTuple_GetItem(entry, 3)) < 0 ||
+             jputs(&b, ",\"kind\":\"INTERNAL\",\"start_ns\":") < 0 ||
+             jput_value(&b, PyTuple_GetItem(entry, 4), fallback) < 0 || jputs(&b, ",\"end_ns\":") < 0 ||
+             jput_value(&b, PyTuple_GetItem(entry, 5), fallback) < 0 || jputs(&b, ",\"attributes\":") < 0 ||
+             jput_dict(&b, PyTuple_GetItem(entry, 6), fallback) < 0 || jputs(&b, ",\"events\":") < 0 ||
+             jput_events(&b, PyTuple_GetItem(entry, 7), fallback) < 0 || jputs(&b, ",\"links\":") < 0 ||
+             jput_text(&b, PyTuple_GetItem(entry, 8)) < 0 ||
+             jputs(&b, ",\"status\":\"UNSET\",\"resource\":") < 0 || jput_text(&b, resource) < 0 ||
+             jputs(&b, "}\n") < 0 ? -1 : 0;
+    PyObject *out = rc < 0 ? NULL : PyUnicode_FromStringAndSize(b.p, (Py_ssize_t)b.n);
+    PyMem_Free(b.p);
+    return out;
+}

@@ -35,4 +35,7 @@ struct tj_ctx {
  * Python exception set. */
 int tj_format(struct tj_ctx *ctx, const struct tn_trace_rec *recs, size_t n);
 
+/* The module function span_line(entry, resource, fallback) -> str (_tracejson.c). */
+PyObject *tj_span_line(PyObject *self, PyObject *args);
+
 #endif

@@ -83,6 +83,19 @@ def encode_json(obj) -> str:
     return _encode(obj)
 
 
+def _native_line():
+    """``span_line`` of the native extension (a span's line formatted in C, the same bytes as
+    :func:`_line`), or ``None`` without it."""
+    from .. import native
+
+    ext = native.extension()
+    return getattr(ext, "span_line", None) if ext is not None else None
+
+
+#: The writer's formatter in C, when the extension is there (else :func:`_line`).
+_C_LINE = _native_line()
+
+
 def as_sink(tracer_provider):
     """The sink for ``tracer_provider``: itself when it is one (it has ``start_flow``), else an
     :class:`SdkSink` around it (``None``: the global OpenTelemetry provider)."""
@@ -178,7 +191,7 @@ def _events(events: list) -> str:
 def _line(entry: tuple, resource: str) -> str:
     """The JSON line of a span queued by :meth:`JsonLinesSink.put` (formatted on the writer's thread)."""
     name, trace_id, span_id, parent, start_ns, end_ns, attributes, events, links = entry
-    return _LINE % (encode_basestring_ascii(name), trace_id, span_id or "%016x" % (_bits(64) or 1), parent, start_ns,
+    return _LINE % (encode_basestring_ascii(name), trace_id, span_id, parent, start_ns,
                     end_ns, _encode(attributes) if attributes else "{}", _events(events) if events else "[]", links,
                     resource)
 
@@ -251,14 +264,14 @@ class JsonLinesSink:
             trace_id, parent_id = self.new_trace_id(), "null"
         else:
             trace_id, parent_id = parent.trace_id, '"' + parent.span_id + '"'
-        self.put(name, trace_id, None, parent_id, start_ns, end_ns, attributes, None,
+        self.put(name, trace_id, "%016x" % (_bits(64) or 1), parent_id, start_ns, end_ns, attributes, None,
                  "[" + ",".join('{"trace_id":"%s","span_id":"%s"}' % (s.trace_id, s.span_id) for s in links) + "]"
                  if links else "[]")
 
-    def put(self, name: str, trace_id: str, span_id: str | None, parent: str, start_ns: int, end_ns: int,
+    def put(self, name: str, trace_id: str, span_id: str, parent: str, start_ns: int, end_ns: int,
             attributes: dict, events: list | None, links: str) -> None:
-        """Queue one span for the writer, which formats its line: ``span_id`` (``None``: a new one),
-        ``parent`` and ``links`` are JSON text, ``events`` a :class:`FlowSpan`'s (``None``: none);
+        """Queue one span for the writer, which formats its line: ``trace_id`` and ``span_id`` hex
+        digits, ``parent`` and ``links`` JSON text, ``events`` a :class:`FlowSpan`'s (``None``: none);
         ``attributes`` and ``events`` are not to be changed any more. Nothing is formatted here,
         on the event loop: the writer's thread does it (about 2 µs a line there)."""
         lines = self._lines
@@ -309,8 +322,12 @@ class JsonLinesSink:
                 return
             pop = lines.popleft
             res = self.resource_json
+            c_line = _C_LINE
             try:  # one entry at a time into the file's buffer: no string of the whole batch
-                texts = [e if type(e) is str else _line(e, res) for e in [pop() for _ in range(n)]]
+                if c_line is not None:
+                    texts = [e if type(e) is str else c_line(e, res, _encode) for e in [pop() for _ in range(n)]]
+                else:
+                    texts = [e if type(e) is str else _line(e, res) for e in [pop() for _ in range(n)]]
             except Exception:  # pragma: no cover - defensive: _encode takes any value
                 self.dropped += n
                 log.exception("%s: cannot format spans", self.label)
