@@ -21,7 +21,7 @@
  *     .moved() -> (charged_up, bytes_down); .meter(on, min_bytes=0) (pending() also when bytes moved since moved())
  *     .trace(capacity)                                 (trace points on, a ring of capacity records; 0 off)
  *     .trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags), ...], overflow)  (slot -1: no flow)
- *     .trace_pending() -> bool                          (trace records wait to be taken)
+ *     .trace_pending() -> int                           (trace records waiting to be taken)
  *     .trace_json(spans, frames, off_ns, seed, guest, resource) -> (text, lines)  (the records as
  *       the trace file's JSON lines, formatted in C: _tracejson.c)
  *   fake only: .fake_connect_mode(err), .fake_frames() -> [bytes], .fake_connect_done(fd, err, now),
@@ -1128,14 +1128,14 @@ static PyObject *engine_trace_json(PyObject *op, PyObject *args)
     return Py_BuildValue("(Nn)", text, (Py_ssize_t)c.lines);
 }
 
-/* trace_pending() -> bool: trace records wait to be taken (a drain with nothing to take is skipped). */
+/* trace_pending() -> int: how many trace records wait to be taken. */
 static PyObject *engine_trace_pending(PyObject *op, PyObject *unused)
 {
     (void)unused;
     Engine *g = (Engine *)op;
     if (!ready(g))
         return NULL;
-    return PyBool_FromLong(tn_trace_pending(g->e));
+    return PyLong_FromUnsignedLong(tn_trace_pending(g->e));
 }
 
 static PyObject *engine_forget_tap(PyObject *op, PyObject *unused)
@@ -1353,7 +1353,7 @@ static PyMethodDef engine_methods[] = {
     {"fileno", engine_fileno, METH_NOARGS, "fileno() -> the epoll fd"},
     {"close", engine_close, METH_NOARGS, "close(): every socket aborted, the epoll closed"},
     {"trace", engine_trace, METH_O, "trace(capacity): trace points on with a ring of capacity records (0: off)"},
-    {"trace_pending", engine_trace_pending, METH_NOARGS, "trace_pending() -> bool: trace records wait to be taken"},
+    {"trace_pending", engine_trace_pending, METH_NOARGS, "trace_pending() -> int: trace records waiting to be taken"},
     {"trace_json", engine_trace_json, METH_VARARGS,
      "trace_json(spans, frames, off_ns, seed, guest, resource) -> (text, lines): the trace records as JSON lines"},
     {"trace_take", engine_trace_take, METH_NOARGS,
