@@ -167,9 +167,11 @@ class FlowSpan:
         self.ended = False
 
     def set_attribute(self, key: str, value) -> None:
+        """Set attribute ``key`` (a str, int, float or bool value, as the SDK takes)."""
         self.attributes[key] = value
 
     def add_event(self, name: str, attributes: dict | None = None, timestamp: int | None = None) -> None:
+        """Add event ``name`` at ``timestamp`` (``time.time_ns()``; ``None``: now)."""
         self.events.append((name, _now() if timestamp is None else timestamp, attributes))
 
     def end(self, end_time: int | None = None) -> None:
