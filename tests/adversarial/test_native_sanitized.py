@@ -42,7 +42,8 @@ SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test
                    "tests/unit/native/test_tcp_trace.py", "tests/unit/native/test_tcp_trace_events.py",
                    "tests/unit/native/test_tcp_rate.py", "tests/system/test_native_trace.py",
                    "tests/unit/native/test_tcp_allow.py", "tests/stack/test_native_tcp_fair.py",
-                   "tests/unit/native/test_tcp_gather.py")
+                   "tests/unit/native/test_tcp_gather.py", "tests/unit/native/test_tcp_trace_json.py",
+                   "tests/unit/observe/test_sink.py", "tests/system/test_trace_sink.py")
 
 
 def _libasan() -> Path | None:
