@@ -1,17 +1,21 @@
 """Observability set-up for the command line: ``--trace FILE``, ``--otlp-endpoint URL``, ``--pcap FILE``.
 
-:class:`Observability` turns those options into an OpenTelemetry SDK tracer provider (a
-:class:`JsonLinesSpanExporter` for the file, an OTLP/HTTP exporter for the endpoint, both
-behind a ``BatchSpanProcessor`` so spans are serialized and written on the SDK's worker
-thread, off the event loop), a meter provider exporting :mod:`aioslirp.observe.metrics` over OTLP,
+:class:`Observability` turns those options into the stacks' ``tracer_provider``: with ``--trace
+FILE`` alone a :class:`~aioslirp.observe.sink.JsonLinesSink` (spans formatted straight to the
+file's lines, no SDK span object each, written by its thread); with ``--otlp-endpoint`` an
+OpenTelemetry SDK tracer provider (a :class:`JsonLinesSpanExporter` for the file when both are
+given, an OTLP/HTTP exporter for the endpoint, both behind a ``BatchSpanProcessor`` so spans are
+serialized and written on the SDK's worker thread, off the event loop), a meter provider
+exporting :mod:`aioslirp.observe.metrics` over OTLP,
 and a stack factory that wraps the transport in a
 :class:`~aioslirp.transport.pcap.PcapTransport`. :meth:`Observability.shutdown` ends open
 flow spans and flushes every exporter, the OTLP endpoint within :data:`OTLP_SHUTDOWN_TIMEOUT`
 seconds (one that does not answer is given up on, one warning line); the CLI calls it on
 exit, SIGTERM included.
 
-Trace file format (written by :class:`~aioslirp.observe.spanfile.JsonLinesSpanExporter`, which
-lives in :mod:`aioslirp.observe.spanfile` and is re-exported here): one JSON object per line, one
+Trace file format (written by :class:`~aioslirp.observe.sink.JsonLinesSink` or
+:class:`~aioslirp.observe.spanfile.JsonLinesSpanExporter`, which lives in
+:mod:`aioslirp.observe.spanfile` and is re-exported here): one JSON object per line, one
 line per finished span::
 
     {"name": "tcp.flow", "trace_id": "<32 hex>", "span_id": "<16 hex>",
@@ -39,6 +43,7 @@ import threading
 import urllib.parse
 
 from ..errors import ConfigError
+from ..observe.sink import JsonLinesSink
 from ..observe.spanfile import JsonLinesSpanExporter, NoopSpanExporter, span_to_dict
 
 log = logging.getLogger("aioslirp.observe")
@@ -344,6 +349,14 @@ class Observability:
         from opentelemetry.sdk.trace import TracerProvider
 
         resource = _resource()
+        if not self.otlp_endpoint:  # the file alone: the direct sink, no SDK span per span
+            try:
+                probe_writable(self.trace_file)
+                self.tracer_provider = JsonLinesSink(self.trace_file, resource=dict(resource.attributes),
+                                                     label=f"--trace {self.trace_file}")
+            except OSError as exc:
+                raise ConfigError("--trace", f"cannot write {self.trace_file!r}: {exc.strerror or exc}") from None
+            return
         # No atexit hooks: shutdown() flushes, with a bound on the OTLP endpoint's time.
         tp = TracerProvider(resource=resource, shutdown_on_exit=False)
         if self.trace_file:

@@ -29,7 +29,8 @@ two extensions meet in ``aioslirp/native/tcpsink.h``). Python stays the control 
   the engine's trace points are switched on (``TcpEngine.trace``: fixed-size records in a ring
   of :data:`TRACE_RING` records in C, a full ring counted as ``native_tcp.trace_overflow``, never
   grown) and :meth:`NativeTcp.poll` drains the ring, on the same wake-up that takes the records,
-  into the Python path's spans: ``tcp.syn_ack`` (with ``host.connect`` and ``syn_ack.queued``
+  into the Python path's spans (``Tracer.record_native_ring``: with the direct JSON-lines sink
+  formatted in C, ``TcpEngine.trace_json``): ``tcp.syn_ack`` (with ``host.connect`` and ``syn_ack.queued``
   on the flow span) from ``timeline``; ``process_guest_frame``, ``drain_to_guest`` and
   ``writer_wake`` (``aioslirp.plane`` ``native``) at ``frames``. From ``timeline`` the engine
   also writes the moments of each flow's TCP timeline (``TN_TR_EVENT``: the guest's ACK of the
@@ -113,13 +114,6 @@ _WHY_COUNTERS = (None, "tcp_resets", "tcp_host_lost", "tcp_idle_closed", None, N
 #: Trace records the engine's ring holds between two drains (40 bytes each, allocated once when
 #: tracing is on); beyond it new records are dropped and counted (``native_tcp.trace_overflow``).
 TRACE_RING = 8192
-#: ``enum tn_trace_type`` of tcpnat.h.
-_TR_FRAME, _TR_SYN_ACK, _TR_DRAIN, _TR_WAKE, _TR_EVENT = 1, 2, 3, 4, 5
-#: ``enum tn_flow_event`` of tcpnat.h -> the flow span's event (the Python path's names); from
-#: :data:`_FE_SENT` on, the ``*.sent`` events (trace level ``frames`` only, as the Python path's).
-_FLOW_EVENTS = (None, "established", "guest.data", "host.data", "fin.guest", "fin.host", "reset", "closed",
-                "connect.refused", "connect.unreachable", "syn_ack.sent", "data.sent", "fin.sent", "rst.sent")
-_FE_SENT = 10
 
 #: The largest rate cap the engine takes, bytes/s (``TN_RATE_MAX`` of tcpnat.h, about 550 Gbit/s).
 RATE_MAX = 1 << 36
@@ -597,33 +591,11 @@ class NativeTcp:
             self._ended(flow, outcome, why, err, up, down)
 
     def _drain_trace(self) -> None:
-        """The engine's trace records (``struct tn_trace_rec`` of tcpnat.h) as the tracer's spans."""
-        records, _overflow = self.engine.trace_take()  # the overflow is in counters()
-        if not records:
-            return
-        tr = self.tracer
-        frames = self.frames_traced
-        flows = self.flows
-        off = time.time_ns() - time.monotonic_ns()  # CLOCK_MONOTONIC -> the spans' clock
-        for kind, slot, gen, t_ns, dur, a, b, c, flags in records:
-            t1 = t_ns + off
-            if kind == _TR_EVENT:
-                if 0 < a < len(_FLOW_EVENTS) and (frames or a < _FE_SENT):
-                    tr.record_native_event(flows.get((slot, gen)), _FLOW_EVENTS[a], b, t1)
-            elif kind == _TR_SYN_ACK:
-                flow = flows.get((slot, gen))
-                if flow is not None:
-                    tr.record_syn_ack(flow, a / 1e6, False, at=t1)
-            elif not frames:
-                continue
-            elif kind == _TR_FRAME:
-                tr.record_native_frame(flows.get((slot, gen)), t1 - dur, t1, a, b, flags)
-            elif kind == _TR_DRAIN:
-                flow = None if b else flows.get((slot, gen))
-                tr.record_native_drain(() if flow is None else (flow,), t1 - dur, t1, a)
-            elif kind == _TR_WAKE:
-                flow = flows.get((slot, gen)) if slot >= 0 else None
-                tr.record_native_wake(() if flow is None else (flow,), t1 - dur, t1, a, b, c)
+        """The engine's trace records (``struct tn_trace_rec`` of tcpnat.h) as the tracer's spans
+        (``Tracer.record_native_ring``: formatted in C for the direct JSON-lines sink, else
+        through the hooks of each record's kind)."""
+        if self.engine.trace_pending():
+            self.tracer.record_native_ring(self.engine, self.flows, self.frames_traced)
 
     def _ended(self, flow: NativeTcpFlow, outcome: int, why: int, err: int, up: int, down: int) -> None:
         name = _OUTCOMES[outcome] if 0 <= outcome < len(_OUTCOMES) else None

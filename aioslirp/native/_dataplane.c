@@ -21,6 +21,7 @@
 
 #include "dataplane.h"
 #include "_tcpnat.h"
+#include "_tracejson.h"
 
 /* Frames of one read buffer before they go to Python; the buffer holds this many largest
  * frames (a batch larger than that is read in several fills within one call). */
@@ -742,6 +743,8 @@ static PyMethodDef module_methods[] = {
     {"udp_frames", mod_udp_frames, METH_VARARGS,
      "udp_frames(eth, src, dst, sport, dport, payload, hlim, mtu, ident4, ident6) -> list[bytes]"},
     {"udp_checksum_ok", mod_udp_checksum_ok, METH_VARARGS, "udp_checksum_ok(src, dst, udp, trusted=False) -> bool"},
+    {"span_line", tj_span_line, METH_VARARGS,
+     "span_line(entry, resource, fallback) -> the JSON line of a span queued by JsonLinesSink (_tracejson.c)"},
     {NULL, NULL, 0, NULL},
 };
 

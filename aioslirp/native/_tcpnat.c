@@ -21,6 +21,9 @@
  *     .moved() -> (charged_up, bytes_down); .meter(on, min_bytes=0) (pending() also when bytes moved since moved())
  *     .trace(capacity)                                 (trace points on, a ring of capacity records; 0 off)
  *     .trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags), ...], overflow)  (slot -1: no flow)
+ *     .trace_pending() -> int                           (trace records waiting to be taken)
+ *     .trace_json(spans, frames, off_ns, seed, guest, resource) -> (text, lines)  (the records as
+ *       the trace file's JSON lines, formatted in C: _tracejson.c)
  *   fake only: .fake_connect_mode(err), .fake_frames() -> [bytes], .fake_connect_done(fd, err, now),
  *     .fake_host_send(fd, data, now), .fake_host_eof(fd, now), .fake_host_reset(fd, now),
  *     .fake_send_space(fd, n, now), .fake_received(fd) -> bytes, .fake_socket(fd) -> dict
@@ -45,6 +48,7 @@
 #include <unistd.h>
 
 #include "_tcpnat.h"
+#include "_tracejson.h"
 #include "tcpnat.h"
 #include "tcpsink.h"
 
@@ -1143,6 +1147,51 @@ static PyObject *engine_trace_take(PyObject *op, PyObject *unused)
     return Py_BuildValue("(NK)", list, (unsigned long long)tn_trace_overflow(g->e));
 }
 
+/* trace_json(spans, frames, off_ns, seed, guest, resource) -> (text, lines): the trace records,
+ * oldest first, as the trace file's JSON lines (text, lines of them) and, appended to the events
+ * lists of the flows in spans, their flow-span events (_tracejson.h). spans: dict (slot, gen) ->
+ * (trace_id, span_id, events, ports, v6); frames: trace level "frames"; off_ns: CLOCK_MONOTONIC ->
+ * time.time_ns(); seed: of the ids; guest: ',"key":value...' of the guest identity or "";
+ * resource: the resource's JSON object. */
+static PyObject *engine_trace_json(PyObject *op, PyObject *args)
+{
+    Engine *g = (Engine *)op;
+    struct tj_ctx c;
+    memset(&c, 0, sizeof c);
+    long long off;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "O!pLKs#s#", &PyDict_Type, &c.spans, &c.frames, &off, &seed, &c.guest,
+                          &c.guest_len, &c.resource, &c.resource_len))
+        return NULL;
+    if (!ready(g))
+        return NULL;
+    c.off_ns = (int64_t)off;
+    c.rng = (uint64_t)seed;
+    struct tn_trace_rec recs[64];
+    size_t n;
+    while ((n = tn_trace_take(g->e, recs, 64)) > 0) {
+        if (tj_format(&c, recs, n) < 0) {
+            free(c.buf);
+            return NULL;
+        }
+    }
+    PyObject *text = PyUnicode_FromStringAndSize(c.buf ? c.buf : "", (Py_ssize_t)c.len);
+    free(c.buf);
+    if (!text)
+        return NULL;
+    return Py_BuildValue("(Nn)", text, (Py_ssize_t)c.lines);
+}
+
+/* trace_pending() -> int: how many trace records wait to be taken. */
+static PyObject *engine_trace_pending(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    Engine *g = (Engine *)op;
+    if (!ready(g))
+        return NULL;
+    return PyLong_FromUnsignedLong(tn_trace_pending(g->e));
+}
+
 static PyObject *engine_forget_tap(PyObject *op, PyObject *unused)
 {
     (void)unused;
@@ -1359,6 +1408,9 @@ static PyMethodDef engine_methods[] = {
     {"fileno", engine_fileno, METH_NOARGS, "fileno() -> the epoll fd"},
     {"close", engine_close, METH_NOARGS, "close(): every socket aborted, the epoll closed"},
     {"trace", engine_trace, METH_O, "trace(capacity): trace points on with a ring of capacity records (0: off)"},
+    {"trace_pending", engine_trace_pending, METH_NOARGS, "trace_pending() -> int: trace records waiting to be taken"},
+    {"trace_json", engine_trace_json, METH_VARARGS,
+     "trace_json(spans, frames, off_ns, seed, guest, resource) -> (text, lines): the trace records as JSON lines"},
     {"trace_take", engine_trace_take, METH_NOARGS,
      "trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags)], overflow): the trace records, oldest first"},
     {"forget_tap", engine_forget_tap, METH_NOARGS, "forget_tap(): the TAP fd is closing: write no frame to it"},

@@ -15,10 +15,10 @@ __all__ = ["DEPENDS", "EXTENSION", "RECORD", "SANITIZE_ENV", "NO_MYPYC_ENV", "SO
 EXTENSION = "aioslirp.native._dataplane"
 #: The C sources: the core (no Python object in it) and the CPython binding.
 SOURCES: tuple[str, ...] = ("aioslirp/native/dataplane.c", "aioslirp/native/_dataplane.c", "aioslirp/native/tcpnat.c",
-                            "aioslirp/native/_tcpnat.c")
+                            "aioslirp/native/_tcpnat.c", "aioslirp/native/_tracejson.c")
 #: Every file the build reads: the sources and the header.
 DEPENDS: tuple[str, ...] = SOURCES + ("aioslirp/native/dataplane.h", "aioslirp/native/tcpnat.h", "aioslirp/native/_tcpnat.h",
-                                      "aioslirp/native/tcpsink.h")
+                                      "aioslirp/native/_tracejson.h", "aioslirp/native/tcpsink.h")
 #: The build's record beside the extension: one ``sha256sum`` line per file of :data:`DEPENDS`.
 RECORD = "_dataplane.sha256"
 #: ``AIOSLIRP_SANITIZE=1`` at build time: the native data plane alone, with ASan and UBSan

@@ -791,9 +791,9 @@ uint64_t tn_trace_overflow(const struct tn_engine *e)
     return e->tr_overflow;
 }
 
-int tn_trace_pending(const struct tn_engine *e)
+uint32_t tn_trace_pending(const struct tn_engine *e)
 {
-    return e->tr_len != 0;
+    return e->tr_len;
 }
 
 /* ------------------------------------------------------------------ frames to the guest */

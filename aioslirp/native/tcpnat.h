@@ -375,8 +375,8 @@ int tn_trace_enable(struct tn_engine *e, uint32_t capacity);
 size_t tn_trace_take(struct tn_engine *e, struct tn_trace_rec *out, size_t max);
 /* Records dropped because the ring was full (since tn_trace_enable). */
 uint64_t tn_trace_overflow(const struct tn_engine *e);
-/* Trace records wait to be taken. */
-int tn_trace_pending(const struct tn_engine *e);
+/* How many trace records wait to be taken. */
+uint32_t tn_trace_pending(const struct tn_engine *e);
 /* The binding's wake-up point: one TN_TR_WAKE record (t0_ns: when the wake-up began). */
 void tn_trace_wake(struct tn_engine *e, uint32_t sock_events, uint32_t timer, uint64_t t0_ns);
 /* Tracing is on (the binding's test before it reads the clock for tn_trace_wake). */

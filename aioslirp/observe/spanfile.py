@@ -1,7 +1,9 @@
 """The trace file: an OpenTelemetry SDK span exporter writing one JSON object per span.
 
-:class:`JsonLinesSpanExporter` is what ``aioslirp run --trace FILE`` uses and what a program
-that embeds stacks hands its own ``TracerProvider``::
+:class:`JsonLinesSpanExporter` is what ``aioslirp run --trace FILE --otlp-endpoint URL`` uses for
+the file (``--trace FILE`` alone writes through :class:`~aioslirp.observe.sink.JsonLinesSink`, the
+same lines without an SDK span object each) and what a program that embeds stacks can hand its own
+``TracerProvider``::
 
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor

@@ -109,10 +109,12 @@ import contextlib
 import functools
 import ipaddress
 import logging
+import random
 import time
 import weakref
 
 from ..flow.base import flow_key
+from .sink import as_sink, encode_json
 from ..wire.tcp import ACK, FIN, PSH, RST, SYN
 
 log = logging.getLogger("aioslirp.tracing")
@@ -124,6 +126,14 @@ MAX_DATA_EVENTS = 8
 
 _MAX_STAMPS = 1 << 16
 _now = time.time_ns
+_bits = random.getrandbits
+#: ``enum tn_trace_type`` of the native engine's trace records (aioslirp/native/tcpnat.h).
+_TR_FRAME, _TR_SYN_ACK, _TR_DRAIN, _TR_WAKE, _TR_EVENT = 1, 2, 3, 4, 5
+#: ``enum tn_flow_event`` -> the flow span's event (the Python path's names); from :data:`_FE_SENT`
+#: on, the ``*.sent`` events (trace level ``frames`` only, as the Python path's).
+_FLOW_EVENTS = (None, "established", "guest.data", "host.data", "fin.guest", "fin.host", "reset", "closed",
+                "connect.refused", "connect.unreachable", "syn_ack.sent", "data.sent", "fin.sent", "rst.sent")
+_FE_SENT = 10
 _PROTO_NAMES = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmp"}
 _FLAG_LETTERS = ((FIN, "F"), (SYN, "S"), (RST, "R"), (PSH, "P"), (ACK, "A"))
 #: Connection events recorded from ``TcpConnection.next_event`` (``established`` and ``fin``
@@ -168,7 +178,9 @@ class _FlowTrace:
         self.fin_guest = False  # the "fin.guest" event was recorded
 
 
+@functools.lru_cache(maxsize=4096)
 def _addr(raw) -> str:
+    """An address's text (cached: a guest's flows share their few addresses)."""
     try:
         return str(ipaddress.ip_address(bytes(raw)))
     except ValueError:
@@ -241,10 +253,16 @@ class Tracer:
     """
 
     def __init__(self, tracer_provider=None, flows=None, queue=None, *, identity=None) -> None:
-        from opentelemetry import trace
-
         self.guest: dict = dict(identity.span_attributes) if identity is not None else {}
-        self.otel = trace.get_tracer("aioslirp", tracer_provider=tracer_provider)
+        #: Where the spans go (:mod:`aioslirp.observe.sink`): ``tracer_provider`` itself when it is
+        #: a span sink (a :class:`~aioslirp.observe.sink.JsonLinesSink`), else an ``SdkSink`` around it.
+        self.sink = as_sink(tracer_provider)
+        #: With a sink that takes formatted lines (``put_text``: the direct JSON-lines one), the
+        #: native flows' spans by ``(slot, gen)``, as ``TcpEngine.trace_json`` takes them:
+        #: ``(trace_id, span_id, events, ports, v6)``; ``None``: the ring's records go through the
+        #: ``record_native_*`` hooks (the SDK).
+        self.native_spans: dict | None = {} if hasattr(self.sink, "put_text") else None
+        self._guest_json = "," + encode_json(self.guest)[1:-1] if self.guest else ""
         self.flows = flows if flows is not None else {}
         self.queue = queue if queue is not None else ()
         self.errors = 0
@@ -262,7 +280,7 @@ class Tracer:
         """A context manager recording span ``name`` as the current span (with the :attr:`guest` attributes)."""
         if self.guest:
             attributes = {**attributes, **self.guest} if attributes else self.guest
-        return self.otel.start_as_current_span(name, attributes=attributes)
+        return self.sink.current_span(name, attributes)
 
     # ------------------------------------------------------------------ flows
     @_safe
@@ -270,8 +288,6 @@ class Tracer:
         """``flow`` entered the flow table: start its span (then, or at ``flow.opened_ns``, a
         ``time.time_ns()`` value, when the flow has one: a native TCP flow, adopted by the engine
         just before it entered the table, whose first events the engine stamped then)."""
-        from opentelemetry import trace
-
         name = flow.proto_name
         key = flow.key
         guest, dst = key[1], key[3]
@@ -301,10 +317,15 @@ class Tracer:
         if rule is not None:
             attrs["aioslirp.egress.rule"] = rule
         attrs.update(self.guest)
-        sp = self.otel.start_span(name + ".flow", attributes=attrs, start_time=getattr(flow, "opened_ns", None))
-        rec = _FlowTrace(sp, trace.set_span_in_context(sp))
+        sink = self.sink
+        sp = sink.start_flow(name + ".flow", attrs, getattr(flow, "opened_ns", None))
+        rec = _FlowTrace(sp, sink.context(sp))
         self.records[flow] = rec
         self.open.add(rec)
+        native = self.native_spans
+        if native is not None and getattr(flow, "slot", None) is not None:  # a flow of the native engine
+            native[(flow.slot, flow.gen)] = (sp.trace_id, sp.span_id, sp.events, '"client.port":%d,"server.port":%d'
+                                             % (key[2], key[4]), len(guest) == 16)
 
     @_safe
     def record_flow_closed(self, flow) -> None:
@@ -313,6 +334,8 @@ class Tracer:
         rec = self.records.pop(flow, None)
         if rec is None:
             return
+        if self.native_spans:
+            self.native_spans.pop((getattr(flow, "slot", None), getattr(flow, "gen", None)), None)
         sp = rec.span
         if flow.proto_name == "tcp":
             conn = flow.conn
@@ -432,9 +455,7 @@ class Tracer:
             rec.span.add_event("host.connect", timestamp=t0)
         attrs = {"client.port": flow.guest_port, "server.port": flow.dst_port,
                  "aioslirp.connect.immediate": immediate, "aioslirp.connect_us": connect_us, **self.guest}
-        sp = self.otel.start_span("tcp.syn_ack", context=rec.ctx if rec is not None else None, attributes=attrs,
-                                  start_time=t0)
-        sp.end(end_time=t1)
+        self.sink.emit("tcp.syn_ack", rec.ctx if rec is not None else None, attrs, t0, t1)
         if rec is not None:
             rec.span.add_event("syn_ack.queued", {"aioslirp.connect_us": connect_us}, timestamp=t1)
 
@@ -480,9 +501,7 @@ class Tracer:
         if flags:
             attrs["aioslirp.tcp.flags"] = _flags_text(flags)
         attrs.update(self.guest)
-        sp = self.otel.start_span("process_guest_frame", context=rec.ctx if rec is not None else None,
-                                  attributes=attrs, start_time=t0)
-        sp.end(end_time=t1)
+        self.sink.emit("process_guest_frame", rec.ctx if rec is not None else None, attrs, t0, t1)
 
     # ------------------------------------------------------------------ frames for the guest
     @_safe
@@ -573,20 +592,14 @@ class Tracer:
                 self._unpend(rec)
 
     def _batch_spans(self, batch, depth, t0, t1, first, n_stamped, wmax, wmin, recs) -> None:
-        from opentelemetry.trace import Link
-
         ctx = recs[0].ctx if len(recs) == 1 else None
-        links = [Link(r.span.get_span_context()) for r in recs] if recs else None
-        sp = self.otel.start_span("drain_to_guest", context=ctx, links=links, start_time=t0,
-                                  attributes={"aioslirp.frames": len(batch), "aioslirp.queue_depth": depth,
-                                              "aioslirp.drain_us": (t1 - t0) / 1000.0, **self.guest})
-        sp.end(end_time=t1)
+        links = [r.span for r in recs] if recs else None
+        sink = self.sink
+        sink.emit("drain_to_guest", ctx, {"aioslirp.frames": len(batch), "aioslirp.queue_depth": depth,
+                                          "aioslirp.drain_us": (t1 - t0) / 1000.0, **self.guest}, t0, t1, links)
         if first is not None:
-            sp = self.otel.start_span("writer_wake", context=ctx, links=links, start_time=first,
-                                      attributes={"aioslirp.frames": n_stamped,
-                                                  "aioslirp.wait_us.max": wmax / 1000.0,
-                                                  "aioslirp.wait_us.min": wmin / 1000.0, **self.guest})
-            sp.end(end_time=t1)
+            sink.emit("writer_wake", ctx, {"aioslirp.frames": n_stamped, "aioslirp.wait_us.max": wmax / 1000.0,
+                                           "aioslirp.wait_us.min": wmin / 1000.0, **self.guest}, first, t1, links)
 
     # ------------------------------------------------------------------ the native plane
     # Trace points 1, 3 and 4 of the native data plane and its flows' timeline events
@@ -623,16 +636,11 @@ class Tracer:
     def record_native_drain(self, flows, t0: int, t1: int, frames: int) -> None:
         """Trace point 3 on the native plane: ``frames`` written to the guest by C from ``t0`` to
         ``t1``, of ``flows`` (the one flow whose frames they all were, else empty: many)."""
-        from opentelemetry.trace import Link
-
         recs = [r for r in (self.records.get(f) for f in flows) if r is not None]
         ctx = recs[0].ctx if len(recs) == 1 else None
-        links = [Link(r.span.get_span_context()) for r in recs] if recs else None
-        sp = self.otel.start_span("drain_to_guest", context=ctx, links=links, start_time=t0,
-                                  attributes={"aioslirp.frames": frames, "aioslirp.queue_depth": 0,
-                                              "aioslirp.drain_us": (t1 - t0) / 1000.0,
-                                              "aioslirp.plane": "native", **self.guest})
-        sp.end(end_time=t1)
+        self.sink.emit("drain_to_guest", ctx, {"aioslirp.frames": frames, "aioslirp.queue_depth": 0,
+                                               "aioslirp.drain_us": (t1 - t0) / 1000.0, "aioslirp.plane": "native",
+                                               **self.guest}, t0, t1, [r.span for r in recs] if recs else None)
 
     @_safe
     def record_native_wake(self, flows, t0: int, t1: int, socket_events: int, timers: int, frames: int) -> None:
@@ -640,28 +648,69 @@ class Tracer:
         C ran ``socket_events`` socket readinesses and ``timers`` timer expirations, writing
         ``frames`` frames to the guest, of ``flows`` (the one flow whose frames they all were, else
         empty: none or many)."""
-        from opentelemetry.trace import Link
-
         recs = [r for r in (self.records.get(f) for f in flows) if r is not None]
         ctx = recs[0].ctx if recs else None
-        links = [Link(r.span.get_span_context()) for r in recs] if recs else None
-        sp = self.otel.start_span("writer_wake", context=ctx, links=links, start_time=t0,
-                                  attributes={"aioslirp.frames": frames, "aioslirp.events.socket": socket_events,
-                                              "aioslirp.events.timer": timers, "aioslirp.wake_us": (t1 - t0) / 1000.0,
-                                              "aioslirp.plane": "native", **self.guest})
-        sp.end(end_time=t1)
+        self.sink.emit("writer_wake", ctx, {"aioslirp.frames": frames, "aioslirp.events.socket": socket_events,
+                                            "aioslirp.events.timer": timers, "aioslirp.wake_us": (t1 - t0) / 1000.0,
+                                            "aioslirp.plane": "native", **self.guest},
+                       t0, t1, [r.span for r in recs] if recs else None)
+
+    def record_native_ring(self, engine, flows: dict, frames: bool) -> None:
+        """Take the native engine's trace records (``struct tn_trace_rec`` of tcpnat.h, oldest first)
+        into spans: ``engine`` is the ``TcpEngine``, ``flows`` its flows by ``(slot, gen)``,
+        ``frames`` the trace level ``frames`` (the per-frame records and ``*.sent`` events too).
+
+        With a sink that takes lines (:attr:`native_spans` set) the engine formats them in C
+        (``trace_json``: no Python object per record, but the flow events' text); otherwise each
+        record goes through the ``record_native_*`` hook of its kind (an SDK span each)."""
+        off = time.time_ns() - time.monotonic_ns()  # CLOCK_MONOTONIC -> the spans' clock
+        native = self.native_spans
+        if native is not None:
+            try:
+                text, _n = engine.trace_json(native, frames, off, _bits(64), self._guest_json, self.sink.resource_json)
+            except Exception:
+                self.errors += 1
+                log.exception("formatting the native trace records failed")
+                return
+            if text:
+                self.sink.put_text(text)
+            return
+        records, _overflow = engine.trace_take()  # the overflow is in the engine's counters()
+        for kind, slot, gen, t_ns, dur, a, b, c, flags in records:
+            t1 = t_ns + off
+            if kind == _TR_EVENT:
+                if 0 < a < len(_FLOW_EVENTS) and (frames or a < _FE_SENT):
+                    self.record_native_event(flows.get((slot, gen)), _FLOW_EVENTS[a], b, t1)
+            elif kind == _TR_SYN_ACK:
+                flow = flows.get((slot, gen))
+                if flow is not None:
+                    self.record_syn_ack(flow, a / 1e6, False, at=t1)
+            elif not frames:
+                continue
+            elif kind == _TR_FRAME:
+                self.record_native_frame(flows.get((slot, gen)), t1 - dur, t1, a, b, flags)
+            elif kind == _TR_DRAIN:
+                flow = None if b else flows.get((slot, gen))
+                self.record_native_drain(() if flow is None else (flow,), t1 - dur, t1, a)
+            elif kind == _TR_WAKE:
+                flow = flows.get((slot, gen)) if slot >= 0 else None
+                self.record_native_wake(() if flow is None else (flow,), t1 - dur, t1, a, b, c)
 
     # ------------------------------------------------------------------ the end
     @_safe
     def record_stack_closed(self) -> None:
         """The stack closed: end its flows' spans (some may still wait for queued frames that
-        will never be written) and forget the stamps."""
+        will never be written), forget the stamps and have the sink write what it holds
+        (``sink.flush()``: the direct JSON-lines sink writes now; the SDK's processors keep their schedule)."""
         self.end_all()
+        self.sink.flush()
 
     def end_all(self) -> None:
         """End every flow span still open (call before shutting the tracer provider down)."""
         self.stamps.clear()
         self.records.clear()
+        if self.native_spans:
+            self.native_spans.clear()
         for rec in list(self.open):
             self._end(rec)
 
@@ -707,9 +756,7 @@ def span(name: str, attributes: dict | None = None):
     (a no-op context when there is none)."""
     if not _default:
         return contextlib.nullcontext()
-    from opentelemetry import trace
-
-    return trace.get_tracer("aioslirp", tracer_provider=_default[0]).start_as_current_span(name, attributes=attributes)
+    return as_sink(_default[0]).current_span(name, attributes)
 
 
 def __getattr__(name: str):
