@@ -149,10 +149,8 @@ class Stack:
             (``aioslirp.guest.name``, ``aioslirp.guest.label.<key>``), events, :meth:`flows`
             records (``guest_name``) and log lines (``[name] `` first), so that one audit log or
             one tracer provider can serve many stacks (docs/observability.md).
-        tracer_provider: an OpenTelemetry ``TracerProvider`` (an SDK span per span), or a span sink
-            of :mod:`aioslirp.observe.sink` (:class:`~aioslirp.observe.sink.JsonLinesSink`: straight to
-            a trace file, no SDK object per span): trace this stack through it, at
-            ``config.trace_level`` (``"flows"``, ``"timeline"``, ``"frames"``; docs/observability.md).
+        tracer_provider: an OpenTelemetry ``TracerProvider`` or a span sink (:mod:`aioslirp.observe.sink`):
+            trace this stack through it at ``config.trace_level`` (docs/observability.md).
             ``None``: traced through the provider given to :func:`aioslirp.observe.tracing.enable`
             when that is in force, else not traced.
         audit: the audit log: an :class:`~aioslirp.observe.audit.AuditLog`, a path (``"-"``: stderr) or
