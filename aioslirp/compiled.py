@@ -13,7 +13,8 @@ decision (:mod:`aioslirp.flow.egress`), the guard (:mod:`aioslirp.flow.guard`), 
 add, remove and flush (:mod:`aioslirp.flow.table`) and the family's Ethernet header, routing and
 ICMP quote (:mod:`aioslirp.dispatch.family`), the inject queue's write at the end of a batch
 (:mod:`aioslirp.inject`) and the flow context's counts (:mod:`aioslirp.flow.context`); and the fair
-scheduler's charge of each engine poll and read batch (:mod:`aioslirp.fair`): with them,
+scheduler's charge of each engine poll and read batch (:mod:`aioslirp.fair`); and the tracer's
+hooks while tracing is on (:mod:`aioslirp.observe.tracer`): with them,
 a connection of the native plane runs three interpreted Python functions, the TAP reader's
 callbacks and :func:`aioslirp.flow.base.admission` (docs/performance.md, "The admission
 compiled"). The host sockets and UDP flows type-check for mypyc too but are left out (no gain
@@ -80,6 +81,7 @@ COMPILED: tuple[str, ...] = (
     "aioslirp.inject",
     "aioslirp.flow.context",
     "aioslirp.fair",
+    "aioslirp.observe.tracer",
 )
 
 
@@ -224,7 +226,7 @@ def status() -> dict[str, bool]:
 
 @functools.cache
 def notice() -> str:
-    """One line, the same for the life of the process: ``compiled per-frame path: on (21/21
+    """One line, the same for the life of the process: ``compiled per-frame path: on (22/22
     modules)``, or off and why (``AIOSLIRP_NO_EXTENSIONS``, a stale build, not built)."""
     st = status()
     n = sum(st.values())
