@@ -1,7 +1,8 @@
 """What a stack tells about itself: spans, metrics, the audit log and its lifecycle events.
 
-* :mod:`.tracing`: the per-stack :class:`~aioslirp.observe.tracing.Tracer`, OpenTelemetry spans
-  (one trace per NAT flow) and trace points;
+* :mod:`.tracing`: spans (one trace per NAT flow) and trace points, the process-wide API; the
+  per-stack :class:`~aioslirp.observe.tracer.Tracer` (:mod:`.tracer`, compiled) and where its
+  spans go (:mod:`.sink`);
 * :mod:`.metrics`: OpenTelemetry instruments read from ``Stack.counters``
   (:func:`~aioslirp.observe.metrics.register`);
 * :mod:`.audit`: :class:`~aioslirp.observe.audit.AuditLog`, one record per flow at its end, per
