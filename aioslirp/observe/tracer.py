@@ -1,8 +1,8 @@
 """The :class:`Tracer`: one stack's trace points as spans (see :mod:`aioslirp.observe.tracing`,
 whose documentation describes the spans, the trace levels and the sinks). Its own module so that
 the build can compile it with mypyc (``aioslirp.compiled.COMPILED``): the process-wide API and its
-compatibility views (``tracing.enabled``, ``tracing.errors``, a module ``__getattr__``) stay in
-:mod:`~aioslirp.observe.tracing`, which mypyc cannot compile.
+read-only compatibility views (a module ``__getattr__``) stay in :mod:`~aioslirp.observe.tracing`,
+which mypyc cannot compile.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from aioslirp import NetworkConfig, Stack
 from aioslirp.dispatch.link import SAFE_POINT_FRAMES
 from aioslirp.fair import QUANTUM, Scheduler
@@ -20,11 +22,22 @@ def _frames(n: int) -> list[bytes]:
     return [GW_MAC + GUEST_MAC + b"\x88\xb5" + bytes(46) for _ in range(n)]
 
 
-async def _two_guests():
+@pytest.fixture
+async def guests():
+    """Two started stacks on this loop, the upload link's safe points recorded (one entry each)."""
     a, b = Stack(NetworkConfig(), name="a"), Stack(NetworkConfig(), name="b")
     await a.start()
     await b.start()
-    return a, b
+    up = Scheduler.for_loop(asyncio.get_running_loop()).up
+    calls: list[int] = []
+    before = up.safe_point
+    up.safe_point = lambda: calls.append(1)
+    try:
+        yield a, b, up, calls
+    finally:
+        up.safe_point = before
+        await a.aclose()
+        await b.aclose()
 
 
 def _backlog(stack: Stack, other: Stack) -> None:
@@ -37,40 +50,22 @@ def _backlog(stack: Stack, other: Stack) -> None:
     assert not share.sparse
 
 
-async def test_a_backlogged_guests_batch_offers_a_safe_point_every_few_frames():
-    a, b = await _two_guests()
-    up = Scheduler.for_loop(asyncio.get_running_loop()).up
-    calls: list[int] = []
-    before = up.safe_point
-    up.safe_point = lambda: calls.append(1)
-    try:
-        _backlog(a, b)
-        _backlog(b, a)  # two guests wait: the link is contended
-        assert up.contended()
-        calls.clear()  # (a flow that begins to wait is a safe point of its own)
-        a.parts.link.on_frames(_frames(3 * SAFE_POINT_FRAMES + 1))
-        assert len(calls) == 3
-    finally:
-        up.safe_point = before
-        await a.aclose()
-        await b.aclose()
+async def test_a_backlogged_guests_batch_offers_a_safe_point_every_few_frames(guests):
+    a, b, up, calls = guests
+    _backlog(a, b)
+    _backlog(b, a)  # two guests wait: the link is contended
+    assert up.contended()
+    calls.clear()  # (a flow that begins to wait is a safe point of its own)
+    a.parts.link.on_frames(_frames(3 * SAFE_POINT_FRAMES + 1))
+    assert len(calls) == 3
 
 
-async def test_a_sparse_guests_batch_and_an_uncontended_one_offer_none():
-    a, b = await _two_guests()
-    up = Scheduler.for_loop(asyncio.get_running_loop()).up
-    calls: list[int] = []
-    before = up.safe_point
-    up.safe_point = lambda: calls.append(1)
-    try:
-        a.parts.link.on_frames(_frames(4 * SAFE_POINT_FRAMES))  # nobody waits: no contention
-        assert calls == []
-        _backlog(b, a)  # contended now, but guest a is light (sparse)
-        assert up.contended() and a.parts.ctx.running.share_up.sparse
-        calls.clear()
-        a.parts.link.on_frames(_frames(4 * SAFE_POINT_FRAMES))
-        assert calls == []
-    finally:
-        up.safe_point = before
-        await a.aclose()
-        await b.aclose()
+async def test_a_sparse_guests_batch_and_an_uncontended_one_offer_none(guests):
+    a, b, up, calls = guests
+    a.parts.link.on_frames(_frames(4 * SAFE_POINT_FRAMES))  # nobody waits: no contention
+    assert calls == []
+    _backlog(b, a)  # contended now, but guest a is light (sparse)
+    assert up.contended() and a.parts.ctx.running.share_up.sparse
+    calls.clear()
+    a.parts.link.on_frames(_frames(4 * SAFE_POINT_FRAMES))
+    assert calls == []
