@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 
 from support.paths import REPO
 
@@ -155,7 +156,9 @@ def _imports(tree: ast.AST, package: str | None):
                     yield node.lineno, alias.name, []
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "aioslirp" in node.value:
             try:
-                inner = ast.parse(node.value)
+                with warnings.catch_warnings():  # a string that is not Python may hold "\\." and such
+                    warnings.simplefilter("ignore")
+                    inner = ast.parse(node.value)
             except SyntaxError:
                 continue
             for lineno, module, names in _imports(inner, None):

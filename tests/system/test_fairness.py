@@ -113,4 +113,8 @@ def test_weights_divide_the_link_between_guests(plane):
             break
     assert by["n1"]["weight"] == 3.0
     assert by["n1"]["fair_share_ratio"] >= N1_FLOOR[plane], by
-    assert by["n1"]["gbps"] > 1.7 * by["flood"]["gbps"], by  # (0.85 of 3/4 against the rest; equal weights: ~1)
+    # the same floor read from the two guests' rates: n1 holds at least floor x 3/4 of the link, so
+    # it moved at least s / (1 - s) times the flood's bytes (1.41x at 0.78, 1.76x at 0.85; equal
+    # weights give ~0.6-1). A fixed 1.7 here failed CI at a ratio of 0.835, above the native floor.
+    share = N1_FLOOR[plane] * 3 / 4
+    assert by["n1"]["gbps"] > 0.99 * share / (1 - share) * by["flood"]["gbps"], by
