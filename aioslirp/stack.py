@@ -532,7 +532,7 @@ class Stack:
             self.event_log.emit("error", message=" ".join(f"{type(exc).__name__}: {exc}".split()), **info)
             raise
         # TCP NAT flows in C (a native TAP reader; its trace points at the stack's trace level)
-        native_tcp = p.ctx.native_tcp = NativeTcp.start(p.ctx, untraced, frames_traced=frame_tracer is not None)
+        native_tcp = p.ctx.native_tcp = NativeTcp.start(p.ctx, untraced, frame_tracer is not None, p.link.syn)
         if self._seat is not None:  # the express lane may read the guest's frames (and engine's events) early
             self._seat.guest(raw, None if native_tcp is None else native_tcp.reader())
         self.event_log.emit("ready", **info)

@@ -181,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--native", action="store_true", help="py-spy --native: show C frames (uvloop, syscalls)")
+    ap.add_argument("--call-graph", choices=("fp", "dwarf"), default="fp",
+                    help="perf: stacks by frame pointers (default) or by DWARF unwinding (through libpython and "
+                         "the compiled modules, which keep no frame pointers: `perf report --children` then gives "
+                         "each Python-level function's inclusive share)")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--tree", help="directory holding another aioslirp package to profile (A/B)")
     ap.add_argument("--out", default=str(HERE / "results" / "profiles"))
@@ -223,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 time.sleep(0.5)
             elif args.tool == "perf":
-                spy = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", str(args.rate * 4), "-g",
+                graph = ["-g"] if args.call_graph == "fp" else ["--call-graph", "dwarf,8192"]
+                spy = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", str(args.rate * 4), *graph,
                                         "-o", str(prof_file), "-p", str(backend.pid)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 time.sleep(0.5)

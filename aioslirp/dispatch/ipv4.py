@@ -22,6 +22,7 @@ from ..wire.icmp import ICMP, ICMP_ECHO, ICMP_ECHO_REPLY, build_icmp_packet
 from ..wire.ip import PROTO_ICMP, PROTO_TCP, PROTO_UDP
 from ..wire.ipv4 import IP_MF, IP_OFFMASK, IPV4
 from ..wire.neighbors import NeighborCache
+from ..wire.tcp import Segment
 from .family import Family4
 from .l4 import L4
 from .reassembly import Reassembler
@@ -91,12 +92,8 @@ class Ipv4Input:
         pkt = memoryview(frame)[14:14 + total]
         if partial(pkt[:ihl]) != 0:
             return self.drop("bad_ip_checksum")
-        if src != _ZERO4:
-            if (int.from_bytes(src, "big") & self.mask_int) != self.net_int or src in self.not_guest:
-                return self.drop("bad_src_ip")
-            neighbors = self.neighbors
-            if neighbors.get(src) != src_mac and neighbors.learn(src, src_mac):
-                self.counters["arp.neighbors_evicted"] += 1
+        if src != _ZERO4 and not self.guest_source(src, src_mac):
+            return
         l4 = pkt[ihl:]
         if flags_frag & (IP_MF | IP_OFFMASK):
             r = self.reassembler
@@ -121,6 +118,35 @@ class Ipv4Input:
             self.icmp(src, dst, l4, pkt, trusted, now)
         else:
             self.drop("unknown_ip_proto")
+
+    def guest_source(self, src: bytes, src_mac: bytes) -> bool:
+        """The source rule of a guest packet from ``src`` (4 bytes, not ``0.0.0.0``) in a frame from
+        ``src_mac``: an address of our subnet other than ours and its broadcast, else dropped
+        (``bad_src_ip``: False); a valid one teaches the ARP cache ``src_mac``."""
+        if (int.from_bytes(src, "big") & self.mask_int) != self.net_int or src in self.not_guest:
+            self.drop("bad_src_ip")
+            return False
+        neighbors = self.neighbors
+        if neighbors.get(src) != src_mac and neighbors.learn(src, src_mac):
+            self.counters["arp.neighbors_evicted"] += 1
+        return True
+
+    def syn(self, frame: bytes, sport: int, dport: int, l4_off: int, end: int, seg: Segment, now: float) -> bool:
+        """A plain guest SYN of the SYN lane (:meth:`Link.syn <aioslirp.dispatch.link.Link.syn>`):
+        ``frame`` an Ethernet frame whose IPv4 header (no fragment) ends at ``l4_off`` and packet at
+        ``end``, checked as :meth:`input` checks them. What :meth:`input` does for it (the source
+        rule: ``0.0.0.0`` goes to the L4, which drops it) and :meth:`L4.tcp_syn
+        <aioslirp.dispatch.l4.L4.tcp_syn>`. False: a flow holds its 5-tuple, nothing done."""
+        src = frame[26:30]
+        dst = frame[30:34]
+        l4 = self.l4
+        key = (PROTO_TCP, src, sport, dst, dport)
+        if l4.tcp_flow(key) is not None:
+            return False
+        if src != _ZERO4 and not self.guest_source(src, frame[6:12]):
+            return True
+        pkt = memoryview(frame)[14:end]
+        return l4.tcp_syn(self.fam, key, seg, pkt[l4_off - 14:], pkt, now)
 
     def icmp(self, src: bytes, dst: bytes, l4: memoryview, pkt: memoryview, trusted: bool, now: float) -> None:
         """A guest ICMP message: echo requests answered (our addresses) or proxied; others ignored."""

@@ -180,17 +180,8 @@ class Ipv6Path:
         if type(ip) is str:
             return drop(ip)
         src = ip.src
-        if src != UNSPECIFIED:
-            if src not in self._good_src:
-                reason = self.config6.check_guest_source(src)
-                if reason is not None:
-                    return drop(reason)
-                if len(self._good_src) >= _MAX_SOURCES:
-                    self._good_src.clear()
-                self._good_src.add(src)
-            if self.ndp.neighbors.get(src) != src_mac and self.ndp.learn(src, src_mac):
-                self._merge_ndp()  # ndp.neighbors_evicted, now rather than at the next NDP message
-            self.family.guest_mac = src_mac
+        if src != UNSPECIFIED and not self.guest_source(src, src_mac):
+            return
         buf = frame
         if ip.frag is not None:
             r = self.reassembler
@@ -228,6 +219,41 @@ class Ipv6Path:
             drop("ipv6_no_next_header")
         else:
             drop("ipv6_unknown_proto")
+
+    def guest_source(self, src: bytes, src_mac: bytes) -> bool:
+        """The source rule of a guest packet from ``src`` (16 bytes, not ``::``) in a frame from
+        ``src_mac`` (:meth:`Ipv6Config.check_guest_source
+        <aioslirp.config.ipv6.Ipv6Config.check_guest_source>`): False when dropped (counted by its
+        reason); a valid one teaches the neighbour cache ``src_mac``, which becomes the guest's MAC."""
+        if src not in self._good_src:
+            reason = self.config6.check_guest_source(src)
+            if reason is not None:
+                self.drop(reason)
+                return False
+            if len(self._good_src) >= _MAX_SOURCES:
+                self._good_src.clear()
+            self._good_src.add(src)
+        if self.ndp.neighbors.get(src) != src_mac and self.ndp.learn(src, src_mac):
+            self._merge_ndp()  # ndp.neighbors_evicted, now rather than at the next NDP message
+        self.family.guest_mac = src_mac
+        return True
+
+    def syn(self, frame: bytes, sport: int, dport: int, l4_off: int, end: int, seg, now: float) -> bool:
+        """A plain guest SYN of the SYN lane (:meth:`Link.syn <aioslirp.dispatch.link.Link.syn>`):
+        ``frame`` an Ethernet frame whose IPv6 header (no extension header) ends at ``l4_off`` and
+        packet at ``end``, checked as :meth:`dispatch` checks them. What :meth:`dispatch` does
+        for it (the source rule) and :meth:`L4.tcp_syn <aioslirp.dispatch.l4.L4.tcp_syn>`. False: a
+        flow holds its 5-tuple, nothing done."""
+        src = frame[22:38]
+        dst = frame[38:54]
+        l4 = self.l4
+        key = (NH_TCP, src, sport, dst, dport)
+        if l4.tcp_flow(key) is not None:
+            return False
+        if src != UNSPECIFIED and not self.guest_source(src, frame[6:12]):
+            return True
+        pkt = memoryview(frame)[14:end]
+        return l4.tcp_syn(self.family, key, seg, pkt[l4_off - 14:], pkt, now)
 
     def _icmp6(self, buf, ip, src_mac: bytes, now: float) -> None:
         ctx = self.ctx

@@ -30,6 +30,7 @@ from ..inject import InjectQueue
 from ..wire.arp import ARP_REPLY, ARP_REQUEST, build_arp, parse_arp
 from ..wire.ethernet import ETH, ETHERTYPE_ARP, ETHERTYPE_IPV4, ETHERTYPE_IPV6
 from ..wire.neighbors import NeighborCache
+from ..wire.tcp import SYN, Segment
 from .family import Family4
 from .ipv4 import Ipv4Input
 
@@ -134,6 +135,43 @@ class Link:
         finally:
             q.hold = False
         q.write_now()
+
+    def syn(self, frame: bytes, v6: bool, l4_off: int, end: int, sport: int, dport: int, seq: int, wnd: int,
+            mss: int, wscale: int, sack: bool, now: float) -> bool:
+        """The SYN lane (the native TAP reader's ``Plane.syn_lane``): one guest SYN of no native flow
+        that the C classifier found plain (``dp_syn_lane`` in aioslirp/native/dataplane.h: SYN
+        alone, no payload, non-zero ports, its Ethernet, IP and TCP headers checked as
+        :meth:`dispatch` and the L3/L4 below check them, its checksum too unless trusted), with
+        what it read: ``v6`` (IPv6, else IPv4), the TCP header's offset ``l4_off`` and the IP
+        packet's ``end`` in ``frame``, the ports, ``seq``, the window field ``wnd``, the options
+        (``mss``, ``wscale``: -1 absent; ``sack``). It runs what :meth:`on_frames` runs for that
+        frame but the parse: counted (``frames_in``, ``bytes_in``, ``native_tcp.syn_lane``), the guest's source checked,
+        then the admission (:meth:`L4.tcp_syn <aioslirp.dispatch.l4.L4.tcp_syn>`), what it queued
+        written at once. ``now``: the batch's loop time. True: done (admitted, refused or dropped,
+        all counted); False: nothing done (a flow of the Python path holds the 5-tuple, or IPv6 is
+        off): the frame goes to :meth:`on_frames` with its batch. Never raises."""
+        inp = self.ipv6 if v6 else self.ipv4
+        if inp is None:
+            return False
+        seg = Segment(seq, 0, SYN, wnd, b"", None if mss < 0 else mss, None if wscale < 0 else wscale, sack)
+        q = self.queue
+        q.hold = True
+        try:
+            took = inp.syn(frame, sport, dport, l4_off, end, seg, now)
+        except Exception:
+            self.drop("internal_error")
+            log.exception("internal error processing a guest frame")
+            took = True
+        finally:
+            q.hold = False
+        if took:
+            counters = self.counters
+            counters["frames_in"] += 1
+            counters["bytes_in"] += len(frame)
+            counters["native_tcp.syn_lane"] += 1
+            self.table.flush(now)
+            q.write_now()
+        return took
 
     def process(self, frame: bytes | memoryview, trusted: bool = False, now: float | None = None) -> None:
         """Count and dispatch one guest Ethernet frame (bytes-like). Never raises: bad input is

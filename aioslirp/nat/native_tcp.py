@@ -436,13 +436,15 @@ class NativeTcp:
             self.loop.add_reader(self._fd, self.poll)
 
     @classmethod
-    def start(cls, ctx, transport, frames_traced: bool = False) -> "NativeTcp | None":
+    def start(cls, ctx, transport, frames_traced: bool = False, syn=None) -> "NativeTcp | None":
         """The engine for ``transport`` (what the stack serves, after its wrappers other than the
         trace points'), or ``None`` when the native plane does not run TCP flows there: not a TAP
         read natively nor a vhost-user device, a transport wrapped for pcap, or a rate cap the engine
         does not take (below 1 or above :data:`RATE_MAX` bytes/s; module documentation).
         ``frames_traced``: the stack traces at level ``frames`` (the per-frame
-        trace points too)."""
+        trace points too). ``syn``: the stack's ``Link.syn``, the SYN lane of a transport that has
+        one (``syn_lane``: the TAP's native reader), where a plain new connection's SYN goes
+        without the dispatch's parse; not at level ``frames`` (whose trace point is the dispatch's)."""
         attach = getattr(transport, "attach_tcp", None)
         if attach is None or not getattr(transport, "native", False) or not native.tcp_wanted():
             return None
@@ -465,6 +467,9 @@ class NativeTcp:
                                rate_up=rate_up, rate_down=rate_down, **options)
         plane = cls(ctx, engine, frames_traced)
         attach(engine, plane.take)
+        lane = getattr(transport, "syn_lane", None)
+        if lane is not None and syn is not None and not frames_traced:
+            lane(syn)
         ident = ctx.identity
         log.info("%snative data plane: guest TCP flows run in C (peek offset: %s)", ident.log_prefix,
                  "SO_PEEK_OFF" if engine.counters().get("peek_off") else "a discard buffer", extra=ident.log_extra)

@@ -186,6 +186,7 @@ typedef struct {
     uint32_t *udp_touched;
     uint8_t *udp_scratch;
     PyObject *tcp; /* a TcpEngine (attach_tcp): its flows' frames never reach Python */
+    PyObject *syn; /* syn_lane(): where a plain guest SYN of no native flow goes (dp_syn_lane), or NULL */
     /* udp_sink(): host datagrams read by udp_readable(slot), the loop's reader of each host socket */
     int sink_fd, sink_vnet;
     PyObject *sink_counters; /* the stack's counters (a dict-like of int), bumped per call */
@@ -243,6 +244,7 @@ static int plane_traverse(PyObject *op, visitproc visit, void *arg)
     Plane *self = (Plane *)op;
     Py_VISIT(Py_TYPE(op));
     Py_VISIT(self->tcp);
+    Py_VISIT(self->syn);
     Py_VISIT(self->sink_counters);
     Py_VISIT(self->sink_on_error);
     return 0;
@@ -252,6 +254,7 @@ static int plane_clear(PyObject *op)
 {
     Plane *self = (Plane *)op;
     Py_CLEAR(self->tcp);
+    Py_CLEAR(self->syn);
     Py_CLEAR(self->sink_counters);
     Py_CLEAR(self->sink_on_error);
     return 0;
@@ -269,6 +272,7 @@ static void plane_dealloc(PyObject *op)
     PyMem_Free(self->udp_touched);
     PyMem_Free(self->udp_scratch);
     Py_CLEAR(self->tcp);
+    Py_CLEAR(self->syn);
     Py_CLEAR(self->sink_counters);
     Py_CLEAR(self->sink_on_error);
     for (int k = 0; k < SK_COUNT; k++)
@@ -276,6 +280,30 @@ static void plane_dealloc(PyObject *op)
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(op);
     Py_DECREF(tp);
+}
+
+/* The SYN lane (syn_lane()): the frame at p[0..len), which no native flow took, to self->syn when
+ * dp_syn_lane() finds it a plain SYN: syn(frame, v6, l4_off, end, sport, dport, seq, wnd, mss,
+ * wscale, sack, now) with the frame as bytes (no virtio-net header), its offsets, its header fields
+ * and options (-1: absent) and the batch's loop time. 1: Python took it (admitted, refused or
+ * dropped, and counted); 0: not a plain SYN, or Python left it to the full path (it goes with the
+ * batch's frames for Python); -1: an exception. */
+static int syn_lane(Plane *self, const uint8_t *p, size_t len, int csum_ok, double now)
+{
+    struct dp_frame rec;
+    struct dp_syn syn;
+    if (dp_classify(p, len, 0, &rec, NULL) != DP_KIND_TCP || !dp_syn_lane(p, len, &rec, csum_ok, &syn))
+        return 0;
+    PyObject *r = PyObject_CallFunction(self->syn, "y#NIIIIkIiiNd", (const char *)p, (Py_ssize_t)len,
+                                        PyBool_FromLong((rec.flags & DP_F_IPV6) != 0), rec.l4_off, rec.end,
+                                        (unsigned)rec.sport, (unsigned)rec.dport, (unsigned long)syn.seq,
+                                        (unsigned)syn.wnd, (int)syn.mss, (int)syn.wscale, PyBool_FromLong(syn.sack),
+                                        now);
+    if (!r)
+        return -1;
+    int took = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return took;
 }
 
 /* One batch of the TAP fd (read_tap and ready): the frames left for Python and their checksum
@@ -305,6 +333,17 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
                 if (tcpnat_tap_frame_kept(tcp, self->buf + s->off, s->len, s->csum_ok, tcp_now))
                     continue; /* a native TCP flow's frame (its payload may wait for the gather flush) */
                 divert = dp_reorders_later(self->buf + s->off, s->len);
+                if (self->syn && !divert && PyList_Size(frames) == 0) {
+                    /* (only ahead of any frame for Python: the lane reorders nothing) */
+                    int took = syn_lane(self, self->buf + s->off, s->len, s->csum_ok, now);
+                    /* Python ran: the engine is looked up again (were it detached or closed
+                     * meanwhile, the rest of the batch is Python's) */
+                    tcp = self->tcp ? tcpnat_engine_of(self->tcp) : NULL;
+                    if (took < 0)
+                        goto fail;
+                    if (took)
+                        continue;
+                }
             }
             PyObject *b = PyBytes_FromStringAndSize((const char *)self->buf + s->off, (Py_ssize_t)s->len);
             if (!b)
@@ -694,7 +733,27 @@ static PyObject *plane_attach_tcp(PyObject *op, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* syn_lane(callable | None): where plain guest SYNs of no native flow go (syn_lane() above); only
+ * with an attached TcpEngine (no engine: every frame is Python's, as before). */
+static PyObject *plane_syn_lane(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    if (arg != Py_None && !PyCallable_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "syn_lane() takes a callable or None");
+        return NULL;
+    }
+    PyObject *old = self->syn;
+    self->syn = arg == Py_None ? NULL : Py_NewRef(arg);
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef plane_methods[] = {
+    {"syn_lane", plane_syn_lane, METH_O,
+     "syn_lane(syn | None): a plain guest SYN of no native flow, read while an engine is attached and before any "
+     "frame for Python in its batch, goes to syn(frame, v6, l4_off, end, sport, dport, seq, wnd, mss, wscale, sack, "
+     "now) -> bool "
+     "(False: with the batch's frames to deliver)"},
     {"attach_tcp", plane_attach_tcp, METH_O, "attach_tcp(engine | None): native TCP flows take their frames"},
     {"read_tap", plane_read_tap, METH_VARARGS,
      "read_tap(fd, now=0.0) -> (frames, csum_ok | None, end, errno, taken): up to batch frames of a TAP fd, "

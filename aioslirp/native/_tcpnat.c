@@ -744,7 +744,10 @@ static int get_addr(PyObject *o, int v6, uint8_t *out, const char *name)
     return 0;
 }
 
-/* The timerfd follows the engine's next deadline (re-armed only when it moves earlier or fired). */
+/* The timerfd follows the engine's next deadline (re-armed only when it moves earlier or fired).
+ * from_reader: the caller's records are taken without a wake-up when the engine is hooked (the TAP
+ * reader's batch, whose caller takes them at once; an adoption, whose own end record Python takes
+ * itself): pending records alone arm nothing. */
 static void arm_timer(Engine *g, double now, int from_reader)
 {
     if (g->fake || g->tfd < 0)
@@ -827,7 +830,9 @@ static PyObject *engine_adopt(PyObject *op, PyObject *args)
     uint32_t slot = 0, gen = 0;
     int r = tn_adopt(g->e, &a, now, &slot, &gen);
     sink_flush(g);
-    arm_timer(g, now, 0);
+    /* (in the SYN lane the reader's batch is still running: the records an earlier frame of it left
+     * are taken when it ends, not by a timer set to fire now, three timerfd_settime() a connection) */
+    arm_timer(g, now, 1);
     return Py_BuildValue("(iII)", r, slot, gen);
 }
 

@@ -72,6 +72,11 @@ static inline uint16_t rd16(const uint8_t *p)
     return (uint16_t)((p[0] << 8) | p[1]);
 }
 
+static inline uint32_t rd32(const uint8_t *p)
+{
+    return ((uint32_t)rd16(p) << 16) | rd16(p + 2);
+}
+
 /* The IPv4 header checksum holds when the folded one's-complement sum of the header is 0xFFFF
  * (or 0, the other zero; aioslirp.wire.checksum.partial() == 0 says the same). n is even. */
 static int ipv4_header_sum_ok(const uint8_t *p, size_t n)
@@ -338,6 +343,51 @@ int dp_udp_checksum_ok(int v6, const uint8_t *src, const uint8_t *dst, const uin
     size_t alen = v6 ? 16 : 4;
     uint64_t s = sum_words(src, alen) + sum_words(dst, alen) + PROTO_UDP + ulen + sum_words(udp, ulen);
     return s % 0xFFFFu == 0;
+}
+
+int dp_syn_lane(const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok, struct dp_syn *out)
+{
+    if (rec->kind != DP_KIND_TCP || rec->tcp_flags != 0x02u || rec->payload_len || !rec->sport || !rec->dport)
+        return 0;
+    /* the record's offsets were checked by dp_classify() against the buffer it read: again, cheaply */
+    if (rec->end > len || rec->l4_off + 20u > rec->end || rec->payload_off > rec->end)
+        return 0;
+    const uint8_t *t = buf + rec->l4_off;
+    size_t tlen = rec->end - rec->l4_off, doff = rec->payload_off - rec->l4_off;
+    if (!csum_ok) { /* aioslirp.dispatch.l4.L4.tcp: the pseudo-header sum and the segment's, 0 mod 0xFFFF */
+        int v6 = (rec->flags & DP_F_IPV6) != 0;
+        size_t alen = v6 ? 16 : 4;
+        uint64_t s = sum_words(rec->src, alen) + sum_words(rec->dst, alen) + PROTO_TCP + tlen + sum_words(t, tlen);
+        if (s % 0xFFFFu != 0)
+            return 0;
+    }
+    out->seq = rd32(t + 4);
+    out->wnd = (uint16_t)rd16(t + 14);
+    out->mss = -1;
+    out->wscale = -1;
+    out->sack = 0;
+    for (size_t i = 20; i < doff;) { /* the shape was checked by classify_tcp(): same walk, values read */
+        uint8_t kind = t[i];
+        if (kind == 0)
+            break;
+        if (kind == 1) {
+            i++;
+            continue;
+        }
+        if (i + 1 >= doff)
+            return 0;
+        size_t olen = t[i + 1];
+        if (olen < 2 || i + olen > doff)
+            return 0;
+        if (kind == 2 && olen == 4)
+            out->mss = (int32_t)rd16(t + i + 2);
+        else if (kind == 3 && olen == 3)
+            out->wscale = t[i + 2];
+        else if (kind == 4 && olen == 2)
+            out->sack = 1;
+        i += olen;
+    }
+    return 1;
 }
 
 /* The IPv4 header (20 bytes, no options) at p, with its checksum. */

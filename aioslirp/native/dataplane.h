@@ -229,6 +229,29 @@ int dp_udp_guest(struct dp_udp_table *t, const uint8_t *frame, size_t len, int c
 int dp_udp_host(struct dp_udp_table *t, int slot, int tap_fd, int vnet, double now, uint8_t *scratch, size_t cap,
                 uint64_t *frames_out, uint64_t *bytes_out, uint64_t *write_errors);
 
+/* ---- the SYN lane: a new guest connection to Python's admission without its dispatch ----
+ *
+ * A guest SYN that no native flow took goes to Python for admission (policy, limits, audit).
+ * The Python path would parse it again from the Ethernet header up (aioslirp.dispatch: link,
+ * ipv4/ipv6, l4), which costs more per connection than all the C of the flow's life. For the
+ * plainest SYN, dp_syn_lane() says it may skip that: what the dispatch's parse would find is in
+ * the record and in *out, and every check the dispatch makes before its admission that a plain
+ * SYN can fail is one this function made (Python still makes those that need its state: the
+ * guest's source address, a flow of the 5-tuple). 1 when the frame in buf[0..len) (no virtio-net
+ * header; rec from dp_classify() of it) is one: a TCP segment whose flags (the 6 low bits) are
+ * SYN alone, no payload, both ports non-zero, its checksum valid or trusted (csum_ok: the guest
+ * kernel flagged it), its options as aioslirp.wire.tcp.parse_segment() reads them (MSS kind 2
+ * length 4, window scale 3/3, SACK-permitted 4/2; the classifier checked the list's shape).
+ * Anything else: 0, and the frame takes the full Python path, which decides as it always did. */
+struct dp_syn {
+    uint32_t seq;
+    uint16_t wnd;   /* the window field (never scaled on a SYN) */
+    int32_t mss;    /* -1: no MSS option */
+    int16_t wscale; /* -1: no window scale option */
+    uint8_t sack;   /* SACK-permitted */
+};
+int dp_syn_lane(const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok, struct dp_syn *out);
+
 /* A guest frame that Python makes into a TCP segment only later (IPv4 fragments, which it
  * reassembles; IPv6 with an extension header, which it walks): the segments after it in the same
  * read go to Python too, in order, so that none of a native flow's passes it to the engine (which

@@ -256,6 +256,14 @@ class TapTransport(Transport):
         if self._reading and self._fd >= 0:
             self._read_natively()  # the loop's reader gets the new hook
 
+    def syn_lane(self, syn: Callable[..., bool] | None) -> None:
+        """Hand the native reader's plain guest SYNs of no native flow to ``syn`` (``Link.syn``), not
+        to the sink's batch, while a TCP engine is attached (:meth:`attach_tcp`); ``None`` stops it.
+        Only with :attr:`native`; ``ValueError`` otherwise."""
+        if not self.native:
+            raise ValueError("syn_lane needs the native reader (native=True)")
+        self.plane.syn_lane(syn)
+
     def _reader_args(self) -> tuple:
         """The arguments of ``Plane.ready``: the fd, the loop's clock, where the frames left for
         Python go, the hook of frames native UDP flows took and that of ended native TCP flows."""

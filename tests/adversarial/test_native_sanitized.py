@@ -45,7 +45,8 @@ SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test
                    "tests/unit/native/test_tcp_gather.py", "tests/stack/test_native_tcp_stack.py",
                    "tests/adversarial/test_vhost_rx_reserve_race.py", "tests/adversarial/test_native_reader_divert.py",
                    "tests/adversarial/test_native_tcp_gather_hostile.py", "tests/unit/native/test_tcp_trace_json.py",
-                   "tests/unit/observe/test_sink.py", "tests/system/test_trace_sink.py")
+                   "tests/unit/observe/test_sink.py", "tests/system/test_trace_sink.py",
+                   "tests/stack/test_syn_lane.py")
 
 
 def _libasan() -> Path | None:
