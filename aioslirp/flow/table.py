@@ -43,6 +43,9 @@ __all__ = ["FlowTable", "IdleOrder", "sweep_interval"]
 log = logging.getLogger("aioslirp.stack")
 
 _PROTO_TCP = 6
+#: The counters a flow of each ``proto_name`` bumps entering and leaving the table (made once).
+_OPENED = {name: f"flows.{name}.opened" for name in ("tcp", "udp", "icmp")}
+_CLOSED = {name: f"flows.{name}.closed" for name in ("tcp", "udp", "icmp")}
 
 
 def sweep_interval(config) -> float:
@@ -186,7 +189,8 @@ class FlowTable:
         self.flows[flow.key] = flow
         if flow.proto != _PROTO_TCP:
             self.idle_order.add(flow)
-        self.counters[f"flows.{flow.proto_name}.opened"] += 1
+        name = flow.proto_name
+        self.counters[_OPENED.get(name) or f"flows.{name}.opened"] += 1
         self.guard.opened(flow)
         tr = self.tracer
         if tr is not None:
@@ -199,7 +203,8 @@ class FlowTable:
         held: Any = self.flows.get(flow.key)  # (Any: no narrowing of ``flow`` to ``Flow | None`` by ``is``)
         if held is flow:
             del self.flows[flow.key]
-            self.counters[f"flows.{flow.proto_name}.closed"] += 1
+            name = flow.proto_name
+            self.counters[_CLOSED.get(name) or f"flows.{name}.closed"] += 1
             self.guard.closed(flow)
             audit = self.audit
             if audit is not None:  # the one audit record of the flow's end

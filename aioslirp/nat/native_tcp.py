@@ -97,10 +97,10 @@ from typing import ClassVar
 
 from .. import native
 from ..fair import Share
-from ..flow.base import admission
+from ..flow.context import FlowContext
 from ..wire.icmp import KIND_HOST, KIND_NET
 from ..wire.ip import PROTO_TCP
-from ..wire.tcp import ACK, SYN, build_tcp
+from ..wire.tcp import ACK, SYN, Segment, build_tcp
 
 __all__ = ["NativeTcp", "NativeTcpFlow"]
 
@@ -210,7 +210,7 @@ class NativeTcpFlow:
         #: ``time.time_ns()`` when the engine began adopting it (before it entered the table): its
         #: span starts then, before the engine's first trace record of it (``None``: untraced).
         self.opened_ns = opened_ns
-        self.name, self.rule = admission(plane.ctx, self, remote)
+        self.name, self.rule = plane.ctx.guard.admitted(self, remote)  # (the policy's word on it)
 
     @property
     def done(self) -> _Ended:
@@ -410,7 +410,7 @@ class NativeTcp:
     #: kernels without ``SO_PEEK_OFF``, a discard buffer).
     engine_options: ClassVar[dict] = {}
 
-    def __init__(self, ctx, engine, frames_traced: bool = False) -> None:
+    def __init__(self, ctx: FlowContext, engine, frames_traced: bool = False) -> None:
         self.ctx = ctx
         self.engine = engine
         self.flows: dict[tuple[int, int], NativeTcpFlow] = {}
@@ -436,7 +436,7 @@ class NativeTcp:
             self.loop.add_reader(self._fd, self.poll)
 
     @classmethod
-    def start(cls, ctx, transport, frames_traced: bool = False, syn=None) -> "NativeTcp | None":
+    def start(cls, ctx: FlowContext, transport, frames_traced: bool = False, syn=None) -> "NativeTcp | None":
         """The engine for ``transport`` (what the stack serves, after its wrappers other than the
         trace points'), or ``None`` when the native plane does not run TCP flows there: not a TAP
         read natively nor a vhost-user device, a transport wrapped for pcap, or a rate cap the engine
@@ -476,7 +476,7 @@ class NativeTcp:
         return plane
 
     # -------------------------------------------------------------- flows
-    def adopt(self, fam, key: tuple, remote: str, seg, orig_header: bytes, now: float) -> bool:
+    def adopt(self, fam, key: tuple, remote: str, seg: Segment, orig_header: bytes, now: float) -> bool:
         """Run the admitted guest SYN ``seg`` of ``key`` (to host address ``remote``) natively.
         True: the flow is the engine's (or already over: refused, unreachable, no socket; counted);
         False: the engine has no room, the Python path takes it."""
@@ -599,8 +599,9 @@ class NativeTcp:
         """The engine's trace records (``struct tn_trace_rec`` of tcpnat.h) as the tracer's spans
         (``Tracer.record_native_ring``: formatted in C for the direct JSON-lines sink, else
         through the hooks of each record's kind)."""
-        if self.engine.trace_pending():
-            self.tracer.record_native_ring(self.engine, self.flows, self.frames_traced)
+        tr = self.tracer
+        if tr is not None and self.engine.trace_pending():
+            tr.record_native_ring(self.engine, self.flows, self.frames_traced)
 
     def _ended(self, flow: NativeTcpFlow, outcome: int, why: int, err: int, up: int, down: int) -> None:
         name = _OUTCOMES[outcome] if 0 <= outcome < len(_OUTCOMES) else None
