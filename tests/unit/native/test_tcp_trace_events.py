@@ -7,9 +7,7 @@ timestamps."""
 
 from __future__ import annotations
 
-import collections
 import errno
-import types
 
 import pytest
 
@@ -178,22 +176,32 @@ def exporter():
 
 
 @pytest.mark.parametrize("frames", [False, True], ids=["timeline", "frames"])
-def test_native_tcp_drains_the_events_into_the_flow_span_before_its_end(exporter, frames):
+async def test_native_tcp_drains_the_events_into_the_flow_span_before_its_end(exporter, frames):
+    from aioslirp import NetworkConfig, Stack
     from aioslirp.nat.native_tcp import NativeTcp
-    from aioslirp.observe.tracing import MAX_DATA_EVENTS, Tracer
+    from aioslirp.observe.tracing import MAX_DATA_EVENTS
 
     assert MAX_DATA_EVENTS == DATA_EVENTS  # the engine's cap is the tracer's
-    tracer = Tracer(exporter.provider)
-    removed: list = []
-    running = types.SimpleNamespace(loop=None, share_up=None, share_down=None)  # not fair-scheduled
-    ctx = types.SimpleNamespace(running=running, tracer=tracer, rate_up=None, rate_down=None,
-                                counters=collections.Counter(), table=types.SimpleNamespace(remove=removed.append))
+    stack = Stack(NetworkConfig(trace_level="timeline"), tracer_provider=exporter.provider)
+    await stack.start()
+    ctx = stack.parts.ctx
+    tracer = ctx.tracer
     ext = need_extension()
     engine = ext.TcpEngine(-1, False, False, GW_MAC, MTU, 16, 1 << 20, 60.0, 10.0, 1.0, fake=True)
     plane = NativeTcp(ctx, engine, frames)  # tracing at "timeline" or "frames": the engine's trace points on
+    try:
+        _drain_into_the_span(exporter, tracer, engine, plane, frames)
+    finally:
+        plane.close()
+        await stack.aclose()
+
+
+def _drain_into_the_span(exporter, tracer, engine, plane, frames: bool) -> None:
+    from aioslirp.observe.tracing import MAX_DATA_EVENTS
+
     f = EngineFlow(engine=engine)
     flow = _flow(plane, f)
-    tracer.record_flow_opened(flow)
+    plane.ctx.table.add(flow)  # (its span opens)
     plane.flows[(f.slot, f.gen)] = flow
     f.send(ACK)
     for i in range(10):
@@ -203,7 +211,8 @@ def test_native_tcp_drains_the_events_into_the_flow_span_before_its_end(exporter
     f.host_eof()
     f.send(ACK, seq=IRS + 32, ack=ISS + 4)  # the end: its events and its record in one take
     plane.take()
-    assert removed == [flow] and flow.ended and (flow.bytes_up, flow.bytes_down, flow.outcome) == (30, 2, "closed")
+    assert flow.key not in plane.ctx.table.flows and plane.ctx.counters["flows.tcp.closed"] == 1
+    assert flow.ended and (flow.bytes_up, flow.bytes_down, flow.outcome) == (30, 2, "closed")
     tracer.end_all()
     (span,) = [s for s in exporter.get_finished_spans() if s.name == "tcp.flow"]
     names = [ev.name for ev in span.events]
