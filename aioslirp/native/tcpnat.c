@@ -1298,11 +1298,8 @@ static void from_sock(struct tn_engine *e, struct tn_flow *f, double now)
             n = e->io.sock_peekv(e->io.ctx, f->fd, e->dv, (int)npv, inflight);
             if (n <= 0) /* nothing there to commit (EFAULT: guest memory that could not be written) */
                 e->io.rx_release(e->io.ctx);
-            if (n == -EFAULT) { /* into the engine's buffer instead: the frame is copied */
+            if (n == -EFAULT) /* into the engine's buffer instead: the frame is copied (capped below) */
                 npv = 0;
-                if (chunk > TN_PEEK_MAX)
-                    chunk = TN_PEEK_MAX;
-            }
         }
         if (!npv) {
             if (chunk > TN_PEEK_MAX)

@@ -14,13 +14,12 @@ import struct
 import pytest
 
 from aioslirp.transport import vhost_proto as vp
-from aioslirp.transport import vhost_user as vu
 
 from support.frames import ACK, F4, GUEST_MAC, GW_MAC, SYN, tcp_frame
 from support.native import need_extension, need_vhost
 from support.native_tcp import decode
 from support.stacks import until
-from support.vhost import FakeFrontEnd
+from support.vhost import close_made, engine_device
 
 IRS, ISS, GPORT = 1_000_000, 5_000_000, 40000
 DATA_VALID = bytes([2]) + bytes(11)  # virtio_net_hdr_v1: the checksum is good
@@ -36,17 +35,7 @@ async def flow(tmp_path):
     made: list = []
 
     async def make(features: int = vp.OFFERED_FEATURES):
-        lst = socket.socket()
-        lst.bind(("127.0.0.1", 0))
-        lst.listen(1)
-        port = lst.getsockname()[1]
-        t = vu.VhostUserTransport(str(tmp_path / "vu.sock"))
-        python_frames: list = []
-        await t.open(lambda frames, csum=None: python_frames.extend(frames))
-        fe = FakeFrontEnd(str(tmp_path / "vu.sock"), features=features)
-        made.append((t, fe, lst))
-        await asyncio.to_thread(fe.setup)
-        assert await until(lambda: t.running, 5.0)
+        t, fe, lst, port, python_frames = await engine_device(str(tmp_path / "vu.sock"), made, features)
         engine = ext.TcpEngine(-1, True, True, GW_MAC, 1500, 16, 1 << 20, 60.0, 5.0, 1.0, sink=t.tcp_sink())
         t.attach_tcp(engine)
         made.append(engine)
@@ -73,14 +62,7 @@ async def flow(tmp_path):
         return t, fe, engine, host, rx, post, python_frames
 
     yield make
-    for m in made:
-        if isinstance(m, tuple):
-            t, fe, lst = m
-            t.close()
-            fe.close()
-            lst.close()
-        else:
-            m.close()
+    close_made(made)
 
 
 async def test_guest_frames_go_to_the_engine_and_its_frames_wait_for_buffers_in_order(flow):

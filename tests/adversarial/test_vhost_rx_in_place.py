@@ -18,12 +18,10 @@ import struct
 import pytest
 
 from aioslirp.transport import vhost_proto as vp
-from aioslirp.transport import vhost_user as vu
 
 from support.frames import ACK, F4, F6, GUEST_MAC, GW_MAC, SYN, tcp_frame
 from support.native import need_extension, need_vhost
-from support.stacks import until
-from support.vhost import GPA, FakeFrontEnd, ring_base
+from support.vhost import GPA, FakeFrontEnd, close_made, engine_device, ring_base
 
 IRS, ISS, GPORT = 1_000_000, 5_000_000, 40000
 DATA_VALID = bytes([2]) + bytes(11)  # virtio_net_hdr_v1: the checksum is good
@@ -108,17 +106,8 @@ async def flow(tmp_path):
 
     async def make(features: int = vp.OFFERED_FEATURES, direct: bool = True, fam=F4, peek_off: bool = True,
                    num: int = 256):
-        lst = socket.socket(fam.af)
-        lst.bind((fam.loopback, 0))
-        lst.listen(1)
-        port = lst.getsockname()[1]
-        t = vu.VhostUserTransport(str(tmp_path / "vu.sock"))
-        python_frames: list = []
-        await t.open(lambda frames, csum=None: python_frames.extend(frames))
-        fe = FakeFrontEnd(str(tmp_path / "vu.sock"), features=features)
-        made.append((t, fe, lst))
-        await asyncio.to_thread(lambda: fe.setup(num=num))
-        assert await until(lambda: t.running, 5.0)
+        t, fe, lst, port, _ = await engine_device(str(tmp_path / "vu.sock"), made, features, af=fam.af,
+                                                  loopback=fam.loopback, setup=lambda fe: fe.setup(num=num))
         t._dev.set_rx_direct(direct)
         engine = ext.TcpEngine(-1, True, True, GW_MAC, 1500, 16, 1 << 20, 60.0, 5.0, 1.0, sink=t.tcp_sink(),
                                peek_off=peek_off)
@@ -134,14 +123,7 @@ async def flow(tmp_path):
         return t, fe, engine, host
 
     yield make
-    for m in made:
-        if isinstance(m, tuple):
-            t, fe, lst = m
-            t.close()
-            fe.close()
-            lst.close()
-        else:
-            m.close()
+    close_made(made)
 
 
 def payload_of(frame: bytes) -> tuple[int, bytes]:

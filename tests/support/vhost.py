@@ -229,3 +229,42 @@ class FakeFrontEnd:
 
 def vu_next() -> int:
     return 1  # VRING_DESC_F_NEXT
+
+
+async def engine_device(path: str, made: list, features: int, *, af: int = socket.AF_INET, loopback: str = "127.0.0.1",
+                        setup=None):
+    """A vhost-user transport serving ``path`` with a :class:`FakeFrontEnd` of ``features`` set up
+    on it (``setup(fe)``, default ``fe.setup()``, run off the loop) and running, and a listening
+    socket on ``loopback`` (family ``af``) for a flow to connect to. Returns ``(transport, front
+    end, listener, port, python_frames)``: the frames the transport handed to its sink land in
+    ``python_frames``. Everything made is appended to ``made`` for :func:`close_made`."""
+    import asyncio
+
+    from aioslirp.transport import vhost_user as vu
+
+    from support.stacks import until
+
+    lst = socket.socket(af)
+    lst.bind((loopback, 0))
+    lst.listen(1)
+    t = vu.VhostUserTransport(path)
+    python_frames: list = []
+    await t.open(lambda frames, csum=None: python_frames.extend(frames))
+    fe = FakeFrontEnd(path, features=features)
+    made.append((t, fe, lst))
+    await asyncio.to_thread(setup or fe.setup, *((fe,) if setup else ()))
+    assert await until(lambda: t.running, 5.0)
+    return t, fe, lst, lst.getsockname()[1], python_frames
+
+
+def close_made(made: list) -> None:
+    """Close what :func:`engine_device` and a test's fixture made: each ``(transport, front end,
+    listener)`` and each other object (an engine, a socket)."""
+    for m in made:
+        if isinstance(m, tuple):
+            t, fe, lst = m
+            t.close()
+            fe.close()
+            lst.close()
+        else:
+            m.close()
