@@ -333,8 +333,10 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
                 if (tcpnat_tap_frame_kept(tcp, self->buf + s->off, s->len, s->csum_ok, tcp_now))
                     continue; /* a native TCP flow's frame (its payload may wait for the gather flush) */
                 divert = dp_reorders_later(self->buf + s->off, s->len);
-                if (self->syn && !divert && PyList_Size(frames) == 0) {
-                    /* (only ahead of any frame for Python: the lane reorders nothing) */
+                if (self->syn && !divert && PyList_Size(frames) == 0 && !tcpnat_records_pending(tcp)) {
+                    /* (only ahead of any frame for Python: the lane reorders nothing; and not while
+                     * the engine holds records, which the full path takes before its frames: a flow
+                     * that ended earlier in the batch still counts in the guard and the table) */
                     int took = syn_lane(self, self->buf + s->off, s->len, s->csum_ok, now);
                     /* Python ran: the engine is looked up again (were it detached or closed
                      * meanwhile, the rest of the batch is Python's) */
