@@ -347,3 +347,43 @@ async def test_a_syn_after_a_native_flow_ended_in_its_batch_is_admitted_as_on_th
     finally:
         await full.close()
         await fast.close()
+
+
+@pytest.mark.parametrize("reenter", ["read_tap", "init"])
+def test_the_reader_refuses_to_be_reentered_from_the_lane(reenter):
+    """Python runs inside the reader's loop over its buffer and slots: a lane that reads the plane
+    again (the same frames would be walked twice) or re-initialises it (buffer and slots freed under
+    the loop: a use-after-free) must get an error, and the outer batch stays whole."""
+    ext = need_extension()
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
+    plane = ext.Plane(65536, 8, False)
+    plane.attach_tcp(eng)
+    tap, guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    errors = []
+
+    def lane(*args) -> bool:
+        try:
+            if reenter == "init":
+                plane.__init__(1500, 1, False)
+            else:
+                plane.read_tap(tap.fileno())
+        except RuntimeError as e:
+            errors.append(e)
+        return True
+
+    plane.syn_lane(lane)
+    try:
+        tap.setblocking(False)
+        frames = [tcp_frame(F4, 42600, 80, SYN, seq=1, mss=1460), echo_frame(F4, 9),
+                  tcp_frame(F4, 42601, 80, SYN, seq=2, mss=1460)]
+        for f in frames:
+            guest.send(f)
+        left, *_ = plane.read_tap(tap.fileno())
+        assert left == frames[1:]
+        assert len(errors) == 1
+    finally:
+        plane.syn_lane(None)
+        plane.attach_tcp(None)
+        eng.close()
+        tap.close()
+        guest.close()
