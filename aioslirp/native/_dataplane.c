@@ -187,6 +187,7 @@ typedef struct {
     uint8_t *udp_scratch;
     PyObject *tcp; /* a TcpEngine (attach_tcp): its flows' frames never reach Python */
     PyObject *syn; /* syn_lane(): where a plain guest SYN of no native flow goes (dp_syn_lane), or NULL */
+    int reading; /* read_batch() runs (the lane calls Python inside it): no reentry over buf and slots */
     /* udp_sink(): host datagrams read by udp_readable(slot), the loop's reader of each host socket */
     int sink_fd, sink_vnet;
     PyObject *sink_counters; /* the stack's counters (a dict-like of int), bumped per call */
@@ -204,6 +205,10 @@ static int plane_init(PyObject *op, PyObject *args, PyObject *kwargs)
 {
     Plane *self = (Plane *)op;
     static char *kwlist[] = {"read_size", "batch", "vnet", NULL};
+    if (self->reading) { /* from the SYN lane: the reader's buffer and slots are in use */
+        PyErr_SetString(PyExc_RuntimeError, "Plane re-initialised while it reads");
+        return -1;
+    }
     Py_ssize_t read_size, batch;
     int vnet = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nn|p", kwlist, &read_size, &batch, &vnet))
@@ -317,6 +322,7 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
     PyObject *csum = self->vnet ? PyList_New(0) : (Py_INCREF(Py_None), Py_None);
     if (!frames || !csum)
         goto fail;
+    self->reading = 1;
     unsigned left = self->batch, fill = (unsigned)(self->cap / self->read_size);
     enum dp_read_end end;
     int err = 0, divert = 0; /* divert: the rest of the batch goes to Python (dp_reorders_later) */
@@ -333,8 +339,10 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
                 if (tcpnat_tap_frame_kept(tcp, self->buf + s->off, s->len, s->csum_ok, tcp_now))
                     continue; /* a native TCP flow's frame (its payload may wait for the gather flush) */
                 divert = dp_reorders_later(self->buf + s->off, s->len);
-                if (self->syn && !divert && PyList_Size(frames) == 0) {
-                    /* (only ahead of any frame for Python: the lane reorders nothing) */
+                if (self->syn && !divert && PyList_Size(frames) == 0 && !tcpnat_records_pending(tcp)) {
+                    /* (only ahead of any frame for Python: the lane reorders nothing; and not while
+                     * the engine holds records, which the full path takes before its frames: a flow
+                     * that ended earlier in the batch still counts in the guard and the table) */
                     int took = syn_lane(self, self->buf + s->off, s->len, s->csum_ok, now);
                     /* Python ran: the engine is looked up again (were it detached or closed
                      * meanwhile, the rest of the batch is Python's) */
@@ -360,6 +368,7 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
     } while (end == DP_READ_FULL && left > 0);
     if (end == DP_READ_FULL)
         end = DP_READ_DONE;
+    self->reading = 0;
     if (tcp)
         tcpnat_batch_end(tcp);
     *frames_out = frames;
@@ -369,6 +378,7 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
     *taken_out = self->udp.taken_frames - taken_before;
     return 0;
 fail:
+    self->reading = 0;
     if (tcp)
         tcpnat_batch_end(tcp);
     Py_XDECREF(frames);
@@ -378,6 +388,10 @@ fail:
 
 static int check_fd(Plane *self, long fdl)
 {
+    if (self->reading) { /* from the SYN lane: the reader's buffer and slots are in use */
+        PyErr_SetString(PyExc_RuntimeError, "Plane read again while it reads");
+        return -1;
+    }
     if (!self->buf) {
         PyErr_SetString(PyExc_ValueError, "Plane not initialised");
         return -1;

@@ -1011,6 +1011,12 @@ int tcpnat_pending(PyObject *obj)
     return g && g->e && (tn_records_pending(g->e) || (g->metered && moved_since(g)));
 }
 
+int tcpnat_records_pending(void *engine)
+{
+    Engine *g = engine;
+    return g && g->e && tn_records_pending(g->e);
+}
+
 static PyObject *engine_pending(PyObject *op, PyObject *unused)
 {
     (void)unused;

@@ -26,5 +26,8 @@ double tcpnat_now(void);
 /* TcpEngine.pending() of a TcpEngine object, without a call: 1 when its records wait (or bytes
  * moved since moved() while metered), 0 otherwise or when obj is not an open engine. */
 int tcpnat_pending(PyObject *obj);
+/* 1 when the engine (tcpnat_engine_of) holds records Python has not taken (flows that ended or
+ * connected): what the TAP reader's caller takes before the batch's frames for Python. */
+int tcpnat_records_pending(void *engine);
 
 #endif

@@ -293,3 +293,97 @@ def test_a_lane_that_detaches_and_drops_the_engine_leaves_the_rest_of_the_batch_
         plane.syn_lane(None)
         tap.close()
         guest.close()
+
+
+class ReadySide(LaneSide):
+    """A :class:`LaneSide` read as the TAP transport reads it (``Plane.ready``: the engine's records
+    taken after the batch, before its frames for Python are delivered); ``lane``: the SYN lane on."""
+
+    def __init__(self, cfg: NetworkConfig, lane: bool) -> None:
+        super().__init__(cfg)
+        self.lane = lane
+
+    async def start(self) -> None:
+        await super().start()
+        if not self.lane:
+            self.plane.syn_lane(None)
+
+    def feed(self, frames: list[bytes]) -> list[bytes]:
+        for f in frames:
+            self.guest.send(f)
+        got = []
+        link = self.stack.parts.link
+
+        def deliver(frames, csum, end, err):
+            got.extend(frames)
+            if frames:
+                link.on_frames(frames, csum)
+
+        self.plane.ready(self.tap.fileno(), self.stack.parts.ctx.running.time, deliver, None,
+                         self.stack.parts.ctx.native_tcp.take)
+        return got
+
+
+async def test_a_syn_after_a_native_flow_ended_in_its_batch_is_admitted_as_on_the_full_path():
+    """A native flow ends in C on a guest RST and a SYN follows in the same batch: the full path
+    takes the engine's records (the flow out of the table and the guard) before its frames; the
+    lane must not admit the SYN against the ended flow's count (``max_tcp_flows`` 1 here)."""
+    cfg = dict(max_tcp_flows=1)
+    full, fast = ReadySide(NetworkConfig(**cfg), False), ReadySide(NetworkConfig(**cfg), True)
+    await full.start()
+    await fast.start()
+    try:
+        syn_a = tcp_frame(F4, 43000, 8080, SYN, seq=100, dst=REMOTE4, mss=1460)
+        rst_a = tcp_frame(F4, 43000, 8080, RST, seq=101, dst=REMOTE4)
+        syn_b = tcp_frame(F4, 43001, 8080, SYN, seq=200, dst=REMOTE4, mss=1460)
+        for side in (full, fast):
+            side.feed([syn_a])
+            assert side.engine.live() == 1
+            side.feed([rst_a, syn_b])
+        assert full.counters().get("drop.limit_tcp_flows", 0) == 0
+        assert fast.counters() == full.counters()
+        assert fast.flows() == full.flows()
+        assert fast.engine.live() == full.engine.live() == 1
+    finally:
+        await full.close()
+        await fast.close()
+
+
+@pytest.mark.parametrize("reenter", ["read_tap", "init"])
+def test_the_reader_refuses_to_be_reentered_from_the_lane(reenter):
+    """Python runs inside the reader's loop over its buffer and slots: a lane that reads the plane
+    again (the same frames would be walked twice) or re-initialises it (buffer and slots freed under
+    the loop: a use-after-free) must get an error, and the outer batch stays whole."""
+    ext = need_extension()
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
+    plane = ext.Plane(65536, 8, False)
+    plane.attach_tcp(eng)
+    tap, guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    errors = []
+
+    def lane(*args) -> bool:
+        try:
+            if reenter == "init":
+                plane.__init__(1500, 1, False)
+            else:
+                plane.read_tap(tap.fileno())
+        except RuntimeError as e:
+            errors.append(e)
+        return True
+
+    plane.syn_lane(lane)
+    try:
+        tap.setblocking(False)
+        frames = [tcp_frame(F4, 42600, 80, SYN, seq=1, mss=1460), echo_frame(F4, 9),
+                  tcp_frame(F4, 42601, 80, SYN, seq=2, mss=1460)]
+        for f in frames:
+            guest.send(f)
+        left, *_ = plane.read_tap(tap.fileno())
+        assert left == frames[1:]
+        assert len(errors) == 1
+    finally:
+        plane.syn_lane(None)
+        plane.attach_tcp(None)
+        eng.close()
+        tap.close()
+        guest.close()
