@@ -290,20 +290,36 @@ static void plane_dealloc(PyObject *op)
 /* The SYN lane (syn_lane()): the frame at p[0..len), which no native flow took, to self->syn when
  * dp_syn_lane() finds it a plain SYN: syn(frame, v6, l4_off, end, sport, dport, seq, wnd, mss,
  * wscale, sack, now) with the frame as bytes (no virtio-net header), its offsets, its header fields
- * and options (-1: absent) and the batch's loop time. 1: Python took it (admitted, refused or
- * dropped, and counted); 0: not a plain SYN, or Python left it to the full path (it goes with the
- * batch's frames for Python); -1: an exception. */
-static int syn_lane(Plane *self, const uint8_t *p, size_t len, int csum_ok, double now)
+ * and options (-1: absent) and the batch's loop time. Before that, while the engine (*tcp) holds
+ * records, ended() takes them (the full path takes them before its frames: a flow that ended
+ * earlier in the batch counts no more in the guard and the table); without ended (read_tap), such
+ * a SYN is the batch's. *tcp is looked up again after Python ran (NULL: the engine was detached or
+ * closed; the rest of the batch is Python's). 1: Python took it (admitted, refused or dropped, and
+ * counted); 0: not a plain SYN, or Python left it to the full path (it goes with the batch's
+ * frames for Python); -1: an exception. */
+static int syn_lane(Plane *self, const uint8_t *p, size_t len, int csum_ok, double now, PyObject *ended, void **tcp)
 {
     struct dp_frame rec;
     struct dp_syn syn;
     if (dp_classify(p, len, 0, &rec, NULL) != DP_KIND_TCP || !dp_syn_lane(p, len, &rec, csum_ok, &syn))
         return 0;
+    if (tcpnat_records_pending(*tcp)) {
+        if (!ended)
+            return 0;
+        PyObject *r = PyObject_CallObject(ended, NULL);
+        *tcp = self->tcp ? tcpnat_engine_of(self->tcp) : NULL;
+        if (!r)
+            return -1;
+        Py_DECREF(r);
+        if (!*tcp || tcpnat_records_pending(*tcp))
+            return 0;
+    }
     PyObject *r = PyObject_CallFunction(self->syn, "y#NIIIIkIiiNd", (const char *)p, (Py_ssize_t)len,
                                         PyBool_FromLong((rec.flags & DP_F_IPV6) != 0), rec.l4_off, rec.end,
                                         (unsigned)rec.sport, (unsigned)rec.dport, (unsigned long)syn.seq,
                                         (unsigned)syn.wnd, (int)syn.mss, (int)syn.wscale, PyBool_FromLong(syn.sack),
                                         now);
+    *tcp = self->tcp ? tcpnat_engine_of(self->tcp) : NULL;
     if (!r)
         return -1;
     int took = PyObject_IsTrue(r);
@@ -313,9 +329,11 @@ static int syn_lane(Plane *self, const uint8_t *p, size_t len, int csum_ok, doub
 
 /* One batch of the TAP fd (read_tap and ready): the frames left for Python and their checksum
  * flags (new references, or NULL with an exception set), how the reads ended, their errno and the
- * frames adopted UDP flows took. */
+ * frames adopted UDP flows took. ended: ready()'s hook that takes the engine's records (or NULL),
+ * called before a SYN goes to the lane while records wait, as the full path takes them before its
+ * frames. */
 static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, PyObject **csum_out,
-                      enum dp_read_end *end_out, int *err_out, uint64_t *taken_out)
+                      enum dp_read_end *end_out, int *err_out, uint64_t *taken_out, PyObject *ended)
 {
     void *tcp = self->tcp ? tcpnat_engine_of(self->tcp) : NULL;
     PyObject *frames = PyList_New(0);
@@ -339,14 +357,9 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
                 if (tcpnat_tap_frame_kept(tcp, self->buf + s->off, s->len, s->csum_ok, tcp_now))
                     continue; /* a native TCP flow's frame (its payload may wait for the gather flush) */
                 divert = dp_reorders_later(self->buf + s->off, s->len);
-                if (self->syn && !divert && PyList_Size(frames) == 0 && !tcpnat_records_pending(tcp)) {
-                    /* (only ahead of any frame for Python: the lane reorders nothing; and not while
-                     * the engine holds records, which the full path takes before its frames: a flow
-                     * that ended earlier in the batch still counts in the guard and the table) */
-                    int took = syn_lane(self, self->buf + s->off, s->len, s->csum_ok, now);
-                    /* Python ran: the engine is looked up again (were it detached or closed
-                     * meanwhile, the rest of the batch is Python's) */
-                    tcp = self->tcp ? tcpnat_engine_of(self->tcp) : NULL;
+                if (self->syn && !divert && PyList_Size(frames) == 0) {
+                    /* (only ahead of any frame for Python: the lane reorders nothing) */
+                    int took = syn_lane(self, self->buf + s->off, s->len, s->csum_ok, now, ended, &tcp);
                     if (took < 0)
                         goto fail;
                     if (took)
@@ -418,7 +431,7 @@ static PyObject *plane_read_tap(PyObject *op, PyObject *args)
     enum dp_read_end end;
     int err;
     uint64_t taken;
-    if (read_batch(self, (int)fdl, now, &frames, &csum, &end, &err, &taken) < 0)
+    if (read_batch(self, (int)fdl, now, &frames, &csum, &end, &err, &taken, NULL) < 0)
         return NULL;
     return Py_BuildValue("(NNiiK)", frames, csum, (int)end, err, (unsigned long long)taken);
 }
@@ -449,7 +462,7 @@ static PyObject *plane_ready(PyObject *op, PyObject *args)
     enum dp_read_end end;
     int err;
     uint64_t taken;
-    if (read_batch(self, (int)fdl, now, &frames, &csum, &end, &err, &taken) < 0)
+    if (read_batch(self, (int)fdl, now, &frames, &csum, &end, &err, &taken, ended_hook == Py_None ? NULL : ended_hook) < 0)
         return NULL;
     PyObject *r;
     if (taken && self->sink_counters) { /* native UDP flows took frames: counted here, no Python frame */

@@ -327,7 +327,8 @@ class ReadySide(LaneSide):
 async def test_a_syn_after_a_native_flow_ended_in_its_batch_is_admitted_as_on_the_full_path():
     """A native flow ends in C on a guest RST and a SYN follows in the same batch: the full path
     takes the engine's records (the flow out of the table and the guard) before its frames; the
-    lane must not admit the SYN against the ended flow's count (``max_tcp_flows`` 1 here)."""
+    lane must not admit the SYN against the ended flow's count (``max_tcp_flows`` 1 here): it takes
+    the records first too (``Plane.ready``'s hook), then the SYN."""
     cfg = dict(max_tcp_flows=1)
     full, fast = ReadySide(NetworkConfig(**cfg), False), ReadySide(NetworkConfig(**cfg), True)
     await full.start()
@@ -344,6 +345,7 @@ async def test_a_syn_after_a_native_flow_ended_in_its_batch_is_admitted_as_on_th
         assert fast.counters() == full.counters()
         assert fast.flows() == full.flows()
         assert fast.engine.live() == full.engine.live() == 1
+        assert fast.stack.counters["native_tcp.syn_lane"] == 2  # (both SYNs took the lane)
     finally:
         await full.close()
         await fast.close()
