@@ -147,7 +147,8 @@ class Link:
         (``mss``, ``wscale``: -1 absent; ``sack``). It runs what :meth:`on_frames` runs for that
         frame but the parse: counted (``frames_in``, ``bytes_in``, ``native_tcp.syn_lane``), the guest's source checked,
         then the admission (:meth:`L4.tcp_syn <aioslirp.dispatch.l4.L4.tcp_syn>`), what it queued
-        written at once. ``now``: the batch's loop time. True: done (admitted, refused or dropped,
+        written at once, its ``process_guest_frame`` span recorded at trace level ``frames``. ``now``: the
+        batch's loop time. True: done (admitted, refused or dropped,
         all counted); False: nothing done (a flow of the Python path holds the 5-tuple, or IPv6 is
         off): the frame goes to :meth:`on_frames` with its batch. Never raises."""
         inp = self.ipv6 if v6 else self.ipv4
@@ -156,6 +157,9 @@ class Link:
         seg = Segment(seq, 0, SYN, wnd, b"", None if mss < 0 else mss, None if wscale < 0 else wscale, sack)
         q = self.queue
         q.hold = True
+        tr = self.tracer
+        if tr is not None:
+            tr.record_batch_start()
         try:
             took = inp.syn(frame, sport, dport, l4_off, end, seg, now)
         except Exception:
@@ -165,6 +169,8 @@ class Link:
         finally:
             q.hold = False
         if took:
+            if tr is not None:  # its process_guest_frame span, as on_frames records it
+                tr.record_guest_frame(frame)
             counters = self.counters
             counters["frames_in"] += 1
             counters["bytes_in"] += len(frame)

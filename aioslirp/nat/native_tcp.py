@@ -444,7 +444,7 @@ class NativeTcp:
         ``frames_traced``: the stack traces at level ``frames`` (the per-frame
         trace points too). ``syn``: the stack's ``Link.syn``, the SYN lane of a transport that has
         one (``syn_lane``: the TAP's native reader), where a plain new connection's SYN goes
-        without the dispatch's parse; not at level ``frames`` (whose trace point is the dispatch's)."""
+        without the dispatch's parse (its frame span too, at level ``frames``)."""
         attach = getattr(transport, "attach_tcp", None)
         if attach is None or not getattr(transport, "native", False) or not native.tcp_wanted():
             return None
@@ -468,7 +468,7 @@ class NativeTcp:
         plane = cls(ctx, engine, frames_traced)
         attach(engine, plane.take)
         lane = getattr(transport, "syn_lane", None)
-        if lane is not None and syn is not None and not frames_traced:
+        if lane is not None and syn is not None:
             lane(syn)
         ident = ctx.identity
         log.info("%snative data plane: guest TCP flows run in C (peek offset: %s)", ident.log_prefix,

@@ -32,8 +32,8 @@ class Side:
     """A started stack whose TCP flows run in a fake-socket engine; what it sends the guest is
     collected (the engine's frames and the inject queue's)."""
 
-    def __init__(self, cfg: NetworkConfig) -> None:
-        self.stack = Stack(cfg)
+    def __init__(self, cfg: NetworkConfig, tracer_provider=None) -> None:
+        self.stack = Stack(cfg, tracer_provider=tracer_provider)
         self.out = CollectTransport()
 
     async def start(self) -> None:
@@ -389,3 +389,37 @@ def test_the_reader_refuses_to_be_reentered_from_the_lane(reenter):
         eng.close()
         tap.close()
         guest.close()
+
+
+async def test_at_trace_level_frames_the_lane_records_the_frame_span_the_full_path_records():
+    """At trace level ``frames`` the lane is on too and records the SYN's ``process_guest_frame``
+    span (a child of the new flow's span) as :meth:`Link.on_frames` does."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    seen = {}
+    syn = tcp_frame(F4, 44000, 8080, SYN, seq=7, dst=REMOTE4, mss=1460)
+    for lane in (False, True):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        side = (LaneSide if lane else Side)(NetworkConfig(trace_level="frames"), provider)
+        await side.start()
+        try:
+            if lane:
+                assert side.feed([syn]) == []
+                assert side.stack.counters["native_tcp.syn_lane"] == 1
+            else:
+                side.stack.parts.link.on_frames([syn])
+            assert len(side.stack.parts.flows) == 1
+        finally:
+            await side.close()  # (the flow's span ends)
+            provider.shutdown()
+        spans = exporter.get_finished_spans()
+        (flow_span,) = [sp for sp in spans if sp.name == "tcp.flow"]
+        (frame,) = [sp for sp in spans if sp.name == "process_guest_frame"]
+        assert frame.parent is not None and frame.parent.span_id == flow_span.context.span_id
+        seen[lane] = {k: v for k, v in frame.attributes.items() if k != "aioslirp.processing_us"}
+    assert seen[True] == seen[False] and seen[True]["aioslirp.tcp.flags"] == "S"
