@@ -12,6 +12,7 @@ the lane must have taken exactly the frames it may take (``native_tcp.syn_lane``
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 
@@ -148,6 +149,31 @@ def _cases() -> list[tuple[str, bytes, bool]]:
 CASES = _cases()
 
 
+@contextlib.contextmanager
+def _reader(engine: bool = True, lane=None):
+    """A ``Plane`` reading a datagram socket pair (the TAP fd), with a fake-socket engine attached
+    (``engine``) and the lane ``lane`` (default: one that records its calls in ``asked`` and takes
+    the SYN). Yields ``(plane, engine or None, tap, guest, asked)``."""
+    ext = need_extension()
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True) if engine else None
+    plane = ext.Plane(65536, 8, False)
+    if eng is not None:
+        plane.attach_tcp(eng)
+    asked: list = []
+    plane.syn_lane(lane or (lambda *a: asked.append(a) or True))
+    tap, guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    tap.setblocking(False)
+    try:
+        yield plane, eng, tap, guest, asked
+    finally:
+        plane.syn_lane(None)
+        plane.attach_tcp(None)
+        if eng is not None:
+            eng.close()
+        tap.close()
+        guest.close()
+
+
 @pytest.mark.parametrize("name,frame,lane", CASES, ids=[c[0] for c in CASES])
 async def test_a_syn_ends_on_the_lane_as_on_the_full_path(name, frame, lane):
     cfg = dict(egress_deny=["0.0.0.0/0:9999/tcp"])
@@ -215,37 +241,20 @@ async def test_a_syn_for_a_flow_of_the_python_path_goes_to_that_flow():
 
 def test_the_lane_needs_a_callable_and_the_native_reader():
     ext = need_extension()
-    plane = ext.Plane(65536, 8, False)
     with pytest.raises(TypeError):
-        plane.syn_lane(42)
-    plane.syn_lane(None)
+        ext.Plane(65536, 8, False).syn_lane(42)
     # no engine attached: every frame is the batch's, the lane is never asked
-    asked = []
-    plane.syn_lane(lambda *a: asked.append(a) or True)
-    tap, guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        tap.setblocking(False)
+    with _reader(engine=False) as (plane, _eng, tap, guest, asked):
         syn = tcp_frame(F4, 42200, 8080, SYN, seq=2, mss=1460)
         guest.send(syn)
         frames, *_ = plane.read_tap(tap.fileno())
         assert frames == [syn] and asked == []
-    finally:
-        tap.close()
-        guest.close()
 
 
 def test_the_lane_gets_the_fields_the_full_path_parses():
     """What ``syn()`` is called with, against the frame's own bytes (IPv4 with an IP option, so that
     the TCP header does not start at 34, and IPv6)."""
-    ext = need_extension()
-    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
-    plane = ext.Plane(65536, 8, False)
-    plane.attach_tcp(eng)
-    asked = []
-    plane.syn_lane(lambda *a: asked.append(a) or True)
-    tap, guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        tap.setblocking(False)
+    with _reader() as (plane, _eng, tap, guest, asked):
         frames = [tcp_frame(F4, 42300, 8443, SYN, seq=0xFEDCBA98, win=29200, mss=1460, opts=WSCALE + SACK),
                   tcp_frame(F6, 42301, 443, SYN, seq=5, win=64800),
                   _with_ip_options(tcp_frame(F4, 42302, 80, SYN, seq=6, win=1000, mss=536))]
@@ -258,11 +267,6 @@ def test_the_lane_gets_the_fields_the_full_path_parses():
             (frames[1], True, 54, len(frames[1]), 42301, 443, 5, 64800, -1, -1, False, 12.5),
             (frames[2], False, 38, len(frames[2]), 42302, 80, 6, 1000, 536, -1, False, 12.5),
         ]
-    finally:
-        plane.attach_tcp(None)
-        eng.close()
-        tap.close()
-        guest.close()
 
 
 def test_a_lane_that_detaches_and_drops_the_engine_leaves_the_rest_of_the_batch_to_python():
@@ -356,14 +360,11 @@ def test_the_reader_refuses_to_be_reentered_from_the_lane(reenter):
     """Python runs inside the reader's loop over its buffer and slots: a lane that reads the plane
     again (the same frames would be walked twice) or re-initialises it (buffer and slots freed under
     the loop: a use-after-free) must get an error, and the outer batch stays whole."""
-    ext = need_extension()
-    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
-    plane = ext.Plane(65536, 8, False)
-    plane.attach_tcp(eng)
-    tap, guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     errors = []
+    held: list = []
 
     def lane(*args) -> bool:
+        plane, tap = held
         try:
             if reenter == "init":
                 plane.__init__(1500, 1, False)
@@ -373,9 +374,8 @@ def test_the_reader_refuses_to_be_reentered_from_the_lane(reenter):
             errors.append(e)
         return True
 
-    plane.syn_lane(lane)
-    try:
-        tap.setblocking(False)
+    with _reader(lane=lane) as (plane, _eng, tap, guest, _asked):
+        held[:] = [plane, tap]
         frames = [tcp_frame(F4, 42600, 80, SYN, seq=1, mss=1460), echo_frame(F4, 9),
                   tcp_frame(F4, 42601, 80, SYN, seq=2, mss=1460)]
         for f in frames:
@@ -383,12 +383,6 @@ def test_the_reader_refuses_to_be_reentered_from_the_lane(reenter):
         left, *_ = plane.read_tap(tap.fileno())
         assert left == frames[1:]
         assert len(errors) == 1
-    finally:
-        plane.syn_lane(None)
-        plane.attach_tcp(None)
-        eng.close()
-        tap.close()
-        guest.close()
 
 
 async def test_at_trace_level_frames_the_lane_records_the_frame_span_the_full_path_records():
