@@ -146,7 +146,11 @@ class Family4:
     # ------------------------------------------------------------------ output
     def eth_to(self, ip: bytes) -> bytes:
         """14-byte Ethernet header from the gateway to the guest owning ``ip`` (broadcast when unknown)."""
-        return ETH.pack(self.neighbors.get(ip, BROADCAST), self.gw_mac, ETHERTYPE_IPV4)
+        return ETH.pack(self.mac_of(ip), self.gw_mac, ETHERTYPE_IPV4)
+
+    def mac_of(self, ip: bytes) -> bytes:
+        """The destination MAC of :meth:`eth_to` (6 bytes): the guest owning ``ip``, broadcast when unknown."""
+        return self.neighbors.get(ip, BROADCAST)
 
     def inject_ip(self, packet, dst: bytes) -> None:
         """Queue an IPv4 packet (bytes-like, no Ethernet header) for the guest's ``dst``, fragmented to the MTU."""
@@ -307,6 +311,10 @@ class Family6:
         cache goes to the guest's last MAC (or the solicited-node MAC before any frame) and
         triggers a Neighbor Solicitation (RFC 4861 7.2.2).
         """
+        return ETH.pack(self.mac_of(dst), self.gw_mac, ETHERTYPE_IPV6)
+
+    def mac_of(self, dst: bytes) -> bytes:
+        """The destination MAC of :meth:`eth_to` (6 bytes; a Neighbor Solicitation as it says)."""
         mac = self.neighbors.get(dst)
         if mac is None:
             if dst[0] == 0xFF:
@@ -314,7 +322,7 @@ class Family6:
             else:
                 mac = self.guest_mac or multicast_mac(solicited_node(dst))
                 self._solicit(dst)
-        return ETH.pack(mac, self.gw_mac, ETHERTYPE_IPV6)
+        return mac
 
     def _solicit(self, dst: bytes) -> None:
         """At most one Neighbor Solicitation per address and second (``ndp.ns_sent``)."""

@@ -145,8 +145,9 @@ class Ipv4Input:
             return False
         if src != _ZERO4 and not self.guest_source(src, frame[6:12]):
             return True
-        pkt = memoryview(frame)[14:end]
-        return l4.tcp_syn(self.fam, key, seg, pkt[l4_off - 14:], pkt, now)
+        packet = frame[14:end]
+        fam = self.fam
+        return l4.tcp_syn(fam, key, seg, packet[l4_off - 14:], packet, fam.quote(packet), now)
 
     def icmp(self, src: bytes, dst: bytes, l4: memoryview, pkt: memoryview, trusted: bool, now: float) -> None:
         """A guest ICMP message: echo requests answered (our addresses) or proxied; others ignored."""

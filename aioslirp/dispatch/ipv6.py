@@ -252,8 +252,9 @@ class Ipv6Path:
             return False
         if src != UNSPECIFIED and not self.guest_source(src, frame[6:12]):
             return True
-        pkt = memoryview(frame)[14:end]
-        return l4.tcp_syn(self.family, key, seg, pkt[l4_off - 14:], pkt, now)
+        packet = frame[14:end]
+        fam = self.family
+        return l4.tcp_syn(fam, key, seg, packet[l4_off - 14:], packet, fam.quote(packet), now)
 
     def _icmp6(self, buf, ip, src_mac: bytes, now: float) -> None:
         ctx = self.ctx

@@ -150,9 +150,10 @@ class L4:
             if not seg.flags & RST:
                 self.reset_unknown(fam, src, dst, sport, dport, seg)
             return self.drop("tcp_no_flow")
-        self.open_tcp(fam, key, seg, l4, pkt, now)
+        self.open_tcp(fam, key, seg, l4, pkt, fam.quote(pkt), now)
 
-    def tcp_syn(self, fam: Family, key: tuple, seg: Segment, l4: memoryview, pkt: memoryview, now: float) -> bool:
+    def tcp_syn(self, fam: Family, key: tuple, seg: Segment, l4: bytes | memoryview, pkt: bytes | memoryview,
+                orig: bytes, now: float) -> bool:
         """A guest SYN of the SYN lane (:meth:`Link.syn <aioslirp.dispatch.link.Link.syn>`): what
         :meth:`tcp` does with a segment of SYN alone, of ports both non-zero and a checksum checked
         (the lane's C made those checks and parsed ``seg``), under ``key`` (``flow_key()``'s
@@ -160,21 +161,22 @@ class L4:
         the flow may want it); True when it went to :meth:`open_tcp` (admitted or refused, counted)."""
         if self.tcp_flow(key) is not None:
             return False
-        self.open_tcp(fam, key, seg, l4, pkt, now)
+        self.open_tcp(fam, key, seg, l4, pkt, orig, now)
         return True
 
-    def open_tcp(self, fam: Family, key: tuple, seg: Segment, l4: memoryview, pkt: memoryview, now: float) -> None:
+    def open_tcp(self, fam: Family, key: tuple, seg: Segment, l4: bytes | memoryview, pkt: bytes | memoryview,
+                 orig: bytes, now: float) -> None:
         """A guest SYN (without ACK or RST) of no flow under ``key``: the checks of the
         destination, the :class:`~aioslirp.flow.guard.Guard`'s admission, the flow table's room, a
         Python handler's route, then the flow (native, Python, or the DNS service's); a RST, an ICMP
         error or a drop otherwise, each counted. ``l4``, ``pkt``: the packet view (the module
-        documentation), ``now``: loop time."""
+        documentation; or ``bytes``, the SYN lane's); ``orig``: what an ICMP error about it quotes (``fam.quote(pkt)``); ``now``:
+        loop time."""
         _, src, sport, dst, dport = key
         if src == fam.unspecified:
             return self.drop(fam.reason["tcp_from_unspecified"])
         if fam.v6 and dst[0] == 0xFF:  # IPv6 only; an IPv4 multicast destination is unroutable below
             return self.drop("tcp6_multicast_dst")
-        orig = fam.quote(pkt)
         host: HostFactory | None = None
         if dst == fam.dns:
             if dport != 53:

@@ -489,7 +489,7 @@ class NativeTcp:
         mss, wscale = seg.mss, seg.wscale
         opened_ns = time.time_ns() if self.tracer is not None else None
         status, slot, gen = self.engine.adopt(
-            v6, fam.eth_to(src)[:6], src, sport, dst, dport, host, dport, seg.seq, random.getrandbits(32),
+            v6, fam.mac_of(src), src, sport, dst, dport, host, dport, seg.seq, random.getrandbits(32),
             -1 if mss is None else mss, -1 if wscale is None else wscale, seg.wnd, now)
         if status == -errno.ENOSPC or status == -errno.EEXIST:
             return False

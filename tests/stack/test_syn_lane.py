@@ -417,3 +417,37 @@ async def test_at_trace_level_frames_the_lane_records_the_frame_span_the_full_pa
         assert frame.parent is not None and frame.parent.span_id == flow_span.context.span_id
         seen[lane] = {k: v for k, v in frame.attributes.items() if k != "aioslirp.processing_us"}
     assert seen[True] == seen[False] and seen[True]["aioslirp.tcp.flags"] == "S"
+
+
+async def test_a_syn_an_async_policy_hook_holds_is_replayed_from_the_lane_as_from_the_full_path():
+    """An async egress hook holds the SYN (answer nothing until its verdict, ``drop.egress_held``),
+    then the SYN is replayed from the bytes kept: the lane keeps the same bytes (its packet and TCP
+    header as ``bytes``, not views), and both paths end with the same flow, counters and frames."""
+    import asyncio
+
+    async def hook(req):
+        await asyncio.sleep(0.01)
+        return req.port == 8080, "port 8080 only"
+
+    syn_ok = tcp_frame(F4, 45000, 8080, SYN, seq=70, dst=REMOTE4, mss=1460, opts=WSCALE)
+    syn_no = tcp_frame(F4, 45001, 8081, SYN, seq=80, dst=REMOTE4, mss=1460)
+    full, fast = Side(NetworkConfig(policy=hook)), LaneSide(NetworkConfig(policy=hook))
+    await full.start()
+    await fast.start()
+    try:
+        full.stack.parts.link.on_frames([syn_ok, syn_no])
+        assert fast.feed([syn_ok, syn_no]) == []
+        for side in (full, fast):
+            assert side.stack.counters["drop.egress_held"] == 2 and not side.stack.parts.flows
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+            if full.stack.parts.guard.held == fast.stack.parts.guard.held == 0:
+                break
+        assert fast.stack.counters["native_tcp.syn_lane"] == 2
+        assert fast.counters() == full.counters() and full.counters()["egress.denied_hook"] == 1
+        assert fast.flows() == full.flows() and len(fast.flows()) == 1
+        cut = lambda f: f[:38] + f[42:50] + f[52:]  # (the SYN-ACK's random ISS and its checksum)
+        assert [cut(f) for f in fast.sent()] == [cut(f) for f in full.sent()]
+    finally:
+        await full.close()
+        await fast.close()
