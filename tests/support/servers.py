@@ -207,18 +207,24 @@ class DnsUpstream:
 
     def _tcp_conn(self, c: socket.socket) -> None:
         with c:
-            buf = b""
-            while True:
-                d = c.recv(4096)
-                if not d:
-                    return
-                buf += d
-                while len(buf) >= 2 and len(buf) >= 2 + struct.unpack("!H", buf[:2])[0]:
-                    n = struct.unpack("!H", buf[:2])[0]
-                    msg, buf = buf[2:2 + n], buf[2 + n:]
-                    self.tcp_queries += 1
-                    ans = _dns_answer(msg, self.aaaa)
-                    c.sendall(struct.pack("!H", len(ans)) + ans)
+            try:
+                self._tcp_serve(c)
+            except OSError:  # reset by the stack (a hostile guest's query, a flow ended): its end
+                return
+
+    def _tcp_serve(self, c: socket.socket) -> None:
+        buf = b""
+        while True:
+            d = c.recv(4096)
+            if not d:
+                return
+            buf += d
+            while len(buf) >= 2 and len(buf) >= 2 + struct.unpack("!H", buf[:2])[0]:
+                n = struct.unpack("!H", buf[:2])[0]
+                msg, buf = buf[2:2 + n], buf[2 + n:]
+                self.tcp_queries += 1
+                ans = _dns_answer(msg, self.aaaa)
+                c.sendall(struct.pack("!H", len(ans)) + ans)
 
     def close(self) -> None:
         self.udp.close()
