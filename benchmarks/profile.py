@@ -27,6 +27,7 @@ import io
 import json
 import os
 import pstats
+import shlex
 import shutil
 import signal
 import subprocess
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                          "the compiled modules, which keep no frame pointers: `perf report --children` then gives "
                          "each Python-level function's inclusive share)")
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--extra", default="", help="more aioslirp options, one string (e.g. '--trace F --trace-level frames')")
     ap.add_argument("--tree", help="directory holding another aioslirp package to profile (A/B)")
     ap.add_argument("--out", default=str(HERE / "results" / "profiles"))
     args = ap.parse_args(argv)
@@ -212,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     allowed = sorted(os.sched_getaffinity(0))
     cpus = {allowed[-1]} if args.pinned else set(allowed)
     py_args = ["-m", "cProfile", "-o", str(prof_file)] if args.tool == "cprofile" else []
-    backend = (B.Aioslirp(args.mtu, args.python, python_args=py_args, tree=args.tree) if args.backend == "aioslirp"
+    backend = (B.Aioslirp(args.mtu, args.python, extra=shlex.split(args.extra), python_args=py_args,
+                          tree=args.tree) if args.backend == "aioslirp"
                else B.Pasta(args.mtu or 65520))
     result = None
     try:

@@ -14,9 +14,15 @@ an ifb device and a ``mirred`` filter, whose classifiers this kernel lacks too).
 Without SACK (the stack offers none, RFC 2018) a Linux sender recovers a lost retransmission only
 by its retransmission timeout, doubled at each one in a row (Karn), and after each timeout
 resends everything in flight: the upload's socket keeps its send buffer at 64 KiB so that an
-episode costs ~90 segments, not a whole window. Even so 5 MB up take 7-30 s at 5 % loss (the
-download, with the stack sending, 2-3 s), so the guest's upload may take up to 240 s before the
-test calls it a failure.
+episode costs ~90 segments, not a whole window. Karn's rule keeps the doubled RTO until a segment
+sent once is ACKed, and without timestamps (RFC 7323, not offered either) an ACK of a resent
+segment is no sample, so when a resent segment is lost again, episode after episode, the guest's
+RTO compounds: 5 MB up took 7-30 s at 5 % loss in most runs, 43-71 s in 2 of 18 (a backoff of 5,
+an RTO of 6.5 s) and over 240 s once in CI. The guest's upload socket therefore caps its RTO at
+1 s (``TCP_RTO_MAX_MS``, Linux 6.15; on an older kernel the option is refused and the cap left
+out): each lost retransmission then costs at most a second, and 5 MB up take 5-10 s. The download
+(the stack sending) takes 2-3 s. The guest's upload may take up to 240 s before the test calls it
+a failure.
 
 The fates are drawn from ``random.Random(seed)``; the seed is printed (``pytest -s``) and can be
 fixed with ``AIOSLIRP_NETEM_SEED``. Which segment meets which fate still depends on the guest
@@ -180,6 +186,10 @@ data = random.Random(22).randbytes(n)
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)  # see the module documentation
 s.settimeout(240)  # for sendall: the whole upload
+try:  # TCP_RTO_MAX_MS (Linux 6.15): see the module documentation
+    s.setsockopt(socket.IPPROTO_TCP, 44, 1000)
+except OSError:
+    pass
 s.connect(("10.0.2.2", port))
 s.sendall(b"UP\n" + data)
 s.shutdown(socket.SHUT_WR)
