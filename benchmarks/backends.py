@@ -23,10 +23,13 @@ has none: the kernel's work is charged to the client and servers).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -94,6 +97,10 @@ class Backend:
     def version(self) -> str:
         return ""
 
+    def stats(self) -> dict | None:
+        """The backend's own counters (``{name: n}``), when it can tell them; else ``None``."""
+        return None
+
 
 def _dpkg_version(pkg: str) -> str:
     p = subprocess.run(["dpkg-query", "-W", "-f=${Version}", pkg], capture_output=True, text=True)
@@ -123,6 +130,11 @@ class Aioslirp(Backend):
             self.description += " with " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items()))
 
     def start(self, ns: str, preexec: Callable[[], None], log_path: str) -> None:
+        # The control API beside the log (idle on its Unix socket: no cost per frame): the idle test
+        # reads the counters through it (stats()), e.g. the connects the guard refused.
+        self.api_path = log_path + ".api"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.api_path)
         if not self.tree and not self.env:
             return super().start(ns, preexec, log_path)
         saved = {k: os.environ.get(k) for k in ("PYTHONPATH", *self.env)}
@@ -147,7 +159,29 @@ class Aioslirp(Backend):
 
     def argv(self, ns: str) -> list[str]:
         mtu = ["--mtu", str(self.mtu)] if self.mtu else []
-        return [self.python, *self.python_args, "-m", "aioslirp", "attach", "--netns", ns, *mtu, *self.extra, "tap0"]
+        api = ["--api-socket", self.api_path] if getattr(self, "api_path", None) else []
+        return [self.python, *self.python_args, "-m", "aioslirp", "attach", "--netns", ns, *mtu, *api, *self.extra,
+                "tap0"]
+
+    def stats(self) -> dict | None:
+        """Every non-zero counter of the running backend (``get_stats`` on its control API), or
+        ``None`` when it does not answer within 5 s."""
+        path = getattr(self, "api_path", None)
+        if not path:
+            return None
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(5)
+                s.connect(path)
+                s.sendall(b'{"execute": "get_stats"}')
+                s.shutdown(socket.SHUT_WR)
+                buf = b""
+                while chunk := s.recv(65536):
+                    buf += chunk
+            counters = json.loads(buf)["return"]["counters"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return {k: v for k, v in sorted(counters.items()) if v}
 
     def version(self) -> str:
         """``0.1.0 (compiled)`` / ``0.1.0 (pure Python)``: the first line of ``aioslirp --version``

@@ -193,7 +193,11 @@ def one_line(rec: dict) -> str:
             f" ({rec['cpu_s_per_gb']:.2f} s/GB)" if rec.get("cpu_s_per_gb") is not None else "")
     if test == "idle":
         ld = rec.get("backend_loaded") or {}
-        return f"open {r.get('client', {}).get('open')} rss {ld.get('VmRSS_mb')} MB fds {ld.get('fds')}"
+        c = rec.get("backend_counters") or {}
+        refused = {k: v for k, v in c.items()
+                   if "refus" in k or "connect_failed" in k or k.startswith(("drop.", "limit_"))}
+        return (f"open {r.get('client', {}).get('open')} rss {ld.get('VmRSS_mb')} MB fds {ld.get('fds')}"
+                + (" " + " ".join(f"{k} {v}" for k, v in refused.items()) if refused else ""))
     return ""
 
 

@@ -405,6 +405,7 @@ class Session:
             info = json.loads(p.stdout.readline())
             time.sleep(0.5)  # let the backend settle
             loaded = proc_mem(pid)
+            stats = self.backend.stats()  # its counters while the flows are held (aioslirp: the control API)
             p.stdin.write("\n")
             p.stdin.flush()
             p.wait(120)
@@ -415,8 +416,11 @@ class Session:
                 p.wait()
         time.sleep(0.5)
         after = proc_mem(pid)
-        return {"result": {"client": info, "closed": closed, "count": count},
-                "backend_before": base, "backend_loaded": loaded, "backend_after": after}
+        rec = {"result": {"client": info, "closed": closed, "count": count},
+               "backend_before": base, "backend_loaded": loaded, "backend_after": after}
+        if stats is not None:
+            rec["backend_counters"] = stats
+        return rec
 
 
 # ------------------------------------------------------------------------------------------
