@@ -831,6 +831,8 @@ static PyMethodDef module_methods[] = {
     {"udp_checksum_ok", mod_udp_checksum_ok, METH_VARARGS, "udp_checksum_ok(src, dst, udp, trusted=False) -> bool"},
     {"span_line", tj_span_line, METH_VARARGS,
      "span_line(entry, resource, fallback) -> the JSON line of a span queued by JsonLinesSink (_tracejson.c)"},
+    {"span_lines", tj_span_lines, METH_VARARGS,
+     "span_lines(entries, resource, fallback) -> (bytes, lines): a batch of JsonLinesSink's writer (_tracejson.c)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -23,7 +23,7 @@
  *     .trace_take() -> ([(type, slot, gen, t_ns, dur_ns, a, b, c, tcp_flags), ...], overflow)  (slot -1: no flow)
  *     .trace_pending() -> int                           (trace records waiting to be taken)
  *     .trace_json(spans, frames, off_ns, seed, guest, resource) -> (text, lines)  (the records as
- *       the trace file's JSON lines, formatted in C: _tracejson.c)
+ *       the trace file's JSON lines, formatted in C, text as bytes: _tracejson.c)
  *   fake only: .fake_connect_mode(err), .fake_frames() -> [bytes], .fake_connect_done(fd, err, now),
  *     .fake_host_send(fd, data, now), .fake_host_eof(fd, now), .fake_host_reset(fd, now),
  *     .fake_send_space(fd, n, now), .fake_received(fd) -> bytes, .fake_socket(fd) -> dict
@@ -1159,7 +1159,7 @@ static PyObject *engine_trace_take(PyObject *op, PyObject *unused)
 }
 
 /* trace_json(spans, frames, off_ns, seed, guest, resource) -> (text, lines): the trace records,
- * oldest first, as the trace file's JSON lines (text, lines of them) and, appended to the events
+ * oldest first, as the trace file's JSON lines (text: bytes, ASCII; lines: how many) and, appended to the events
  * lists of the flows in spans, their flow-span events (_tracejson.h). spans: dict (slot, gen) ->
  * (trace_id, span_id, events, ports, v6); frames: trace level "frames"; off_ns: CLOCK_MONOTONIC ->
  * time.time_ns(); seed: of the ids; guest: ',"key":value...' of the guest identity or "";
@@ -1186,7 +1186,7 @@ static PyObject *engine_trace_json(PyObject *op, PyObject *args)
             return NULL;
         }
     }
-    PyObject *text = PyUnicode_FromStringAndSize(c.buf ? c.buf : "", (Py_ssize_t)c.len);
+    PyObject *text = PyBytes_FromStringAndSize(c.buf ? c.buf : "", (Py_ssize_t)c.len);
     free(c.buf);
     if (!text)
         return NULL;

@@ -555,33 +555,80 @@ static int jput_events(struct jbuf *b, PyObject *events, PyObject *fallback)
     return jput(b, "]", 1);
 }
 
-/* span_line(entry, resource, fallback) -> str: entry = (name, trace_id, span_id, parent, start_ns,
- * end_ns, attributes, events, links) as JsonLinesSink.put queues it (span_id a str: the caller
- * makes one for None; parent and links JSON text), resource the resource's JSON text. */
+/* One entry of JsonLinesSink.put: (name, trace_id, span_id, parent, start_ns, end_ns, attributes,
+ * events, links) (span_id a str: the caller makes one for None; parent and links JSON text),
+ * appended to b as its line; resource the resource's JSON text. 0, or -1 with an exception set. */
+static int span_entry(struct jbuf *b, PyObject *entry, PyObject *resource, PyObject *fallback)
+{
+    if (!PyTuple_Check(entry) || PyTuple_Size(entry) != 9) {
+        PyErr_SetString(PyExc_TypeError, "span_line: entry must be a tuple of 9 items");
+        return -1;
+    }
+    return jputs(b, "{\"name\":") < 0 || jput_str(b, PyTuple_GetItem(entry, 0), fallback) < 0 ||
+                   jputs(b, ",\"trace_id\":\"") < 0 || jput_text(b, PyTuple_GetItem(entry, 1)) < 0 ||
+                   jputs(b, "\",\"span_id\":\"") < 0 || jput_text(b, PyTuple_GetItem(entry, 2)) < 0 ||
+                   jputs(b, "\",\"parent_span_id\":") < 0 || jput_text(b, PyTuple_GetItem(entry, 3)) < 0 ||
+                   jputs(b, ",\"kind\":\"INTERNAL\",\"start_ns\":") < 0 ||
+                   jput_value(b, PyTuple_GetItem(entry, 4), fallback) < 0 || jputs(b, ",\"end_ns\":") < 0 ||
+                   jput_value(b, PyTuple_GetItem(entry, 5), fallback) < 0 || jputs(b, ",\"attributes\":") < 0 ||
+                   jput_dict(b, PyTuple_GetItem(entry, 6), fallback) < 0 || jputs(b, ",\"events\":") < 0 ||
+                   jput_events(b, PyTuple_GetItem(entry, 7), fallback) < 0 || jputs(b, ",\"links\":") < 0 ||
+                   jput_text(b, PyTuple_GetItem(entry, 8)) < 0 ||
+                   jputs(b, ",\"status\":\"UNSET\",\"resource\":") < 0 || jput_text(b, resource) < 0 ||
+                   jputs(b, "}\n") < 0
+               ? -1
+               : 0;
+}
+
+/* span_line(entry, resource, fallback) -> str: one entry (span_entry) as its line. */
 PyObject *tj_span_line(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *entry, *resource, *fallback;
-    if (!PyArg_ParseTuple(args, "O!UO", &PyTuple_Type, &entry, &resource, &fallback))
+    if (!PyArg_ParseTuple(args, "OUO", &entry, &resource, &fallback))
         return NULL;
-    if (PyTuple_Size(entry) != 9) {
-        PyErr_SetString(PyExc_TypeError, "span_line: entry must have 9 items");
-        return NULL;
-    }
     struct jbuf b = {NULL, 0, 0};
-    int rc = jputs(&b, "{\"name\":") < 0 || jput_str(&b, PyTuple_GetItem(entry, 0), fallback) < 0 ||
-             jputs(&b, ",\"trace_id\":\"") < 0 || jput_text(&b, PyTuple_GetItem(entry, 1)) < 0 ||
-             jputs(&b, "\",\"span_id\":\"") < 0 || jput_text(&b, PyTuple_GetItem(entry, 2)) < 0 ||
-             jputs(&b, "\",\"parent_span_id\":") < 0 || jput_text(&b, PyTuple_GetItem(entry, 3)) < 0 ||
-             jputs(&b, ",\"kind\":\"INTERNAL\",\"start_ns\":") < 0 ||
-             jput_value(&b, PyTuple_GetItem(entry, 4), fallback) < 0 || jputs(&b, ",\"end_ns\":") < 0 ||
-             jput_value(&b, PyTuple_GetItem(entry, 5), fallback) < 0 || jputs(&b, ",\"attributes\":") < 0 ||
-             jput_dict(&b, PyTuple_GetItem(entry, 6), fallback) < 0 || jputs(&b, ",\"events\":") < 0 ||
-             jput_events(&b, PyTuple_GetItem(entry, 7), fallback) < 0 || jputs(&b, ",\"links\":") < 0 ||
-             jput_text(&b, PyTuple_GetItem(entry, 8)) < 0 ||
-             jputs(&b, ",\"status\":\"UNSET\",\"resource\":") < 0 || jput_text(&b, resource) < 0 ||
-             jputs(&b, "}\n") < 0 ? -1 : 0;
+    int rc = span_entry(&b, entry, resource, fallback);
     PyObject *out = rc < 0 ? NULL : PyUnicode_FromStringAndSize(b.p, (Py_ssize_t)b.n);
     PyMem_Free(b.p);
     return out;
+}
+
+/* span_lines(entries, resource, fallback) -> (bytes, lines): a batch of the writer, in order, as
+ * one bytes object: each entry a span of JsonLinesSink.put (span_entry: one line) or a
+ * (bytes, lines) pair of lines already formatted (TcpEngine.trace_json's), copied as they are. */
+PyObject *tj_span_lines(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *entries, *resource, *fallback;
+    if (!PyArg_ParseTuple(args, "O!UO", &PyList_Type, &entries, &resource, &fallback))
+        return NULL;
+    struct jbuf b = {NULL, 0, 0};
+    Py_ssize_t lines = 0;
+    Py_ssize_t n = PyList_Size(entries);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GetItem(entries, i);
+        if (PyTuple_Check(e) && PyTuple_Size(e) == 2) {
+            PyObject *text = PyTuple_GetItem(e, 0);
+            Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GetItem(e, 1));
+            if (!PyBytes_Check(text) || k < 0) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_TypeError, "span_lines: a text entry is (bytes, lines >= 0)");
+                goto fail;
+            }
+            if (jput(&b, PyBytes_AsString(text), (size_t)PyBytes_Size(text)) < 0)
+                goto fail;
+            lines += k;
+        } else {
+            if (span_entry(&b, e, resource, fallback) < 0)
+                goto fail;
+            lines++;
+        }
+    }
+    PyObject *out = PyBytes_FromStringAndSize(b.p ? b.p : "", (Py_ssize_t)b.n);
+    PyMem_Free(b.p);
+    return out ? Py_BuildValue("(Nn)", out, lines) : NULL;
+fail:
+    PyMem_Free(b.p);
+    return NULL;
 }

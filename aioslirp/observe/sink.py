@@ -49,10 +49,13 @@ from json.encoder import c_make_encoder, encode_basestring_ascii
 
 log = logging.getLogger("aioslirp.observe")
 
-__all__ = ["SdkSink", "JsonLinesSink", "FlowSpan", "as_sink", "encode_json", "WRITE_INTERVAL", "MAX_PENDING"]
+__all__ = ["SdkSink", "JsonLinesSink", "FlowSpan", "as_sink", "encode_json", "WRITE_INTERVAL", "WRITE_SLICE",
+           "MAX_PENDING"]
 
 #: Seconds between two batches of the :class:`JsonLinesSink` writer thread.
 WRITE_INTERVAL = 0.2
+#: Entries a :class:`JsonLinesSink` writer formats and writes at a time (about 100 KB).
+WRITE_SLICE = 128
 #: Lines a :class:`JsonLinesSink` holds for its writer at most; beyond, spans are dropped and
 #: counted (``dropped``): a file that cannot keep up never grows the process without bound.
 MAX_PENDING = 1 << 20
@@ -92,8 +95,19 @@ def _native_line():
     return getattr(ext, "span_line", None) if ext is not None else None
 
 
+def _native_lines():
+    """``span_lines`` of the native extension (a writer's batch formatted in C into one bytes
+    object: the same bytes as :func:`_lines`), or ``None`` without it."""
+    from .. import native
+
+    ext = native.extension()
+    return getattr(ext, "span_lines", None) if ext is not None else None
+
+
 #: The writer's formatter in C, when the extension is there (else :func:`_line`).
 _C_LINE = _native_line()
+#: The writer's batch formatter in C, when the extension is there (else :func:`_lines`).
+_C_LINES = _native_lines()
 
 
 def as_sink(tracer_provider):
@@ -198,6 +212,20 @@ def _line(entry: tuple, resource: str) -> str:
                     resource)
 
 
+def _lines(entries: list, resource: str) -> tuple[bytes, int]:
+    """A writer's batch as ``(bytes, lines)``: each entry a span of :meth:`JsonLinesSink.put`
+    (:func:`_line`) or a ``(bytes, lines)`` pair of :meth:`JsonLinesSink.put_text`."""
+    out, n = [], 0
+    for e in entries:
+        if len(e) == 2:
+            out.append(e[0])
+            n += e[1]
+        else:
+            out.append(_line(e, resource).encode())
+            n += 1
+    return b"".join(out), n
+
+
 _LINE = ('{"name":%s,"trace_id":"%s","span_id":"%s","parent_span_id":%s,"kind":"INTERNAL","start_ns":%d,'
          '"end_ns":%d,"attributes":%s,"events":%s,"links":%s,"status":"UNSET","resource":%s}\n')
 
@@ -226,7 +254,7 @@ class JsonLinesSink:
         self.path = path
         self.label = label or f"trace file {path}"
         self.interval = interval
-        self._file = open(path, "w", encoding="utf-8", buffering=1 << 20)  # (a batch: few large writes)
+        self._file = open(path, "wb", buffering=0)  # (a batch: one bytes object, one write)
         #: The ``resource`` of every line, as JSON text.
         self.resource_json = _encode(dict(resource) if resource is not None else {"service.name": "aioslirp"})
         self._lines: collections.deque = collections.deque()
@@ -284,14 +312,14 @@ class JsonLinesSink:
         if self._thread is None:
             self._start_writer()
 
-    def put_text(self, text: str) -> None:
-        """Queue lines already formatted (``text``: whole lines, each ending in a newline; the
-        native plane's records, formatted in C by ``TcpEngine.trace_json``)."""
+    def put_text(self, text: bytes, count: int) -> None:
+        """Queue ``count`` lines already formatted (``text``: whole lines, ASCII, each ending in a
+        newline; the native plane's records, formatted in C by ``TcpEngine.trace_json``)."""
         lines = self._lines
         if len(lines) >= MAX_PENDING or self._shut:
-            self.dropped += text.count("\n")
+            self.dropped += count
             return
-        lines.append(text)
+        lines.append((text, count))
         if self._thread is None:
             self._start_writer()
 
@@ -323,32 +351,33 @@ class JsonLinesSink:
             if not n:
                 return
             pop = lines.popleft
+            fmt = _C_LINES
             res = self.resource_json
-            c_line = _C_LINE
-            try:  # one entry at a time into the file's buffer: no string of the whole batch
-                if c_line is not None:
-                    texts = [e if type(e) is str else c_line(e, res, _encode) for e in [pop() for _ in range(n)]]
-                else:
-                    texts = [e if type(e) is str else _line(e, res) for e in [pop() for _ in range(n)]]
-            except Exception:  # pragma: no cover - defensive: _encode takes any value
-                self.dropped += n
-                log.exception("%s: cannot format spans", self.label)
-                return
-            n = sum([t.count("\n") for t in texts])  # (an entry may hold many lines)
-            f = self._file
-            if f is None:
-                self.dropped += n
-                return
-            try:
-                write = f.write
-                for t in texts:
-                    write(t)
-                f.flush()
-            except OSError as exc:
-                self.dropped += n
-                self._failed(exc)
-                return
-            self.written += n
+            while n > 0:
+                # A slice at a time: one bytes object of some 100 KB each, not one of the whole
+                # batch (megabytes: fresh pages, faulted in, for every batch).
+                k = min(n, WRITE_SLICE)
+                n -= k
+                batch = [pop() for _ in range(k)]
+                try:
+                    data, k = fmt(batch, res, _encode) if fmt is not None else _lines(batch, res)
+                except Exception:  # pragma: no cover - defensive: _encode takes any value
+                    self.dropped += k
+                    log.exception("%s: cannot format spans", self.label)
+                    continue
+                f = self._file
+                if f is None:
+                    self.dropped += k
+                    continue
+                try:
+                    view = memoryview(data)
+                    while view:  # (an unbuffered file: a short write is possible)
+                        view = view[f.write(view):]
+                except OSError as exc:
+                    self.dropped += k
+                    self._failed(exc)
+                    continue
+                self.written += k
 
     def _failed(self, exc: OSError) -> None:
         """A write failed (lock held): one warning line, close the file quietly, drop from now on."""

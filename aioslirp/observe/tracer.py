@@ -570,13 +570,13 @@ class Tracer:
         native = self.native_spans
         if native is not None:
             try:
-                text, _n = engine.trace_json(native, frames, off, _bits(64), self._guest_json, self.sink.resource_json)
+                text, n = engine.trace_json(native, frames, off, _bits(64), self._guest_json, self.sink.resource_json)
             except Exception:
                 self.errors += 1
                 log.exception("formatting the native trace records failed")
                 return
-            if text:
-                self.sink.put_text(text)
+            if n:
+                self.sink.put_text(text, n)
             return
         records, _overflow = engine.trace_take()  # the overflow is in the engine's counters()
         for kind, slot, gen, t_ns, dur, a, b, c, flags in records:

@@ -88,8 +88,9 @@ def test_the_direct_sink_writes_what_the_sdk_exporter_writes(tmp_path):
 
 
 @pytest.mark.skipif(sink_mod._C_LINE is None, reason="no native extension")
-def test_a_line_formatted_in_c_is_the_python_one_byte_for_byte():
+def test_a_line_and_a_batch_formatted_in_c_are_the_python_ones_byte_for_byte():
     rnd = random.Random(7)
+    batch: list = []
     values = [0, -1, 1 << 63, -(1 << 70), 1.5, -0.0, 1e-7, 1e22, 123.456, float("nan"), float("inf"),
               float("-inf"), True, False, None, "", "plain", 'q"\\\n\r\t\b\f\x01\x1f\x7f', "é", "\u2028", "😀", [1, "a"],
               (2, 3), b"x"]
@@ -101,6 +102,18 @@ def test_a_line_formatted_in_c_is_the_python_one_byte_for_byte():
                  rnd.choice(["null", '"' + "c" * 16 + '"']), rnd.randrange(1 << 62), rnd.randrange(1 << 62), attrs,
                  events or None, rnd.choice(["[]", '[{"trace_id":"t","span_id":"s"}]']))
         assert sink_mod._C_LINE(entry, '{"r":1}', sink_mod._encode) == sink_mod._line(entry, '{"r":1}')
+        batch.append(entry)
+        if rnd.random() < 0.3:  # lines already formatted (the native ring's), between the spans
+            k = rnd.randrange(3)
+            batch.append(("".join('{"name":"n%d"}\n' % j for j in range(k)).encode(), k))
+    # a writer's whole batch in C: the same bytes and the same line count as in Python
+    assert sink_mod._C_LINES(batch, '{"r":1}', sink_mod._encode) == sink_mod._lines(batch, '{"r":1}')
+    data, n = sink_mod._lines(batch, '{"r":1}')
+    assert n == data.count(b"\n") > 300
+    with pytest.raises(TypeError):
+        sink_mod._C_LINES([(b"x\n", -1)], "{}", sink_mod._encode)
+    with pytest.raises(TypeError):
+        sink_mod._C_LINES([("x\n", 1)], "{}", sink_mod._encode)
 
 
 def test_written_completely_at_shutdown_and_no_thread_left(tmp_path):
@@ -124,7 +137,7 @@ def test_a_full_queue_drops_and_counts(tmp_path, monkeypatch):
     sink = JsonLinesSink(str(tmp_path / "t.jsonl"), interval=60.0)
     for i in range(25):
         sink.emit("s", None, {"i": i}, 1, 2)
-    sink.put_text('{"name":"x"}\n{"name":"y"}\n')
+    sink.put_text(b'{"name":"x"}\n{"name":"y"}\n', 2)
     assert sink.dropped == 17
     sink.shutdown()
     assert sink.written == 10
