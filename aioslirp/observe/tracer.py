@@ -128,8 +128,12 @@ def _frame_key(frame, to_guest: bool):
     return None, name, 0, 0
 
 
+#: The text of each value of a TCP header's flags byte ("S", "SA", "FA", ...).
+_FLAGS_TEXT = tuple("".join(c for bit, c in _FLAG_LETTERS if flags & bit) for flags in range(256))
+
+
 def _flags_text(flags: int) -> str:
-    return "".join(c for bit, c in _FLAG_LETTERS if flags & bit)
+    return _FLAGS_TEXT[flags & 0xFF]
 
 
 class Tracer:
