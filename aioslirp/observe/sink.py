@@ -166,7 +166,7 @@ class SdkSink:
 class FlowSpan:
     """An open root span of a :class:`JsonLinesSink` (a flow's): its ids, start, attributes and
     events until :meth:`end` writes its line. Duck-types the SDK span's ``set_attribute``,
-    ``add_event``, ``end``."""
+    ``set_attributes``, ``add_event``, ``end``."""
 
     __slots__ = ("sink", "name", "trace_id", "span_id", "start", "attributes", "events", "ended")
 
@@ -183,6 +183,10 @@ class FlowSpan:
     def set_attribute(self, key: str, value) -> None:
         """Set attribute ``key`` (a str, int, float or bool value, as the SDK takes)."""
         self.attributes[key] = value
+
+    def set_attributes(self, attributes: dict) -> None:
+        """Set every attribute of ``attributes`` (as the SDK span's ``set_attributes``)."""
+        self.attributes.update(attributes)
 
     def add_event(self, name: str, attributes: dict | None = None, timestamp: int | None = None) -> None:
         """Add event ``name`` at ``timestamp`` (``time.time_ns()``; ``None``: now)."""

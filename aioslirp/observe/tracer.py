@@ -183,6 +183,13 @@ class Tracer:
         self._mark = 0  # end of the previous guest frame's processing (or the batch's start), ns
         self._depth = 0  # inject queue depth then
 
+    def _hook_failed(self, name: str) -> None:
+        """Hook ``name`` raised (inside its ``except``): counted, logged once per hook (as :func:`_safe`)."""
+        self.errors += 1
+        if name not in self.logged:
+            self.logged.add(name)
+            log.exception("tracing hook %s failed (further failures are only counted)", name)
+
     def span(self, name: str, attributes: dict | None = None):
         """A context manager recording span ``name`` as the current span (with the :attr:`guest` attributes)."""
         if self.guest:
@@ -190,11 +197,18 @@ class Tracer:
         return self.sink.current_span(name, attributes)
 
     # ------------------------------------------------------------------ flows
-    @_safe
     def record_flow_opened(self, flow) -> None:
         """``flow`` entered the flow table: start its span (then, or at ``flow.opened_ns``, a
         ``time.time_ns()`` value, when the flow has one: a native TCP flow, adopted by the engine
         just before it entered the table, whose first events the engine stamped then)."""
+        # (the guard of :func:`_safe` written out: a hook of every connection, called without
+        # packing its arguments)
+        try:
+            self._record_flow_opened(flow)
+        except Exception:
+            self._hook_failed("record_flow_opened")
+
+    def _record_flow_opened(self, flow) -> None:
         name = flow.proto_name
         key = flow.key
         guest, dst = key[1], key[3]
@@ -234,10 +248,17 @@ class Tracer:
             native[(flow.slot, flow.gen)] = (sp.trace_id, sp.span_id, sp.events, '"client.port":%d,"server.port":%d'
                                              % (key[2], key[4]), len(guest) == 16)
 
-    @_safe
     def record_flow_closed(self, flow) -> None:
         """``flow`` left the flow table: set the end attributes; the span ends once the flow's
         last queued frame has been written."""
+        # (the guard of :func:`_safe` written out: a hook of every connection, called without
+        # packing its arguments)
+        try:
+            self._record_flow_closed(flow)
+        except Exception:
+            self._hook_failed("record_flow_closed")
+
+    def _record_flow_closed(self, flow) -> None:
         rec = self.records.pop(flow, None)
         if rec is None:
             return
@@ -250,17 +271,15 @@ class Tracer:
             from_guest = 0 if irs is None else (conn.rcv_nxt - irs - 1 - (1 if conn.fin_received else 0)) & 0xFFFFFFFF
             if from_guest > 0x7FFFFFFF:
                 from_guest = 0
-            sp.set_attribute("aioslirp.bytes.from_guest", from_guest)
-            sp.set_attribute("aioslirp.bytes.to_guest", flow.bytes_down)  # sent, at every trace level
-            sp.set_attribute("aioslirp.tcp.state", conn.state)
             # (below trace level "timeline" no record_connect_failed came: the flow says it)
             outcome = rec.outcome or _FAILED_CONNECT.get(flow.outcome) or ("reset" if conn.reset else "closed")
-            sp.set_attribute("aioslirp.tcp.outcome", outcome)
+            sp.set_attributes({"aioslirp.bytes.from_guest": from_guest,
+                               "aioslirp.bytes.to_guest": flow.bytes_down,  # sent, at every trace level
+                               "aioslirp.tcp.state": conn.state, "aioslirp.tcp.outcome": outcome})
         else:
             up = flow.bytes_up
             if up is not None:
-                sp.set_attribute("aioslirp.bytes.from_guest", up)
-                sp.set_attribute("aioslirp.bytes.to_guest", flow.bytes_down)
+                sp.set_attributes({"aioslirp.bytes.from_guest": up, "aioslirp.bytes.to_guest": flow.bytes_down})
         rec.closing = True
         if rec.pending <= 0:
             self._end(rec)
@@ -380,8 +399,16 @@ class Tracer:
         finally:
             self._mark = _now()  # the next frame's processing starts after this hook
 
-    @_safe
     def _frame_span(self, frame, t1: int) -> None:
+        """Trace point 1's span for guest ``frame``, processed until ``t1`` (ns)."""
+        # (the guard of :func:`_safe` written out: a hook of every connection, called without
+        # packing its arguments)
+        try:
+            self._frame_span_hook(frame, t1)
+        except Exception:
+            self._hook_failed("_frame_span")
+
+    def _frame_span_hook(self, frame, t1: int) -> None:
         t0 = self._mark
         depth = len(self.queue)
         queued = depth - self._depth
