@@ -196,6 +196,7 @@ def one_line(rec: dict) -> str:
         c = rec.get("backend_counters") or {}
         refused = {k: v for k, v in c.items()
                    if "refus" in k or "connect_failed" in k or k.startswith(("drop.", "limit_"))}
+        refused.update(rec.get("host_listen") or {})  # the host listener's overflows, drops, cookies
         return (f"open {r.get('client', {}).get('open')} rss {ld.get('VmRSS_mb')} MB fds {ld.get('fds')}"
                 + (" " + " ".join(f"{k} {v}" for k, v in refused.items()) if refused else ""))
     return ""

@@ -219,6 +219,28 @@ def cpu_delta(before: dict | None, after: dict | None) -> float | None:
     return d_stat if d_stat > d_sched + 0.05 else d_sched
 
 
+#: TcpExt counters of the harness's namespace (where the host servers listen) that say why a
+#: host connect waited: the listener's queues overflowing, its SYN queue full, SYN cookies.
+LISTEN_COUNTERS = ("ListenOverflows", "ListenDrops", "TCPReqQFullDrop", "TCPReqQFullDoCookies", "SyncookiesSent",
+                   "TCPBacklogDrop", "TCPTimeouts")
+
+
+def tcp_ext(names: tuple[str, ...] = LISTEN_COUNTERS) -> dict:
+    """The named TcpExt counters of this process's network namespace (``/proc/net/netstat``)."""
+    out: dict = {}
+    try:
+        with open("/proc/net/netstat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for head, vals in zip(lines[::2], lines[1::2]):
+        if head.startswith("TcpExt:"):
+            for k, v in zip(head.split()[1:], vals.split()[1:]):
+                if k in names:
+                    out[k] = int(v)
+    return out
+
+
 def proc_mem(pid: int | None) -> dict | None:
     if pid is None:
         return None
@@ -394,6 +416,7 @@ class Session:
         """Open ``count`` idle flows (giving up after ``budget`` s), read backend RSS/fds while held."""
         pid = self.backend.pid
         base = proc_mem(pid)
+        listen0 = tcp_ext()
         argv = B.in_ns(self.ns, [self.python, CLIENT, "idle", self.backend.gateway, str(TCP_PORT),
                                  "--count", str(count), "--timeout", str(budget)])
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -406,6 +429,7 @@ class Session:
             time.sleep(0.5)  # let the backend settle
             loaded = proc_mem(pid)
             stats = self.backend.stats()  # its counters while the flows are held (aioslirp: the control API)
+            listen1 = tcp_ext()
             p.stdin.write("\n")
             p.stdin.flush()
             p.wait(120)
@@ -420,6 +444,8 @@ class Session:
                "backend_before": base, "backend_loaded": loaded, "backend_after": after}
         if stats is not None:
             rec["backend_counters"] = stats
+        # the host listener's side of the open, whatever the backend (the servers' namespace)
+        rec["host_listen"] = {k: v - listen0.get(k, 0) for k, v in listen1.items() if v != listen0.get(k, 0)}
         return rec
 
 
