@@ -829,8 +829,6 @@ static PyMethodDef module_methods[] = {
     {"udp_frames", mod_udp_frames, METH_VARARGS,
      "udp_frames(eth, src, dst, sport, dport, payload, hlim, mtu, ident4, ident6) -> list[bytes]"},
     {"udp_checksum_ok", mod_udp_checksum_ok, METH_VARARGS, "udp_checksum_ok(src, dst, udp, trusted=False) -> bool"},
-    {"span_line", tj_span_line, METH_VARARGS,
-     "span_line(entry, resource, fallback) -> the JSON line of a span queued by JsonLinesSink (_tracejson.c)"},
     {"span_lines", tj_span_lines, METH_VARARGS,
      "span_lines(entries, resource, fallback) -> (bytes, lines): a batch of JsonLinesSink's writer (_tracejson.c)"},
     {NULL, NULL, 0, NULL},

@@ -361,7 +361,7 @@ int tj_format(struct tj_ctx *c, const struct tn_trace_rec *recs, size_t n)
     return 0;
 }
 
-/* ------------------------------------------------------------------ span_line()
+/* ------------------------------------------------------------------ span_lines()
  * One span of aioslirp.observe.sink.JsonLinesSink as its JSON line, in C (the writer thread's
  * formatting of the spans Python made: flow spans with their events, frame spans of the Python
  * path). Byte for byte json.dumps(separators=(",", ":")) (ASCII, floats as repr); a value it does
@@ -416,7 +416,7 @@ static int jput_fallback(struct jbuf *b, PyObject *value, PyObject *fallback)
     const char *p = PyUnicode_Check(s) ? PyUnicode_AsUTF8AndSize(s, &n) : NULL;
     int rc = p ? jput(b, p, (size_t)n) : -1;
     if (!p && !PyErr_Occurred())
-        PyErr_SetString(PyExc_TypeError, "span_line: fallback must return str");
+        PyErr_SetString(PyExc_TypeError, "span_lines: fallback must return str");
     Py_DECREF(s);
     return rc;
 }
@@ -543,7 +543,7 @@ static int jput_events(struct jbuf *b, PyObject *events, PyObject *fallback)
             continue;
         }
         if (!PyTuple_Check(e) || PyTuple_Size(e) != 3) {
-            PyErr_SetString(PyExc_TypeError, "span_line: an event is (name, time_ns, attributes) or its JSON text");
+            PyErr_SetString(PyExc_TypeError, "span_lines: an event is (name, time_ns, attributes) or its JSON text");
             return -1;
         }
         if (jputs(b, "{\"name\":") < 0 || jput_str(b, PyTuple_GetItem(e, 0), fallback) < 0 ||
@@ -561,7 +561,7 @@ static int jput_events(struct jbuf *b, PyObject *events, PyObject *fallback)
 static int span_entry(struct jbuf *b, PyObject *entry, PyObject *resource, PyObject *fallback)
 {
     if (!PyTuple_Check(entry) || PyTuple_Size(entry) != 9) {
-        PyErr_SetString(PyExc_TypeError, "span_line: entry must be a tuple of 9 items");
+        PyErr_SetString(PyExc_TypeError, "span_lines: entry must be a tuple of 9 items");
         return -1;
     }
     return jputs(b, "{\"name\":") < 0 || jput_str(b, PyTuple_GetItem(entry, 0), fallback) < 0 ||
@@ -578,20 +578,6 @@ static int span_entry(struct jbuf *b, PyObject *entry, PyObject *resource, PyObj
                    jputs(b, "}\n") < 0
                ? -1
                : 0;
-}
-
-/* span_line(entry, resource, fallback) -> str: one entry (span_entry) as its line. */
-PyObject *tj_span_line(PyObject *self, PyObject *args)
-{
-    (void)self;
-    PyObject *entry, *resource, *fallback;
-    if (!PyArg_ParseTuple(args, "OUO", &entry, &resource, &fallback))
-        return NULL;
-    struct jbuf b = {NULL, 0, 0};
-    int rc = span_entry(&b, entry, resource, fallback);
-    PyObject *out = rc < 0 ? NULL : PyUnicode_FromStringAndSize(b.p, (Py_ssize_t)b.n);
-    PyMem_Free(b.p);
-    return out;
 }
 
 /* span_lines(entries, resource, fallback) -> (bytes, lines): a batch of the writer, in order, as

@@ -35,9 +35,7 @@ struct tj_ctx {
  * Python exception set. */
 int tj_format(struct tj_ctx *ctx, const struct tn_trace_rec *recs, size_t n);
 
-/* The module functions span_line(entry, resource, fallback) -> str and span_lines(entries,
- * resource, fallback) -> (bytes, lines) (_tracejson.c). */
-PyObject *tj_span_line(PyObject *self, PyObject *args);
+/* The module function span_lines(entries, resource, fallback) -> (bytes, lines) (_tracejson.c). */
 PyObject *tj_span_lines(PyObject *self, PyObject *args);
 
 #endif

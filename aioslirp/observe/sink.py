@@ -86,15 +86,6 @@ def encode_json(obj) -> str:
     return _encode(obj)
 
 
-def _native_line():
-    """``span_line`` of the native extension (a span's line formatted in C, the same bytes as
-    :func:`_line`), or ``None`` without it."""
-    from .. import native
-
-    ext = native.extension()
-    return getattr(ext, "span_line", None) if ext is not None else None
-
-
 def _native_lines():
     """``span_lines`` of the native extension (a writer's batch formatted in C into one bytes
     object: the same bytes as :func:`_lines`), or ``None`` without it."""
@@ -104,8 +95,6 @@ def _native_lines():
     return getattr(ext, "span_lines", None) if ext is not None else None
 
 
-#: The writer's formatter in C, when the extension is there (else :func:`_line`).
-_C_LINE = _native_line()
 #: The writer's batch formatter in C, when the extension is there (else :func:`_lines`).
 _C_LINES = _native_lines()
 

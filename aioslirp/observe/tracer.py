@@ -52,10 +52,7 @@ def _safe(fn):
         try:
             return fn(self, *args, **kwargs)
         except Exception:
-            self.errors += 1
-            if fn.__name__ not in self.logged:
-                self.logged.add(fn.__name__)
-                log.exception("tracing hook %s failed (further failures are only counted)", fn.__name__)
+            self._hook_failed(fn.__name__)
             return None
 
     return wrapper
@@ -184,7 +181,8 @@ class Tracer:
         self._depth = 0  # inject queue depth then
 
     def _hook_failed(self, name: str) -> None:
-        """Hook ``name`` raised (inside its ``except``): counted, logged once per hook (as :func:`_safe`)."""
+        """Hook ``name`` raised (inside its ``except``): counted (``errors``), logged once per hook
+        (:func:`_safe`, and the hooks of every connection that guard themselves)."""
         self.errors += 1
         if name not in self.logged:
             self.logged.add(name)

@@ -87,7 +87,7 @@ def test_the_direct_sink_writes_what_the_sdk_exporter_writes(tmp_path):
     assert json.loads(b.read_text().splitlines()[0])["resource"] == {"service.name": "aioslirp"}
 
 
-@pytest.mark.skipif(sink_mod._C_LINE is None, reason="no native extension")
+@pytest.mark.skipif(sink_mod._C_LINES is None, reason="no native extension")
 def test_a_line_and_a_batch_formatted_in_c_are_the_python_ones_byte_for_byte():
     rnd = random.Random(7)
     batch: list = []
@@ -101,7 +101,8 @@ def test_a_line_and_a_batch_formatted_in_c_are_the_python_ones_byte_for_byte():
         entry = (rnd.choice(["tcp.flow", "process_guest_frame", "na\u00efve"]), "a" * 32, "b" * 16,
                  rnd.choice(["null", '"' + "c" * 16 + '"']), rnd.randrange(1 << 62), rnd.randrange(1 << 62), attrs,
                  events or None, rnd.choice(["[]", '[{"trace_id":"t","span_id":"s"}]']))
-        assert sink_mod._C_LINE(entry, '{"r":1}', sink_mod._encode) == sink_mod._line(entry, '{"r":1}')
+        assert sink_mod._C_LINES([entry], '{"r":1}', sink_mod._encode) == (
+            sink_mod._line(entry, '{"r":1}').encode(), 1)
         batch.append(entry)
         if rnd.random() < 0.3:  # lines already formatted (the native ring's), between the spans
             k = rnd.randrange(3)
