@@ -515,3 +515,15 @@ def test_vhost_user_rejects_bad_options_with_one_line():
         assert p.returncode == 2
         (line,) = p.stderr.strip().splitlines()
         assert line.startswith(text), line
+
+
+def test_idle_test_runs_in_a_session_of_its_own():
+    """The idle test gets a new namespace and backend: after the connection tests the guest's own
+    TIME-WAIT sockets slow its connect() (run.session_groups' docstring), whatever the backend."""
+    import run
+
+    every = list(run.TEST_NAMES)
+    assert run.session_groups(every, with_idle=True) == [[t for t in every if t != "idle"], ["idle"]]
+    assert run.session_groups(every, with_idle=False) == [[t for t in every if t != "idle"]]
+    assert run.session_groups(["idle"], with_idle=True) == [["idle"]]
+    assert run.session_groups(["crr"], with_idle=True) == [["crr"]]
