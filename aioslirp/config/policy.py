@@ -323,6 +323,12 @@ class EgressPolicy:
         """The user's rules in the order given: ``[{"rule": "pypi.org:443", "verdict": "allow"}, ...]``."""
         return [{"rule": r.text, "verdict": "allow" if r.allow else "deny"} for r in self._user.values()]
 
+    def builtin(self) -> list[str]:
+        """The built-in deny rules (``egress_deny_builtin``) in the order given, e.g.
+        ``["169.254.0.0/16", ...]``: denied whatever the user's rules and default say, except
+        where a more specific user allow rule covers them (docs/security.md)."""
+        return [r.text for r in self._defaults]
+
     # ------------------------------------------------------------------ matching
     def match_addr(self, addr: str, port: int = 0, proto: int = 0, *, user_only: bool = False) -> Rule | None:
         """The most specific CIDR rule for a flow of ``proto`` to ``addr`` (text) and ``port``;

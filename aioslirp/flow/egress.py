@@ -378,6 +378,10 @@ class Egress:
         """The user's rules: ``[{"rule": text, "verdict": "allow"|"deny"}, ...]``."""
         return self.rules.rules()
 
+    def builtin_rules(self) -> list[str]:
+        """The built-in deny rules (:meth:`EgressPolicy.builtin <aioslirp.config.policy.EgressPolicy.builtin>`)."""
+        return self.rules.builtin()
+
     def rules_list(self) -> list[dict]:
         """:meth:`list_rules` (a method, not ``rules_list = list_rules``: mypyc compiles no method alias)."""
         return self.list_rules()

@@ -50,8 +50,10 @@ Commands (``{"execute": NAME, "arguments": {...}}``) and replies:
     flows the policy no longer allows are ended). Reply ``{"return":{"closed":N}}``; a rule that
     is not there: ``bad request: remove_rule: no such rule``.
 ``list_rules``
-    Reply ``{"return":{"rules":[{"rule","verdict"}...],"default":"allow"|"deny"}}``: the user's
-    rules in the order given (the built-in defaults are not listed).
+    Reply ``{"return":{"rules":[{"rule","verdict"}...],"default":"allow"|"deny","builtin":[...]}}``:
+    the user's rules in the order given, the default verdict, and the built-in deny rules
+    (``egress_deny_builtin``: link-local and metadata addresses and the like), which hold whatever
+    the default says.
 
 Errors are ``{"error":{"desc":"..."}}`` with slirp4netns's texts (``bad request: cannot
 parse JSON``, ``bad request: json_object() failed``, ``bad request: no execute found``,
@@ -378,7 +380,8 @@ class ApiServer:
 
     async def _list_rules(self, args: dict) -> dict:
         policy = self.stack.policy
-        return {"return": {"rules": policy.list_rules(), "default": "allow" if policy.default_allow else "deny"}}
+        return {"return": {"rules": policy.list_rules(), "default": "allow" if policy.default_allow else "deny",
+                           "builtin": policy.builtin_rules()}}
 
     async def _get_stats(self, args: dict) -> dict:
         stack = self.stack
@@ -444,8 +447,8 @@ def serving_stack(config, *, forwards=(), api_socket: str | None = None, stack_f
     ``forwards`` (:class:`PortForward` objects) and starts the API socket at
     ``api_socket`` before the body runs, so both are ready before the guest starts; on
     exit the API socket file is removed and the stack closed. Raises
-    :class:`~aioslirp.nat.forward.ForwardError` (a host port cannot be bound) or
-    :class:`ApiSocketError` during setup.
+    :class:`~aioslirp.nat.forward.ForwardError` (a host port cannot be bound; its text begins
+    ``--publish: ``, the option the forwards come from) or :class:`ApiSocketError` during setup.
     """
     import contextlib
 
@@ -456,7 +459,10 @@ def serving_stack(config, *, forwards=(), api_socket: str | None = None, stack_f
         factory = stack_factory or Stack
         async with factory(config) as stack:
             for fwd in forwards:
-                await stack.add_forward(fwd)
+                try:
+                    await stack.add_forward(fwd)
+                except ForwardError as exc:  # one line naming the option, as the switch's -p says it
+                    raise ForwardError(f"--publish: {exc.message}", exc.errno) from None
             api = ApiServer(stack, api_socket) if api_socket else None
             if api is not None:
                 await api.start()

@@ -296,7 +296,7 @@ def test_start_errors_exit_with_one_line(tmp_path):
     finally:
         busy.close()
     assert p.returncode == 1
-    assert p.stderr.strip() == f"aioslirp: error: cannot listen on 127.0.0.1:{port}/tcp: Address already in use"
+    assert p.stderr.strip() == f"aioslirp: error: --publish: cannot listen on 127.0.0.1:{port}/tcp: Address already in use"
     p = subprocess.run(argv + ["-p", "80:80/sctp", "--", "true"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--publish" in p.stderr
     p = subprocess.run(argv + ["-p", "localhost:80:80", "--", "true"], capture_output=True, text=True, timeout=30)

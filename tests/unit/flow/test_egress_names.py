@@ -477,7 +477,8 @@ def test_api_add_list_remove_rules(tmp_path):
     assert call("add_rule", rule="192.0.2.0/24", verdict="deny") == {"return": {"rule": "192.0.2.0/24"}}
     assert call("list_rules") == {"return": {"rules": [{"rule": "allowed.test:8080", "verdict": "allow"},
                                                        {"rule": "192.0.2.0/24", "verdict": "deny"}],
-                                             "default": "deny"}}
+                                             "default": "deny",
+                                             "builtin": ["169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128"]}}
     assert stack.policy.dns_verdict("allowed.test")[0] == 0
     err = call("add_rule", rule="x.org:99999")["error"]["desc"]
     assert err == "bad request: add_rule: bad arguments.rule: 'x.org:99999': port 99999 is out of range 1-65535"
