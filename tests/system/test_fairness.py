@@ -77,10 +77,10 @@ def test_a_flooding_guest_leaves_its_neighbours_their_fair_share(plane):
     by = {g["guest"]: g for g in res["guests"]}
     assert res["fair"] is True and res["total_gbps"] > 0.5
     # the single download gets its half of the link although the flood has 4 flows
+    # (the two ratios sum to 2, so that floor bounds the flood too: a separate fixed bound of 1.15
+    # on the flood asked n1 for 0.85 on the native plane as well, and failed a run at n1 0.81)
     assert by["n1"]["fair_share_ratio"] >= N1_FLOOR[plane], by
-    # (the two ratios sum to 2: the flood's bound is the same floor, seen from its side; a fixed
-    # 1.15 here asked n1 for 0.85 on the native plane too, and failed a run at n1 0.81)
-    assert by["flood"]["fair_share_ratio"] <= 2 - N1_FLOOR[plane] + 1e-9, by
+    assert abs(by["n1"]["fair_share_ratio"] + by["flood"]["fair_share_ratio"] - 2) < 1e-6, by
     # the request/response guest's p50 round trip, loaded vs alone (see the module documentation)
     lat = by["lat1"]
     assert lat["samples"][0] > 100 and lat["samples"][1] > 100
