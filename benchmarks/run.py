@@ -463,6 +463,27 @@ def profile(quick: bool) -> dict:
             "tput_s": 2.0, "idle_flows": 10000, "idle_budget_s": 20.0, "unpinned_rounds": 3}
 
 
+def vm_section(python: str, vm_argv: list[str]) -> str:
+    """The VM section (issue 27): ``benchmarks/vhost_user.py`` with ``vm_argv`` (its output shown as
+    it comes; it isolates itself in a namespace of its own), as markdown for the run's results:
+    its table of medians and verdicts, or the failure's last lines."""
+    cmd = [python, str(HERE / "vhost_user.py"), *vm_argv]
+    log("VM section: " + " ".join(portable_argv(cmd[1:])))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    assert p.stdout is not None
+    for line in p.stdout:
+        print(line, end="", flush=True)
+        lines.append(line.rstrip("\n"))
+    rc = p.wait()
+    head = ["", "### VM section: one QEMU guest over five back ends (benchmarks/vhost_user.py "
+            + " ".join(vm_argv) + ")", ""]
+    start = next((i for i, line in enumerate(lines) if line.startswith("QEMU guest (")), None)
+    if rc != 0 or start is None:
+        return "\n".join(head + [f"vhost_user.py exited with status {rc}:", "", "```text", *lines[-15:], "```", ""])
+    return "\n".join(head + lines[start:] + [""])
+
+
 def session_groups(tests: list[str], with_idle: bool) -> list[list[str]]:
     """The tests of one backend in one round, as the sessions (a new namespace and backend each)
     that run them: all but ``idle`` in one, then ``idle`` (when ``with_idle``) in one of its own.
@@ -543,7 +564,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="add aioslirp-python: aioslirp with AIOSLIRP_NATIVE=0 (the Python data path; 'aioslirp' "
                          "runs the native data plane, the default: the TAP read in C, guest TCP and UDP NAT flows in "
                          "aioslirp/native)")
+    ap.add_argument("--vm", metavar="ARGS",
+                    help="also run the VM section after the namespace one: the same QEMU guest over aioslirp "
+                         "vhost-user, aioslirp stream, passt --vhost-user and passt's stream socket "
+                         "(benchmarks/vhost_user.py with ARGS, one string, e.g. '--smp 1,2'; '' for its defaults), "
+                         "its table appended to the run's markdown")
     args = ap.parse_args(argv)
+    vm_argv = None
+    if args.vm is not None:
+        import vhost_user  # (checked before the namespace section starts: it takes minutes)
+
+        vm_argv = shlex.split(args.vm)
+        _vm_args, error = vhost_user.parse(vm_argv)
+        if error:
+            print(f"run.py: error: --vm: {error}", file=sys.stderr)
+            return 2
 
     prof = profile(args.quick)
     if args.rounds:
@@ -667,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     run_path = out / f"run-{stamp}{'-quick' if args.quick else ''}.json"
     run_path.write_text(json.dumps(doc, indent=1))
     md = report.markdown(doc)
+    if vm_argv is not None:
+        md += vm_section(args.python, vm_argv)
     (out / f"run-{stamp}{'-quick' if args.quick else ''}.md").write_text(md)
     log(f"wrote {run_path} ({meta['duration_s']} s, load average at the end {meta['loadavg_end']})")
     complete = not (args.quick or args.backends or args.tests or args.rounds or args.placements or args.idle_flows)

@@ -368,15 +368,26 @@ def option_error(args) -> str | None:
     return None
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _ints(text: str) -> list[int]:
+    """A comma list of integers (``--mtus``, ``--smp``)."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace | None, str | None]:
+    """``(args, None)`` for good options, ``(None, "--name: what is wrong")`` for a bad value
+    (argparse itself exits with status 2 on an unknown option). ``run.py --vm`` checks its
+    pass-through options with this before its own run starts."""
+    parser = argparse.ArgumentParser(prog="vhost_user.py", description=__doc__.split("\n\n")[0], exit_on_error=False)
     parser.add_argument("--rounds", type=int, default=1, help="rounds (default 1)")
-    parser.add_argument("--mtus", type=lambda s: [int(x) for x in s.split(",")], default=[65520, 1500],
+    parser.add_argument("--mtus", type=_ints, default=[65520, 1500],
                         help="comma-separated MTUs (default 65520,1500)")
     parser.add_argument("--backends", type=lambda s: s.split(","), default=list(BACKENDS),
                         help=f"comma-separated, of {','.join(BACKENDS)} (default all)")
     parser.add_argument("--seconds", type=int, default=4, help="iperf3 -t (default 4)")
-    parser.add_argument("--smp", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+    parser.add_argument("--smp", type=_ints, default=[1],
                         help="comma-separated guest CPU counts (default 1)")
     parser.add_argument("--tests", type=lambda s: s.split(","), default=list(TESTS),
                         help=f"comma-separated, of {','.join(TESTS)} (default all)")
@@ -384,9 +395,19 @@ def main() -> int:
                         help="bench crr/rr measured duration in the guest (default 4)")
     parser.add_argument("--warmup", type=float, default=1.0, help="bench crr/rr warm-up seconds (default 1)")
     parser.add_argument("--passt", metavar="PATH", help="the passt binary (default: the 2026 build in .cache/peers)")
-    args = parser.parse_args()
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:  # a value of the wrong type: one line, as the checks below
+        return None, str(exc)
+    if extra:
+        return None, f"unrecognized arguments: {' '.join(extra)}"
     error = option_error(args)
-    if error:
+    return (None, error) if error else (args, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, error = parse(argv)
+    if args is None:
         print(f"vhost_user.py: error: {error}", file=sys.stderr)
         return 2
     if os.geteuid() != 0:

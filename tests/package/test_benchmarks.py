@@ -509,10 +509,25 @@ def test_vhost_user_table_crr_rr_columns_and_ratios_to_passt_vhost_user():
 def test_vhost_user_rejects_bad_options_with_one_line():
     for opts, text in ((["--tests", "crr,nosuch"], "vhost_user.py: error: --tests: unknown 'nosuch'"),
                        (["--latency-seconds", "0"], "vhost_user.py: error: --latency-seconds: 0 is not > 0"),
-                       (["--backends", "qemu"], "vhost_user.py: error: --backends: unknown 'qemu'")):
+                       (["--backends", "qemu"], "vhost_user.py: error: --backends: unknown 'qemu'"),
+                       (["--smp", "x"], "vhost_user.py: error: argument --smp: 'x' is not a comma list of integers"),
+                       (["--nope"], "vhost_user.py: error: unrecognized arguments: --nope")):
         p = subprocess.run([sys.executable, str(BENCH / "vhost_user.py"), *opts], capture_output=True, text=True,
                            timeout=60)
         assert p.returncode == 2
+        (line,) = p.stderr.strip().splitlines()
+        assert line.startswith(text), line
+
+
+def test_run_py_checks_the_vm_sections_options_first():
+    """``run.py --vm ARGS`` checks ARGS as vhost_user.py would before its own run starts (which
+    takes minutes): one line naming --vm and the option, status 2."""
+    for opts, text in (("--backends nosuch", "run.py: error: --vm: --backends: unknown 'nosuch'"),
+                       ("--rounds x", "run.py: error: --vm: argument --rounds: invalid int value: 'x'"),
+                       ("--bogus 3", "run.py: error: --vm: unrecognized arguments: --bogus 3")):
+        p = subprocess.run([sys.executable, str(BENCH / "run.py"), "--vm", opts], capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 2, p.stderr
         (line,) = p.stderr.strip().splitlines()
         assert line.startswith(text), line
 
