@@ -476,7 +476,7 @@ def vm_section(python: str, vm_argv: list[str]) -> str:
         print(line, end="", flush=True)
         lines.append(line.rstrip("\n"))
     rc = p.wait()
-    head = ["", "### VM section: one QEMU guest over five back ends (benchmarks/vhost_user.py "
+    head = ["", "### VM section: one QEMU guest over each back end (benchmarks/vhost_user.py "
             + " ".join(vm_argv) + ")", ""]
     start = next((i for i, line in enumerate(lines) if line.startswith("QEMU guest (")), None)
     if rc != 0 or start is None:
