@@ -14,7 +14,8 @@ add, remove and flush (:mod:`aioslirp.flow.table`) and the family's Ethernet hea
 ICMP quote (:mod:`aioslirp.dispatch.family`), the inject queue's write at the end of a batch
 (:mod:`aioslirp.inject`) and the flow context's counts (:mod:`aioslirp.flow.context`); and the fair
 scheduler's charge of each engine poll and read batch (:mod:`aioslirp.fair`); and the tracer's
-hooks while tracing is on (:mod:`aioslirp.observe.tracer`): with them,
+hooks while tracing is on (:mod:`aioslirp.observe.tracer`) with the direct span sink behind them
+(:mod:`aioslirp.observe.sink`): with them,
 a connection of the native plane runs three interpreted Python functions, the TAP reader's
 callbacks and :func:`aioslirp.flow.base.admission` (docs/performance.md, "The admission
 compiled"). The host sockets and UDP flows type-check for mypyc too but are left out (no gain
@@ -82,6 +83,7 @@ COMPILED: tuple[str, ...] = (
     "aioslirp.flow.context",
     "aioslirp.fair",
     "aioslirp.observe.tracer",
+    "aioslirp.observe.sink",
 )
 
 
@@ -226,7 +228,7 @@ def status() -> dict[str, bool]:
 
 @functools.cache
 def notice() -> str:
-    """One line, the same for the life of the process: ``compiled per-frame path: on (22/22
+    """One line, the same for the life of the process: ``compiled per-frame path: on (23/23
     modules)``, or off and why (``AIOSLIRP_NO_EXTENSIONS``, a stale build, not built)."""
     st = status()
     n = sum(st.values())

@@ -45,7 +45,10 @@ import logging
 import random
 import threading
 import time
-from json.encoder import c_make_encoder, encode_basestring_ascii
+import json
+import json.encoder
+from json.encoder import encode_basestring_ascii
+from typing import IO
 
 log = logging.getLogger("aioslirp.observe")
 
@@ -60,6 +63,9 @@ WRITE_SLICE = 128
 #: counted (``dropped``): a file that cannot keep up never grows the process without bound.
 MAX_PENDING = 1 << 20
 
+#: The json module's C encoder factory (CPython; None elsewhere), not in its typing stubs.
+c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+
 _now = time.time_ns
 _bits = random.getrandbits
 
@@ -68,16 +74,15 @@ def _json_default(value):
     return str(value)
 
 
-if c_make_encoder is not None:  # CPython: the json module's C encoder, without json.dumps' set-up per call
-    _enc = c_make_encoder(None, _json_default, encode_basestring_ascii, None, ":", ",", False, False, True)
+#: The json module's C encoder, made once (CPython): json.dumps' set-up is not paid per call.
+_enc = (c_make_encoder(None, _json_default, encode_basestring_ascii, None, ":", ",", False, False, True)
+        if c_make_encoder is not None else None)
 
-    def _encode(obj) -> str:
+
+def _encode(obj) -> str:
+    if _enc is not None:
         return "".join(_enc(obj, 0))
-else:  # pragma: no cover - an interpreter without the C encoder
-    import json
-
-    def _encode(obj) -> str:
-        return json.dumps(obj, separators=(",", ":"), default=_json_default)
+    return json.dumps(obj, separators=(",", ":"), default=_json_default)  # an interpreter without it
 
 
 def encode_json(obj) -> str:
@@ -247,13 +252,13 @@ class JsonLinesSink:
         self.path = path
         self.label = label or f"trace file {path}"
         self.interval = interval
-        self._file = open(path, "wb", buffering=0)  # (a batch: one bytes object, one write)
+        self._file: IO[bytes] | None = open(path, "wb", buffering=0)  # (a batch: one bytes object, one write)
         #: The ``resource`` of every line, as JSON text.
         self.resource_json = _encode(dict(resource) if resource is not None else {"service.name": "aioslirp"})
         self._lines: collections.deque = collections.deque()
         self._lock = threading.Lock()  # the file and the order of batches
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
         self._shut = False
         self.written = 0
         self.dropped = 0
@@ -302,7 +307,7 @@ class JsonLinesSink:
             self.dropped += 1
             return
         lines.append((name, trace_id, span_id, parent, start_ns, end_ns, attributes, events, links))
-        if self._thread is None:
+        if self._writer is None:
             self._start_writer()
 
     def put_text(self, text: bytes, count: int) -> None:
@@ -313,7 +318,7 @@ class JsonLinesSink:
             self.dropped += count
             return
         lines.append((text, count))
-        if self._thread is None:
+        if self._writer is None:
             self._start_writer()
 
     @contextlib.contextmanager
@@ -328,8 +333,8 @@ class JsonLinesSink:
 
     # ------------------------------------------------------------------ the writer
     def _start_writer(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="aioslirp-trace-writer", daemon=True)
-        self._thread.start()
+        self._writer = threading.Thread(target=self._run, name="aioslirp-trace-writer", daemon=True)
+        self._writer.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -364,8 +369,9 @@ class JsonLinesSink:
                     continue
                 try:
                     view = memoryview(data)
-                    while view:  # (an unbuffered file: a short write is possible)
-                        view = view[f.write(view):]
+                    done, total = 0, len(view)
+                    while done < total:  # (an unbuffered file: a short write is possible)
+                        done += f.write(view[done:])
                 except OSError as exc:
                     self.dropped += k
                     self._failed(exc)
@@ -377,6 +383,8 @@ class JsonLinesSink:
         self.error = exc.strerror or str(exc)
         log.warning("%s: cannot write spans (%s); spans from now on are not recorded", self.label, self.error)
         f, self._file = self._file, None
+        if f is None:
+            return
         try:
             f.close()
         except OSError:
@@ -397,7 +405,7 @@ class JsonLinesSink:
             return
         self._shut = True  # later spans are dropped (counted)
         self._stop.set()
-        thread = self._thread
+        thread = self._writer
         if thread is not None:
             thread.join()
         self._write()
