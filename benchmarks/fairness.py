@@ -26,6 +26,9 @@ default where it is built; ``AIOSLIRP_NATIVE=0`` in the environment: the Python 
 per second of the loaded window: 1.0 is one core busy).
 
 The issue-28 target: every guest >= 0.9 of its fair share and a latency ratio <= 1.5.
+``--isolate`` serves the latency guests from a service process of their own (its own loop and
+stacks, as one process per guest would), so that the flood shares only the machine with them:
+the latency ratio no scheduler in one process can beat on this machine.
 ``--no-fair`` takes the guests out of the scheduler (``NetworkConfig(fair_weight=None)``):
 the behaviour before it, for comparison. Options::
 
@@ -178,6 +181,53 @@ LATENCY = textwrap.dedent("""
 """)
 
 
+def serve_one(spec: str) -> int:
+    """``--serve-one``: one guest behind its own stack, in this process on its own loop (uvloop
+    when installed): ``spec`` is a JSON object ``{"argv": [...], "name": ...}``. Prints a line
+    ``{"ready": true}`` once the guest runs, relays one line of stdin to the guest, then prints
+    the guest's output and one JSON line of this stack's figures."""
+    import aioslirp
+
+    spec_d = json.loads(spec)
+
+    async def run() -> None:
+        cfg = aioslirp.NetworkConfig(ipv6=False)
+        async with aioslirp.spawn(spec_d["argv"], config=cfg, name=spec_d["name"], stdin=PIPE, stdout=PIPE) as g:
+            print(json.dumps({"ready": True}), flush=True)  # (the caller's timeline starts after it)
+            line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            g.stdin.write(line.encode())
+            await g.stdin.drain()
+            out = await g.stdout.read()
+            await g.wait()
+            native = g.stack.stats().get("native_tcp", {}).get("adopted", 0) > 0
+        sys.stdout.write(out.decode())
+        print(json.dumps({"native_tcp": native}), flush=True)
+
+    try:
+        import uvloop
+        new_loop = uvloop.new_event_loop
+    except ImportError:
+        new_loop = asyncio.new_event_loop
+    loop = new_loop()
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.close()
+    return 0
+
+
+class _Isolated:
+    """A guest served by ``--serve-one`` in a process of its own, with the ``stdin`` / ``stdout`` /
+    ``wait`` of a spawned guest (its output: the guest's lines, then the service's)."""
+
+    def __init__(self, proc) -> None:
+        self.proc = proc
+        self.stdin, self.stdout = proc.stdin, proc.stdout
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+
 def _weights(text: str | None) -> dict[str, float]:
     out: dict[str, float] = {}
     for item in (text or "").split(","):
@@ -229,6 +279,16 @@ async def measure(args) -> dict:
                 else:
                     argv = [sys.executable, "-c", LATENCY, "10.0.2.2", str(ports["echo"]), str(u0), str(u1),
                             str(l0), str(l1)]
+                if kind == "latency" and args.isolate:
+                    proc = await asyncio.create_subprocess_exec(
+                        sys.executable, os.path.abspath(__file__), "--serve-one",
+                        json.dumps({"argv": argv, "name": name}), stdin=PIPE, stdout=PIPE)
+                    stack.push_async_callback(_reap, proc)
+                    assert proc.stdout is not None
+                    if not json.loads(await proc.stdout.readline() or b"{}").get("ready"):
+                        raise SystemExit(f"fairness.py: the service process of {name} did not start")
+                    procs.append((name, kind, flows, None, _Isolated(proc)))
+                    continue
                 g = await stack.enter_async_context(aioslirp.spawn(argv, config=cfg, name=name, stdin=PIPE,
                                                                    stdout=PIPE))
                 procs.append((name, kind, flows, weight, g))
@@ -245,15 +305,18 @@ async def measure(args) -> dict:
                 await g.wait()
             # how often each guest's flows waited for its turn (0 without the scheduler)
             waits = [{k: g.stack.counters.get(k, 0) for k in ("tcp_fair_wait_down", "tcp_fair_wait_up", "fair_express")}
-                     for *_, g in procs]
+                     if not isinstance(g, _Isolated) else {} for *_, g in procs]
             # the guest's TCP flows ran on the native data plane (its stack still serves: stats() has them)
-            native = [g.stack.stats().get("native_tcp", {}).get("adopted", 0) > 0 for *_, g in procs]
+            native = [g.stack.stats().get("native_tcp", {}).get("adopted", 0) > 0
+                      if not isinstance(g, _Isolated) else None for *_, g in procs]
         rows = []
-        for (name, kind, flows, weight, _g), out, w, nat in zip(procs, outs, waits, native):
+        for (name, kind, flows, weight, g), out, w, nat in zip(procs, outs, waits, native):
             lines = out.decode().strip().splitlines()
+            if isinstance(g, _Isolated) and lines:  # its service's line last
+                nat = json.loads(lines.pop())["native_tcp"]
             if not lines:
                 raise SystemExit(f"fairness.py: guest {name} printed nothing")
-            rows.append({"guest": name, "kind": kind, "flows": flows, "weight": weight, **json.loads(lines[-1]),
+            rows.append({"isolated": isinstance(g, _Isolated), "guest": name, "kind": kind, "flows": flows, "weight": weight, **json.loads(lines[-1]),
                          "fair_waits": w.get("tcp_fair_wait_down", 0) + w.get("tcp_fair_wait_up", 0),
                          "express": w.get("fair_express", 0), "native_tcp": nat})
         downloads = [r for r in rows if r["kind"] == "download"]
@@ -267,7 +330,7 @@ async def measure(args) -> dict:
             if r["kind"] == "latency":
                 r["latency_ratio"] = r["loaded_p50_us"] / r["unloaded_p50_us"]
         loop_cpu = (cpu[1] - cpu[0]) / dur if len(cpu) == 2 else None
-        return {"fair": not args.no_fair, "direction": args.direction, "duration": dur, "loop_cpu": loop_cpu,
+        return {"fair": not args.no_fair, "isolate": args.isolate, "direction": args.direction, "duration": dur, "loop_cpu": loop_cpu,
                 "warmup": warm, "total_gbps": total * 8 / dur / 1e9,
                 "guests": rows}
     finally:
@@ -282,11 +345,19 @@ async def measure(args) -> dict:
 
 
 
+async def _reap(proc) -> None:
+    """End an isolated guest's service process if it still runs (the measurement failed)."""
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
 def print_report(res: dict) -> None:
     what = "downloads" if res["direction"] == "down" else "uploads"
     print(f"fair scheduler: {'on' if res['fair'] else 'off'}; window {res['duration']:g} s after "
           f"{res['warmup']:g} s warm-up; {what} in all {res['total_gbps']:.2f} Gbit/s; "
-          f"the loop's process used {res['loop_cpu']:.2f} CPU")
+          f"the loop's process used {res['loop_cpu']:.2f} CPU"
+          + ("; latency guests in a process of their own" if res.get("isolate") else ""))
     print("| guest | flows | weight | Gbit/s | fair-share ratio | p50 unloaded us | p50 loaded us | latency ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in res["guests"]:
@@ -317,10 +388,15 @@ def main(argv=None) -> int:
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                     help="event loop (default uvloop, asyncio when uvloop is missing)")
     ap.add_argument("--quick", action="store_true", help="1 s windows, 0.5 s warm-up: a smoke run")
+    ap.add_argument("--isolate", action="store_true",
+                    help="serve the latency guests from a process of their own (the machine's share of the latency)")
+    ap.add_argument("--serve-one", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.host_server:
         host_server(args.host_server)
         return 0
+    if args.serve_one:
+        return serve_one(args.serve_one)
     for name in ("flood_flows", "neighbours", "latency_guests"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')}: must be at least 0")

@@ -391,6 +391,27 @@ def test_fairness_quick_prints_a_row_per_guest_and_the_figures():
     assert lat["latency_ratio"] == pytest.approx(lat["loaded_p50_us"] / lat["unloaded_p50_us"])
 
 
+@pytest.mark.netns
+def test_fairness_isolate_serves_the_latency_guest_from_a_process_of_its_own():
+    """--isolate: lat1 is served by a service process of its own (no fair-scheduler figures of
+    this loop), its round trips measured all the same; the flood and n1 stay in this loop."""
+    need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
+    p = subprocess.run([sys.executable, str(BENCH / "fairness.py"), "--quick", "--isolate"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert lines[0].endswith(" CPU; latency guests in a process of their own")
+    res = json.loads(lines[-1])
+    assert res["isolate"] is True
+    by_name = {g["guest"]: g for g in res["guests"]}
+    assert [by_name[n]["isolated"] for n in ("flood", "n1", "lat1")] == [False, False, True]
+    lat = by_name["lat1"]
+    assert lat["express"] == 0 and lat["fair_waits"] == 0 and lat["weight"] is None
+    assert lat["samples"][0] > 100 and lat["samples"][1] > 100  # a request a millisecond for 1 s each
+    assert lat["unloaded_p50_us"] > 0 and lat["loaded_p50_us"] > 0
+    assert by_name["flood"]["bytes"] > 0 and by_name["n1"]["bytes"] > 0
+
+
 def test_fairness_rejects_bad_options_with_one_line():
     for opts, text in ((["--weights", "nobody=2"], "no guest named 'nobody'"),
                        (["--weights", "n1=0"], "--weights: 'n1=0': expected NAME=POSITIVE_NUMBER"),
