@@ -373,6 +373,9 @@ class _Turns:
         else:
             self.alone = 0
             due = self._allow(max(TURN_MIN, int(share.available())))
+            # A turn goes on beside other busy guests: a safe point, so that a sparse guest's input
+            # waits for one batch or poll of this guest, not for the rest of its quantum.
+            share.safe_point()
         if due:  # held flows resume: on the next loop iteration (this runs inside a poll or a batch)
             self.plane.poll_soon()
 

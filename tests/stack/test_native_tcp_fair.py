@@ -92,3 +92,58 @@ async def test_a_native_guest_over_its_share_is_held_until_its_turn():
         ctx.native_tcp = None
         await guest.aclose()
         await busy.aclose()
+
+
+async def test_each_charge_of_a_contended_turn_is_a_safe_point():
+    """While another guest waits for its turn, every charge of a native guest's turn that leaves it
+    credit is a safe point of the link (where the express lane runs the sparse guests' input), not
+    only the charge that ends the turn: a sparse guest waits for one batch or poll of a busy guest,
+    not for the rest of its quantum."""
+    ext = need_extension()
+    busy, guest = Stack(NetworkConfig(), name="busy"), Stack(NetworkConfig(), name="native")
+    await busy.start()
+    await guest.start()
+    ctx = guest.parts.ctx
+    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
+    eng.fake_connect_mode(0)
+    plane = ctx.native_tcp = NativeTcp(ctx, eng)
+    now = asyncio.get_running_loop().time
+    share = ctx.running.share_down
+    link = share.link
+    points: list[int] = []
+    link.safe_point = lambda: points.append(1)
+    other = busy.parts.ctx.running.share_down
+
+    def busy_turn() -> None:  # the busy guest is always over its share again: it always waits
+        other.charge(4 * QUANTUM_DOWN)
+        other.wait(busy_turn)
+
+    try:
+        guest.parts.link.on_frames([tcp_frame(F4, PORT, 8080, SYN, seq=5, mss=1460, opts=WSCALE)])
+        (synack,) = eng.fake_frames()
+        iss = int.from_bytes(synack[38:42], "big")
+        assert eng.input(tcp_frame(F4, PORT, 8080, ACK, seq=6, ack=iss + 1, win=0xFFFF), False, now())
+        (fd,) = eng.fake_fds()
+        assert other.charge(1000) is False  # the other guest moves bytes this round: contention
+        eng.fake_host_send(fd, bytes(300_000), now())
+        got = _payload(eng.fake_frames())
+        plane.poll()  # over its share beside a busy guest: held, a wait (and its safe point)
+        assert guest.counters["tcp_fair_wait_down"] == 1
+        assert other.charge(4 * QUANTUM_DOWN) is True  # the other guest over its share too: it waits
+        other.wait(busy_turn)
+        assert link.contended()
+        for _ in range(3):  # passes: the native guest's turn comes (nothing to move then), the busy one waits on
+            await asyncio.sleep(0)
+        assert link.contended()
+        before, waits = len(points), guest.counters["tcp_fair_wait_down"]
+        eng.fake_host_send(fd, bytes(10_000), now())  # read in its turn: less than its credit
+        got += _payload(eng.fake_frames())
+        plane.poll()  # its charge: the turn goes on (no wait), a safe point
+        assert got == 310_000
+        assert guest.counters["tcp_fair_wait_down"] == waits
+        assert len(points) == before + 1
+    finally:
+        plane.close()
+        ctx.native_tcp = None
+        await guest.aclose()
+        await busy.aclose()
