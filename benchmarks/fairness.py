@@ -28,7 +28,7 @@ per second of the loaded window: 1.0 is one core busy).
 The issue-28 target: every guest >= 0.9 of its fair share and a latency ratio <= 1.5.
 ``--isolate`` serves the latency guests from a service process of their own (its own loop and
 stacks, as one process per guest would), so that the flood shares only the machine with them:
-the latency ratio no scheduler in one process can beat on this machine.
+the latency ratio of one process per guest on this machine.
 ``--no-fair`` takes the guests out of the scheduler (``NetworkConfig(fair_weight=None)``):
 the behaviour before it, for comparison. Options::
 
