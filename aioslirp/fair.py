@@ -509,7 +509,7 @@ class Seat:
     """One guest's place in a :class:`SparseLane` (:meth:`SparseLane.seat`): its input fds, watched
     with its shares; each callback run early is counted in ``counters["fair_express"]``."""
 
-    __slots__ = ("lane", "shares", "counters", "fds", "_guest_fds")
+    __slots__ = ("lane", "shares", "counters", "fds", "_guest_fds", "_batched")
 
     lane: SparseLane
     shares: tuple[Share, ...]
@@ -518,6 +518,8 @@ class Seat:
     fds: dict[int, Callable[[], None]]
     #: The fds watched by :meth:`guest` (its transport's, its native engine's).
     _guest_fds: list[int]
+    #: The transport whose batches end in :meth:`after_batch` (:meth:`guest`), or None.
+    _batched: object | None
 
     def __init__(self, lane: SparseLane, shares: tuple[Share, ...], counters: dict[str, int]) -> None:
         self.lane = lane
@@ -525,6 +527,20 @@ class Seat:
         self.counters = counters
         self.fds = {}
         self._guest_fds = []
+        self._batched = None
+
+    def after_batch(self) -> None:
+        """A batch of the guest's input was taken (the native TAP reader's hook, ``after_batch``):
+        while a link is contended and this guest is busy on it (not sparse), a safe point of that
+        link (:meth:`Share.safe_point`), so that a light guest's input waits for one batch of a
+        busy guest, not for its whole turn. Nothing else: two tests per share."""
+        for share in self.shares:
+            link = share.link
+            if link.contended() and not share.sparse:
+                sp = link.safe_point
+                if sp is not None:
+                    sp()
+                return
 
     def watch(self, fd: int, callback: Callable[[], None]) -> None:
         """:meth:`SparseLane.watch` for this guest."""
@@ -552,8 +568,15 @@ class Seat:
         for fd in self._guest_fds:
             self.unwatch(fd)
         self._guest_fds = []
+        batched, self._batched = self._batched, None
+        if batched is not None:
+            batched.after_batch(None)  # type: ignore[attr-defined]
         if transport is None:
             return
+        after_batch = getattr(transport, "after_batch", None)
+        if after_batch is not None:  # a safe point after each of its batches (the native TAP reader)
+            after_batch(self.after_batch)
+            self._batched = transport
         reader = getattr(transport, "guest_reader", None)
         for found in (reader() if reader is not None else None, *readers):
             if found is None:
@@ -572,6 +595,9 @@ class Seat:
             self.lane.unwatch(fd, express)
         self.fds.clear()
         self._guest_fds = []
+        batched, self._batched = self._batched, None
+        if batched is not None:
+            batched.after_batch(None)  # type: ignore[attr-defined]
         for share in self.shares:
             share.leave()
 

@@ -187,6 +187,7 @@ typedef struct {
     uint8_t *udp_scratch;
     PyObject *tcp; /* a TcpEngine (attach_tcp): its flows' frames never reach Python */
     PyObject *syn; /* syn_lane(): where a plain guest SYN of no native flow goes (dp_syn_lane), or NULL */
+    PyObject *after; /* after(): called at the end of each ready() batch (a fair scheduler's safe point), or NULL */
     int reading; /* read_batch() runs (the lane calls Python inside it): no reentry over buf and slots */
     /* udp_sink(): host datagrams read by udp_readable(slot), the loop's reader of each host socket */
     int sink_fd, sink_vnet;
@@ -250,6 +251,7 @@ static int plane_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(Py_TYPE(op));
     Py_VISIT(self->tcp);
     Py_VISIT(self->syn);
+    Py_VISIT(self->after);
     Py_VISIT(self->sink_counters);
     Py_VISIT(self->sink_on_error);
     return 0;
@@ -260,6 +262,7 @@ static int plane_clear(PyObject *op)
     Plane *self = (Plane *)op;
     Py_CLEAR(self->tcp);
     Py_CLEAR(self->syn);
+    Py_CLEAR(self->after);
     Py_CLEAR(self->sink_counters);
     Py_CLEAR(self->sink_on_error);
     return 0;
@@ -278,6 +281,7 @@ static void plane_dealloc(PyObject *op)
     PyMem_Free(self->udp_scratch);
     Py_CLEAR(self->tcp);
     Py_CLEAR(self->syn);
+    Py_CLEAR(self->after);
     Py_CLEAR(self->sink_counters);
     Py_CLEAR(self->sink_on_error);
     for (int k = 0; k < SK_COUNT; k++)
@@ -488,6 +492,14 @@ static PyObject *plane_ready(PyObject *op, PyObject *args)
     }
     if (PyList_Size(frames) > 0 || end == DP_READ_EOF || end == DP_READ_ERROR) {
         r = PyObject_CallFunction(deliver, "OOii", frames, csum, (int)end, err);
+        if (!r)
+            goto fail;
+        Py_DECREF(r);
+    }
+    if (self->after) { /* (a reference of its own: the hook may replace itself) */
+        PyObject *after = Py_NewRef(self->after);
+        r = PyObject_CallNoArgs(after);
+        Py_DECREF(after);
         if (!r)
             goto fail;
         Py_DECREF(r);
@@ -775,7 +787,24 @@ static PyObject *plane_syn_lane(PyObject *op, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* after(callable | None): called with no argument at the end of each ready() batch, whatever it
+ * read (a fair scheduler's safe point between one guest's batches); None: nothing. */
+static PyObject *plane_after(PyObject *op, PyObject *arg)
+{
+    Plane *self = (Plane *)op;
+    if (arg != Py_None && !PyCallable_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "after() takes a callable or None");
+        return NULL;
+    }
+    PyObject *old = self->after;
+    self->after = arg == Py_None ? NULL : Py_NewRef(arg);
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef plane_methods[] = {
+    {"after", plane_after, METH_O,
+     "after(hook | None): hook() at the end of each ready() batch (a fair scheduler's safe point)"},
     {"syn_lane", plane_syn_lane, METH_O,
      "syn_lane(syn | None): a plain guest SYN of no native flow, read while an engine is attached and before any "
      "frame for Python in its batch, goes to syn(frame, v6, l4_off, end, sport, dport, seq, wnd, mss, wscale, sack, "

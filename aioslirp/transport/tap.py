@@ -264,6 +264,14 @@ class TapTransport(Transport):
             raise ValueError("syn_lane needs the native reader (native=True)")
         self.plane.syn_lane(syn)
 
+    def after_batch(self, hook: Callable[[], None] | None) -> None:
+        """Call ``hook()`` at the end of each batch the native reader takes (``Plane.after``): the
+        fair scheduler's safe point between one guest's batches (:meth:`aioslirp.fair.Seat.guest`),
+        where the express lane serves the light guests. ``None``: nothing. Without :attr:`native`
+        (the Python reader, whose flows have safe points of their own) it does nothing."""
+        if self.native:
+            self.plane.after(hook)
+
     def _reader_args(self) -> tuple:
         """The arguments of ``Plane.ready``: the fd, the loop's clock, where the frames left for
         Python go, the hook of frames native UDP flows took and that of ended native TCP flows."""

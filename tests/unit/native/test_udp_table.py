@@ -226,3 +226,39 @@ def test_a_plane_in_a_reference_cycle_through_its_sink_is_collected():
     del owner
     gc.collect()
     assert gone() is None
+
+
+def test_the_loop_reader_calls_its_after_hook_once_per_batch(world):
+    """Plane.after(hook): hook() at the end of every ready() batch (frames for Python, frames a
+    native flow took, or none: a spurious wake-up), after the deliver callback; None stops it; a
+    hook that raises propagates (the loop logs it); anything but a callable or None: TypeError."""
+    import time
+
+    plane, tap, guest, host, server = world
+    _adopt(plane, host)
+    order: list = []
+
+    def ready() -> None:
+        plane.ready(tap.fileno(), time.monotonic, lambda *a: order.append(("deliver", len(a[0]))), None, None)
+
+    plane.after(lambda: order.append("after"))
+    guest.send(guest_frame(b"taken"))  # a native flow's: no Python frame but the hook
+    ready()
+    assert server.recv(100) == b"taken" and order == ["after"]
+    guest.send(guest_frame(b"other", dport=9))  # no flow: for Python, then the hook
+    ready()
+    assert order == ["after", ("deliver", 1), "after"]
+    ready()  # nothing to read: still a batch's end
+    assert order[-1] == "after" and len(order) == 4
+    plane.after(None)
+    ready()
+    assert len(order) == 4
+
+    def fail() -> None:
+        raise RuntimeError("hook")
+
+    plane.after(fail)
+    with pytest.raises(RuntimeError, match="hook"):
+        ready()
+    with pytest.raises(TypeError, match="callable or None"):
+        plane.after(5)

@@ -516,6 +516,52 @@ def test_a_seat_watches_the_guests_native_engine_beside_its_transport_and_stops_
         fds.close()
 
 
+def test_a_seat_hooks_a_safe_point_after_each_batch_of_its_transport_and_unhooks_it():
+    """``Seat.guest(transport)`` gives a transport with ``after_batch`` (the native TAP reader) the
+    seat's :meth:`Seat.after_batch`: after each batch of a guest busy on a contended link, a safe
+    point of that link; of a sparse guest, or with no contention, nothing. ``guest(None)``, a new
+    transport and ``leave()`` take the hook back."""
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    points: list[int] = []
+    link.safe_point = lambda: points.append(1)
+    lane = SparseLane(link)
+
+    class Batched:
+        def __init__(self) -> None:
+            self.hooks: list = []
+
+        def after_batch(self, hook) -> None:
+            self.hooks.append(hook)
+
+    busy = link.join(name="busy")
+    seat = lane.seat((busy,), {})
+    first, second = Batched(), Batched()
+    seat.guest(first)
+    assert first.hooks == [seat.after_batch]
+    seat.after_batch()  # no contention yet: nothing
+    assert points == []
+    (a, fa), _ = backlog(loop, link)
+    busy.charge(1)
+    BacklogFlow(busy, 4 * Q).step()  # the seat's guest waits too: busy on a contended link
+    assert link.contended() and not busy.sparse
+    before = len(points)  # (each wait was a safe point too)
+    seat.after_batch()
+    assert len(points) == before + 1
+    light = link.join(name="light")
+    light_seat = lane.seat((light,), {})
+    assert light.sparse
+    light_seat.after_batch()  # a sparse guest's batch is no safe point
+    assert len(points) == before + 1
+    seat.guest(second)  # a new transport: the old one's hook taken back
+    assert first.hooks == [seat.after_batch, None] and second.hooks == [seat.after_batch]
+    seat.guest(None)
+    assert second.hooks == [seat.after_batch, None]
+    seat.guest(second)
+    seat.leave()
+    assert second.hooks[-1] is None
+
+
 def test_a_stale_unwatch_leaves_the_entry_of_the_guest_that_took_the_fd_number_since():
     # guest A's transport closed its fd on EOF; guest B's new transport got the same number and
     # is watched; A's stack then stops watching "its" fd: B's entry stays
