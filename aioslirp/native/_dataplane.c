@@ -774,32 +774,30 @@ static PyObject *plane_attach_tcp(PyObject *op, PyObject *arg)
 
 /* syn_lane(callable | None): where plain guest SYNs of no native flow go (syn_lane() above); only
  * with an attached TcpEngine (no engine: every frame is Python's, as before). */
-static PyObject *plane_syn_lane(PyObject *op, PyObject *arg)
+/* *slot = arg (a callable; None: NULL), the old reference dropped; what names the method in the
+ * TypeError of anything else. */
+static PyObject *set_hook(PyObject **slot, PyObject *arg, const char *what)
 {
-    Plane *self = (Plane *)op;
     if (arg != Py_None && !PyCallable_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "syn_lane() takes a callable or None");
+        PyErr_Format(PyExc_TypeError, "%s() takes a callable or None", what);
         return NULL;
     }
-    PyObject *old = self->syn;
-    self->syn = arg == Py_None ? NULL : Py_NewRef(arg);
+    PyObject *old = *slot;
+    *slot = arg == Py_None ? NULL : Py_NewRef(arg);
     Py_XDECREF(old);
     Py_RETURN_NONE;
+}
+
+static PyObject *plane_syn_lane(PyObject *op, PyObject *arg)
+{
+    return set_hook(&((Plane *)op)->syn, arg, "syn_lane");
 }
 
 /* after(callable | None): called with no argument at the end of each ready() batch, whatever it
  * read (a fair scheduler's safe point between one guest's batches); None: nothing. */
 static PyObject *plane_after(PyObject *op, PyObject *arg)
 {
-    Plane *self = (Plane *)op;
-    if (arg != Py_None && !PyCallable_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "after() takes a callable or None");
-        return NULL;
-    }
-    PyObject *old = self->after;
-    self->after = arg == Py_None ? NULL : Py_NewRef(arg);
-    Py_XDECREF(old);
-    Py_RETURN_NONE;
+    return set_hook(&((Plane *)op)->after, arg, "after");
 }
 
 static PyMethodDef plane_methods[] = {

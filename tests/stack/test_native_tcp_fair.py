@@ -7,6 +7,7 @@ alone again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from aioslirp import NetworkConfig, Stack
 from aioslirp.fair import QUANTUM_DOWN
@@ -23,7 +24,10 @@ def _payload(frames: list[bytes]) -> int:
     return sum(len(f) - 54 for f in frames)  # Ethernet, IPv4 and TCP headers without options
 
 
-async def test_a_native_guest_over_its_share_is_held_until_its_turn():
+@contextlib.asynccontextmanager
+async def native_beside_busy():
+    """Two stacks on this loop: ``busy`` and ``guest``, the latter with a native flow on a fake
+    engine (established, an 8 MiB window); yields ``(busy, guest, eng, plane, now, fd, iss)``."""
     ext = need_extension()
     busy, guest = Stack(NetworkConfig(), name="busy"), Stack(NetworkConfig(), name="native")
     await busy.start()
@@ -39,6 +43,16 @@ async def test_a_native_guest_over_its_share_is_held_until_its_turn():
         iss = int.from_bytes(synack[38:42], "big")
         assert eng.input(tcp_frame(F4, PORT, 8080, ACK, seq=6, ack=iss + 1, win=0xFFFF), False, now())
         (fd,) = eng.fake_fds()
+        yield busy, guest, eng, plane, now, fd, iss
+    finally:
+        plane.close()
+        ctx.native_tcp = None
+        await guest.aclose()
+        await busy.aclose()
+
+
+async def test_a_native_guest_over_its_share_is_held_until_its_turn():
+    async with native_beside_busy() as (busy, guest, eng, plane, now, fd, iss):
         # the other guest moves bytes this round: contention
         assert busy.parts.ctx.running.share_down.charge(1000) is False
         eng.fake_host_send(fd, bytes(300_000), now())  # read at once (an 8 MiB window): 300 KB to the guest
@@ -87,11 +101,6 @@ async def test_a_native_guest_over_its_share_is_held_until_its_turn():
         assert take() == 900_000
         plane.poll()
         assert guest.counters["tcp_fair_wait_down"] == waits and eng.counters()["held_down"] >= 2
-    finally:
-        plane.close()
-        ctx.native_tcp = None
-        await guest.aclose()
-        await busy.aclose()
 
 
 async def test_each_charge_of_a_contended_turn_is_a_safe_point():
@@ -99,31 +108,17 @@ async def test_each_charge_of_a_contended_turn_is_a_safe_point():
     credit is a safe point of the link (where the express lane runs the sparse guests' input), not
     only the charge that ends the turn: a sparse guest waits for one batch or poll of a busy guest,
     not for the rest of its quantum."""
-    ext = need_extension()
-    busy, guest = Stack(NetworkConfig(), name="busy"), Stack(NetworkConfig(), name="native")
-    await busy.start()
-    await guest.start()
-    ctx = guest.parts.ctx
-    eng = ext.TcpEngine(-1, False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 1.0, fake=True)
-    eng.fake_connect_mode(0)
-    plane = ctx.native_tcp = NativeTcp(ctx, eng)
-    now = asyncio.get_running_loop().time
-    share = ctx.running.share_down
-    link = share.link
-    points: list[int] = []
-    link.safe_point = lambda: points.append(1)
-    other = busy.parts.ctx.running.share_down
+    async with native_beside_busy() as (busy, guest, eng, plane, now, fd, iss):
+        share = guest.parts.ctx.running.share_down
+        link = share.link
+        points: list[int] = []
+        link.safe_point = lambda: points.append(1)
+        other = busy.parts.ctx.running.share_down
 
-    def busy_turn() -> None:  # the busy guest is always over its share again: it always waits
-        other.charge(4 * QUANTUM_DOWN)
-        other.wait(busy_turn)
+        def busy_turn() -> None:  # the busy guest is always over its share again: it always waits
+            other.charge(4 * QUANTUM_DOWN)
+            other.wait(busy_turn)
 
-    try:
-        guest.parts.link.on_frames([tcp_frame(F4, PORT, 8080, SYN, seq=5, mss=1460, opts=WSCALE)])
-        (synack,) = eng.fake_frames()
-        iss = int.from_bytes(synack[38:42], "big")
-        assert eng.input(tcp_frame(F4, PORT, 8080, ACK, seq=6, ack=iss + 1, win=0xFFFF), False, now())
-        (fd,) = eng.fake_fds()
         assert other.charge(1000) is False  # the other guest moves bytes this round: contention
         eng.fake_host_send(fd, bytes(300_000), now())
         got = _payload(eng.fake_frames())
@@ -142,8 +137,3 @@ async def test_each_charge_of_a_contended_turn_is_a_safe_point():
         assert got == 310_000
         assert guest.counters["tcp_fair_wait_down"] == waits
         assert len(points) == before + 1
-    finally:
-        plane.close()
-        ctx.native_tcp = None
-        await guest.aclose()
-        await busy.aclose()
