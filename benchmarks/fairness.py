@@ -14,7 +14,8 @@ turn of this process's loop) sends endless data to every connection on one port 
   every millisecond; ``--latency-guests M``, default 1).
 
 Timeline: the latency guests measure their round trips alone first (*unloaded*: the
-downloaders are connected but idle), then the downloads start, and after ``--warmup`` seconds
+downloaders are connected but idle; ``--unloaded`` seconds, default ``--duration``; no such
+window without latency guests), then the downloads start, and after ``--warmup`` seconds
 everything is measured for ``--duration`` seconds (*loaded*). Prints one row per guest: its
 download rate (Gbit/s) and its ratio to its fair share (the downloaders' total divided in
 proportion to their weights: 1.0 is exactly fair), and per latency guest the p50 round trip
@@ -257,8 +258,9 @@ async def measure(args) -> dict:
         weights = _weights(args.weights)
         dur, warm = args.duration, args.warmup
         # the timeline, seconds after the start
-        u0, u1 = 0.3, 0.3 + dur
-        d0 = u1 + 0.2
+        # the unloaded window (--unloaded seconds, default --duration) only with latency guests
+        u0, u1 = 0.3, 0.3 + (args.unloaded if args.unloaded is not None else dur)
+        d0 = u1 + 0.2 if args.latency_guests else 0.3
         l0, l1 = d0 + warm, d0 + warm + dur
         guests = [("flood", "download", args.flood_flows)] if args.flood_flows else []
         guests += [(f"n{i + 1}", "download", 1) for i in range(args.neighbours)]
@@ -380,6 +382,8 @@ def main(argv=None) -> int:
     ap.add_argument("--neighbours", type=int, default=1, help="guests with one download each (default 1)")
     ap.add_argument("--latency-guests", type=int, default=1, help="request/response guests (default 1)")
     ap.add_argument("--duration", type=float, default=5.0, help="seconds of each measured window (default 5)")
+    ap.add_argument("--unloaded", type=float, metavar="SECONDS",
+                    help="seconds of the latency guests' unloaded window (default: --duration)")
     ap.add_argument("--warmup", type=float, default=1.0,
                     help="seconds of transfer before the loaded window (default 1)")
     ap.add_argument("--weights", help="fair_weight per guest, e.g. flood=2,n1=0.5 (default 1 each)")
@@ -404,6 +408,8 @@ def main(argv=None) -> int:
         args.duration, args.warmup = 1.0, 0.5
     if not (args.duration > 0 and args.warmup >= 0):
         ap.error("--duration must be > 0 and --warmup >= 0")
+    if args.unloaded is not None and not args.unloaded > 0:
+        ap.error("--unloaded must be > 0")
     new_loop = asyncio.new_event_loop
     if args.loop == "uvloop":
         try:

@@ -369,7 +369,7 @@ def test_many_guests_rejects_bad_options_with_one_line():
 def test_fairness_quick_prints_a_row_per_guest_and_the_figures():
     """benchmarks/fairness.py --quick end to end: the table's rows and the JSON line's shape (figures are noise)."""
     need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
-    p = subprocess.run([sys.executable, str(BENCH / "fairness.py"), "--quick", "--neighbours", "2"],
+    p = subprocess.run([sys.executable, str(BENCH / "fairness.py"), "--quick", "--unloaded", "0.5", "--neighbours", "2"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     lines = p.stdout.splitlines()
@@ -396,7 +396,7 @@ def test_fairness_isolate_serves_the_latency_guest_from_a_process_of_its_own():
     """--isolate: lat1 is served by a service process of its own (no fair-scheduler figures of
     this loop), its round trips measured all the same; the flood and n1 stay in this loop."""
     need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
-    p = subprocess.run([sys.executable, str(BENCH / "fairness.py"), "--quick", "--isolate"],
+    p = subprocess.run([sys.executable, str(BENCH / "fairness.py"), "--quick", "--unloaded", "0.5", "--isolate"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     lines = p.stdout.splitlines()
@@ -415,7 +415,8 @@ def test_fairness_isolate_serves_the_latency_guest_from_a_process_of_its_own():
 def test_fairness_rejects_bad_options_with_one_line():
     for opts, text in ((["--weights", "nobody=2"], "no guest named 'nobody'"),
                        (["--weights", "n1=0"], "--weights: 'n1=0': expected NAME=POSITIVE_NUMBER"),
-                       (["--neighbours", "-1"], "--neighbours: must be at least 0")):
+                       (["--neighbours", "-1"], "--neighbours: must be at least 0"),
+                       (["--unloaded", "0"], "--unloaded must be > 0")):
         p = subprocess.run([sys.executable, str(BENCH / "fairness.py"), *opts], capture_output=True, text=True,
                            timeout=60)
         assert p.returncode != 0
