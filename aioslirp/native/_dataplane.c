@@ -772,8 +772,6 @@ static PyObject *plane_attach_tcp(PyObject *op, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* syn_lane(callable | None): where plain guest SYNs of no native flow go (syn_lane() above); only
- * with an attached TcpEngine (no engine: every frame is Python's, as before). */
 /* *slot = arg (a callable; None: NULL), the old reference dropped; what names the method in the
  * TypeError of anything else. */
 static PyObject *set_hook(PyObject **slot, PyObject *arg, const char *what)
@@ -788,6 +786,8 @@ static PyObject *set_hook(PyObject **slot, PyObject *arg, const char *what)
     Py_RETURN_NONE;
 }
 
+/* syn_lane(callable | None): where plain guest SYNs of no native flow go (syn_lane() above); only
+ * with an attached TcpEngine (no engine: every frame is Python's, as before). */
 static PyObject *plane_syn_lane(PyObject *op, PyObject *arg)
 {
     return set_hook(&((Plane *)op)->syn, arg, "syn_lane");
