@@ -185,16 +185,18 @@ class Share:
         :class:`SparseLane` serves only guests sparse on both links."""
         return not self.queued and self.link.passes - self.last_wait > SPARSE_PASSES
 
-    def safe_point(self) -> None:
+    def safe_point(self) -> bool:
         """A flow of this guest is about to do a chunk of work (``TcpFlow.flush``: the frames
         its host bytes make): while the link is contended and this guest is not sparse, a safe
         point of the link (:attr:`FairLink.safe_point`), where the sparse guests' input runs
-        first. Nothing else (a sparse guest, no contention: two tests)."""
+        first, and True. Nothing else (a sparse guest, no contention: two tests), and False."""
         link = self.link
         if link.contended() and not self.sparse:
             sp = link.safe_point
             if sp is not None:
                 sp()
+            return True
+        return False
 
     def available(self) -> float:
         """Bytes the guest may move now before it is over its share (<= 0: none)."""
@@ -535,12 +537,14 @@ class Seat:
         link (:meth:`Share.safe_point`), so that a light guest's input waits for one batch of a
         busy guest, not for its whole turn. Nothing else: two tests per share."""
         for share in self.shares:
-            link = share.link
-            if link.contended() and not share.sparse:
-                sp = link.safe_point
-                if sp is not None:
-                    sp()
+            if share.safe_point():  # (one safe point: both links have the same)
                 return
+
+    def _unhook(self) -> None:
+        """Take :meth:`after_batch` back from the transport :meth:`guest` gave it to."""
+        batched, self._batched = self._batched, None
+        if batched is not None:
+            batched.after_batch(None)  # type: ignore[attr-defined]
 
     def watch(self, fd: int, callback: Callable[[], None]) -> None:
         """:meth:`SparseLane.watch` for this guest."""
@@ -568,9 +572,7 @@ class Seat:
         for fd in self._guest_fds:
             self.unwatch(fd)
         self._guest_fds = []
-        batched, self._batched = self._batched, None
-        if batched is not None:
-            batched.after_batch(None)  # type: ignore[attr-defined]
+        self._unhook()
         if transport is None:
             return
         after_batch = getattr(transport, "after_batch", None)
@@ -595,9 +597,7 @@ class Seat:
             self.lane.unwatch(fd, express)
         self.fds.clear()
         self._guest_fds = []
-        batched, self._batched = self._batched, None
-        if batched is not None:
-            batched.after_batch(None)  # type: ignore[attr-defined]
+        self._unhook()
         for share in self.shares:
             share.leave()
 
