@@ -84,7 +84,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["FairLink", "QUANTUM", "QUANTUM_DOWN", "SPARSE_PASSES", "Scheduler", "Seat", "Share", "SparseLane"]
+__all__ = ["FairLink", "LinkWatcher", "QUANTUM", "QUANTUM_DOWN", "SPARSE_PASSES", "Scheduler", "Seat", "Share",
+           "SparseLane", "YIELD_EVERY_US"]
 
 log = logging.getLogger("aioslirp.fair")
 
@@ -103,6 +104,10 @@ QUANTUM_DOWN = 64 * 1024
 SPARSE_PASSES = 8
 #: Most ready fds the :class:`SparseLane` takes from its epoll per poll.
 LANE_MAX_EVENTS = 64
+#: The least time between two polls of the express lane at the native plane's yield point
+#: (microseconds; :meth:`SparseLane.use_yield`): the longest a light guest's input waits there
+#: behind a busy guest's frame or socket event, for one ``poll()`` of about 1 us each time.
+YIELD_EVERY_US = 20.0
 
 
 class BatchWriter(Protocol):
@@ -110,6 +115,19 @@ class BatchWriter(Protocol):
     the same floor as this module: it names only what it uses)."""
 
     before_write: Callable[[], object] | None
+
+
+class LinkWatcher(Protocol):
+    """What a :class:`FairLink` tells its :attr:`~FairLink.watcher` (the :class:`SparseLane`)."""
+
+    def began_waiting(self, share: Share) -> None:
+        """``share``'s guest has a flow waiting for its turn now (it was not queued before)."""
+
+    def passed(self) -> None:
+        """A pass of the link begins (some guest waits)."""
+
+    def drained(self) -> None:
+        """No guest waits on the link any more."""
 
 
 class Share:
@@ -126,7 +144,7 @@ class Share:
     """
 
     __slots__ = ("link", "weight", "quantum", "deficit", "seen", "mark", "waiters", "queued", "moved", "waits",
-                 "name", "left", "last_wait")
+                 "name", "left", "last_wait", "seat")
 
     link: FairLink
     weight: float
@@ -145,6 +163,8 @@ class Share:
     #: :meth:`leave` ran: charges are counted but never wait.
     left: bool
     last_wait: int
+    #: The guest's :class:`Seat` in the loop's express lane (:meth:`SparseLane.seat`), or None.
+    seat: Seat | None
 
     def __init__(self, link: FairLink, weight: float, name: str = "") -> None:
         self.link = link
@@ -160,6 +180,7 @@ class Share:
         self.name = name
         self.left = False
         self.last_wait = -SPARSE_PASSES - 1  # never waited: sparse
+        self.seat = None
 
     def charge(self, n: int) -> bool:
         """``n`` bytes moved for this guest (or about to be). True: the guest is over its share
@@ -225,7 +246,7 @@ class FairLink:
     """
 
     __slots__ = ("quantum", "round", "_schedule", "_waiting", "_pending", "active", "_active_before", "shares",
-                 "passes", "safe_point")
+                 "passes", "safe_point", "watcher")
 
     quantum: float
     #: Rounds elapsed (each gave every share one quantum).
@@ -247,6 +268,9 @@ class FairLink:
     #: (:meth:`wait`) and at the start of a pass with guests waiting; ``None``: nothing.
     #: :class:`Scheduler` sets its :meth:`SparseLane.serve` here.
     safe_point: Callable[[], object] | None
+    #: Told when a guest begins to wait, at each pass and when no guest waits any more
+    #: (:class:`LinkWatcher`); :class:`Scheduler` sets its :class:`SparseLane` here.
+    watcher: LinkWatcher | None
 
     def __init__(self, schedule: Callable[[Callable[[], None]], object], quantum: float = QUANTUM) -> None:
         if not quantum > 0:
@@ -261,6 +285,7 @@ class FairLink:
         self.shares = 0
         self.passes = 0
         self.safe_point = None
+        self.watcher = None
 
     def join(self, weight: float = 1.0, name: str = "") -> Share:
         """A new guest's share (``weight`` > 0); it starts with one quantum of credit."""
@@ -278,6 +303,8 @@ class FairLink:
         if share.queued:
             share.queued = False
             self._waiting.remove(share)
+            if not self._waiting and self.watcher is not None:
+                self.watcher.drained()
         left = list(share.waiters)
         share.waiters.clear()
         return left
@@ -319,6 +346,8 @@ class FairLink:
         if not share.queued:
             share.queued = True
             self._waiting.append(share)
+            if self.watcher is not None:
+                self.watcher.began_waiting(share)
         if not self._pending:
             self._pending = True
             self._schedule(self.run_pass)
@@ -352,6 +381,9 @@ class FairLink:
         waiting = self._waiting
         if not waiting:
             return
+        watcher = self.watcher
+        if watcher is not None:
+            watcher.passed()
         sp = self.safe_point
         if sp is not None:  # the sparse guests' input first, then the next bulk turn
             sp()
@@ -377,6 +409,8 @@ class FairLink:
         if waiting and not self._pending:
             self._pending = True
             self._schedule(self.run_pass)
+        elif not waiting and watcher is not None:
+            watcher.drained()
 
 
 class SparseLane:
@@ -400,7 +434,7 @@ class SparseLane:
     itself does not poll again. Not thread-safe: everything on the loop's thread.
     """
 
-    __slots__ = ("links", "_ep", "_watched", "_busy", "served")
+    __slots__ = ("links", "_ep", "_watched", "_busy", "served", "_dimmed", "_yield", "_serve", "_armed")
 
     links: tuple[FairLink, ...]
     _ep: select.epoll | None
@@ -409,6 +443,14 @@ class SparseLane:
     #: :meth:`serve` is running (its callbacks do not poll again).
     _busy: bool
     served: int
+    #: The seats whose fds are dimmed in the epoll (:meth:`dim`).
+    _dimmed: list[Seat]
+    #: The native plane's ``set_yield`` (:meth:`use_yield`), or None.
+    _yield: Callable[..., object] | None
+    #: :meth:`serve`, bound once (the yield point knows it by identity).
+    _serve: Callable[[], int]
+    #: The yield point is armed with :meth:`serve`.
+    _armed: bool
 
     def __init__(self, *links: FairLink) -> None:
         self.links = links
@@ -416,25 +458,31 @@ class SparseLane:
         self._watched = {}
         self._busy = False
         self.served = 0
+        self._dimmed = []
+        self._yield = None
+        self._serve = self.serve
+        self._armed = False
 
     @property
     def watched(self) -> int:
         """How many fds are watched."""
         return len(self._watched)
 
-    def watch(self, fd: int, callback: Callable[[], None], shares: tuple[Share, ...]) -> None:
+    def watch(self, fd: int, callback: Callable[[], None], shares: tuple[Share, ...], dimmed: bool = False) -> None:
         """Run ``callback()`` early when ``fd`` is readable at a safe point and every share in
         ``shares`` (the guest's) is :attr:`~Share.sparse`; ``callback`` is the one the loop runs
         for ``fd`` (it must take a spurious call as nothing to do). It runs in the context current
-        here (as ``loop.add_reader`` does). Watching an fd again replaces its entry. Raises
-        ``OSError`` from ``epoll_ctl`` (a closed fd: ``EBADF``)."""
+        here (as ``loop.add_reader`` does). ``dimmed``: its guest's seat is dimmed (:meth:`dim`).
+        Watching an fd again replaces its entry. Raises ``OSError`` from ``epoll_ctl`` (a closed
+        fd: ``EBADF``)."""
         ep = self._ep
         if ep is None:
             ep = self._ep = select.epoll()
+        events = 0 if dimmed else select.EPOLLIN
         try:
-            ep.register(fd, select.EPOLLIN)
+            ep.register(fd, events)
         except FileExistsError:
-            ep.modify(fd, select.EPOLLIN)
+            ep.modify(fd, events)
         except BaseException:
             if not self._watched:
                 self._close()
@@ -465,9 +513,89 @@ class SparseLane:
         return Seat(self, tuple(shares), counters)
 
     def _close(self) -> None:
+        self._disarm()
         ep, self._ep = self._ep, None
         if ep is not None:
             ep.close()
+
+    # ------------------------------------------------ dimmed seats and the native yield point
+    def dim(self, seat: Seat, on: bool) -> None:
+        """Take ``seat``'s fds out of the epoll's readiness (``on``: events 0, the guest is busy)
+        or put them back (its guest is sparse again), so that the epoll is readable only when a
+        sparse guest's input waits: what the native yield point polls for. Idempotent; a closed
+        fd is skipped (its guest is leaving)."""
+        if seat.dimmed == on:
+            return
+        seat.dimmed = on
+        if on:
+            self._dimmed.append(seat)
+        else:
+            self._dimmed.remove(seat)
+        ep = self._ep
+        if ep is None:
+            return
+        events = 0 if on else select.EPOLLIN
+        for fd in seat.fds:
+            try:
+                ep.modify(fd, events)
+            except (OSError, ValueError):
+                pass
+
+    def began_waiting(self, share: Share) -> None:
+        """:class:`LinkWatcher`: ``share``'s guest is busy now: its seat is dimmed, and the yield
+        point armed (some link is contended)."""
+        seat = share.seat
+        if seat is not None and not seat.dimmed:
+            self.dim(seat, True)
+        self.passed()  # (contention again after a lull: the seats sparse since are lit)
+        self._arm()
+
+    def passed(self) -> None:
+        """:class:`LinkWatcher`: at each pass, the dimmed seats whose guest is sparse again are lit."""
+        if self._dimmed:
+            for seat in list(self._dimmed):
+                if all(s.sparse for s in seat.shares):
+                    self.dim(seat, False)
+
+    def drained(self) -> None:
+        """:class:`LinkWatcher`: a link has no waiting guest; without contention on any link the
+        yield point is disarmed."""
+        for link in self.links:
+            if link.contended():
+                return
+        self._disarm()
+
+    def use_yield(self, set_yield: Callable[..., object] | None) -> None:
+        """Arm the native plane's yield point with :meth:`serve` while a link is contended:
+        ``set_yield(fd, serve, every_us)`` arms it (truthy: armed), ``set_yield(-1, serve)``
+        disarms it (``aioslirp.native._dataplane.set_yield``). There, between two frames of a busy
+        guest's batch and two socket events of its engine's poll, at most every
+        :data:`YIELD_EVERY_US`, the native plane polls this lane's epoll and runs :meth:`serve`
+        when it is readable: a light guest's input waits for one frame's work, not for the turn.
+        ``None``: no yield point (the Python path's safe points only)."""
+        self._disarm()
+        self._yield = set_yield
+
+    def _arm(self) -> None:
+        set_yield, ep = self._yield, self._ep
+        if set_yield is not None and not self._armed and ep is not None:
+            self._armed = bool(set_yield(ep.fileno(), self._serve, YIELD_EVERY_US))
+
+    def _disarm(self) -> None:
+        set_yield = self._yield
+        if self._armed and set_yield is not None:
+            self._armed = False
+            set_yield(-1, self._serve)
+
+    @property
+    def yields(self) -> bool:
+        """:meth:`use_yield` gave this lane a yield point."""
+        return self._yield is not None
+
+    @property
+    def armed(self) -> bool:
+        """The native yield point is armed with this lane's :meth:`serve`."""
+        return self._armed
 
     def serve(self) -> int:
         """A safe point: while some guest waits on a link, run the callbacks of the watched fds
@@ -511,7 +639,7 @@ class Seat:
     """One guest's place in a :class:`SparseLane` (:meth:`SparseLane.seat`): its input fds, watched
     with its shares; each callback run early is counted in ``counters["fair_express"]``."""
 
-    __slots__ = ("lane", "shares", "counters", "fds", "_guest_fds", "_batched")
+    __slots__ = ("lane", "shares", "counters", "fds", "_guest_fds", "_batched", "dimmed")
 
     lane: SparseLane
     shares: tuple[Share, ...]
@@ -522,6 +650,8 @@ class Seat:
     _guest_fds: list[int]
     #: The transport whose batches end in :meth:`after_batch` (:meth:`guest`), or None.
     _batched: object | None
+    #: Its fds are dimmed in the lane's epoll (:meth:`SparseLane.dim`): its guest is busy.
+    dimmed: bool
 
     def __init__(self, lane: SparseLane, shares: tuple[Share, ...], counters: dict[str, int]) -> None:
         self.lane = lane
@@ -530,6 +660,9 @@ class Seat:
         self.fds = {}
         self._guest_fds = []
         self._batched = None
+        self.dimmed = False
+        for share in shares:
+            share.seat = self
 
     def after_batch(self) -> None:
         """A batch of the guest's input was taken (the native TAP reader's hook, ``after_batch``):
@@ -554,7 +687,7 @@ class Seat:
             counters["fair_express"] = counters.get("fair_express", 0) + 1
             callback()
 
-        self.lane.watch(fd, express, self.shares)
+        self.lane.watch(fd, express, self.shares, self.dimmed)
         self.fds[fd] = express
 
     def unwatch(self, fd: int) -> None:
@@ -598,8 +731,10 @@ class Seat:
         self.fds.clear()
         self._guest_fds = []
         self._unhook()
+        self.lane.dim(self, False)
         for share in self.shares:
             share.leave()
+            share.seat = None
 
 
 #: The scheduler of each event loop (:meth:`Scheduler.for_loop`), forgotten with the loop.
@@ -629,6 +764,7 @@ class Scheduler:
         self.down = FairLink(loop.call_soon, quantum_down)
         self.lane = SparseLane(self.up, self.down)
         self.up.safe_point = self.down.safe_point = self.lane.serve
+        self.up.watcher = self.down.watcher = self.lane
 
     @classmethod
     def for_loop(cls, loop: asyncio.AbstractEventLoop) -> "Scheduler":
@@ -643,10 +779,15 @@ class Scheduler:
         return self.up.join(weight, name), self.down.join(weight, name)
 
     def enrol(self, weight: float, name: str, counters: dict[str, int], queue: BatchWriter,
-              *readers: tuple[int, Callable[[], None]]) -> tuple[Share, Share, Seat]:
+              *readers: tuple[int, Callable[[], None]],
+              yield_point: Callable[..., object] | None = None) -> tuple[Share, Share, Seat]:
         """A stack's place in the scheduler: its shares ``(up, down)`` (:meth:`join`) and its
         :class:`Seat` in :attr:`lane`, watching ``readers`` (``(fd, callback)`` pairs); the writer
-        of ``queue`` (its ``InjectQueue``) calls the lane before each batch (``before_write``)."""
+        of ``queue`` (its ``InjectQueue``) calls the lane before each batch (``before_write``).
+        ``yield_point``: the native plane's ``set_yield`` (:meth:`SparseLane.use_yield`, once per
+        loop), or None."""
+        if yield_point is not None and not self.lane.yields:
+            self.lane.use_yield(yield_point)
         up, down = self.join(weight, name)
         seat = self.lane.seat((up, down), counters)
         for fd, callback in readers:

@@ -42,7 +42,7 @@ from collections import Counter
 
 from .observe import tracing
 from .compiled import notice as compiled_notice
-from .native import status as native_status
+from .native import extension as native_extension, status as native_status, wanted as native_wanted
 from .config import NetworkConfig
 from .config.identity import GuestIdentity
 from .dispatch.family import Family4
@@ -374,8 +374,10 @@ class Stack:
         # flows' host sockets, the guest's shares of the loop's fair scheduler and its seat (aioslirp.fair)
         weight, poller, up, down = self.config.fair_weight, HostPoller(loop), None, None
         if weight is not None:
+            ext = native_extension() if native_wanted() else None
             up, down, self._seat = Scheduler.for_loop(loop).enrol(weight, ctx.identity.name or "", self.counters,
-                                                                  p.inject_queue, (poller.fd, poller.dispatch))
+                                                                  p.inject_queue, (poller.fd, poller.dispatch),
+                                                                  yield_point=getattr(ext, "set_yield", None))
         ctx.start(Running(loop, dns, poller, share_up=up, share_down=down))
         p.guard.start(dns, now=loop.time())
         p.table.start(loop)

@@ -30,6 +30,8 @@ The issue-28 target: every guest >= 0.9 of its fair share and a latency ratio <=
 ``--isolate`` serves the latency guests from a service process of their own (its own loop and
 stacks, as one process per guest would), so that the flood shares only the machine with them:
 the latency ratio of one process per guest on this machine.
+``--latency-pasta PASTA`` serves them by pasta instead (one pasta process per latency guest): the
+same flood's cost to a guest aioslirp does not serve at all, the machine's share under the peers' model.
 ``--no-fair`` takes the guests out of the scheduler (``NetworkConfig(fair_weight=None)``):
 the behaviour before it, for comparison. Options::
 
@@ -50,6 +52,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
 import socketserver
 import subprocess
@@ -218,15 +221,34 @@ def serve_one(spec: str) -> int:
 
 
 class _Isolated:
-    """A guest served by ``--serve-one`` in a process of its own, with the ``stdin`` / ``stdout`` /
-    ``wait`` of a spawned guest (its output: the guest's lines, then the service's)."""
+    """A guest served by ``--serve-one`` (or by pasta: ``--latency-pasta``) in a process of its
+    own, with the ``stdin`` / ``stdout`` / ``wait`` of a spawned guest (its output: the guest's
+    lines, then the service's when ``service_line``)."""
 
-    def __init__(self, proc) -> None:
+    def __init__(self, proc, service_line: bool = True) -> None:
         self.proc = proc
         self.stdin, self.stdout = proc.stdin, proc.stdout
+        self.service_line = service_line
 
     async def wait(self) -> int:
         return await self.proc.wait()
+
+
+def _default_route() -> bool:
+    """This network namespace has an IPv4 default route (``/proc/net/route``): pasta refuses to start without one."""
+    try:
+        with open("/proc/net/route") as f:
+            return any(line.split()[1:2] == ["00000000"] for line in list(f)[1:])
+    except OSError:
+        return False
+
+
+def pasta_argv(binary: str) -> list[str]:
+    """pasta serving one guest command (appended after ``--``) in a network namespace of its own, as
+    ``benchmarks/backends.py`` runs it: 10.0.2.15/24, gateway 10.0.2.2 mapped to the host's loopback,
+    MTU 65520, no port forwards."""
+    return [binary, "-f", "-q", "--runas", "0:0", "-4", "--config-net", "-a", "10.0.2.15", "-n", "24",
+            "-g", "10.0.2.2", "-m", "65520", "-t", "none", "-u", "none", "-T", "none", "-U", "none"]
 
 
 def _weights(text: str | None) -> dict[str, float]:
@@ -281,6 +303,13 @@ async def measure(args) -> dict:
                 else:
                     argv = [sys.executable, "-c", LATENCY, "10.0.2.2", str(ports["echo"]), str(u0), str(u1),
                             str(l0), str(l1)]
+                if kind == "latency" and args.latency_pasta:  # the peers' model: pasta, one process per guest
+                    proc = await asyncio.create_subprocess_exec(
+                        *pasta_argv(args.latency_pasta), "--", *argv, stdin=PIPE, stdout=PIPE,
+                        stderr=subprocess.DEVNULL)
+                    stack.push_async_callback(_reap, proc)
+                    procs.append((name, kind, flows, None, _Isolated(proc, service_line=False)))
+                    continue
                 if kind == "latency" and args.isolate:
                     proc = await asyncio.create_subprocess_exec(
                         sys.executable, os.path.abspath(__file__), "--serve-one",
@@ -314,11 +343,12 @@ async def measure(args) -> dict:
         rows = []
         for (name, kind, flows, weight, g), out, w, nat in zip(procs, outs, waits, native):
             lines = out.decode().strip().splitlines()
-            if isinstance(g, _Isolated) and lines:  # its service's line last
+            if isinstance(g, _Isolated) and g.service_line and lines:  # its service's line last
                 nat = json.loads(lines.pop())["native_tcp"]
             if not lines:
                 raise SystemExit(f"fairness.py: guest {name} printed nothing")
-            rows.append({"isolated": isinstance(g, _Isolated), "guest": name, "kind": kind, "flows": flows, "weight": weight, **json.loads(lines[-1]),
+            served_by = ("pasta" if not g.service_line else "own process") if isinstance(g, _Isolated) else "shared loop"
+            rows.append({"isolated": isinstance(g, _Isolated), "served_by": served_by, "guest": name, "kind": kind, "flows": flows, "weight": weight, **json.loads(lines[-1]),
                          "fair_waits": w.get("tcp_fair_wait_down", 0) + w.get("tcp_fair_wait_up", 0),
                          "express": w.get("fair_express", 0), "native_tcp": nat})
         downloads = [r for r in rows if r["kind"] == "download"]
@@ -332,7 +362,7 @@ async def measure(args) -> dict:
             if r["kind"] == "latency":
                 r["latency_ratio"] = r["loaded_p50_us"] / r["unloaded_p50_us"]
         loop_cpu = (cpu[1] - cpu[0]) / dur if len(cpu) == 2 else None
-        return {"fair": not args.no_fair, "isolate": args.isolate, "direction": args.direction, "duration": dur, "loop_cpu": loop_cpu,
+        return {"fair": not args.no_fair, "isolate": args.isolate, "latency_pasta": args.latency_pasta, "direction": args.direction, "duration": dur, "loop_cpu": loop_cpu,
                 "warmup": warm, "total_gbps": total * 8 / dur / 1e9,
                 "guests": rows}
     finally:
@@ -359,7 +389,8 @@ def print_report(res: dict) -> None:
     print(f"fair scheduler: {'on' if res['fair'] else 'off'}; window {res['duration']:g} s after "
           f"{res['warmup']:g} s warm-up; {what} in all {res['total_gbps']:.2f} Gbit/s; "
           f"the loop's process used {res['loop_cpu']:.2f} CPU"
-          + ("; latency guests in a process of their own" if res.get("isolate") else ""))
+          + ("; latency guests in a process of their own" if res.get("isolate") else "")
+          + (f"; latency guests served by {res['latency_pasta']}" if res.get("latency_pasta") else ""))
     print("| guest | flows | weight | Gbit/s | fair-share ratio | p50 unloaded us | p50 loaded us | latency ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in res["guests"]:
@@ -394,6 +425,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="1 s windows, 0.5 s warm-up: a smoke run")
     ap.add_argument("--isolate", action="store_true",
                     help="serve the latency guests from a process of their own (the machine's share of the latency)")
+    ap.add_argument("--latency-pasta", metavar="PASTA",
+                    help="serve the latency guests by the pasta binary PASTA instead (one process per guest, the "
+                         "peers' model): what the same flood costs a guest that aioslirp does not serve")
     ap.add_argument("--serve-one", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.host_server:
@@ -410,6 +444,16 @@ def main(argv=None) -> int:
         ap.error("--duration must be > 0 and --warmup >= 0")
     if args.unloaded is not None and not args.unloaded > 0:
         ap.error("--unloaded must be > 0")
+    if args.latency_pasta is not None:
+        found = shutil.which(args.latency_pasta)
+        if found is None:
+            ap.error(f"--latency-pasta: {args.latency_pasta!r} is not an executable")
+        if args.isolate:
+            ap.error("--latency-pasta: not with --isolate (the latency guests are served by one or the other)")
+        if not _default_route():
+            ap.error("--latency-pasta: pasta needs an IPv4 default route in this namespace (a black hole will do, "
+                     "as benchmarks/run.py makes)")
+        args.latency_pasta = os.path.abspath(found)
     new_loop = asyncio.new_event_loop
     if args.loop == "uvloop":
         try:

@@ -16,8 +16,10 @@
 #include <Python.h>
 
 #include <limits.h>
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "dataplane.h"
 #include "_tcpnat.h"
@@ -26,6 +28,9 @@
 /* Frames of one read buffer before they go to Python; the buffer holds this many largest
  * frames (a batch larger than that is read in several fills within one call). */
 #define FILL_FRAMES 8u
+/* The most bytes one gathered sendmsg of a guest's payloads takes while the yield point is armed:
+ * about one largest frame (its system call about 40 us here, against 100 us for three). */
+#define YIELD_GATHER 65536u
 
 static PyObject *record_tuple(const struct dp_frame *f)
 {
@@ -165,6 +170,112 @@ static PyObject *mod_udp_checksum_ok(PyObject *self, PyObject *args)
     PyBuffer_Release(&dst);
     PyBuffer_Release(&udp);
     return result;
+}
+
+/* ------------------------------------------------------------------ the yield point */
+
+/* One per process (the GIL orders it): the express lane that set_yield() armed, on the thread
+ * that armed it. Its epoll holds only the sparse guests' input fds (fair.py dims the others), so
+ * a readable epoll means a light guest's input waits behind a busy guest's turn. */
+static struct {
+    int fd;                /* the lane's epoll, -1: off */
+    PyObject *serve;       /* serve(): runs the ready sparse guests' callbacks */
+    unsigned long thread;  /* the thread that armed it */
+    uint64_t every_ns;     /* the least time between two polls of fd */
+    uint64_t last_ns;      /* the last poll */
+    int depth;             /* serve() runs */
+    const void *plane, *engine; /* the turn it interrupted */
+    unsigned long long polls, served;
+} Y = {.fd = -1};
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+void dp_yield(const void *plane, const void *engine)
+{
+    if (Y.fd < 0 || Y.depth)
+        return;
+    uint64_t now = mono_ns();
+    if (now - Y.last_ns < Y.every_ns)
+        return;
+    Y.last_ns = now;
+    if (PyThread_get_thread_ident() != Y.thread)
+        return;
+    struct pollfd p = {.fd = Y.fd, .events = POLLIN};
+    Y.polls++;
+    if (poll(&p, 1, 0) <= 0 || !(p.revents & POLLIN))
+        return;
+    PyObject *serve = Py_NewRef(Y.serve); /* (serve may disarm, dropping Y's reference) */
+    PyObject *et, *ev, *tb; /* (none expected: kept as it was) */
+    PyErr_Fetch(&et, &ev, &tb);
+    Y.depth = 1;
+    Y.plane = plane;
+    Y.engine = engine;
+    PyObject *r = PyObject_CallNoArgs(serve);
+    Y.depth = 0;
+    Y.plane = Y.engine = NULL;
+    Y.served++;
+    if (r)
+        Py_DECREF(r);
+    else /* serve() logs its callbacks' failures itself: this is its own, not the turn's */
+        PyErr_WriteUnraisable(serve);
+    Py_DECREF(serve);
+    PyErr_Restore(et, ev, tb);
+}
+
+int dp_yield_armed(void)
+{
+    return Y.fd >= 0;
+}
+
+int dp_yield_blocks(const void *plane, const void *engine)
+{
+    return Y.depth && ((plane && plane == Y.plane) || (engine && engine == Y.engine));
+}
+
+/* set_yield(fd, serve, every_us) arms the yield point for this thread; set_yield(-1, serve) disarms
+ * it when serve is the armed one. -> True when it changed (a lane of another thread or another
+ * serve armed already: False, nothing changed). */
+static PyObject *mod_set_yield(PyObject *self, PyObject *args)
+{
+    int fd;
+    PyObject *serve;
+    double every_us = 0.0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iO|d", &fd, &serve, &every_us))
+        return NULL;
+    if (fd < 0) {
+        if (Y.serve != serve)
+            Py_RETURN_FALSE;
+        Y.fd = -1;
+        Py_CLEAR(Y.serve);
+        Py_RETURN_TRUE;
+    }
+    if (!PyCallable_Check(serve) || !(every_us >= 0.0 && every_us <= 1e6)) {
+        PyErr_SetString(PyExc_ValueError, "set_yield: serve must be callable and every_us in 0..1e6");
+        return NULL;
+    }
+    if (Y.serve && Y.serve != serve)
+        Py_RETURN_FALSE;
+    PyObject *old = Y.serve;
+    Y.serve = Py_NewRef(serve);
+    Py_XDECREF(old);
+    Y.fd = fd;
+    Y.thread = PyThread_get_thread_ident();
+    Y.every_ns = (uint64_t)(every_us * 1000.0);
+    Py_RETURN_TRUE;
+}
+
+/* yield_counters() -> (polls, served): the yield point's polls of the lane, and its serve() calls. */
+static PyObject *mod_yield_counters(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    return Py_BuildValue("(KK)", Y.polls, Y.served);
 }
 
 /* ------------------------------------------------------------------ Plane */
@@ -350,6 +461,8 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
     int err = 0, divert = 0; /* divert: the rest of the batch goes to Python (dp_reorders_later) */
     uint64_t taken_before = self->udp.taken_frames;
     double tcp_now = tcp ? tcpnat_now() : 0.0;
+    if (tcp) /* while guests wait for their turns, one sendmsg is one yield point's worth of work */
+        tcpnat_gather_max(tcp, dp_yield_armed() ? YIELD_GATHER : 0);
     do {
         unsigned nslots = 0, reads = 0;
         end = dp_tap_read(fd, self->buf, self->cap, self->read_size, self->vnet, left, self->slots, fill, &nslots,
@@ -357,6 +470,7 @@ static int read_batch(Plane *self, int fd, double now, PyObject **frames_out, Py
         left -= reads;
         for (unsigned i = 0; i < nslots; i++) {
             const struct dp_slot *s = &self->slots[i];
+            dp_yield(self, tcp); /* (a light guest's input first, when it waits behind this batch) */
             if (tcp && !divert) {
                 if (tcpnat_tap_frame_kept(tcp, self->buf + s->off, s->len, s->csum_ok, tcp_now))
                     continue; /* a native TCP flow's frame (its payload may wait for the gather flush) */
@@ -453,7 +567,11 @@ static PyObject *plane_ready(PyObject *op, PyObject *args)
     Plane *self = (Plane *)op;
     long fdl;
     PyObject *clock, *deliver, *taken_hook, *ended_hook;
-    if (!PyArg_ParseTuple(args, "lOOOO", &fdl, &clock, &deliver, &taken_hook, &ended_hook) || check_fd(self, fdl) < 0)
+    if (!PyArg_ParseTuple(args, "lOOOO", &fdl, &clock, &deliver, &taken_hook, &ended_hook))
+        return NULL;
+    if (dp_yield_blocks(self, self->tcp ? tcpnat_engine_of(self->tcp) : NULL))
+        Py_RETURN_NONE; /* its own reader, from a yield point of its turn: the loop calls it again */
+    if (check_fd(self, fdl) < 0)
         return NULL;
     PyObject *t = PyObject_CallObject(clock, NULL);
     if (!t)
@@ -856,6 +974,9 @@ static PyMethodDef module_methods[] = {
     {"udp_frames", mod_udp_frames, METH_VARARGS,
      "udp_frames(eth, src, dst, sport, dport, payload, hlim, mtu, ident4, ident6) -> list[bytes]"},
     {"udp_checksum_ok", mod_udp_checksum_ok, METH_VARARGS, "udp_checksum_ok(src, dst, udp, trusted=False) -> bool"},
+    {"set_yield", mod_set_yield, METH_VARARGS,
+     "set_yield(fd, serve, every_us=0) -> bool: arm the fair scheduler's yield point (fd -1: disarm)"},
+    {"yield_counters", mod_yield_counters, METH_NOARGS, "yield_counters() -> (polls, served)"},
     {"span_lines", tj_span_lines, METH_VARARGS,
      "span_lines(entries, resource, fallback) -> (bytes, lines): a batch of JsonLinesSink's writer (_tracejson.c)"},
     {NULL, NULL, 0, NULL},

@@ -725,6 +725,10 @@ static int ready(Engine *g)
         PyErr_SetString(PyExc_ValueError, "TcpEngine is closed");
         return 0;
     }
+    if (dp_yield_blocks(NULL, g->e)) { /* (the lane runs only sparse guests: not expected) */
+        PyErr_SetString(PyExc_RuntimeError, "TcpEngine entered again while its turn yields");
+        return 0;
+    }
     return 1;
 }
 
@@ -842,6 +846,8 @@ static PyObject *engine_poll(PyObject *op, PyObject *args)
     PyObject *nowo = Py_None;
     if (!PyArg_ParseTuple(args, "|O", &nowo))
         return NULL;
+    if (g->e && dp_yield_blocks(NULL, g->e)) /* its own reader, from a yield point of this poll: later */
+        return PyList_New(0);
     if (!ready(g))
         return NULL;
     double now = nowo == Py_None ? mono_now() : PyFloat_AsDouble(nowo);
@@ -866,6 +872,7 @@ static PyObject *engine_poll(PyObject *op, PyObject *args)
                 }
                 nsock++;
                 tn_sock_event(g->e, evs[i].data.u64, evs[i].events, now);
+                dp_yield(NULL, g->e); /* (a light guest's input first, when it waits behind this poll) */
             }
         } while (n == 64);
     }
@@ -1095,6 +1102,8 @@ static PyObject *engine_records(PyObject *op, PyObject *unused)
 {
     Engine *g = (Engine *)op;
     (void)unused;
+    if (g->e && dp_yield_blocks(NULL, g->e))
+        return PyList_New(0);
     if (!ready(g))
         return NULL;
     return take_records(g);
@@ -1213,7 +1222,12 @@ static PyObject *engine_forget_tap(PyObject *op, PyObject *unused)
 static PyObject *engine_close(PyObject *op, PyObject *unused)
 {
     (void)unused;
-    engine_release((Engine *)op);
+    Engine *g = (Engine *)op;
+    if (g->e && dp_yield_blocks(NULL, g->e)) {
+        PyErr_SetString(PyExc_RuntimeError, "TcpEngine closed while its turn yields");
+        return NULL;
+    }
+    engine_release(g);
     Py_RETURN_NONE;
 }
 
@@ -1514,6 +1528,13 @@ void tcpnat_gather_flush(void *engine)
     Engine *g = engine;
     if (g->e)
         tn_gather_flush(g->e);
+}
+
+void tcpnat_gather_max(void *engine, size_t n)
+{
+    Engine *g = engine;
+    if (g->e)
+        tn_gather_max(g->e, n);
 }
 
 void tcpnat_batch_end(void *engine)

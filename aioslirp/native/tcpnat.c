@@ -130,6 +130,7 @@ struct tn_engine {
     uint32_t g_slot, g_gen;    /* the flow (slot + 1, 0 none) and its generation */
     uint32_t g_n;              /* iovecs held */
     size_t g_len;              /* their bytes */
+    size_t g_max;              /* the most bytes one sendmsg gathers (tn_gather_max), 0: no bound */
     struct iovec g_iov[TN_GATHER_MAX];
     uint8_t hdr[12 + 14 + 40 + 60];
     uint8_t peek[TN_PEEK_MAX];
@@ -1623,6 +1624,11 @@ static ssize_t up_send(struct tn_engine *e, struct tn_flow *f, const struct iove
     return (ssize_t)took;
 }
 
+void tn_gather_max(struct tn_engine *e, size_t n)
+{
+    e->g_max = n;
+}
+
 void tn_gather_flush(struct tn_engine *e)
 {
     if (!e->g_slot)
@@ -1646,7 +1652,7 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
     if (e->g_slot) { /* the gather's flow (frame_in sent any other's): this payload next in it? */
         uint32_t wnd = SEQ_GT(f->rcv_adv, f->rcv_nxt) ? f->rcv_adv - f->rcv_nxt : 0;
         if (e->gather_ok && plen && !fin && seq == f->rcv_nxt + (uint32_t)e->g_len && e->g_n < TN_GATHER_MAX &&
-            e->g_len + plen <= wnd) {
+            e->g_len + plen <= wnd && (!e->g_max || e->g_len + plen <= e->g_max)) {
             e->g_iov[e->g_n].iov_base = (void *)pay;
             e->g_iov[e->g_n].iov_len = plen;
             e->g_n++;

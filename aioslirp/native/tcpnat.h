@@ -241,6 +241,9 @@ int tn_frame_kept(struct tn_engine *e, const uint8_t *buf, size_t len, const str
 
 /* Send what tn_frame_kept gathered (before the caller reuses the frames' memory). */
 void tn_gather_flush(struct tn_engine *e);
+/* The most payload bytes one gathered sendmsg takes from now on (0: no bound, the default): a
+ * shorter system call, so that the fair scheduler's yield point comes round sooner. */
+void tn_gather_max(struct tn_engine *e, size_t n);
 
 /* Send the ACKs that guest frames made due (after a batch of guest frames). */
 void tn_flush(struct tn_engine *e, double now);

@@ -412,15 +412,58 @@ def test_fairness_isolate_serves_the_latency_guest_from_a_process_of_its_own():
     assert by_name["flood"]["bytes"] > 0 and by_name["n1"]["bytes"] > 0
 
 
+@pytest.mark.netns
+def test_fairness_latency_pasta_serves_the_latency_guest_by_pasta():
+    """--latency-pasta PASTA: lat1 runs under pasta (a process of its own, the peers' model) and is
+    measured the same way; the flood and n1 stay in this loop on the native plane."""
+    need(os.path.exists("/dev/net/tun"), "/dev/net/tun is missing (load the tun module)")
+    pasta = shutil.which("pasta")
+    need(pasta is not None, "pasta is not installed (apt-get install passt)")
+    need(shutil.which("unshare") is not None and shutil.which("ip") is not None, "needs unshare and ip")
+    # a namespace of its own whose default route is a black hole (TEST-NET-1 on its own veth pair), as
+    # benchmarks/run.py makes for pasta: nothing leaves it
+    setup = ("ip link set lo up && ip link add bsink0 type veth peer name bsink1 && ip link set bsink1 up && "
+             "ip addr add 192.0.2.1/24 dev bsink0 && ip link set bsink0 up && "
+             "ip route add default via 192.0.2.254 dev bsink0 && exec \"$@\"")
+    p = subprocess.run(["unshare", "-n", "sh", "-c", setup, "sh", sys.executable, str(BENCH / "fairness.py"),
+                        "--quick", "--unloaded", "0.5", "--latency-pasta", "pasta"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert lines[0].endswith(f" CPU; latency guests served by {os.path.realpath(pasta)}") or \
+        lines[0].endswith(f" CPU; latency guests served by {pasta}")
+    res = json.loads(lines[-1])
+    by_name = {g["guest"]: g for g in res["guests"]}
+    assert [by_name[n]["served_by"] for n in ("flood", "n1", "lat1")] == ["shared loop", "shared loop", "pasta"]
+    lat = by_name["lat1"]
+    assert lat["express"] == 0 and lat["native_tcp"] is None
+    assert lat["samples"][0] > 100 and lat["samples"][1] > 100
+    assert by_name["flood"]["native_tcp"] is True and by_name["flood"]["bytes"] > 0
+
+
 def test_fairness_rejects_bad_options_with_one_line():
     for opts, text in ((["--weights", "nobody=2"], "no guest named 'nobody'"),
                        (["--weights", "n1=0"], "--weights: 'n1=0': expected NAME=POSITIVE_NUMBER"),
                        (["--neighbours", "-1"], "--neighbours: must be at least 0"),
-                       (["--unloaded", "0"], "--unloaded must be > 0")):
+                       (["--unloaded", "0"], "--unloaded must be > 0"),
+                       (["--latency-pasta", "/nonexistent/pasta"], "--latency-pasta: '/nonexistent/pasta' is not an "
+                                                                    "executable"),
+                       (["--latency-pasta", "sh", "--isolate"], "--latency-pasta: not with --isolate")):
         p = subprocess.run([sys.executable, str(BENCH / "fairness.py"), *opts], capture_output=True, text=True,
                            timeout=60)
         assert p.returncode != 0
         assert text in p.stderr, p.stderr
+
+
+@pytest.mark.netns
+def test_fairness_latency_pasta_without_a_default_route_is_one_line():
+    need(shutil.which("unshare") is not None, "needs unshare")
+    p = subprocess.run(["unshare", "-n", sys.executable, str(BENCH / "fairness.py"), "--latency-pasta", "sh"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == (
+        "fairness.py: error: --latency-pasta: pasta needs an IPv4 default route in this namespace (a black hole "
+        "will do, as benchmarks/run.py makes)")
 
 
 # ---- benchmarks/vhost_user.py: CRR/RR inside the QEMU guest --------------------------------------

@@ -606,3 +606,150 @@ def test_the_scheduler_wires_both_links_to_its_lane():
     finally:
         fds.close()
         loop.close()
+
+
+class FakeYield:
+    """``set_yield`` of the native plane: records arming (fd, serve, interval) and disarming."""
+
+    def __init__(self, accept: bool = True) -> None:
+        self.calls: list = []
+        self.armed = None
+        self.accept = accept
+
+    def __call__(self, fd: int, serve, every_us: float = 0.0) -> bool:
+        self.calls.append("arm" if fd >= 0 else "disarm")
+        if fd < 0:
+            ok = self.armed is not None and self.armed[1] is serve
+            self.armed = None if ok else self.armed
+            return ok
+        if not self.accept:
+            return False
+        self.armed = (fd, serve, every_us)
+        return True
+
+
+def _readable(fd: int) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def test_a_busy_guests_fds_are_dimmed_in_the_lane_and_lit_once_it_is_sparse_again():
+    """The lane's epoll (what the native yield point polls) is readable only when a sparse guest's
+    input waits: a guest that begins to wait has its seat dimmed, and it is lit at the first pass
+    that finds it sparse again (no flow waiting for SPARSE_PASSES passes); fds a dimmed seat starts
+    to watch are dimmed too, and a seat that leaves is lit (forgotten)."""
+    from aioslirp.fair import YIELD_EVERY_US
+
+    loop = Loop()
+    link = FairLink(loop.call_soon, Q)
+    lane = SparseLane(link)
+    link.watcher = lane
+    fy = FakeYield()
+    lane.use_yield(fy)
+    fds = Fds(4)
+    try:
+        a, b, light = link.join(name="a"), link.join(name="b"), link.join(name="light")
+        seats = [lane.seat((s,), {}) for s in (a, b, light)]
+        for i, seat in enumerate(seats):
+            seat.watch(fds.fd(i), fds.callback(i))
+        fa, fb = BacklogFlow(a, 4 * Q), BacklogFlow(b, 4 * Q)
+        a.charge(1)
+        b.charge(1)
+        fa.step()
+        fb.step()
+        assert link.contended() and [s.dimmed for s in seats] == [True, True, False]
+        assert lane.armed and fy.armed[1] == lane.serve and fy.armed[2] == YIELD_EVERY_US
+        ep = fy.armed[0]
+        fds.ready(0)
+        fds.ready(1)
+        assert not _readable(ep)  # the busy guests' input does not wake the yield point
+        fds.ready(2)
+        assert _readable(ep)
+        assert lane.serve() == 1 and fds.ran == [2] and not _readable(ep)
+        seats[0].watch(fds.fd(3), fds.callback(3))  # a dimmed seat's new fd: dimmed too
+        fds.ready(3)
+        assert not _readable(ep)
+        # b stops (its flow has nothing more to send); a floods on beside c: b is lit once sparse again
+        c = link.join(name="c")
+        fc = BacklogFlow(c, 4 * Q)
+        fb.step = lambda now=0.0: None
+        for i in range(4 * SPARSE_PASSES):
+            fa.step()
+            fc.step()
+            loop.run_soon()
+            if not seats[1].dimmed:
+                break
+        assert b.sparse and not seats[1].dimmed and seats[0].dimmed and link.contended()
+        assert link.passes > SPARSE_PASSES
+        assert _readable(ep)  # b's fd is still readable: lit, it wakes the lane again
+        seats[0].leave()
+        assert not seats[0].dimmed
+    finally:
+        fds.close()
+
+
+def test_the_yield_point_is_armed_while_a_link_is_contended():
+    loop, loop_down = Loop(), Loop()  # (a loop each: the up link drains first)
+    up, down = FairLink(loop.call_soon, Q), FairLink(loop_down.call_soon, Q)
+    lane = SparseLane(up, down)
+    up.watcher = down.watcher = lane
+    fds = Fds(1)
+    try:
+        fy = FakeYield()
+        lane.use_yield(fy)
+        light = lane.seat((up.join(), down.join()), {})
+        light.watch(fds.fd(0), fds.callback(0))
+        assert not lane.armed and fy.calls == []
+        (a, fa), (b, fb) = backlog(loop, up)
+        assert lane.armed and fy.calls == ["arm"]
+        backlog(loop_down, down)
+        assert fy.calls == ["arm"]  # armed once
+        for _ in range(10):  # the up link drains; down still waits: still armed
+            loop.run_soon()
+        assert not up.contended() and lane.armed and down.contended()
+        for _ in range(10):
+            loop_down.run_soon()
+        assert not down.contended()
+        assert not lane.armed and fy.calls == ["arm", "disarm"] and fy.armed is None
+        # a lane another (thread's) lane holds the yield point for is not armed; use_yield(None) disarms
+        lane2 = SparseLane(up)
+        up.watcher = lane2
+        lane2.seat((up.join(),), {}).watch(fds.fd(0), fds.callback(0))
+        lane2.use_yield(FakeYield(accept=False))
+        backlog(loop, up)
+        assert not lane2.armed
+        up.watcher = lane
+        lane.began_waiting(a)
+        assert lane.armed
+        lane.use_yield(None)
+        assert not lane.armed and fy.armed is None and not lane.yields
+    finally:
+        fds.close()
+
+
+def test_the_scheduler_gives_its_lane_the_yield_point_once():
+    import asyncio
+
+    from aioslirp.fair import Scheduler
+
+    loop = asyncio.new_event_loop()
+    fds = Fds(2)
+    try:
+        sched = Scheduler.for_loop(loop)
+        assert sched.up.watcher is sched.lane and sched.down.watcher is sched.lane
+
+        class Queue:
+            before_write = None
+
+        fy, other = FakeYield(), FakeYield()
+        _, _, s1 = sched.enrol(1.0, "g1", {}, Queue(), (fds.fd(0), fds.callback(0)), yield_point=fy)
+        _, _, s2 = sched.enrol(1.0, "g2", {}, Queue(), (fds.fd(1), fds.callback(1)), yield_point=other)
+        assert sched.lane.yields
+        (a, _), _ = backlog(Loop(), sched.up)
+        assert fy.calls == ["arm"] and other.calls == []  # the first stack's set_yield, kept
+        s1.leave()
+        s2.leave()
+    finally:
+        fds.close()
+        loop.close()
