@@ -56,6 +56,23 @@ same callback, in the context it was registered in); the bytes it moves are char
 Measured: the light guest's loaded request latency about halved, throughput unchanged
 (docs/performance.md, "Per-guest fairness").
 
+The yield point (native data plane)
+-----------------------------------
+A busy guest's turn on the native plane is one C call (a TAP batch of up to 64 frames, an
+engine poll over every socket event): a safe point before or after it still leaves a light
+guest's input waiting for the whole call (measured: a lane poll every 57 us on average during an
+upload flood, gaps of 100-200 us over half the time). So the lane also hands the native plane a
+*yield point* (:meth:`SparseLane.use_yield`, ``set_yield`` of ``aioslirp.native._dataplane``):
+while some guest waits on a link (the lane is *armed*), between two frames of a TAP batch and two
+socket events of an engine's poll, at most every :data:`YIELD_EVERY_US`, the C code polls the
+lane's epoll (``poll()``, no wait) and, when it is readable, calls :meth:`SparseLane.serve`. For
+that poll to mean "a sparse guest's input waits", a guest that begins to wait is *dimmed* in the
+lane's epoll (its fds watched with no events, :meth:`SparseLane.dim`) until a pass finds it
+sparse again (the :class:`LinkWatcher` calls). While ``serve()`` runs, the interrupted plane and
+engine are not entered again (their readers do nothing; the loop calls them again). While armed,
+one ``sendmsg`` gathers at most 64 KiB of a guest's payloads (a shorter system call between two
+yield points). Without contention nothing of this runs: the C check is one compare per frame.
+
 So over any stretch of rounds every backlogged guest moves ``quantum * weight`` bytes a round,
 within one read per flow (a flow reads at most :data:`~aioslirp.nat.hostsock.READ_SIZE`), whatever
 its number of flows; a guest that moves little (request/response) always has credit and never
