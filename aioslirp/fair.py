@@ -58,20 +58,15 @@ Measured: the light guest's loaded request latency about halved, throughput unch
 
 The yield point (native data plane)
 -----------------------------------
-A busy guest's turn on the native plane is one C call (a TAP batch of up to 64 frames, an
-engine poll over every socket event): a safe point before or after it still leaves a light
-guest's input waiting for the whole call (measured: a lane poll every 57 us on average during an
-upload flood, gaps of 100-200 us over half the time). So the lane also hands the native plane a
-*yield point* (:meth:`SparseLane.use_yield`, ``set_yield`` of ``aioslirp.native._dataplane``):
-while some guest waits on a link (the lane is *armed*), between two frames of a TAP batch and two
-socket events of an engine's poll, at most every :data:`YIELD_EVERY_US`, the C code polls the
-lane's epoll (``poll()``, no wait) and, when it is readable, calls :meth:`SparseLane.serve`. For
-that poll to mean "a sparse guest's input waits", a guest that begins to wait is *dimmed* in the
-lane's epoll (its fds watched with no events, :meth:`SparseLane.dim`) until a pass finds it
-sparse again (the :class:`LinkWatcher` calls). While ``serve()`` runs, the interrupted plane and
-engine are not entered again (their readers do nothing; the loop calls them again). While armed,
-one ``sendmsg`` gathers at most 64 KiB of a guest's payloads (a shorter system call between two
-yield points). Without contention nothing of this runs: the C check is one compare per frame.
+A busy guest's turn on the native plane is one C call (a TAP batch, an engine poll), which a safe
+point before or after it cannot split (measured: a lane poll every 57 us during an upload flood).
+So while some guest waits on a link, the native plane gets a *yield point*
+(:meth:`SparseLane.use_yield`): between two frames of a TAP batch and two socket events of an
+engine's poll, at most every :data:`YIELD_EVERY_US`, C polls the lane's epoll and, when it is
+readable, calls :meth:`SparseLane.serve`; a busy guest is *dimmed* in that epoll
+(:meth:`SparseLane.dim`, by the :class:`LinkWatcher` calls) so that only a sparse guest's input
+makes it readable. The interrupted plane and engine are not entered again meanwhile, and one
+``sendmsg`` gathers at most 64 KiB. Without contention: one compare per frame.
 
 So over any stretch of rounds every backlogged guest moves ``quantum * weight`` bytes a round,
 within one read per flow (a flow reads at most :data:`~aioslirp.nat.hostsock.READ_SIZE`), whatever
@@ -537,17 +532,13 @@ class SparseLane:
 
     # ------------------------------------------------ dimmed seats and the native yield point
     def dim(self, seat: Seat, on: bool) -> None:
-        """Take ``seat``'s fds out of the epoll's readiness (``on``: events 0, the guest is busy)
-        or put them back (its guest is sparse again), so that the epoll is readable only when a
-        sparse guest's input waits: what the native yield point polls for. Idempotent; a closed
-        fd is skipped (its guest is leaving)."""
+        """Take ``seat``'s fds out of the epoll's readiness (``on``: events 0, its guest is busy) or
+        put them back (sparse again): the epoll is readable only for a sparse guest's input, what
+        the native yield point polls for. Idempotent; a closed fd is skipped."""
         if seat.dimmed == on:
             return
         seat.dimmed = on
-        if on:
-            self._dimmed.append(seat)
-        else:
-            self._dimmed.remove(seat)
+        (self._dimmed.append if on else self._dimmed.remove)(seat)
         ep = self._ep
         if ep is None:
             return
@@ -559,8 +550,7 @@ class SparseLane:
                 pass
 
     def began_waiting(self, share: Share) -> None:
-        """:class:`LinkWatcher`: ``share``'s guest is busy now: its seat is dimmed, and the yield
-        point armed (some link is contended)."""
+        """:class:`LinkWatcher`: ``share``'s guest is busy: its seat is dimmed, the yield point armed."""
         seat = share.seat
         if seat is not None and not seat.dimmed:
             self.dim(seat, True)
@@ -569,27 +559,21 @@ class SparseLane:
 
     def passed(self) -> None:
         """:class:`LinkWatcher`: at each pass, the dimmed seats whose guest is sparse again are lit."""
-        if self._dimmed:
-            for seat in list(self._dimmed):
-                if all(s.sparse for s in seat.shares):
-                    self.dim(seat, False)
+        for seat in list(self._dimmed):
+            if all(s.sparse for s in seat.shares):
+                self.dim(seat, False)
 
     def drained(self) -> None:
-        """:class:`LinkWatcher`: a link has no waiting guest; without contention on any link the
-        yield point is disarmed."""
+        """:class:`LinkWatcher`: a link has no waiting guest; none on any link: the yield point is disarmed."""
         for link in self.links:
             if link.contended():
                 return
         self._disarm()
 
     def use_yield(self, set_yield: Callable[..., object] | None) -> None:
-        """Arm the native plane's yield point with :meth:`serve` while a link is contended:
-        ``set_yield(fd, serve, every_us)`` arms it (truthy: armed), ``set_yield(-1, serve)``
-        disarms it (``aioslirp.native._dataplane.set_yield``). There, between two frames of a busy
-        guest's batch and two socket events of its engine's poll, at most every
-        :data:`YIELD_EVERY_US`, the native plane polls this lane's epoll and runs :meth:`serve`
-        when it is readable: a light guest's input waits for one frame's work, not for the turn.
-        ``None``: no yield point (the Python path's safe points only)."""
+        """Arm the native plane's yield point (module documentation) with :meth:`serve` while a link
+        is contended: ``set_yield(fd, serve, every_us)`` arms it (truthy: armed), ``set_yield(-1,
+        serve)`` disarms it (``aioslirp.native.yield_point()``). ``None``: no yield point."""
         self._disarm()
         self._yield = set_yield
 

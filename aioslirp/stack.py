@@ -42,7 +42,7 @@ from collections import Counter
 
 from .observe import tracing
 from .compiled import notice as compiled_notice
-from .native import extension as native_extension, status as native_status, wanted as native_wanted
+from .native import status as native_status, yield_point as native_yield_point
 from .config import NetworkConfig
 from .config.identity import GuestIdentity
 from .dispatch.family import Family4
@@ -374,10 +374,9 @@ class Stack:
         # flows' host sockets, the guest's shares of the loop's fair scheduler and its seat (aioslirp.fair)
         weight, poller, up, down = self.config.fair_weight, HostPoller(loop), None, None
         if weight is not None:
-            ext = native_extension() if native_wanted() else None
             up, down, self._seat = Scheduler.for_loop(loop).enrol(weight, ctx.identity.name or "", self.counters,
                                                                   p.inject_queue, (poller.fd, poller.dispatch),
-                                                                  yield_point=getattr(ext, "set_yield", None))
+                                                                  yield_point=native_yield_point())
         ctx.start(Running(loop, dns, poller, share_up=up, share_down=down))
         p.guard.start(dns, now=loop.time())
         p.table.start(loop)
@@ -788,7 +787,6 @@ class Stack:
                 drops by reason: ``bad_checksum``, ``out_of_window``, ``bad_ack``, ``syn_on_open``,
                 ``rst_bad_seq``; ``dup_acks``, ``fast_retransmits``, ``rto``, ``zero_window_probes``,
                 ``host_write_paused``, ``gathered``, ``rate_held_up``, ``rate_paused_down``, ``adopted``, ``ended``, ``live``, ``peek_off``).
-
         The counters are also exported as OpenTelemetry metrics by :func:`aioslirp.observe.metrics.register`.
         """
         return {

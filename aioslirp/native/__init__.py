@@ -51,6 +51,7 @@ import functools
 import importlib
 import logging
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import NamedTuple
 
@@ -162,6 +163,13 @@ def tcp_wanted() -> bool:
 def enabled() -> bool:
     """True when the extension is usable and :func:`wanted`."""
     return extension() is not None and wanted()
+
+
+def yield_point() -> Callable[..., object] | None:
+    """The native plane's ``set_yield(fd, serve, every_us)`` (the fair scheduler's yield point,
+    :meth:`aioslirp.fair.SparseLane.use_yield`) when the plane runs (:func:`enabled`), else None."""
+    ext = extension() if wanted() else None
+    return getattr(ext, "set_yield", None)
 
 
 def status() -> str:
