@@ -520,6 +520,8 @@ class NativeTcp:
             records = self.engine.poll()
         except ValueError:  # closed
             return
+        if records is None:  # called from a yield point inside this engine's own turn: later
+            return
         if self.rated:
             self._rate_counters()
         self._records(records)
@@ -580,6 +582,8 @@ class NativeTcp:
         try:
             records = self.engine.records()
         except ValueError:  # closed
+            return
+        if records is None:  # from a yield point inside this engine's own turn: later
             return
         self._records(records)
         self._charge()

@@ -846,8 +846,8 @@ static PyObject *engine_poll(PyObject *op, PyObject *args)
     PyObject *nowo = Py_None;
     if (!PyArg_ParseTuple(args, "|O", &nowo))
         return NULL;
-    if (g->e && dp_yield_blocks(NULL, g->e)) /* its own reader, from a yield point of this poll: later */
-        return PyList_New(0);
+    if (g->e && dp_yield_blocks(NULL, g->e)) /* its own reader, from a yield point of its turn: later */
+        Py_RETURN_NONE;
     if (!ready(g))
         return NULL;
     double now = nowo == Py_None ? mono_now() : PyFloat_AsDouble(nowo);
@@ -1103,7 +1103,7 @@ static PyObject *engine_records(PyObject *op, PyObject *unused)
     Engine *g = (Engine *)op;
     (void)unused;
     if (g->e && dp_yield_blocks(NULL, g->e))
-        return PyList_New(0);
+        Py_RETURN_NONE;
     if (!ready(g))
         return NULL;
     return take_records(g);
@@ -1421,7 +1421,8 @@ static PyMethodDef engine_methods[] = {
     {"adopt", engine_adopt, METH_VARARGS,
      "adopt(v6, guest_mac, guest_ip, guest_port, dst_ip, dst_port, host_ip, host_port, irs, iss, mss, wscale, wnd, "
      "now) -> (status, slot, gen)"},
-    {"poll", engine_poll, METH_VARARGS, "poll(now=None) -> records: socket events and timers, then what ended"},
+    {"poll", engine_poll, METH_VARARGS,
+     "poll(now=None) -> records: socket events and timers, then what ended (None: inside its own turn's yield)"},
     {"input", engine_input, METH_VARARGS, "input(frame, csum_ok, now) -> bool: a guest frame a native flow took"},
     {"input_batch", engine_input_batch, METH_VARARGS,
      "input_batch(frames, csum_ok, now) -> list[bool]: input() for each frame of a list of bytes, one flow's "
@@ -1448,7 +1449,8 @@ static PyMethodDef engine_methods[] = {
     {"allow", (PyCFunction)(void (*)(void))engine_allow, METH_VARARGS | METH_KEYWORDS,
      "allow(*, up=..., down=...) -> int: bytes each way before the engine holds itself (None: no bound, 0: hold "
      "now, absent: unchanged); 1 when held flows resume at the next poll() (the caller's to call)"},
-    {"records", engine_records, METH_NOARGS, "records() -> the records waiting (poll() without its events and timers)"},
+    {"records", engine_records, METH_NOARGS,
+     "records() -> the records waiting (poll() without its events and timers; None as poll())"},
     {"hook_records", engine_hook_records, METH_O,
      "hook_records(on): the TAP reader's caller asks pending() after each batch and polls: no timer wake-up for them"},
     {"fake_connect_mode", fake_connect_mode, METH_O, "fake: connects of new sockets give this errno (0: at once)"},

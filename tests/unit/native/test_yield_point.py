@@ -186,18 +186,24 @@ def test_another_threads_batches_do_not_yield(ext, lane):
         guest.close()
 
 
-def test_an_engine_poll_yields_between_socket_events_and_is_not_entered_again(ext, lane):
+async def test_an_engine_poll_yields_between_socket_events_and_is_not_entered_again(ext, lane):
     """A real engine with one flow to a loopback server that has sent bytes: its poll reads them
-    (one socket event), then yields; inside serve() the engine's poll and records are empty
-    (later), its other calls refuse, the plane it is attached to does nothing; after the poll the
-    bytes are on the TAP."""
+    (one socket event), then yields. Inside serve() the engine's poll and records say None
+    ("later") and its stack's NativeTcp takes that as nothing to do, its other calls refuse, and
+    the plane it is attached to does nothing; after the poll the bytes are on the TAP."""
+    from aioslirp import NetworkConfig, Stack
+    from aioslirp.nat.native_tcp import NativeTcp
+
     r, w = lane
     tap, guest = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     tap.setblocking(False)
     guest.settimeout(5)
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
+    stack = Stack(NetworkConfig())
+    await stack.start()
     engine = ext.TcpEngine(tap.fileno(), False, False, GW_MAC, 1500, 8, 1 << 20, 60.0, 10.0, 60.0)
+    native = NativeTcp(stack.parts.ctx, engine)
     plane = ext.Plane(2048, 16, False)
     plane.attach_tcp(engine)
     inside: list = []
@@ -206,6 +212,7 @@ def test_an_engine_poll_yields_between_socket_events_and_is_not_entered_again(ex
         os.read(r, 1)
         inside.append(engine.poll())
         inside.append(engine.records())
+        inside.append((native.poll(), native.take()))
         with pytest.raises(RuntimeError, match="yields"):
             engine.counters()
         with pytest.raises(RuntimeError, match="yields"):
@@ -225,14 +232,15 @@ def test_an_engine_poll_yields_between_socket_events_and_is_not_entered_again(ex
         os.write(w, b"!")
         assert _arm(ext, r, serve, 0.0)
         engine.poll()
-        assert inside == [[], [], None]
+        assert inside == [None, None, (None, None), None]
         frame = guest.recv(2048)
         assert frame.endswith(b"from the host")
         conn.close()
     finally:
         ext.set_yield(-1, serve)
         plane.attach_tcp(None)
-        engine.close()
+        native.close()
+        await stack.aclose()
         listener.close()
         tap.close()
         guest.close()
