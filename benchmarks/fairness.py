@@ -234,6 +234,15 @@ class _Isolated:
         return await self.proc.wait()
 
 
+def _yield_counters() -> tuple[int, int] | None:
+    """``(polls, served)`` of the native plane's yield point in this process, or None without it."""
+    from aioslirp import native
+
+    set_yield = native.yield_point()
+    ext = native.extension()
+    return None if set_yield is None or ext is None else tuple(ext.yield_counters())
+
+
 def _default_route() -> bool:
     """This network namespace has an IPv4 default route (``/proc/net/route``): pasta refuses to start without one."""
     try:
@@ -290,6 +299,7 @@ async def measure(args) -> dict:
         unknown = set(weights) - {g[0] for g in guests}
         if unknown:
             raise SystemExit(f"fairness.py: --weights: no guest named {sorted(unknown)[0]!r}")
+        yield_before = _yield_counters()
         async with contextlib.AsyncExitStack() as stack:
             procs = []
             for name, kind, flows in guests:
@@ -362,7 +372,12 @@ async def measure(args) -> dict:
             if r["kind"] == "latency":
                 r["latency_ratio"] = r["loaded_p50_us"] / r["unloaded_p50_us"]
         loop_cpu = (cpu[1] - cpu[0]) / dur if len(cpu) == 2 else None
-        return {"fair": not args.no_fair, "isolate": args.isolate, "latency_pasta": args.latency_pasta, "direction": args.direction, "duration": dur, "loop_cpu": loop_cpu,
+        yield_after = _yield_counters()
+        # the native plane's yield point (aioslirp.fair, "The yield point"): its polls of the express
+        # lane inside busy guests' turns, and how often it served the lane there (None: no native plane)
+        yields = None if yield_before is None or yield_after is None else {
+            "polls": yield_after[0] - yield_before[0], "served": yield_after[1] - yield_before[1]}
+        return {"fair": not args.no_fair, "isolate": args.isolate, "latency_pasta": args.latency_pasta, "direction": args.direction, "duration": dur, "loop_cpu": loop_cpu, "yield_point": yields,
                 "warmup": warm, "total_gbps": total * 8 / dur / 1e9,
                 "guests": rows}
     finally:

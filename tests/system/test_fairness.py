@@ -88,8 +88,13 @@ def test_a_flooding_guest_leaves_its_neighbours_their_fair_share(plane):
     # the downloaders took turns; the request/response guest, under its share, never waited
     assert by["flood"]["fair_waits"] > 0 and by["n1"]["fair_waits"] > 0
     assert lat["fair_waits"] == 0
-    # and its input was served ahead of the downloads' turns by the express lane (aioslirp.fair)
+    # and its input was served ahead of the downloads' turns by the express lane (aioslirp.fair),
+    # on the native plane also from inside the flood's engine polls (the yield point)
     assert lat["express"] > 0, lat
+    if plane == "native":
+        assert res["yield_point"]["polls"] > 0 and res["yield_point"]["served"] > 0, res["yield_point"]
+    else:
+        assert res["yield_point"] is None
 
 
 @PLANES
@@ -101,6 +106,11 @@ def test_a_flooding_uploader_leaves_its_neighbours_their_fair_share(plane):
     assert by["n1"]["fair_share_ratio"] >= N1_FLOOR[plane], by
     assert by["lat1"]["latency_ratio"] < 12, by["lat1"]
     assert by["lat1"]["fair_waits"] == 0 and by["lat1"]["express"] > 0, by["lat1"]
+    # on the native plane the flood's TAP batches were interrupted for the light guest (the yield point)
+    if plane == "native":
+        assert res["yield_point"]["polls"] > 0 and res["yield_point"]["served"] > 0, res["yield_point"]
+    else:
+        assert res["yield_point"] is None
 
 
 @PLANES
