@@ -24,8 +24,10 @@ log = logging.getLogger("aioslirp.vhost_user")
 
 
 async def serve_vhost_user(config, *, path: str, client: bool = False, handle_signals: bool = False,
-                           stack_factory=None) -> int:
+                           stack_factory=None, tx_coalesce: int = 32 * 1024) -> int:
     """Serve vhost-user front ends on ``path`` until stopped (SIGINT/SIGTERM with ``handle_signals``).
+    ``tx_coalesce``: the transport's TX moderation threshold in bytes (0: off; see
+    :class:`~aioslirp.transport.vhost_user.VhostUserTransport`).
     Returns 0 on a clean stop. Raises :class:`~aioslirp.transport.unixpath.SocketInUse` or
     ``OSError`` (binding ``path``), ``RuntimeError`` (the native extension is not usable)."""
     import signal
@@ -41,7 +43,7 @@ async def serve_vhost_user(config, *, path: str, client: bool = False, handle_si
                 n = stack.reset_flows()
                 log.info("vhost-user %s: the guest left; %d flow(s) torn down", path, n)
 
-        transport = VhostUserTransport(path, server=not client, on_front_end=front_end)
+        transport = VhostUserTransport(path, server=not client, on_front_end=front_end, tx_coalesce=tx_coalesce)
         installed = []
         try:
             if handle_signals:

@@ -1525,6 +1525,22 @@ int tcpnat_tap_frame_kept(void *engine, const uint8_t *frame, size_t len, int cs
     return tap_frame(engine, frame, len, csum_ok, now, 1);
 }
 
+_Static_assert(TCPSINK_ZC_HEAD == TN_ZC_HEAD, "one head size for both sides of frame_zc");
+
+int tcpnat_frame_zc(void *engine, const uint8_t *head, size_t head_len, const struct iovec *iov, int n, size_t len,
+                    int csum_ok, double now)
+{
+    Engine *g = engine;
+    if (!g->e || tn_live_flows(g->e) == 0)
+        return 0;
+    if (head_len < len && head_len < TN_ZC_HEAD) /* dp_classify() would read past head */
+        return -1;
+    struct dp_frame rec;
+    if (dp_classify(head, len, 0, &rec, NULL) != DP_KIND_TCP)
+        return 0;
+    return tn_frame_zc(g->e, head, head_len, iov, n, len, &rec, csum_ok, now);
+}
+
 void tcpnat_gather_flush(void *engine)
 {
     Engine *g = engine;
@@ -1556,7 +1572,7 @@ double tcpnat_now(void)
 }
 
 /* The engine's input for the vhost-user device (tcpsink.h): the module attribute tcp_api. */
-static const struct tcpnat_api api = {tcpnat_engine_of, tcpnat_tap_frame, tcpnat_batch_end, tcpnat_now};
+static const struct tcpnat_api api = {tcpnat_engine_of, tcpnat_tap_frame, tcpnat_batch_end, tcpnat_now, tcpnat_frame_zc};
 
 static int add_api(PyObject *module)
 {

@@ -39,6 +39,9 @@
 #define RX 0
 #define TX 1
 
+/* The most pieces of a guest frame handed to the engine in place (frame_zc; TN_GATHER_MAX) */
+#define ZC_PIECES 64
+
 /* rx() states */
 #define RX_DONE 0
 #define RX_WAITING 1 /* the guest has no buffers for frames[next]: wait for its kick */
@@ -70,6 +73,11 @@ typedef struct {
     struct vr_rsv rsv;
     int rx_direct;                  /* offered (set_rx_direct(); on by default) */
     uint64_t tcp_direct, tcp_direct_short;
+    uint64_t tx_in_place; /* guest frames whose payload the engine sent from guest memory (frame_zc) */
+    /* TX coalescing (set_tx_coalesce): a walk that took at least this many bytes and ended at an
+     * empty ring asks for no kick; the caller walks again after a short interval (0: off) */
+    size_t coalesce;
+    uint64_t tx_coalesced;
 } Device;
 
 /* A frame of the engine waiting for RX buffers (a copy: the engine's buffers are reused). */
@@ -142,7 +150,7 @@ static int device_init(PyObject *op, PyObject *args, PyObject *kwargs)
     self->sink.release = sink_release;
     memset(&self->rsv, 0, sizeof self->rsv);
     self->rx_direct = 1;
-    self->tcp_direct = self->tcp_direct_short = 0;
+    self->tcp_direct = self->tcp_direct_short = self->tx_in_place = self->tx_coalesced = 0;
     rxq_clear(self);
     free(self->scratch);
     self->scratch = NULL;
@@ -658,6 +666,7 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
     }
     struct vr_queue *q = &self->q[TX];
     int pushed = 0, more = 0, took_any = 0, divert = 0; /* divert: the rest of the walk goes to Python */
+    size_t bytes = 0; /* taken in this walk (coalescing) */
     void *eng = self->eng;
     double now = eng ? self->api->now() : 0.0;
     PyObject *frames = PyList_New(0), *csum = PyList_New(0);
@@ -679,6 +688,15 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
             continue;
         }
         if (r == VR_EMPTY) {
+            if (self->coalesce && bytes >= self->coalesce && vr_queue_ready(q)) {
+                /* bulk: no kick asked for (the driver's avail_event stays behind it); the caller
+                 * walks again after its interval, and that walk asks unless it is bulk too */
+                if (vr_kick_me(q, 0))
+                    continue; /* chains came meanwhile */
+                more = 2;
+                self->tx_coalesced++;
+                break;
+            }
             /* ask for a kick at the index just read, then look once more: a chain made meanwhile
              * is taken, and the next empty ring asks again. Asking only once per call left
              * avail_event behind the chains taken after it: the driver, past it already, never
@@ -690,12 +708,39 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
         if (r == VR_BROKEN)
             break;
         PyObject *b;
-        if (eng) { /* copied out once (the guest may change its buffer): a native flow's, or Python's */
-            vr_iov_copy(self->scratch, q->iov, niov);
-            if (!divert && self->api->frame(eng, self->scratch, len, (vnet & 3) != 0, now)) {
+        if (eng) { /* a native flow's (its payload sent from guest memory, or copied out once), or Python's */
+            int took = -1;
+            if (!divert && self->api->frame_zc && (vnet & 3) && niov <= ZC_PIECES) {
+                /* the headers copied out (the guest may change its buffers: decisions are made on
+                 * the copy), the payload left in place: the kernel's sendmsg reads it there, before
+                 * the used entry is published (batch_end, then signal_call) */
+                size_t hl = len < TCPSINK_ZC_HEAD ? len : TCPSINK_ZC_HEAD;
+                struct iovec zv[ZC_PIECES];
+                size_t at = 0;
+                for (unsigned k = 0; k < niov; k++) {
+                    zv[k].iov_base = q->iov[k].base;
+                    zv[k].iov_len = q->iov[k].len;
+                    if (at < hl) {
+                        size_t c = hl - at < q->iov[k].len ? hl - at : q->iov[k].len;
+                        memcpy(self->scratch + at, q->iov[k].base, c);
+                        at += c;
+                    }
+                }
+                took = self->api->frame_zc(eng, self->scratch, hl, zv, (int)niov, len, 1, now);
+                if (took > 0)
+                    self->tx_in_place++;
+            }
+            if (took < 0) { /* copied out whole: the engine parses and sends from the copy */
+                vr_iov_copy(self->scratch, q->iov, niov);
+                took = !divert && self->api->frame(eng, self->scratch, len, (vnet & 3) != 0, now);
+            } else if (took == 0) {
+                vr_iov_copy(self->scratch, q->iov, niov);
+            }
+            if (took) {
                 vr_push_used(q, head, 0);
                 pushed = took_any = 1;
                 got++;
+                bytes += len;
                 self->tx_frames++;
                 self->tcp_in++;
                 continue;
@@ -713,22 +758,25 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
         vr_push_used(q, head, 0);
         pushed = 1;
         got++;
+        bytes += len;
         self->tx_frames++;
         int bad = PyList_Append(frames, b);
         Py_DECREF(b);
         if (bad || PyList_Append(csum, (vnet & 3) ? Py_True : Py_False) < 0)
             goto fail;
     }
-    if (pushed)
-        signal_call(self, TX);
+    /* batch_end first: it sends what the engine gathered from guest memory (frame_zc) before the
+     * used entries are published and the chains are the guest's again */
     if (took_any)
         self->api->batch_end(eng); /* the ACKs due go out (sink_flush calls the guest) */
-    return Py_BuildValue("(NNO)", frames, csum, more ? Py_True : Py_False);
-fail:
     if (pushed)
         signal_call(self, TX);
+    return Py_BuildValue("(NNi)", frames, csum, more);
+fail:
     if (took_any)
         self->api->batch_end(eng);
+    if (pushed)
+        signal_call(self, TX);
     Py_XDECREF(frames);
     Py_XDECREF(csum);
     return NULL;
@@ -856,6 +904,22 @@ static PyObject *device_set_rx_direct(PyObject *op, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* set_tx_coalesce(nbytes): a TX walk that took at least nbytes and found the ring empty asks
+ * for no kick and says more == 2 (walk again after an interval); 0 turns it off (the default). */
+static PyObject *device_set_tx_coalesce(PyObject *op, PyObject *arg)
+{
+    Device *self = (Device *)op;
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "nbytes must be >= 0");
+        return NULL;
+    }
+    self->coalesce = (size_t)n;
+    Py_RETURN_NONE;
+}
+
 static PyObject *device_broken(PyObject *op, PyObject *arg)
 {
     Device *self = (Device *)op;
@@ -949,7 +1013,7 @@ static PyObject *device_counters(PyObject *op, PyObject *unused)
         return NULL;
     if (put(d, "tx_frames", self->tx_frames) < 0 || put(d, "rx_frames", self->rx_frames) < 0 ||
         put(d, "calls", self->calls) < 0 || put(d, "kicks", self->kicks) < 0 ||
-        put(d, "rx_dropped", self->rx_dropped) < 0)
+        put(d, "rx_dropped", self->rx_dropped) < 0 || put(d, "tx_coalesced", self->tx_coalesced) < 0)
         goto fail;
     if (self->tcp || self->tcp_in || self->tcp_out) { /* the native TCP engine's, once attached */
         if (put(d, "tcp_frames_in", self->tcp_in) < 0 || put(d, "tcp_frames_out", self->tcp_out) < 0 ||
@@ -957,6 +1021,7 @@ static PyObject *device_counters(PyObject *op, PyObject *unused)
             put(d, "tcp_rx_dropped", self->tcp_rx_dropped) < 0 ||
             put(d, "tcp_gso_refused", self->tcp_gso_refused) < 0 ||
             put(d, "tcp_frames_direct", self->tcp_direct) < 0 || put(d, "tcp_direct_short", self->tcp_direct_short) < 0 ||
+            put(d, "tcp_frames_in_place", self->tx_in_place) < 0 ||
             put(d, "tcp_rx_bytes_waiting", self->rxq_bytes) < 0)
             goto fail;
     }
@@ -982,6 +1047,8 @@ static PyMethodDef device_methods[] = {
     {"tx", device_tx, METH_O, "tx(kick_fd) -> (frames, csum_ok, more)"},
     {"rx", device_rx, METH_VARARGS, "rx(frames, start) -> (next, state, delivered)"},
     {"rx_kick_me", device_rx_kick_me, METH_O, "rx_kick_me(kick_fd) -> whether RX buffers are available"},
+    {"set_tx_coalesce", device_set_tx_coalesce, METH_O,
+     "set_tx_coalesce(nbytes): a walk that took >= nbytes ends with no kick asked, more == 2 (0: off)"},
     {"set_rx_direct", device_set_rx_direct, METH_O,
      "set_rx_direct(on): the native TCP engine's frames written in place in the RX ring (one copy), or not"},
     {"broken", device_broken, METH_O, "broken(q) -> why the queue is broken, or None"},

@@ -132,6 +132,9 @@ struct tn_engine {
     size_t g_len;              /* their bytes */
     size_t g_max;              /* the most bytes one sendmsg gathers (tn_gather_max), 0: no bound */
     struct iovec g_iov[TN_GATHER_MAX];
+    /* tn_frame_zc: the frame's payload in the caller's pieces (zc set while it is taken) */
+    int zc, zc_n;
+    struct iovec zc_iov[TN_GATHER_MAX];
     uint8_t hdr[12 + 14 + 40 + 60];
     uint8_t peek[TN_PEEK_MAX];
     /* frames written in place (tn_io.rx_reserve): the payload pieces of the frames reserved, and
@@ -1646,16 +1649,42 @@ void tn_gather_flush(struct tn_engine *e)
     up_send(e, f, e->g_iov, n, len);
 }
 
-static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, const uint8_t *pay, size_t plen,
-                         int fin)
+/* iov[0..n) (len bytes in all) from byte off, at most take bytes, into out[0..max): the pieces
+ * (empty ones left out), or -1 when they need more than max. */
+static int iov_slice(const struct iovec *iov, int n, size_t off, size_t take, struct iovec *out, int max)
+{
+    int k = 0;
+    for (int i = 0; i < n && take; i++) {
+        size_t l = iov[i].iov_len;
+        if (off >= l) {
+            off -= l;
+            continue;
+        }
+        size_t c = l - off < take ? l - off : take;
+        if (k == max)
+            return -1;
+        out[k].iov_base = (uint8_t *)iov[i].iov_base + off;
+        out[k].iov_len = c;
+        k++;
+        take -= c;
+        off = 0;
+    }
+    return k;
+}
+
+/* The payload (pn pieces, plen bytes) of a guest segment at seq: in order, to the host socket
+ * (gathered with the segments after it when the caller keeps their memory: tn_frame_kept,
+ * tn_frame_zc); FIN after it. */
+static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, const struct iovec *piov, int pn,
+                         size_t plen, int fin)
 {
     if (e->g_slot) { /* the gather's flow (frame_in sent any other's): this payload next in it? */
         uint32_t wnd = SEQ_GT(f->rcv_adv, f->rcv_nxt) ? f->rcv_adv - f->rcv_nxt : 0;
-        if (e->gather_ok && plen && !fin && seq == f->rcv_nxt + (uint32_t)e->g_len && e->g_n < TN_GATHER_MAX &&
-            e->g_len + plen <= wnd && (!e->g_max || e->g_len + plen <= e->g_max)) {
-            e->g_iov[e->g_n].iov_base = (void *)pay;
-            e->g_iov[e->g_n].iov_len = plen;
-            e->g_n++;
+        if (e->gather_ok && plen && !fin && seq == f->rcv_nxt + (uint32_t)e->g_len &&
+            e->g_n + (uint32_t)pn <= TN_GATHER_MAX && e->g_len + plen <= wnd &&
+            (!e->g_max || e->g_len + plen <= e->g_max)) {
+            memcpy(&e->g_iov[e->g_n], piov, (size_t)pn * sizeof *piov);
+            e->g_n += (uint32_t)pn;
             e->g_len += plen;
             return;
         }
@@ -1669,9 +1698,10 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
         return;
     }
     if (plen) {
+        size_t skip = 0, whole = plen;
         uint32_t off = f->rcv_nxt - seq;
         if (SEQ_LT(seq, f->rcv_nxt) && off < plen) { /* the start was taken before: the rest is new */
-            pay += off;
+            skip = off;
             plen -= off;
             seq = f->rcv_nxt;
         }
@@ -1686,18 +1716,21 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
             plen = wnd;
             fin = 0;
         }
+        struct iovec cut[TN_GATHER_MAX];
+        if (skip || plen < whole) { /* (fewer pieces than before, or as many: never -1) */
+            pn = iov_slice(piov, pn, skip, plen, cut, TN_GATHER_MAX);
+            piov = cut;
+        }
         if (e->gather_ok && plen && !fin && e->io.sock_sendv && (f->fl & FL_SOCK_OPEN) &&
             !(f->fl & FL_TX_BLOCKED)) { /* the first of a gather: sent with the frames after it */
             e->g_slot = (uint32_t)(f - e->flows) + 1;
             e->g_gen = f->gen;
-            e->g_iov[0].iov_base = (void *)pay;
-            e->g_iov[0].iov_len = plen;
-            e->g_n = 1;
+            memcpy(e->g_iov, piov, (size_t)pn * sizeof *piov);
+            e->g_n = (uint32_t)pn;
             e->g_len = plen;
             return;
         }
-        struct iovec one = {(void *)pay, plen};
-        ssize_t took = up_send(e, f, &one, 1, plen);
+        ssize_t took = up_send(e, f, piov, pn, plen); /* (plen 0, a closed window: acknowledged) */
         if (took < 0)
             return;
         if ((size_t)took < plen)
@@ -1737,6 +1770,25 @@ int tn_frame_kept(struct tn_engine *e, const uint8_t *buf, size_t len, const str
     e->gather_ok = e->io.sock_sendv != NULL;
     int took = tn_frame(e, buf, len, rec, csum_ok, now);
     e->gather_ok = 0;
+    return took;
+}
+
+int tn_frame_zc(struct tn_engine *e, const uint8_t *head, size_t head_len, const struct iovec *iov, int n,
+                size_t len, const struct dp_frame *rec, int csum_ok, double now)
+{
+    /* the checksum would be read from head (the payload is not there); headers past head: the
+     * record was made from bytes head does not hold */
+    if (!csum_ok || !e->io.sock_sendv || rec->payload_off > head_len || rec->end > len)
+        return -1;
+    int pn = iov_slice(iov, n, rec->payload_off, rec->payload_len, e->zc_iov, TN_GATHER_MAX);
+    if (pn < 0)
+        return -1;
+    e->zc_n = pn;
+    e->zc = 1;
+    e->gather_ok = 1;
+    int took = tn_frame(e, head, len, rec, csum_ok, now);
+    e->gather_ok = 0;
+    e->zc = 0;
     return took;
 }
 
@@ -1802,8 +1854,10 @@ static int frame_in(struct tn_engine *e, const uint8_t *buf, size_t len, const s
     }
     uint32_t seq = rd32(t + 4), ack = rd32(t + 8);
     uint32_t wfield = rd16(t + 14);
-    const uint8_t *pay = buf + rec->payload_off;
     size_t plen = rec->payload_len;
+    struct iovec one = {(void *)(buf + rec->payload_off), plen};
+    const struct iovec *piov = e->zc ? e->zc_iov : &one; /* tn_frame_zc: in the caller's pieces */
+    int pn = e->zc ? e->zc_n : (plen ? 1 : 0);
     if (flags & TCP_RST) {
         if (f->state == ST_CONNECTING || f->state == ST_SYN_RCVD) {
             if (seq == f->rcv_nxt)
@@ -1860,7 +1914,7 @@ static int frame_in(struct tn_engine *e, const uint8_t *buf, size_t len, const s
     take_ack(e, f, seq, ack, wfield, plen > 0, now);
     if (f->state != ST_ESTABLISHED)
         return 1;
-    take_payload(e, f, seq, pay, plen, flags & TCP_FIN);
+    take_payload(e, f, seq, piov, pn, plen, flags & TCP_FIN);
     if (f->state != ST_ESTABLISHED)
         return 1;
     from_sock(e, f, now);

@@ -239,6 +239,21 @@ int tn_frame(struct tn_engine *e, const uint8_t *buf, size_t len, const struct d
 int tn_frame_kept(struct tn_engine *e, const uint8_t *buf, size_t len, const struct dp_frame *rec, int csum_ok,
                   double now);
 
+/* The bytes of a frame's start that tn_frame_zc's head holds: more than the longest headers
+ * dp_classify() and the engine read (Ethernet 14 + IPv4 60 + TCP 60 = 134). */
+#define TN_ZC_HEAD 160u
+
+/* tn_frame_kept for a frame in pieces, its payload never copied: head[0..head_len) is a copy of
+ * the frame's first min(len, TN_ZC_HEAD) bytes or more (rec was made from it; only it is parsed,
+ * so what another party writes to the pieces meanwhile changes no decision), iov[0..n) the whole
+ * frame (len bytes) in memory the caller keeps mapped and unreused until tn_gather_flush (or
+ * tn_flush): the payload goes from there to the host socket. 1 or 0 as tn_frame, or -1 when the
+ * frame cannot be taken this way (checksum not vouched for, payload in more than TN_GATHER_MAX
+ * pieces, headers past head_len, no sock_sendv): nothing was done, the caller copies the frame
+ * whole and calls tn_frame. */
+int tn_frame_zc(struct tn_engine *e, const uint8_t *head, size_t head_len, const struct iovec *iov, int n,
+                size_t len, const struct dp_frame *rec, int csum_ok, double now);
+
 /* Send what tn_frame_kept gathered (before the caller reuses the frames' memory). */
 void tn_gather_flush(struct tn_engine *e);
 /* The most payload bytes one gathered sendmsg takes from now on (0: no bound, the default): a

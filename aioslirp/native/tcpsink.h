@@ -18,6 +18,8 @@
 
 #define TCPSINK_CAPSULE "aioslirp.native._vhost.tcp_sink"
 #define TCPNAT_API_CAPSULE "aioslirp.native._dataplane.tcp_api"
+/* The bytes of a frame's start that frame_zc's head holds (TN_ZC_HEAD in tcpnat.h). */
+#define TCPSINK_ZC_HEAD 160u
 
 struct tcpsink {
     /* One frame for the guest: iov[0] starts with the 12-byte virtio_net_hdr_v1; 0, or -errno
@@ -55,6 +57,12 @@ struct tcpnat_api {
     void (*batch_end)(void *engine);
     /* CLOCK_MONOTONIC seconds. */
     double (*now)(void);
+    /* A guest frame in pieces, its payload never copied (tn_frame_zc, tcpnat.h): head holds a copy
+     * of its first min(len, TCPSINK_ZC_HEAD) bytes or more, iov[0..n) the whole frame (len bytes)
+     * in guest memory that stays mapped and is not given back to the guest before batch_end. 1
+     * taken, 0 Python's, -1 not this way (copy it whole and call frame()). */
+    int (*frame_zc)(void *engine, const uint8_t *head, size_t head_len, const struct iovec *iov, int n, size_t len,
+                    int csum_ok, double now);
 };
 
 #endif

@@ -171,11 +171,26 @@ class FakeFrontEnd:
             os.eventfd_write(self.kick[q], 1)
         return bool(kick)
 
-    def send_frame(self, frame: bytes, *, vnet: bytes = bytes(VNET_HDR), split: bool = False, kick: bool = True) -> int:
-        """A guest frame on the TX queue (header and frame in one descriptor, or two); its head."""
+    def send_frame(self, frame: bytes, *, vnet: bytes = bytes(VNET_HDR), split: bool = False, kick: bool = True,
+                   pieces: list[int] | None = None) -> int:
+        """A guest frame on the TX queue (header and frame in one descriptor, or two; or, with
+        ``pieces``, the header and then the frame in descriptors of those lengths, the last one
+        taking the rest); its head."""
         q = 1
         head = self.next_desc[q] % self.num
-        if split:
+        if pieces is not None:
+            parts, at = [vnet], 0
+            for n in pieces:
+                parts.append(frame[at:at + n])
+                at += n
+            parts.append(frame[at:])
+            parts = [p for p in parts if p]
+            for k, part in enumerate(parts):
+                i = (head + k) % self.num
+                last = k == len(parts) - 1
+                self.put_desc(q, i, self.alloc(part), len(part), 0 if last else vu_next(), (i + 1) % self.num)
+            self.next_desc[q] += len(parts)
+        elif split:
             self.put_desc(q, head, self.alloc(vnet), len(vnet), vu_next(), (head + 1) % self.num)
             self.put_desc(q, (head + 1) % self.num, self.alloc(frame), len(frame))
             self.next_desc[q] += 2
@@ -232,12 +247,12 @@ def vu_next() -> int:
 
 
 async def engine_device(path: str, made: list, features: int, *, af: int = socket.AF_INET, loopback: str = "127.0.0.1",
-                        setup=None):
+                        setup=None, **transport_options):
     """A vhost-user transport serving ``path`` with a :class:`FakeFrontEnd` of ``features`` set up
     on it (``setup(fe)``, default ``fe.setup()``, run off the loop) and running, and a listening
     socket on ``loopback`` (family ``af``) for a flow to connect to. Returns ``(transport, front
     end, listener, port, python_frames)``: the frames the transport handed to its sink land in
-    ``python_frames``. Everything made is appended to ``made`` for :func:`close_made`."""
+    ``python_frames``; ``transport_options`` go to the transport. Everything made is appended to ``made`` for :func:`close_made`."""
     import asyncio
 
     from aioslirp.transport import vhost_user as vu
@@ -247,7 +262,7 @@ async def engine_device(path: str, made: list, features: int, *, af: int = socke
     lst = socket.socket(af)
     lst.bind((loopback, 0))
     lst.listen(1)
-    t = vu.VhostUserTransport(path)
+    t = vu.VhostUserTransport(path, **transport_options)
     python_frames: list = []
     await t.open(lambda frames, csum=None: python_frames.extend(frames))
     fe = FakeFrontEnd(path, features=features)

@@ -113,7 +113,8 @@ def run_c(ext, c: Case, queue: int) -> dict:
         out["n_used"] = n
         out["broken"] = dev.broken(queue)
         out["drops"] = {k: v for k, v in dev.counters().items()
-                        if k not in ("tx_frames", "rx_frames", "calls", "kicks", "rx_dropped")}
+                        if k not in ("tx_frames", "rx_frames", "calls", "kicks", "rx_dropped",
+                                      "tx_coalesced")}
         out["data"] = bytes(m[:DATA_SIZE])
         del dev
         m.close()

@@ -78,6 +78,8 @@ def test_cli_serves_a_front_end_and_stops_on_sigterm(tmp_path):
     (["--socket", "/nonexistent-dir/x.sock"], "--socket"),
     (["--socket", "/" + "x" * 120], "--socket"),
     (["--socket", "x.sock", "--ifname", "tap0"], "--ifname"),
+    (["--socket", "x.sock", "--tx-coalesce", "-1"], "--tx-coalesce"),
+    (["--socket", "x.sock", "--tx-coalesce", "lots"], "--tx-coalesce"),
     ([], "--socket"),
 ])
 def test_cli_bad_options_exit_2(args, needle):
