@@ -906,6 +906,45 @@ static PyObject *engine_input(PyObject *op, PyObject *args)
     return PyBool_FromLong(took);
 }
 
+/* input_pieces(frame, piece, now) -> 1, 0 or -1: the frame as the vhost-user walker hands it in
+ * place (frame_zc: a copy of its head, the whole frame in pieces of piece bytes; the checksum
+ * vouched for); -1: not taken that way (the caller sends it through input()). */
+static PyObject *engine_input_pieces(PyObject *op, PyObject *args)
+{
+    Engine *g = (Engine *)op;
+    Py_buffer b;
+    Py_ssize_t piece;
+    double now;
+    if (!PyArg_ParseTuple(args, "y*nd", &b, &piece, &now))
+        return NULL;
+    if (!ready(g) || piece < 1) {
+        if (piece < 1 && !PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "piece must be >= 1");
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    struct iovec v[TN_GATHER_MAX];
+    uint8_t head[TN_ZC_HEAD];
+    size_t len = (size_t)b.len, hl = len < TN_ZC_HEAD ? len : TN_ZC_HEAD;
+    int n = 0, took = -1;
+    for (size_t at = 0; at < len && n <= (int)TN_GATHER_MAX; at += (size_t)piece) {
+        if (n < (int)TN_GATHER_MAX) {
+            v[n].iov_base = (uint8_t *)b.buf + at;
+            v[n].iov_len = len - at < (size_t)piece ? len - at : (size_t)piece;
+        }
+        n++;
+    }
+    if (n <= (int)TN_GATHER_MAX) {
+        memcpy(head, b.buf, hl);
+        took = tcpnat_frame_zc(g, head, hl, v, n, len, 1, now);
+        tn_flush(g->e, now); /* (the gather sent before the frame's memory is released) */
+        sink_flush(g);
+        arm_timer(g, now, 0);
+    }
+    PyBuffer_Release(&b);
+    return PyLong_FromLong(took);
+}
+
 static PyObject *engine_input_batch(PyObject *op, PyObject *args)
 {
     Engine *g = (Engine *)op;
@@ -1424,6 +1463,8 @@ static PyMethodDef engine_methods[] = {
     {"poll", engine_poll, METH_VARARGS,
      "poll(now=None) -> records: socket events and timers, then what ended (None: inside its own turn's yield)"},
     {"input", engine_input, METH_VARARGS, "input(frame, csum_ok, now) -> bool: a guest frame a native flow took"},
+    {"input_pieces", engine_input_pieces, METH_VARARGS,
+     "input_pieces(frame, piece, now) -> 1, 0 or -1: the frame in place, in pieces of piece bytes (as frame_zc)"},
     {"input_batch", engine_input_batch, METH_VARARGS,
      "input_batch(frames, csum_ok, now) -> list[bool]: input() for each frame of a list of bytes, one flow's "
      "consecutive in-order payloads sent to its socket in one sendmsg, the ACKs after the last"},

