@@ -6,7 +6,9 @@
  *     .set_mem_table([(gpa, size, uva, mmap_offset, fd), ...])   mmap (the fds stay the caller's)
  *     .set_num(q, num) / .set_addr(q, desc, used, avail) / .set_base(q, base) / .get_base(q)
  *     .set_call(q, fd) / .set_features(hdr_len, mrg, event_idx) / .reset()
- *     .tx(kick_fd) -> (frames, csum_ok, more)      up to batch guest frames, one call signalled
+ *     .tx(kick_fd) -> (frames, csum_ok, more)      up to batch guest frames, one call signalled; more:
+ *                                                  0 none left (a kick asked for), 1 more now, 2 a
+ *                                                  bulk walk that asked for no kick (set_tx_coalesce)
  *     .rx(frames, start) -> (next, state, delivered)  frames[start:] into guest buffers
  *     .rx_kick_me(kick_fd) -> bool                 ask for a kick on new RX buffers; any now?
  *     .broken(q) -> str | None, .counters() -> dict
@@ -1044,7 +1046,7 @@ static PyMethodDef device_methods[] = {
     {"set_call", device_set_call, METH_VARARGS, "set_call(q, fd): -1 for none (the fd stays the caller's)"},
     {"set_features", device_set_features, METH_VARARGS, "set_features(hdr_len, mrg, event_idx)"},
     {"reset", device_reset, METH_NOARGS, "reset(): unmap guest memory, forget the queues"},
-    {"tx", device_tx, METH_O, "tx(kick_fd) -> (frames, csum_ok, more)"},
+    {"tx", device_tx, METH_O, "tx(kick_fd) -> (frames, csum_ok, more): more 0 (kick asked), 1 (more now), 2 (bulk)"},
     {"rx", device_rx, METH_VARARGS, "rx(frames, start) -> (next, state, delivered)"},
     {"rx_kick_me", device_rx_kick_me, METH_O, "rx_kick_me(kick_fd) -> whether RX buffers are available"},
     {"set_tx_coalesce", device_set_tx_coalesce, METH_O,
