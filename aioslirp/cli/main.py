@@ -218,10 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     vu.add_argument("--client", action="store_true",
                     help="connect to a front end listening on PATH (QEMU -chardev socket,server=on), again "
                          "whenever it goes")
-    vu.add_argument("--tx-coalesce", metavar="BYTES", type=int, default=32 * 1024,
+    from ..transport.vhost_proto import TX_COALESCE
+
+    vu.add_argument("--tx-coalesce", metavar="BYTES", type=int, default=TX_COALESCE,
                     help="TX interrupt moderation: a walk of the guest's TX ring that took at least BYTES asks for "
                          "no kick and the ring is walked again 1 ms later (fewer wake-ups in a bulk upload; small "
-                         "frames are never delayed); 0 turns it off (default 32768)")
+                         "frames are never delayed); 0 turns it off (default %(default)s)")
     vu.set_defaults(run=_cmd_vhost_user)
     return parser
 

@@ -16,6 +16,7 @@ import json
 import logging
 
 from ..host.signals import request_stop
+from ..transport.vhost_proto import TX_COALESCE
 from ..transport.vhost_user import VhostUserTransport
 
 __all__ = ["serve_vhost_user"]
@@ -24,7 +25,7 @@ log = logging.getLogger("aioslirp.vhost_user")
 
 
 async def serve_vhost_user(config, *, path: str, client: bool = False, handle_signals: bool = False,
-                           stack_factory=None, tx_coalesce: int = 32 * 1024) -> int:
+                           stack_factory=None, tx_coalesce: int = TX_COALESCE) -> int:
     """Serve vhost-user front ends on ``path`` until stopped (SIGINT/SIGTERM with ``handle_signals``).
     ``tx_coalesce``: the transport's TX moderation threshold in bytes (0: off; see
     :class:`~aioslirp.transport.vhost_user.VhostUserTransport`).

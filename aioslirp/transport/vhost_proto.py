@@ -63,6 +63,9 @@ FLAG_NEED_REPLY = 0x8
 MAX_PAYLOAD = 4096
 #: Most fds taken with one message (one per region; QEMU sends at most 8).
 MAX_FDS = 32
+#: The device's TX moderation threshold by default, in bytes (``VhostUserTransport(tx_coalesce=)``,
+#: ``aioslirp vhost-user --tx-coalesce``): a walk of the TX ring that took this much asks for no kick.
+TX_COALESCE = 32 * 1024
 U64 = struct.Struct("<Q")
 VRING_STATE = struct.Struct("<II")
 VRING_ADDR = struct.Struct("<IIQQQQ")

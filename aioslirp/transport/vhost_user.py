@@ -75,7 +75,7 @@ from .vhost_proto import (
     SET_MEM_TABLE, SET_LOG_BASE, SET_LOG_FD, SET_VRING_NUM, SET_VRING_ADDR, SET_VRING_BASE, GET_VRING_BASE,
     SET_VRING_KICK, SET_VRING_CALL, SET_VRING_ERR, GET_PROTOCOL_FEATURES, SET_PROTOCOL_FEATURES, GET_QUEUE_NUM,
     SET_VRING_ENABLE, SEND_RARP, NET_SET_MTU, NAMES, HEADER, VERSION, FLAG_REPLY, FLAG_NEED_REPLY, MAX_PAYLOAD,
-    MAX_FDS, U64, VRING_STATE, VRING_ADDR, MEM_HEADER, MEM_REGION, VRING_NOFD, VRING_INDEX, RX, TX,
+    MAX_FDS, TX_COALESCE, U64, VRING_STATE, VRING_ADDR, MEM_HEADER, MEM_REGION, VRING_NOFD, VRING_INDEX, RX, TX,
 )
 
 __all__ = ["VhostUserError", "VhostUserTransport"]
@@ -148,7 +148,7 @@ class VhostUserTransport(Transport):
 
     def __init__(self, path: str, *, server: bool = True, reconnect: float | None = 1.0, batch: int = 64,
                  max_buffer: int = 8 * 1024 * 1024, max_frame: int = MAX_FRAME,
-                 on_front_end: Callable[[bool], None] | None = None, tx_coalesce: int = 32 * 1024,
+                 on_front_end: Callable[[bool], None] | None = None, tx_coalesce: int = TX_COALESCE,
                  tx_interval: float = 0.001) -> None:
         super().__init__()
         ext = native_vhost.extension()
@@ -677,10 +677,15 @@ class VhostUserTransport(Transport):
     def _on_tx_kick(self) -> None:
         self._tx(self._rings[TX].kick)
 
-    def _schedule_tx(self) -> None:
+    def _schedule_tx(self, delay: float = 0.0) -> None:
+        """Walk the TX ring again on the next loop iteration, or ``delay`` seconds later (once,
+        however often asked before it runs)."""
         if not self._tx_scheduled:
             self._tx_scheduled = True
-            self._loop.call_soon(self._tx_again)
+            if delay:
+                self._loop.call_later(delay, self._tx_again)
+            else:
+                self._loop.call_soon(self._tx_again)
 
     def _tx_again(self) -> None:
         self._tx_scheduled = False
@@ -702,9 +707,7 @@ class VhostUserTransport(Transport):
         if more == 1:
             self._schedule_tx()
         elif more == 2:  # bulk: no kick asked for; walked again after the interval
-            if not self._tx_scheduled:
-                self._tx_scheduled = True
-                self._loop.call_later(self.tx_interval, self._tx_again)
+            self._schedule_tx(self.tx_interval)
         elif TX not in self._broken_seen and self._dev.broken(TX):
             self._note_broken(TX)
 
