@@ -277,7 +277,7 @@ class NativeTcpFlow:
 
     def on_segment(self, seg, now: float) -> bool:
         """A guest segment of this flow that reached Python: a retransmitted SYN read in the same
-        batch as the first, before the adoption (dropped: True), or one the native classifier
+        batch as the first, before the adoption (dropped: True, counted ``native_tcp.syn_repeated``), or one the native classifier
         leaves to Python (an IPv4 TCP segment sent in fragments, reassembled here; an IPv6 one
         behind extension headers): handed to the engine as the plain segment it is (the same
         addresses, ports, sequence numbers, flags, window and payload, no options: the engine keeps
@@ -286,6 +286,7 @@ class NativeTcpFlow:
         if self.state == "CLOSED":
             return False
         if seg.flags & SYN and not seg.flags & ACK:
+            self._plane.ctx.counters["native_tcp.syn_repeated"] += 1
             return True
         e = self.fam.eth_to(self.guest_ip)  # towards the guest: swapped, the guest's frame to us
         frame = build_tcp(e[6:12] + e[:6] + e[12:14], self.guest_ip, self.dst_ip, self.guest_port, self.dst_port,

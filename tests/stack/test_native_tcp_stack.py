@@ -37,6 +37,7 @@ async def test_a_syn_read_in_the_same_batch_as_the_first_is_not_a_second_flow():
         assert len(flows) == 1 and isinstance(flows[0], NativeTcpFlow)
         assert eng.live() == 1 and len(eng.fake_frames()) == 1  # one SYN-ACK
         assert stack.counters["handled.tcp_syn"] == 1 and stack.counters["handled.tcp"] == 1
+        assert stack.counters["native_tcp.syn_repeated"] == 1
         assert flows[0].state == "SYN-RECEIVED" and flows[0].transport is not None
     finally:
         stack.parts.ctx.native_tcp.close()

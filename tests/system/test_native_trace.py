@@ -83,7 +83,9 @@ async def test_traced_native_flows_stay_native_and_their_spans_reach_the_file(mo
     c = stack.counters
     opened = c["flows.tcp.opened"]
     assert opened == N_CURL and c["native_tcp.adopted"] == opened == c["flows.tcp.closed"]
-    assert c["handled.tcp"] == 0 and c["handled.tcp_syn"] == opened  # Python saw the SYNs only
+    # Python saw the SYNs only: each flow's first, and any the guest sent again before the first was read
+    # (a slow first connection: the kernel's 1 s SYN retransmission, both read in one batch; ASan makes it so)
+    assert c["handled.tcp"] == c["native_tcp.syn_repeated"] and c["handled.tcp_syn"] == opened
     assert c["native_tcp.frames"] >= N_CURL * 4
     assert c["native.udp_flows_adopted"] == 1
     assert c["native_tcp.trace_overflow"] == 0
