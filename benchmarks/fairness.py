@@ -337,6 +337,8 @@ async def measure(args) -> dict:
             for *_, g in procs:
                 g.stdin.write(f"{t0}\n".encode())
                 await g.stdin.drain()
+            if args.loop_nice:  # this thread only (Linux: a thread's own nice), after every child started
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.loop_nice)
             cpu: list[float] = []  # this process's CPU time (the loop's) at the loaded window's ends
             loop = asyncio.get_running_loop()
             for at in (l0, l1):
@@ -443,6 +445,10 @@ def main(argv=None) -> int:
     ap.add_argument("--latency-pasta", metavar="PASTA",
                     help="serve the latency guests by the pasta binary PASTA instead (one process per guest, the "
                          "peers' model): what the same flood costs a guest that aioslirp does not serve")
+    ap.add_argument("--loop-nice", type=int, default=0, metavar="N",
+                    help="the loop's thread runs at nice N (1-19) once the guests and servers started: the "
+                         "guests' readers and the host servers get the CPU first, so the loop is the bottleneck "
+                         "and its service is what the scheduler divides (default 0: unchanged)")
     ap.add_argument("--serve-one", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.host_server:
@@ -457,6 +463,8 @@ def main(argv=None) -> int:
         args.duration, args.warmup = 1.0, 0.5
     if not (args.duration > 0 and args.warmup >= 0):
         ap.error("--duration must be > 0 and --warmup >= 0")
+    if not 0 <= args.loop_nice <= 19:
+        ap.error("--loop-nice: must be 0-19")
     if args.unloaded is not None and not args.unloaded > 0:
         ap.error("--unloaded must be > 0")
     if args.latency_pasta is not None:

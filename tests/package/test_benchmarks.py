@@ -446,6 +446,8 @@ def test_fairness_rejects_bad_options_with_one_line():
                        (["--weights", "n1=0"], "--weights: 'n1=0': expected NAME=POSITIVE_NUMBER"),
                        (["--neighbours", "-1"], "--neighbours: must be at least 0"),
                        (["--unloaded", "0"], "--unloaded must be > 0"),
+                       (["--loop-nice", "20"], "--loop-nice: must be 0-19"),
+                       (["--loop-nice", "-1"], "--loop-nice: must be 0-19"),
                        (["--latency-pasta", "/nonexistent/pasta"], "--latency-pasta: '/nonexistent/pasta' is not an "
                                                                     "executable"),
                        (["--latency-pasta", "sh", "--isolate"], "--latency-pasta: not with --isolate")):
