@@ -134,7 +134,7 @@ def test_weights_divide_the_link_between_guests(plane):
     # on a loaded machine the host source's threads or the guests' readers limit the flows instead
     # (each flow then gets what they give it: n1 0.52-0.78 in three runs of CI on 2026-12-07, loop at
     # 0.77-0.96 CPU; 0.55-0.70 here beside a busy process). So the loop runs at nice 19 once the
-    # guests started (--loop-nice): beside the same busy process n1 then got 0.82-1.00. The better
+    # guests started (--loop-nice): beside the same busy process n1 then got 0.82-1.00 (4 runs). The better
     # of at most WEIGHT_RUNS runs is judged.
     for _ in range(WEIGHT_RUNS if plane == "native" else 1):
         res = run_fairness(plane, "--duration", "2", "--warmup", "0.5", "--latency-guests", "0", "--weights", "n1=3",
