@@ -468,7 +468,7 @@ class NativeTcp:
         engine = ext.TcpEngine(transport.fd, transport.vnet_hdr, transport.offload, cfg.gateway_mac_bytes,
                                int(cfg.mtu), int(cfg.max_flows), int(cfg.tcp_buffer), float(cfg.tcp_idle_timeout),
                                float(cfg.tcp_connect_timeout), float(cfg.tcp_linger), time_wait=TIME_WAIT,
-                               rate_up=rate_up, rate_down=rate_down, **options)
+                               rate_up=rate_up, rate_down=rate_down, ack_delay=float(cfg.tcp_ack_delay), **options)
         plane = cls(ctx, engine, frames_traced)
         attach(engine, plane.take)
         lane = getattr(transport, "syn_lane", None)

@@ -4,7 +4,8 @@
  * sockets in memory, frames collected: tests drive the core with a fake clock).
  *
  *   TcpEngine(tap_fd, vnet, offload, gw_mac, mtu, max_flows, rcv_buf, idle_timeout,
- *             connect_timeout, linger, fake=False, time_wait=1.0, peek_off=True, sink=None)
+ *             connect_timeout, linger, fake=False, time_wait=1.0, peek_off=True, sink=None,
+ *             ack_delay=0.0)                        (ack_delay: seconds, 0..0.5, tcp_ack_delay)
  *     (sink: a vhost-user device's frame sink, Device.tcp_sink() of aioslirp.native._vhost: the
  *     frames for the guest go into its RX ring, not to tap_fd; tcpsink.h)
  *     (peek_off=False: peek past the unacknowledged bytes into a discard buffer, as without SO_PEEK_OFF)
@@ -578,17 +579,17 @@ static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
     Engine *g = (Engine *)op;
     static char *kwlist[] = {"tap_fd", "vnet", "offload", "gw_mac", "mtu", "max_flows", "rcv_buf", "idle_timeout",
                              "connect_timeout", "linger", "fake", "time_wait", "peek_off", "rate_up", "rate_down",
-                             "sink", NULL};
+                             "sink", "ack_delay", NULL};
     int tap_fd, vnet, offload, fake = 0, peek_off = 1;
     PyObject *sink = Py_None;
-    double time_wait = 1.0;
+    double time_wait = 1.0, ack_delay = 0.0;
     unsigned long long rate_up = 0, rate_down = 0;
     Py_buffer mac;
     unsigned int mtu, max_flows, rcv_buf;
     double idle, connect_to, linger;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ippy*IIIddd|pdpKKO", kwlist, &tap_fd, &vnet, &offload, &mac, &mtu,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ippy*IIIddd|pdpKKOd", kwlist, &tap_fd, &vnet, &offload, &mac, &mtu,
                                      &max_flows, &rcv_buf, &idle, &connect_to, &linger, &fake, &time_wait,
-                                     &peek_off, &rate_up, &rate_down, &sink))
+                                     &peek_off, &rate_up, &rate_down, &sink, &ack_delay))
         return -1;
     const struct tcpsink *sk = NULL;
     if (sink != Py_None) {
@@ -626,6 +627,11 @@ static int engine_init(PyObject *op, PyObject *args, PyObject *kwargs)
     cfg.connect_timeout = connect_to;
     cfg.linger = linger;
     cfg.time_wait = time_wait;
+    if (!(ack_delay >= 0 && ack_delay <= 0.5)) {
+        PyErr_SetString(PyExc_ValueError, "TcpEngine: ack_delay must be 0..0.5 seconds");
+        return -1;
+    }
+    cfg.ack_delay = ack_delay;
     if (rate_up > TN_RATE_MAX || rate_down > TN_RATE_MAX) {
         PyErr_Format(PyExc_ValueError, "TcpEngine: rate_up and rate_down must be 0..%llu bytes/s",
                      (unsigned long long)TN_RATE_MAX);
@@ -1014,14 +1020,16 @@ static PyObject *engine_counters(PyObject *op, PyObject *unused)
         return NULL;
     const struct tn_counters *c = tn_counters(g->e);
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "frames", (unsigned long long)c->frames, "frames_out",
         (unsigned long long)c->frames_out, "tap_write_errors", (unsigned long long)c->tap_write_errors,
         "bad_checksum", (unsigned long long)c->bad_checksum, "out_of_window", (unsigned long long)c->out_of_window,
         "bad_ack", (unsigned long long)c->bad_ack, "syn_on_open", (unsigned long long)c->syn_on_open, "rst_bad_seq",
         (unsigned long long)c->rst_bad_seq, "dup_acks", (unsigned long long)c->dup_acks, "fast_retransmits",
         (unsigned long long)c->fast_retransmits, "rto", (unsigned long long)c->rto, "zero_window_probes",
         (unsigned long long)c->zero_window_probes, "host_write_paused", (unsigned long long)c->host_write_paused,
-        "gathered", (unsigned long long)c->gathered, "window_updates", (unsigned long long)c->window_updates, "rate_held_up",
+        "gathered", (unsigned long long)c->gathered, "window_updates", (unsigned long long)c->window_updates,
+        "acks_carried", (unsigned long long)c->acks_carried, "acks_delayed", (unsigned long long)c->acks_delayed,
+        "rate_held_up",
         (unsigned long long)c->rate_held_up, "rate_paused_down", (unsigned long long)c->rate_paused_down,
         "adopted", (unsigned long long)c->adopted, "ended", (unsigned long long)c->ended, "trace_overflow",
         (unsigned long long)tn_trace_overflow(g->e), "held_up", (unsigned long long)c->held_up, "held_down",

@@ -75,6 +75,8 @@ struct tn_flow {
     double wnd_at, wnd_every;  /* our window is small: look at the socket's room again then */
     double progress_at;        /* our FIN sent: its time, then of each ACK of new data (linger) */
     double rate_at;            /* held by a rate cap: wake up then (0 none) */
+    double ack_at;             /* a delayed ACK goes then unless a frame of ours carried it first (0 none) */
+    uint32_t acked;            /* rcv_nxt as our last frame acknowledged it */
     uint32_t hold_prev, hold_next; /* in the list of held flows (slot + 1, 0 none): while held != 0 */
     uint32_t up_mark;          /* guest -> host bytes charged up to here (charged_up, the up allowance) */
     uint8_t held;              /* HOLD_UP / HOLD_DOWN: the allowance of that direction ran out */
@@ -420,6 +422,7 @@ static void rearm(struct tn_engine *e, struct tn_flow *f)
         TAKE(f->persist_at);
         TAKE(f->wnd_at);
         TAKE(f->rate_at);
+        TAKE(f->ack_at);
         if (linger_applies(f))
             TAKE(linger_deadline(e, f));
         if (e->cfg.idle_timeout > 0)
@@ -507,7 +510,7 @@ static double bucket_wait(const struct tn_bucket *b, uint32_t need)
 struct tn_engine *tn_new(const struct tn_config *cfg, const struct tn_io *io)
 {
     if (!cfg || !io || cfg->max_flows < 1 || cfg->max_flows > (1u << 22) || cfg->mtu < 576 || cfg->mtu > 65521 ||
-        cfg->rate_up > TN_RATE_MAX || cfg->rate_down > TN_RATE_MAX)
+        cfg->rate_up > TN_RATE_MAX || cfg->rate_down > TN_RATE_MAX || !(cfg->ack_delay >= 0 && cfg->ack_delay <= 0.5))
         return NULL;
     struct tn_engine *e = calloc(1, sizeof *e);
     if (!e)
@@ -1057,6 +1060,14 @@ static void seg_out(struct tn_engine *e, struct tn_flow *f, uint32_t seq, uint8_
     wr16(t + 2, f->gport);
     wr32(t + 4, seq);
     wr32(t + 8, (flags & TCP_ACK) ? f->rcv_nxt : 0);
+    if (flags & TCP_ACK) { /* what was due (now, or delayed) goes with this frame */
+        if (f->ack_at > 0) {
+            f->ack_at = 0;
+            if (plen || (flags & TCP_FIN))
+                e->c.acks_carried++;
+        }
+        f->acked = f->rcv_nxt;
+    }
     t[12] = (uint8_t)((thl / 4) << 4);
     t[13] = flags;
     uint32_t w = adv_window(e, f);
@@ -1141,6 +1152,26 @@ static void ack_later(struct tn_engine *e, struct tn_flow *f)
     f->fl |= FL_ACK_DUE;
     f->ack_next = e->ack_head;
     e->ack_head = (uint32_t)(f - e->flows) + 1;
+}
+
+/* The guest's data or FIN was taken: its ACK waits up to cfg.ack_delay for a frame of ours to
+ * carry it (the host's reply; our FIN after its FIN), so a request/response costs the guest one
+ * frame, not a bare ACK and then the reply (RFC 9293 3.8.6.3, RFC 1122 4.2.3.2: delayed ACKs; the
+ * rules of the Python path's aioslirp.tcp.arrival). At once (ack_later) from two full-sized
+ * segments unacknowledged on (bulk), after our FIN (the guest's FIN is then the last segment), or
+ * with no delay configured. */
+static void ack_data(struct tn_engine *e, struct tn_flow *f)
+{
+    uint32_t full = (uint32_t)e->cfg.mtu - (f->v6 ? 60u : 40u);
+    if (!(e->cfg.ack_delay > 0) || f->state != ST_ESTABLISHED || (f->fl & (FL_ACK_DUE | FL_FIN_SENT)) ||
+        f->rcv_nxt - f->acked >= 2 * full) {
+        ack_later(e, f);
+        return;
+    }
+    if (f->ack_at == 0) {
+        f->ack_at = e->now + e->cfg.ack_delay;
+        rearm(e, f);
+    }
 }
 
 /* ------------------------------------------------------------------ ending */
@@ -1623,7 +1654,7 @@ static ssize_t up_send(struct tn_engine *e, struct tn_flow *f, const struct iove
     f->space = f->space > took ? f->space - (uint32_t)took : 0;
     if (took)
         f->fl |= FL_SPACE_STALE; /* the send buffer grows with use (autotuning): ask again */
-    ack_later(e, f);
+    ack_data(e, f);
     return (ssize_t)took;
 }
 
@@ -1745,7 +1776,7 @@ static void take_payload(struct tn_engine *e, struct tn_flow *f, uint32_t seq, c
             trace_event(e, f, TN_FE_FIN_GUEST, 0);
         if (f->fl & FL_SOCK_OPEN)
             e->io.sock_shutdown_wr(e->io.ctx, f->fd);
-        ack_later(e, f);
+        ack_data(e, f);
     }
 }
 
@@ -2025,6 +2056,10 @@ static void flow_timer(struct tn_engine *e, struct tn_flow *f, double now)
         rewind_send(e, f, now);
         if (f->state != ST_ESTABLISHED && f->state != ST_SYN_RCVD)
             return;
+    }
+    if (f->ack_at > 0 && now >= f->ack_at) { /* no frame of ours came to carry it: a bare ACK */
+        e->c.acks_delayed++;
+        send_ack(e, f); /* (clears ack_at) */
     }
     if (f->rate_at > 0 && now >= f->rate_at) { /* the rate caps' bucket has refilled: resume */
         uint16_t held = f->fl & (FL_RATE_UP | FL_RATE_DOWN);

@@ -125,6 +125,8 @@ struct tn_config {
     double connect_timeout;  /* s for the host connect */
     double linger;           /* s of guest silence in FIN-WAIT-2, of no progress in LAST-ACK/CLOSING: then RST */
     double time_wait;        /* s in TIME-WAIT after the guest's last segment (we closed first) */
+    double ack_delay;        /* s an ACK of the guest's data may wait for our data or FIN to carry it
+                              * (tcp_ack_delay, 0..0.5; 0: at the end of the call; tcpnat.c ack_data) */
     uint8_t gw_mac[6];       /* the source MAC of frames to the guest */
     uint64_t hash_key[2];    /* the flow hash's key (random per engine) */
     /* The guest's byte-rate caps (--rate-limit), bytes/s each way, 1..TN_RATE_MAX; 0: none. One
@@ -203,6 +205,8 @@ struct tn_counters {
     uint64_t host_write_paused; /* a send() took part: our window closes */
     uint64_t gathered;          /* guest segments sent to their socket in a sendmsg of several */
     uint64_t window_updates;    /* ... and opens again (EPOLLOUT, or the up rate cap refilled) */
+    uint64_t acks_carried;      /* a delayed ACK of the guest's data rode on our data or FIN */
+    uint64_t acks_delayed;      /* ... went alone when DELACK ran out */
     uint64_t rate_held_up;      /* our window to a flow that sent data was closed by the up cap */
     uint64_t rate_paused_down;  /* a flow stopped reading its host socket for the down cap */
     uint64_t held_up;           /* our window to a flow was kept from opening: the up allowance ran out */

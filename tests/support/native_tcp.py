@@ -68,17 +68,18 @@ def decode(frame: bytes, v6: bool) -> Seg:
 
 class EngineFlow:
     """One flow adopted by a fake engine; ``v6`` picks the family; ``rate_up`` / ``rate_down``: the
-    engine's rate caps (bytes/s, 0 none)."""
+    engine's rate caps (bytes/s, 0 none); ``ack_delay``: the engine's delayed ACKs (seconds; 0, the
+    engine's own default: each ACK at the end of the call that made it)."""
 
     def __init__(self, v6: bool = False, *, connect: int = 0, wscale: int | None = 7, wnd: int = 65535,
                  mss: int | None = 1460, max_flows: int = 16, idle: float = 60.0, linger: float = 1.0,
                  rcv_buf: int = 1 << 20, engine=None, gport: int = GPORT, rate_up: int = 0,
-                 rate_down: int = 0) -> None:
+                 rate_down: int = 0, ack_delay: float = 0.0) -> None:
         ext = need_extension()
         self.v6 = v6
         self.fam = F6 if v6 else F4
         self.e = engine or ext.TcpEngine(-1, False, False, GW_MAC, MTU, max_flows, rcv_buf, idle, 10.0, linger,
-                                          fake=True, rate_up=rate_up, rate_down=rate_down)
+                                          fake=True, rate_up=rate_up, rate_down=rate_down, ack_delay=ack_delay)
         self.e.fake_connect_mode(connect)
         self.gport = gport
         self.now = 0.0
