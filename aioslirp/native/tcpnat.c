@@ -20,6 +20,9 @@
 #define SYN_ACK_RTO 1.0
 #define MAX_RETRIES 12
 #define DUPACK_THRESHOLD 3
+/* Unacknowledged guest bytes from which an ACK goes at once (two full-sized segments, at most
+ * this: the Python path's rule, aioslirp.tcp.connection _ack_now_at). */
+#define ACK_NOW_MAX 16384u
 #define OUR_WS_MAX 14
 
 enum {
@@ -1158,13 +1161,14 @@ static void ack_later(struct tn_engine *e, struct tn_flow *f)
  * carry it (the host's reply; our FIN after its FIN), so a request/response costs the guest one
  * frame, not a bare ACK and then the reply (RFC 9293 3.8.6.3, RFC 1122 4.2.3.2: delayed ACKs; the
  * rules of the Python path's aioslirp.tcp.arrival). At once (ack_later) from two full-sized
- * segments unacknowledged on (bulk), after our FIN (the guest's FIN is then the last segment), or
+ * segments (at most ACK_NOW_MAX) unacknowledged on (bulk), after our FIN (the guest's FIN is then the last segment), or
  * with no delay configured. */
 static void ack_data(struct tn_engine *e, struct tn_flow *f)
 {
     uint32_t full = (uint32_t)e->cfg.mtu - (f->v6 ? 60u : 40u);
+    uint32_t now_at = 2 * full < ACK_NOW_MAX ? 2 * full : ACK_NOW_MAX;
     if (!(e->cfg.ack_delay > 0) || f->state != ST_ESTABLISHED || (f->fl & (FL_ACK_DUE | FL_FIN_SENT)) ||
-        f->rcv_nxt - f->acked >= 2 * full) {
+        f->rcv_nxt - f->acked >= now_at) {
         ack_later(e, f);
         return;
     }

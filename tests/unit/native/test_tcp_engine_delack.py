@@ -114,3 +114,18 @@ def test_an_ack_delay_outside_0_to_half_a_second_is_refused():
         with pytest.raises(ValueError, match="ack_delay must be 0..0.5 seconds"):
             ext.TcpEngine(-1, False, False, GW_MAC, 1500, 4, 1 << 20, 60.0, 10.0, 1.0, fake=True, ack_delay=bad)
     ext.TcpEngine(-1, False, False, GW_MAC, 1500, 4, 1 << 20, 60.0, 10.0, 1.0, fake=True, ack_delay=0.5).close()
+
+
+def test_from_16_kib_unacknowledged_the_ack_goes_at_once_whatever_the_mss():
+    # two full-sized segments at most 16 KiB, as on the Python path (aioslirp.tcp.connection): at MTU
+    # 65520 a 20 KB request is acknowledged at once, a 10 KB one waits
+    ext = need_extension()
+    for size, at_once in ((10_000, False), (20_000, True)):
+        e = ext.TcpEngine(-1, False, False, GW_MAC, 65520, 4, 1 << 20, 60.0, 10.0, 1.0, fake=True, ack_delay=DELACK)
+        f = EngineFlow(False, engine=e, mss=65480).established()
+        assert f.send(ACK | PSH, data=b"q" * size)
+        out = f.out()
+        assert len(out) == (1 if at_once else 0), (size, out)
+        if at_once:
+            assert out[0].flags == ACK and out[0].ack == M(IRS + 1 + size)
+        e.close()
