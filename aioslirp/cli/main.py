@@ -218,12 +218,17 @@ def build_parser() -> argparse.ArgumentParser:
     vu.add_argument("--client", action="store_true",
                     help="connect to a front end listening on PATH (QEMU -chardev socket,server=on), again "
                          "whenever it goes")
-    from ..transport.vhost_proto import TX_COALESCE
+    from ..transport.vhost_proto import TX_COALESCE, TX_DEFER
 
     vu.add_argument("--tx-coalesce", metavar="BYTES", type=int, default=TX_COALESCE,
                     help="TX interrupt moderation: a walk of the guest's TX ring that took at least BYTES asks for "
                          "no kick and the ring is walked again 1 ms later (fewer wake-ups in a bulk upload; small "
                          "frames are never delayed); 0 turns it off (default %(default)s)")
+    vu.add_argument("--tx-defer", metavar="SECONDS", type=float, default=TX_DEFER,
+                    help="TX completion deferral: after a walk of the guest's TX ring that took under 4 KiB, the "
+                         "interrupt that hands the buffers back waits up to SECONDS for the guest to take them "
+                         "back by itself (a Linux guest does when it next receives: one interrupt per request/"
+                         "response instead of two); 0 turns it off, at most 1 (default %(default)s)")
     vu.set_defaults(run=_cmd_vhost_user)
     return parser
 
@@ -647,7 +652,8 @@ def _cmd_vhost_user(args: argparse.Namespace) -> int:
             from ..frontends.vhost_user import serve_vhost_user
 
             return serve_vhost_user(config, path=args.socket, client=args.client, handle_signals=True,
-                                    stack_factory=stack_factory, tx_coalesce=args.tx_coalesce)
+                                    stack_factory=stack_factory, tx_coalesce=args.tx_coalesce,
+                                    tx_defer=args.tx_defer)
 
         return start
 
@@ -663,6 +669,8 @@ def _check_vhost_user_args(args: argparse.Namespace) -> None:
         raise ConfigError("--ifname", "not used by 'aioslirp vhost-user' (the guest's NIC is the front end's)")
     if args.tx_coalesce < 0:
         raise ConfigError("--tx-coalesce", f"{args.tx_coalesce} is negative (bytes; 0 turns moderation off)")
+    if not 0 <= args.tx_defer <= 1:
+        raise ConfigError("--tx-defer", f"{args.tx_defer:g} is not within 0..1 (seconds; 0 turns it off)")
     if vhost.extension() is None:
         raise ConfigError("--socket", f"vhost-user needs the native extension, which is not usable: {vhost.why_not()}")
     if args.client:

@@ -16,7 +16,7 @@ import json
 import logging
 
 from ..host.signals import request_stop
-from ..transport.vhost_proto import TX_COALESCE
+from ..transport.vhost_proto import TX_COALESCE, TX_DEFER
 from ..transport.vhost_user import VhostUserTransport
 
 __all__ = ["serve_vhost_user"]
@@ -25,10 +25,11 @@ log = logging.getLogger("aioslirp.vhost_user")
 
 
 async def serve_vhost_user(config, *, path: str, client: bool = False, handle_signals: bool = False,
-                           stack_factory=None, tx_coalesce: int = TX_COALESCE) -> int:
+                           stack_factory=None, tx_coalesce: int = TX_COALESCE, tx_defer: float = TX_DEFER) -> int:
     """Serve vhost-user front ends on ``path`` until stopped (SIGINT/SIGTERM with ``handle_signals``).
-    ``tx_coalesce``: the transport's TX moderation threshold in bytes (0: off; see
-    :class:`~aioslirp.transport.vhost_user.VhostUserTransport`).
+    ``tx_coalesce``: the transport's TX moderation threshold in bytes (0: off); ``tx_defer``: seconds
+    a small TX walk's completion may wait (0: off); see
+    :class:`~aioslirp.transport.vhost_user.VhostUserTransport`.
     Returns 0 on a clean stop. Raises :class:`~aioslirp.transport.unixpath.SocketInUse` or
     ``OSError`` (binding ``path``), ``RuntimeError`` (the native extension is not usable)."""
     import signal
@@ -44,7 +45,8 @@ async def serve_vhost_user(config, *, path: str, client: bool = False, handle_si
                 n = stack.reset_flows()
                 log.info("vhost-user %s: the guest left; %d flow(s) torn down", path, n)
 
-        transport = VhostUserTransport(path, server=not client, on_front_end=front_end, tx_coalesce=tx_coalesce)
+        transport = VhostUserTransport(path, server=not client, on_front_end=front_end, tx_coalesce=tx_coalesce,
+                                       tx_defer=tx_defer)
         installed = []
         try:
             if handle_signals:

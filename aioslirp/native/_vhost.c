@@ -8,7 +8,8 @@
  *     .set_call(q, fd) / .set_features(hdr_len, mrg, event_idx) / .reset()
  *     .tx(kick_fd) -> (frames, csum_ok, more)      up to batch guest frames, one call signalled; more:
  *                                                  0 none left (a kick asked for), 1 more now, 2 a
- *                                                  bulk walk that asked for no kick (set_tx_coalesce)
+ *                                                  bulk walk that asked for no kick (set_tx_coalesce),
+ *                                                  3 a call waits (set_tx_defer): walk again after it
  *     .rx(frames, start) -> (next, state, delivered)  frames[start:] into guest buffers
  *     .rx_kick_me(kick_fd) -> bool                 ask for a kick on new RX buffers; any now?
  *     .broken(q) -> str | None, .counters() -> dict
@@ -28,6 +29,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <stdint.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -40,6 +42,11 @@
 
 #define RX 0
 #define TX 1
+
+/* A TX walk that took fewer bytes than this may defer its call (set_tx_defer): ACKs, handshakes,
+ * requests. More (a write of the guest's TCP) is completed at once: its socket may be held by TCP
+ * Small Queues until the buffers come back. */
+#define TX_DEFER_BYTES 4096
 
 /* The most pieces of a guest frame handed to the engine in place (frame_zc; TN_GATHER_MAX) */
 #define ZC_PIECES 64
@@ -80,6 +87,12 @@ typedef struct {
      * empty ring asks for no kick; the caller walks again after a short interval (0: off) */
     size_t coalesce;
     uint64_t tx_coalesced;
+    /* TX completions deferred (set_tx_defer): the call after a small walk waits up to tx_defer
+     * seconds, as long as the driver still wants it (EVENT_IDX), for the guest to take the
+     * buffers back by itself (Linux: the RX poll cleans the TX queue; the next transmit too) */
+    double tx_defer, tx_due_since;
+    int tx_call_due;
+    uint64_t tx_calls_deferred, tx_calls_saved, tx_calls_late;
 } Device;
 
 /* A frame of the engine waiting for RX buffers (a copy: the engine's buffers are reused). */
@@ -153,6 +166,9 @@ static int device_init(PyObject *op, PyObject *args, PyObject *kwargs)
     memset(&self->rsv, 0, sizeof self->rsv);
     self->rx_direct = 1;
     self->tcp_direct = self->tcp_direct_short = self->tx_in_place = self->tx_coalesced = 0;
+    self->tx_defer = self->tx_due_since = 0.0;
+    self->tx_call_due = 0;
+    self->tx_calls_deferred = self->tx_calls_saved = self->tx_calls_late = 0;
     rxq_clear(self);
     free(self->scratch);
     self->scratch = NULL;
@@ -351,6 +367,7 @@ static PyObject *device_reset(PyObject *op, PyObject *unused)
     rxq_clear(self);
     memset(&self->rsv, 0, sizeof self->rsv);
     self->rx_due = 0;
+    self->tx_call_due = 0;
     Py_RETURN_NONE;
 }
 
@@ -366,11 +383,64 @@ static void signal_call(Device *self, int qi)
 {
     struct vr_queue *q = &self->q[qi];
     vr_flush(q);
+    if (qi == TX)
+        self->tx_call_due = 0;
     if (vr_should_call(q) && self->callfd[qi] >= 0) {
         uint64_t one = 1;
         if (write(self->callfd[qi], &one, sizeof one) == sizeof one)
             self->calls++;
     }
+}
+
+static double mono_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* A TX call deferred earlier, at the start of a walk: settled when the driver no longer wants it
+ * (it took the buffers back by itself), signalled when it does and the deadline has passed, else
+ * left waiting (the walk then ends with more == 3). */
+static void tx_call_check(Device *self)
+{
+    struct vr_queue *q = &self->q[TX];
+    if (!self->tx_call_due)
+        return;
+    if (!vr_queue_ready(q)) {
+        self->tx_call_due = 0;
+        return;
+    }
+    if (!vr_call_owed(q)) {
+        vr_call_settle(q);
+        self->tx_call_due = 0;
+        self->tx_calls_saved++;
+    } else if (mono_now() - self->tx_due_since >= self->tx_defer) {
+        self->tx_calls_late++;
+        signal_call(self, TX);
+    }
+}
+
+/* After a walk that pushed used entries: their call goes now, or waits (a small walk, EVENT_IDX,
+ * fewer than a quarter of the ring's entries unsignalled, the deadline not passed). */
+static void tx_call_after_walk(Device *self, size_t bytes, int more)
+{
+    struct vr_queue *q = &self->q[TX];
+    if (self->tx_defer > 0 && more == 0 && bytes < TX_DEFER_BYTES && q->event_idx && q->signalled_valid &&
+        vr_queue_ready(q) && (uint16_t)(q->used_idx - q->signalled_used) < q->num / 4) {
+        double now = mono_now();
+        if (!self->tx_call_due || now - self->tx_due_since < self->tx_defer) {
+            vr_flush(q); /* the driver may take them back without a call */
+            if (!self->tx_call_due) {
+                self->tx_call_due = 1;
+                self->tx_due_since = now;
+            }
+            self->tx_calls_deferred++;
+            return;
+        }
+        self->tx_calls_late++;
+    }
+    signal_call(self, TX);
 }
 
 /* ------------------------------------------------------------------ the native TCP engine's frames */
@@ -676,6 +746,7 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
         goto fail;
     if (q->broken)
         self->c.by_reason[VR_R_BROKEN]++;
+    tx_call_check(self);
     for (unsigned got = 0;;) {
         if (got == self->batch) { /* the rest on the next turn; none: a kick asked for, as below */
             more = vr_avail_count(q) > 0 || (vr_queue_ready(q) && vr_kick_me(q, 1));
@@ -772,7 +843,9 @@ static PyObject *device_tx(PyObject *op, PyObject *arg)
     if (took_any)
         self->api->batch_end(eng); /* the ACKs due go out (sink_flush calls the guest) */
     if (pushed)
-        signal_call(self, TX);
+        tx_call_after_walk(self, bytes, more);
+    if (self->tx_call_due && more == 0)
+        more = 3; /* a call waits: walked again after tx_defer, which settles or sends it */
     return Py_BuildValue("(NNi)", frames, csum, more);
 fail:
     if (took_any)
@@ -906,6 +979,24 @@ static PyObject *device_set_rx_direct(PyObject *op, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* set_tx_defer(seconds): a TX walk of fewer than TX_DEFER_BYTES lets its call wait up to that long
+ * (0: off, the default; at most 1 s): the driver may take its buffers back without it. */
+static PyObject *device_set_tx_defer(PyObject *op, PyObject *arg)
+{
+    Device *self = (Device *)op;
+    double v = PyFloat_AsDouble(arg);
+    if (v == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (!(v >= 0.0 && v <= 1.0)) {
+        PyErr_SetString(PyExc_ValueError, "seconds must be 0..1");
+        return NULL;
+    }
+    self->tx_defer = v;
+    if (v == 0.0 && self->tx_call_due)
+        signal_call(self, TX);
+    Py_RETURN_NONE;
+}
+
 /* set_tx_coalesce(nbytes): a TX walk that took at least nbytes and found the ring empty asks
  * for no kick and says more == 2 (walk again after an interval); 0 turns it off (the default). */
 static PyObject *device_set_tx_coalesce(PyObject *op, PyObject *arg)
@@ -1015,7 +1106,9 @@ static PyObject *device_counters(PyObject *op, PyObject *unused)
         return NULL;
     if (put(d, "tx_frames", self->tx_frames) < 0 || put(d, "rx_frames", self->rx_frames) < 0 ||
         put(d, "calls", self->calls) < 0 || put(d, "kicks", self->kicks) < 0 ||
-        put(d, "rx_dropped", self->rx_dropped) < 0 || put(d, "tx_coalesced", self->tx_coalesced) < 0)
+        put(d, "rx_dropped", self->rx_dropped) < 0 || put(d, "tx_coalesced", self->tx_coalesced) < 0 ||
+        put(d, "tx_calls_deferred", self->tx_calls_deferred) < 0 || put(d, "tx_calls_saved", self->tx_calls_saved) < 0 ||
+        put(d, "tx_calls_late", self->tx_calls_late) < 0)
         goto fail;
     if (self->tcp || self->tcp_in || self->tcp_out) { /* the native TCP engine's, once attached */
         if (put(d, "tcp_frames_in", self->tcp_in) < 0 || put(d, "tcp_frames_out", self->tcp_out) < 0 ||
@@ -1049,6 +1142,8 @@ static PyMethodDef device_methods[] = {
     {"tx", device_tx, METH_O, "tx(kick_fd) -> (frames, csum_ok, more): more 0 (kick asked), 1 (more now), 2 (bulk)"},
     {"rx", device_rx, METH_VARARGS, "rx(frames, start) -> (next, state, delivered)"},
     {"rx_kick_me", device_rx_kick_me, METH_O, "rx_kick_me(kick_fd) -> whether RX buffers are available"},
+    {"set_tx_defer", device_set_tx_defer, METH_O,
+     "set_tx_defer(seconds): a small TX walk's call waits up to that long (0: off); more == 3 then"},
     {"set_tx_coalesce", device_set_tx_coalesce, METH_O,
      "set_tx_coalesce(nbytes): a walk that took >= nbytes ends with no kick asked, more == 2 (0: off)"},
     {"set_rx_direct", device_set_rx_direct, METH_O,

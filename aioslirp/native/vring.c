@@ -230,6 +230,24 @@ int vr_should_call(struct vr_queue *q)
     return (uint16_t)(now - event - 1) < (uint16_t)(now - old);
 }
 
+int vr_call_owed(const struct vr_queue *q)
+{
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* (as vr_should_call) */
+    if (!q->event_idx)
+        return !(ld16(q->avail) & VR_AVAIL_F_NO_INTERRUPT);
+    if (!q->signalled_valid)
+        return 1;
+    uint16_t old = q->signalled_used, now = q->used_idx;
+    uint16_t event = ld16(q->avail + 4 + 2u * q->num);
+    return (uint16_t)(now - event - 1) < (uint16_t)(now - old);
+}
+
+void vr_call_settle(struct vr_queue *q)
+{
+    q->signalled_used = q->used_idx;
+    q->signalled_valid = 1;
+}
+
 int vr_kick_me(struct vr_queue *q, int on)
 {
     if (!vr_queue_ready(q) || q->broken)

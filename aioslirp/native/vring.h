@@ -200,6 +200,13 @@ void vr_flush(struct vr_queue *q);
 /* Whether the driver wants a call for what was published since the last one (EVENT_IDX:
  * used_event; else the avail ring's NO_INTERRUPT flag); records it as signalled when so. */
 int vr_should_call(struct vr_queue *q);
+/* Whether the driver wants a call for what was published since the last vr_should_call() or
+ * vr_call_settle(), as vr_should_call() answers it, recording nothing (EVENT_IDX only: without it,
+ * whether NO_INTERRUPT is clear). */
+int vr_call_owed(const struct vr_queue *q);
+/* Record what was published as settled without a call: the driver moved used_event past it (it
+ * took those buffers back by itself), so no call is owed for them (EVENT_IDX). */
+void vr_call_settle(struct vr_queue *q);
 /* Ask the driver for a kick when it makes more chains available than the avail index last read
  * (EVENT_IDX: avail_event = that index; else clear NO_NOTIFY), or (on = 0) to not kick
  * (NO_NOTIFY; EVENT_IDX: nothing). Returns whether the driver made chains available since that

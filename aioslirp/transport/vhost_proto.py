@@ -66,6 +66,9 @@ MAX_FDS = 32
 #: The device's TX moderation threshold by default, in bytes (``VhostUserTransport(tx_coalesce=)``,
 #: ``aioslirp vhost-user --tx-coalesce``): a walk of the TX ring that took this much asks for no kick.
 TX_COALESCE = 32 * 1024
+#: Seconds a small TX walk's completion call may wait by default (``VhostUserTransport(tx_defer=)``,
+#: ``aioslirp vhost-user --tx-defer``): the guest may take its buffers back without it.
+TX_DEFER = 0.001
 U64 = struct.Struct("<Q")
 VRING_STATE = struct.Struct("<II")
 VRING_ADDR = struct.Struct("<IIQQQQ")

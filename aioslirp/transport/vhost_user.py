@@ -75,7 +75,7 @@ from .vhost_proto import (
     SET_MEM_TABLE, SET_LOG_BASE, SET_LOG_FD, SET_VRING_NUM, SET_VRING_ADDR, SET_VRING_BASE, GET_VRING_BASE,
     SET_VRING_KICK, SET_VRING_CALL, SET_VRING_ERR, GET_PROTOCOL_FEATURES, SET_PROTOCOL_FEATURES, GET_QUEUE_NUM,
     SET_VRING_ENABLE, SEND_RARP, NET_SET_MTU, NAMES, HEADER, VERSION, FLAG_REPLY, FLAG_NEED_REPLY, MAX_PAYLOAD,
-    MAX_FDS, TX_COALESCE, U64, VRING_STATE, VRING_ADDR, MEM_HEADER, MEM_REGION, VRING_NOFD, VRING_INDEX, RX, TX,
+    MAX_FDS, TX_COALESCE, TX_DEFER, U64, VRING_STATE, VRING_ADDR, MEM_HEADER, MEM_REGION, VRING_NOFD, VRING_INDEX, RX, TX,
 )
 
 __all__ = ["VhostUserError", "VhostUserTransport"]
@@ -126,6 +126,15 @@ class VhostUserTransport(Transport):
             fewer kicks (the back end's CPU per GB, and under TCG the guest's, go down).
         tx_interval: seconds between the walks of a bulk upload (> 0; the loop's timers are
             milliseconds).
+        tx_defer: TX completion deferral, in seconds (0: off; at most 1). After a walk of the TX
+            ring that took less than 4 KiB (ACKs, handshakes, requests) the call that tells the
+            guest its buffers are used waits up to this long. A Linux guest takes them back by
+            itself when it next receives (its RX poll cleans the TX queue) or sends, and then no
+            longer wants the call (EVENT_IDX ``used_event``): the call is saved, and the guest
+            takes one interrupt per request/response instead of two. A call still wanted at the
+            deadline goes then (``tx_calls_late``), as does any call once a quarter of the ring
+            waits. Needs EVENT_IDX; larger walks are completed at once (TCP Small Queues holds
+            a guest's socket until its buffers come back).
 
     Raises ``RuntimeError`` (from the constructor) when the native extension is not usable
     (there is no Python ring walker). :meth:`counters` has the drops by reason.
@@ -135,7 +144,7 @@ class VhostUserTransport(Transport):
                  "_listener", "_conn", "_dev", "_rings", "_rbuf", "_rfds", "features", "protocol_features",
                  "_guest_csum", "_guest_tso4", "_guest_tso6", "_pending", "bytes_buffered", "send_drops",
                  "protocol", "front_ends", "_ino", "_connector", "_tx_scheduled", "_broken_seen", "_hdr_len",
-                 "offload", "_announced", "_tcp", "_tcp_ended", "tx_interval")
+                 "offload", "_announced", "_tcp", "_tcp_ended", "tx_interval", "tx_defer")
 
     gone_hint = "the front end (QEMU -netdev vhost-user) is running and connected to {ifname}"
     #: The rings are walked natively: unless ``AIOSLIRP_NATIVE`` leaves ``tcp`` out the stack runs guest
@@ -149,7 +158,7 @@ class VhostUserTransport(Transport):
     def __init__(self, path: str, *, server: bool = True, reconnect: float | None = 1.0, batch: int = 64,
                  max_buffer: int = 8 * 1024 * 1024, max_frame: int = MAX_FRAME,
                  on_front_end: Callable[[bool], None] | None = None, tx_coalesce: int = TX_COALESCE,
-                 tx_interval: float = 0.001) -> None:
+                 tx_interval: float = 0.001, tx_defer: float = TX_DEFER) -> None:
         super().__init__()
         ext = native_vhost.extension()
         if ext is None:
@@ -160,6 +169,8 @@ class VhostUserTransport(Transport):
             raise ValueError(f"tx_coalesce: {tx_coalesce} is negative (bytes; 0 turns it off)")
         if not tx_interval > 0:
             raise ValueError(f"tx_interval: {tx_interval!r} is not > 0 (seconds)")
+        if not 0 <= tx_defer <= 1:
+            raise ValueError(f"tx_defer: {tx_defer!r} is not within 0..1 (seconds; 0 turns it off)")
         self.path = path
         self.server = server
         self.reconnect = reconnect
@@ -174,6 +185,9 @@ class VhostUserTransport(Transport):
         self._dev.set_tx_coalesce(tx_coalesce)
         #: Seconds between the TX walks of a bulk upload (``tx_coalesce``).
         self.tx_interval = tx_interval
+        self._dev.set_tx_defer(tx_defer)
+        #: Seconds a small TX walk's completion call may wait (0: off).
+        self.tx_defer = tx_defer
         self._rings = [_Ring(), _Ring()]
         self._rbuf = bytearray()
         self._rfds: list[int] = []
@@ -708,6 +722,8 @@ class VhostUserTransport(Transport):
             self._schedule_tx()
         elif more == 2:  # bulk: no kick asked for; walked again after the interval
             self._schedule_tx(self.tx_interval)
+        elif more == 3:  # a completion call waits: walked again to settle or send it
+            self._schedule_tx(self.tx_defer)
         elif TX not in self._broken_seen and self._dev.broken(TX):
             self._note_broken(TX)
 

@@ -47,7 +47,7 @@ SANITIZED_TESTS = ("tests/unit/native/test_classify.py", "tests/unit/native/test
                    "tests/adversarial/test_native_tcp_gather_hostile.py", "tests/unit/native/test_tcp_trace_json.py",
                    "tests/unit/observe/test_sink.py", "tests/system/test_trace_sink.py",
                    "tests/stack/test_syn_lane.py", "tests/adversarial/test_vhost_tx_in_place.py",
-                   "tests/unit/native/test_tcp_engine_delack.py")
+                   "tests/unit/native/test_tcp_engine_delack.py", "tests/adversarial/test_vhost_tx_defer.py")
 
 
 def _libasan() -> Path | None:

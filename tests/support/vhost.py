@@ -216,6 +216,15 @@ class FakeFrontEnd:
         self.publish(q, heads, kick=kick)
         return addrs
 
+    def set_used_event(self, q: int, idx: int) -> None:
+        """The driver's ``used_event`` for queue ``q`` (EVENT_IDX: call me once the used index
+        passes ``idx``; a Linux driver sets it to the entries it has taken back)."""
+        struct.pack_into("<H", self.mem, ring_base(q) + 0x1000 + 4 + 2 * self.num, idx & 0xFFFF)
+
+    def used_idx(self, q: int) -> int:
+        """The device's published used index of queue ``q``."""
+        return struct.unpack_from("<H", self.mem, ring_base(q) + 0x2000 + 2)[0]
+
     def used(self, q: int) -> list[tuple[int, int]]:
         """The used entries added since the last call: ``(head, len)``."""
         u = ring_base(q) + 0x2000

@@ -114,7 +114,7 @@ def run_c(ext, c: Case, queue: int) -> dict:
         out["broken"] = dev.broken(queue)
         out["drops"] = {k: v for k, v in dev.counters().items()
                         if k not in ("tx_frames", "rx_frames", "calls", "kicks", "rx_dropped",
-                                      "tx_coalesced")}
+                                      "tx_coalesced", "tx_calls_deferred", "tx_calls_saved", "tx_calls_late")}
         out["data"] = bytes(m[:DATA_SIZE])
         del dev
         m.close()

@@ -40,7 +40,7 @@ def _wait(cond, what, timeout=15.0):
 def test_cli_serves_a_front_end_and_stops_on_sigterm(tmp_path):
     need_vhost()
     path = str(tmp_path / "vu.sock")
-    p = _cli("--socket", path)
+    p = _cli("--socket", path, "--tx-defer", "0.5")
     fe = None
     try:
         _wait(lambda: os.path.exists(path), "the socket never appeared")
@@ -60,6 +60,8 @@ def test_cli_serves_a_front_end_and_stops_on_sigterm(tmp_path):
         _wait(arp_reply, "no ARP reply in the guest's buffers")
         assert replies[0][20:22] == b"\x00\x02" and replies[0][28:32] == bytes([10, 0, 2, 2])
         assert replies[0][:6] == GUEST_MAC
+        fe.send_frame(arp_request())  # a small walk after the first: its call waits (--tx-defer)
+        _wait(lambda: arp_reply() and len(replies) > 1, "no second ARP reply")
         p.send_signal(signal.SIGTERM)
         rc = p.wait(20)
     finally:
@@ -71,7 +73,8 @@ def test_cli_serves_a_front_end_and_stops_on_sigterm(tmp_path):
     err = p.stderr.read()
     assert rc == 0, err
     assert not os.path.exists(path), err
-    assert "rings running" in err and "tx_frames" in err
+    assert "rings running" in err and "tx_frames=2" in err, err
+    assert "tx_calls_deferred=1" in err, err
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -80,6 +83,10 @@ def test_cli_serves_a_front_end_and_stops_on_sigterm(tmp_path):
     (["--socket", "x.sock", "--ifname", "tap0"], "--ifname"),
     (["--socket", "x.sock", "--tx-coalesce", "-1"], "--tx-coalesce"),
     (["--socket", "x.sock", "--tx-coalesce", "lots"], "--tx-coalesce"),
+    (["--socket", "x.sock", "--tx-defer", "2"], "--tx-defer"),
+    (["--socket", "x.sock", "--tx-defer", "-0.5"], "--tx-defer"),
+    (["--socket", "x.sock", "--tx-defer", "nan"], "--tx-defer"),
+    (["--socket", "x.sock", "--tx-defer", "soon"], "--tx-defer"),
     ([], "--socket"),
 ])
 def test_cli_bad_options_exit_2(args, needle):
