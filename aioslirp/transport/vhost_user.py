@@ -39,20 +39,15 @@ takes them whole, as from an offload TAP, :mod:`aioslirp.wire.offload`), ``GUEST
 :attr:`VhostUserTransport.offload`), ``MRG_RXBUF`` (a frame spans several guest buffers),
 ``EVENT_IDX`` (kicks and calls only when the other side asks), ``VHOST_USER_F_PROTOCOL_FEATURES``
 with the protocol feature ``REPLY_ACK``. Not offered: multiqueue, indirect descriptors, live
-migration (dirty logging), ``CTRL_VQ``. A front end that does not accept ``GUEST_CSUM`` gets
-complete checksums (computed here), one that does not accept ``GUEST_TSO4``/``6`` gets no
-64 KB segment (dropped, counted as ``gso_refused``: the stack is told at serve time that the NIC
-offloads; Linux guests accept both).
+migration (dirty logging), ``CTRL_VQ``. A front end without ``GUEST_CSUM`` gets complete
+checksums (computed here); one without ``GUEST_TSO4``/``6`` no 64 KB segment (``gso_refused``).
 
-Connections: in server mode (the default) the transport listens on ``path`` and the front end
-connects (QEMU ``-chardev socket,path=PATH`` without ``server=on``); in client mode the
-front end listens and the transport connects, and connects again (every ``reconnect`` seconds)
-when it goes. Either way one front end at a time is served; when it disconnects (QEMU killed,
-restarted) its memory is unmapped, its eventfds closed, and the next one is served by the same
-transport: :attr:`~aioslirp.transport.base.Transport.closed` stays pending (``on_front_end``
-is called with ``False`` and then ``True``, for example to reset the old guest's flows). A front
-end that outlives its back end (DPDK virtio_user with ``server=1`` when this process restarts) sends
-``SET_VRING_BASE`` 0 for rings further on: each queue resumes from its used ring's index (``rings_resumed``).
+Connections: server mode (the default) listens on ``path`` (QEMU ``-chardev socket,path=PATH``);
+client mode connects, again every ``reconnect`` seconds when the front end goes. One front end at
+a time; when it disconnects its memory is unmapped, its eventfds closed, and the next one is served
+by the same transport (``on_front_end`` is called with ``False``, then ``True``). A front end that
+outlives its back end (DPDK virtio_user, ``server=1``) sends ``SET_VRING_BASE`` 0 for rings further
+on: each queue resumes from its used ring's index (``rings_resumed``).
 """
 
 from __future__ import annotations
@@ -117,24 +112,16 @@ class VhostUserTransport(Transport):
         max_frame: the largest frame (without the 12-byte virtio-net header) either way.
         on_front_end: called with ``True`` when a front end's rings start, ``False`` when it
             disconnects (the guest it ran is gone).
-        tx_coalesce: TX interrupt moderation, in bytes (0: off). A walk of the TX ring that took
-            at least this many bytes (a bulk upload: full-size or TSO frames) and found the ring
-            empty asks the driver for no kick; the ring is walked again ``tx_interval`` seconds
-            later, and that walk asks for a kick unless it is bulk too. Request/response traffic
-            never reaches the threshold and is kicked at once, as before. Each wake-up of the
-            back end then carries several frames instead of one or two, and the guest makes
-            fewer kicks (the back end's CPU per GB, and under TCG the guest's, go down).
-        tx_interval: seconds between the walks of a bulk upload (> 0; the loop's timers are
-            milliseconds).
-        tx_defer: TX completion deferral, in seconds (0: off; at most 1). After a walk of the TX
-            ring that took less than 4 KiB (ACKs, handshakes, requests) the call that tells the
-            guest its buffers are used waits up to this long. A Linux guest takes them back by
-            itself when it next receives (its RX poll cleans the TX queue) or sends, and then no
-            longer wants the call (EVENT_IDX ``used_event``): the call is saved, and the guest
-            takes one interrupt per request/response instead of two. A call still wanted at the
-            deadline goes then (``tx_calls_late``), as does any call once a quarter of the ring
-            waits. Needs EVENT_IDX; larger walks are completed at once (TCP Small Queues holds
-            a guest's socket until its buffers come back).
+        tx_coalesce: TX kick moderation, in bytes (0: off). A walk of the TX ring that took at
+            least this many bytes (a bulk upload) and found the ring empty asks the driver for no
+            kick; the ring is walked again ``tx_interval`` seconds later, and that walk asks for
+            a kick unless it is bulk too. Small frames are kicked for at once. Fewer wake-ups.
+        tx_interval: seconds between the walks of a bulk upload (> 0; loop timers are in ms).
+        tx_defer: TX completion deferral, in seconds (0: off; at most 1). After a walk that took
+            under 4 KiB the call giving the guest its buffers back waits up to this long, and is
+            dropped if the driver took them back by itself meanwhile (EVENT_IDX ``used_event``;
+            a Linux guest does when it next receives or sends): one interrupt per request and
+            response instead of two. Still wanted at the deadline, it goes (``tx_calls_late``).
 
     Raises ``RuntimeError`` (from the constructor) when the native extension is not usable
     (there is no Python ring walker). :meth:`counters` has the drops by reason.
