@@ -992,8 +992,11 @@ static PyObject *device_set_tx_defer(PyObject *op, PyObject *arg)
         return NULL;
     }
     self->tx_defer = v;
-    if (v == 0.0 && self->tx_call_due)
-        signal_call(self, TX);
+    if (v == 0.0 && self->tx_call_due) { /* what waits goes now (nothing, without a ring) */
+        if (vr_queue_ready(&self->q[TX]))
+            signal_call(self, TX);
+        self->tx_call_due = 0;
+    }
     Py_RETURN_NONE;
 }
 
