@@ -73,7 +73,10 @@ async def _run(tmp_path, monkeypatch, tracer_provider, name: str) -> Stack:
     (stack,) = stacks
     c = stack.counters
     assert c["flows.tcp.opened"] == N_CONN == c["native_tcp.adopted"] == c["flows.tcp.closed"]  # native
-    assert c["handled.tcp"] == 0 and c["native_tcp.trace_overflow"] == 0
+    # Python saw no segment of a flow but a SYN the guest sent again before the first was read (a slow
+    # first connection under ASan: the kernel's 1 s SYN retransmission, both read in one batch)
+    assert c["handled.tcp"] == c["native_tcp.syn_repeated"] and c["native_tcp.trace_overflow"] == 0, \
+        {k: v for k, v in c.items() if k.startswith(("handled.", "native_tcp.syn", "native_tcp.trace"))}
     return stack
 
 
