@@ -171,11 +171,12 @@ async def test_native_tcp_flows_against_the_kernel(fam, peek, monkeypatch, tmp_p
     assert r["host_rst"] == "reset"
     assert data.events[-1:] == ["reset"]  # the guest's RST reached the host peer as a RST
     assert r["slow_up"] == f"{4 * 1024 * 1024} {hashlib.sha256(pattern(4 * 1024 * 1024, 3)).hexdigest()}"
-    # every TCP flow ran natively: the engine adopted each, Python saw no segment of one
+    # every TCP flow ran natively: the engine adopted each, Python saw no segment of one but a SYN sent
+    # again before the first was read (a slow first connection under ASan; native_tcp.syn_repeated)
     opened = c["flows.tcp.opened"]
     assert opened >= CRR + 10
     assert c["native_tcp.adopted"] == opened == c["flows.tcp.closed"]
-    assert c["handled.tcp"] == 0 and c["handled.tcp_syn"] == opened
+    assert c["handled.tcp"] == c["native_tcp.syn_repeated"] and c["handled.tcp_syn"] == opened
     # the kernel's SYNs took the SYN lane (the reader's C straight to the admission), but for one
     # read behind a frame for Python in its batch
     print("syn lane", c["native_tcp.syn_lane"], "of", opened)
@@ -281,7 +282,7 @@ async def test_native_tcp_paced_at_the_cap_without_loss(direction, monkeypatch, 
     rate = out["bytes"] / out["seconds"]
     assert cap * 0.9 <= rate <= cap * 1.1, (rate, out)
     c = stacks[0].counters
-    assert c["native_tcp.adopted"] == c["flows.tcp.opened"] == 1 and c["handled.tcp"] == 0
+    assert c["native_tcp.adopted"] == c["flows.tcp.opened"] == 1 and c["handled.tcp"] == c["native_tcp.syn_repeated"]
     held = "tcp_rate_held_up" if direction == "up" else "tcp_rate_paused_down"
     assert c[held] > 10 and c[held] == c["native_tcp." + held.removeprefix("tcp_")], dict(c)
     print(f"native {direction}: {rate * 8 / 1e6:.2f} Mbit/s, {c[held]} holds")
