@@ -217,22 +217,15 @@ void vr_flush(struct vr_queue *q)
 
 int vr_should_call(struct vr_queue *q)
 {
-    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the index published before the driver's word is read */
-    if (!q->event_idx)
-        return !(ld16(q->avail) & VR_AVAIL_F_NO_INTERRUPT);
-    uint16_t old = q->signalled_used, now = q->used_idx;
-    int valid = q->signalled_valid;
-    q->signalled_used = now;
-    q->signalled_valid = 1;
-    if (!valid)
-        return 1;
-    uint16_t event = ld16(q->avail + 4 + 2u * q->num);
-    return (uint16_t)(now - event - 1) < (uint16_t)(now - old);
+    int owed = vr_call_owed(q);
+    if (q->event_idx)
+        vr_call_settle(q);
+    return owed;
 }
 
 int vr_call_owed(const struct vr_queue *q)
 {
-    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* (as vr_should_call) */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the index published before the driver's word is read */
     if (!q->event_idx)
         return !(ld16(q->avail) & VR_AVAIL_F_NO_INTERRUPT);
     if (!q->signalled_valid)
